@@ -1,0 +1,245 @@
+"""jax_tk.attention: scaled dot-product attention on jax_tk's kernels, differentiable and jit-friendly."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tk import _ffi, reference
+
+IMPLEMENTATIONS = (None, "tk", "xla")
+KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+KERNEL_HEAD_DIMS = (64, 128)
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+FWD_TARGET = "jax_tk_attention_fwd"
+BWD_TARGET = "jax_tk_attention_bwd"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Static description of one attention call (hashable: it is a custom_vjp nondiff argument)."""
+
+    scale: float
+    is_causal: bool
+    use_kernel: bool
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks (trace time)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_inputs(query, key, value, scale, is_causal, implementation):
+    names = ("query", "key", "value")
+    for name, x in zip(names, (query, key, value)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"jax_tk.attention: {name} must be an array, got {type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(
+                f"jax_tk.attention: {name} must have rank 4 [batch, seq, heads, head_dim], "
+                f"got shape {tuple(x.shape)}"
+            )
+        if not any(x.dtype == d for d in FLOAT_DTYPES):
+            raise TypeError(
+                f"jax_tk.attention: {name} must be bfloat16, float16 or float32, got {x.dtype}"
+            )
+        if any(dim == 0 for dim in x.shape):
+            raise ValueError(f"jax_tk.attention: {name} has an empty dimension: {tuple(x.shape)}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            "jax_tk.attention: query, key and value must have the same dtype, got "
+            f"{query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    if key.shape != value.shape:
+        raise ValueError(
+            f"jax_tk.attention: key and value must have the same shape, got {tuple(key.shape)} "
+            f"and {tuple(value.shape)}"
+        )
+    b, _, n, d = query.shape
+    kb, _, kh, kd = key.shape
+    if kb != b:
+        raise ValueError(f"jax_tk.attention: batch of key/value ({kb}) != batch of query ({b})")
+    if kd != d:
+        raise ValueError(f"jax_tk.attention: head_dim of key/value ({kd}) != head_dim of query ({d})")
+    if n % kh != 0:
+        raise ValueError(
+            f"jax_tk.attention: the number of query heads ({n}) must be a multiple of the number "
+            f"of key/value heads ({kh})"
+        )
+    if scale is not None:
+        try:
+            scale = float(scale)
+        except TypeError:
+            raise TypeError(f"jax_tk.attention: scale must be a Python float or None, got {scale!r}")
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"jax_tk.attention: scale must be a positive finite float, got {scale}")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"jax_tk.attention: is_causal must be a bool, got {is_causal!r}")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"jax_tk.attention: implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
+        )
+    return 1.0 / math.sqrt(d) if scale is None else scale
+
+
+def kernel_unsupported_reason(query, key) -> str | None:
+    """Why the CUDA kernel cannot take this configuration, or None if it can."""
+    if not any(query.dtype == d for d in KERNEL_DTYPES):
+        return f"dtype {query.dtype} (the kernel takes bfloat16 and float16)"
+    if query.shape[-1] not in KERNEL_HEAD_DIMS:
+        return f"head_dim {query.shape[-1]} (the kernel takes {KERNEL_HEAD_DIMS})"
+    return None
+
+
+def _local_cuda_devices() -> bool:
+    return _ffi.cuda_device_capability() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_kernels():
+    warnings.warn(
+        "jax_tk was installed without its CUDA kernels (no nvcc at build time); attention runs the "
+        "pure-JAX reference on the GPU. Reinstall on a machine with nvcc to get the kernels.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _use_kernel(query, key, implementation) -> bool:
+    reason = kernel_unsupported_reason(query, key)
+    if implementation == "xla":
+        return False
+    if implementation == "tk":
+        if reason is not None:
+            raise ValueError(f"jax_tk.attention(implementation='tk'): unsupported {reason}")
+        if not _ffi.has_cuda_kernels():
+            raise RuntimeError(
+                "jax_tk.attention(implementation='tk'): jax_tk was built without CUDA kernels "
+                "(no nvcc at install time)"
+            )
+        if not _local_cuda_devices():
+            raise RuntimeError("jax_tk.attention(implementation='tk') needs a CUDA GPU")
+        return True
+    # implementation=None: the kernel where it applies. Without local CUDA devices we still emit the
+    # kernel in the CUDA branch, so that programs exported or lowered for CUDA use it.
+    if reason is not None:
+        return False
+    if _local_cuda_devices() and not _ffi.has_cuda_kernels():
+        _warn_no_kernels()
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel calls
+# ----------------------------------------------------------------------------------------------
+
+
+def _lse_shape(query):
+    b, t, n, _ = query.shape
+    return jax.ShapeDtypeStruct((b, n, t), jnp.float32)
+
+
+def _fwd_kernel(query, key, value, spec: AttentionSpec):
+    out_types = (jax.ShapeDtypeStruct(query.shape, query.dtype), _lse_shape(query))
+    call = jax.ffi.ffi_call(FWD_TARGET, out_types, vmap_method="sequential")
+    return call(query, key, value, scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal))
+
+
+def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec):
+    out_types = (
+        jax.ShapeDtypeStruct(query.shape, query.dtype),
+        jax.ShapeDtypeStruct(key.shape, key.dtype),
+        jax.ShapeDtypeStruct(value.shape, value.dtype),
+        _lse_shape(query),  # workspace: delta = rowsum(dout * out) - dlse, fp32
+    )
+    call = jax.ffi.ffi_call(BWD_TARGET, out_types, vmap_method="sequential")
+    dq, dk, dv, _ = call(
+        query, key, value, out, lse, dout, dlse,
+        scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal),
+    )
+    return dq, dk, dv
+
+
+def _fwd_reference(query, key, value, spec: AttentionSpec):
+    return reference.attention_with_lse(query, key, value, scale=spec.scale, is_causal=spec.is_causal)
+
+
+def _bwd_reference(query, key, value, out, lse, dout, dlse, spec: AttentionSpec):
+    del out, lse
+    f = functools.partial(reference.attention_with_lse, scale=spec.scale, is_causal=spec.is_causal)
+    _, vjp = jax.vjp(f, query, key, value)
+    return vjp((dout, dlse))
+
+
+def _dispatch(kernel_fn, reference_fn, spec, *args):
+    if not spec.use_kernel:
+        return reference_fn(*args, spec)
+    return jax.lax.platform_dependent(
+        *args,
+        cuda=functools.partial(kernel_fn, spec=spec),
+        default=functools.partial(reference_fn, spec=spec),
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(query, key, value, spec: AttentionSpec):
+    return _dispatch(_fwd_kernel, _fwd_reference, spec, query, key, value)
+
+
+def _attention_fwd(query, key, value, spec):
+    out, lse = _attention(query, key, value, spec)
+    return (out, lse), (query, key, value, out, lse)
+
+
+def _attention_bwd(spec, residuals, cotangents):
+    # The log-sum-exp's cotangent enters as dS = P * (dP - (rowsum(dO * O) - dlse)), so the kernel
+    # takes it as one more input and both outputs stay differentiable at no extra cost.
+    query, key, value, out, lse = residuals
+    dout, dlse = cotangents
+    return _dispatch(_bwd_kernel, _bwd_reference, spec, query, key, value, out, lse, dout, dlse)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention_with_lse(query, key, value, *, scale=None, is_causal=False, implementation=None):
+    """Like :func:`attention`, and also returns the float32 log-sum-exp of each query row.
+
+    Returns:
+      ``(out, lse)``: ``out`` is ``[batch, q_len, q_heads, head_dim]`` in the input dtype, ``lse`` is
+      ``[batch, q_heads, q_len]`` float32 (natural log of the softmax denominator of the scaled
+      logits). Both are differentiable.
+    """
+    scale = _check_inputs(query, key, value, scale, is_causal, implementation)
+    spec = AttentionSpec(float(scale), bool(is_causal), _use_kernel(query, key, implementation))
+    return _attention(query, key, value, spec)
+
+
+def attention(query, key, value, *, scale=None, is_causal=False, implementation=None):
+    """Scaled dot-product attention, ``softmax(scale * query @ key^T) @ value``.
+
+    Same layout and meaning as :func:`jax.nn.dot_product_attention`.
+
+    Args:
+      query: ``[batch, q_len, q_heads, head_dim]``, bfloat16, float16 or float32.
+      key, value: ``[batch, kv_len, kv_heads, head_dim]``, same dtype; ``q_heads`` must be a multiple
+        of ``kv_heads`` (grouped-query attention).
+      scale: multiplier of the logits; default ``1/sqrt(head_dim)``.
+      is_causal: query ``i`` attends to keys ``j <= i`` (top-left aligned when ``q_len != kv_len``,
+        like ``jax.nn.dot_product_attention``).
+      implementation: ``None`` (the CUDA kernel where the configuration is supported, the pure-JAX
+        reference otherwise), ``"tk"`` (the kernel, or an error), ``"xla"`` (the reference).
+
+    Returns:
+      ``[batch, q_len, q_heads, head_dim]`` in the input dtype.
+    """
+    return attention_with_lse(
+        query, key, value, scale=scale, is_causal=is_causal, implementation=implementation
+    )[0]
