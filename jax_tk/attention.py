@@ -146,24 +146,31 @@ def _lse_shape(query):
     return jax.ShapeDtypeStruct((b, n, t), jnp.float32)
 
 
-def _fwd_kernel(query, key, value, spec: AttentionSpec):
+def _kernel_call(target, out_types, args, spec, out_init):
+    """Calls an FFI target. ``out_init`` (tests only) gives buffers that are aliased to the outputs, so
+    that a test can poison every output before the kernel runs; the handler ignores them as inputs."""
+    aliases = None
+    if out_init is not None:
+        aliases = {len(args) + i: i for i in range(len(out_init))}
+        args = (*args, *out_init)
+    call = jax.ffi.ffi_call(target, out_types, vmap_method="sequential", input_output_aliases=aliases)
+    return call(*args, scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal))
+
+
+def _fwd_kernel(query, key, value, spec: AttentionSpec, out_init=None):
     out_types = (jax.ShapeDtypeStruct(query.shape, query.dtype), _lse_shape(query))
-    call = jax.ffi.ffi_call(FWD_TARGET, out_types, vmap_method="sequential")
-    return call(query, key, value, scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal))
+    return tuple(_kernel_call(FWD_TARGET, out_types, (query, key, value), spec, out_init))
 
 
-def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec):
+def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, out_init=None):
     out_types = (
         jax.ShapeDtypeStruct(query.shape, query.dtype),
         jax.ShapeDtypeStruct(key.shape, key.dtype),
         jax.ShapeDtypeStruct(value.shape, value.dtype),
         _lse_shape(query),  # workspace: delta = rowsum(dout * out) - dlse, fp32
     )
-    call = jax.ffi.ffi_call(BWD_TARGET, out_types, vmap_method="sequential")
-    dq, dk, dv, _ = call(
-        query, key, value, out, lse, dout, dlse,
-        scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal),
-    )
+    args = (query, key, value, out, lse, dout, dlse)
+    dq, dk, dv, _ = _kernel_call(BWD_TARGET, out_types, args, spec, out_init)
     return dq, dk, dv
 
 
