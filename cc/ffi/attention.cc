@@ -1,0 +1,118 @@
+// XLA FFI handlers for attention: decode buffers and attributes into Params, check what the kernels
+// can take, and launch on XLA's stream. No allocation: the backward's workspace (delta) is an output
+// declared in Python. Trailing extra arguments are accepted and ignored: tests alias poisoned buffers
+// to the outputs through them.
+#include "ffi/common.h"
+#include "kernels/attention/attention.h"
+
+namespace jax_tk {
+namespace {
+
+using attention::Params;
+
+ffi::Error check_qkv(Params &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer &k, const ffi::AnyBuffer &v) {
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type())
+    return invalid("query, key and value must have the same dtype");
+  if (q.element_type() == ffi::DataType::BF16) p.dtype = attention::DType::bf16;
+  else if (q.element_type() == ffi::DataType::F16) p.dtype = attention::DType::fp16;
+  else return invalid("attention kernels take bfloat16 or float16 inputs");
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || v.dimensions().size() != 4)
+    return invalid("query, key and value must be rank 4 [batch, seq, heads, head_dim]");
+  if (!same_dims(k, v)) return invalid("key and value must have the same shape");
+  if (qd[0] != kd[0] || qd[3] != kd[3]) return invalid("query and key/value disagree on batch or head_dim");
+  if (kd[2] == 0 || qd[2] % kd[2] != 0) return invalid("query heads must be a multiple of key/value heads");
+  if (qd[3] != 64 && qd[3] != 128) return invalid("attention kernels take head_dim 64 or 128");
+  for (auto d : {qd[0], qd[1], qd[2], kd[1], kd[2]})
+    if (d <= 0 || d >= (int64_t(1) << 31)) return invalid("attention dimensions must be in [1, 2^31)");
+  if (qd[1] * qd[2] * qd[3] >= (int64_t(1) << 31) || kd[1] * kd[2] * kd[3] >= (int64_t(1) << 31))
+    return invalid("one batch entry of query or key must have fewer than 2^31 elements");
+  p.batch = int(qd[0]); p.q_len = int(qd[1]); p.q_heads = int(qd[2]); p.head_dim = int(qd[3]);
+  p.kv_len = int(kd[1]); p.kv_heads = int(kd[2]);
+  p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data();
+  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v)) return invalid("inputs must be 16-byte aligned");
+  return ffi::Error::Success();
+}
+
+ffi::Error check_rows(const Params &p, const ffi::AnyBuffer &x, const char *name) {
+  auto d = x.dimensions();
+  if (x.element_type() != ffi::DataType::F32 || d.size() != 3 || d[0] != p.batch || d[1] != p.q_heads || d[2] != p.q_len)
+    return invalid(std::string(name) + " must be float32 [batch, q_heads, q_len]");
+  return ffi::Error::Success();
+}
+
+ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::RemainingArgs,
+                    ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t is_causal) {
+  Params p{};
+  if (auto e = check_qkv(p, q, k, v); e.failure()) return e;
+  if (!same_type_and_dims(*o, q)) return invalid("output must have the query's shape and dtype");
+  if (auto e = check_rows(p, *lse, "lse"); e.failure()) return e;
+  if (auto e = check_device(8, 0); e.failure()) return e;
+  p.scale = scale;
+  p.causal = is_causal != 0;
+  p.o = o->untyped_data();
+  p.lse = static_cast<float *>(lse->untyped_data());
+  return cuda_error(attention::fwd_sm80(p, stream), "attention forward");
+}
+
+ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
+                    ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::RemainingArgs,
+                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                    ffi::Result<ffi::AnyBuffer> delta, float scale, int32_t is_causal) {
+  Params p{};
+  if (auto e = check_qkv(p, q, k, v); e.failure()) return e;
+  if (!same_type_and_dims(o, q) || !same_type_and_dims(dout, q) || !same_type_and_dims(*dq, q))
+    return invalid("out, dout and dq must have the query's shape and dtype");
+  if (!same_type_and_dims(*dk, k) || !same_type_and_dims(*dv, v)) return invalid("dk and dv must match key and value");
+  for (auto [x, name] : {std::pair{&lse, "lse"}, {&dlse, "dlse"}})
+    if (auto e = check_rows(p, *x, name); e.failure()) return e;
+  if (auto e = check_rows(p, *delta, "delta workspace"); e.failure()) return e;
+  if (auto e = check_device(8, 0); e.failure()) return e;
+  p.scale = scale;
+  p.causal = is_causal != 0;
+  p.o = o.untyped_data();
+  p.lse = static_cast<float *>(lse.untyped_data());
+  p.dout = dout.untyped_data();
+  p.dlse = static_cast<const float *>(dlse.untyped_data());
+  p.dq = dq->untyped_data();
+  p.dk = dk->untyped_data();
+  p.dv = dv->untyped_data();
+  p.delta = static_cast<float *>(delta->untyped_data());
+  return cuda_error(attention::bwd_sm80(p, stream), "attention backward");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwd, fwd_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // query
+                                  .Arg<ffi::AnyBuffer>()  // key
+                                  .Arg<ffi::AnyBuffer>()  // value
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // lse
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("is_causal"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, bwd_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // query
+                                  .Arg<ffi::AnyBuffer>()  // key
+                                  .Arg<ffi::AnyBuffer>()  // value
+                                  .Arg<ffi::AnyBuffer>()  // out
+                                  .Arg<ffi::AnyBuffer>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Arg<ffi::AnyBuffer>()  // dlse
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .Ret<ffi::AnyBuffer>()  // delta workspace
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("is_causal"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jax_tk

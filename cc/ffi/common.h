@@ -1,0 +1,45 @@
+// Small helpers for the FFI handlers: errors, shape checks, the device's compute capability.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_tk {
+
+namespace ffi = xla::ffi;
+
+inline ffi::Error invalid(const std::string &msg) { return ffi::Error::InvalidArgument("jax_tk: " + msg); }
+
+inline ffi::Error cuda_error(cudaError_t e, const char *what) {
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jax_tk: ") + what + ": " + cudaGetErrorString(e));
+}
+
+template <typename A, typename B> bool same_dims(const A &a, const B &b) {
+  auto x = a.dimensions(), y = b.dimensions();
+  if (x.size() != y.size()) return false;
+  for (size_t i = 0; i < x.size(); i++)
+    if (x[i] != y[i]) return false;
+  return true;
+}
+template <typename A, typename B> bool same_type_and_dims(const A &a, const B &b) {
+  return a.element_type() == b.element_type() && same_dims(a, b);
+}
+inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// The current device must have compute capability >= major.minor.
+inline ffi::Error check_device(int major, int minor) {
+  int dev = 0, ma = 0, mi = 0;
+  if (auto e = cudaGetDevice(&dev); e != cudaSuccess) return cuda_error(e, "cudaGetDevice");
+  cudaDeviceGetAttribute(&ma, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&mi, cudaDevAttrComputeCapabilityMinor, dev);
+  if (ma * 10 + mi < major * 10 + minor)
+    return invalid("this kernel needs compute capability " + std::to_string(major) + "." + std::to_string(minor) +
+                   " or newer, the device has " + std::to_string(ma) + "." + std::to_string(mi));
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_tk

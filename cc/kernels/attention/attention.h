@@ -1,0 +1,28 @@
+// Parameters of the attention kernels, shared by the FFI handlers and every kernel variant.
+#pragma once
+#include <cuda_runtime.h>
+
+namespace jax_tk::attention {
+
+enum class DType { bf16, fp16 };
+
+struct Params {
+  DType dtype;
+  int batch, q_len, kv_len, q_heads, kv_heads, head_dim;  // q: [batch, q_len, q_heads, head_dim]
+  float scale;                                            // k, v: [batch, kv_len, kv_heads, head_dim]
+  bool causal;                                            // query i sees keys j <= i
+  const void *q, *k, *v;
+  void *o;          // forward output; backward input (the forward's output)
+  float *lse;       // [batch, q_heads, q_len]: forward output, backward input
+  // backward only
+  const void *dout;
+  const float *dlse;  // cotangent of lse, [batch, q_heads, q_len]
+  void *dq, *dk, *dv;
+  float *delta;       // workspace [batch, q_heads, q_len]: rowsum(dout * o) - dlse
+};
+
+// The mma.sync kernels (sm_80 and newer). Return the launch error, if any.
+cudaError_t fwd_sm80(const Params &p, cudaStream_t stream);
+cudaError_t bwd_sm80(const Params &p, cudaStream_t stream);
+
+}  // namespace jax_tk::attention

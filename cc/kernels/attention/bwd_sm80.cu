@@ -1,0 +1,269 @@
+// Attention backward on mma.sync (sm_80+), by recomputation and with no atomics (deterministic):
+//   1. dq_kernel: per block of 64 query rows, loop over key blocks:
+//        P = exp(S - lse), dP = dO V^T, dS = P * (dP - delta), dQ += dS K;
+//      it first computes delta = rowsum(dO * O) - dlse for its rows and writes it out.
+//   2. dkdv_kernel: per block of 64 keys, loop over the query heads of the group and query blocks:
+//        P^T = exp(K Q^T - lse), dV += P^T dO, dP^T = V dO^T, dS^T = P^T * (dP^T - delta), dK += dS^T Q.
+// Each warp owns 16 rows (queries in 1, keys in 2); nothing of size T x S is stored.
+#include "common.cuh"
+
+namespace jax_tk::attention {
+namespace {
+
+using namespace tk;
+
+template <typename T> struct Views {
+  gl<const T> Q, K, V, O, dO;
+  gl<T> dQ, dK, dV;
+  __device__ Views(const Params &p, int D)
+      : Q(gl<const T>::make(static_cast<const T *>(p.q), p.batch, p.q_len, p.q_heads, D)),
+        K(gl<const T>::make(static_cast<const T *>(p.k), p.batch, p.kv_len, p.kv_heads, D)),
+        V(gl<const T>::make(static_cast<const T *>(p.v), p.batch, p.kv_len, p.kv_heads, D)),
+        O(gl<const T>::make(static_cast<const T *>(p.o), p.batch, p.q_len, p.q_heads, D)),
+        dO(gl<const T>::make(static_cast<const T *>(p.dout), p.batch, p.q_len, p.q_heads, D)),
+        dQ(gl<T>::make(static_cast<T *>(p.dq), p.batch, p.q_len, p.q_heads, D)),
+        dK(gl<T>::make(static_cast<T *>(p.dk), p.batch, p.kv_len, p.kv_heads, D)),
+        dV(gl<T>::make(static_cast<T *>(p.dv), p.batch, p.kv_len, p.kv_heads, D)) {}
+};
+
+__device__ __forceinline__ size_t row_index(const Params &p, int b, int h, int t) {
+  return (size_t(b) * p.q_heads + h) * p.q_len + t;  // into [batch, q_heads, q_len]
+}
+
+// ------------------------------------------------------------------------------------------------
+// dQ (and delta)
+// ------------------------------------------------------------------------------------------------
+template <typename T, int D> struct DQ {
+  static constexpr int WARPS = 4, THREADS = 32 * WARPS, BQ = 16 * WARPS, BK = 64;
+  struct Shared {
+    st<T, BQ, D> q, dout;
+    st<T, BK, D> k[2], v[2];
+  };
+};
+
+template <typename T, int D>
+__global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_constant__ Params p) {
+  using C = DQ<T, D>;
+  constexpr int BQ = C::BQ, BK = C::BK, NT = C::THREADS;
+  extern __shared__ char smem_raw[];
+  auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
+  const int b = blockIdx.z, h = blockIdx.y, q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+  const int kvh = h / (p.q_heads / p.kv_heads);
+  const int tid = threadIdx.x, w = warpid(), qw = q0 + 16 * w;
+  const Views<T> g(p, D);
+  const int n_blocks = kv_block_end(p, q0, BQ, BK);
+
+  load_async<NT>(sm.q, g.Q, {b, q0, h, 0}, tid);
+  load_async<NT>(sm.dout, g.dO, {b, q0, h, 0}, tid);
+  commit_group();
+  load_async<NT>(sm.k[0], g.K, {b, 0, kvh, 0}, tid);
+  load_async<NT>(sm.v[0], g.V, {b, 0, kvh, 0}, tid);
+  commit_group();
+  wait_group<1>();
+  __syncthreads();
+
+  // delta = rowsum(dO * O) - dlse, for this warp's rows; the dK/dV kernel reads it back.
+  using vec = col_vec<rt_fl<16, BK>>;
+  vec delta, lse2, dlse;
+  warp::fill_vec(delta, 0.f);
+#pragma unroll
+  for (int n = 0; n < D / 16; n++) {
+    rt_fl<16, 16> o, dout;
+    warp::load(o, g.O, {b, qw, h, 16 * n});
+    warp::load(dout, sm.dout, 16 * w, 16 * n);
+    warp::mul(o, o, dout);
+    warp::row_sum(delta, o, delta);
+  }
+  const int rows_left = p.q_len - qw;
+  warp::load(dlse, p.dlse + row_index(p, b, h, max(qw, 0)), rows_left);
+  warp::map_vec(delta, delta, dlse, [](float a, float c) { return a - c; });
+  if (rows_left > 0) warp::store(p.delta + row_index(p, b, h, qw), delta, rows_left);
+  warp::load(lse2, p.lse + row_index(p, b, h, max(qw, 0)), rows_left);
+  warp::map_vec(lse2, lse2, [](float x) { return x * LOG2E; });
+
+  const float scale2 = p.scale * LOG2E;
+  rt_fl<16, 16> dq[D / 16];
+#pragma unroll
+  for (int n = 0; n < D / 16; n++) warp::zero(dq[n]);
+  rt_fl<16, BK> s, dp;
+  rt<T, 16, BK> ds;
+
+  for (int j = 0; j < n_blocks; j++) {
+    const int buf = j % 2, k0 = j * BK;
+    if (j + 1 < n_blocks) {
+      load_async<NT>(sm.k[buf ^ 1], g.K, {b, k0 + BK, kvh, 0}, tid);
+      load_async<NT>(sm.v[buf ^ 1], g.V, {b, k0 + BK, kvh, 0}, tid);
+    }
+    commit_group();
+    wait_group<1>();
+    __syncthreads();
+
+    // S = Q K^T and dP = dO V^T.
+    warp::zero(s);
+    warp::zero(dp);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+      rt<T, 16, 16> qc, dc;
+      rt<T, BK, 16> kt, vt;
+      warp::load(qc, sm.q, 16 * w, 16 * kk);
+      warp::load(dc, sm.dout, 16 * w, 16 * kk);
+      warp::load(kt, sm.k[buf], 0, 16 * kk);
+      warp::load(vt, sm.v[buf], 0, 16 * kk);
+      warp::mma_ABt(s, qc, kt, s);
+      warp::mma_ABt(dp, dc, vt, dp);
+    }
+    // P = exp2(S * scale2 - lse2), 0 where masked; dS = P * (dP - delta).
+    warp::mul(s, s, scale2);
+    if (k0 + BK > p.kv_len || (p.causal && k0 + BK - 1 > qw))
+      warp::map_indexed(s, s, [&](int r, int c, float x) { return visible(p, qw + r, k0 + c) ? x : NEG_INF; });
+    warp::map_row(s, s, lse2, [](float x, float l) { return warp::fn::exp2(x - l); });
+    warp::sub_row(dp, dp, delta);
+    warp::mul(s, s, dp);
+    warp::copy(ds, s);
+
+    // dQ += dS K.
+#pragma unroll
+    for (int n = 0; n < D / 16; n++) {
+      rt<T, BK, 16, col_l> kc;
+      warp::load(kc, sm.k[buf], 0, 16 * n);
+      warp::mma_AB(dq[n], ds, kc, dq[n]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int n = 0; n < D / 16; n++) {
+    warp::mul(dq[n], dq[n], p.scale);
+    warp::store(g.dQ, dq[n], {b, qw, h, 16 * n});
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// dK, dV
+// ------------------------------------------------------------------------------------------------
+template <typename T, int D> struct DKV {
+  static constexpr int WARPS = 4, THREADS = 32 * WARPS, BKV = 16 * WARPS;
+  static constexpr int BQ = D <= 64 ? 64 : 32;  // query rows per step (register budget)
+  struct Shared {
+    st<T, BKV, D> k, v;
+    st<T, BQ, D> q[2], dout[2];
+    sv<float, BQ> lse2[2], delta[2];
+  };
+};
+
+template <typename T, int D>
+__global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_constant__ Params p) {
+  using C = DKV<T, D>;
+  constexpr int BQ = C::BQ, BKV = C::BKV, NT = C::THREADS;
+  extern __shared__ char smem_raw[];
+  auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
+  const int b = blockIdx.z, kvh = blockIdx.y, k0 = (gridDim.x - 1 - blockIdx.x) * BKV;
+  const int group = p.q_heads / p.kv_heads;
+  const int tid = threadIdx.x, w = warpid(), kw = k0 + 16 * w;
+  const Views<T> g(p, D);
+
+  // Steps: (head in group, query block); causal skips query blocks that end before k0.
+  const int qb_first = p.causal ? k0 / BQ : 0;
+  const int qb_count = (p.q_len + BQ - 1) / BQ - qb_first;
+  const int n_steps = group * max(qb_count, 0);
+
+  auto prefetch = [&](int step, int buf) {
+    const int h = kvh * group + step / qb_count, q0 = (qb_first + step % qb_count) * BQ;
+    load_async<NT>(sm.q[buf], g.Q, {b, q0, h, 0}, tid);
+    load_async<NT>(sm.dout[buf], g.dO, {b, q0, h, 0}, tid);
+    for (int i = tid; i < BQ; i += NT) {  // plain loads: ready by the next __syncthreads
+      const bool ok = q0 + i < p.q_len;
+      sm.lse2[buf][i] = ok ? p.lse[row_index(p, b, h, q0 + i)] * LOG2E : 0.f;
+      sm.delta[buf][i] = ok ? p.delta[row_index(p, b, h, q0 + i)] : 0.f;
+    }
+  };
+
+  load_async<NT>(sm.k, g.K, {b, k0, kvh, 0}, tid);
+  load_async<NT>(sm.v, g.V, {b, k0, kvh, 0}, tid);
+  if (n_steps > 0) prefetch(0, 0);
+  commit_group();
+
+  const float scale2 = p.scale * LOG2E;
+  rt_fl<16, 16> dk[D / 16], dv[D / 16];
+#pragma unroll
+  for (int n = 0; n < D / 16; n++) {
+    warp::zero(dk[n]);
+    warp::zero(dv[n]);
+  }
+  rt_fl<16, BQ> s, dp;
+  rt<T, 16, BQ> pt;
+  row_vec<rt_fl<16, BQ>> lse2, delta;
+
+  for (int step = 0; step < n_steps; step++) {
+    const int buf = step % 2, q0 = (qb_first + step % qb_count) * BQ;
+    if (step + 1 < n_steps) prefetch(step + 1, buf ^ 1);
+    commit_group();
+    wait_group<1>();
+    __syncthreads();
+
+    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys.
+    warp::zero(s);
+    warp::zero(dp);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+      rt<T, 16, 16> kc, vc;
+      rt<T, BQ, 16> qt, dt;
+      warp::load(kc, sm.k, 16 * w, 16 * kk);
+      warp::load(vc, sm.v, 16 * w, 16 * kk);
+      warp::load(qt, sm.q[buf], 0, 16 * kk);
+      warp::load(dt, sm.dout[buf], 0, 16 * kk);
+      warp::mma_ABt(s, kc, qt, s);
+      warp::mma_ABt(dp, vc, dt, dp);
+    }
+    // P^T = exp2(S^T * scale2 - lse2[query]), 0 where masked (and for query rows past the end).
+    warp::load(lse2, &sm.lse2[buf][0], BQ);
+    warp::load(delta, &sm.delta[buf][0], BQ);
+    warp::mul(s, s, scale2);
+    warp::map_indexed(s, s, [&](int r, int c, float x) {
+      return (q0 + c < p.q_len && visible(p, q0 + c, kw + r)) ? x : NEG_INF;
+    });
+    warp::map_col(s, s, lse2, [](float x, float l) { return warp::fn::exp2(x - l); });
+    warp::copy(pt, s);
+
+    // dV += P^T dO.
+#pragma unroll
+    for (int n = 0; n < D / 16; n++) {
+      rt<T, BQ, 16, col_l> dc;
+      warp::load(dc, sm.dout[buf], 0, 16 * n);
+      warp::mma_AB(dv[n], pt, dc, dv[n]);
+    }
+    // dS^T = P^T * (dP^T - delta[query]); dK += dS^T Q.
+    warp::sub_col(dp, dp, delta);
+    warp::mul(s, s, dp);
+    warp::copy(pt, s);
+#pragma unroll
+    for (int n = 0; n < D / 16; n++) {
+      rt<T, BQ, 16, col_l> qc;
+      warp::load(qc, sm.q[buf], 0, 16 * n);
+      warp::mma_AB(dk[n], pt, qc, dk[n]);
+    }
+    __syncthreads();
+  }
+  wait_group<0>();  // no copy may still be landing when the block exits
+#pragma unroll
+  for (int n = 0; n < D / 16; n++) {
+    warp::mul(dk[n], dk[n], p.scale);
+    warp::store(g.dK, dk[n], {b, kw, kvh, 16 * n});
+    warp::store(g.dV, dv[n], {b, kw, kvh, 16 * n});
+  }
+}
+
+}  // namespace
+
+cudaError_t bwd_sm80(const Params &p, cudaStream_t stream) {
+  return dispatch(p, [&]<typename T, int D>() {
+    using A = DQ<T, D>;
+    using B = DKV<T, D>;
+    dim3 grid_q((p.q_len + A::BQ - 1) / A::BQ, p.q_heads, p.batch);
+    cudaError_t e = launch(dq_kernel<T, D>, grid_q, dim3(A::THREADS), sizeof(typename A::Shared), stream, p);
+    if (e != cudaSuccess) return e;
+    dim3 grid_kv((p.kv_len + B::BKV - 1) / B::BKV, p.kv_heads, p.batch);
+    return launch(dkdv_kernel<T, D>, grid_kv, dim3(B::THREADS), sizeof(typename B::Shared), stream, p);
+  });
+}
+
+}  // namespace jax_tk::attention

@@ -1,0 +1,125 @@
+// Attention forward on mma.sync (sm_80+), FlashAttention-2 style.
+// A block of 4 warps owns 64 query rows of one (batch, head), 16 rows a warp. Key/value blocks of 64
+// rows stream through a double-buffered cp.async ring; each warp computes S = Q K^T, keeps a running
+// row max and sum (online softmax in base 2), and accumulates O += P V in fp32.
+#include "common.cuh"
+
+namespace jax_tk::attention {
+namespace {
+
+using namespace tk;
+
+template <typename T, int D> struct Fwd {
+  static constexpr int WARPS = 4, THREADS = 32 * WARPS, BQ = 16 * WARPS, BK = 64;
+  using q_tile = st<T, BQ, D>;
+  using kv_tile = st<T, BK, D>;
+  struct Shared {
+    q_tile q;
+    kv_tile k[2], v[2];
+  };
+};
+
+template <typename T, int D>
+__global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_constant__ Params p) {
+  using C = Fwd<T, D>;
+  constexpr int BQ = C::BQ, BK = C::BK, NT = C::THREADS;
+  extern __shared__ char smem_raw[];
+  auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
+
+  const int b = blockIdx.z, h = blockIdx.y;
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // heaviest (causal) blocks first
+  const int kvh = h / (p.q_heads / p.kv_heads);
+  const int tid = threadIdx.x, w = warpid(), qw = q0 + 16 * w;
+  auto Q = gl<const T>::make(static_cast<const T *>(p.q), p.batch, p.q_len, p.q_heads, D);
+  auto K = gl<const T>::make(static_cast<const T *>(p.k), p.batch, p.kv_len, p.kv_heads, D);
+  auto V = gl<const T>::make(static_cast<const T *>(p.v), p.batch, p.kv_len, p.kv_heads, D);
+  auto O = gl<T>::make(static_cast<T *>(p.o), p.batch, p.q_len, p.q_heads, D);
+  const int n_blocks = kv_block_end(p, q0, BQ, BK);
+
+  load_async<NT>(sm.q, Q, {b, q0, h, 0}, tid);
+  commit_group();
+  load_async<NT>(sm.k[0], K, {b, 0, kvh, 0}, tid);
+  load_async<NT>(sm.v[0], V, {b, 0, kvh, 0}, tid);
+  commit_group();
+  wait_group<1>();
+  __syncthreads();
+
+  rt<T, 16, 16> q[D / 16];  // this warp's 16 query rows
+#pragma unroll
+  for (int kk = 0; kk < D / 16; kk++) warp::load(q[kk], sm.q, 16 * w, 16 * kk);
+
+  rt_fl<16, 16> o[D / 16];
+  rt_fl<16, BK> s;
+  rt<T, 16, BK> pr;
+  col_vec<rt_fl<16, BK>> m, m_new, corr, l;
+#pragma unroll
+  for (int n = 0; n < D / 16; n++) warp::zero(o[n]);
+  warp::fill_vec(m, NEG_INF);
+  warp::fill_vec(l, 0.f);
+  const float scale2 = p.scale * LOG2E;
+
+  for (int j = 0; j < n_blocks; j++) {
+    const int buf = j % 2, k0 = j * BK;
+    if (j + 1 < n_blocks) {  // prefetch the next key/value block into the other buffer
+      load_async<NT>(sm.k[buf ^ 1], K, {b, k0 + BK, kvh, 0}, tid);
+      load_async<NT>(sm.v[buf ^ 1], V, {b, k0 + BK, kvh, 0}, tid);
+    }
+    commit_group();
+    wait_group<1>();
+    __syncthreads();
+
+    // S = Q K^T, in log2 units.
+    warp::zero(s);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+      rt<T, BK, 16> kt;
+      warp::load(kt, sm.k[buf], 0, 16 * kk);
+      warp::mma_ABt(s, q[kk], kt, s);
+    }
+    warp::mul(s, s, scale2);
+    if (k0 + BK > p.kv_len || (p.causal && k0 + BK - 1 > qw))
+      warp::map_indexed(s, s, [&](int r, int c, float x) { return visible(p, qw + r, k0 + c) ? x : NEG_INF; });
+
+    // Online softmax: new running max, rescale what was accumulated, P = exp2(S - max).
+    warp::row_max(m_new, s, m);
+    warp::map_vec(corr, m, m_new, [](float a, float b) { return b == NEG_INF ? 1.f : warp::fn::exp2(a - b); });
+    warp::map_row(s, s, m_new, [](float x, float mx) { return warp::fn::exp2(x - (mx == NEG_INF ? 0.f : mx)); });
+    warp::map_vec(l, l, corr, [](float a, float b) { return a * b; });
+    warp::row_sum(l, s, l);
+    m = m_new;
+
+    // O = O * corr + P V.
+    warp::copy(pr, s);
+#pragma unroll
+    for (int n = 0; n < D / 16; n++) {
+      rt<T, BK, 16, col_l> vt;
+      warp::load(vt, sm.v[buf], 0, 16 * n);
+      warp::mul_row(o[n], o[n], corr);
+      warp::mma_AB(o[n], pr, vt, o[n]);
+    }
+    __syncthreads();  // everyone is done with `buf` before it is refilled
+  }
+
+  // O /= l; lse = ln(sum exp(logits)) = (max + log2 l) * ln 2 (-inf for a row that saw nothing).
+  col_vec<rt_fl<16, BK>> inv_l, lse;
+  warp::map_vec(inv_l, l, [](float x) { return x > 0.f ? 1.f / x : 0.f; });
+  warp::map_vec(lse, m, l, [](float mx, float x) { return x > 0.f ? (mx + warp::fn::log2(x)) * LN2 : NEG_INF; });
+#pragma unroll
+  for (int n = 0; n < D / 16; n++) {
+    warp::mul_row(o[n], o[n], inv_l);
+    warp::store(O, o[n], {b, qw, h, 16 * n});
+  }
+  if (qw < p.q_len) warp::store(p.lse + (size_t(b) * p.q_heads + h) * p.q_len + qw, lse, p.q_len - qw);
+}
+
+}  // namespace
+
+cudaError_t fwd_sm80(const Params &p, cudaStream_t stream) {
+  return dispatch(p, [&]<typename T, int D>() {
+    using C = Fwd<T, D>;
+    dim3 grid((p.q_len + C::BQ - 1) / C::BQ, p.q_heads, p.batch);
+    return launch(fwd_kernel<T, D>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p);
+  });
+}
+
+}  // namespace jax_tk::attention

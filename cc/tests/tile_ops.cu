@@ -1,0 +1,148 @@
+// Unit-test kernels for the tile language. Every case loads a (and b) global -> shared with
+// cp.async, shared -> registers, runs one operation and writes float32 results.
+#include "tests/tile_ops.h"
+#include "tk/tk.cuh"
+
+namespace jax_tk::tests {
+namespace {
+
+using namespace tk;
+
+enum Op {
+  COPY = 0,        // out = a                  (cp.async, ldmatrix/loads, register -> global store)
+  SHARED_RT = 1,   // out = a                  (via register -> shared store and back)
+  GLOBAL_RT = 2,   // out = a with rows >= rows-3 zeroed (global -> register load with a short view)
+  EXP = 3, EXP2 = 4, LOG = 5, ABS = 6, NEG = 7,                  // out = f(a)   (LOG on |a| + 0.5)
+  ADD = 8, SUB = 9, MUL = 10, DIV = 11, MAX = 12, MIN = 13,      // out = a (op) b
+  ADD_SCALAR = 14,                                               // out = a + param
+  ROW_MAX = 15, ROW_SUM = 16, COL_MAX = 17, COL_SUM = 18,        // vec = reduction of a (+ v when param != 0)
+  ADD_ROW = 19, SUB_ROW = 20, MUL_ROW = 21, DIV_ROW = 22,        // out[r, c] = a[r, c] (op) v[r]
+  ADD_COL = 23, SUB_COL = 24, MUL_COL = 25, DIV_COL = 26,        // out[r, c] = a[r, c] (op) v[c]
+  TRIL = 27, TRIU = 28,                                          // keep c - r <= / >= param, else -inf
+  BOUNDS = 29,                                                   // keep r < rows - 5 and c < cols - 7, else 7
+  MMA_AB = 30, MMA_ABT = 31, MMA_ATB = 32, MMA_ATBT = 33,        // out = v[0] + a (b) in the named transposes
+  FILL = 34, ZERO = 35,                                          // out = param / 0
+  CAST = 36,                                                     // out = float(T(float(a)) via rt<float>)
+};
+
+template <typename T, typename L, int R, int C>
+__device__ void run(const TileOpArgs &x, st<T, R, C> &sa, st<T, R, C> &sb) {
+  constexpr bool is_row = std::is_same_v<L, row_l>;
+  auto A = gl<const T>::make(static_cast<const T *>(x.a), 1, R, 1, C);
+  auto B = gl<const T>::make(static_cast<const T *>(x.b), 1, R, 1, C);
+  auto OUT = gl<float>::make(x.out, 1, R, 1, C);
+  load_async<32>(sa, A, {}, laneid());
+  load_async<32>(sb, B, {}, laneid());
+  commit_group();
+  wait_group<0>();
+  __syncwarp();
+
+  rt<T, R, C, L> a, b, r;
+  warp::load(a, sa);
+  warp::load(b, sb);
+  using CV = col_vec<decltype(a)>;
+  using RV = row_vec<decltype(a)>;
+  CV cv;
+  RV rv;
+  warp::load(cv, x.v, R);
+  warp::load(rv, x.v, C);
+  const float p = x.param;
+
+  switch (x.op) {
+    case COPY: warp::copy(r, a); break;
+    case SHARED_RT: {
+      warp::store(sb, a);
+      __syncwarp();
+      warp::load(r, sb);
+      break;
+    }
+    case GLOBAL_RT: {
+      auto shortA = A;
+      shortA.dims[1] = R - 3;
+      warp::load(r, shortA, {});
+      break;
+    }
+    case EXP: warp::exp(r, a); break;
+    case EXP2: warp::exp2(r, a); break;
+    case LOG: warp::abs(r, a); warp::add(r, r, 0.5f); warp::log(r, r); break;
+    case ABS: warp::abs(r, a); break;
+    case NEG: warp::neg(r, a); break;
+    case ADD: warp::add(r, a, b); break;
+    case SUB: warp::sub(r, a, b); break;
+    case MUL: warp::mul(r, a, b); break;
+    case DIV: warp::div(r, a, b); break;
+    case MAX: warp::max(r, a, b); break;
+    case MIN: warp::min(r, a, b); break;
+    case ADD_SCALAR: warp::add(r, a, p); break;
+    case ROW_MAX: case ROW_SUM: {
+      CV out;
+      if (x.op == ROW_MAX) { if (p != 0) warp::row_max(out, a, cv); else warp::row_max(out, a); }
+      else { if (p != 0) warp::row_sum(out, a, cv); else warp::row_sum(out, a); }
+      warp::store(x.vec, out, R);
+      return;
+    }
+    case COL_MAX: case COL_SUM: {
+      RV out;
+      if (x.op == COL_MAX) { if (p != 0) warp::col_max(out, a, rv); else warp::col_max(out, a); }
+      else { if (p != 0) warp::col_sum(out, a, rv); else warp::col_sum(out, a); }
+      warp::store(x.vec, out, C);
+      return;
+    }
+    case ADD_ROW: warp::add_row(r, a, cv); break;
+    case SUB_ROW: warp::sub_row(r, a, cv); break;
+    case MUL_ROW: warp::mul_row(r, a, cv); break;
+    case DIV_ROW: warp::div_row(r, a, cv); break;
+    case ADD_COL: warp::add_col(r, a, rv); break;
+    case SUB_COL: warp::sub_col(r, a, rv); break;
+    case MUL_COL: warp::mul_col(r, a, rv); break;
+    case DIV_COL: warp::div_col(r, a, rv); break;
+    case TRIL: { rt<float, R, C, L> f; warp::copy(f, a); warp::tril(f, f, int(p), -INFINITY); warp::store(OUT, f, {}); return; }
+    case TRIU: { rt<float, R, C, L> f; warp::copy(f, a); warp::triu(f, f, int(p), -INFINITY); warp::store(OUT, f, {}); return; }
+    case BOUNDS: warp::bounds(r, a, R - 5, C - 7, 7.f); break;
+    case FILL: warp::fill(r, p); break;
+    case ZERO: warp::copy(r, a); warp::zero(r); break;
+    case CAST: { rt<float, R, C, L> f; warp::copy(f, a); warp::copy(r, f); break; }
+    case MMA_AB: case MMA_ABT: case MMA_ATB: case MMA_ATBT: {
+      if constexpr (is_16bit<T> && R == C && is_row) {
+        rt<T, R, C, row_l> ar, br;
+        rt<T, R, C, col_l> ac, bc;
+        warp::load(ar, sa); warp::load(br, sb);
+        warp::load(ac, sa); warp::load(bc, sb);
+        rt<float, R, C, row_l> acc, d;
+        warp::fill(acc, x.v[0]);
+        if (x.op == MMA_AB) warp::mma_AB(d, ar, bc, acc);
+        if (x.op == MMA_ABT) warp::mma_ABt(d, ar, br, acc);
+        if (x.op == MMA_ATB) warp::mma_AtB(d, ac, bc, acc);
+        if (x.op == MMA_ATBT) warp::mma_AtBt(d, ac, br, acc);
+        warp::store(OUT, d, {});
+      }
+      return;
+    }
+    default: return;
+  }
+  warp::store(OUT, r, {});
+}
+
+template <typename T, int R, int C> __global__ void tile_op_kernel(const __grid_constant__ TileOpArgs x) {
+  __shared__ st<T, R, C> sa, sb;
+  if (x.layout == 0) run<T, row_l, R, C>(x, sa, sb);
+  else run<T, col_l, R, C>(x, sa, sb);
+}
+
+template <int R, int C> cudaError_t launch_shape(const TileOpArgs &x, cudaStream_t s) {
+  if (x.dtype == 0) tile_op_kernel<float, R, C><<<1, 32, 0, s>>>(x);
+  else if (x.dtype == 1) tile_op_kernel<bf16, R, C><<<1, 32, 0, s>>>(x);
+  else if (x.dtype == 2) tile_op_kernel<half, R, C><<<1, 32, 0, s>>>(x);
+  else return cudaErrorInvalidValue;
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_tile_op(const TileOpArgs &x, cudaStream_t s) {
+  if (x.rows == 32 && x.cols == 64) return launch_shape<32, 64>(x, s);
+  if (x.rows == 32 && x.cols == 32) return launch_shape<32, 32>(x, s);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace jax_tk::tests

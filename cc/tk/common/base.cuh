@@ -1,0 +1,56 @@
+// Element types, packed pairs, conversions and the warp/tile constants every other header uses.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include <type_traits>
+
+namespace tk {
+
+using bf16 = __nv_bfloat16;
+using half = __half;
+using bf16_2 = __nv_bfloat162;
+using half_2 = __half2;
+
+constexpr int WARP_THREADS = 32;
+constexpr int TILE = 16;  // register and shared tiles are made of TILE x TILE pieces
+
+__device__ __forceinline__ int laneid() { return threadIdx.x & 31; }
+__device__ __forceinline__ int warpid() { return threadIdx.x >> 5; }
+
+template <typename T> constexpr bool is_16bit = std::is_same_v<T, bf16> || std::is_same_v<T, half>;
+template <typename T> constexpr bool is_element = is_16bit<T> || std::is_same_v<T, float>;
+
+// packed<T>: the pair of T one register (or two, for float) holds.
+template <typename T> struct packed_of;
+template <> struct packed_of<float> { using type = float2; };
+template <> struct packed_of<bf16> { using type = bf16_2; };
+template <> struct packed_of<half> { using type = half_2; };
+template <typename T> using packed = typename packed_of<T>::type;
+
+// convert<To>(x): scalar and pair conversions with round-to-nearest.
+template <typename To, typename From> __device__ __forceinline__ To convert(From x) {
+  if constexpr (std::is_same_v<To, From>) return x;
+  else if constexpr (std::is_same_v<From, float2>) {
+    if constexpr (std::is_same_v<To, bf16_2>) return __float22bfloat162_rn(x);
+    else { static_assert(std::is_same_v<To, half_2>); return __float22half2_rn(x); }
+  } else if constexpr (std::is_same_v<To, float2>) {
+    if constexpr (std::is_same_v<From, bf16_2>) return __bfloat1622float2(x);
+    else { static_assert(std::is_same_v<From, half_2>); return __half22float2(x); }
+  } else if constexpr (std::is_same_v<To, float>) {
+    return static_cast<float>(x);
+  } else if constexpr (std::is_same_v<From, float>) {
+    if constexpr (std::is_same_v<To, bf16>) return __float2bfloat16_rn(x);
+    else { static_assert(std::is_same_v<To, half>); return __float2half_rn(x); }
+  } else if constexpr (sizeof(To) == 4 && sizeof(From) == 4) {
+    return convert<To>(convert<float2>(x));  // bf16 pair <-> half pair
+  } else {
+    return convert<To>(convert<float>(x));  // bf16 <-> half
+  }
+}
+
+// Pairs as two floats, and back: what elementwise maps compute in.
+template <typename P> __device__ __forceinline__ float2 to_float2(P p) { return convert<float2>(p); }
+template <typename P> __device__ __forceinline__ P from_float2(float2 f) { return convert<P>(f); }
+
+}  // namespace tk

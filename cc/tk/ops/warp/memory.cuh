@@ -1,0 +1,132 @@
+// warp::load / warp::store: register tiles and vectors to and from shared tiles, global views and
+// plain pointers. 16-bit tiles come out of shared memory with ldmatrix (transposing for col_l).
+#pragma once
+#include "../../types/gl.cuh"
+#include "../../types/rt.cuh"
+#include "../../types/rv.cuh"
+#include "../../types/st.cuh"
+#include "../memory/cp_async.cuh"
+
+namespace tk::warp {
+
+__device__ __forceinline__ void ldmatrix_x4(packed<bf16> *d, uint32_t addr, bool trans) {
+  uint32_t *r = reinterpret_cast<uint32_t *>(d);
+  if (trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// Visit every pair a lane holds: f(i, j, k, row, col) with (row, col) the pair's first element
+// inside the tile; the second element is at (row, col+1) for row_l and (row+1, col) for col_l.
+template <RegisterTile RT, typename F> __device__ __forceinline__ void for_each_pair(F f) {
+  int lane = laneid();
+#pragma unroll
+  for (int i = 0; i < RT::height; i++)
+#pragma unroll
+    for (int j = 0; j < RT::width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++)
+        f(i, j, k, i * TILE + piece_row<typename RT::layout>(lane, 2 * k),
+          j * TILE + piece_col<typename RT::layout>(lane, 2 * k));
+}
+template <RegisterTile RT> constexpr bool pair_along_row = std::is_same_v<typename RT::layout, row_l>;
+
+// Shared tile (from (row0, col0)) -> register tile.
+template <RegisterTile RT, SharedTile ST>
+__device__ __forceinline__ void load(RT &dst, const ST &src, int row0 = 0, int col0 = 0) {
+  using T = typename RT::dtype;
+  if constexpr (is_16bit<T> && std::is_same_v<T, typename ST::dtype>) {
+    constexpr bool trans = std::is_same_v<typename RT::layout, col_l>;
+    int lane = laneid(), m = lane / 8;
+    // ldmatrix: lane l gives the address of row (l % 8) of 8x8 matrix l / 8; the matrices are the
+    // four quarters of the piece in register order.
+    int r = (lane % 8) + 8 * (trans ? m / 2 : m % 2);
+    int c = 8 * (trans ? m % 2 : m / 2);
+#pragma unroll
+    for (int i = 0; i < RT::height; i++)
+#pragma unroll
+      for (int j = 0; j < RT::width; j++)
+        ldmatrix_x4(reinterpret_cast<packed<bf16> *>(dst.tiles[i][j].data),
+                    smem_addr(&src(row0 + i * TILE + r, col0 + j * TILE + c)), trans);
+  } else {
+    for_each_pair<RT>([&](int i, int j, int k, int r, int c) {
+      int r2 = pair_along_row<RT> ? r : r + 1, c2 = pair_along_row<RT> ? c + 1 : c;
+      float2 v{convert<float>(src(row0 + r, col0 + c)), convert<float>(src(row0 + r2, col0 + c2))};
+      dst.tiles[i][j].data[k] = from_float2<packed<T>>(v);
+    });
+  }
+}
+
+// Register tile -> shared tile (at (row0, col0)), converting the element type if they differ.
+template <SharedTile ST, RegisterTile RT>
+__device__ __forceinline__ void store(ST &dst, const RT &src, int row0 = 0, int col0 = 0) {
+  using T = typename ST::dtype;
+  for_each_pair<RT>([&](int i, int j, int k, int r, int c) {
+    float2 v = to_float2(src.tiles[i][j].data[k]);
+    if constexpr (pair_along_row<RT>) {  // the pair is contiguous in the row: one store
+      *reinterpret_cast<packed<T> *>(&dst(row0 + r, col0 + c)) = from_float2<packed<T>>(v);
+    } else {
+      dst(row0 + r, col0 + c) = convert<T>(v.x);
+      dst(row0 + r + 1, col0 + c) = convert<T>(v.y);
+    }
+  });
+}
+
+// Global view -> register tile; rows at or past src.seq() read as zero.
+template <RegisterTile RT, typename T>
+__device__ __forceinline__ void load(RT &dst, const gl<T> &src, coord o) {
+  for_each_pair<RT>([&](int i, int j, int k, int r, int c) {
+    int r2 = pair_along_row<RT> ? r : r + 1, c2 = pair_along_row<RT> ? c + 1 : c;
+    float2 v{0.f, 0.f};
+    if (o.s + r < src.seq()) v.x = convert<float>(*src.at(o.b, o.s + r, o.h, o.d + c));
+    if (o.s + r2 < src.seq()) v.y = convert<float>(*src.at(o.b, o.s + r2, o.h, o.d + c2));
+    dst.tiles[i][j].data[k] = from_float2<packed<typename RT::dtype>>(v);
+  });
+}
+
+// Register tile -> global view; rows at or past dst.seq() are not written.
+template <typename T, RegisterTile RT>
+__device__ __forceinline__ void store(const gl<T> &dst, const RT &src, coord o) {
+  for_each_pair<RT>([&](int i, int j, int k, int r, int c) {
+    float2 v = to_float2(src.tiles[i][j].data[k]);
+    if constexpr (pair_along_row<RT> && is_16bit<T>) {
+      if (o.s + r < dst.seq())
+        *reinterpret_cast<packed<T> *>(dst.at(o.b, o.s + r, o.h, o.d + c)) = from_float2<packed<T>>(v);
+    } else {
+      int r2 = pair_along_row<RT> ? r : r + 1, c2 = pair_along_row<RT> ? c + 1 : c;
+      if (o.s + r < dst.seq()) *dst.at(o.b, o.s + r, o.h, o.d + c) = convert<T>(v.x);
+      if (o.s + r2 < dst.seq()) *dst.at(o.b, o.s + r2, o.h, o.d + c2) = convert<T>(v.y);
+    }
+  });
+}
+
+// Vector <- src[0 .. n) (shared or global), `fill` past n.
+template <typename RV, typename T>
+__device__ __forceinline__ void load(RV &dst, const T *src, int n, float fill = 0.f) {
+#pragma unroll
+  for (int i = 0; i < RV::pieces; i++)
+#pragma unroll
+    for (int k = 0; k < RV::per; k++) {
+      int idx = RV::index_of(i, k);
+      dst.data[i][k] = idx < n ? convert<float>(src[idx]) : fill;
+    }
+}
+
+// Vector -> dst[0 .. n); of the lanes holding copies of a value, one writes it.
+template <typename T, typename RV>
+__device__ __forceinline__ void store(T *dst, const RV &src, int n) {
+  int lane = laneid();
+  bool writer = std::is_same_v<typename RV::layout, ortho_l> ? lane % 4 == 0 : lane < 4;
+#pragma unroll
+  for (int i = 0; i < RV::pieces; i++)
+#pragma unroll
+    for (int k = 0; k < RV::per; k++) {
+      int idx = RV::index_of(i, k);
+      if (writer && idx < n) dst[idx] = convert<T>(src.data[i][k]);
+    }
+}
+
+}  // namespace tk::warp
