@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Build jax_tk on a GPU machine (offline) and run every GPU test, plus the benchmark when asked.
+#   scripts/gpu_check.sh OUTDIR [pytest args...]
+# Environment: JAX_TK_BENCH=1 also runs the attention benchmark; JAX_TK_BENCH_ARGS passes options.
+# Logs: OUTDIR/build.log, OUTDIR/tests.log, OUTDIR/junit.xml, OUTDIR/bench.log (+ csv/png).
+set -uo pipefail
+out=${1:?usage: scripts/gpu_check.sh OUTDIR [pytest args]}
+shift
+mkdir -p "$out"
+site=${JAX_TK_SITE:-/tmp/jax_tk_site}
+export PYTHONUNBUFFERED=1
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+  python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
+  git rev-parse HEAD 2>/dev/null || true
+} 2>&1 | tee "$out/env.log"
+
+start=$(date +%s)
+CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} JAX_TK_CUDA=ON \
+  python3 -m pip install --no-build-isolation --no-deps --target "$site" . >"$out/build.log" 2>&1
+rc=$?
+echo "build rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$out/build.log"
+if [ $rc -ne 0 ]; then tail -50 "$out/build.log"; exit $rc; fi
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+
+# python3 -P: do not put the source tree first on sys.path, so the built jax_tk (with its
+# extension modules) in $site is the one imported.
+python3 -P -c "import jax_tk, sys; assert jax_tk.has_cuda_kernels(), 'no kernels'; print('jax_tk from', jax_tk.__file__)" || exit 1
+python3 -P -m pytest -q -rs -p no:cacheprovider --junitxml="$out/junit.xml" "$@" tests 2>&1 | tee "$out/tests.log"
+test_rc=${PIPESTATUS[0]}
+
+if [ "${JAX_TK_BENCH:-0}" = "1" ]; then
+  python3 -P -m jax_tk.bench attention --out "$out" ${JAX_TK_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+fi
+exit $test_rc

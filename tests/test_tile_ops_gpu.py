@@ -1,0 +1,152 @@
+"""GPU unit tests of the tile language: each operation against a numpy reference.
+
+The kernels live in cc/tests/tile_ops.cu (built as jax_tk._tk_tests); the op ids below mirror its
+`Op` enum. Every case loads its inputs global -> shared (cp.async) -> registers, in the row or the
+column register layout, so loads and stores are exercised by every op.
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+OPS = dict(
+    COPY=0, SHARED_RT=1, GLOBAL_RT=2, EXP=3, EXP2=4, LOG=5, ABS=6, NEG=7, ADD=8, SUB=9, MUL=10, DIV=11,
+    MAX=12, MIN=13, ADD_SCALAR=14, ROW_MAX=15, ROW_SUM=16, COL_MAX=17, COL_SUM=18, ADD_ROW=19,
+    SUB_ROW=20, MUL_ROW=21, DIV_ROW=22, ADD_COL=23, SUB_COL=24, MUL_COL=25, DIV_COL=26, TRIL=27,
+    TRIU=28, BOUNDS=29, MMA_AB=30, MMA_ABT=31, MMA_ATB=32, MMA_ATBT=33, FILL=34, ZERO=35, CAST=36,
+)
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+RTOL = {"float32": 2e-6, "bfloat16": 8e-3, "float16": 1e-3}
+
+
+def run_op(op, a, b, v, layout, param=0.0):
+    import jax
+    import jax.numpy as jnp
+
+    from jax_tk import _ffi  # noqa: F401  (registers the targets)
+
+    call = jax.ffi.ffi_call(
+        "jax_tk_test_tile_op",
+        (jax.ShapeDtypeStruct(a.shape, jnp.float32), jax.ShapeDtypeStruct((64,), jnp.float32)),
+    )
+    out, vec = jax.jit(lambda a, b, v: call(a, b, v, op=np.int32(OPS[op]), layout=np.int32(layout),
+                                            param=np.float32(param)))(a, b, v)
+    return np.asarray(out), np.asarray(vec)
+
+
+def inputs(dtype, shape, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal(shape).astype(DTYPES[dtype])
+    b = (rng.standard_normal(shape) + np.sign(rng.standard_normal(shape)) * 0.5).astype(DTYPES[dtype])  # away from 0
+    v = (rng.uniform(0.5, 2.0, 64) * np.sign(rng.standard_normal(64))).astype(np.float32)
+    return a, b, v
+
+
+def rounded(x, dtype):
+    return np.asarray(x, np.float32).astype(DTYPES[dtype]).astype(np.float32)
+
+
+def close(got, want, dtype, rtol=None, atol=1e-6):
+    rtol = RTOL[dtype] if rtol is None else rtol
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
+ELEMENTWISE = {
+    "COPY": lambda a, b, v: a,
+    "SHARED_RT": lambda a, b, v: a,
+    "CAST": lambda a, b, v: a,
+    "EXP": lambda a, b, v: np.exp(a),
+    "EXP2": lambda a, b, v: np.exp2(a),
+    "LOG": lambda a, b, v: np.log(np.abs(a) + 0.5),
+    "ABS": lambda a, b, v: np.abs(a),
+    "NEG": lambda a, b, v: -a,
+    "ADD": lambda a, b, v: a + b,
+    "SUB": lambda a, b, v: a - b,
+    "MUL": lambda a, b, v: a * b,
+    "DIV": lambda a, b, v: a / b,
+    "MAX": lambda a, b, v: np.maximum(a, b),
+    "MIN": lambda a, b, v: np.minimum(a, b),
+    "ADD_SCALAR": lambda a, b, v: a + 1.5,
+    "ADD_ROW": lambda a, b, v: a + v[: a.shape[0], None],
+    "SUB_ROW": lambda a, b, v: a - v[: a.shape[0], None],
+    "MUL_ROW": lambda a, b, v: a * v[: a.shape[0], None],
+    "DIV_ROW": lambda a, b, v: a / v[: a.shape[0], None],
+    "ADD_COL": lambda a, b, v: a + v[None, : a.shape[1]],
+    "SUB_COL": lambda a, b, v: a - v[None, : a.shape[1]],
+    "MUL_COL": lambda a, b, v: a * v[None, : a.shape[1]],
+    "DIV_COL": lambda a, b, v: a / v[None, : a.shape[1]],
+    "FILL": lambda a, b, v: np.full_like(a, 1.5),
+    "ZERO": lambda a, b, v: np.zeros_like(a),
+}
+
+
+@pytest.mark.parametrize("layout", [0, 1], ids=["row", "col"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("op", list(ELEMENTWISE))
+def test_elementwise(op, dtype, layout):
+    a, b, v = inputs(dtype, (32, 64), seed=hash((op, dtype, layout)) % 2**31)
+    out, _ = run_op(op, a, b, v, layout, param=1.5)
+    af, bf = a.astype(np.float32), b.astype(np.float32)
+    want = rounded(ELEMENTWISE[op](af, bf, v), dtype)  # the tile holds dtype: one rounding
+    extra = 4e-6 if op in ("EXP", "EXP2", "LOG") and dtype == "float32" else None  # approx. ex2/lg2
+    close(out, want, dtype, rtol=extra)
+
+
+@pytest.mark.parametrize("layout", [0, 1], ids=["row", "col"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_global_load_short_view(dtype, layout):
+    a, b, v = inputs(dtype, (32, 64), seed=7)
+    out, _ = run_op("GLOBAL_RT", a, b, v, layout)
+    want = a.astype(np.float32).copy()
+    want[-3:] = 0  # rows past the view's end read as zero
+    close(out, want, dtype, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("init", [False, True])
+@pytest.mark.parametrize("layout", [0, 1], ids=["row", "col"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("op", ["ROW_MAX", "ROW_SUM", "COL_MAX", "COL_SUM"])
+def test_reductions(op, dtype, layout, init):
+    a, b, v = inputs(dtype, (32, 64), seed=11)
+    _, vec = run_op(op, a, b, v, layout, param=1.0 if init else 0.0)
+    af = a.astype(np.float32)
+    axis = 1 if op.startswith("ROW") else 0
+    red = af.max(axis=axis) if op.endswith("MAX") else af.sum(axis=axis)
+    n = red.shape[0]
+    if init:
+        red = np.maximum(red, v[:n]) if op.endswith("MAX") else red + v[:n]
+    np.testing.assert_allclose(vec[:n], red, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("diag", [-5, 0, 3])
+@pytest.mark.parametrize("layout", [0, 1], ids=["row", "col"])
+@pytest.mark.parametrize("op", ["TRIL", "TRIU"])
+def test_triangular(op, layout, diag):
+    a, b, v = inputs("bfloat16", (32, 64), seed=3)
+    out, _ = run_op(op, a, b, v, layout, param=float(diag))
+    r, c = np.indices(a.shape)
+    keep = (c - r <= diag) if op == "TRIL" else (c - r >= diag)
+    want = np.where(keep, a.astype(np.float32), -np.inf)
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("layout", [0, 1], ids=["row", "col"])
+def test_bounds(layout):
+    a, b, v = inputs("float16", (32, 64), seed=5)
+    out, _ = run_op("BOUNDS", a, b, v, layout)
+    r, c = np.indices(a.shape)
+    want = np.where((r < 32 - 5) & (c < 64 - 7), a.astype(np.float32), 7.0)
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("op", ["MMA_AB", "MMA_ABT", "MMA_ATB", "MMA_ATBT"])
+def test_mma(op, dtype):
+    a, b, v = inputs(dtype, (32, 32), seed=13)
+    out, _ = run_op(op, a, b, v, 0)
+    A, B = a.astype(np.float64), b.astype(np.float64)
+    A = A.T if op in ("MMA_ATB", "MMA_ATBT") else A
+    B = B.T if op in ("MMA_ABT", "MMA_ATBT") else B
+    want = A @ B + v[0]
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
