@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk import _ffi, reference
+from jax_tk import _ffi, reference, sharding
 
 IMPLEMENTATIONS = (None, "tk", "xla")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -190,14 +190,26 @@ def _dispatch(kernel_fn, reference_fn, spec, *args):
         return reference_fn(*args, spec)
     return jax.lax.platform_dependent(
         *args,
-        cuda=functools.partial(kernel_fn, spec=spec),
+        # vary_like: inside shard_map(check_vma=True) the ffi_call's results must be typed as varying
+        # over the inputs' manual axes, like the reference branch's, or the branches do not type-check.
+        cuda=functools.partial(sharding.vary_like, functools.partial(kernel_fn, spec=spec)),
         default=functools.partial(reference_fn, spec=spec),
     )
 
 
+# The per-shard forward/backward (kernel on CUDA, reference elsewhere). jax_tk.sharding wraps them so
+# that under jit with sharded inputs each device runs them on its own batch/head shard (no gathers).
+def _fwd_local(spec: AttentionSpec, query, key, value):
+    return _dispatch(_fwd_kernel, _fwd_reference, spec, query, key, value)
+
+
+def _bwd_local(spec: AttentionSpec, query, key, value, out, lse, dout, dlse):
+    return _dispatch(_bwd_kernel, _bwd_reference, spec, query, key, value, out, lse, dout, dlse)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _attention(query, key, value, spec: AttentionSpec):
-    return _dispatch(_fwd_kernel, _fwd_reference, spec, query, key, value)
+    return sharding.fwd(_fwd_local, spec, query, key, value)
 
 
 def _attention_fwd(query, key, value, spec):
@@ -210,7 +222,7 @@ def _attention_bwd(spec, residuals, cotangents):
     # takes it as one more input and both outputs stay differentiable at no extra cost.
     query, key, value, out, lse = residuals
     dout, dlse = cotangents
-    return _dispatch(_bwd_kernel, _bwd_reference, spec, query, key, value, out, lse, dout, dlse)
+    return sharding.bwd(_bwd_local, spec, query, key, value, out, lse, dout, dlse)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
