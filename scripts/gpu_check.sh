@@ -31,9 +31,10 @@ python3 -P -c "import jax_tk, sys; assert jax_tk.has_cuda_kernels(), 'no kernels
 python3 -P -m pytest -q -rs -p no:cacheprovider --junitxml="$out/junit.xml" "$@" tests 2>&1 | tee "$out/tests.log"
 test_rc=${PIPESTATUS[0]}
 
-if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then  # memcheck and racecheck on tiny shapes
+if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then  # memcheck and racecheck on tiny shapes; one cudaMalloc
+  # per buffer (platform allocator) so that memcheck sees the bounds of each
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 3 --target-processes all \
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool $tool --error-exitcode 3 --target-processes all \
       python3 -P scripts/attention_check.py --small >"$out/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool rc=$?" | tee -a "$out/sanitizer.log"
     grep -E "ERROR SUMMARY|Error" "$out/sanitizer_$tool.log" | tail -3 | tee -a "$out/sanitizer.log"
