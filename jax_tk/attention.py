@@ -146,7 +146,12 @@ def _lse_shape(query):
     return jax.ShapeDtypeStruct((b, n, t), jnp.float32)
 
 
-def _kernel_call(target, out_types, args, spec, out_init):
+# Kernel variants: 0 = the fastest for the device (sm_90a kernels on H100/H200), 1 = the mma.sync
+# (sm_80) kernels on every GPU. Tests and benchmarks use 1 to check and time the portable path.
+VARIANT_AUTO, VARIANT_SM80 = 0, 1
+
+
+def _kernel_call(target, out_types, args, spec, out_init, variant=VARIANT_AUTO):
     """Calls an FFI target. ``out_init`` (tests only) gives buffers that are aliased to the outputs, so
     that a test can poison every output before the kernel runs; the handler ignores them as inputs."""
     aliases = None
@@ -154,15 +159,15 @@ def _kernel_call(target, out_types, args, spec, out_init):
         aliases = {len(args) + i: i for i in range(len(out_init))}
         args = (*args, *out_init)
     call = jax.ffi.ffi_call(target, out_types, vmap_method="sequential", input_output_aliases=aliases)
-    return call(*args, scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal))
+    return call(*args, scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal), variant=np.int32(variant))
 
 
-def _fwd_kernel(query, key, value, spec: AttentionSpec, out_init=None):
+def _fwd_kernel(query, key, value, spec: AttentionSpec, out_init=None, variant=VARIANT_AUTO):
     out_types = (jax.ShapeDtypeStruct(query.shape, query.dtype), _lse_shape(query))
-    return tuple(_kernel_call(FWD_TARGET, out_types, (query, key, value), spec, out_init))
+    return tuple(_kernel_call(FWD_TARGET, out_types, (query, key, value), spec, out_init, variant))
 
 
-def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, out_init=None):
+def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, out_init=None, variant=VARIANT_AUTO):
     out_types = (
         jax.ShapeDtypeStruct(query.shape, query.dtype),
         jax.ShapeDtypeStruct(key.shape, key.dtype),
@@ -170,7 +175,7 @@ def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, ou
         _lse_shape(query),  # workspace: delta = rowsum(dout * out) - dlse, fp32
     )
     args = (query, key, value, out, lse, dout, dlse)
-    dq, dk, dv, _ = _kernel_call(BWD_TARGET, out_types, args, spec, out_init)
+    dq, dk, dv, _ = _kernel_call(BWD_TARGET, out_types, args, spec, out_init, variant)
     return dq, dk, dv
 
 

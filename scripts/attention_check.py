@@ -19,7 +19,7 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def check(b, t, s, n, kh, d, causal, dtype, seed=0):
+def check(b, t, s, n, kh, d, causal, dtype, variant=0, seed=0):
     ks = jax.random.split(jax.random.key(seed), 6)
     q = jax.random.normal(ks[0], (b, t, n, d), dtype)
     k = jax.random.normal(ks[1], (b, s, kh, d), dtype)
@@ -31,10 +31,11 @@ def check(b, t, s, n, kh, d, causal, dtype, seed=0):
 
     @jax.jit
     def kernel(q, k, v, do, dlse):
-        o, lse = _fwd_kernel(q, k, v, spec, out_init=(nan(q.shape, q.dtype), nan((b, n, t), jnp.float32)))
+        o, lse = _fwd_kernel(q, k, v, spec, out_init=(nan(q.shape, q.dtype), nan((b, n, t), jnp.float32)),
+                             variant=variant)
         grads = _bwd_kernel(q, k, v, o, lse, do, dlse, spec,
                             out_init=(nan(q.shape, q.dtype), nan(k.shape, k.dtype), nan(v.shape, v.dtype),
-                                      nan((b, n, t), jnp.float32)))
+                                      nan((b, n, t), jnp.float32)), variant=variant)
         return (o, lse, *grads)
 
     @jax.jit
@@ -60,12 +61,13 @@ def main():
         (1, 130, 200, 8, 2, 64), (1, 1, 1, 1, 1, 128), (1, 1024, 1024, 4, 4, 128), (1, 333, 1000, 2, 2, 64),
     ]
     dtypes = [jnp.bfloat16] if small else [jnp.bfloat16, jnp.float16]
-    for (b, t, s, n, kh, d), causal, dtype in itertools.product(cases, [False, True], dtypes):
-        errs, nans = check(b, t, s, n, kh, d, causal, dtype)
+    variants = [0, 1]  # the fastest kernels for this GPU, and the mma.sync ones
+    for (b, t, s, n, kh, d), causal, dtype, variant in itertools.product(cases, [False, True], dtypes, variants):
+        errs, nans = check(b, t, s, n, kh, d, causal, dtype, variant)
         worst = np.maximum(worst, errs)
         bad = any(nans) or max(errs[0], *errs[2:]) > 1e-2 or errs[1] > 1e-3
         ok &= not bad
-        print(f"{'FAIL' if bad else 'ok  '} b={b} t={t} s={s} n={n} kh={kh} d={d} causal={causal} "
+        print(f"{'FAIL' if bad else 'ok  '} v{variant} b={b} t={t} s={s} n={n} kh={kh} d={d} causal={causal} "
               f"{jnp.dtype(dtype).name}: out {errs[0]:.2e} lse {errs[1]:.2e} dq {errs[2]:.2e} "
               f"dk {errs[3]:.2e} dv {errs[4]:.2e} nan={nans}")
     print("worst relative errors: out %.2e lse %.2e dq %.2e dk %.2e dv %.2e" % tuple(worst))

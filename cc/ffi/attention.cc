@@ -41,8 +41,18 @@ ffi::Error check_rows(const Params &p, const ffi::AnyBuffer &x, const char *name
   return ffi::Error::Success();
 }
 
+// variant: 0 = the fastest kernel for the device, 1 = the mma.sync (sm_80) kernels everywhere.
+bool use_sm90(int32_t variant) {
+  int dev = 0, major = 0, minor = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  return variant == 0 && major == 9 && minor == 0;  // sm_90a code runs on 9.0 only
+}
+
 ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::RemainingArgs,
-                    ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t is_causal) {
+                    ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t is_causal,
+                    int32_t variant) {
   Params p{};
   if (auto e = check_qkv(p, q, k, v); e.failure()) return e;
   if (!same_type_and_dims(*o, q)) return invalid("output must have the query's shape and dtype");
@@ -52,13 +62,15 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   p.causal = is_causal != 0;
   p.o = o->untyped_data();
   p.lse = static_cast<float *>(lse->untyped_data());
+  if (use_sm90(variant) && attention::fwd_sm90_supported(p))
+    return cuda_error(attention::fwd_sm90(p, stream), "attention forward (sm_90a)");
   return cuda_error(attention::fwd_sm80(p, stream), "attention forward");
 }
 
 ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
                     ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::RemainingArgs,
                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                    ffi::Result<ffi::AnyBuffer> delta, float scale, int32_t is_causal) {
+                    ffi::Result<ffi::AnyBuffer> delta, float scale, int32_t is_causal, int32_t variant) {
   Params p{};
   if (auto e = check_qkv(p, q, k, v); e.failure()) return e;
   if (!same_type_and_dims(o, q) || !same_type_and_dims(dout, q) || !same_type_and_dims(*dq, q))
@@ -93,7 +105,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwd, fwd_impl,
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<ffi::AnyBuffer>()  // lse
                                   .Attr<float>("scale")
-                                  .Attr<int32_t>("is_causal"),
+                                  .Attr<int32_t>("is_causal")
+                                  .Attr<int32_t>("variant"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, bwd_impl,
@@ -112,7 +125,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, bwd_impl,
                                   .Ret<ffi::AnyBuffer>()  // dv
                                   .Ret<ffi::AnyBuffer>()  // delta workspace
                                   .Attr<float>("scale")
-                                  .Attr<int32_t>("is_causal"),
+                                  .Attr<int32_t>("is_causal")
+                                  .Attr<int32_t>("variant"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_tk

@@ -25,4 +25,8 @@ struct Params {
 cudaError_t fwd_sm80(const Params &p, cudaStream_t stream);
 cudaError_t bwd_sm80(const Params &p, cudaStream_t stream);
 
+// The Hopper kernels (sm_90a: TMA, wgmma, warp specialization).
+bool fwd_sm90_supported(const Params &p);
+cudaError_t fwd_sm90(const Params &p, cudaStream_t stream);
+
 }  // namespace jax_tk::attention

@@ -45,7 +45,7 @@ template <typename T, int D>
 __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_constant__ Params p) {
   using C = DQ<T, D>;
   constexpr int BQ = C::BQ, BK = C::BK, NT = C::THREADS;
-  extern __shared__ char smem_raw[];
+  extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
   const int b = blockIdx.z, h = blockIdx.y, q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
   const int kvh = h / (p.q_heads / p.kv_heads);
@@ -81,7 +81,6 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
   warp::load(lse2, p.lse + row_index(p, b, h, max(qw, 0)), rows_left);
   warp::map_vec(lse2, lse2, [](float x) { return x * LOG2E; });
 
-  const float scale2 = p.scale * LOG2E;
   rt_fl<16, 16> dq[D / 16];
 #pragma unroll
   for (int n = 0; n < D / 16; n++) warp::zero(dq[n]);
@@ -112,10 +111,8 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
       warp::mma_ABt(s, qc, kt, s);
       warp::mma_ABt(dp, dc, vt, dp);
     }
-    // P = exp2(S * scale2 - lse2), 0 where masked; dS = P * (dP - delta).
-    warp::mul(s, s, scale2);
-    if (k0 + BK > p.kv_len || (p.causal && k0 + BK - 1 > qw))
-      warp::map_indexed(s, s, [&](int r, int c, float x) { return visible(p, qw + r, k0 + c) ? x : NEG_INF; });
+    // P = exp2(S * scale * log2 e - lse2), 0 where masked; dS = P * (dP - delta).
+    scale_and_mask(s, p, qw, k0);
     warp::map_row(s, s, lse2, [](float x, float l) { return warp::fn::exp2(x - l); });
     warp::sub_row(dp, dp, delta);
     warp::mul(s, s, dp);
@@ -154,7 +151,7 @@ template <typename T, int D>
 __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_constant__ Params p) {
   using C = DKV<T, D>;
   constexpr int BQ = C::BQ, BKV = C::BKV, NT = C::THREADS;
-  extern __shared__ char smem_raw[];
+  extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
   const int b = blockIdx.z, kvh = blockIdx.y, k0 = (gridDim.x - 1 - blockIdx.x) * BKV;
   const int group = p.q_heads / p.kv_heads;

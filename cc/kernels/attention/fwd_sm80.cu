@@ -23,7 +23,7 @@ template <typename T, int D>
 __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_constant__ Params p) {
   using C = Fwd<T, D>;
   constexpr int BQ = C::BQ, BK = C::BK, NT = C::THREADS;
-  extern __shared__ char smem_raw[];
+  extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
 
   const int b = blockIdx.z, h = blockIdx.y;
@@ -33,7 +33,6 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
   auto Q = gl<const T>::make(static_cast<const T *>(p.q), p.batch, p.q_len, p.q_heads, D);
   auto K = gl<const T>::make(static_cast<const T *>(p.k), p.batch, p.kv_len, p.kv_heads, D);
   auto V = gl<const T>::make(static_cast<const T *>(p.v), p.batch, p.kv_len, p.kv_heads, D);
-  auto O = gl<T>::make(static_cast<T *>(p.o), p.batch, p.q_len, p.q_heads, D);
   const int n_blocks = kv_block_end(p, q0, BQ, BK);
 
   load_async<NT>(sm.q, Q, {b, q0, h, 0}, tid);
@@ -51,12 +50,11 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
   rt_fl<16, 16> o[D / 16];
   rt_fl<16, BK> s;
   rt<T, 16, BK> pr;
-  col_vec<rt_fl<16, BK>> m, m_new, corr, l;
+  col_vec<rt_fl<16, BK>> m, corr, l;
 #pragma unroll
   for (int n = 0; n < D / 16; n++) warp::zero(o[n]);
   warp::fill_vec(m, NEG_INF);
   warp::fill_vec(l, 0.f);
-  const float scale2 = p.scale * LOG2E;
 
   for (int j = 0; j < n_blocks; j++) {
     const int buf = j % 2, k0 = j * BK;
@@ -76,17 +74,8 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
       warp::load(kt, sm.k[buf], 0, 16 * kk);
       warp::mma_ABt(s, q[kk], kt, s);
     }
-    warp::mul(s, s, scale2);
-    if (k0 + BK > p.kv_len || (p.causal && k0 + BK - 1 > qw))
-      warp::map_indexed(s, s, [&](int r, int c, float x) { return visible(p, qw + r, k0 + c) ? x : NEG_INF; });
-
-    // Online softmax: new running max, rescale what was accumulated, P = exp2(S - max).
-    warp::row_max(m_new, s, m);
-    warp::map_vec(corr, m, m_new, [](float a, float b) { return b == NEG_INF ? 1.f : warp::fn::exp2(a - b); });
-    warp::map_row(s, s, m_new, [](float x, float mx) { return warp::fn::exp2(x - (mx == NEG_INF ? 0.f : mx)); });
-    warp::map_vec(l, l, corr, [](float a, float b) { return a * b; });
-    warp::row_sum(l, s, l);
-    m = m_new;
+    scale_and_mask(s, p, qw, k0);
+    softmax_step(s, m, l, corr);
 
     // O = O * corr + P V.
     warp::copy(pr, s);
@@ -100,16 +89,9 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
     __syncthreads();  // everyone is done with `buf` before it is refilled
   }
 
-  // O /= l; lse = ln(sum exp(logits)) = (max + log2 l) * ln 2 (-inf for a row that saw nothing).
-  col_vec<rt_fl<16, BK>> inv_l, lse;
-  warp::map_vec(inv_l, l, [](float x) { return x > 0.f ? 1.f / x : 0.f; });
-  warp::map_vec(lse, m, l, [](float mx, float x) { return x > 0.f ? (mx + warp::fn::log2(x)) * LN2 : NEG_INF; });
 #pragma unroll
-  for (int n = 0; n < D / 16; n++) {
-    warp::mul_row(o[n], o[n], inv_l);
-    warp::store(O, o[n], {b, qw, h, 16 * n});
-  }
-  if (qw < p.q_len) warp::store(p.lse + (size_t(b) * p.q_heads + h) * p.q_len + qw, lse, p.q_len - qw);
+  for (int n = 0; n < D / 16; n++) store_output<T>(p, o[n], l, b, h, qw, 16 * n);
+  store_lse(p, m, l, b, h, qw);
 }
 
 }  // namespace

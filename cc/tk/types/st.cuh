@@ -1,5 +1,7 @@
-// st: shared tile, R x C row-major in shared memory with its 16-byte chunks swizzled so that the
-// 8 rows an ldmatrix reads at one column hit 8 different bank groups.
+// st: shared tile, R x C, stored as column panels at most 128 bytes wide ([R x P] row-major each,
+// P = 128 / sizeof(T) columns), with the 16-byte chunks of each row XOR-swizzled by the row index.
+// For full 128-byte panels this is exactly the SWIZZLE_128B layout that TMA writes and wgmma reads
+// (panels are 1024-byte aligned), and it also keeps ldmatrix and cp.async free of bank conflicts.
 #pragma once
 #include "../common/base.cuh"
 
@@ -9,26 +11,32 @@ template <typename T, int R, int C> struct st {
   static_assert(is_element<T> && R % TILE == 0 && C % TILE == 0);
   using dtype = T;
   static constexpr int rows = R, cols = C;
-  static constexpr int chunk = 16 / sizeof(T);         // elements per 16-byte chunk
-  static constexpr int chunks_per_row = C / chunk;
+  static constexpr int panel_cols = C * int(sizeof(T)) < 128 ? C : 128 / int(sizeof(T));
+  static constexpr int panels = C / panel_cols;
+  static constexpr int panel_bytes = R * panel_cols * int(sizeof(T));
+  static constexpr int chunk = 16 / sizeof(T);  // elements per 16-byte chunk
+  static constexpr int chunks_per_row = panel_cols / chunk;
   static constexpr int bytes = R * C * sizeof(T);
-  alignas(128) T data[R * C];
+  alignas(1024) T data[R * C];
 
-  // XOR pattern for a row: spread consecutive rows over the 8 chunk positions of a 128-byte line.
-  __device__ __forceinline__ static int swizzle(int r) {
+  // XOR pattern for a row: spread consecutive rows over the chunk positions of a 128-byte line.
+  __host__ __device__ static constexpr int swizzle(int r) {
     if constexpr (chunks_per_row >= 8) return r % 8;
     else if constexpr (chunks_per_row == 4) return (r / 2) % 4;
     else if constexpr (chunks_per_row == 2) return (r / 4) % 2;
     else return 0;
   }
   // Offset (in elements) of element (r, c).
-  __device__ __forceinline__ static int offset(int r, int c) {
-    return r * C + (((c / chunk) ^ swizzle(r)) * chunk) + c % chunk;
+  __host__ __device__ static constexpr int offset(int r, int c) {
+    int p = c / panel_cols, pc = c % panel_cols;
+    return p * R * panel_cols + r * panel_cols + (((pc / chunk) ^ swizzle(r)) * chunk) + pc % chunk;
   }
   __device__ __forceinline__ T &operator()(int r, int c) { return data[offset(r, c)]; }
   __device__ __forceinline__ const T &operator()(int r, int c) const { return data[offset(r, c)]; }
+  __device__ __forceinline__ T *panel(int p) { return data + p * R * panel_cols; }
+  __device__ __forceinline__ const T *panel(int p) const { return data + p * R * panel_cols; }
 };
 
-template <typename X> concept SharedTile = requires { X::chunks_per_row; X::swizzle(0); };
+template <typename X> concept SharedTile = requires { X::chunks_per_row; X::panel_cols; };
 
 }  // namespace tk

@@ -1,0 +1,130 @@
+// Attention forward for Hopper (sm_90a): TMA, mbarriers, wgmma and warp specialization.
+// A block has 3 warpgroups. The last is the producer: one thread streams Q once and key/value
+// blocks through a ring of STAGES shared-memory slots with TMA, each slot guarded by a "full"
+// semaphore (TMA bytes landed) and an "empty" one (every consumer warp is done with it). The
+// other two are consumers, 64 query rows each: S = Q K^T (wgmma, both operands in shared memory),
+// online softmax in registers (the same warp code as the mma.sync kernel), O += P V (wgmma, P from
+// registers). setmaxnreg moves registers from the producer to the consumers.
+#include "common.cuh"
+
+namespace jax_tk::attention {
+namespace {
+
+using namespace tk;
+
+template <typename T, int D> struct FwdH {
+  static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1), BQ = 64 * CONSUMERS, BK = 128;
+  static constexpr int STAGES = D <= 64 ? 4 : 2;
+  struct Shared {
+    st<T, 64, D> q[CONSUMERS];
+    st<T, BK, D> k[STAGES], v[STAGES];
+    semaphore q_full, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
+  };
+  struct Args {
+    Params p;
+    tma_map<T, 64> q;
+    tma_map<T, BK> k, v;
+  };
+  static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
+};
+
+template <typename T, int D>
+__global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const __grid_constant__ typename FwdH<T, D>::Args a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = FwdH<T, D>;
+  constexpr int BK = C::BK, STAGES = C::STAGES, CONSUMERS = C::CONSUMERS;
+  extern __shared__ char smem_raw[];
+  auto &sm = *reinterpret_cast<typename C::Shared *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const Params &p = a.p;
+  const int b = blockIdx.z, h = blockIdx.y;
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * C::BQ;  // heaviest (causal) blocks first
+  const int kvh = h / (p.q_heads / p.kv_heads);
+  const int n_blocks = kv_block_end(p, q0, C::BQ, BK);
+  const int wg = warpgroup::groupid();
+
+  if (threadIdx.x == 0) {
+    init(sm.q_full, 1);
+    for (int s = 0; s < STAGES; s++) {
+      init(sm.k_full[s], 1);
+      init(sm.v_full[s], 1);
+      init(sm.k_empty[s], CONSUMERS * 4);  // one arrival per consumer warp
+      init(sm.v_empty[s], CONSUMERS * 4);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == CONSUMERS) {  // producer
+    warpgroup::decrease_registers<24>();
+    if (threadIdx.x == CONSUMERS * 128) {
+      arrive_expect_bytes(sm.q_full, CONSUMERS * sizeof(sm.q[0].data));
+      for (int c = 0; c < CONSUMERS; c++) load_async(sm.q[c], a.q, {b, q0 + 64 * c, h, 0}, sm.q_full);
+      for (int j = 0; j < n_blocks; j++) {
+        const int s = j % STAGES, phase = (j / STAGES) & 1;
+        wait(sm.k_empty[s], phase ^ 1);
+        arrive_expect_bytes(sm.k_full[s], sizeof(sm.k[s].data));
+        load_async(sm.k[s], a.k, {b, j * BK, kvh, 0}, sm.k_full[s]);
+        wait(sm.v_empty[s], phase ^ 1);
+        arrive_expect_bytes(sm.v_full[s], sizeof(sm.v[s].data));
+        load_async(sm.v[s], a.v, {b, j * BK, kvh, 0}, sm.v_full[s]);
+      }
+    }
+    return;
+  }
+
+  // consumers
+  warpgroup::increase_registers<240>();
+  const int qw = q0 + 64 * wg + 16 * (warpid() % 4);  // this warp's first query row
+  rt_fl<16, BK> s;
+  rt<T, 16, BK> pr;
+  rt_fl<16, D> o;
+  col_vec<rt_fl<16, BK>> m, l, corr;
+  warp::zero(o);
+  warp::fill_vec(m, NEG_INF);
+  warp::fill_vec(l, 0.f);
+  wait(sm.q_full, 0);
+
+  for (int j = 0; j < n_blocks; j++) {
+    const int st = j % STAGES, phase = (j / STAGES) & 1;
+    wait(sm.k_full[st], phase);
+    warpgroup::mma_ABt(s, sm.q[wg], sm.k[st], false);  // S = Q K^T
+    warpgroup::wait<0>();
+    if (laneid() == 0) arrive(sm.k_empty[st]);
+
+    scale_and_mask(s, p, qw, j * BK);
+    softmax_step(s, m, l, corr);
+    warp::copy(pr, s);
+    warp::mul_row(o, o, corr);
+
+    wait(sm.v_full[st], phase);
+    warpgroup::mma_AB(o, pr, sm.v[st], true);  // O += P V
+    warpgroup::wait<0>();
+    if (laneid() == 0) arrive(sm.v_empty[st]);
+  }
+  store_output<T>(p, o, l, b, h, qw, 0);
+  store_lse(p, m, l, b, h, qw);
+#endif
+}
+
+}  // namespace
+
+bool fwd_sm90_supported(const Params &p) { return p.head_dim == 64 || p.head_dim == 128; }
+
+cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
+  return dispatch(p, [&]<typename T, int D>() {
+    using C = FwdH<T, D>;
+    typename C::Args a{p, {}, {}, {}};
+    if (!make_tma_map(a.q, p.q, p.batch, p.q_len, p.q_heads, D) ||
+        !make_tma_map(a.k, p.k, p.batch, p.kv_len, p.kv_heads, D) ||
+        !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
+      return cudaErrorInvalidValue;
+    dim3 grid((p.q_len + C::BQ - 1) / C::BQ, p.q_heads, p.batch);
+    auto kernel = fwd_sm90_kernel<T, D>;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::smem));
+    if (e != cudaSuccess) return e;
+    kernel<<<grid, C::THREADS, C::smem, stream>>>(a);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace jax_tk::attention

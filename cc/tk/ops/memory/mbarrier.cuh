@@ -1,0 +1,36 @@
+// mbarrier semaphores (sm_90): a 64-bit shared-memory barrier that completes a phase when its
+// expected arrivals and expected transaction bytes (from TMA) have all come in.
+#pragma once
+#include "cp_async.cuh"
+
+namespace tk {
+
+struct semaphore {
+  uint64_t bar;
+};
+
+__device__ __forceinline__ void init(semaphore &s, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(&s.bar)), "r"(arrivals) : "memory");
+}
+// Make initialized barriers visible to the async proxy (TMA) and the other threads' views.
+__device__ __forceinline__ void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+
+__device__ __forceinline__ void arrive(semaphore &s) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(&s.bar)) : "memory");
+}
+// Arrive and announce `bytes` of TMA transactions that will complete this phase.
+__device__ __forceinline__ void arrive_expect_bytes(semaphore &s, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(&s.bar)), "r"(bytes) : "memory");
+}
+// Block until the phase with this parity (0 or 1) has completed.
+__device__ __forceinline__ void wait(semaphore &s, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(&s.bar)),
+      "r"(parity)
+      : "memory");
+}
+
+}  // namespace tk

@@ -1,0 +1,71 @@
+// TMA (the bulk tensor copy engine, sm_90): tensor maps built on the host from a [b, s, h, d] view,
+// and asynchronous loads of whole shared tiles that complete on a semaphore. Rows past the end of
+// the tensor arrive as zeros. Tiles are loaded one 128-byte-wide panel at a time (SWIZZLE_128B).
+#pragma once
+#include <cuda.h>
+
+#include "../../types/st.cuh"
+#include "mbarrier.cuh"
+
+namespace tk {
+
+// Host: a tensor map for a contiguous [b, s, h, d] tensor of T whose boxes are ROWS x (128 bytes).
+template <typename T, int ROWS> struct tma_map {
+  CUtensorMap map;
+};
+
+using encode_fn = CUresult (*)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                               const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled from the driver, found at run time (no link-time libcuda dependency).
+inline encode_fn tensor_map_encoder() {
+  static encode_fn fn = [] {
+    void *p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<encode_fn>(p);
+  }();
+  return fn;
+}
+
+template <typename T> constexpr CUtensorMapDataType tma_dtype() {
+  if constexpr (std::is_same_v<T, bf16>) return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  else if constexpr (std::is_same_v<T, half>) return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  else return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+}
+
+// Returns false if the driver refuses (alignment, sizes).
+template <typename T, int ROWS>
+inline bool make_tma_map(tma_map<T, ROWS> &m, const void *ptr, int b, int s, int h, int d) {
+  encode_fn encode = tensor_map_encoder();
+  if (!encode) return false;
+  constexpr int box_cols = 128 / sizeof(T);
+  cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(h), cuuint64_t(s), cuuint64_t(b)};
+  cuuint64_t strides[3] = {cuuint64_t(d) * sizeof(T), cuuint64_t(h) * d * sizeof(T), cuuint64_t(s) * h * d * sizeof(T)};
+  cuuint32_t box[4] = {cuuint32_t(d < box_cols ? d : box_cols), 1, cuuint32_t(ROWS), 1};
+  cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  CUresult r = encode(&m.map, tma_dtype<T>(), 4, const_cast<void *>(ptr), dims, strides, box, elem_strides,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
+// Device: one thread loads tile rows [s, s + R) at (b, h), all panels, completing on `bar`; the
+// caller has announced ST::bytes on `bar` (see arrive_expect_bytes).
+template <SharedTile ST, int ROWS>
+__device__ __forceinline__ void load_async(ST &dst, const tma_map<typename ST::dtype, ROWS> &m, coord o, semaphore &bar) {
+  static_assert(ST::rows == ROWS && ST::panel_cols * sizeof(typename ST::dtype) == 128);
+#pragma unroll
+  for (int p = 0; p < ST::panels; p++) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(
+            smem_addr(dst.panel(p))),
+        "l"(&m.map), "r"(o.d + p * ST::panel_cols), "r"(o.h), "r"(o.s), "r"(o.b), "r"(smem_addr(&bar.bar))
+        : "memory");
+  }
+}
+
+}  // namespace tk

@@ -1,0 +1,71 @@
+// Warpgroup (4 consecutive warps) matrix products on wgmma (sm_90a), accumulating in fp32 registers.
+// Each warp of the group holds its 16 rows of the 64-row accumulator as an rt_fl<16, N>: the
+// register order of wgmma's accumulator fragment is exactly that of a row-layout register tile.
+//   mma_ABt(d, A smem [64 x K], B smem [N x K])       d (+)= A B^T   (both K-major)
+//   mma_AB (d, A regs rt<T,16,K>, B smem [K x N])     d (+)= A B     (B N-major, e.g. V in P V)
+#pragma once
+#include "../../types/rt.cuh"
+#include "../../types/st.cuh"
+#include "../memory/cp_async.cuh"
+#include "wgmma_asm.cuh"
+
+namespace tk::warpgroup {
+
+__device__ __forceinline__ int groupid() { return threadIdx.x / 128; }
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// setmaxnreg: move registers from the producer warpgroup to the consumers.
+template <int R> __device__ __forceinline__ void increase_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+template <int R> __device__ __forceinline__ void decrease_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+
+// Shared-memory matrix descriptors for 128-byte-swizzled tiles.
+__device__ __forceinline__ uint64_t descriptor(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32) | (1ull << 62);
+}
+// K-major operand: tile rows are M (or N), columns are K; the 16 columns from k on.
+template <SharedTile ST> __device__ __forceinline__ uint64_t k_major(const ST &t, int k) {
+  static_assert(ST::panel_cols * sizeof(typename ST::dtype) == 128, "wgmma tiles use full 128-byte panels");
+  uint32_t addr = smem_addr(t.panel(k / ST::panel_cols)) + (k % ST::panel_cols) * sizeof(typename ST::dtype);
+  return descriptor(addr, 16, 1024);  // 8-row groups are 1024 bytes apart
+}
+// N-major operand: tile rows are K, columns are N; the 16 rows from k on. Panels (64 columns of
+// bf16) are panel_bytes apart, groups of 8 rows 1024 bytes apart.
+template <SharedTile ST> __device__ __forceinline__ uint64_t n_major(const ST &t, int k) {
+  static_assert(ST::panel_cols * sizeof(typename ST::dtype) == 128, "wgmma tiles use full 128-byte panels");
+  return descriptor(smem_addr(t.panel(0)) + k * 128, ST::panel_bytes, 1024);
+}
+
+template <int N> __device__ __forceinline__ float (&accumulators(rt<float, 16, N, row_l> &d))[N / 2] {
+  return *reinterpret_cast<float(*)[N / 2]>(&d.tiles[0][0]);
+}
+
+template <int N, SharedTile SA, SharedTile SB>
+__device__ __forceinline__ void mma_ABt(rt<float, 16, N, row_l> &d, const SA &a, const SB &b, bool accumulate) {
+  using T = typename SA::dtype;
+  static_assert(SA::rows == 64 && SB::rows == N && SA::cols == SB::cols && std::is_same_v<T, typename SB::dtype>);
+  fence();
+#pragma unroll
+  for (int k = 0; k < SA::cols / 16; k++)
+    detail::wgmma<T, N, 0>::ss(accumulators(d), k_major(a, 16 * k), k_major(b, 16 * k), accumulate || k > 0);
+  commit();
+}
+
+template <int N, int K, typename T, SharedTile SB>
+__device__ __forceinline__ void mma_AB(rt<float, 16, N, row_l> &d, const rt<T, 16, K, row_l> &a, const SB &b, bool accumulate) {
+  static_assert(SB::rows == K && SB::cols == N && std::is_same_v<T, typename SB::dtype>);
+  fence();
+#pragma unroll
+  for (int k = 0; k < K / 16; k++)
+    detail::wgmma<T, N, 1>::rs(accumulators(d), reinterpret_cast<const uint32_t(&)[4]>(a.tiles[0][k].data),
+                               n_major(b, 16 * k), accumulate || k > 0);
+  commit();
+}
+
+}  // namespace tk::warpgroup
