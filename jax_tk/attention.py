@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import warnings
 
 import jax
@@ -148,12 +149,18 @@ def _lse_shape(query):
 
 # Kernel variants: 0 = the fastest for the device (sm_90a kernels on H100/H200), 1 = the mma.sync
 # (sm_80) kernels on every GPU. Tests and benchmarks use 1 to check and time the portable path.
+# The environment variable JAX_TK_ATTENTION_KERNELS=sm80 makes the mma.sync kernels the default.
 VARIANT_AUTO, VARIANT_SM80 = 0, 1
 
 
-def _kernel_call(target, out_types, args, spec, out_init, variant=VARIANT_AUTO):
+def _default_variant() -> int:
+    return VARIANT_SM80 if os.environ.get("JAX_TK_ATTENTION_KERNELS", "").lower() == "sm80" else VARIANT_AUTO
+
+
+def _kernel_call(target, out_types, args, spec, out_init, variant=None):
     """Calls an FFI target. ``out_init`` (tests only) gives buffers that are aliased to the outputs, so
     that a test can poison every output before the kernel runs; the handler ignores them as inputs."""
+    variant = _default_variant() if variant is None else variant
     aliases = None
     if out_init is not None:
         aliases = {len(args) + i: i for i in range(len(out_init))}
@@ -162,12 +169,12 @@ def _kernel_call(target, out_types, args, spec, out_init, variant=VARIANT_AUTO):
     return call(*args, scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal), variant=np.int32(variant))
 
 
-def _fwd_kernel(query, key, value, spec: AttentionSpec, out_init=None, variant=VARIANT_AUTO):
+def _fwd_kernel(query, key, value, spec: AttentionSpec, out_init=None, variant=None):
     out_types = (jax.ShapeDtypeStruct(query.shape, query.dtype), _lse_shape(query))
     return tuple(_kernel_call(FWD_TARGET, out_types, (query, key, value), spec, out_init, variant))
 
 
-def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, out_init=None, variant=VARIANT_AUTO):
+def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, out_init=None, variant=None):
     out_types = (
         jax.ShapeDtypeStruct(query.shape, query.dtype),
         jax.ShapeDtypeStruct(key.shape, key.dtype),
