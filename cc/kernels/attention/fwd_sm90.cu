@@ -4,7 +4,8 @@
 // semaphore (TMA bytes landed) and an "empty" one (every consumer warp is done with it). The
 // other two are consumers, 64 query rows each: S = Q K^T (wgmma, both operands in shared memory),
 // online softmax in registers (the same warp code as the mma.sync kernel), O += P V (wgmma, P from
-// registers). setmaxnreg moves registers from the producer to the consumers.
+// registers), pipelined so that the softmax of one block overlaps the P V product of the previous.
+// setmaxnreg moves registers from the producer to the consumers.
 #include "common.cuh"
 
 namespace jax_tk::attention {
@@ -84,23 +85,42 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   warp::fill_vec(l, 0.f);
   wait(sm.q_full, 0);
 
-  for (int j = 0; j < n_blocks; j++) {
-    const int st = j % STAGES, phase = (j / STAGES) & 1;
-    wait(sm.k_full[st], phase);
-    warpgroup::mma_ABt(s, sm.q[wg], sm.k[st], false);  // S = Q K^T
-    warpgroup::wait<0>();
-    if (laneid() == 0) arrive(sm.k_empty[st]);
+  // Software pipeline: while the tensor cores compute O += P_{j-1} V_{j-1}, the warps run the
+  // softmax of block j. S_j is issued first; wgmma groups complete in order.
+  wait(sm.k_full[0], 0);
+  warpgroup::mma_ABt(s, sm.q[wg], sm.k[0], false);  // S_0 = Q K_0^T
+  warpgroup::wait<0>();
+  warpgroup::fence_registers(s);
+  if (laneid() == 0) arrive(sm.k_empty[0]);
+  scale_and_mask(s, p, qw, 0);
+  softmax_step(s, m, l, corr);
+  warp::copy(pr, s);
 
+  for (int j = 1; j < n_blocks; j++) {
+    const int st = j % STAGES, phase = (j / STAGES) & 1;
+    const int prev = (j - 1) % STAGES, prev_phase = ((j - 1) / STAGES) & 1;
+    wait(sm.k_full[st], phase);
+    warpgroup::mma_ABt(s, sm.q[wg], sm.k[st], false);  // S_j = Q K_j^T
+    wait(sm.v_full[prev], prev_phase);
+    warpgroup::mma_AB(o, pr, sm.v[prev], true);  // O += P_{j-1} V_{j-1}
+    warpgroup::wait<1>();                         // S_j is ready
+    warpgroup::fence_registers(s);
+    if (laneid() == 0) arrive(sm.k_empty[st]);
     scale_and_mask(s, p, qw, j * BK);
     softmax_step(s, m, l, corr);
-    warp::copy(pr, s);
+    warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done
+    warpgroup::fence_registers(o);
+    warpgroup::fence_registers(pr);
+    if (laneid() == 0) arrive(sm.v_empty[prev]);
     warp::mul_row(o, o, corr);
-
-    wait(sm.v_full[st], phase);
-    warpgroup::mma_AB(o, pr, sm.v[st], true);  // O += P V
-    warpgroup::wait<0>();
-    if (laneid() == 0) arrive(sm.v_empty[st]);
+    warp::copy(pr, s);
   }
+  const int last = (n_blocks - 1) % STAGES;
+  wait(sm.v_full[last], ((n_blocks - 1) / STAGES) & 1);
+  warpgroup::mma_AB(o, pr, sm.v[last], true);
+  warpgroup::wait<0>();
+  warpgroup::fence_registers(o);
+  if (laneid() == 0) arrive(sm.v_empty[last]);
   store_output<T>(p, o, l, b, h, qw, 0);
   store_lse(p, m, l, b, h, qw);
 #endif

@@ -27,10 +27,11 @@ template <int N> __device__ __forceinline__ void wait_group() {
 template <int THREADS, SharedTile ST, typename U>
 __device__ __forceinline__ void load_async(ST &dst, const gl<U> &src, coord origin, int tid) {
   static_assert(std::is_same_v<std::remove_const_t<U>, typename ST::dtype>, "load_async does not convert");
-  constexpr int total = ST::rows * ST::chunks_per_row;
+  constexpr int row_chunks = ST::cols / ST::chunk;  // 16-byte chunks in a whole row (all panels)
+  constexpr int total = ST::rows * row_chunks;
 #pragma unroll
   for (int i = tid; i < total; i += THREADS) {
-    int r = i / ST::chunks_per_row, c = (i % ST::chunks_per_row) * ST::chunk;
+    int r = i / row_chunks, c = (i % row_chunks) * ST::chunk;
     int s = origin.s + r;
     bool valid = s < src.seq();
     const auto *p = src.at(origin.b, valid ? s : 0, origin.h, origin.d + c);

@@ -17,6 +17,20 @@ __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync
 template <int N> __device__ __forceinline__ void wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// Tie a register tile to this point of the program: the compiler may not move its reads or writes
+// across it (use after wait<N>() for tiles that in-flight wgmmas read or write).
+template <RegisterTile RT> __device__ __forceinline__ void fence_registers(RT &t) {
+#pragma unroll
+  for (int i = 0; i < RT::height; i++)
+#pragma unroll
+    for (int j = 0; j < RT::width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        uint32_t *r = reinterpret_cast<uint32_t *>(&t.tiles[i][j].data[k]);
+#pragma unroll
+        for (int w = 0; w < int(sizeof(t.tiles[i][j].data[k]) / 4); w++) asm volatile("" : "+r"(r[w])::"memory");
+      }
+}
 // setmaxnreg: move registers from the producer warpgroup to the consumers.
 template <int R> __device__ __forceinline__ void increase_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
