@@ -74,9 +74,11 @@ def _check_inputs(query, key, value, scale, is_causal, implementation):
             f"of key/value heads ({kh})"
         )
     if scale is not None:
+        if isinstance(scale, (str, bytes, bool, np.bool_)):
+            raise TypeError(f"jax_tk.attention: scale must be a Python float or None, got {scale!r}")
         try:
             scale = float(scale)
-        except TypeError:
+        except (TypeError, ValueError):
             raise TypeError(f"jax_tk.attention: scale must be a Python float or None, got {scale!r}")
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"jax_tk.attention: scale must be a positive finite float, got {scale}")

@@ -1,0 +1,314 @@
+"""GPU tests of the CUDA attention kernels against the float32 reference (skipped without a GPU).
+
+Every kernel output is poisoned with NaN before the kernel runs (through the ``out_init`` test hook,
+whose buffers are aliased to the outputs), so an output element the kernel forgets to write shows up
+as a NaN. Errors are relative, ``norm(x - ref) / norm(ref)``, against jax_tk.reference computed in
+float32 from the same (rounded) inputs.
+"""
+import functools
+import itertools
+import math
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tk
+from jax_tk import reference
+from jax_tk.attention import (
+    BWD_TARGET, FWD_TARGET, VARIANT_AUTO, VARIANT_SM80, AttentionSpec, _bwd_kernel, _fwd_kernel,
+)
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+RTOL = 1e-2  # out, dq, dk, dv: norm(x - ref) / norm(ref)
+LSE_TOL = 1e-3  # lse: max |x - ref| / max(1, max |ref|)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def rel_err(x, ref, floor=1e-4):
+    """norm(x - ref) / norm(ref), in float64.
+
+    The denominator is at least ``floor`` times the RMS-norm of a tensor of ones, so that a reference
+    that is zero analytically (dq when every query row sees exactly one key) compares its rounding
+    noise against a small absolute scale instead of dividing by ~0.
+    """
+    x = np.asarray(x).astype(np.float64)
+    ref = np.asarray(ref).astype(np.float64)
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    den = max(np.linalg.norm(ref), floor * math.sqrt(ref.size))
+    return np.linalg.norm(x - ref) / den
+
+
+def assert_finite(name, x):
+    x = np.asarray(x).astype(np.float32)
+    bad = ~np.isfinite(x)
+    assert not bad.any(), f"{name}: {bad.sum()} of {x.size} values are NaN/inf (first at {np.argwhere(bad)[0]})"
+
+
+def assert_close(name, x, ref, tol=RTOL):
+    assert_finite(name, x)
+    err = rel_err(x, ref)
+    assert err < tol, f"{name}: relative error {err:.3g} >= {tol}"
+
+
+def assert_lse_close(x, ref, tol=LSE_TOL):
+    assert_finite("lse", x)
+    x = np.asarray(x).astype(np.float64)
+    ref = np.asarray(ref).astype(np.float64)
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    err = np.max(np.abs(x - ref)) / max(1.0, np.max(np.abs(ref)))
+    assert err < tol, f"lse: max error {err:.3g} >= {tol}"
+
+
+def make_inputs(seed, b, t, s, n, kh, d, dtype, q_mult=1.0):
+    """Fresh standard-normal q, k, v, dout (never zeros or ones), rounded to dtype on the host."""
+    rng = np.random.default_rng(seed)
+    np_dtype = jnp.dtype(dtype)
+
+    def randn(shape, mult=1.0):
+        return jnp.asarray((mult * rng.standard_normal(shape, dtype=np.float32)).astype(np_dtype))
+
+    return randn((b, t, n, d), q_mult), randn((b, s, kh, d)), randn((b, s, kh, d)), randn((b, t, n, d))
+
+
+def _nan(shape, dtype):
+    return jnp.full(shape, jnp.nan, dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "variant"))
+def kernel_fwd_bwd(q, k, v, dout, dlse, *, scale, is_causal, variant=VARIANT_AUTO):
+    """The forward and backward kernels, called directly, with every output poisoned with NaN.
+    variant: VARIANT_AUTO (the fastest kernels for this GPU) or VARIANT_SM80 (the mma.sync ones)."""
+    spec = AttentionSpec(scale, is_causal, True)
+    b, t, n, _ = q.shape
+    out, lse = _fwd_kernel(q, k, v, spec, out_init=(_nan(q.shape, q.dtype), _nan((b, n, t), F32)), variant=variant)
+    dq, dk, dv = _bwd_kernel(
+        q, k, v, out, lse, dout, dlse, spec,
+        out_init=(_nan(q.shape, q.dtype), _nan(k.shape, k.dtype), _nan(v.shape, v.dtype), _nan((b, n, t), F32)),
+        variant=variant,
+    )
+    return out, lse, dq, dk, dv
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "is_causal"))
+def reference_fwd_bwd(q, k, v, dout, dlse, *, scale, is_causal):
+    """jax_tk.reference in float32 from the same inputs; gradients from jax.vjp with (dout, dlse)."""
+    q, k, v, dout = (x.astype(F32) for x in (q, k, v, dout))
+    f = functools.partial(reference.attention_with_lse, scale=scale, is_causal=is_causal)
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    dq, dk, dv = vjp((dout, dlse.astype(F32)))
+    return out, lse, dq, dk, dv
+
+
+def check_kernels(q, k, v, dout, dlse, *, scale, is_causal, variant=VARIANT_AUTO):
+    got = kernel_fwd_bwd(q, k, v, dout, dlse, scale=scale, is_causal=is_causal, variant=variant)
+    want = reference_fwd_bwd(q, k, v, dout, dlse, scale=scale, is_causal=is_causal)
+    out, lse, dq, dk, dv = got
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == F32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    assert (dq.dtype, dk.dtype, dv.dtype) == (q.dtype, k.dtype, v.dtype)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    # Every output first: a NaN means an element the kernel never wrote (or a real NaN).
+    for name, x in zip(("out", "lse", "dq", "dk", "dv"), got):
+        assert_finite(name, x)
+    assert_close("out", out, want[0])
+    assert_lse_close(lse, want[1])
+    for name, x, r in zip(("dq", "dk", "dv"), got[2:], want[2:]):
+        assert_close(name, x, r)
+    return got, want
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel sweep, outputs poisoned, against the reference
+# ----------------------------------------------------------------------------------------------
+
+SEQ_LENS = [(128, 128), (1, 1), (17, 33), (65, 64), (200, 130), (130, 200), (1024, 1024)]
+HEADS = [(4, 4), (8, 2)]  # (query heads, key/value heads)
+HEAD_DIMS = [64, 128]
+
+
+def _sweep_cases():
+    """Every (T, S) with every (heads, head_dim, causal); dtype and batch alternate so that each
+    (T, S) also sees both dtypes with both causal values and both batch sizes. 57 cases."""
+    cases = []
+    for i, (t, s) in enumerate(SEQ_LENS):
+        for j, ((n, kh), d, causal) in enumerate(itertools.product(HEADS, HEAD_DIMS, (False, True))):
+            dtype = (BF16, F16)[(i + j // 2) % 2]
+            b = (1, 2)[(i + j // 4 + j % 2) % 2]
+            cases.append((b, t, s, n, kh, d, causal, dtype))
+    cases.append((1, 4096, 4096, 8, 2, 128, True, BF16))  # one long case
+    return [
+        pytest.param(*c, id="B{}_T{}_S{}_N{}_K{}_D{}_{}_{}".format(*c[:6], "causal" if c[6] else "full",
+                                                              jnp.dtype(c[7]).name))
+        for c in cases
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [VARIANT_AUTO, VARIANT_SM80], ids=["auto", "sm80"])
+@pytest.mark.parametrize("b,t,s,n,kh,d,is_causal,dtype", _sweep_cases())
+def test_kernels_vs_reference(b, t, s, n, kh, d, is_causal, dtype, variant):
+    seed = zlib.crc32(repr((b, t, s, n, kh, d, is_causal, jnp.dtype(dtype).name)).encode())  # fixed per case
+    q, k, v, dout = make_inputs(seed, b, t, s, n, kh, d, dtype)
+    dlse = jnp.zeros((b, n, t), F32)
+    check_kernels(q, k, v, dout, dlse, scale=1.0 / math.sqrt(d), is_causal=is_causal, variant=variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "b,t,s,n,kh,d,is_causal,dtype",
+    [
+        (2, 65, 64, 8, 2, 64, True, BF16),
+        (1, 200, 130, 4, 4, 128, False, F16),
+        (1, 130, 200, 8, 2, 128, True, F16),
+        (2, 1, 1, 4, 4, 64, False, BF16),
+        (1, 512, 512, 4, 4, 64, False, BF16),
+    ],
+)
+def test_kernels_with_lse_cotangent(b, t, s, n, kh, d, is_causal, dtype):
+    """A random cotangent for the log-sum-exp (as when a loss uses lse, e.g. merging partial results)."""
+    q, k, v, dout = make_inputs(7 + t + s + d, b, t, s, n, kh, d, dtype)
+    dlse = jnp.asarray(np.random.default_rng(8 + t).standard_normal((b, n, t), dtype=np.float32))
+    check_kernels(q, k, v, dout, dlse, scale=1.0 / math.sqrt(d), is_causal=is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [0.05, 0.3])
+def test_kernels_custom_scale(scale):
+    q, k, v, dout = make_inputs(11, 2, 130, 200, 8, 2, 64, BF16)
+    dlse = jnp.zeros((2, 8, 130), F32)
+    check_kernels(q, k, v, dout, dlse, scale=scale, is_causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_large_magnitude_inputs(dtype, is_causal):
+    """q * 10: very peaked softmax (logits of tens); nothing may overflow to NaN/inf."""
+    b, t, s, n, kh, d = 2, 300, 257, 8, 2, 128
+    q, k, v, dout = make_inputs(12, b, t, s, n, kh, d, dtype, q_mult=10.0)
+    dlse = jnp.zeros((b, n, t), F32)
+    scale = 1.0 / math.sqrt(d)
+    got = kernel_fwd_bwd(q, k, v, dout, dlse, scale=scale, is_causal=is_causal)
+    for name, x in zip(("out", "lse", "dq", "dk", "dv"), got):
+        assert_finite(name, x)
+    want = reference_fwd_bwd(q, k, v, dout, dlse, scale=scale, is_causal=is_causal)
+    assert_close("out", got[0], want[0])
+    assert_lse_close(got[1], want[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API on the GPU
+# ----------------------------------------------------------------------------------------------
+
+
+def _loss(fn, dout):
+    return lambda q, k, v: jnp.sum(fn(q, k, v).astype(F32) * dout.astype(F32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("implementation", ["tk", None])
+def test_public_attention_and_grad(dtype, is_causal, implementation):
+    b, t, s, n, kh, d = 2, 300, 257, 8, 2, 128
+    q, k, v, dout = make_inputs(13, b, t, s, n, kh, d, dtype)
+    f = functools.partial(jax_tk.attention, is_causal=is_causal, implementation=implementation)
+    out = jax.jit(f)(q, k, v)
+    dq, dk, dv = jax.jit(jax.grad(_loss(f, dout), argnums=(0, 1, 2)))(q, k, v)
+    want = reference_fwd_bwd(q, k, v, dout, jnp.zeros((b, n, t), F32), scale=1 / math.sqrt(d), is_causal=is_causal)
+    assert out.dtype == dtype and dq.dtype == dtype
+    assert_close("out", out, want[0])
+    for name, x, r in zip(("dq", "dk", "dv"), (dq, dk, dv), want[2:]):
+        assert_close(name, x, r)
+
+
+@pytest.mark.gpu
+def test_public_attention_with_lse_grad_through_both_outputs():
+    b, t, s, n, kh, d = 1, 200, 333, 8, 2, 64
+    q, k, v, dout = make_inputs(14, b, t, s, n, kh, d, BF16)
+    dlse = jnp.asarray(np.random.default_rng(15).standard_normal((b, n, t), dtype=np.float32))
+
+    def loss(q, k, v):
+        out, lse = jax_tk.attention_with_lse(q, k, v, is_causal=True, implementation="tk")
+        return jnp.sum(out.astype(F32) * dout.astype(F32)) + jnp.sum(lse * dlse)
+
+    out, lse = jax.jit(functools.partial(jax_tk.attention_with_lse, is_causal=True, implementation="tk"))(q, k, v)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    want = reference_fwd_bwd(q, k, v, dout, dlse, scale=1 / math.sqrt(d), is_causal=True)
+    assert_close("out", out, want[0])
+    assert_lse_close(lse, want[1])
+    for name, x, r in zip(("dq", "dk", "dv"), grads, want[2:]):
+        assert_close(name, x, r)
+
+
+@pytest.mark.gpu
+def test_default_implementation_picks_kernel_on_gpu():
+    q, k, v, dout = make_inputs(16, 1, 128, 128, 4, 4, 64, BF16)
+    f = functools.partial(jax_tk.attention, is_causal=True)
+    lowered = jax.jit(f).lower(q, k, v)
+    assert FWD_TARGET in lowered.as_text()
+    assert FWD_TARGET in lowered.compile().as_text()
+    grad = jax.grad(_loss(f, dout), argnums=(0, 1, 2))
+    assert BWD_TARGET in jax.jit(grad).lower(q, k, v).as_text()
+
+
+@pytest.mark.gpu
+def test_unsupported_config_on_gpu_falls_back_to_reference():
+    for dtype, d in ((F32, 64), (BF16, 96)):
+        q, k, v, _ = make_inputs(17, 1, 33, 47, 4, 2, d, dtype)
+        f = functools.partial(jax_tk.attention, is_causal=True)
+        assert FWD_TARGET not in jax.jit(f).lower(q, k, v).as_text()
+        want = reference.attention(q.astype(F32), k.astype(F32), v.astype(F32), scale=1 / math.sqrt(d), is_causal=True)
+        assert_close("out", jax.jit(f)(q, k, v), want, tol=1e-5 if dtype == F32 else RTOL)
+        with pytest.raises(ValueError, match="implementation='tk'"):
+            jax_tk.attention(q, k, v, implementation="tk")
+
+
+@pytest.mark.gpu
+def test_vmap_of_kernel():
+    e, b, t, s, n, kh, d = 3, 1, 70, 90, 4, 2, 64
+    rng = np.random.default_rng(18)
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(jnp.dtype(BF16)))
+        for shape in ((e, b, t, n, d), (e, b, s, kh, d), (e, b, s, kh, d))
+    )
+    out = jax.jit(jax.vmap(functools.partial(jax_tk.attention, implementation="tk")))(q, k, v)
+    for i in range(e):
+        want = reference.attention(q[i].astype(F32), k[i].astype(F32), v[i].astype(F32), scale=1 / 8, is_causal=False)
+        assert_close(f"out[{i}]", out[i], want)
+
+
+# ----------------------------------------------------------------------------------------------
+# Determinism
+# ----------------------------------------------------------------------------------------------
+
+
+def _same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_backward_is_deterministic(is_causal):
+    """Two runs give bitwise identical results (GQA: several query heads feed each dk/dv)."""
+    b, t, s, n, kh, d = 2, 1024, 1024, 8, 2, 128
+    q, k, v, dout = make_inputs(19, b, t, s, n, kh, d, BF16)
+    dlse = jnp.zeros((b, n, t), F32)
+    first = kernel_fwd_bwd(q, k, v, dout, dlse, scale=1 / math.sqrt(d), is_causal=is_causal)
+    for _ in range(2):
+        again = kernel_fwd_bwd(q, k, v, dout, dlse, scale=1 / math.sqrt(d), is_causal=is_causal)
+        for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), first, again):
+            assert _same_bits(x, y), f"{name} differs between two identical runs"
+    # Same through the public API.
+    grad = jax.jit(jax.grad(_loss(functools.partial(jax_tk.attention, is_causal=is_causal), dout), argnums=(0, 1, 2)))
+    g1, g2 = grad(q, k, v), grad(q, k, v)
+    for name, x, y in zip(("dq", "dk", "dv"), g1, g2):
+        assert _same_bits(x, y), f"public {name} differs between two identical runs"

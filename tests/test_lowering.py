@@ -1,0 +1,305 @@
+"""CPU tests (no GPU needed) of what jax_tk.attention lowers to for CUDA: the StableHLO must contain our
+FFI custom calls with the right operands and attributes, and only where the kernel applies."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tk
+from jax_tk import reference
+from jax_tk.attention import BWD_TARGET, FWD_TARGET
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+TARGETS = (FWD_TARGET, BWD_TARGET)
+assert FWD_TARGET == "jax_tk_attention_fwd" and BWD_TARGET == "jax_tk_attention_bwd"
+
+# ----------------------------------------------------------------------------------------------
+# Lowering and parsing helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def lower_jit(f, *args, platforms=("cuda",)):
+    return jax.jit(f).trace(*args).lower(lowering_platforms=tuple(platforms)).as_text()
+
+
+def export(f, *args, platforms=("cuda",)):
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(name) for name in TARGETS]
+    return jax.export.export(jax.jit(f), platforms=list(platforms), disabled_checks=disabled)(*args)
+
+
+def lower_export(f, *args, platforms=("cuda",)):
+    return export(f, *args, platforms=platforms).mlir_module()
+
+
+LOWERERS = {"jit_lower": lower_jit, "export": lower_export}
+
+
+@pytest.fixture(params=sorted(LOWERERS))
+def lower(request):
+    return LOWERERS[request.param]
+
+
+@dataclasses.dataclass
+class CustomCall:
+    target: str
+    operands: list[str]
+    operand_types: list[str]
+    result_types: list[str]
+    attrs: dict[str, tuple[str, str]]  # name -> (printed value, type)
+    line: str
+
+    def attr_float(self, name):
+        value, typ = self.attrs[name]
+        assert typ == "f32", f"{name} should be an f32 attribute, got {typ}"
+        if value.lower().startswith("0x"):  # MLIR prints some floats as their bits
+            return struct.unpack("<f", struct.pack("<I", int(value, 16)))[0]
+        return float(value)
+
+    def attr_int(self, name):
+        value, typ = self.attrs[name]
+        assert typ == "i32", f"{name} should be an i32 attribute, got {typ}"
+        return int(value)
+
+
+# Pretty form: stablehlo.custom_call @target(%a, %b) {...} : (types) -> types
+_PRETTY = re.compile(r"stablehlo\.custom_call @(?P<target>[\w.$-]+)\((?P<operands>[^)]*)\)")
+# Generic form: "stablehlo.custom_call"(%a, %b) <{call_target_name = "target", ...}> : ...
+_GENERIC = re.compile(r'"stablehlo\.custom_call"\((?P<operands>[^)]*)\).*?call_target_name = "(?P<target>[^"]+)"')
+_SIGNATURE = re.compile(r":\s*\((?P<inputs>[^()]*)\)\s*->\s*(?P<outputs>\([^()]*\)|tensor<[^>]*>)")
+_ATTR = re.compile(r"\b(?P<name>\w+) = (?P<value>[-+]?(?:0x[0-9A-Fa-f]+|[0-9][0-9.]*(?:[eE][-+]?[0-9]+)?)) : (?P<type>[fi]\d+)")
+_TENSOR = re.compile(r"tensor<[^>]*>")
+
+
+def custom_calls(text: str) -> list[CustomCall]:
+    calls = []
+    for line in text.splitlines():
+        m = _PRETTY.search(line) or _GENERIC.search(line)
+        if m is None:
+            continue
+        operands = [o.strip() for o in m.group("operands").split(",") if o.strip()]
+        sigs = _SIGNATURE.findall(line)
+        inputs, outputs = sigs[-1] if sigs else ("", "")
+        attrs = {a.group("name"): (a.group("value"), a.group("type")) for a in _ATTR.finditer(line)}
+        calls.append(
+            CustomCall(m.group("target"), operands, _TENSOR.findall(inputs), _TENSOR.findall(outputs), attrs, line)
+        )
+    return calls
+
+
+def tk_calls(text: str, target: str | None = None) -> list[CustomCall]:
+    calls = [c for c in custom_calls(text) if c.target.startswith("jax_tk")]
+    return [c for c in calls if target is None or c.target == target]
+
+
+def assert_no_tk_calls(text: str):
+    assert tk_calls(text) == []
+    for name in TARGETS:
+        assert name not in text
+
+
+def tensor_type(shape, dtype):
+    return "tensor<" + "x".join(str(d) for d in shape) + "x" + {BF16: "bf16", F16: "f16", F32: "f32"}[dtype] + ">"
+
+
+def _abstract(b=2, t=16, s=24, n=4, kh=2, d=64, dtype=BF16):
+    return (
+        jax.ShapeDtypeStruct((b, t, n, d), dtype),
+        jax.ShapeDtypeStruct((b, s, kh, d), dtype),
+        jax.ShapeDtypeStruct((b, s, kh, d), dtype),
+    )
+
+
+def _grad_fn(fn, **kwargs):
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(fn(q, k, v, **kwargs).astype(F32)))
+
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def test_parser_on_known_line():
+    line = (
+        '    %2:2 = stablehlo.custom_call @jax_tk_attention_fwd(%arg0, %arg1, %arg2) {backend_config = "", '
+        "mhlo.backend_config = {is_causal = 1 : i32, scale = 3.000000e-01 : f32}} : (tensor<1x16x4x64xbf16>, "
+        "tensor<1x24x2x64xbf16>, tensor<1x24x2x64xbf16>) -> (tensor<1x16x4x64xbf16>, tensor<1x4x16xf32>) loc(#loc3)"
+    )
+    (call,) = custom_calls(line)
+    assert call.target == FWD_TARGET and call.operands == ["%arg0", "%arg1", "%arg2"]
+    assert call.attr_int("is_causal") == 1 and call.attr_float("scale") == pytest.approx(0.3)
+    assert call.result_types == ["tensor<1x16x4x64xbf16>", "tensor<1x4x16xf32>"]
+    assert len(call.operand_types) == 3
+    hexline = line.replace("3.000000e-01", "0x3E99999A")
+    assert custom_calls(hexline)[0].attr_float("scale") == np.float32(0.3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.3], ids=["default_scale", "scale0.3"])
+def test_forward_custom_call(lower, dtype, is_causal, scale):
+    b, t, s, n, kh, d = 2, 16, 24, 4, 2, 64
+    args = _abstract(b, t, s, n, kh, d, dtype)
+    text = lower(functools.partial(jax_tk.attention, scale=scale, is_causal=is_causal), *args)
+    (call,) = tk_calls(text, FWD_TARGET)
+    assert tk_calls(text, BWD_TARGET) == []
+    assert len(call.operands) == 3
+    assert call.operand_types == [tensor_type((b, t, n, d), dtype)] + [tensor_type((b, s, kh, d), dtype)] * 2
+    assert call.result_types == [tensor_type((b, t, n, d), dtype), tensor_type((b, n, t), F32)]
+    expected_scale = 1.0 / math.sqrt(d) if scale is None else scale
+    assert np.float32(call.attr_float("scale")) == np.float32(expected_scale)
+    assert call.attr_int("is_causal") == int(is_causal)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_default_scale_per_head_dim(lower, d):
+    text = lower(jax_tk.attention, *_abstract(d=d))
+    (call,) = tk_calls(text, FWD_TARGET)
+    assert np.float32(call.attr_float("scale")) == np.float32(1.0 / math.sqrt(d))
+    assert call.attr_int("is_causal") == 0
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 2.5])
+def test_forward_custom_scale_value(lower, scale):
+    text = lower(functools.partial(jax_tk.attention_with_lse, scale=scale, is_causal=True), *_abstract())
+    (call,) = tk_calls(text, FWD_TARGET)
+    assert np.float32(call.attr_float("scale")) == np.float32(scale)
+    assert call.attr_int("is_causal") == 1
+
+
+@pytest.mark.parametrize(
+    "b,t,s,n,kh,d", [(1, 1, 1, 1, 1, 64), (3, 17, 130, 8, 2, 128), (1, 200, 65, 6, 1, 64), (2, 128, 128, 4, 4, 128)]
+)
+def test_forward_shapes(b, t, s, n, kh, d):
+    text = lower_jit(functools.partial(jax_tk.attention, is_causal=True), *_abstract(b, t, s, n, kh, d))
+    (call,) = tk_calls(text, FWD_TARGET)
+    assert call.operand_types == [tensor_type((b, t, n, d), BF16)] + [tensor_type((b, s, kh, d), BF16)] * 2
+    assert call.result_types == [tensor_type((b, t, n, d), BF16), tensor_type((b, n, t), F32)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_grad_contains_backward_call(lower, dtype, is_causal):
+    b, t, s, n, kh, d = 2, 16, 24, 4, 2, 64
+    text = lower(_grad_fn(jax_tk.attention, scale=0.2, is_causal=is_causal), *_abstract(b, t, s, n, kh, d, dtype))
+    (fwd,) = tk_calls(text, FWD_TARGET)
+    (bwd,) = tk_calls(text, BWD_TARGET)
+    # q, k, v, out, lse, dout, dlse
+    assert len(bwd.operands) == 7
+    q_t, kv_t, lse_t = tensor_type((b, t, n, d), dtype), tensor_type((b, s, kh, d), dtype), tensor_type((b, n, t), F32)
+    assert bwd.operand_types == [q_t, kv_t, kv_t, q_t, lse_t, q_t, lse_t]
+    # dq, dk, dv, and the fp32 workspace (delta)
+    assert bwd.result_types == [q_t, kv_t, kv_t, lse_t]
+    for call in (fwd, bwd):
+        assert np.float32(call.attr_float("scale")) == np.float32(0.2)
+        assert call.attr_int("is_causal") == int(is_causal)
+
+
+def test_grad_of_attention_with_lse_contains_backward_call(lower):
+    def loss(q, k, v):
+        out, lse = jax_tk.attention_with_lse(q, k, v, is_causal=True)
+        return jnp.sum(out.astype(F32) ** 2) + jnp.sum(jnp.cos(lse))
+
+    text = lower(jax.grad(loss, argnums=(0, 1, 2)), *_abstract())
+    assert len(tk_calls(text, FWD_TARGET)) == 1
+    (bwd,) = tk_calls(text, BWD_TARGET)
+    assert len(bwd.operands) == 7
+    assert bwd.attr_int("is_causal") == 1
+    assert np.float32(bwd.attr_float("scale")) == np.float32(0.125)
+
+
+def test_grad_wrt_query_only_still_uses_backward_kernel():
+    def loss(q, k, v):
+        return jnp.sum(jax_tk.attention(q, k, v).astype(F32) ** 2)
+
+    text = lower_jit(jax.grad(loss), *_abstract())
+    assert len(tk_calls(text, BWD_TARGET)) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Where no custom call may appear
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "grad"])
+def test_xla_implementation_has_no_custom_call(lower, grad):
+    fn = functools.partial(jax_tk.attention, is_causal=True, implementation="xla")
+    text = lower(_grad_fn(fn) if grad else fn, *_abstract())
+    assert_no_tk_calls(text)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "grad"])
+@pytest.mark.parametrize(
+    "dtype,d", [(F32, 64), (F32, 128), (BF16, 96), (F16, 96), (BF16, 32)], ids=["f32_d64", "f32_d128", "bf16_d96", "f16_d96", "bf16_d32"]
+)
+def test_unsupported_config_has_no_custom_call(lower, dtype, d, grad):
+    fn = jax_tk.attention
+    text = lower(_grad_fn(fn) if grad else fn, *_abstract(d=d, dtype=dtype))
+    assert_no_tk_calls(text)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "grad"])
+def test_cpu_lowering_has_no_custom_call(grad):
+    fn = functools.partial(jax_tk.attention, is_causal=True)
+    f = _grad_fn(fn) if grad else fn
+    assert_no_tk_calls(lower_jit(f, *_abstract(), platforms=("cpu",)))
+    assert_no_tk_calls(lower_export(f, *_abstract(), platforms=("cpu",)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Other programs
+# ----------------------------------------------------------------------------------------------
+
+
+def test_multi_platform_export_contains_kernel_and_runs_on_cpu():
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 9, 4, 64), dtype=np.float32).astype(jnp.dtype(BF16)))
+    k = jnp.asarray(rng.standard_normal((1, 13, 2, 64), dtype=np.float32).astype(jnp.dtype(BF16)))
+    v = jnp.asarray(rng.standard_normal((1, 13, 2, 64), dtype=np.float32).astype(jnp.dtype(BF16)))
+    fn = functools.partial(jax_tk.attention_with_lse, is_causal=True)
+    exp = export(fn, q, k, v, platforms=("cuda", "cpu"))
+    assert tuple(exp.platforms) == ("cuda", "cpu")
+    text = exp.mlir_module()
+    assert len(tk_calls(text, FWD_TARGET)) == 1
+    assert "stablehlo.case" in text
+    # Runs here: the CPU branch is the reference.
+    out, lse = exp.call(q, k, v)
+    ref_out, ref_lse = reference.attention_with_lse(q, k, v, scale=0.125, is_causal=True)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-5)
+
+
+def test_multi_platform_export_of_grad():
+    text = lower_export(_grad_fn(jax_tk.attention), *_abstract(), platforms=("cuda", "cpu"))
+    assert len(tk_calls(text, FWD_TARGET)) == 1
+    assert len(tk_calls(text, BWD_TARGET)) == 1
+
+
+def test_vmap_lowers_to_kernel():
+    q, k, v = _abstract(b=1, t=8, s=8, n=4, kh=2, d=64)
+    batched = [jax.ShapeDtypeStruct((3, *x.shape), x.dtype) for x in (q, k, v)]
+    text = lower_jit(jax.vmap(jax_tk.attention), *batched)
+    calls = tk_calls(text, FWD_TARGET)
+    assert len(calls) == 1  # vmap_method="sequential": one call in a loop over the vmapped axis
+    assert calls[0].operand_types[0] == tensor_type((1, 8, 4, 64), BF16)
+
+
+def test_jit_of_grad_lowering_is_stable():
+    """Lowering twice gives the same text (the spec is hashable and static)."""
+    f = _grad_fn(jax_tk.attention, is_causal=True)
+    assert lower_jit(f, *_abstract()) == lower_jit(f, *_abstract())
