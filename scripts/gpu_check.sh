@@ -2,7 +2,8 @@
 # Build jax_tk on a GPU machine (offline) and run every GPU test, plus the benchmark when asked.
 #   scripts/gpu_check.sh OUTDIR [pytest args...]
 # Environment: JAX_TK_BENCH=1 also runs the attention benchmark; JAX_TK_BENCH_ARGS passes options;
-# JAX_TK_SANITIZE=1 runs compute-sanitizer memcheck and racecheck on a small attention check.
+# JAX_TK_SANITIZE=1 runs compute-sanitizer (memcheck, racecheck, synccheck) on the kernels;
+# JAX_TK_TEST_PROCS sets the number of parallel test processes (default 8).
 # Logs: OUTDIR/build.log, OUTDIR/tests.log, OUTDIR/junit.xml, OUTDIR/bench.log (+ csv/png).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [pytest args]}
@@ -28,16 +29,23 @@ export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 # python3 -P: do not put the source tree first on sys.path, so the built jax_tk (with its
 # extension modules) in $site is the one imported.
 python3 -P -c "import jax_tk, sys; assert jax_tk.has_cuda_kernels(), 'no kernels'; print('jax_tk from', jax_tk.__file__)" || exit 1
-python3 -P -m pytest -q -rs -p no:cacheprovider --junitxml="$out/junit.xml" "$@" tests 2>&1 | tee "$out/tests.log"
+# Tests compile many small XLA programs: run them in parallel processes (pytest-xdist) when it is
+# there, each taking GPU memory as needed instead of 75% of it up front.
+par=()
+if python3 -c "import xdist" 2>/dev/null; then par=(-n "${JAX_TK_TEST_PROCS:-8}"); export XLA_PYTHON_CLIENT_PREALLOCATE=false; fi
+python3 -P -m pytest -q -rs -p no:cacheprovider "${par[@]}" --junitxml="$out/junit.xml" "$@" tests 2>&1 | tee "$out/tests.log"
 test_rc=${PIPESTATUS[0]}
 
-if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then  # memcheck and racecheck on tiny shapes; one cudaMalloc
-  # per buffer (platform allocator) so that memcheck sees the bounds of each
-  for tool in memcheck racecheck; do
-    XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool $tool --error-exitcode 3 --target-processes all \
-      python3 -P scripts/attention_check.py --small >"$out/sanitizer_$tool.log" 2>&1
+if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
+  # compute-sanitizer on a standalone driver of the kernels (no JAX in the process: memcheck on a
+  # JAX process crashed), small odd shapes, every variant, one cudaMalloc per buffer.
+  nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
+    --expt-relaxed-constexpr -lineinfo -Icc cc/tests/standalone/attention_sanitize.cu cc/kernels/attention/*.cu \
+    -o "$out/attention_sanitize" >"$out/sanitizer_build.log" 2>&1 || echo "sanitizer driver build failed" | tee -a "$out/sanitizer.log"
+  for tool in memcheck racecheck synccheck; do
+    compute-sanitizer --tool $tool --error-exitcode 3 "$out/attention_sanitize" >"$out/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool rc=$?" | tee -a "$out/sanitizer.log"
-    grep -E "ERROR SUMMARY|Error" "$out/sanitizer_$tool.log" | tail -3 | tee -a "$out/sanitizer.log"
+    grep -E "ERROR SUMMARY" "$out/sanitizer_$tool.log" | tail -1 | tee -a "$out/sanitizer.log"
   done
 fi
 

@@ -1,0 +1,76 @@
+// A standalone driver of the attention kernels for compute-sanitizer (memcheck, racecheck,
+// synccheck): small odd shapes, every kernel variant, each buffer its own cudaMalloc so that an
+// out-of-bounds access is caught. No JAX in the process. Built and run by scripts/gpu_check.sh:
+//   nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -Icc cc/tests/standalone/attention_sanitize.cu \
+//        cc/kernels/attention/*.cu -o attention_sanitize
+//   compute-sanitizer --tool memcheck ./attention_sanitize
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include <cuda_bf16.h>
+
+#include "kernels/attention/attention.h"
+
+using namespace jax_tk::attention;
+
+#define CHECK(x)                                                                          \
+  do {                                                                                    \
+    cudaError_t e_ = (x);                                                                 \
+    if (e_ != cudaSuccess) {                                                              \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+template <typename T> T *device_random(size_t n, std::mt19937 &rng) {
+  std::normal_distribution<float> dist;
+  std::vector<T> host(n);
+  for (auto &x : host) x = T(dist(rng));
+  T *d;
+  CHECK(cudaMalloc(&d, n * sizeof(T)));
+  CHECK(cudaMemcpy(d, host.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper) {
+  std::mt19937 rng(b * 1000 + t + s + d);
+  Params p{};
+  p.dtype = DType::bf16;
+  p.batch = b; p.q_len = t; p.kv_len = s; p.q_heads = n; p.kv_heads = kh; p.head_dim = d;
+  p.scale = 0.125f; p.causal = causal;
+  size_t nq = size_t(b) * t * n * d, nk = size_t(b) * s * kh * d, nr = size_t(b) * n * t;
+  p.q = device_random<__nv_bfloat16>(nq, rng);
+  p.k = device_random<__nv_bfloat16>(nk, rng);
+  p.v = device_random<__nv_bfloat16>(nk, rng);
+  p.dout = device_random<__nv_bfloat16>(nq, rng);
+  p.dlse = device_random<float>(nr, rng);
+  void *o, *dq, *dk, *dv;
+  float *lse, *delta;
+  CHECK(cudaMalloc(&o, nq * 2)); CHECK(cudaMalloc(&dq, nq * 2));
+  CHECK(cudaMalloc(&dk, nk * 2)); CHECK(cudaMalloc(&dv, nk * 2));
+  CHECK(cudaMalloc(&lse, nr * 4)); CHECK(cudaMalloc(&delta, nr * 4));
+  p.o = o; p.lse = lse; p.dq = dq; p.dk = dk; p.dv = dv; p.delta = delta;
+  CHECK(hopper ? fwd_sm90(p, 0) : fwd_sm80(p, 0));
+  CHECK(bwd_sm80(p, 0));
+  CHECK(cudaDeviceSynchronize());
+  const void *buffers[] = {p.q, p.k, p.v, p.dout, p.dlse, o, dq, dk, dv, lse, delta};
+  for (const void *x : buffers) CHECK(cudaFree(const_cast<void *>(x)));
+  std::printf("ok b=%d t=%d s=%d n=%d kh=%d d=%d causal=%d %s\n", b, t, s, n, kh, d, causal, hopper ? "sm90" : "sm80");
+  return 0;
+}
+
+int main() {
+  int dev = 0, major = 0;
+  CHECK(cudaGetDevice(&dev));
+  CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  for (bool hopper : {false, true}) {
+    if (hopper && major != 9) continue;
+    for (bool causal : {false, true}) {
+      run(1, 70, 50, 2, 1, 64, causal, hopper);
+      run(2, 33, 130, 4, 2, 128, causal, hopper);
+    }
+  }
+  return 0;
+}
