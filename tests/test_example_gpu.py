@@ -9,12 +9,11 @@ two, so the curves drift apart a little step by step, but they must stay togethe
 - the mean loss of the last 10 steps agrees within ``FINAL_RTOL`` (relative),
 - and both actually learn (the loss falls by more than 1.5 nats from ~ln 256).
 """
-import importlib.util
-import os
-import sys
 
 import numpy as np
 import pytest
+
+import _train_gpt
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +21,6 @@ SMOOTH_TOL = 0.05
 FINAL_RTOL = 0.02
 STEPS = 100
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "train_gpt.py")
 
 # 2 layers, width 256 = 4 heads of 64, context 256: small, but the kernel path with causal masking
 # over several 64-row tiles, forward and backward.
@@ -35,17 +33,7 @@ MODEL = ["--layers", "2", "--width", "256", "--heads", "4", "--seq", "256", "--b
 def load_example():
     pytest.importorskip("optax")
     pytest.importorskip("matplotlib")
-    if "train_gpt" in sys.modules:
-        return sys.modules["train_gpt"]
-    spec = importlib.util.spec_from_file_location("train_gpt", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_gpt"] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules["train_gpt"]
-        raise
-    return module
+    return _train_gpt.load_example()
 
 
 def test_tk_training_matches_reference(tmp_path):
