@@ -242,20 +242,78 @@ def _attention_bwd(spec, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def attention_with_lse(query, key, value, *, scale=None, is_causal=False, implementation=None):
+def _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids, query_seq_lengths,
+                   key_value_seq_lengths, logits_soft_cap):
+    """Validates the masking/soft-cap options; returns them normalized (window as a pair of ints)."""
+    b, t, s = query.shape[0], query.shape[1], key.shape[1]
+    if local_window_size is not None:
+        window = (local_window_size, local_window_size) if isinstance(local_window_size, int) else local_window_size
+        if (not isinstance(window, (tuple, list)) or len(window) != 2
+                or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= 0 for w in window)):
+            raise ValueError(
+                "jax_tk.attention: local_window_size must be None, an int >= 0 or a pair (left, right) of "
+                f"ints >= 0, got {local_window_size!r}"
+            )
+        local_window_size = (int(window[0]), int(window[1]))
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("jax_tk.attention: give both q_segment_ids and kv_segment_ids, or neither")
+    for name, x, shape in (("q_segment_ids", q_segment_ids, (b, t)), ("kv_segment_ids", kv_segment_ids, (b, s)),
+                           ("query_seq_lengths", query_seq_lengths, (b,)),
+                           ("key_value_seq_lengths", key_value_seq_lengths, (b,))):
+        if x is None:
+            continue
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"jax_tk.attention: {name} must be an integer array, got {type(x).__name__}")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"jax_tk.attention: {name} must have an integer dtype (int32), got {x.dtype}")
+        if tuple(x.shape) != shape:
+            raise ValueError(f"jax_tk.attention: {name} must have shape {shape}, got {tuple(x.shape)}")
+    if logits_soft_cap is not None:
+        if isinstance(logits_soft_cap, (str, bytes, bool, np.bool_)):
+            raise TypeError(f"jax_tk.attention: logits_soft_cap must be a float or None, got {logits_soft_cap!r}")
+        try:
+            logits_soft_cap = float(logits_soft_cap)
+        except (TypeError, ValueError):
+            raise TypeError(f"jax_tk.attention: logits_soft_cap must be a float or None, got {logits_soft_cap!r}")
+        if not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0:
+            raise ValueError(f"jax_tk.attention: logits_soft_cap must be positive and finite, got {logits_soft_cap}")
+    return local_window_size, logits_soft_cap
+
+
+def attention_with_lse(query, key, value, *, scale=None, is_causal=False, local_window_size=None,
+                       q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None,
+                       key_value_seq_lengths=None, logits_soft_cap=None, implementation=None):
     """Like :func:`attention`, and also returns the float32 log-sum-exp of each query row.
 
     Returns:
       ``(out, lse)``: ``out`` is ``[batch, q_len, q_heads, head_dim]`` in the input dtype, ``lse`` is
       ``[batch, q_heads, q_len]`` float32 (natural log of the softmax denominator of the scaled
-      logits). Both are differentiable.
+      logits; ``-inf`` for a row that sees no key). Both are differentiable.
     """
     scale = _check_inputs(query, key, value, scale, is_causal, implementation)
+    window, cap = _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids,
+                                 query_seq_lengths, key_value_seq_lengths, logits_soft_cap)
+    masking = dict(local_window_size=window, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                   query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+                   logits_soft_cap=cap)
+    used = sorted(name for name, value in masking.items() if value is not None)
+    if used:
+        # Not in the kernels yet: the pure-JAX reference (O(q_len * kv_len) memory), differentiated by
+        # JAX. implementation="tk" asks for the kernel, so it is an error.
+        if implementation == "tk":
+            raise ValueError(
+                f"jax_tk.attention(implementation='tk'): the kernels do not support {', '.join(used)} yet; "
+                "use implementation=None or 'xla' (the reference)"
+            )
+        return reference.attention_with_lse(query, key, value, scale=float(scale), is_causal=bool(is_causal),
+                                            **masking)
     spec = AttentionSpec(float(scale), bool(is_causal), _use_kernel(query, key, implementation))
     return _attention(query, key, value, spec)
 
 
-def attention(query, key, value, *, scale=None, is_causal=False, implementation=None):
+def attention(query, key, value, *, scale=None, is_causal=False, local_window_size=None, q_segment_ids=None,
+              kv_segment_ids=None, query_seq_lengths=None, key_value_seq_lengths=None, logits_soft_cap=None,
+              implementation=None):
     """Scaled dot-product attention, ``softmax(scale * query @ key^T) @ value``.
 
     Same layout and meaning as :func:`jax.nn.dot_product_attention`.
@@ -267,12 +325,25 @@ def attention(query, key, value, *, scale=None, is_causal=False, implementation=
       scale: multiplier of the logits; default ``1/sqrt(head_dim)``.
       is_causal: query ``i`` attends to keys ``j <= i`` (top-left aligned when ``q_len != kv_len``,
         like ``jax.nn.dot_product_attention``).
+      local_window_size: ``(left, right)`` (or one int for both): query ``i`` attends to keys
+        ``i - left <= j <= i + right``, as in ``jax.nn.dot_product_attention``.
+      q_segment_ids, kv_segment_ids: ``[batch, q_len]`` and ``[batch, kv_len]`` integers (packed
+        sequences): a query attends only to keys of its own segment.
+      query_seq_lengths, key_value_seq_lengths: ``[batch]`` integers (padded batches): query rows at or
+        past their length give 0, keys at or past their length are not attended to.
+      logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` (as in Gemma 2).
       implementation: ``None`` (the CUDA kernel where the configuration is supported, the pure-JAX
         reference otherwise), ``"tk"`` (the kernel, or an error), ``"xla"`` (the reference).
+
+    A query row that sees no key at all gives 0 (and zero gradients). The masking options and the
+    soft cap run on the reference for now (the kernels take causal, cross and grouped-query attention).
 
     Returns:
       ``[batch, q_len, q_heads, head_dim]`` in the input dtype.
     """
     return attention_with_lse(
-        query, key, value, scale=scale, is_causal=is_causal, implementation=implementation
+        query, key, value, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap,
+        implementation=implementation,
     )[0]

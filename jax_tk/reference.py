@@ -14,14 +14,45 @@ def causal_mask(t: int, s: int) -> jax.Array:
     return jnp.tril(jnp.ones((t, s), dtype=bool))
 
 
-def attention_with_lse(query, key, value, *, scale: float, is_causal: bool):
+def visibility(t, s, *, is_causal=False, local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
+               query_seq_lengths=None, key_value_seq_lengths=None):
+    """Boolean mask of which key each query row may see, [1 or batch, t, s] (True = visible).
+
+    The rules combine (all must hold): causal (j <= i), window ``(left, right)`` (i - left <= j <=
+    i + right), same segment, i < query length, j < key length.
+    """
+    qi = jnp.arange(t)[:, None]
+    kj = jnp.arange(s)[None, :]
+    mask = jnp.ones((1, t, s), dtype=bool)
+    if is_causal:
+        mask &= (kj <= qi)[None]
+    if local_window_size is not None:
+        left, right = local_window_size
+        mask &= ((kj >= qi - left) & (kj <= qi + right))[None]
+    if q_segment_ids is not None:
+        mask = mask & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
+    if query_seq_lengths is not None:
+        mask = mask & (qi[None] < query_seq_lengths[:, None, None])
+    if key_value_seq_lengths is not None:
+        mask = mask & (kj[None] < key_value_seq_lengths[:, None, None])
+    return mask
+
+
+def attention_with_lse(query, key, value, *, scale: float, is_causal: bool, local_window_size=None,
+                       q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None,
+                       key_value_seq_lengths=None, logits_soft_cap=None):
     """Softmax attention in float32.
 
     Args:
       query: [B, T, N, D]; key, value: [B, S, K, D] with N % K == 0 (grouped-query attention).
+      scale: logit multiplier. is_causal, local_window_size, q_segment_ids [B, T],
+        kv_segment_ids [B, S], query_seq_lengths [B], key_value_seq_lengths [B]: which keys each
+        query row sees (see ``visibility``). logits_soft_cap: logits become cap * tanh(logits / cap)
+        (after scaling, before masking).
     Returns:
       out: [B, T, N, D] in query.dtype; lse: [B, N, T] float32, the natural-log log-sum-exp of each
-      query row's scaled logits.
+      query row's visible logits. A row that sees no key gets out = 0 and lse = -inf, and zero
+      gradients (never NaN).
     """
     b, t, n, d = query.shape
     s, kh = key.shape[1], key.shape[2]
@@ -29,14 +60,26 @@ def attention_with_lse(query, key, value, *, scale: float, is_causal: bool):
     k = jnp.repeat(key.astype(jnp.float32), n // kh, axis=2)
     v = jnp.repeat(value.astype(jnp.float32), n // kh, axis=2)
     logits = jnp.einsum("btnd,bsnd->bnts", q, k, precision=jax.lax.Precision.HIGHEST) * scale
-    if is_causal:
-        logits = jnp.where(causal_mask(t, s)[None, None], logits, -jnp.inf)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    probs = jnp.exp(logits - lse[..., None])
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    mask = visibility(t, s, is_causal=is_causal, local_window_size=local_window_size,
+                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
+    # Masked logits are -inf before the exp, and the row max of an empty row is replaced by 0, so no
+    # branch that jnp.where discards produces inf or NaN (their gradients would leak through).
+    logits = jnp.where(mask[:, None], logits, -jnp.inf)
+    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    unnormalized = jnp.exp(logits - row_max)
+    denom = jnp.sum(unnormalized, axis=-1)
+    seen = denom > 0
+    safe_denom = jnp.where(seen, denom, 1.0)
+    probs = unnormalized / safe_denom[..., None]
+    lse = jnp.where(seen, row_max[..., 0] + jnp.log(safe_denom), -jnp.inf)
     out = jnp.einsum("bnts,bsnd->btnd", probs, v, precision=jax.lax.Precision.HIGHEST)
     return out.astype(query.dtype), lse
 
 
-def attention(query, key, value, *, scale: float, is_causal: bool):
-    """Softmax attention in float32; see attention_with_lse for shapes."""
-    return attention_with_lse(query, key, value, scale=scale, is_causal=is_causal)[0]
+def attention(query, key, value, **kwargs):
+    """Softmax attention in float32; see attention_with_lse for the arguments."""
+    return attention_with_lse(query, key, value, **kwargs)[0]
