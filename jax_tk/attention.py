@@ -36,6 +36,21 @@ class AttentionSpec:
 # ----------------------------------------------------------------------------------------------
 
 
+def _positive_float(name, value):
+    """None, or value as a positive finite float (TypeError for strings, bools and non-numbers)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, bool, np.bool_)):
+        raise TypeError(f"jax_tk.attention: {name} must be a Python float or None, got {value!r}")
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"jax_tk.attention: {name} must be a Python float or None, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"jax_tk.attention: {name} must be a positive finite float, got {value}")
+    return value
+
+
 def _check_inputs(query, key, value, scale, is_causal, implementation):
     names = ("query", "key", "value")
     for name, x in zip(names, (query, key, value)):
@@ -73,15 +88,7 @@ def _check_inputs(query, key, value, scale, is_causal, implementation):
             f"jax_tk.attention: the number of query heads ({n}) must be a multiple of the number "
             f"of key/value heads ({kh})"
         )
-    if scale is not None:
-        if isinstance(scale, (str, bytes, bool, np.bool_)):
-            raise TypeError(f"jax_tk.attention: scale must be a Python float or None, got {scale!r}")
-        try:
-            scale = float(scale)
-        except (TypeError, ValueError):
-            raise TypeError(f"jax_tk.attention: scale must be a Python float or None, got {scale!r}")
-        if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"jax_tk.attention: scale must be a positive finite float, got {scale}")
+    scale = _positive_float("scale", scale)
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"jax_tk.attention: is_causal must be a bool, got {is_causal!r}")
     if implementation not in IMPLEMENTATIONS:
@@ -268,16 +275,7 @@ def _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids,
             raise TypeError(f"jax_tk.attention: {name} must have an integer dtype (int32), got {x.dtype}")
         if tuple(x.shape) != shape:
             raise ValueError(f"jax_tk.attention: {name} must have shape {shape}, got {tuple(x.shape)}")
-    if logits_soft_cap is not None:
-        if isinstance(logits_soft_cap, (str, bytes, bool, np.bool_)):
-            raise TypeError(f"jax_tk.attention: logits_soft_cap must be a float or None, got {logits_soft_cap!r}")
-        try:
-            logits_soft_cap = float(logits_soft_cap)
-        except (TypeError, ValueError):
-            raise TypeError(f"jax_tk.attention: logits_soft_cap must be a float or None, got {logits_soft_cap!r}")
-        if not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0:
-            raise ValueError(f"jax_tk.attention: logits_soft_cap must be positive and finite, got {logits_soft_cap}")
-    return local_window_size, logits_soft_cap
+    return local_window_size, _positive_float("logits_soft_cap", logits_soft_cap)
 
 
 def attention_with_lse(query, key, value, *, scale=None, is_causal=False, local_window_size=None,
