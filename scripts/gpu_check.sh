@@ -3,8 +3,11 @@
 #   scripts/gpu_check.sh OUTDIR [pytest args...]
 # Environment: JAX_TK_BENCH=1 also runs the attention benchmark; JAX_TK_BENCH_ARGS passes options;
 # JAX_TK_SANITIZE=1 runs compute-sanitizer (memcheck, racecheck, synccheck) on the kernels;
-# JAX_TK_TEST_PROCS sets the number of parallel test processes (default 8).
-# Logs: OUTDIR/build.log, OUTDIR/tests.log, OUTDIR/junit.xml, OUTDIR/bench.log (+ csv/png).
+# JAX_TK_EXAMPLE=1 times examples/train_gpt.py (GPU preset, JAX_TK_EXAMPLE_STEPS steps, default 150)
+# with each attention: jax_tk, cuDNN and XLA;
+# JAX_TK_TESTS=0 skips the tests; JAX_TK_TEST_PROCS sets the number of parallel test processes (default 8).
+# Logs: OUTDIR/build.log, OUTDIR/tests.log, OUTDIR/junit.xml, OUTDIR/sanitizer*.log,
+# OUTDIR/example_*.log (+ loss curves), OUTDIR/bench.log (+ csv/png).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [pytest args]}
 shift
@@ -33,8 +36,20 @@ python3 -P -c "import jax_tk, sys; assert jax_tk.has_cuda_kernels(), 'no kernels
 # there, each taking GPU memory as needed instead of 75% of it up front.
 par=()
 if python3 -c "import xdist" 2>/dev/null; then par=(-n "${JAX_TK_TEST_PROCS:-8}"); export XLA_PYTHON_CLIENT_PREALLOCATE=false; fi
-python3 -P -m pytest -q -rs -p no:cacheprovider "${par[@]}" --junitxml="$out/junit.xml" "$@" tests 2>&1 | tee "$out/tests.log"
-test_rc=${PIPESTATUS[0]}
+test_rc=0
+if [ "${JAX_TK_TESTS:-1}" = "1" ]; then
+  python3 -P -m pytest -q -rs -p no:cacheprovider "${par[@]}" --junitxml="$out/junit.xml" "$@" tests 2>&1 | tee "$out/tests.log"
+  test_rc=${PIPESTATUS[0]}
+fi
+
+if [ "${JAX_TK_EXAMPLE:-0}" = "1" ]; then
+  for attn in tk cudnn xla; do
+    python3 -P examples/train_gpt.py --attention $attn --steps "${JAX_TK_EXAMPLE_STEPS:-150}" \
+      --log-every 50 --eval-every 0 --save-every 0 --sample-len 200 --no-progress \
+      --out "$out/example_$attn" >"$out/example_$attn.log" 2>&1
+    echo "example --attention $attn rc=$?: $(grep -E '^throughput' "$out/example_$attn.log")" | tee -a "$out/example.log"
+  done
+fi
 
 if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
   # compute-sanitizer on a standalone driver of the kernels (no JAX in the process: memcheck on a
@@ -43,7 +58,7 @@ if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
     --expt-relaxed-constexpr -lineinfo -Icc cc/tests/standalone/attention_sanitize.cu cc/kernels/attention/*.cu \
     -o "$out/attention_sanitize" >"$out/sanitizer_build.log" 2>&1 || echo "sanitizer driver build failed" | tee -a "$out/sanitizer.log"
   for tool in memcheck racecheck synccheck; do
-    compute-sanitizer --tool $tool --error-exitcode 3 "$out/attention_sanitize" >"$out/sanitizer_$tool.log" 2>&1
+    timeout "${JAX_TK_SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool $tool --error-exitcode 3 "$out/attention_sanitize" >"$out/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool rc=$?" | tee -a "$out/sanitizer.log"
     grep -E "ERROR SUMMARY" "$out/sanitizer_$tool.log" | tail -1 | tee -a "$out/sanitizer.log"
   done
