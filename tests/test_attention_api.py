@@ -130,7 +130,9 @@ def test_bad_scale_value(scale):
         _trace(jax_tk.attention, q, k, v, scale=scale)
 
 
-@pytest.mark.parametrize("scale", [[0.5], (0.5, 0.5), object(), np.ones(3, np.float32)], ids=repr)
+# Fixed ids: repr(object()) holds an address, which differs between pytest-xdist workers.
+@pytest.mark.parametrize("scale", [[0.5], (0.5, 0.5), object(), np.ones(3, np.float32)],
+                         ids=["list", "tuple", "object", "array"])
 def test_bad_scale_type(scale):
     q, k, v = _abstract_qkv()
     with pytest.raises(TypeError, match=r"scale"):
