@@ -29,6 +29,7 @@ class AttentionSpec:
     scale: float
     is_causal: bool
     use_kernel: bool
+    deterministic: bool = False  # backward: same bits every run (the Hopper kernel orders its dq sums)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,16 +167,18 @@ def _default_variant() -> int:
     return VARIANT_SM80 if os.environ.get("JAX_TK_ATTENTION_KERNELS", "").lower() == "sm80" else VARIANT_AUTO
 
 
-def _kernel_call(target, out_types, args, spec, out_init, variant=None):
+def _kernel_call(target, out_types, args, spec, out_init, variant=None, **attrs):
     """Calls an FFI target. ``out_init`` (tests only) gives buffers that are aliased to the outputs, so
-    that a test can poison every output before the kernel runs; the handler ignores them as inputs."""
+    that a test can poison every output before the kernel runs; the handler ignores them as inputs.
+    ``attrs``: the target's attributes beyond scale, is_causal and variant."""
     variant = _default_variant() if variant is None else variant
     aliases = None
     if out_init is not None:
         aliases = {len(args) + i: i for i in range(len(out_init))}
         args = (*args, *out_init)
     call = jax.ffi.ffi_call(target, out_types, vmap_method="sequential", input_output_aliases=aliases)
-    return call(*args, scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal), variant=np.int32(variant))
+    return call(*args, scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal), variant=np.int32(variant),
+                **attrs)
 
 
 def _fwd_kernel(query, key, value, spec: AttentionSpec, out_init=None, variant=None):
@@ -189,10 +192,19 @@ def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, ou
         jax.ShapeDtypeStruct(key.shape, key.dtype),
         jax.ShapeDtypeStruct(value.shape, value.dtype),
         _lse_shape(query),  # workspace: delta = rowsum(dout * out) - dlse, fp32
+        _bwd_workspace_shape(query),  # workspace of the Hopper kernel: fp32 dq accumulator + locks
     )
     args = (query, key, value, out, lse, dout, dlse)
-    dq, dk, dv, _ = _kernel_call(BWD_TARGET, out_types, args, spec, out_init, variant)
+    dq, dk, dv, *_ = _kernel_call(BWD_TARGET, out_types, args, spec, out_init, variant,
+                                  deterministic=np.int32(spec.deterministic))
     return dq, dk, dv
+
+
+def _bwd_workspace_shape(query):
+    # Must match bwd_sm90_workspace_words() in cc/kernels/attention/attention.h: an fp32 copy of dq
+    # and one int32 per (batch, head, 64-row query block).
+    b, t, n, d = query.shape
+    return jax.ShapeDtypeStruct((b * t * n * d + b * n * (-(-t // 64)),), jnp.float32)
 
 
 def _fwd_reference(query, key, value, spec: AttentionSpec):
@@ -280,7 +292,8 @@ def _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids,
 
 def attention_with_lse(query, key, value, *, scale=None, is_causal=False, local_window_size=None,
                        q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None,
-                       key_value_seq_lengths=None, logits_soft_cap=None, implementation=None):
+                       key_value_seq_lengths=None, logits_soft_cap=None, implementation=None,
+                       deterministic=False):
     """Like :func:`attention`, and also returns the float32 log-sum-exp of each query row.
 
     Returns:
@@ -289,6 +302,8 @@ def attention_with_lse(query, key, value, *, scale=None, is_causal=False, local_
       logits; ``-inf`` for a row that sees no key). Both are differentiable.
     """
     scale = _check_inputs(query, key, value, scale, is_causal, implementation)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"jax_tk.attention: deterministic must be a bool, got {deterministic!r}")
     window, cap = _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids,
                                  query_seq_lengths, key_value_seq_lengths, logits_soft_cap)
     masking = dict(local_window_size=window, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -305,13 +320,13 @@ def attention_with_lse(query, key, value, *, scale=None, is_causal=False, local_
             )
         return reference.attention_with_lse(query, key, value, scale=float(scale), is_causal=bool(is_causal),
                                             **masking)
-    spec = AttentionSpec(float(scale), bool(is_causal), _use_kernel(query, key, implementation))
+    spec = AttentionSpec(float(scale), bool(is_causal), _use_kernel(query, key, implementation), bool(deterministic))
     return _attention(query, key, value, spec)
 
 
 def attention(query, key, value, *, scale=None, is_causal=False, local_window_size=None, q_segment_ids=None,
               kv_segment_ids=None, query_seq_lengths=None, key_value_seq_lengths=None, logits_soft_cap=None,
-              implementation=None):
+              implementation=None, deterministic=False):
     """Scaled dot-product attention, ``softmax(scale * query @ key^T) @ value``.
 
     Same layout and meaning as :func:`jax.nn.dot_product_attention`.
@@ -332,6 +347,10 @@ def attention(query, key, value, *, scale=None, is_causal=False, local_window_si
       logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` (as in Gemma 2).
       implementation: ``None`` (the CUDA kernel where the configuration is supported, the pure-JAX
         reference otherwise), ``"tk"`` (the kernel, or an error), ``"xla"`` (the reference).
+      deterministic: make the backward give the same bits on every run. The Hopper backward adds
+        the query gradient's partial sums with atomics in whatever order blocks finish; with
+        ``deterministic=True`` they take turns in a fixed order (somewhat slower). The mma.sync
+        backward (pre-Hopper GPUs) and the reference are always deterministic.
 
     A query row that sees no key at all gives 0 (and zero gradients). The masking options and the
     soft cap run on the reference for now (the kernels take causal, cross and grouped-query attention).
@@ -343,5 +362,5 @@ def attention(query, key, value, *, scale=None, is_causal=False, local_window_si
         query, key, value, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap,
-        implementation=implementation,
+        implementation=implementation, deterministic=deterministic,
     )[0]

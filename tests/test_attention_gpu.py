@@ -18,7 +18,7 @@ import pytest
 import jax_tk
 from jax_tk import reference
 from jax_tk.attention import (
-    BWD_TARGET, FWD_TARGET, VARIANT_AUTO, VARIANT_SM80, AttentionSpec, _bwd_kernel, _fwd_kernel,
+    BWD_TARGET, FWD_TARGET, VARIANT_AUTO, VARIANT_SM80, AttentionSpec, _bwd_kernel, _bwd_workspace_shape, _fwd_kernel,
 )
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -81,16 +81,18 @@ def _nan(shape, dtype):
     return jnp.full(shape, jnp.nan, dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "variant"))
-def kernel_fwd_bwd(q, k, v, dout, dlse, *, scale, is_causal, variant=VARIANT_AUTO):
-    """The forward and backward kernels, called directly, with every output poisoned with NaN.
-    variant: VARIANT_AUTO (the fastest kernels for this GPU) or VARIANT_SM80 (the mma.sync ones)."""
-    spec = AttentionSpec(scale, is_causal, True)
+@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "variant", "deterministic"))
+def kernel_fwd_bwd(q, k, v, dout, dlse, *, scale, is_causal, variant=VARIANT_AUTO, deterministic=False):
+    """The forward and backward kernels, called directly, with every output (workspaces included)
+    poisoned with NaN. variant: VARIANT_AUTO (the fastest kernels for this GPU) or VARIANT_SM80 (the
+    mma.sync ones); deterministic: the backward's ordered mode."""
+    spec = AttentionSpec(scale, is_causal, True, deterministic)
     b, t, n, _ = q.shape
     out, lse = _fwd_kernel(q, k, v, spec, out_init=(_nan(q.shape, q.dtype), _nan((b, n, t), F32)), variant=variant)
     dq, dk, dv = _bwd_kernel(
         q, k, v, out, lse, dout, dlse, spec,
-        out_init=(_nan(q.shape, q.dtype), _nan(k.shape, k.dtype), _nan(v.shape, v.dtype), _nan((b, n, t), F32)),
+        out_init=(_nan(q.shape, q.dtype), _nan(k.shape, k.dtype), _nan(v.shape, v.dtype), _nan((b, n, t), F32),
+                  _nan(_bwd_workspace_shape(q).shape, F32)),
         variant=variant,
     )
     return out, lse, dq, dk, dv
@@ -106,8 +108,9 @@ def reference_fwd_bwd(q, k, v, dout, dlse, *, scale, is_causal):
     return out, lse, dq, dk, dv
 
 
-def check_kernels(q, k, v, dout, dlse, *, scale, is_causal, variant=VARIANT_AUTO):
-    got = kernel_fwd_bwd(q, k, v, dout, dlse, scale=scale, is_causal=is_causal, variant=variant)
+def check_kernels(q, k, v, dout, dlse, *, scale, is_causal, variant=VARIANT_AUTO, deterministic=False):
+    got = kernel_fwd_bwd(q, k, v, dout, dlse, scale=scale, is_causal=is_causal, variant=variant,
+                         deterministic=deterministic)
     want = reference_fwd_bwd(q, k, v, dout, dlse, scale=scale, is_causal=is_causal)
     out, lse, dq, dk, dv = got
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -148,6 +151,16 @@ def _sweep_cases():
                                                               jnp.dtype(c[7]).name))
         for c in cases
     ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,t,s,n,kh,d,is_causal,dtype", _sweep_cases()[::5])
+def test_deterministic_backward_vs_reference(b, t, s, n, kh, d, is_causal, dtype):
+    """The ordered (deterministic) Hopper backward on a subset of the sweep."""
+    seed = zlib.crc32(repr((b, t, s, n, kh, d, is_causal, jnp.dtype(dtype).name, "det")).encode())
+    q, k, v, dout = make_inputs(seed, b, t, s, n, kh, d, dtype)
+    dlse = jax.random.normal(jax.random.PRNGKey(seed), (b, n, t), F32)
+    check_kernels(q, k, v, dout, dlse, scale=1.0 / math.sqrt(d), is_causal=is_causal, deterministic=True)
 
 
 @pytest.mark.gpu
@@ -297,18 +310,25 @@ def _same_bits(a, b):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_backward_is_deterministic(is_causal):
-    """Two runs give bitwise identical results (GQA: several query heads feed each dk/dv)."""
-    b, t, s, n, kh, d = 2, 1024, 1024, 8, 2, 128
+@pytest.mark.parametrize("variant", [VARIANT_AUTO, VARIANT_SM80], ids=["auto", "sm80"])
+def test_backward_is_deterministic(is_causal, variant):
+    """With deterministic=True two runs give bitwise identical results (GQA: several query heads
+    feed each dk/dv; 16 key blocks add into each dq block), and they match the reference."""
+    b, t, s, n, kh, d = 2, 1024, 1030, 8, 2, 128
     q, k, v, dout = make_inputs(19, b, t, s, n, kh, d, BF16)
     dlse = jnp.zeros((b, n, t), F32)
-    first = kernel_fwd_bwd(q, k, v, dout, dlse, scale=1 / math.sqrt(d), is_causal=is_causal)
+    run = functools.partial(check_kernels, q, k, v, dout, dlse, scale=1 / math.sqrt(d), is_causal=is_causal,
+                            variant=variant, deterministic=True)
+    first, _ = run()
     for _ in range(2):
-        again = kernel_fwd_bwd(q, k, v, dout, dlse, scale=1 / math.sqrt(d), is_causal=is_causal)
+        again, _ = run()
         for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), first, again):
             assert _same_bits(x, y), f"{name} differs between two identical runs"
     # Same through the public API.
-    grad = jax.jit(jax.grad(_loss(functools.partial(jax_tk.attention, is_causal=is_causal), dout), argnums=(0, 1, 2)))
+    if variant == VARIANT_SM80:
+        return
+    attn = functools.partial(jax_tk.attention, is_causal=is_causal, deterministic=True)
+    grad = jax.jit(jax.grad(_loss(attn, dout), argnums=(0, 1, 2)))
     g1, g2 = grad(q, k, v), grad(q, k, v)
     for name, x, y in zip(("dq", "dk", "dv"), g1, g2):
         assert _same_bits(x, y), f"public {name} differs between two identical runs"

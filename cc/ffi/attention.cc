@@ -1,6 +1,6 @@
 // XLA FFI handlers for attention: decode buffers and attributes into Params, check what the kernels
-// can take, and launch on XLA's stream. No allocation: the backward's workspace (delta) is an output
-// declared in Python. Trailing extra arguments are accepted and ignored: tests alias poisoned buffers
+// can take, and launch on XLA's stream. No allocation: the backward's workspaces (delta, and the
+// sm_90a kernel's fp32 dq accumulator) are outputs declared in Python. Trailing extra arguments are accepted and ignored: tests alias poisoned buffers
 // to the outputs through them.
 #include "ffi/common.h"
 #include "kernels/attention/attention.h"
@@ -70,7 +70,8 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
                     ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::RemainingArgs,
                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                    ffi::Result<ffi::AnyBuffer> delta, float scale, int32_t is_causal, int32_t variant) {
+                    ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> workspace, float scale,
+                    int32_t is_causal, int32_t variant, int32_t deterministic) {
   Params p{};
   if (auto e = check_qkv(p, q, k, v); e.failure()) return e;
   if (!same_type_and_dims(o, q) || !same_type_and_dims(dout, q) || !same_type_and_dims(*dq, q))
@@ -79,6 +80,10 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   for (auto [x, name] : {std::pair{&lse, "lse"}, {&dlse, "dlse"}})
     if (auto e = check_rows(p, *x, name); e.failure()) return e;
   if (auto e = check_rows(p, *delta, "delta workspace"); e.failure()) return e;
+  const size_t words = attention::bwd_sm90_workspace_words(p.batch, p.q_len, p.q_heads, p.head_dim);
+  if (workspace->element_type() != ffi::DataType::F32 || workspace->dimensions().size() != 1 ||
+      size_t(workspace->dimensions()[0]) != words)
+    return invalid("workspace must be float32 [" + std::to_string(words) + "]");
   if (auto e = check_device(8, 0); e.failure()) return e;
   p.scale = scale;
   p.causal = is_causal != 0;
@@ -90,6 +95,10 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   p.dk = dk->untyped_data();
   p.dv = dv->untyped_data();
   p.delta = static_cast<float *>(delta->untyped_data());
+  p.workspace = static_cast<float *>(workspace->untyped_data());
+  p.deterministic = deterministic != 0;
+  if (use_sm90(variant) && attention::bwd_sm90_supported(p))
+    return cuda_error(attention::bwd_sm90(p, stream), "attention backward (sm_90a)");
   return cuda_error(attention::bwd_sm80(p, stream), "attention backward");
 }
 
@@ -124,9 +133,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, bwd_impl,
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
                                   .Ret<ffi::AnyBuffer>()  // delta workspace
+                                  .Ret<ffi::AnyBuffer>()  // workspace of the sm_90a kernel
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("is_causal")
-                                  .Attr<int32_t>("variant"),
+                                  .Attr<int32_t>("variant")
+                                  .Attr<int32_t>("deterministic"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_tk

@@ -35,11 +35,18 @@ __device__ __forceinline__ bool visible(const Params &p, int qi, int kj) {
   return kj < p.kv_len && (!p.causal || kj <= qi);
 }
 
+__device__ __forceinline__ bool visible(const Params &p, int b, int qi, int kj) { return visible(p, qi, kj); }
+
 // Key blocks of size BK that query rows [q0, q0 + rows) need: [0, end).
 __device__ __forceinline__ int kv_block_end(const Params &p, int q0, int rows, int BK) {
   int n = (p.kv_len + BK - 1) / BK;
   if (p.causal) n = min(n, (min(q0 + rows, p.q_len) - 1) / BK + 1);
   return n;
+}
+
+// Key blocks of size BK that query rows [q0, q0 + rows) of batch entry b need: [first, end).
+__device__ __forceinline__ int2 kv_block_range(const Params &p, int b, int q0, int rows, int BK) {
+  return {0, kv_block_end(p, q0, rows, BK)};
 }
 
 // Logits of query rows qw.. (tile rows) against keys k0.. (tile columns), scaled to log2 units, with

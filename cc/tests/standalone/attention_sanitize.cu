@@ -34,7 +34,7 @@ template <typename T> T *device_random(size_t n, std::mt19937 &rng) {
   return d;
 }
 
-int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper) {
+int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, bool deterministic = false) {
   std::mt19937 rng(b * 1000 + t + s + d);
   Params p{};
   p.dtype = DType::bf16;
@@ -51,13 +51,17 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper) {
   CHECK(cudaMalloc(&o, nq * 2)); CHECK(cudaMalloc(&dq, nq * 2));
   CHECK(cudaMalloc(&dk, nk * 2)); CHECK(cudaMalloc(&dv, nk * 2));
   CHECK(cudaMalloc(&lse, nr * 4)); CHECK(cudaMalloc(&delta, nr * 4));
+  float *workspace;
+  CHECK(cudaMalloc(&workspace, bwd_sm90_workspace_words(b, t, n, d) * 4));
   p.o = o; p.lse = lse; p.dq = dq; p.dk = dk; p.dv = dv; p.delta = delta;
+  p.workspace = workspace; p.deterministic = deterministic;
   CHECK(hopper ? fwd_sm90(p, 0) : fwd_sm80(p, 0));
-  CHECK(bwd_sm80(p, 0));
+  CHECK(hopper ? bwd_sm90(p, 0) : bwd_sm80(p, 0));
   CHECK(cudaDeviceSynchronize());
-  const void *buffers[] = {p.q, p.k, p.v, p.dout, p.dlse, o, dq, dk, dv, lse, delta};
+  const void *buffers[] = {p.q, p.k, p.v, p.dout, p.dlse, o, dq, dk, dv, lse, delta, workspace};
   for (const void *x : buffers) CHECK(cudaFree(const_cast<void *>(x)));
-  std::printf("ok b=%d t=%d s=%d n=%d kh=%d d=%d causal=%d %s\n", b, t, s, n, kh, d, causal, hopper ? "sm90" : "sm80");
+  std::printf("ok b=%d t=%d s=%d n=%d kh=%d d=%d causal=%d %s%s\n", b, t, s, n, kh, d, causal, hopper ? "sm90" : "sm80",
+              deterministic ? " deterministic" : "");
   return 0;
 }
 
@@ -70,6 +74,7 @@ int main() {
     for (bool causal : {false, true}) {
       run(1, 70, 50, 2, 1, 64, causal, hopper);
       run(2, 33, 130, 4, 2, 128, causal, hopper);
+      if (hopper) run(1, 130, 200, 4, 2, 64, causal, hopper, true);
     }
   }
   return 0;

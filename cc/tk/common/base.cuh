@@ -18,6 +18,11 @@ constexpr int TILE = 16;  // register and shared tiles are made of TILE x TILE p
 __device__ __forceinline__ int laneid() { return threadIdx.x & 31; }
 __device__ __forceinline__ int warpid() { return threadIdx.x >> 5; }
 
+// Named barrier `id` (1..15; 0 is __syncthreads' barrier) over `threads` threads (a multiple of 32).
+__device__ __forceinline__ void sync_named(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 template <typename T> constexpr bool is_16bit = std::is_same_v<T, bf16> || std::is_same_v<T, half>;
 template <typename T> constexpr bool is_element = is_16bit<T> || std::is_same_v<T, float>;
 

@@ -39,4 +39,18 @@ template <typename T, int R, int C> struct st {
 
 template <typename X> concept SharedTile = requires { X::chunks_per_row; X::panel_cols; };
 
+// A R x C window of a shared tile, from (row0, col0), for wgmma operands: it keeps the parent's
+// panels (and their stride), so rows start on 8-row boundaries and columns on 16-byte chunks.
+template <SharedTile ST, int R, int C> struct st_window {
+  using dtype = typename ST::dtype;
+  static constexpr int rows = R, cols = C, panel_cols = ST::panel_cols, panel_bytes = ST::panel_bytes;
+  static constexpr int chunks_per_row = ST::chunks_per_row;
+  dtype *base;  // element (row0, col0)
+  __device__ __forceinline__ dtype *panel(int p) const { return base + p * ST::rows * panel_cols; }
+};
+template <int R, int C, SharedTile ST> __device__ __forceinline__ st_window<ST, R, C> window(ST &t, int row0, int col0) {
+  static_assert(R <= ST::rows && C <= ST::cols);
+  return {t.panel(col0 / ST::panel_cols) + row0 * ST::panel_cols + col0 % ST::panel_cols};
+}
+
 }  // namespace tk

@@ -3,6 +3,7 @@
 // register order of wgmma's accumulator fragment is exactly that of a row-layout register tile.
 //   mma_ABt(d, A smem [64 x K], B smem [N x K])       d (+)= A B^T   (both K-major)
 //   mma_AB (d, A regs rt<T,16,K>, B smem [K x N])     d (+)= A B     (B N-major, e.g. V in P V)
+//   mma_AtB(d, A smem [K x 64], B smem [K x N])        d (+)= A^T B   (A M-major, B N-major)
 #pragma once
 #include "../../types/rt.cuh"
 #include "../../types/st.cuh"
@@ -31,6 +32,9 @@ template <RegisterTile RT> __device__ __forceinline__ void fence_registers(RT &t
         for (int w = 0; w < int(sizeof(t.tiles[i][j].data[k]) / 4); w++) asm volatile("" : "+r"(r[w])::"memory");
       }
 }
+// Make this thread's ordinary writes to shared memory visible to wgmma and TMA (the async proxy);
+// then synchronize the writers with the warpgroups that read.
+__device__ __forceinline__ void fence_shared_writes() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // setmaxnreg: move registers from the producer warpgroup to the consumers.
 template <int R> __device__ __forceinline__ void increase_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
@@ -68,6 +72,17 @@ __device__ __forceinline__ void mma_ABt(rt<float, 16, N, row_l> &d, const SA &a,
 #pragma unroll
   for (int k = 0; k < SA::cols / 16; k++)
     detail::wgmma<T, N, 0>::ss(accumulators(d), k_major(a, 16 * k), k_major(b, 16 * k), accumulate || k > 0);
+  commit();
+}
+
+template <int N, SharedTile SA, SharedTile SB>
+__device__ __forceinline__ void mma_AtB(rt<float, 16, N, row_l> &d, const SA &a, const SB &b, bool accumulate) {
+  using T = typename SA::dtype;
+  static_assert(SA::cols == 64 && SB::cols == N && SA::rows == SB::rows && std::is_same_v<T, typename SB::dtype>);
+  fence();
+#pragma unroll
+  for (int k = 0; k < SA::rows / 16; k++)
+    detail::wgmma<T, N, 1>::template ss<1>(accumulators(d), n_major(a, 16 * k), n_major(b, 16 * k), accumulate || k > 0);
   commit();
 }
 

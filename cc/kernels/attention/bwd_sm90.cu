@@ -1,0 +1,271 @@
+// Attention backward for Hopper (sm_90a): TMA, mbarriers, wgmma and warp specialization.
+//
+// One block per 128 keys of one key/value head. It loops over the query heads of that head's group
+// and over the 64-row query blocks that see those keys, so dK and dV are summed over the group in
+// registers and written once (no atomics). Three warpgroups:
+//   producer:  one thread streams Q_i and dO_i through a ring of STAGES slots with TMA; one warp
+//              copies the rows' log-sum-exp and delta beside them;
+//   consumers: 64 keys each:
+//                S^T = K Q_i^T,  dP^T = V dO_i^T                   (wgmma, both from shared memory)
+//                P^T = exp(S^T - lse),  dS^T = P^T (dP^T - delta)   (registers)
+//                dV += P^T dO_i,  dK += dS^T Q_i                    (wgmma, A from registers)
+//              then both write dS^T to shared memory and each computes half of the columns of
+//                dQ_i = dS K                                       (wgmma, A read M-major)
+//              and adds them to an fp32 accumulator in global memory (red.add). With
+//              Params::deterministic the blocks of one query block take turns, in key-block order,
+//              so that the sums come out the same every run.
+// Before it, a small kernel computes delta = rowsum(dO * O) - dlse and clears the accumulator;
+// after it, another scales the accumulator and converts it to dq.
+#include <algorithm>
+
+#include "common.cuh"
+
+namespace jax_tk::attention {
+namespace {
+
+using namespace tk;
+
+template <typename T, int D> struct BwdH {
+  static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+  static constexpr int BK = 64 * CONSUMERS, BQ = 64, STAGES = 2, DQ_COLS = D / CONSUMERS;
+  struct Shared {
+    st<T, BK, D> k, v;
+    st<T, BQ, D> q[STAGES], dout[STAGES];
+    st<T, BK, BQ> ds[2];                        // dS^T of the last two steps (keys x queries)
+    float lse[STAGES][BQ], delta[STAGES][BQ];  // per query row; lse in log2 units, +inf past q_len
+    semaphore kv_full, full[STAGES], empty[STAGES];
+  };
+  struct Args {
+    Params p;
+    tma_map<T, BQ> q, dout;
+    tma_map<T, BK> k, v;
+  };
+  static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
+};
+
+constexpr int BWD_BQ = 64;  // query rows per step of the main kernel and per lock of the workspace
+
+// Does key block j (of BK keys) contribute to query block i of batch entry b?
+__device__ __forceinline__ bool sees(const Params &p, int b, int i, int j, int BK) {
+  int2 r = kv_block_range(p, b, i * BWD_BQ, BWD_BQ, BK);
+  return j >= r.x && j < r.y;
+}
+
+// P^T from S^T (rows: keys kw.., columns: queries q0..) and the columns' lse (log2 units).
+template <typename RT, typename V>
+__device__ __forceinline__ void probabilities(RT &s, const Params &p, int b, int q0, int kw, const V &lse) {
+  const float c = p.scale * LOG2E;
+  warp::map_col(s, s, lse, [c](float x, float l) { return warp::fn::exp2(x * c - l); });
+  if (kw + RT::rows > p.kv_len || (p.causal && kw + RT::rows - 1 > q0))
+    warp::map_indexed(s, s, [&](int r, int col, float x) { return visible(p, b, q0 + col, kw + r) ? x : 0.f; });
+}
+
+__device__ __forceinline__ int load_acquire(const int *x) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(x) : "memory");
+  return v;
+}
+
+template <typename T, int D>
+__global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const __grid_constant__ typename BwdH<T, D>::Args a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = BwdH<T, D>;
+  constexpr int BK = C::BK, BQ = C::BQ, STAGES = C::STAGES, CONSUMERS = C::CONSUMERS;
+  static_assert(BQ == BWD_BQ);
+  extern __shared__ char smem_raw[];
+  auto &sm = *reinterpret_cast<typename C::Shared *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const Params &p = a.p;
+  const int j = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, k0 = j * BK;
+  const int group = p.q_heads / p.kv_heads, n_qblocks = (p.q_len + BQ - 1) / BQ;
+  const int wg = warpgroup::groupid();
+  int n_steps = 0;  // (query head, query block) pairs this block visits
+  for (int i = 0; i < n_qblocks; i++) n_steps += sees(p, b, i, j, BK);
+  n_steps *= group;
+
+  if (threadIdx.x == 0) {
+    init(sm.kv_full, 1);
+    for (int s = 0; s < STAGES; s++) {
+      init(sm.full[s], 1 + 32);           // TMA bytes + the lse/delta warp's lanes
+      init(sm.empty[s], CONSUMERS * 4);  // one arrival per consumer warp
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == CONSUMERS) {  // producer
+    warpgroup::decrease_registers<24>();
+    const int pw = warpid() % 4;
+    if (pw > 1 || (pw == 0 && laneid() != 0) || n_steps == 0) return;
+    if (pw == 0) {
+      arrive_expect_bytes(sm.kv_full, sizeof(sm.k.data) + sizeof(sm.v.data));
+      load_async(sm.k, a.k, {b, k0, kvh, 0}, sm.kv_full);
+      load_async(sm.v, a.v, {b, k0, kvh, 0}, sm.kv_full);
+    }
+    int it = 0;
+    for (int g = 0; g < group; g++) {
+      const int h = kvh * group + g;
+      for (int i = 0; i < n_qblocks; i++) {
+        if (!sees(p, b, i, j, BK)) continue;
+        const int s = it % STAGES, phase = (it / STAGES) & 1;
+        wait(sm.empty[s], phase ^ 1);
+        if (pw == 0) {
+          arrive_expect_bytes(sm.full[s], sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
+          load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, sm.full[s]);
+          load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, sm.full[s]);
+        } else {
+          for (int c = laneid(); c < BQ; c += 32) {
+            const int t = i * BQ + c;
+            const size_t r = (size_t(b) * p.q_heads + h) * p.q_len + t;
+            const float lse = t < p.q_len ? p.lse[r] : NEG_INF;
+            sm.lse[s][c] = lse == NEG_INF ? -NEG_INF : lse * LOG2E;  // no row or no key: P = 0
+            sm.delta[s][c] = t < p.q_len ? p.delta[r] : 0.f;
+          }
+          arrive(sm.full[s]);
+        }
+        it++;
+      }
+    }
+    return;
+  }
+
+  // consumers: warpgroup wg owns keys k0 + 64 wg .. + 64, this warp 16 of them from kw
+  warpgroup::increase_registers<240>();
+  const int kw = k0 + 64 * wg + 16 * (warpid() % 4);
+  const auto k_rows = window<64, D>(sm.k, 64 * wg, 0), v_rows = window<64, D>(sm.v, 64 * wg, 0);
+  const auto k_cols = window<BK, C::DQ_COLS>(sm.k, 0, C::DQ_COLS * wg);
+  const auto dq_acc = gl<float>::make(p.workspace, p.batch, p.q_len, p.q_heads, D);
+  int *locks = reinterpret_cast<int *>(p.workspace + size_t(p.batch) * p.q_len * p.q_heads * D);
+  rt_fl<16, D> dk, dv;
+  warp::zero(dk);
+  warp::zero(dv);
+  if (n_steps > 0) wait(sm.kv_full, 0);
+
+  int it = 0;
+  for (int g = 0; g < group; g++) {
+    const int h = kvh * group + g;
+    for (int i = 0; i < n_qblocks; i++) {
+      if (!sees(p, b, i, j, BK)) continue;
+      const int q0 = i * BQ, slot = it % STAGES, phase = (it / STAGES) & 1;
+      rt_fl<16, BQ> s, dp;  // S^T (then P^T), dP^T (then dS^T)
+      rt<T, 16, BQ> p16, ds16;  // P^T and dS^T in the input dtype
+      row_vec<rt_fl<16, BQ>> lse, delta;
+      wait(sm.full[slot], phase);
+      warpgroup::mma_ABt(s, k_rows, sm.q[slot], false);      // S^T = K Q^T
+      warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T
+      warp::load(lse, sm.lse[slot], BQ);
+      warp::load(delta, sm.delta[slot], BQ);
+      warpgroup::wait<1>();
+      warpgroup::fence_registers(s);
+      probabilities(s, p, b, q0, kw, lse);
+      warp::copy(p16, s);
+      warpgroup::mma_AB(dv, p16, sm.dout[slot], true);  // dV += P^T dO
+      warpgroup::wait<1>();                          // dP^T is ready
+      warpgroup::fence_registers(dp);
+      warp::map_col(dp, dp, delta, [](float x, float d) { return x - d; });
+      warp::mul(dp, dp, s);  // dS^T = P^T (dP^T - delta)
+      warp::copy(ds16, dp);
+      warpgroup::mma_AB(dk, ds16, sm.q[slot], true);  // dK += dS^T Q
+      warp::store(sm.ds[it % 2], ds16, kw - k0, 0);
+      warpgroup::fence_shared_writes();
+      sync_named(1, 128 * CONSUMERS);  // all of dS^T is in shared memory
+      rt_fl<16, C::DQ_COLS> dq;
+      warpgroup::mma_AtB(dq, sm.ds[it % 2], k_cols, false);  // this warpgroup's columns of dS K
+      warpgroup::wait<0>();
+      warpgroup::fence_registers(dq);
+      warpgroup::fence_registers(p16);
+      warpgroup::fence_registers(ds16);
+      if (laneid() == 0) arrive(sm.empty[slot]);
+
+      int *lock = locks + (size_t(b) * p.q_heads + h) * n_qblocks + i;
+      if (p.deterministic) {  // wait for the key blocks before this one
+        const int turn = CONSUMERS * (j - kv_block_range(p, b, q0, BQ, BK).x);
+        if (threadIdx.x % 128 == 0)
+          while (load_acquire(lock) < turn) __nanosleep(64);
+        sync_named(2 + wg, 128);  // this warpgroup only
+      }
+      warp::atomic_add(dq_acc, dq, {b, q0 + 16 * (warpid() % 4), h, C::DQ_COLS * wg});
+      if (p.deterministic) {
+        sync_named(2 + wg, 128);  // this warpgroup only
+        if (threadIdx.x % 128 == 0) {
+          __threadfence();
+          atomicAdd(lock, 1);
+        }
+      }
+      it++;
+    }
+  }
+  // dK and dV are read only here, after the last wait (fencing them in the loop makes ptxas
+  // serialize the wgmmas).
+  warpgroup::fence_registers(dk);
+  warpgroup::fence_registers(dv);
+  warp::mul(dk, dk, p.scale);
+  warp::store(gl<T>::make(static_cast<T *>(p.dk), p.batch, p.kv_len, p.kv_heads, D), dk, {b, kw, kvh, 0});
+  warp::store(gl<T>::make(static_cast<T *>(p.dv), p.batch, p.kv_len, p.kv_heads, D), dv, {b, kw, kvh, 0});
+#endif
+}
+
+// delta = rowsum(dO * O) - dlse per query row (one warp per row), and a cleared workspace.
+template <typename T, int D> __global__ void bwd_prep_kernel(const __grid_constant__ Params p) {
+  const size_t rows = size_t(p.batch) * p.q_len * p.q_heads, acc_words = rows * D;
+  const size_t n_locks = size_t(p.batch) * p.q_heads * ((p.q_len + BWD_BQ - 1) / BWD_BQ);
+  int *locks = reinterpret_cast<int *>(p.workspace + acc_words);
+  for (size_t t = size_t(blockIdx.x) * blockDim.x + threadIdx.x; t < n_locks; t += size_t(gridDim.x) * blockDim.x)
+    locks[t] = 0;
+  const size_t row = size_t(blockIdx.x) * (blockDim.x / 32) + warpid();  // [b, t, h] order
+  if (row >= rows) return;
+  const auto *o = reinterpret_cast<const packed<T> *>(static_cast<const T *>(p.o) + row * D);
+  const auto *dout = reinterpret_cast<const packed<T> *>(static_cast<const T *>(p.dout) + row * D);
+  float acc = 0.f;
+  for (int c = laneid(); c < D / 2; c += 32) {
+    float2 x = to_float2(o[c]), y = to_float2(dout[c]);
+    acc += x.x * y.x + x.y * y.y;
+  }
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  auto *zero = reinterpret_cast<float4 *>(p.workspace + row * D);
+  for (int c = laneid(); c < D / 4; c += 32) zero[c] = float4{0.f, 0.f, 0.f, 0.f};
+  if (laneid() == 0) {
+    const int h = int(row % p.q_heads), t = int(row / p.q_heads % p.q_len), b = int(row / (size_t(p.q_heads) * p.q_len));
+    const size_t r = (size_t(b) * p.q_heads + h) * p.q_len + t;
+    p.delta[r] = acc - p.dlse[r];
+  }
+}
+
+// dq = scale * accumulator, in the input dtype.
+template <typename T> __global__ void bwd_dq_kernel(const __grid_constant__ Params p, size_t n) {
+  for (size_t e = 2 * (size_t(blockIdx.x) * blockDim.x + threadIdx.x); e < n; e += 2 * size_t(gridDim.x) * blockDim.x) {
+    float2 v = *reinterpret_cast<const float2 *>(p.workspace + e);
+    *reinterpret_cast<packed<T> *>(static_cast<T *>(p.dq) + e) = from_float2<packed<T>>(float2{v.x * p.scale, v.y * p.scale});
+  }
+}
+
+}  // namespace
+
+bool bwd_sm90_supported(const Params &p) { return (p.head_dim == 64 || p.head_dim == 128) && p.workspace != nullptr; }
+
+cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
+  return dispatch(p, [&]<typename T, int D>() {
+    using C = BwdH<T, D>;
+    const size_t rows = size_t(p.batch) * p.q_len * p.q_heads;
+    bwd_prep_kernel<T, D><<<unsigned((rows + 7) / 8), 256, 0, stream>>>(p);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+
+    typename C::Args a{p, {}, {}, {}, {}};
+    if (!make_tma_map(a.q, p.q, p.batch, p.q_len, p.q_heads, D) ||
+        !make_tma_map(a.dout, p.dout, p.batch, p.q_len, p.q_heads, D) ||
+        !make_tma_map(a.k, p.k, p.batch, p.kv_len, p.kv_heads, D) ||
+        !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
+      return cudaErrorInvalidValue;
+    auto kernel = bwd_sm90_kernel<T, D>;
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::smem));
+    if (e != cudaSuccess) return e;
+    kernel<<<dim3((p.kv_len + C::BK - 1) / C::BK, p.kv_heads, p.batch), C::THREADS, C::smem, stream>>>(a);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+
+    const size_t n = rows * D;
+    bwd_dq_kernel<T><<<unsigned(std::min<size_t>((n / 2 + 255) / 256, 1 << 16)), 256, 0, stream>>>(p, n);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace jax_tk::attention
