@@ -130,3 +130,284 @@ def test_report_merges_csvs(tmp_path, capsys):
     got = {(r.config, r.provider): r for r in results}
     assert math.isclose(got[(cfg, "jax_tk")].tflops, cfg.flops("fwd") / 1e-3 / 1e12, rel_tol=1e-4)
     assert got[(cfg2, "cudnn")].status == "error"
+
+
+# ----------------------------------------------------------------------------------------------
+# Feature rows (issue #4): grouped KV, sliding window, packed documents; useful FLOPs; plain baselines
+# ----------------------------------------------------------------------------------------------
+
+
+def _brute_mask(t, s, *, causal=False, window=None, q_ids=None, kv_ids=None, q_lens=None, kv_lens=None,
+                batch=1):
+    """[batch, t, s] boolean visibility, spelled out element by element (the oracle)."""
+    import numpy as np
+
+    if q_ids is not None:
+        batch = len(q_ids)
+    elif q_lens is not None:
+        batch = len(q_lens)
+    m = np.zeros((batch, t, s), bool)
+    for b in range(batch):
+        for i in range(t):
+            for j in range(s):
+                ok = True
+                if causal and j > i:
+                    ok = False
+                if window is not None and not (i - window[0] <= j <= i + window[1]):
+                    ok = False
+                if q_ids is not None and q_ids[b][i] != kv_ids[b][j]:
+                    ok = False
+                if q_lens is not None and i >= q_lens[b]:
+                    ok = False
+                if kv_lens is not None and j >= kv_lens[b]:
+                    ok = False
+                m[b, i, j] = ok
+    return m
+
+
+@pytest.mark.parametrize("t,s", [(37, 37), (24, 53), (61, 19)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, (0, 0), (5, 0), (3, 7), (100, 100)])
+def test_visible_pairs_causal_window(t, s, causal, window):
+    want = int(_brute_mask(t, s, causal=causal, window=window).sum())
+    assert bench.visible_pairs(t, s, causal=causal, window=window) == want
+    assert bench.visible_pairs(t, s, causal=causal, window=window, batch=3) == 3 * want
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, (6, 0), (4, 2)])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_visible_pairs_segments(causal, window, contiguous):
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    t = 48
+    if contiguous:  # packed documents
+        ids = bench.segment_ids_from_lengths(bench.document_lengths(t, 5, seed=3, batch=2))
+    else:  # any ids, in any order
+        ids = rng.integers(0, 4, size=(2, t)).astype(np.int32)
+    want = int(_brute_mask(t, t, causal=causal, window=window, q_ids=ids, kv_ids=ids).sum())
+    got = bench.visible_pairs(t, t, causal=causal, window=window, q_segment_ids=ids, kv_segment_ids=ids)
+    assert got == want
+    # Cross attention with other key ids.
+    kv = rng.integers(0, 4, size=(2, 29)).astype(np.int32)
+    want = int(_brute_mask(t, 29, causal=causal, window=window, q_ids=ids, kv_ids=kv).sum())
+    assert bench.visible_pairs(t, 29, causal=causal, window=window, q_segment_ids=ids,
+                               kv_segment_ids=kv) == want
+
+
+def test_visible_pairs_lengths_and_library_semantics():
+    import numpy as np
+
+    from jax_tk import reference
+
+    t, s = 40, 33
+    q_lens, kv_lens = np.array([40, 17, 0], np.int32), np.array([5, 33, 20], np.int32)
+    ids = bench.segment_ids_from_lengths(bench.document_lengths(t, 4, seed=0, batch=3))
+    kv_ids = ids[:, :s]
+    for causal in (False, True):
+        for window in (None, (7, 3)):
+            kw = dict(causal=causal, window=window)
+            want = int(_brute_mask(t, s, q_ids=ids, kv_ids=kv_ids, q_lens=q_lens, kv_lens=kv_lens, **kw).sum())
+            got = bench.visible_pairs(t, s, q_segment_ids=ids, kv_segment_ids=kv_ids,
+                                      query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens, **kw)
+            assert got == want
+            # The same count as the mask jax_tk's reference applies.
+            lib = reference.visibility(t, s, is_causal=causal, local_window_size=window,
+                                       q_segment_ids=ids, kv_segment_ids=kv_ids,
+                                       query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens)
+            assert int(np.asarray(lib).sum()) == got
+
+
+def test_visible_pairs_closed_forms_at_16k():
+    # O(T) counting at the benchmark's sizes, against closed forms.
+    t = 16384
+    assert bench.visible_pairs(t, t) == t * t
+    assert bench.visible_pairs(t, t, causal=True) == t * (t + 1) // 2
+    w = 4096  # causal + window (w, 0): row i sees min(i, w) + 1 keys
+    assert bench.visible_pairs(t, t, causal=True, window=(w, 0)) == (w + 1) * (t - w) + w * (w + 1) // 2
+    lengths = bench.document_lengths(t, 8, seed=0)
+    ids = bench.segment_ids_from_lengths(lengths)
+    assert bench.visible_pairs(t, t, q_segment_ids=ids, kv_segment_ids=ids) == int((lengths**2).sum())
+    assert (bench.visible_pairs(t, t, causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+            == int((lengths * (lengths + 1) // 2).sum()))
+
+
+def test_document_lengths():
+    import numpy as np
+
+    a = bench.document_lengths(16384, 8, seed=0, batch=2)
+    assert a.shape == (2, 8) and (a.sum(axis=1) == 16384).all() and (a >= 1).all()
+    assert (a == bench.document_lengths(16384, 8, seed=0, batch=2)).all()  # fixed seed
+    assert not (a == bench.document_lengths(16384, 8, seed=1, batch=2)).all()
+    assert len(np.unique(a)) > 1  # random lengths, not equal ones
+    ids = bench.segment_ids_from_lengths(a)
+    assert ids.shape == (2, 16384) and ids.dtype == np.int32
+    assert (np.diff(ids, axis=1) >= 0).all() and (ids[:, -1] == 7).all()
+    assert (np.bincount(ids[0]) == a[0]).all()
+    with pytest.raises(ValueError):
+        bench.document_lengths(4, 5)
+
+
+def test_feature_configs_default():
+    configs = bench.feature_configs()
+    feats = [c for c in configs if c.feature != "plain"]
+    assert {c.feature for c in feats} == set(bench.FEATURES)
+    for c in configs:
+        assert c.dtype == "bf16" and c.head_dim == 128 and c.batch * c.q_len <= 16384
+    gqa = [c for c in feats if c.feature == "gqa"]
+    assert sorted((c.q_len, c.batch, c.causal) for c in gqa) == [
+        (4096, 4, False), (4096, 4, True), (16384, 1, False), (16384, 1, True)]
+    assert all(c.heads == 32 and c.kv_heads == 8 and c.shape_kv[2] == 8 for c in gqa)
+    (win,) = [c for c in feats if c.feature == "window"]
+    assert win.window == (4096, 0) and win.causal and (win.batch, win.q_len, win.heads) == (1, 16384, 16)
+    docs = [c for c in feats if c.feature == "documents"]
+    assert sorted(c.causal for c in docs) == [False, True]
+    for c in docs:
+        assert (c.batch, c.q_len, c.heads, c.documents) == (1, 16384, 16, 8)
+        assert c.segment_ids().shape == (1, 16384)
+    # Each feature row comes after its plain baseline; baselines appear once.
+    assert len(set(configs)) == len(configs)
+    for i, c in enumerate(configs):
+        if c.feature == "plain":
+            continue
+        base = bench.plain_baseline(c)
+        assert base in configs[:i]
+        assert base.feature == "plain" and base.window is None and not base.documents
+        assert base.kv_heads == base.heads == c.heads and base.causal == c.causal
+        assert base.q_len % 128 == 0
+        assert abs(base.flops("fwd") / c.flops("fwd") - 1) < 0.02  # about the same useful FLOPs
+        if c.feature == "gqa":  # the same problem with as many kv heads as query heads
+            assert (base.batch, base.q_len, base.kv_len) == (c.batch, c.q_len, c.kv_len)
+
+
+def test_feature_configs_filters():
+    only = bench.feature_configs(["window"], [False])
+    assert only == []  # the window row is causal only
+    c = bench.feature_configs(["documents"], [True], baselines=False)
+    assert [x.feature for x in c] == ["documents"] and c[0].causal
+    c = bench.feature_configs(["gqa"], [False], head_dims=[64], baselines=False)
+    assert {x.head_dim for x in c} == {64}
+    with pytest.raises(ValueError):
+        bench.feature_configs(["bogus"])
+
+
+def test_useful_flops():
+    t, h, d = 16384, 16, 128
+    win = bench.AttentionConfig(1, t, t, h, d, True, feature="window", window=(4096, 0))
+    visible = 4097 * (t - 4096) + 4096 * 4097 // 2
+    assert win.flops("fwd") == 4 * h * d * visible
+    assert win.flops("bwd") == 2.5 * win.flops("fwd")
+    plain = bench.AttentionConfig(2, 1024, 1024, h, d, True, feature="plain")
+    assert plain.flops("fwd") == 4 * 2 * h * d * (1024 * 1025 // 2)  # exact count, not T^2/2
+    # The sweep keeps the standard count.
+    sweep = bench.AttentionConfig(2, 1024, 1024, h, d, True)
+    assert sweep.flops("fwd") == bench.attention_flops(2, 1024, 1024, h, d, True)
+    # GQA: FLOPs by query heads, the same as the MHA problem.
+    gqa = bench.AttentionConfig(4, 4096, 4096, 32, d, False, feature="gqa", kv_heads=8)
+    assert gqa.flops("fwd") == bench.attention_flops(4, 4096, 4096, 32, d, False)
+    docs = bench.AttentionConfig(1, 4096, 4096, h, d, False, feature="documents", documents=8)
+    assert docs.flops("fwd") == 4 * h * d * int((docs.document_lengths() ** 2).sum())
+    with pytest.raises(ValueError):
+        bench.AttentionConfig(1, 64, 64, 6, 64, False, kv_heads=4)
+
+
+def test_plain_baseline_small():
+    c = bench.AttentionConfig(1, 512, 512, 2, 64, True, feature="window", window=(64, 0))
+    base = bench.plain_baseline(c)
+    assert base.q_len % 16 == 0 and base.causal and base.feature == "plain"
+    # The closest aligned length: neighbours are no closer.
+    per = c.visible()
+    err = lambda n: abs(n * (n + 1) // 2 - per)
+    assert err(base.q_len) <= min(err(base.q_len - 16), err(base.q_len + 16))
+
+
+def test_vs_plain_and_table():
+    c = bench.AttentionConfig(1, 512, 512, 2, 64, False, feature="documents", documents=8)
+    base = bench.plain_baseline(c)
+    rs = [bench.Result(base, "jax_tk", "fwd", "ok", time_ms=1.0),
+          bench.Result(base, "cudnn", "fwd", "ok", time_ms=0.5),
+          bench.Result(c, "jax_tk", "fwd", "ok", time_ms=2.0),
+          bench.Result(c, "cudnn_packed", "fwd", "ok", time_ms=0.5),
+          bench.Result(c, "xla", "fwd", "error", note="boom")]
+    by = {(r.config, r.provider, r.mode): r for r in rs}
+    for r in rs:
+        bench.set_vs_plain(r, by)
+    want = (c.flops("fwd") / 2.0) / (base.flops("fwd") / 1.0)
+    assert math.isclose(rs[2].vs_plain, want)
+    assert math.isclose(rs[3].vs_plain, c.flops("fwd") / base.flops("fwd"))  # against cudnn's plain row
+    assert math.isnan(rs[0].vs_plain) and math.isnan(rs[4].vs_plain)
+    table = bench.format_table(rs)
+    assert "== features, fwd" in table and f"{want:.0%}" in table and "boom" in table
+
+
+def test_providers_for_feature_rows():
+    win = bench.AttentionConfig(1, 128, 128, 2, 64, True, feature="window", window=(64, 0))
+    plain = bench.plain_baseline(win)
+    for cfg in (win, plain):
+        with pytest.raises(bench._Skip):
+            bench.make_provider("cudnn_packed", cfg)
+    with pytest.raises(bench._Skip):
+        bench.make_provider("pallas", win)
+    assert bench.make_provider("xla", win).materializes_logits
+    docs = bench.AttentionConfig(1, 128, 128, 2, 64, True, feature="documents", documents=8)
+    p = bench.make_provider("cudnn_packed", docs)
+    assert p.fallback is not None and "mask_type=CAUSAL" in p.note
+    assert "PADDING_CAUSAL" in p.fallback("x").note
+
+
+def test_features_cli():
+    p = bench._parser()
+    assert p.parse_args(["attention", "--features"]).features == list(bench.FEATURES)
+    assert p.parse_args(["attention", "--features", "window,gqa"]).features == ["window", "gqa"]
+    assert p.parse_args(["attention"]).features is None  # the default run has no feature rows
+    with pytest.raises(SystemExit):
+        p.parse_args(["attention", "--features", "nope"])
+
+
+def test_features_quick_run_cpu(tmp_path, capsys):
+    # Every feature through the whole path (providers, timer, check, vs plain, CSV, PNG, report).
+    providers = ["xla"] if bench.has_gpu() else ["xla", "jax_tk", "cudnn_packed"]
+    rc = bench.main(["attention", "--features", "--quick", "--tokens", "128", "--seq", "64",
+                     "--causal", "true", "--providers", ",".join(providers), "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "== features, fwd" in out and "== features, bwd" in out
+    csv_path, png_path = tmp_path / "attention_features.csv", tmp_path / "attention_features.png"
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    # gqa, window, documents (causal) and a plain baseline each, x providers x 2 modes.
+    assert len(rows) == 6 * len(providers) * 2
+    assert {r["feature"] for r in rows} == {"plain", *bench.FEATURES}
+    for r in rows:
+        if r["provider"] == "cudnn_packed":
+            want = "error" if r["feature"] == "documents" else "skipped"  # no cuDNN on CPU
+            assert r["status"] == want and r["note"], r
+            continue
+        assert r["status"] == "ok", r
+        assert float(r["tflops"]) > 0 and float(r["rel_err"]) < 2e-2
+        if r["feature"] != "plain":
+            assert float(r["vs_plain"]) > 0
+    win = [r for r in rows if r["feature"] == "window"][0]
+    assert win["window"] == "64:0"
+    assert [r for r in rows if r["feature"] == "gqa"][0]["kv_heads"] == "2"
+    assert [r for r in rows if r["feature"] == "documents"][0]["documents"] == "8"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        assert png_path.stat().st_size > 0
+    # The report reads the feature columns back.
+    results, _ = bench.read_csv([str(csv_path)])
+    assert {r.config.feature for r in results} == {"plain", *bench.FEATURES}
+    assert any(not math.isnan(r.vs_plain) for r in results)
+    assert bench.main(["report", str(csv_path), "--png", str(tmp_path / "r.png")]) == 0
+    assert "== features, fwd" in capsys.readouterr().out
+
+
+def test_memory_limit_applies_to_reference_providers():
+    cfg = bench.AttentionConfig(1, 64, 64, 2, 64, True, feature="window", window=(16, 0))
+    results = bench.bench_attention([cfg], ["xla"], ["fwd"], xla_max_bytes=1, log=None,
+                                    timer=bench.WallTimer(reps=20, batch_ms=1, warmup_ms=1))
+    assert [r.status for r in results] == ["skipped"] and "GB" in results[0].note
