@@ -5,7 +5,7 @@
 # JAX_TK_SANITIZE=1 runs compute-sanitizer (memcheck, racecheck, synccheck) on the kernels;
 # JAX_TK_EXAMPLE=1 times examples/train_gpt.py (GPU preset, JAX_TK_EXAMPLE_STEPS steps, default 150)
 # with each attention: jax_tk, cuDNN and XLA;
-# JAX_TK_TESTS=0 skips the tests; JAX_TK_TEST_PROCS sets the number of parallel test processes (default 8).
+# JAX_TK_TESTS=0 skips the tests; JAX_TK_TEST_PROCS sets the number of parallel test processes (default 12).
 # Logs: OUTDIR/build.log, OUTDIR/tests.log, OUTDIR/junit.xml, OUTDIR/sanitizer*.log,
 # OUTDIR/example_*.log (+ loss curves), OUTDIR/bench.log (+ csv/png).
 set -uo pipefail
@@ -35,10 +35,12 @@ python3 -P -c "import jax_tk, sys; assert jax_tk.has_cuda_kernels(), 'no kernels
 # Tests compile many small XLA programs: run them in parallel processes (pytest-xdist) when it is
 # there, each taking GPU memory as needed instead of 75% of it up front.
 par=()
-if python3 -c "import xdist" 2>/dev/null; then par=(-n "${JAX_TK_TEST_PROCS:-8}"); export XLA_PYTHON_CLIENT_PREALLOCATE=false; fi
+if python3 -c "import xdist" 2>/dev/null; then par=(-n "${JAX_TK_TEST_PROCS:-12}"); export XLA_PYTHON_CLIENT_PREALLOCATE=false; fi
 test_rc=0
 if [ "${JAX_TK_TESTS:-1}" = "1" ]; then
-  python3 -P -m pytest -q -rs -p no:cacheprovider "${par[@]}" --junitxml="$out/junit.xml" "$@" tests 2>&1 | tee "$out/tests.log"
+  # No autotuning of XLA's own GEMMs: most of the tests' time would go to it, and they check results only.
+  XLA_FLAGS="--xla_gpu_autotune_level=0 ${XLA_FLAGS:-}" \
+    python3 -P -m pytest -q -rs -p no:cacheprovider "${par[@]}" --junitxml="$out/junit.xml" "$@" tests 2>&1 | tee "$out/tests.log"
   test_rc=${PIPESTATUS[0]}
 fi
 
