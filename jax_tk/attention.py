@@ -201,10 +201,10 @@ def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, ou
 
 
 def _bwd_workspace_shape(query):
-    # Must match bwd_sm90_workspace_words() in cc/kernels/attention/attention.h: an fp32 copy of dq
-    # and one int32 per (batch, head, 64-row query block).
+    # Must match bwd_sm90_workspace_words() in cc/kernels/attention/attention.h: per (batch, head,
+    # 64-row query block) an fp32 64 x head_dim dq accumulator tile and one int32.
     b, t, n, d = query.shape
-    return jax.ShapeDtypeStruct((b * t * n * d + b * n * (-(-t // 64)),), jnp.float32)
+    return jax.ShapeDtypeStruct((b * n * -(-t // 64) * (64 * d + 1),), jnp.float32)
 
 
 def _fwd_reference(query, key, value, spec: AttentionSpec):

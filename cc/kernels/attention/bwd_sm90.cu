@@ -11,7 +11,8 @@
 //                dV += P^T dO_i,  dK += dS^T Q_i                    (wgmma, A from registers)
 //              then both write dS^T to shared memory and each computes half of the columns of
 //                dQ_i = dS K                                       (wgmma, A read M-major)
-//              and adds them to an fp32 accumulator in global memory (red.add). With
+//              which it stages in shared memory and adds to an fp32 accumulator tile in global
+//              memory with one bulk reduce-add (the copy engine does the atomics). With
 //              Params::deterministic the blocks of one query block take turns, in key-block order,
 //              so that the sums come out the same every run.
 // Before it, a small kernel computes delta = rowsum(dO * O) - dlse and clears the accumulator;
@@ -32,6 +33,7 @@ template <typename T, int D> struct BwdH {
     st<T, BK, D> k, v;
     st<T, BQ, D> q[STAGES], dout[STAGES];
     st<T, BK, BQ> ds[2];                        // dS^T of the last two steps (keys x queries)
+    st<float, BQ, DQ_COLS> dq[CONSUMERS];       // each consumer's columns of dQ_i, on their way out
     float lse[STAGES][BQ], delta[STAGES][BQ];  // per query row; lse in log2 units, +inf past q_len
     semaphore kv_full, full[STAGES], empty[STAGES];
   };
@@ -41,6 +43,12 @@ template <typename T, int D> struct BwdH {
     tma_map<T, BK> k, v;
   };
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
+  // The workspace holds, per (batch, head, query block, consumer), that consumer's dQ tile exactly
+  // as it sits in shared memory, so that it goes out in one bulk copy.
+  using DQTile = st<float, BQ, DQ_COLS>;
+  __host__ __device__ static size_t dq_tile(const Params &p, int b, int h, int i, int c) {
+    return (((size_t(b) * p.q_heads + h) * ((p.q_len + BQ - 1) / BQ) + i) * CONSUMERS + c) * (BQ * DQ_COLS);
+  }
 };
 
 constexpr int BWD_BQ = 64;  // query rows per step of the main kernel and per lock of the workspace
@@ -51,13 +59,17 @@ __device__ __forceinline__ bool sees(const Params &p, int b, int i, int j, int B
   return j >= r.x && j < r.y;
 }
 
-// P^T from S^T (rows: keys kw.., columns: queries q0..) and the columns' lse (log2 units).
-template <typename RT, typename V>
-__device__ __forceinline__ void probabilities(RT &s, const Params &p, int b, int q0, int kw, const V &lse) {
+// P^T from S^T (rows: keys kw.., columns: queries q0..) and the columns' lse (log2 units, read
+// from shared memory: registers are short here).
+template <typename RT>
+__device__ __forceinline__ void probabilities(RT &s, const Params &p, int b, int q0, int kw, const float *lse) {
   const float c = p.scale * LOG2E;
-  warp::map_col(s, s, lse, [c](float x, float l) { return warp::fn::exp2(x * c - l); });
   if (kw + RT::rows > p.kv_len || (p.causal && kw + RT::rows - 1 > q0))
-    warp::map_indexed(s, s, [&](int r, int col, float x) { return visible(p, b, q0 + col, kw + r) ? x : 0.f; });
+    warp::map_indexed(s, s, [&](int r, int col, float x) {
+      return visible(p, b, q0 + col, kw + r) ? warp::fn::exp2(x * c - lse[col]) : 0.f;
+    });
+  else
+    warp::map_indexed(s, s, [&](int, int col, float x) { return warp::fn::exp2(x * c - lse[col]); });
 }
 
 __device__ __forceinline__ int load_acquire(const int *x) {
@@ -133,8 +145,8 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   const int kw = k0 + 64 * wg + 16 * (warpid() % 4);
   const auto k_rows = window<64, D>(sm.k, 64 * wg, 0), v_rows = window<64, D>(sm.v, 64 * wg, 0);
   const auto k_cols = window<BK, C::DQ_COLS>(sm.k, 0, C::DQ_COLS * wg);
-  const auto dq_acc = gl<float>::make(p.workspace, p.batch, p.q_len, p.q_heads, D);
-  int *locks = reinterpret_cast<int *>(p.workspace + size_t(p.batch) * p.q_len * p.q_heads * D);
+  int *locks = reinterpret_cast<int *>(p.workspace + C::dq_tile(p, p.batch, 0, 0, 0));
+  const bool leader = threadIdx.x % 128 == 0;
   rt_fl<16, D> dk, dv;
   warp::zero(dk);
   warp::zero(dv);
@@ -148,17 +160,16 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       const int q0 = i * BQ, slot = it % STAGES, phase = (it / STAGES) & 1;
       rt_fl<16, BQ> s, dp;  // S^T (then P^T), dP^T (then dS^T)
       rt<T, 16, BQ> p16, ds16;  // P^T and dS^T in the input dtype
-      row_vec<rt_fl<16, BQ>> lse, delta;
+      row_vec<rt_fl<16, BQ>> delta;
       wait(sm.full[slot], phase);
       warpgroup::mma_ABt(s, k_rows, sm.q[slot], false);      // S^T = K Q^T
       warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T
-      warp::load(lse, sm.lse[slot], BQ);
-      warp::load(delta, sm.delta[slot], BQ);
       warpgroup::wait<1>();
       warpgroup::fence_registers(s);
-      probabilities(s, p, b, q0, kw, lse);
+      probabilities(s, p, b, q0, kw, sm.lse[slot]);
       warp::copy(p16, s);
       warpgroup::mma_AB(dv, p16, sm.dout[slot], true);  // dV += P^T dO
+      warp::load(delta, sm.delta[slot], BQ);
       warpgroup::wait<1>();                          // dP^T is ready
       warpgroup::fence_registers(dp);
       warp::map_col(dp, dp, delta, [](float x, float d) { return x - d; });
@@ -168,25 +179,31 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       warp::store(sm.ds[it % 2], ds16, kw - k0, 0);
       warpgroup::fence_shared_writes();
       sync_named(1, 128 * CONSUMERS);  // all of dS^T is in shared memory
+      warpgroup::wait<0>();            // dV and dK are done with P^T, dS^T, Q and dO
+      warpgroup::fence_registers(p16);
+      warpgroup::fence_registers(ds16);
+      if (laneid() == 0) arrive(sm.empty[slot]);
       rt_fl<16, C::DQ_COLS> dq;
       warpgroup::mma_AtB(dq, sm.ds[it % 2], k_cols, false);  // this warpgroup's columns of dS K
       warpgroup::wait<0>();
       warpgroup::fence_registers(dq);
-      warpgroup::fence_registers(p16);
-      warpgroup::fence_registers(ds16);
-      if (laneid() == 0) arrive(sm.empty[slot]);
 
-      int *lock = locks + (size_t(b) * p.q_heads + h) * n_qblocks + i;
-      if (p.deterministic) {  // wait for the key blocks before this one
-        const int turn = CONSUMERS * (j - kv_block_range(p, b, q0, BQ, BK).x);
-        if (threadIdx.x % 128 == 0)
-          while (load_acquire(lock) < turn) __nanosleep(64);
-        sync_named(2 + wg, 128);  // this warpgroup only
-      }
-      warp::atomic_add(dq_acc, dq, {b, q0 + 16 * (warpid() % 4), h, C::DQ_COLS * wg});
-      if (p.deterministic) {
-        sync_named(2 + wg, 128);  // this warpgroup only
-        if (threadIdx.x % 128 == 0) {
+      // dQ_i's columns -> shared memory -> accumulator tile (+=, by the copy engine)
+      if (leader) bulk_wait_read<0>();  // the last step's copy is done reading the buffer
+      sync_named(2 + wg, 128);          // this warpgroup only
+      warp::store(sm.dq[wg], dq, 16 * (warpid() % 4), 0);
+      warpgroup::fence_shared_writes();
+      sync_named(2 + wg, 128);
+      if (leader) {
+        int *lock = locks + (size_t(b) * p.q_heads + h) * n_qblocks + i;
+        if (p.deterministic) {  // wait for the key blocks before this one
+          const int turn = CONSUMERS * (j - kv_block_range(p, b, q0, BQ, BK).x);
+          while (load_acquire(lock) < turn) __nanosleep(32);
+        }
+        reduce_add_async(p.workspace + C::dq_tile(p, b, h, i, wg), &sm.dq[wg], sizeof(sm.dq[wg].data));
+        bulk_commit();
+        if (p.deterministic) {
+          bulk_wait<0>();
           __threadfence();
           atomicAdd(lock, 1);
         }
@@ -198,6 +215,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   // serialize the wgmmas).
   warpgroup::fence_registers(dk);
   warpgroup::fence_registers(dv);
+  if (leader) bulk_wait<0>();  // the copy engine has finished with shared memory
   warp::mul(dk, dk, p.scale);
   warp::store(gl<T>::make(static_cast<T *>(p.dk), p.batch, p.kv_len, p.kv_heads, D), dk, {b, kw, kvh, 0});
   warp::store(gl<T>::make(static_cast<T *>(p.dv), p.batch, p.kv_len, p.kv_heads, D), dv, {b, kw, kvh, 0});
@@ -206,11 +224,11 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
 
 // delta = rowsum(dO * O) - dlse per query row (one warp per row), and a cleared workspace.
 template <typename T, int D> __global__ void bwd_prep_kernel(const __grid_constant__ Params p) {
-  const size_t rows = size_t(p.batch) * p.q_len * p.q_heads, acc_words = rows * D;
-  const size_t n_locks = size_t(p.batch) * p.q_heads * ((p.q_len + BWD_BQ - 1) / BWD_BQ);
-  int *locks = reinterpret_cast<int *>(p.workspace + acc_words);
-  for (size_t t = size_t(blockIdx.x) * blockDim.x + threadIdx.x; t < n_locks; t += size_t(gridDim.x) * blockDim.x)
-    locks[t] = 0;
+  const size_t rows = size_t(p.batch) * p.q_len * p.q_heads;
+  const size_t words = bwd_sm90_workspace_words(p.batch, p.q_len, p.q_heads, D);
+  for (size_t e = size_t(blockIdx.x) * blockDim.x + threadIdx.x; e < words / 4; e += size_t(gridDim.x) * blockDim.x)
+    reinterpret_cast<float4 *>(p.workspace)[e] = float4{0.f, 0.f, 0.f, 0.f};
+  if (blockIdx.x == 0 && threadIdx.x < words % 4) p.workspace[words / 4 * 4 + threadIdx.x] = 0.f;
   const size_t row = size_t(blockIdx.x) * (blockDim.x / 32) + warpid();  // [b, t, h] order
   if (row >= rows) return;
   const auto *o = reinterpret_cast<const packed<T> *>(static_cast<const T *>(p.o) + row * D);
@@ -221,8 +239,6 @@ template <typename T, int D> __global__ void bwd_prep_kernel(const __grid_consta
     acc += x.x * y.x + x.y * y.y;
   }
   for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  auto *zero = reinterpret_cast<float4 *>(p.workspace + row * D);
-  for (int c = laneid(); c < D / 4; c += 32) zero[c] = float4{0.f, 0.f, 0.f, 0.f};
   if (laneid() == 0) {
     const int h = int(row % p.q_heads), t = int(row / p.q_heads % p.q_len), b = int(row / (size_t(p.q_heads) * p.q_len));
     const size_t r = (size_t(b) * p.q_heads + h) * p.q_len + t;
@@ -230,10 +246,15 @@ template <typename T, int D> __global__ void bwd_prep_kernel(const __grid_consta
   }
 }
 
-// dq = scale * accumulator, in the input dtype.
-template <typename T> __global__ void bwd_dq_kernel(const __grid_constant__ Params p, size_t n) {
+// dq = scale * accumulator, in the input dtype (one thread per pair of dq elements).
+template <typename T, int D> __global__ void bwd_dq_kernel(const __grid_constant__ Params p, size_t n) {
+  using C = BwdH<T, D>;
   for (size_t e = 2 * (size_t(blockIdx.x) * blockDim.x + threadIdx.x); e < n; e += 2 * size_t(gridDim.x) * blockDim.x) {
-    float2 v = *reinterpret_cast<const float2 *>(p.workspace + e);
+    const size_t row = e / D;  // [b, t, h] order
+    const int d = int(e % D), h = int(row % p.q_heads), t = int(row / p.q_heads % p.q_len);
+    const int b = int(row / (size_t(p.q_heads) * p.q_len));
+    const float *tile = p.workspace + C::dq_tile(p, b, h, t / C::BQ, d / C::DQ_COLS);
+    float2 v = *reinterpret_cast<const float2 *>(tile + C::DQTile::offset(t % C::BQ, d % C::DQ_COLS));
     *reinterpret_cast<packed<T> *>(static_cast<T *>(p.dq) + e) = from_float2<packed<T>>(float2{v.x * p.scale, v.y * p.scale});
   }
 }
@@ -263,7 +284,7 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
 
     const size_t n = rows * D;
-    bwd_dq_kernel<T><<<unsigned(std::min<size_t>((n / 2 + 255) / 256, 1 << 16)), 256, 0, stream>>>(p, n);
+    bwd_dq_kernel<T, D><<<unsigned(std::min<size_t>((n / 2 + 255) / 256, 1 << 16)), 256, 0, stream>>>(p, n);
     return cudaGetLastError();
   });
 }

@@ -68,4 +68,19 @@ __device__ __forceinline__ void load_async(ST &dst, const tma_map<typename ST::d
   }
 }
 
+// Device: global fp32 [0, bytes/4) += shared memory, by the bulk copy engine (one thread issues;
+// bytes a multiple of 16, both addresses 16-byte aligned). Completion is tracked per thread in
+// bulk groups: commit them, then wait until at most N are pending (wait_read: until their
+// shared-memory sources may be overwritten; wait: until their writes are done).
+__device__ __forceinline__ void reduce_add_async(float *dst, const void *src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
+
 }  // namespace tk
