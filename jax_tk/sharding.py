@@ -395,7 +395,7 @@ def _call(op: str, local_fn: Callable, spec, args, masks=None):
     mesh, types = _mesh_axis_types(args[0])
     explicit = [a for a, t in types.items() if t == jax.sharding.AxisType.Explicit]
     manual = [a for a, t in types.items() if t == jax.sharding.AxisType.Manual]
-    if manual or (not explicit and (not _AUTO_PARTITIONING or not _multi_device())):
+    if not explicit and (manual or not _AUTO_PARTITIONING or not _multi_device()):
         # Local shards (shard_map, pmap), or nothing to partition.
         return tuple(local_fn(spec, *args) if masks is None else local_fn(spec, *args, masks=masks))
     # Partitioned: the masking arrays given travel flat after the operands.
