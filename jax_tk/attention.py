@@ -6,6 +6,7 @@ import functools
 import math
 import os
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,12 +25,29 @@ BWD_TARGET = "jax_tk_attention_bwd"
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-    """Static description of one attention call (hashable: it is a custom_vjp nondiff argument)."""
+    """Static description of one attention call (hashable: it is a custom_vjp nondiff argument).
+
+    window: ``(left, right)`` (ints >= 0, as given to ``local_window_size``) or None.
+    softcap: the logit soft cap (a positive float) or None.
+    """
 
     scale: float
     is_causal: bool
     use_kernel: bool
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
     deterministic: bool = False  # backward: same bits every run (the Hopper kernel orders its dq sums)
+
+
+class Masks(NamedTuple):
+    """The array-valued masking options of one call (None where not given): ``q_segment_ids``
+    ``[batch, q_len]``, ``kv_segment_ids`` ``[batch, kv_len]``, ``q_lengths`` and ``kv_lengths``
+    ``[batch]``, integers. A pytree: an input of the custom_vjp (not differentiable)."""
+
+    q_segment_ids: jax.Array | None = None
+    kv_segment_ids: jax.Array | None = None
+    q_lengths: jax.Array | None = None
+    kv_lengths: jax.Array | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,26 +185,46 @@ def _default_variant() -> int:
     return VARIANT_SM80 if os.environ.get("JAX_TK_ATTENTION_KERNELS", "").lower() == "sm80" else VARIANT_AUTO
 
 
-def _kernel_call(target, out_types, args, spec, out_init, variant=None, **attrs):
-    """Calls an FFI target. ``out_init`` (tests only) gives buffers that are aliased to the outputs, so
-    that a test can poison every output before the kernel runs; the handler ignores them as inputs.
-    ``attrs``: the target's attributes beyond scale, is_causal and variant."""
+def _mask_operands(masks: Masks | None):
+    """The four masking operands of the kernels: int32 arrays, or int32 arrays of shape (0,) where an
+    option is absent (the handler decodes those as "none")."""
+    masks = Masks() if masks is None else masks
+    return tuple(jnp.zeros((0,), jnp.int32) if x is None else jnp.asarray(x).astype(jnp.int32) for x in masks)
+
+
+def _mask_attributes(spec: AttentionSpec, q_len: int, kv_len: int) -> dict:
+    """window_left/window_right (-1: unbounded; a side that reaches past the sequence is unbounded, which
+    also keeps the attribute in int32) and softcap (0: none)."""
+    left, right = spec.window if spec.window is not None else (-1, -1)
+    left = -1 if left < 0 or left >= q_len else left
+    right = -1 if right < 0 or right >= kv_len else right
+    return dict(window_left=np.int32(left), window_right=np.int32(right),
+                softcap=np.float32(spec.softcap if spec.softcap is not None else 0.0))
+
+
+def _kernel_call(target, out_types, args, spec, out_init, variant=None, masks=None, seq_lens=None, **attrs):
+    """Calls an FFI target with ``args`` followed by the four masking operands. ``out_init`` (tests only)
+    gives buffers that are aliased to the outputs, so that a test can poison every output before the
+    kernel runs; the handler ignores them as inputs. ``attrs``: the target's own attributes."""
     variant = _default_variant() if variant is None else variant
+    args = (*args, *_mask_operands(masks))
     aliases = None
     if out_init is not None:
         aliases = {len(args) + i: i for i in range(len(out_init))}
         args = (*args, *out_init)
     call = jax.ffi.ffi_call(target, out_types, vmap_method="sequential", input_output_aliases=aliases)
     return call(*args, scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal), variant=np.int32(variant),
-                **attrs)
+                **_mask_attributes(spec, *seq_lens), **attrs)
 
 
-def _fwd_kernel(query, key, value, spec: AttentionSpec, out_init=None, variant=None):
+def _fwd_kernel(query, key, value, spec: AttentionSpec, out_init=None, variant=None, masks=None):
     out_types = (jax.ShapeDtypeStruct(query.shape, query.dtype), _lse_shape(query))
-    return tuple(_kernel_call(FWD_TARGET, out_types, (query, key, value), spec, out_init, variant))
+    return tuple(_kernel_call(FWD_TARGET, out_types, (query, key, value), spec, out_init, variant, masks,
+                              (query.shape[1], key.shape[1])))
 
 
-def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, out_init=None, variant=None):
+def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, out_init=None, variant=None,
+                masks=None):
     out_types = (
         jax.ShapeDtypeStruct(query.shape, query.dtype),
         jax.ShapeDtypeStruct(key.shape, key.dtype),
@@ -195,8 +233,8 @@ def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, ou
         _bwd_workspace_shape(query),  # workspace of the Hopper kernel: fp32 dq accumulator + locks
     )
     args = (query, key, value, out, lse, dout, dlse)
-    dq, dk, dv, *_ = _kernel_call(BWD_TARGET, out_types, args, spec, out_init, variant,
-                                  deterministic=np.int32(spec.deterministic))
+    dq, dk, dv, *_ = _kernel_call(BWD_TARGET, out_types, args, spec, out_init, variant, masks,
+                                  (query.shape[1], key.shape[1]), deterministic=np.int32(spec.deterministic))
     return dq, dk, dv
 
 
@@ -207,55 +245,77 @@ def _bwd_workspace_shape(query):
     return jax.ShapeDtypeStruct((b * n * -(-t // 64) * (64 * d + 1),), jnp.float32)
 
 
-def _fwd_reference(query, key, value, spec: AttentionSpec):
-    return reference.attention_with_lse(query, key, value, scale=spec.scale, is_causal=spec.is_causal)
+def _reference_options(spec: AttentionSpec, masks: Masks | None) -> dict:
+    masks = Masks() if masks is None else masks
+    return dict(scale=spec.scale, is_causal=spec.is_causal, local_window_size=spec.window,
+                q_segment_ids=masks.q_segment_ids, kv_segment_ids=masks.kv_segment_ids,
+                query_seq_lengths=masks.q_lengths, key_value_seq_lengths=masks.kv_lengths,
+                logits_soft_cap=spec.softcap)
 
 
-def _bwd_reference(query, key, value, out, lse, dout, dlse, spec: AttentionSpec):
+def _fwd_reference(query, key, value, spec: AttentionSpec, masks=None):
+    return reference.attention_with_lse(query, key, value, **_reference_options(spec, masks))
+
+
+def _bwd_reference(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, masks=None):
     del out, lse
-    f = functools.partial(reference.attention_with_lse, scale=spec.scale, is_causal=spec.is_causal)
+    f = functools.partial(reference.attention_with_lse, **_reference_options(spec, masks))
     _, vjp = jax.vjp(f, query, key, value)
     return vjp((dout, dlse))
 
 
-def _dispatch(kernel_fn, reference_fn, spec, *args):
+def _dispatch(kernel_fn, reference_fn, spec, *args, masks=None):
+    """``kernel_fn`` on CUDA, ``reference_fn`` elsewhere, both called as ``fn(*args, spec=spec)`` (plus
+    ``masks=masks`` when masks are given)."""
+
+    def branch(fn):
+        def call(*operands):
+            *arrays, m = operands
+            return fn(*arrays, spec=spec) if m is None else fn(*arrays, spec=spec, masks=m)
+
+        return call
+
     if not spec.use_kernel:
-        return reference_fn(*args, spec)
+        return branch(reference_fn)(*args, masks)
     return jax.lax.platform_dependent(
         *args,
+        masks,
         # vary_like: inside shard_map(check_vma=True) the ffi_call's results must be typed as varying
         # over the inputs' manual axes, like the reference branch's, or the branches do not type-check.
-        cuda=functools.partial(sharding.vary_like, functools.partial(kernel_fn, spec=spec)),
-        default=functools.partial(reference_fn, spec=spec),
+        cuda=functools.partial(sharding.vary_like, branch(kernel_fn)),
+        default=branch(reference_fn),
     )
 
 
 # The per-shard forward/backward (kernel on CUDA, reference elsewhere). jax_tk.sharding wraps them so
 # that under jit with sharded inputs each device runs them on its own batch/head shard (no gathers).
-def _fwd_local(spec: AttentionSpec, query, key, value):
-    return _dispatch(_fwd_kernel, _fwd_reference, spec, query, key, value)
+def _fwd_local(spec: AttentionSpec, query, key, value, masks=None):
+    return _dispatch(_fwd_kernel, _fwd_reference, spec, query, key, value, masks=masks)
 
 
-def _bwd_local(spec: AttentionSpec, query, key, value, out, lse, dout, dlse):
-    return _dispatch(_bwd_kernel, _bwd_reference, spec, query, key, value, out, lse, dout, dlse)
+def _bwd_local(spec: AttentionSpec, query, key, value, out, lse, dout, dlse, masks=None):
+    return _dispatch(_bwd_kernel, _bwd_reference, spec, query, key, value, out, lse, dout, dlse, masks=masks)
 
 
+# masks (segment ids, lengths: integer arrays) is an input of the custom_vjp like query/key/value, so
+# that it may be traced; its cotangent is None (not differentiable).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(query, key, value, spec: AttentionSpec):
-    return sharding.fwd(_fwd_local, spec, query, key, value)
+def _attention(query, key, value, spec: AttentionSpec, masks=None):
+    return sharding.fwd(_fwd_local, spec, query, key, value, masks=masks)
 
 
-def _attention_fwd(query, key, value, spec):
-    out, lse = _attention(query, key, value, spec)
-    return (out, lse), (query, key, value, out, lse)
+def _attention_fwd(query, key, value, spec, masks=None):
+    out, lse = _attention(query, key, value, spec, masks)
+    return (out, lse), (query, key, value, out, lse, masks)
 
 
 def _attention_bwd(spec, residuals, cotangents):
     # The log-sum-exp's cotangent enters as dS = P * (dP - (rowsum(dO * O) - dlse)), so the kernel
     # takes it as one more input and both outputs stay differentiable at no extra cost.
-    query, key, value, out, lse = residuals
+    query, key, value, out, lse, masks = residuals
     dout, dlse = cotangents
-    return sharding.bwd(_bwd_local, spec, query, key, value, out, lse, dout, dlse)
+    dq, dk, dv = sharding.bwd(_bwd_local, spec, query, key, value, out, lse, dout, dlse, masks=masks)
+    return dq, dk, dv, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -273,7 +333,9 @@ def _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids,
                 "jax_tk.attention: local_window_size must be None, an int >= 0 or a pair (left, right) of "
                 f"ints >= 0, got {local_window_size!r}"
             )
-        local_window_size = (int(window[0]), int(window[1]))
+        # A side longer than the sequence it reaches over bounds nothing: clamp (same meaning, and the
+        # values stay small enough for int32 index arithmetic in the reference and the kernels).
+        local_window_size = (min(int(window[0]), t), min(int(window[1]), s))
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("jax_tk.attention: give both q_segment_ids and kv_segment_ids, or neither")
     for name, x, shape in (("q_segment_ids", q_segment_ids, (b, t)), ("kv_segment_ids", kv_segment_ids, (b, s)),
@@ -306,22 +368,11 @@ def attention_with_lse(query, key, value, *, scale=None, is_causal=False, local_
         raise TypeError(f"jax_tk.attention: deterministic must be a bool, got {deterministic!r}")
     window, cap = _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids,
                                  query_seq_lengths, key_value_seq_lengths, logits_soft_cap)
-    masking = dict(local_window_size=window, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                   query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-                   logits_soft_cap=cap)
-    used = sorted(name for name, value in masking.items() if value is not None)
-    if used:
-        # Not in the kernels yet: the pure-JAX reference (O(q_len * kv_len) memory), differentiated by
-        # JAX. implementation="tk" asks for the kernel, so it is an error.
-        if implementation == "tk":
-            raise ValueError(
-                f"jax_tk.attention(implementation='tk'): the kernels do not support {', '.join(used)} yet; "
-                "use implementation=None or 'xla' (the reference)"
-            )
-        return reference.attention_with_lse(query, key, value, scale=float(scale), is_causal=bool(is_causal),
-                                            **masking)
-    spec = AttentionSpec(float(scale), bool(is_causal), _use_kernel(query, key, implementation), bool(deterministic))
-    return _attention(query, key, value, spec)
+    spec = AttentionSpec(float(scale), bool(is_causal), _use_kernel(query, key, implementation), window, cap,
+                         bool(deterministic))
+    masks = Masks(q_segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths)
+    masks = None if all(x is None for x in masks) else masks
+    return _attention(query, key, value, spec, masks)
 
 
 def attention(query, key, value, *, scale=None, is_causal=False, local_window_size=None, q_segment_ids=None,
@@ -352,8 +403,10 @@ def attention(query, key, value, *, scale=None, is_causal=False, local_window_si
         ``deterministic=True`` they take turns in a fixed order (somewhat slower). The mma.sync
         backward (pre-Hopper GPUs) and the reference are always deterministic.
 
-    A query row that sees no key at all gives 0 (and zero gradients). The masking options and the
-    soft cap run on the reference for now (the kernels take causal, cross and grouped-query attention).
+    The masking options combine (a query sees a key only if every rule allows it), also with
+    ``is_causal``, cross attention and grouped-query attention, and the kernels take all of them
+    (forward and backward). A query row that sees no key at all gives 0, log-sum-exp ``-inf`` and
+    zero gradients (never NaN).
 
     Returns:
       ``[batch, q_len, q_heads, head_dim]`` in the input dtype.

@@ -33,6 +33,9 @@ head its query heads use (the backward then sums dK/dV over those devices: an al
 inherent cost of that layout). Sequence or head_dim sharding is gathered (the kernel needs whole
 rows); use ``jax_tk.ring_attention`` for context parallelism. Outputs get the sharding of the
 inputs back (out like the query, dK/dV like key/value), so types are preserved.
+
+The optional masking arrays (``masks``: segment ids ``[B, T]``/``[B, S]``, sequence lengths ``[B]``)
+are split over batch like the query and replicated over heads; only the ones given take part.
 """
 from __future__ import annotations
 
@@ -155,11 +158,37 @@ _KINDS = {
     "fwd": (("q", "kv", "kv"), ("q", "lse")),
     "bwd": (("q", "kv", "kv", "q", "lse", "q", "lse"), ("q", "kv", "kv")),
 }
+# Kinds of the masking arrays (the fields of jax_tk.attention.Masks, in order): "q_ids" [B,T],
+# "kv_ids" [B,S], "rows" [B]. They follow the operands above, the absent ones left out.
+_MASK_KINDS = ("q_ids", "kv_ids", "rows", "rows")
 
 
 def _specs(plan: AttentionPlan, kinds) -> tuple[P, ...]:
-    table = {"q": plan.q_spec, "kv": plan.kv_spec, "lse": plan.lse_spec}
+    batch = plan._entry(plan.batch)
+    table = {"q": plan.q_spec, "kv": plan.kv_spec, "lse": plan.lse_spec,
+             "q_ids": P(batch, None), "kv_ids": P(batch, None), "rows": P(batch)}
     return tuple(table[k] for k in kinds)
+
+
+def _present(masks) -> tuple[int, ...]:
+    """Indices of the masking arrays that are given (a static tuple: part of the traced program)."""
+    return () if masks is None else tuple(i for i, x in enumerate(masks) if x is not None)
+
+
+@functools.lru_cache(maxsize=None)  # one function per configuration: _auto_op caches on it
+def _with_masks(local_fn: Callable, n_args: int, present: tuple[int, ...], masks_type) -> Callable:
+    """``local_fn`` taking its masking arrays flat after its ``n_args`` operands (as sharding passes
+    them) instead of as one ``masks`` tuple."""
+    if not present:
+        return local_fn
+
+    def flat(spec, *args):
+        fields = [None] * len(_MASK_KINDS)
+        for i, x in zip(present, args[n_args:]):
+            fields[i] = x
+        return local_fn(spec, *args[:n_args], masks=masks_type(*fields))
+
+    return flat
 
 
 def _local(op: str, local_fn: Callable, spec, plan: AttentionPlan, *args):
@@ -206,7 +235,7 @@ def vary_like(fn: Callable, *args):
     ``shard_map(check_vma=True)`` the kernel branch of ``platform_dependent`` would not type like the
     reference branch; this fixes that (a type-level cast, no data movement)."""
     outs = fn(*args)
-    vma = frozenset().union(*(_vma(a) for a in args))
+    vma = frozenset().union(*(_vma(a) for a in jax.tree.leaves(args)))
     if not vma:
         return outs
     fix = lambda o: _pcast_varying(o, tuple(sorted(vma - _vma(o)))) if vma - _vma(o) else o
@@ -247,8 +276,8 @@ def _reshard(x, mesh, spec):
     return jax.sharding.reshard(x, NamedSharding(mesh, P(*_spec_entries(spec, x.ndim))))
 
 
-def _explicit_call(op, local_fn, spec, mesh, explicit_axes, args):
-    in_kinds, out_kinds = _KINDS[op]
+def _explicit_call(op, local_fn, spec, mesh, explicit_axes, args, in_kinds):
+    out_kinds = _KINDS[op][1]
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     caller_specs = [_spec_entries(_sharding_of(a).spec, a.ndim) for a in args]
     q_spec = caller_specs[0]
@@ -279,15 +308,16 @@ def _explicit_call(op, local_fn, spec, mesh, explicit_axes, args):
 
 
 def _dims_rule(in_kinds, out_kinds, same_heads: bool):
-    dims = {"q": "b t n d", "kv": "b s n d" if same_heads else "b s k d", "lse": "b n t"}
+    dims = {"q": "b t n d", "kv": "b s n d" if same_heads else "b s k d", "lse": "b n t",
+            "q_ids": "b t", "kv_ids": "b s", "rows": "b"}
     return ", ".join(dims[k] for k in in_kinds) + " -> " + ", ".join(dims[k] for k in out_kinds)
 
 
 @functools.lru_cache(maxsize=None)
-def _auto_op(op: str, local_fn: Callable, spec):
+def _auto_op(op: str, local_fn: Callable, spec, in_kinds: tuple[str, ...]):
     from jax.experimental.custom_partitioning import custom_partitioning
 
-    in_kinds, out_kinds = _KINDS[op]
+    out_kinds = _KINDS[op][1]
 
     def whole(*args):  # the op unpartitioned: used on one device and for abstract evaluation
         return tuple(local_fn(spec, *args))
@@ -361,23 +391,30 @@ def _multi_device() -> bool:
         return False
 
 
-def _call(op: str, local_fn: Callable, spec, args):
+def _call(op: str, local_fn: Callable, spec, args, masks=None):
     mesh, types = _mesh_axis_types(args[0])
     explicit = [a for a, t in types.items() if t == jax.sharding.AxisType.Explicit]
     manual = [a for a, t in types.items() if t == jax.sharding.AxisType.Manual]
-    if explicit:
-        return _explicit_call(op, local_fn, spec, mesh, explicit, args)
-    if manual or not _AUTO_PARTITIONING or not _multi_device():
+    if not explicit and (manual or not _AUTO_PARTITIONING or not _multi_device()):
         # Local shards (shard_map, pmap), or nothing to partition.
-        return tuple(local_fn(spec, *args))
-    return tuple(_auto_op(op, local_fn, spec)(*args))
+        return tuple(local_fn(spec, *args) if masks is None else local_fn(spec, *args, masks=masks))
+    # Partitioned: the masking arrays given travel flat after the operands.
+    present = _present(masks)
+    in_kinds = _KINDS[op][0] + tuple(_MASK_KINDS[i] for i in present)
+    local_fn = _with_masks(local_fn, len(args), present, type(masks))
+    args = (*args, *(masks[i] for i in present))
+    if explicit:
+        return _explicit_call(op, local_fn, spec, mesh, explicit, args, in_kinds)
+    return tuple(_auto_op(op, local_fn, spec, in_kinds)(*args))
 
 
-def fwd(local_fn: Callable, spec, query, key, value):
-    """Partitioned ``local_fn(spec, query, key, value) -> (out [B,T,N,D], lse [B,N,T])``."""
-    return _call("fwd", local_fn, spec, (query, key, value))
+def fwd(local_fn: Callable, spec, query, key, value, masks=None):
+    """Partitioned ``local_fn(spec, query, key, value[, masks=masks]) -> (out [B,T,N,D], lse [B,N,T])``.
+
+    ``masks``: None, or a tuple of optional arrays (``jax_tk.attention.Masks``), split over batch."""
+    return _call("fwd", local_fn, spec, (query, key, value), masks)
 
 
-def bwd(local_fn: Callable, spec, query, key, value, out, lse, dout, dlse):
-    """Partitioned ``local_fn(spec, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)``."""
-    return _call("bwd", local_fn, spec, (query, key, value, out, lse, dout, dlse))
+def bwd(local_fn: Callable, spec, query, key, value, out, lse, dout, dlse, masks=None):
+    """Partitioned ``local_fn(spec, q, k, v, out, lse, dout, dlse[, masks=masks]) -> (dq, dk, dv)``."""
+    return _call("bwd", local_fn, spec, (query, key, value, out, lse, dout, dlse), masks)

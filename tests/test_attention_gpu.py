@@ -18,7 +18,8 @@ import pytest
 import jax_tk
 from jax_tk import reference
 from jax_tk.attention import (
-    BWD_TARGET, FWD_TARGET, VARIANT_AUTO, VARIANT_SM80, AttentionSpec, _bwd_kernel, _bwd_workspace_shape, _fwd_kernel,
+    BWD_TARGET, FWD_TARGET, VARIANT_AUTO, VARIANT_SM80, AttentionSpec, Masks, _bwd_kernel, _bwd_workspace_shape,
+    _fwd_kernel,
 )
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -58,12 +59,18 @@ def assert_close(name, x, ref, tol=RTOL):
 
 
 def assert_lse_close(x, ref, tol=LSE_TOL):
-    assert_finite("lse", x)
+    """Rows that see no key have lse = -inf in the reference and must have exactly that; the others
+    are finite and close."""
     x = np.asarray(x).astype(np.float64)
     ref = np.asarray(ref).astype(np.float64)
     assert x.shape == ref.shape, (x.shape, ref.shape)
-    err = np.max(np.abs(x - ref)) / max(1.0, np.max(np.abs(ref)))
-    assert err < tol, f"lse: max error {err:.3g} >= {tol}"
+    empty = np.isneginf(ref)
+    assert not np.isnan(x).any(), f"lse: {np.isnan(x).sum()} NaN values"
+    assert np.array_equal(np.isneginf(x), empty), "lse: -inf (row sees no key) where the reference has none, or not"
+    assert_finite("lse", x[~empty])
+    if (~empty).any():
+        err = np.max(np.abs(x[~empty] - ref[~empty])) / max(1.0, np.max(np.abs(ref[~empty])))
+        assert err < tol, f"lse: max error {err:.3g} >= {tol}"
 
 
 def make_inputs(seed, b, t, s, n, kh, d, dtype, q_mult=1.0):
@@ -81,44 +88,53 @@ def _nan(shape, dtype):
     return jnp.full(shape, jnp.nan, dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "variant", "deterministic"))
-def kernel_fwd_bwd(q, k, v, dout, dlse, *, scale, is_causal, variant=VARIANT_AUTO, deterministic=False):
+@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "variant", "window", "softcap", "deterministic"))
+def kernel_fwd_bwd(q, k, v, dout, dlse, masks=None, *, scale, is_causal, variant=VARIANT_AUTO, window=None,
+                   softcap=None, deterministic=False):
     """The forward and backward kernels, called directly, with every output (workspaces included)
     poisoned with NaN. variant: VARIANT_AUTO (the fastest kernels for this GPU) or VARIANT_SM80 (the
-    mma.sync ones); deterministic: the backward's ordered mode."""
-    spec = AttentionSpec(scale, is_causal, True, deterministic)
+    mma.sync ones). masks: None or a Masks (segment ids, lengths); window: (left, right) or None;
+    softcap: float or None; deterministic: the backward's ordered mode."""
+    spec = AttentionSpec(scale, is_causal, True, window, softcap, deterministic)
     b, t, n, _ = q.shape
-    out, lse = _fwd_kernel(q, k, v, spec, out_init=(_nan(q.shape, q.dtype), _nan((b, n, t), F32)), variant=variant)
+    out, lse = _fwd_kernel(q, k, v, spec, out_init=(_nan(q.shape, q.dtype), _nan((b, n, t), F32)), variant=variant,
+                           masks=masks)
     dq, dk, dv = _bwd_kernel(
         q, k, v, out, lse, dout, dlse, spec,
         out_init=(_nan(q.shape, q.dtype), _nan(k.shape, k.dtype), _nan(v.shape, v.dtype), _nan((b, n, t), F32),
                   _nan(_bwd_workspace_shape(q).shape, F32)),
-        variant=variant,
+        variant=variant, masks=masks,
     )
     return out, lse, dq, dk, dv
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "is_causal"))
-def reference_fwd_bwd(q, k, v, dout, dlse, *, scale, is_causal):
+@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "window", "softcap"))
+def reference_fwd_bwd(q, k, v, dout, dlse, masks=None, *, scale, is_causal, window=None, softcap=None):
     """jax_tk.reference in float32 from the same inputs; gradients from jax.vjp with (dout, dlse)."""
     q, k, v, dout = (x.astype(F32) for x in (q, k, v, dout))
-    f = functools.partial(reference.attention_with_lse, scale=scale, is_causal=is_causal)
+    m = Masks() if masks is None else masks
+    f = functools.partial(reference.attention_with_lse, scale=scale, is_causal=is_causal, local_window_size=window,
+                          q_segment_ids=m.q_segment_ids, kv_segment_ids=m.kv_segment_ids,
+                          query_seq_lengths=m.q_lengths, key_value_seq_lengths=m.kv_lengths, logits_soft_cap=softcap)
     (out, lse), vjp = jax.vjp(f, q, k, v)
-    dq, dk, dv = vjp((dout, dlse.astype(F32)))
+    # A row that sees no key has lse = -inf; its cotangent must not matter (the kernels ignore it).
+    dq, dk, dv = vjp((dout, jnp.where(jnp.isneginf(lse), 0.0, dlse.astype(F32))))
     return out, lse, dq, dk, dv
 
 
-def check_kernels(q, k, v, dout, dlse, *, scale, is_causal, variant=VARIANT_AUTO, deterministic=False):
-    got = kernel_fwd_bwd(q, k, v, dout, dlse, scale=scale, is_causal=is_causal, variant=variant,
-                         deterministic=deterministic)
-    want = reference_fwd_bwd(q, k, v, dout, dlse, scale=scale, is_causal=is_causal)
+def check_kernels(q, k, v, dout, dlse, masks=None, *, scale, is_causal, variant=VARIANT_AUTO, window=None,
+                  softcap=None, deterministic=False):
+    opts = dict(scale=scale, is_causal=is_causal, window=window, softcap=softcap)
+    got = kernel_fwd_bwd(q, k, v, dout, dlse, masks, variant=variant, deterministic=deterministic, **opts)
+    want = reference_fwd_bwd(q, k, v, dout, dlse, masks, **opts)
     out, lse, dq, dk, dv = got
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == F32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     assert (dq.dtype, dk.dtype, dv.dtype) == (q.dtype, k.dtype, v.dtype)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
-    # Every output first: a NaN means an element the kernel never wrote (or a real NaN).
-    for name, x in zip(("out", "lse", "dq", "dk", "dv"), got):
+    # Every output first: a NaN means an element the kernel never wrote (or a real NaN). lse is -inf
+    # exactly for rows that see no key (assert_lse_close).
+    for name, x in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv)):
         assert_finite(name, x)
     assert_close("out", out, want[0])
     assert_lse_close(lse, want[1])
@@ -214,6 +230,87 @@ def test_large_magnitude_inputs(dtype, is_causal):
     want = reference_fwd_bwd(q, k, v, dout, dlse, scale=scale, is_causal=is_causal)
     assert_close("out", got[0], want[0])
     assert_lse_close(got[1], want[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Masking options: windows, segment ids, sequence lengths, soft cap (and their combinations)
+# ----------------------------------------------------------------------------------------------
+
+
+def sorted_segments(rng, b, n, parts, offset=0):
+    """[b, n] int32 ids of `parts` contiguous segments of random lengths (packed sequences)."""
+    ids = np.zeros((b, n), np.int32)
+    for i in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, n), min(parts, n) - 1, replace=False))
+        ids[i] = offset + np.searchsorted(cuts, np.arange(n), side="right")
+    return ids
+
+
+def make_masks(seed, b, t, s, segments=None, q_lengths=None, kv_lengths=None):
+    """segments: None, "packed" (sorted ids, query and key segments of different lengths; the queries
+    have one segment more than the keys: its rows see no key) or "random" (unsorted ids in 0..2)."""
+    rng = np.random.default_rng(seed)
+    qs = ks = None
+    if segments == "packed":
+        qs, ks = sorted_segments(rng, b, t, 4), sorted_segments(rng, b, s, 3)
+    elif segments == "random":
+        qs, ks = rng.integers(0, 3, (b, t)).astype(np.int32), rng.integers(0, 3, (b, s)).astype(np.int32)
+    arr = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.int32))
+    return Masks(arr(qs), arr(ks), arr(q_lengths), arr(kv_lengths))
+
+
+# (id, (b, t, s, n, kh, d, dtype), is_causal, window, segments, q_lengths, kv_lengths, softcap, q_mult)
+MASK_CASES = [
+    ("window", (1, 200, 130, 8, 2, 64, BF16), False, (16, 8), None, None, None, None, 1.0),
+    ("window_left_only_causal_gqa", (2, 333, 1000, 8, 2, 128, F16), True, (64, 0), None, None, None, None, 1.0),
+    ("window_right_only", (1, 130, 200, 4, 4, 64, BF16), False, (0, 40), None, None, None, None, 1.0),
+    ("window_causal_gqa_long", (1, 1024, 1024, 8, 2, 128, BF16), True, (200, 0), None, None, None, None, 1.0),
+    ("segments_packed", (2, 200, 130, 4, 2, 128, BF16), False, None, "packed", None, None, None, 1.0),
+    ("segments_random_causal", (1, 333, 1000, 4, 4, 64, F16), True, None, "random", None, None, None, 1.0),
+    ("lengths", (3, 200, 130, 4, 2, 64, BF16), False, None, None, [200, 57, 0], [130, 0, 64], None, 1.0),
+    ("segments_lengths", (2, 333, 1000, 8, 2, 128, BF16), False, None, "packed", [333, 100], [700, 1000], None, 1.0),
+    ("softcap_causal", (2, 200, 130, 8, 2, 128, BF16), True, None, None, None, None, 5.0, 4.0),
+    ("softcap", (1, 333, 1000, 4, 4, 64, F16), False, None, None, None, None, 30.0, 2.0),
+    ("everything", (2, 333, 1000, 8, 2, 64, BF16), True, (100, 3), "packed", [300, 333], [333, 640], 8.0, 2.0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [VARIANT_AUTO, VARIANT_SM80], ids=["auto", "sm80"])
+@pytest.mark.parametrize("case", MASK_CASES, ids=[c[0] for c in MASK_CASES])
+def test_masking_kernels_vs_reference(case, variant):
+    name, (b, t, s, n, kh, d, dtype), is_causal, window, segments, q_lengths, kv_lengths, softcap, q_mult = case
+    seed = zlib.crc32(name.encode())
+    q, k, v, dout = make_inputs(seed, b, t, s, n, kh, d, dtype, q_mult=q_mult)
+    dlse = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((b, n, t), dtype=np.float32))
+    masks = make_masks(seed + 2, b, t, s, segments, q_lengths, kv_lengths)
+    got, want = check_kernels(q, k, v, dout, dlse, masks, scale=1.0 / math.sqrt(d), is_causal=is_causal,
+                              variant=variant, window=window, softcap=softcap)
+    # Rows that see no key: out exactly 0 and dq exactly 0.
+    empty = np.isneginf(np.asarray(want[1]))  # [b, n, t]
+    if empty.any():
+        rows = np.transpose(empty, (0, 2, 1))  # [b, t, n]
+        assert not np.asarray(got[0], np.float32)[rows].any(), "out of a row that sees no key is not 0"
+        assert not np.asarray(got[2], np.float32)[rows].any(), "dq of a row that sees no key is not 0"
+
+
+@pytest.mark.gpu
+def test_masking_public_api_and_grad():
+    """jax_tk.attention with every option through the custom_vjp (implementation="tk")."""
+    b, t, s, n, kh, d = 2, 200, 130, 8, 2, 128
+    q, k, v, dout = make_inputs(21, b, t, s, n, kh, d, BF16, q_mult=2.0)
+    m = make_masks(22, b, t, s, "packed", [200, 150], [100, 130])
+    kwargs = dict(is_causal=True, local_window_size=(50, 10), q_segment_ids=m.q_segment_ids,
+                  kv_segment_ids=m.kv_segment_ids, query_seq_lengths=m.q_lengths,
+                  key_value_seq_lengths=m.kv_lengths, logits_soft_cap=10.0)
+    f = functools.partial(jax_tk.attention, implementation="tk", **kwargs)
+    out = jax.jit(f)(q, k, v)
+    grads = jax.jit(jax.grad(_loss(f, dout), argnums=(0, 1, 2)))(q, k, v)
+    want = reference_fwd_bwd(q, k, v, dout, jnp.zeros((b, n, t), F32), m, scale=1 / math.sqrt(d), is_causal=True,
+                             window=(50, 10), softcap=10.0)
+    assert_close("out", out, want[0])
+    for name, x, r in zip(("dq", "dk", "dv"), grads, want[2:]):
+        assert_close(name, x, r)
 
 
 # ----------------------------------------------------------------------------------------------

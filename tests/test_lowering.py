@@ -1,5 +1,9 @@
 """CPU tests (no GPU needed) of what jax_tk.attention lowers to for CUDA: the StableHLO must contain our
-FFI custom calls with the right operands and attributes, and only where the kernel applies."""
+FFI custom calls with the right operands and attributes, and only where the kernel applies.
+
+Operands: forward q, k, v, then the four masking operands (q_segment_ids, kv_segment_ids, q_lengths,
+kv_lengths: int32, shape (0,) when absent); backward q, k, v, out, lse, dout, dlse, then the same four.
+Attributes: scale, is_causal, variant, window_left, window_right (-1: unbounded), softcap (0: none)."""
 from __future__ import annotations
 
 import dataclasses
@@ -106,7 +110,17 @@ def assert_no_tk_calls(text: str):
 
 
 def tensor_type(shape, dtype):
-    return "tensor<" + "x".join(str(d) for d in shape) + "x" + {BF16: "bf16", F16: "f16", F32: "f32"}[dtype] + ">"
+    return "tensor<" + "x".join(str(d) for d in shape) + "x" + {BF16: "bf16", F16: "f16", F32: "f32", I32: "i32"}[dtype] + ">"
+
+
+I32 = jnp.int32
+NO_MASKS = [tensor_type((0,), I32)] * 4  # the four masking operands when no option is given
+
+
+def assert_no_masking(call):
+    assert call.operand_types[-4:] == NO_MASKS
+    assert (call.attr_int("window_left"), call.attr_int("window_right")) == (-1, -1)
+    assert call.attr_float("softcap") == 0.0
 
 
 def _abstract(b=2, t=16, s=24, n=4, kh=2, d=64, dtype=BF16):
@@ -153,12 +167,13 @@ def test_forward_custom_call(lower, dtype, is_causal, scale):
     text = lower(functools.partial(jax_tk.attention, scale=scale, is_causal=is_causal), *args)
     (call,) = tk_calls(text, FWD_TARGET)
     assert tk_calls(text, BWD_TARGET) == []
-    assert len(call.operands) == 3
-    assert call.operand_types == [tensor_type((b, t, n, d), dtype)] + [tensor_type((b, s, kh, d), dtype)] * 2
+    assert len(call.operands) == 7
+    assert call.operand_types == [tensor_type((b, t, n, d), dtype)] + [tensor_type((b, s, kh, d), dtype)] * 2 + NO_MASKS
     assert call.result_types == [tensor_type((b, t, n, d), dtype), tensor_type((b, n, t), F32)]
     expected_scale = 1.0 / math.sqrt(d) if scale is None else scale
     assert np.float32(call.attr_float("scale")) == np.float32(expected_scale)
     assert call.attr_int("is_causal") == int(is_causal)
+    assert_no_masking(call)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -183,7 +198,7 @@ def test_forward_custom_scale_value(lower, scale):
 def test_forward_shapes(b, t, s, n, kh, d):
     text = lower_jit(functools.partial(jax_tk.attention, is_causal=True), *_abstract(b, t, s, n, kh, d))
     (call,) = tk_calls(text, FWD_TARGET)
-    assert call.operand_types == [tensor_type((b, t, n, d), BF16)] + [tensor_type((b, s, kh, d), BF16)] * 2
+    assert call.operand_types == [tensor_type((b, t, n, d), BF16)] + [tensor_type((b, s, kh, d), BF16)] * 2 + NO_MASKS
     assert call.result_types == [tensor_type((b, t, n, d), BF16), tensor_type((b, n, t), F32)]
 
 
@@ -199,10 +214,10 @@ def test_grad_contains_backward_call(lower, dtype, is_causal):
     text = lower(_grad_fn(jax_tk.attention, scale=0.2, is_causal=is_causal), *_abstract(b, t, s, n, kh, d, dtype))
     (fwd,) = tk_calls(text, FWD_TARGET)
     (bwd,) = tk_calls(text, BWD_TARGET)
-    # q, k, v, out, lse, dout, dlse
-    assert len(bwd.operands) == 7
+    # q, k, v, out, lse, dout, dlse, and the four (absent) masking operands
+    assert len(bwd.operands) == 11
     q_t, kv_t, lse_t = tensor_type((b, t, n, d), dtype), tensor_type((b, s, kh, d), dtype), tensor_type((b, n, t), F32)
-    assert bwd.operand_types == [q_t, kv_t, kv_t, q_t, lse_t, q_t, lse_t]
+    assert bwd.operand_types == [q_t, kv_t, kv_t, q_t, lse_t, q_t, lse_t] + NO_MASKS
     # dq, dk, dv, and the fp32 workspaces: delta, and the Hopper kernel's: a 64 x d dq accumulator
     # and a lock per (batch, head, 64-row query block)
     ws_t = tensor_type((b * n * -(-t // 64) * (64 * d + 1),), F32)
@@ -210,6 +225,7 @@ def test_grad_contains_backward_call(lower, dtype, is_causal):
     for call in (fwd, bwd):
         assert np.float32(call.attr_float("scale")) == np.float32(0.2)
         assert call.attr_int("is_causal") == int(is_causal)
+        assert_no_masking(call)
     assert bwd.attr_int("deterministic") == 0
 
 
@@ -235,7 +251,7 @@ def test_grad_of_attention_with_lse_contains_backward_call(lower):
     text = lower(jax.grad(loss, argnums=(0, 1, 2)), *_abstract())
     assert len(tk_calls(text, FWD_TARGET)) == 1
     (bwd,) = tk_calls(text, BWD_TARGET)
-    assert len(bwd.operands) == 7
+    assert len(bwd.operands) == 11
     assert bwd.attr_int("is_causal") == 1
     assert np.float32(bwd.attr_float("scale")) == np.float32(0.125)
 
@@ -246,6 +262,106 @@ def test_grad_wrt_query_only_still_uses_backward_kernel():
 
     text = lower_jit(jax.grad(loss), *_abstract())
     assert len(tk_calls(text, BWD_TARGET)) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Masking options: windows, segment ids, sequence lengths, soft cap
+# ----------------------------------------------------------------------------------------------
+
+B_, T_, S_ = 2, 16, 24  # the shapes of _abstract()
+Q_IDS, KV_IDS, LENS = tensor_type((B_, T_), I32), tensor_type((B_, S_), I32), tensor_type((B_,), I32)
+ABSENT = tensor_type((0,), I32)
+
+
+def _ids(shape, dtype=I32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+# (id, attention kwargs (arrays as abstract values), expected masking operand types,
+#  expected (window_left, window_right), expected softcap)
+MASKING_CASES = [
+    ("window", dict(local_window_size=(3, 5)), [ABSENT] * 4, (3, 5), 0.0),
+    ("window_int", dict(local_window_size=4), [ABSENT] * 4, (4, 4), 0.0),
+    ("window_one_sided_causal", dict(local_window_size=(7, 0), is_causal=True), [ABSENT] * 4, (7, 0), 0.0),
+    # a side reaching past the sequence is unbounded (-1): also keeps huge values out of int32
+    ("window_huge_right", dict(local_window_size=(5, 10**12)), [ABSENT] * 4, (5, -1), 0.0),
+    ("window_huge_left", dict(local_window_size=(T_, 2)), [ABSENT] * 4, (-1, 2), 0.0),
+    ("segments", dict(q_segment_ids=_ids((B_, T_)), kv_segment_ids=_ids((B_, S_))),
+     [Q_IDS, KV_IDS, ABSENT, ABSENT], (-1, -1), 0.0),
+    ("segments_int16", dict(q_segment_ids=_ids((B_, T_), jnp.int16), kv_segment_ids=_ids((B_, S_), jnp.int16)),
+     [Q_IDS, KV_IDS, ABSENT, ABSENT], (-1, -1), 0.0),
+    ("q_lengths", dict(query_seq_lengths=_ids((B_,))), [ABSENT, ABSENT, LENS, ABSENT], (-1, -1), 0.0),
+    ("kv_lengths", dict(key_value_seq_lengths=_ids((B_,))), [ABSENT, ABSENT, ABSENT, LENS], (-1, -1), 0.0),
+    ("softcap", dict(logits_soft_cap=30.0), [ABSENT] * 4, (-1, -1), 30.0),
+    ("all", dict(is_causal=True, local_window_size=(6, 2), q_segment_ids=_ids((B_, T_)),
+                 kv_segment_ids=_ids((B_, S_)), query_seq_lengths=_ids((B_,)), key_value_seq_lengths=_ids((B_,)),
+                 logits_soft_cap=2.5), [Q_IDS, KV_IDS, LENS, LENS], (6, 2), 2.5),
+]
+
+
+def _split_arrays(kwargs):
+    """(static kwargs, names of the array kwargs, their abstract values)."""
+    names = sorted(k for k, v in kwargs.items() if isinstance(v, jax.ShapeDtypeStruct))
+    static = {k: v for k, v in kwargs.items() if k not in names}
+    return static, names, [kwargs[k] for k in names]
+
+
+@pytest.mark.parametrize("case", MASKING_CASES, ids=[c[0] for c in MASKING_CASES])
+def test_masking_options_lower_to_kernels(lower, case):
+    _, kwargs, mask_types, window, softcap = case
+    static, names, arrays = _split_arrays(kwargs)
+
+    def loss(q, k, v, *masks):
+        out, lse = jax_tk.attention_with_lse(q, k, v, **static, **dict(zip(names, masks)))
+        return jnp.sum(jnp.sin(out.astype(F32))) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    q, k, v = _abstract(B_, T_, S_)
+    fwd_text = lower(lambda q, k, v, *m: jax_tk.attention_with_lse(q, k, v, **static, **dict(zip(names, m))),
+                     q, k, v, *arrays)
+    grad_text = lower(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, *arrays)
+    (fwd_only,) = tk_calls(fwd_text, FWD_TARGET)
+    assert tk_calls(fwd_text, BWD_TARGET) == []
+    (fwd,) = tk_calls(grad_text, FWD_TARGET)
+    (bwd,) = tk_calls(grad_text, BWD_TARGET)
+    q_t, kv_t, lse_t = tensor_type(q.shape, BF16), tensor_type(k.shape, BF16), tensor_type((B_, 4, T_), F32)
+    for call in (fwd_only, fwd):
+        assert call.operand_types == [q_t, kv_t, kv_t] + mask_types
+    assert bwd.operand_types == [q_t, kv_t, kv_t, q_t, lse_t, q_t, lse_t] + mask_types
+    for call in (fwd_only, fwd, bwd):
+        assert (call.attr_int("window_left"), call.attr_int("window_right")) == window
+        assert np.float32(call.attr_float("softcap")) == np.float32(softcap)
+        assert call.attr_int("is_causal") == int(static.get("is_causal", False))
+        assert np.float32(call.attr_float("scale")) == np.float32(0.125)
+
+
+def test_masking_arrays_are_operands_not_constants():
+    """Segment ids and lengths given as jit arguments reach the custom call as those arguments."""
+    q, k, v = _abstract(B_, T_, S_)
+    f = lambda q, k, v, qs, ks, ql, kl: jax_tk.attention(
+        q, k, v, q_segment_ids=qs, kv_segment_ids=ks, query_seq_lengths=ql, key_value_seq_lengths=kl)
+    text = lower_jit(f, q, k, v, _ids((B_, T_)), _ids((B_, S_)), _ids((B_,)), _ids((B_,)))
+    (call,) = tk_calls(text, FWD_TARGET)
+    assert call.operands == [f"%arg{i}" for i in range(7)]
+
+
+def test_masking_under_vmap_lowers_to_kernel():
+    """vmap over a stack of problems, each with its own segment ids and lengths (sequential loop)."""
+    e = 3
+    q, k, v = _abstract(B_, T_, S_)
+    stack = lambda x: jax.ShapeDtypeStruct((e, *x.shape), x.dtype)
+    f = jax.vmap(lambda q, k, v, qs, ks, kl: jax_tk.attention(
+        q, k, v, q_segment_ids=qs, kv_segment_ids=ks, key_value_seq_lengths=kl, local_window_size=(2, 3)))
+    text = lower_jit(f, *map(stack, (q, k, v, _ids((B_, T_)), _ids((B_, S_)), _ids((B_,)))))
+    (call,) = tk_calls(text, FWD_TARGET)
+    assert call.operand_types[3:] == [Q_IDS, KV_IDS, ABSENT, LENS]
+    assert (call.attr_int("window_left"), call.attr_int("window_right")) == (2, 3)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "grad"])
+@pytest.mark.parametrize("dtype,implementation", [(F32, None), (BF16, "xla")], ids=["f32", "xla"])
+def test_masking_without_kernel_has_no_custom_call(lower, grad, dtype, implementation):
+    fn = functools.partial(jax_tk.attention, local_window_size=3, logits_soft_cap=5.0, implementation=implementation)
+    assert_no_tk_calls(lower(_grad_fn(fn) if grad else fn, *_abstract(dtype=dtype)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jax_tk
+from jax_tk import reference
 
 F32 = jnp.float32
 
@@ -125,13 +126,48 @@ def test_empty_rows_give_zero_and_no_nan():
     assert not np.asarray(dq[0, 4:]).any()
 
 
-def test_masking_runs_the_reference_and_tk_refuses():
+def test_masking_uses_the_kernel():
+    """The kernels take every masking option: implementation=None lowers to them for CUDA, and "tk"
+    is refused here only for want of a GPU/the compiled kernels, not for the options."""
     q, k, v = qkv(dtype=jnp.bfloat16, d=64)
-    f = jax.jit(lambda q, k, v: jax_tk.attention(q, k, v, local_window_size=8))
+    ids = jnp.zeros((2, 37), jnp.int32)
+    kwargs = dict(local_window_size=8, q_segment_ids=ids, kv_segment_ids=ids, logits_soft_cap=20.0,
+                  query_seq_lengths=jnp.array([37, 5], jnp.int32))
+    f = jax.jit(lambda q, k, v: jax_tk.attention(q, k, v, **kwargs))
     text = f.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
-    assert "jax_tk_attention" not in text
-    with pytest.raises(ValueError, match="local_window_size"):
-        jax_tk.attention(q, k, v, local_window_size=8, implementation="tk")
+    assert "jax_tk_attention_fwd" in text
+    with pytest.raises((RuntimeError, ValueError), match=r"implementation='tk'.*(CUDA|GPU)"):
+        jax_tk.attention(q, k, v, implementation="tk", **kwargs)
+
+
+def test_all_options_together_vs_numpy_and_gradients():
+    """Causal + window + segments (with rows that see no key) + lengths + soft cap, grouped-query
+    heads and cross attention, through the custom_vjp (the reference on CPU) against float64 numpy."""
+    rng = np.random.default_rng(3)
+    b, t, s = 2, 23, 31
+    q, k, v = qkv(b=b, t=t, s=s)
+    q = q * 3.0
+    qs = rng.integers(0, 3, (b, t)).astype(np.int32)
+    ks = rng.integers(1, 4, (b, s)).astype(np.int32)  # segment 0 of the queries has no key
+    ql, kl = np.array([20, 0], np.int32), np.array([31, 17], np.int32)
+    window, cap = (6, 4), 4.0
+    kwargs = dict(is_causal=True, local_window_size=window, q_segment_ids=jnp.asarray(qs),
+                  kv_segment_ids=jnp.asarray(ks), query_seq_lengths=jnp.asarray(ql),
+                  key_value_seq_lengths=jnp.asarray(kl), logits_soft_cap=cap)
+    out, lse = jax.jit(lambda q, k, v: jax_tk.attention_with_lse(q, k, v, **kwargs))(q, k, v)
+    i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+    mask = (j <= i) & (j >= i - window[0]) & (j <= i + window[1])
+    mask = mask[None] & (qs[:, :, None] == ks[:, None, :]) & (i[None] < ql[:, None, None]) & (j[None] < kl[:, None, None])
+    assert (~mask.any(-1)).any() and mask.any()  # some rows see nothing, some see something
+    want, want_lse = numpy_attention(q, k, v, mask, 1 / np.sqrt(32), cap=cap)
+    assert rel_err(out, want) < 1e-5
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-5)
+    dq, dk, dv = grads(lambda q, k, v: jax_tk.attention(q, k, v, **kwargs), q, k, v)
+    ref = lambda q, k, v: reference.attention(q, k, v, scale=1 / np.sqrt(32), **kwargs)
+    for a, r in zip((dq, dk, dv), grads(ref, q, k, v)):
+        assert np.all(np.isfinite(np.asarray(a)))
+        assert rel_err(a, r) < 1e-5
+    assert not np.asarray(dq)[~mask.any(-1)[:, :, None].repeat(4, 2)].any()  # rows that see nothing: dq = 0
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -146,6 +182,18 @@ def test_masking_runs_the_reference_and_tk_refuses():
     (dict(key_value_seq_lengths=[3, 4]), TypeError, "key_value_seq_lengths"),
     (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
     (dict(logits_soft_cap="5"), TypeError, "logits_soft_cap"),
+    (dict(kv_segment_ids=jnp.zeros((2, 37), jnp.int32)), ValueError, "segment_ids"),
+    (dict(q_segment_ids=jnp.zeros((2, 37), jnp.int32), kv_segment_ids=jnp.zeros((2, 36), jnp.int32)),
+     ValueError, "kv_segment_ids"),
+    (dict(q_segment_ids=jnp.zeros((37,), jnp.int32), kv_segment_ids=jnp.zeros((37,), jnp.int32)),
+     ValueError, "q_segment_ids"),
+    (dict(q_segment_ids=[[0] * 37] * 2, kv_segment_ids=jnp.zeros((2, 37), jnp.int32)), TypeError, "q_segment_ids"),
+    (dict(query_seq_lengths=jnp.zeros((2, 1), jnp.int32)), ValueError, "query_seq_lengths"),
+    (dict(key_value_seq_lengths=jnp.zeros((2,), jnp.float32)), TypeError, "key_value_seq_lengths"),
+    (dict(query_seq_lengths=jnp.zeros((2,), bool)), TypeError, "query_seq_lengths"),
+    (dict(local_window_size=(2, -1)), ValueError, "local_window_size"),
+    (dict(local_window_size=(True, 2)), ValueError, "local_window_size"),
+    (dict(logits_soft_cap=float("inf")), ValueError, "logits_soft_cap"),
 ])
 def test_masking_errors(kwargs, error, match):
     q, k, v = qkv()

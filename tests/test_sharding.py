@@ -83,8 +83,36 @@ def _loss(fn, causal):
     return loss
 
 
-def _ref_fn(q, k, v, is_causal):
-    return reference.attention_with_lse(q, k, v, scale=q.shape[-1] ** -0.5, is_causal=is_causal)
+def _ref_fn(q, k, v, is_causal, **masking):
+    return reference.attention_with_lse(q, k, v, scale=q.shape[-1] ** -0.5, is_causal=is_causal, **masking)
+
+
+def _masks(seed, b, t):
+    """Sorted segment ids (3 segments, different for queries and keys), and lengths; some rows see no key."""
+    rng = np.random.default_rng(seed)
+    qs = np.sort(rng.integers(0, 3, (b, t)), axis=1).astype(np.int32)
+    ks = np.sort(rng.integers(1, 4, (b, t)), axis=1).astype(np.int32)
+    ql = rng.integers(t // 2, t + 1, (b,)).astype(np.int32)
+    kl = rng.integers(t // 2, t + 1, (b,)).astype(np.int32)
+    return [jnp.asarray(x) for x in (qs, ks, ql, kl)]
+
+
+def _masked_fn(fn):
+    """fn (jax_tk.attention_with_lse or _ref_fn) with segment ids, lengths, a window and a soft cap."""
+    def f(q, k, v, qs, ks, ql, kl, is_causal):
+        return fn(q, k, v, is_causal=is_causal, q_segment_ids=qs, kv_segment_ids=ks, query_seq_lengths=ql,
+                  key_value_seq_lengths=kl, local_window_size=(9, 2), logits_soft_cap=6.0)
+
+    return f
+
+
+def _masked_loss(fn):
+    def loss(q, k, v, do, dl, *masks):
+        out, lse = fn(q, k, v, *masks, is_causal=True)
+        lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see no key: lse = -inf
+        return jnp.sum(out.astype(F32) * do.astype(F32)) + jnp.sum(lse * dl.astype(F32))
+
+    return loss
 
 
 def _rel(x, ref):
@@ -164,6 +192,71 @@ class TestSharding:
         assert _spec_axes(lse.sharding.spec, 3) == (q_axes[0], q_axes[2], ())
         assert _spec_axes(grads[0].sharding.spec, 4) == q_axes
         assert _spec_axes(grads[1].sharding.spec, 4) == _spec_axes(kv_spec, 4)
+
+    @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+    @pytest.mark.parametrize("case", [CASES[2], CASES[5]], ids=[CASES[2][0], CASES[5][0]])
+    def test_jit_sharded_with_masking(self, axis_type, case):
+        # Segment ids and lengths are split over batch like the query (no gathers), with a window and a
+        # soft cap; some rows see no key (their lse is -inf).
+        name, n, kh, q_spec, kv_spec, allowed = case
+        mesh = _mesh(axis_type)
+        b, t, d = 8, 32, 64
+        q, k, v, do, dl = _qkv(6, b, t, n, kh, d, BF16)
+        masks = _masks(7, b, t)
+        batch = q_spec[0]
+        args = [_put(x, mesh, s) for x, s in zip((q, k, v, do, dl), (q_spec, kv_spec, kv_spec, q_spec, P(batch)))]
+        margs = [_put(x, mesh, P(batch)) for x in masks]
+        fn = _masked_fn(jax_tk.attention_with_lse)
+        fwd = jax.jit(lambda q, k, v, *m: fn(q, k, v, *m, is_causal=True))
+        grad = jax.jit(jax.grad(_masked_loss(fn), argnums=(0, 1, 2)))
+        assert not _collectives(fwd.lower(*args[:3], *margs).compile().as_text())
+        assert _collectives(grad.lower(*args, *margs).compile().as_text()) <= set(allowed)
+        lowered = fwd.lower(*args[:3], *margs).as_text()
+        assert ("CustomSPMDPartitioning" in lowered) == (axis_type == AxisType.Auto)
+        ref = _masked_fn(_ref_fn)
+        want = jax.jit(lambda q, k, v, *m: ref(q, k, v, *m, is_causal=True))(q, k, v, *masks)
+        out, lse = fwd(*args[:3], *margs)
+        assert np.array_equal(np.isneginf(np.asarray(lse)), np.isneginf(np.asarray(want[1])))
+        assert np.isneginf(np.asarray(want[1])).any()
+        fin = lambda x: jnp.where(jnp.isfinite(x), x, 0.0)
+        _check_close((out, fin(lse)), (want[0], fin(want[1])), BF16, ("out", "lse"))
+        want_grads = jax.jit(jax.grad(_masked_loss(ref), argnums=(0, 1, 2)))(q, k, v, do, dl, *masks)
+        _check_close(grad(*args, *margs), want_grads, BF16, ("dq", "dk", "dv"))
+
+    def test_shard_map_with_masking(self):
+        mesh = _mesh(AxisType.Explicit)
+        b, t = 4, 16
+        q, k, v, do, dl = _qkv(8, b, t, 8, 4, 64, BF16)
+        masks = _masks(9, b, t)
+        spec = P("data", None, "model")
+        fn = _masked_fn(jax_tk.attention_with_lse)
+        smap = jax.shard_map(lambda q, k, v, *m: fn(q, k, v, *m, is_causal=True), mesh=mesh,
+                             in_specs=(spec, spec, spec) + (P("data"),) * 4, out_specs=(spec, P("data", "model")))
+        args = [_put(x, mesh, spec) for x in (q, k, v, do)] + [_put(dl, mesh, P("data", "model"))]
+        margs = [_put(x, mesh, P("data")) for x in masks]
+        loss = _masked_loss(lambda q, k, v, *m, is_causal: smap(q, k, v, *m))
+        got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args, *margs)
+        want = jax.jit(jax.grad(_masked_loss(_masked_fn(_ref_fn)), argnums=(0, 1, 2)))(q, k, v, do, dl, *masks)
+        _check_close(got, want, BF16, ("dq", "dk", "dv"))
+
+    def test_cuda_lowering_with_masking_takes_local_shards(self):
+        mesh = _mesh(AxisType.Explicit)
+        b, t, n, kh, d = 4, 32, 8, 4, 64
+        sds = lambda shape, spec, dt=BF16: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+        spec = P("data", None, "model")
+        qs, ks = sds((b, t, n, d), spec), sds((b, t, kh, d), spec)
+        ids, lens = sds((b, t), P("data"), jnp.int32), sds((b,), P("data"), jnp.int32)
+        fn = _masked_fn(jax_tk.attention_with_lse)
+        loss = lambda q, k, v, *m: jnp.sum(fn(q, k, v, *m, is_causal=True)[0].astype(F32))
+        checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in
+                  ("jax_tk_attention_fwd", "jax_tk_attention_bwd")]
+        text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+                                 disabled_checks=checks)(qs, ks, ks, ids, ids, lens, lens).mlir_module()
+        calls = [l for l in text.splitlines() if "stablehlo.custom_call @jax_tk_attention" in l]
+        assert len(calls) == 2
+        for line in calls:
+            assert f"tensor<{b // 2}x{t}xi32>" in line and f"tensor<{b // 2}xi32>" in line, line
+            assert f"tensor<{b}x{t}xi32>" not in line, line
 
     @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
     def test_float32_reference_path(self, axis_type):

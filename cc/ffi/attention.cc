@@ -2,6 +2,11 @@
 // can take, and launch on XLA's stream. No allocation: the backward's workspaces (delta, and the
 // sm_90a kernel's fp32 dq accumulator) are outputs declared in Python. Trailing extra arguments are accepted and ignored: tests alias poisoned buffers
 // to the outputs through them.
+//
+// Masking operands (after q, k, v in the forward; after q, k, v, o, lse, dout, dlse in the backward):
+// q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len], q_lengths [batch], kv_lengths
+// [batch], all int32; an absent option is an int32 array of shape (0,). Attributes window_left,
+// window_right (-1: unbounded) and softcap (0: none).
 #include "ffi/common.h"
 #include "kernels/attention/attention.h"
 
@@ -41,6 +46,47 @@ ffi::Error check_rows(const Params &p, const ffi::AnyBuffer &x, const char *name
   return ffi::Error::Success();
 }
 
+// An optional int32 operand: shape (0,) means absent (nullptr), else it must have shape `dims`.
+ffi::Error optional_ints(const ffi::AnyBuffer &x, std::initializer_list<int64_t> dims, const char *name,
+                         const int **out) {
+  auto d = x.dimensions();
+  if (x.element_type() != ffi::DataType::S32) return invalid(std::string(name) + " must be int32");
+  if (d.size() == 1 && d[0] == 0) {
+    *out = nullptr;
+    return ffi::Error::Success();
+  }
+  bool ok = d.size() == dims.size();
+  for (size_t i = 0; ok && i < dims.size(); i++) ok = d[i] == dims.begin()[i];
+  if (!ok) {
+    std::string want;
+    for (auto n : dims) want += (want.empty() ? "" : ", ") + std::to_string(n);
+    return invalid(std::string(name) + " must have shape (0,) (absent) or [" + want + "]");
+  }
+  *out = static_cast<const int *>(x.untyped_data());
+  return ffi::Error::Success();
+}
+
+// The masking operands and attributes (see the top of this file) into p; q, k, v already decoded.
+ffi::Error check_masking(Params &p, const ffi::AnyBuffer &q_segment_ids, const ffi::AnyBuffer &kv_segment_ids,
+                         const ffi::AnyBuffer &q_lengths, const ffi::AnyBuffer &kv_lengths, int32_t window_left,
+                         int32_t window_right, float softcap) {
+  if (auto e = optional_ints(q_segment_ids, {p.batch, p.q_len}, "q_segment_ids", &p.q_segment_ids); e.failure())
+    return e;
+  if (auto e = optional_ints(kv_segment_ids, {p.batch, p.kv_len}, "kv_segment_ids", &p.kv_segment_ids); e.failure())
+    return e;
+  if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr))
+    return invalid("give both q_segment_ids and kv_segment_ids, or neither");
+  if (auto e = optional_ints(q_lengths, {p.batch}, "q_lengths", &p.q_lengths); e.failure()) return e;
+  if (auto e = optional_ints(kv_lengths, {p.batch}, "kv_lengths", &p.kv_lengths); e.failure()) return e;
+  if (window_left < -1 || window_right < -1) return invalid("window_left and window_right must be >= -1");
+  // A side at least as long as the sequence it reaches over bounds nothing.
+  p.window_left = window_left >= p.q_len ? -1 : window_left;
+  p.window_right = window_right >= p.kv_len ? -1 : window_right;
+  if (!(softcap >= 0.f) || softcap == __builtin_huge_valf()) return invalid("softcap must be finite and >= 0");
+  p.softcap = softcap;
+  return ffi::Error::Success();
+}
+
 // variant: 0 = the fastest kernel for the device, 1 = the mma.sync (sm_80) kernels everywhere.
 bool use_sm90(int32_t variant) {
   int dev = 0, major = 0, minor = 0;
@@ -50,11 +96,17 @@ bool use_sm90(int32_t variant) {
   return variant == 0 && major == 9 && minor == 0;  // sm_90a code runs on 9.0 only
 }
 
-ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::RemainingArgs,
-                    ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t is_causal,
-                    int32_t variant) {
+ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_lengths,
+                    ffi::AnyBuffer kv_lengths, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> o,
+                    ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t is_causal, int32_t variant,
+                    int32_t window_left, int32_t window_right, float softcap) {
   Params p{};
   if (auto e = check_qkv(p, q, k, v); e.failure()) return e;
+  if (auto e = check_masking(p, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, window_left, window_right,
+                             softcap);
+      e.failure())
+    return e;
   if (!same_type_and_dims(*o, q)) return invalid("output must have the query's shape and dtype");
   if (auto e = check_rows(p, *lse, "lse"); e.failure()) return e;
   if (auto e = check_device(8, 0); e.failure()) return e;
@@ -68,12 +120,18 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 }
 
 ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
-                    ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::RemainingArgs,
-                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                    ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> workspace, float scale,
-                    int32_t is_causal, int32_t variant, int32_t deterministic) {
+                    ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_segment_ids,
+                    ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                    ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
+                    ffi::Result<ffi::AnyBuffer> workspace, float scale, int32_t is_causal, int32_t variant,
+                    int32_t window_left, int32_t window_right, float softcap, int32_t deterministic) {
   Params p{};
   if (auto e = check_qkv(p, q, k, v); e.failure()) return e;
+  if (auto e = check_masking(p, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, window_left, window_right,
+                             softcap);
+      e.failure())
+    return e;
   if (!same_type_and_dims(o, q) || !same_type_and_dims(dout, q) || !same_type_and_dims(*dq, q))
     return invalid("out, dout and dq must have the query's shape and dtype");
   if (!same_type_and_dims(*dk, k) || !same_type_and_dims(*dv, v)) return invalid("dk and dv must match key and value");
@@ -110,12 +168,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwd, fwd_impl,
                                   .Arg<ffi::AnyBuffer>()  // query
                                   .Arg<ffi::AnyBuffer>()  // key
                                   .Arg<ffi::AnyBuffer>()  // value
+                                  .Arg<ffi::AnyBuffer>()  // q_segment_ids
+                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ids
+                                  .Arg<ffi::AnyBuffer>()  // q_lengths
+                                  .Arg<ffi::AnyBuffer>()  // kv_lengths
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<ffi::AnyBuffer>()  // lse
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("is_causal")
-                                  .Attr<int32_t>("variant"),
+                                  .Attr<int32_t>("variant")
+                                  .Attr<int32_t>("window_left")
+                                  .Attr<int32_t>("window_right")
+                                  .Attr<float>("softcap"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, bwd_impl,
@@ -128,6 +193,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, bwd_impl,
                                   .Arg<ffi::AnyBuffer>()  // lse
                                   .Arg<ffi::AnyBuffer>()  // dout
                                   .Arg<ffi::AnyBuffer>()  // dlse
+                                  .Arg<ffi::AnyBuffer>()  // q_segment_ids
+                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ids
+                                  .Arg<ffi::AnyBuffer>()  // q_lengths
+                                  .Arg<ffi::AnyBuffer>()  // kv_lengths
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk
@@ -137,6 +206,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, bwd_impl,
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("is_causal")
                                   .Attr<int32_t>("variant")
+                                  .Attr<int32_t>("window_left")
+                                  .Attr<int32_t>("window_right")
+                                  .Attr<float>("softcap")
                                   .Attr<int32_t>("deterministic"),
                               {ffi::Traits::kCmdBufferCompatible});
 

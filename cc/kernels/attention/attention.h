@@ -11,6 +11,14 @@ struct Params {
   int batch, q_len, kv_len, q_heads, kv_heads, head_dim;  // q: [batch, q_len, q_heads, head_dim]
   float scale;                                            // k, v: [batch, kv_len, kv_heads, head_dim]
   bool causal;                                            // query i sees keys j <= i
+  // Masking options (reference.visibility defines them; every rule must hold for query i to see key j):
+  // (The defaults mean "no masking", also for a value-initialized Params p{}.)
+  int window_left = -1, window_right = -1;  // i - left <= j <= i + right; -1: unbounded on that side
+  const int *q_segment_ids = nullptr;       // [batch, q_len] and [batch, kv_len]: same segment only;
+  const int *kv_segment_ids = nullptr;      //   nullptr: no segments
+  const int *q_lengths = nullptr;           // [batch]: i < q_lengths[b]; nullptr: none
+  const int *kv_lengths = nullptr;          // [batch]: j < kv_lengths[b]; nullptr: none
+  float softcap = 0.f;                      // logits := cap * tanh(logits / cap) (after scaling); 0: none
   const void *q, *k, *v;
   void *o;          // forward output; backward input (the forward's output)
   float *lse;       // [batch, q_heads, q_len]: forward output, backward input

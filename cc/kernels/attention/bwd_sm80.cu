@@ -5,6 +5,10 @@
 //   2. dkdv_kernel: per block of 64 keys, loop over the query heads of the group and query blocks:
 //        P^T = exp(K Q^T - lse), dV += P^T dO, dP^T = V dO^T, dS^T = P^T * (dP^T - delta), dK += dS^T Q.
 // Each warp owns 16 rows (queries in 1, keys in 2); nothing of size T x S is stored.
+// Masking visits only the blocks that can be visible (kv_block_range / q_block_range) and masks
+// elementwise where needed. With a soft cap, S above is the capped logit and dS is multiplied by
+// the cap's derivative 1 - tanh^2 before it meets K or Q. A row that sees no key has lse = -inf;
+// lse_to_log2 makes its P (and so every gradient through it) exactly 0.
 #include "common.cuh"
 
 namespace jax_tk::attention {
@@ -51,13 +55,16 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
   const int kvh = h / (p.q_heads / p.kv_heads);
   const int tid = threadIdx.x, w = warpid(), qw = q0 + 16 * w;
   const Views<T> g(p, D);
-  const int n_blocks = kv_block_end(p, q0, BQ, BK);
+  const int2 range = kv_block_range(p, b, q0, BQ, BK);  // key blocks [first, end) to visit
+  const int first = range.x, n_blocks = range.y - range.x;
 
   load_async<NT>(sm.q, g.Q, {b, q0, h, 0}, tid);
   load_async<NT>(sm.dout, g.dO, {b, q0, h, 0}, tid);
   commit_group();
-  load_async<NT>(sm.k[0], g.K, {b, 0, kvh, 0}, tid);
-  load_async<NT>(sm.v[0], g.V, {b, 0, kvh, 0}, tid);
+  if (n_blocks > 0) {
+    load_async<NT>(sm.k[0], g.K, {b, first * BK, kvh, 0}, tid);
+    load_async<NT>(sm.v[0], g.V, {b, first * BK, kvh, 0}, tid);
+  }
   commit_group();
   wait_group<1>();
   __syncthreads();
@@ -79,16 +86,16 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
   warp::map_vec(delta, delta, dlse, [](float a, float c) { return a - c; });
   if (rows_left > 0) warp::store(p.delta + row_index(p, b, h, qw), delta, rows_left);
   warp::load(lse2, p.lse + row_index(p, b, h, max(qw, 0)), rows_left);
-  warp::map_vec(lse2, lse2, [](float x) { return x * LOG2E; });
+  warp::map_vec(lse2, lse2, lse_to_log2);
 
   rt_fl<16, 16> dq[D / 16];
 #pragma unroll
   for (int n = 0; n < D / 16; n++) warp::zero(dq[n]);
   rt_fl<16, BK> s, dp;
-  rt<T, 16, BK> ds;
+  rt<T, 16, BK> ds, dcap;
 
   for (int j = 0; j < n_blocks; j++) {
-    const int buf = j % 2, k0 = j * BK;
+    const int buf = j % 2, k0 = (first + j) * BK;
     if (j + 1 < n_blocks) {
       load_async<NT>(sm.k[buf ^ 1], g.K, {b, k0 + BK, kvh, 0}, tid);
       load_async<NT>(sm.v[buf ^ 1], g.V, {b, k0 + BK, kvh, 0}, tid);
@@ -111,11 +118,14 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
       warp::mma_ABt(s, qc, kt, s);
       warp::mma_ABt(dp, dc, vt, dp);
     }
-    // P = exp2(S * scale * log2 e - lse2), 0 where masked; dS = P * (dP - delta).
-    scale_and_mask(s, p, qw, k0);
+    // P = exp2(S * scale * log2 e - lse2), 0 where masked; dS = P * (dP - delta) (times the cap's
+    // derivative).
+    scale_logits(s, dcap, p);
+    mask_logits(s, p, b, qw, k0);
     warp::map_row(s, s, lse2, [](float x, float l) { return warp::fn::exp2(x - l); });
     warp::sub_row(dp, dp, delta);
     warp::mul(s, s, dp);
+    softcap_backward(s, dcap, p);
     warp::copy(ds, s);
 
     // dQ += dS K.
@@ -158,10 +168,10 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
   const int tid = threadIdx.x, w = warpid(), kw = k0 + 16 * w;
   const Views<T> g(p, D);
 
-  // Steps: (head in group, query block); causal skips query blocks that end before k0.
-  const int qb_first = p.causal ? k0 / BQ : 0;
-  const int qb_count = (p.q_len + BQ - 1) / BQ - qb_first;
-  const int n_steps = group * max(qb_count, 0);
+  // Steps: (head in group, query block), over the query blocks that may see these keys.
+  const int2 qb_range = q_block_range(p, b, k0, BKV, BQ);
+  const int qb_first = qb_range.x, qb_count = qb_range.y - qb_range.x;
+  const int n_steps = group * qb_count;
 
   auto prefetch = [&](int step, int buf) {
     const int h = kvh * group + step / qb_count, q0 = (qb_first + step % qb_count) * BQ;
@@ -169,7 +179,7 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
     load_async<NT>(sm.dout[buf], g.dO, {b, q0, h, 0}, tid);
     for (int i = tid; i < BQ; i += NT) {  // plain loads: ready by the next __syncthreads
       const bool ok = q0 + i < p.q_len;
-      sm.lse2[buf][i] = ok ? p.lse[row_index(p, b, h, q0 + i)] * LOG2E : 0.f;
+      sm.lse2[buf][i] = ok ? lse_to_log2(p.lse[row_index(p, b, h, q0 + i)]) : -NEG_INF;
       sm.delta[buf][i] = ok ? p.delta[row_index(p, b, h, q0 + i)] : 0.f;
     }
   };
@@ -179,7 +189,6 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
   if (n_steps > 0) prefetch(0, 0);
   commit_group();
 
-  const float scale2 = p.scale * LOG2E;
   rt_fl<16, 16> dk[D / 16], dv[D / 16];
 #pragma unroll
   for (int n = 0; n < D / 16; n++) {
@@ -187,7 +196,7 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
     warp::zero(dv[n]);
   }
   rt_fl<16, BQ> s, dp;
-  rt<T, 16, BQ> pt;
+  rt<T, 16, BQ> pt, dcap;
   row_vec<rt_fl<16, BQ>> lse2, delta;
 
   for (int step = 0; step < n_steps; step++) {
@@ -211,13 +220,11 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
       warp::mma_ABt(s, kc, qt, s);
       warp::mma_ABt(dp, vc, dt, dp);
     }
-    // P^T = exp2(S^T * scale2 - lse2[query]), 0 where masked (and for query rows past the end).
+    // P^T = exp2(S^T * scale * log2 e - lse2[query]), 0 where masked (and for query rows past the end).
     warp::load(lse2, &sm.lse2[buf][0], BQ);
     warp::load(delta, &sm.delta[buf][0], BQ);
-    warp::mul(s, s, scale2);
-    warp::map_indexed(s, s, [&](int r, int c, float x) {
-      return (q0 + c < p.q_len && visible(p, q0 + c, kw + r)) ? x : NEG_INF;
-    });
+    scale_logits(s, dcap, p);
+    mask_logits_transposed(s, p, b, kw, q0);
     warp::map_col(s, s, lse2, [](float x, float l) { return warp::fn::exp2(x - l); });
     warp::copy(pt, s);
 
@@ -228,9 +235,10 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
       warp::load(dc, sm.dout[buf], 0, 16 * n);
       warp::mma_AB(dv[n], pt, dc, dv[n]);
     }
-    // dS^T = P^T * (dP^T - delta[query]); dK += dS^T Q.
+    // dS^T = P^T * (dP^T - delta[query]) (times the cap's derivative); dK += dS^T Q.
     warp::sub_col(dp, dp, delta);
     warp::mul(s, s, dp);
+    softcap_backward(s, dcap, p);
     warp::copy(pt, s);
 #pragma unroll
     for (int n = 0; n < D / 16; n++) {

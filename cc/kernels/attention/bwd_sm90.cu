@@ -64,7 +64,7 @@ __device__ __forceinline__ bool sees(const Params &p, int b, int i, int j, int B
 template <typename RT>
 __device__ __forceinline__ void probabilities(RT &s, const Params &p, int b, int q0, int kw, const float *lse) {
   const float c = p.scale * LOG2E;
-  if (kw + RT::rows > p.kv_len || (p.causal && kw + RT::rows - 1 > q0))
+  if (block_needs_mask(p, b, q0, BWD_BQ, kw, RT::rows))
     warp::map_indexed(s, s, [&](int r, int col, float x) {
       return visible(p, b, q0 + col, kw + r) ? warp::fn::exp2(x * c - lse[col]) : 0.f;
     });
@@ -129,7 +129,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
             const int t = i * BQ + c;
             const size_t r = (size_t(b) * p.q_heads + h) * p.q_len + t;
             const float lse = t < p.q_len ? p.lse[r] : NEG_INF;
-            sm.lse[s][c] = lse == NEG_INF ? -NEG_INF : lse * LOG2E;  // no row or no key: P = 0
+            sm.lse[s][c] = lse_to_log2(lse);  // no row or no key: +inf, so that P = 0
             sm.delta[s][c] = t < p.q_len ? p.delta[r] : 0.f;
           }
           arrive(sm.full[s]);
@@ -261,7 +261,10 @@ template <typename T, int D> __global__ void bwd_dq_kernel(const __grid_constant
 
 }  // namespace
 
-bool bwd_sm90_supported(const Params &p) { return (p.head_dim == 64 || p.head_dim == 128) && p.workspace != nullptr; }
+// The soft cap is left to the mma.sync backward: its derivative would need one more register tile.
+bool bwd_sm90_supported(const Params &p) {
+  return (p.head_dim == 64 || p.head_dim == 128) && p.workspace != nullptr && p.softcap == 0.f;
+}
 
 cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
   return dispatch(p, [&]<typename T, int D>() {

@@ -1,5 +1,6 @@
 // Helpers shared by the attention kernels: dispatch over dtype and head dim, launch with a large
-// dynamic shared-memory budget, and the masking rule.
+// dynamic shared-memory budget, the masking rules, the logit transform (scale, soft cap) and the
+// online softmax.
 #pragma once
 #include "attention.h"
 #include "tk/tk.cuh"
@@ -30,33 +31,130 @@ cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream
   return cudaGetLastError();
 }
 
-// May query row qi see key kj?
-__device__ __forceinline__ bool visible(const Params &p, int qi, int kj) {
-  return kj < p.kv_len && (!p.causal || kj <= qi);
+// ------------------------------------------------------------------------------------------------
+// Masking: which keys a query row sees. The rules of reference.visibility, all together: causal
+// (j <= i), window (i - left <= j <= i + right), same segment, i < q length, j < kv length.
+// ------------------------------------------------------------------------------------------------
+
+// Query rows [0, q_end) and keys [0, kv_end) of batch entry b take part (sequence lengths, clamped).
+__device__ __forceinline__ int q_end(const Params &p, int b) {
+  return p.q_lengths ? min(p.q_len, max(p.q_lengths[b], 0)) : p.q_len;
+}
+__device__ __forceinline__ int kv_end(const Params &p, int b) {
+  return p.kv_lengths ? min(p.kv_len, max(p.kv_lengths[b], 0)) : p.kv_len;
 }
 
-__device__ __forceinline__ bool visible(const Params &p, int b, int qi, int kj) { return visible(p, qi, kj); }
-
-// Key blocks of size BK that query rows [q0, q0 + rows) need: [0, end).
-__device__ __forceinline__ int kv_block_end(const Params &p, int q0, int rows, int BK) {
-  int n = (p.kv_len + BK - 1) / BK;
-  if (p.causal) n = min(n, (min(q0 + rows, p.q_len) - 1) / BK + 1);
-  return n;
+// May query row qi of batch entry b see key kj?
+__device__ __forceinline__ bool visible(const Params &p, int b, int qi, int kj) {
+  if (qi < 0 || kj < 0 || qi >= q_end(p, b) || kj >= kv_end(p, b)) return false;
+  if (p.causal && kj > qi) return false;
+  if (p.window_left >= 0 && qi - kj > p.window_left) return false;  // differences: no overflow
+  if (p.window_right >= 0 && kj - qi > p.window_right) return false;
+  return !p.q_segment_ids ||
+         p.q_segment_ids[size_t(b) * p.q_len + qi] == p.kv_segment_ids[size_t(b) * p.kv_len + kj];
 }
 
-// Key blocks of size BK that query rows [q0, q0 + rows) of batch entry b need: [first, end).
+// [first, end) of the blocks of size B that hold [lo, hi); {0, 0} when empty.
+__device__ __forceinline__ int2 blocks_of(long long lo, long long hi, int B) {
+  if (lo >= hi) return {0, 0};
+  return {int(lo / B), int((hi + B - 1) / B)};
+}
+
+// Key blocks of size BK that query rows [q0, q0 + rows) may see: [first, end). Causal, the window
+// and the lengths tighten it; segment ids do not (their blocks are masked elementwise).
 __device__ __forceinline__ int2 kv_block_range(const Params &p, int b, int q0, int rows, int BK) {
-  return {0, kv_block_end(p, q0, rows, BK)};
+  const long long q_last = min(q0 + rows, q_end(p, b)) - 1;
+  if (q_last < q0) return {0, 0};
+  long long lo = 0, hi = kv_end(p, b);
+  if (p.causal) hi = min(hi, q_last + 1);
+  if (p.window_right >= 0) hi = min(hi, q_last + p.window_right + 1);
+  if (p.window_left >= 0) lo = max(lo, (long long)q0 - p.window_left);
+  return blocks_of(lo, hi, BK);
 }
 
-// Logits of query rows qw.. (tile rows) against keys k0.. (tile columns), scaled to log2 units, with
-// invisible entries set to -inf (only blocks that touch the diagonal or the key tail pay for it).
-template <typename RT>
-__device__ __forceinline__ void scale_and_mask(RT &s, const Params &p, int qw, int k0) {
-  tk::warp::mul(s, s, p.scale * LOG2E);
-  if (k0 + RT::cols > p.kv_len || (p.causal && k0 + RT::cols - 1 > qw))
-    tk::warp::map_indexed(s, s, [&](int r, int c, float x) { return visible(p, qw + r, k0 + c) ? x : NEG_INF; });
+// Query blocks of size BQ that may see keys [k0, k0 + cols): [first, end) (backward over keys).
+__device__ __forceinline__ int2 q_block_range(const Params &p, int b, int k0, int cols, int BQ) {
+  const long long k_last = min(k0 + cols, kv_end(p, b)) - 1;
+  if (k_last < k0) return {0, 0};
+  long long lo = 0, hi = q_end(p, b);
+  if (p.causal) lo = max(lo, (long long)k0);
+  if (p.window_right >= 0) lo = max(lo, (long long)k0 - p.window_right);
+  if (p.window_left >= 0) hi = min(hi, k_last + p.window_left + 1);
+  return blocks_of(lo, hi, BQ);
 }
+
+// False when every query row of [q0, q0 + rows) sees every key of [k0, k0 + cols): the block can
+// skip the elementwise mask. Conservative: with segment ids, every block is masked.
+__device__ __forceinline__ bool block_needs_mask(const Params &p, int b, int q0, int rows, int k0, int cols) {
+  if (p.q_segment_ids) return true;
+  if (q0 + rows > q_end(p, b) || k0 + cols > kv_end(p, b)) return true;
+  const int q_last = q0 + rows - 1, k_last = k0 + cols - 1;
+  return (p.causal && k_last > q0) || (p.window_left >= 0 && q_last - k0 > p.window_left) ||
+         (p.window_right >= 0 && k_last - q0 > p.window_right);
+}
+
+// s := -inf where query qw + r does not see key k0 + c (s: rows are queries, columns keys).
+template <typename RT>
+__device__ __forceinline__ void mask_logits(RT &s, const Params &p, int b, int qw, int k0) {
+  if (block_needs_mask(p, b, qw, RT::rows, k0, RT::cols))
+    tk::warp::map_indexed(s, s, [&](int r, int c, float x) { return visible(p, b, qw + r, k0 + c) ? x : NEG_INF; });
+}
+// The same for a transposed tile s^T (rows are keys kw.., columns queries q0..).
+template <typename RT>
+__device__ __forceinline__ void mask_logits_transposed(RT &s, const Params &p, int b, int kw, int q0) {
+  if (block_needs_mask(p, b, q0, RT::cols, kw, RT::rows))
+    tk::warp::map_indexed(s, s, [&](int r, int c, float x) { return visible(p, b, q0 + c, kw + r) ? x : NEG_INF; });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Logits: scale, soft cap (cap * tanh(logit / cap), Gemma 2), base-2 units
+// ------------------------------------------------------------------------------------------------
+
+// tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1), absolute error ~1e-7; |x| >= 20 gives +-1 (as in fp32).
+__device__ __forceinline__ float tanh_fast(float x) {
+  x = fminf(fmaxf(x, -20.f), 20.f);
+  return 1.f - __fdividef(2.f, tk::warp::fn::exp2(2.f * LOG2E * x) + 1.f);
+}
+
+// s := the logits in log2 units: scale * s * log2 e, or with a cap cap * tanh(scale * s / cap) * log2 e.
+template <typename RT> __device__ __forceinline__ void scale_logits(RT &s, const Params &p) {
+  if (p.softcap > 0.f) {
+    const float in = p.scale / p.softcap, out = p.softcap * LOG2E;
+    tk::warp::map(s, s, [=](float x) { return out * tanh_fast(x * in); });
+  } else {
+    tk::warp::mul(s, s, p.scale * LOG2E);
+  }
+}
+// Backward: the same, and dcap := d(capped logit) / d(scaled logit) = 1 - tanh^2 (only with a cap;
+// untouched otherwise; a 16-bit tile is precise enough, like dS itself, and saves registers).
+// softcap_backward then turns dS (w.r.t. the capped logits) into dS w.r.t. the scaled logits, so that
+// dQ = scale * dS K and dK = scale * dS^T Q as without a cap.
+template <typename RT, typename DT> __device__ __forceinline__ void scale_logits(RT &s, DT &dcap, const Params &p) {
+  if (p.softcap > 0.f) {
+    const float in = p.scale / p.softcap, out = p.softcap * LOG2E;
+    tk::warp::map(s, s, [=](float x) { return tanh_fast(x * in); });
+    tk::warp::map(dcap, s, [](float t) { return 1.f - t * t; });
+    tk::warp::mul(s, s, out);
+  } else {
+    tk::warp::mul(s, s, p.scale * LOG2E);
+  }
+}
+template <typename RT, typename DT>
+__device__ __forceinline__ void softcap_backward(RT &ds, const DT &dcap, const Params &p) {
+  if (p.softcap > 0.f) tk::warp::mul(ds, ds, dcap);
+}
+
+// Logits of query rows qw.. (tile rows) against keys k0.. (tile columns): scaled (and capped) to
+// log2 units, invisible entries -inf (only blocks that need it pay for the elementwise mask).
+template <typename RT>
+__device__ __forceinline__ void scale_and_mask(RT &s, const Params &p, int b, int qw, int k0) {
+  scale_logits(s, p);
+  mask_logits(s, p, b, qw, k0);
+}
+
+// A row's log-sum-exp in log2 units for P = exp2(s - lse2). A row that sees no key (lse = -inf)
+// gets +inf, so that its P is 0 (not exp2(-inf + inf) = NaN) and its gradients are 0.
+__device__ __forceinline__ float lse_to_log2(float lse) { return lse == NEG_INF ? -NEG_INF : lse * LOG2E; }
 
 // One step of the online softmax over a block of logits s (log2 units): updates the running row max
 // m and sum l, sets corr to the factor that rescales what was accumulated before, and s := exp2(s - m).

@@ -1,7 +1,9 @@
 // Attention forward on mma.sync (sm_80+), FlashAttention-2 style.
 // A block of 4 warps owns 64 query rows of one (batch, head), 16 rows a warp. Key/value blocks of 64
 // rows stream through a double-buffered cp.async ring; each warp computes S = Q K^T, keeps a running
-// row max and sum (online softmax in base 2), and accumulates O += P V in fp32.
+// row max and sum (online softmax in base 2), and accumulates O += P V in fp32. Only the key blocks
+// the rows may see are visited (causal, window, lengths); blocks that cross a mask boundary, and
+// every block with segment ids, are masked elementwise.
 #include "common.cuh"
 
 namespace jax_tk::attention {
@@ -33,12 +35,15 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
   auto Q = gl<const T>::make(static_cast<const T *>(p.q), p.batch, p.q_len, p.q_heads, D);
   auto K = gl<const T>::make(static_cast<const T *>(p.k), p.batch, p.kv_len, p.kv_heads, D);
   auto V = gl<const T>::make(static_cast<const T *>(p.v), p.batch, p.kv_len, p.kv_heads, D);
-  const int n_blocks = kv_block_end(p, q0, BQ, BK);
+  const int2 range = kv_block_range(p, b, q0, BQ, BK);  // key blocks [first, end) to visit
+  const int first = range.x, n_blocks = range.y - range.x;
 
   load_async<NT>(sm.q, Q, {b, q0, h, 0}, tid);
   commit_group();
-  load_async<NT>(sm.k[0], K, {b, 0, kvh, 0}, tid);
-  load_async<NT>(sm.v[0], V, {b, 0, kvh, 0}, tid);
+  if (n_blocks > 0) {
+    load_async<NT>(sm.k[0], K, {b, first * BK, kvh, 0}, tid);
+    load_async<NT>(sm.v[0], V, {b, first * BK, kvh, 0}, tid);
+  }
   commit_group();
   wait_group<1>();
   __syncthreads();
@@ -57,7 +62,7 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
   warp::fill_vec(l, 0.f);
 
   for (int j = 0; j < n_blocks; j++) {
-    const int buf = j % 2, k0 = j * BK;
+    const int buf = j % 2, k0 = (first + j) * BK;
     if (j + 1 < n_blocks) {  // prefetch the next key/value block into the other buffer
       load_async<NT>(sm.k[buf ^ 1], K, {b, k0 + BK, kvh, 0}, tid);
       load_async<NT>(sm.v[buf ^ 1], V, {b, k0 + BK, kvh, 0}, tid);
@@ -74,7 +79,7 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
       warp::load(kt, sm.k[buf], 0, 16 * kk);
       warp::mma_ABt(s, q[kk], kt, s);
     }
-    scale_and_mask(s, p, qw, k0);
+    scale_and_mask(s, p, b, qw, k0);
     softmax_step(s, m, l, corr);
 
     // O = O * corr + P V.

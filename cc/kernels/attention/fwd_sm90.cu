@@ -5,7 +5,9 @@
 // other two are consumers, 64 query rows each: S = Q K^T (wgmma, both operands in shared memory),
 // online softmax in registers (the same warp code as the mma.sync kernel), O += P V (wgmma, P from
 // registers), pipelined so that the softmax of one block overlaps the P V product of the previous.
-// setmaxnreg moves registers from the producer to the consumers.
+// setmaxnreg moves registers from the producer to the consumers. Producer and consumers walk the
+// same key blocks [first, end) (kv_block_range: causal, window, lengths); a block of query rows
+// that sees no key loads nothing and stores O = 0, lse = -inf.
 #include "common.cuh"
 
 namespace jax_tk::attention {
@@ -40,7 +42,8 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   const int b = blockIdx.z, h = blockIdx.y;
   const int q0 = (gridDim.x - 1 - blockIdx.x) * C::BQ;  // heaviest (causal) blocks first
   const int kvh = h / (p.q_heads / p.kv_heads);
-  const int n_blocks = kv_block_end(p, q0, C::BQ, BK);
+  const int2 range = kv_block_range(p, b, q0, C::BQ, BK);  // key blocks [first, end) to visit
+  const int first = range.x, n_blocks = range.y - range.x;
   const int wg = warpgroup::groupid();
 
   if (threadIdx.x == 0) {
@@ -57,17 +60,17 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
 
   if (wg == CONSUMERS) {  // producer
     warpgroup::decrease_registers<24>();
-    if (threadIdx.x == CONSUMERS * 128) {
+    if (threadIdx.x == CONSUMERS * 128 && n_blocks > 0) {
       arrive_expect_bytes(sm.q_full, CONSUMERS * sizeof(sm.q[0].data));
       for (int c = 0; c < CONSUMERS; c++) load_async(sm.q[c], a.q, {b, q0 + 64 * c, h, 0}, sm.q_full);
       for (int j = 0; j < n_blocks; j++) {
-        const int s = j % STAGES, phase = (j / STAGES) & 1;
+        const int s = j % STAGES, phase = (j / STAGES) & 1, k0 = (first + j) * BK;
         wait(sm.k_empty[s], phase ^ 1);
         arrive_expect_bytes(sm.k_full[s], sizeof(sm.k[s].data));
-        load_async(sm.k[s], a.k, {b, j * BK, kvh, 0}, sm.k_full[s]);
+        load_async(sm.k[s], a.k, {b, k0, kvh, 0}, sm.k_full[s]);
         wait(sm.v_empty[s], phase ^ 1);
         arrive_expect_bytes(sm.v_full[s], sizeof(sm.v[s].data));
-        load_async(sm.v[s], a.v, {b, j * BK, kvh, 0}, sm.v_full[s]);
+        load_async(sm.v[s], a.v, {b, k0, kvh, 0}, sm.v_full[s]);
       }
     }
     return;
@@ -83,6 +86,11 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   warp::zero(o);
   warp::fill_vec(m, NEG_INF);
   warp::fill_vec(l, 0.f);
+  if (n_blocks == 0) {  // these rows see no key: O = 0, lse = -inf
+    store_output<T>(p, o, l, b, h, qw, 0);
+    store_lse(p, m, l, b, h, qw);
+    return;
+  }
   wait(sm.q_full, 0);
 
   // Software pipeline: while the tensor cores compute O += P_{j-1} V_{j-1}, the warps run the
@@ -92,7 +100,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   warpgroup::wait<0>();
   warpgroup::fence_registers(s);
   if (laneid() == 0) arrive(sm.k_empty[0]);
-  scale_and_mask(s, p, qw, 0);
+  scale_and_mask(s, p, b, qw, first * BK);
   softmax_step(s, m, l, corr);
   warp::copy(pr, s);
 
@@ -106,7 +114,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warpgroup::wait<1>();                         // S_j is ready
     warpgroup::fence_registers(s);
     if (laneid() == 0) arrive(sm.k_empty[st]);
-    scale_and_mask(s, p, qw, j * BK);
+    scale_and_mask(s, p, b, qw, (first + j) * BK);
     softmax_step(s, m, l, corr);
     warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done
     warpgroup::fence_registers(o);

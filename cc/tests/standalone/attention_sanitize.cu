@@ -34,7 +34,17 @@ template <typename T> T *device_random(size_t n, std::mt19937 &rng) {
   return d;
 }
 
-int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, bool deterministic = false) {
+int *device_ints(const std::vector<int> &host) {
+  int *d;
+  CHECK(cudaMalloc(&d, host.size() * sizeof(int)));
+  CHECK(cudaMemcpy(d, host.data(), host.size() * sizeof(int), cudaMemcpyHostToDevice));
+  return d;
+}
+
+// masked: a window, packed segment ids (the queries' last segment has no key), lengths (one batch
+// entry with no query rows, the other with only half of its keys) and a soft cap, all at once.
+int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, bool masked = false,
+        bool deterministic = false) {
   std::mt19937 rng(b * 1000 + t + s + d);
   Params p{};
   p.dtype = DType::bf16;
@@ -55,13 +65,27 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, boo
   CHECK(cudaMalloc(&workspace, bwd_sm90_workspace_words(b, t, n, d) * 4));
   p.o = o; p.lse = lse; p.dq = dq; p.dk = dk; p.dv = dv; p.delta = delta;
   p.workspace = workspace; p.deterministic = deterministic;
+  std::vector<int *> ints;
+  if (masked) {
+    std::vector<int> qs(size_t(b) * t), ks(size_t(b) * s), ql(b), kl(b);
+    for (size_t i = 0; i < qs.size(); i++) qs[i] = int(3 * (i % t) / t);  // segments 0, 1, 2
+    for (size_t j = 0; j < ks.size(); j++) ks[j] = int(2 * (j % s) / s);  // segments 0, 1
+    for (int i = 0; i < b; i++) {
+      ql[i] = i == 0 ? t : 0;
+      kl[i] = i == 0 ? s / 2 + 1 : s;
+    }
+    ints = {device_ints(qs), device_ints(ks), device_ints(ql), device_ints(kl)};
+    p.q_segment_ids = ints[0]; p.kv_segment_ids = ints[1]; p.q_lengths = ints[2]; p.kv_lengths = ints[3];
+    p.window_left = 40; p.window_right = 7; p.softcap = 5.f;
+  }
   CHECK(hopper ? fwd_sm90(p, 0) : fwd_sm80(p, 0));
   CHECK(hopper ? bwd_sm90(p, 0) : bwd_sm80(p, 0));
   CHECK(cudaDeviceSynchronize());
   const void *buffers[] = {p.q, p.k, p.v, p.dout, p.dlse, o, dq, dk, dv, lse, delta, workspace};
   for (const void *x : buffers) CHECK(cudaFree(const_cast<void *>(x)));
-  std::printf("ok b=%d t=%d s=%d n=%d kh=%d d=%d causal=%d %s%s\n", b, t, s, n, kh, d, causal, hopper ? "sm90" : "sm80",
-              deterministic ? " deterministic" : "");
+  for (int *x : ints) CHECK(cudaFree(x));
+  std::printf("ok b=%d t=%d s=%d n=%d kh=%d d=%d causal=%d %s%s%s\n", b, t, s, n, kh, d, causal,
+              hopper ? "sm90" : "sm80", masked ? " masked" : "", deterministic ? " deterministic" : "");
   return 0;
 }
 
@@ -74,7 +98,8 @@ int main() {
     for (bool causal : {false, true}) {
       run(1, 70, 50, 2, 1, 64, causal, hopper);
       run(2, 33, 130, 4, 2, 128, causal, hopper);
-      if (hopper) run(1, 130, 200, 4, 2, 64, causal, hopper, true);
+      run(2, 150, 90, 4, 2, 64, causal, hopper, true);
+      if (hopper) run(1, 130, 200, 4, 2, 64, causal, hopper, false, true);
     }
   }
   return 0;
