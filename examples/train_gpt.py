@@ -111,9 +111,10 @@ def count_params(params) -> int:
 def attend(q, k, v, attention: str):
     """Causal self-attention of [batch, seq, heads, head_dim] tensors by the chosen implementation."""
     if attention == "tk":
-        # On a GPU insist on the kernel (a clear error, not a silent fallback, if the configuration
-        # does not fit it); elsewhere jax_tk runs its reference.
-        impl = "tk" if jax.default_backend() == "gpu" else None
+        # On a GPU in bf16/fp16 insist on the kernel (a clear error, not a silent fallback, if the
+        # configuration does not fit it); elsewhere (CPU, float32) jax_tk runs its reference.
+        kernel_dtype = q.dtype in (jnp.bfloat16, jnp.float16)
+        impl = "tk" if jax.default_backend() == "gpu" and kernel_dtype else None
         return jax_tk.attention(q, k, v, is_causal=True, implementation=impl)
     if attention == "reference":
         return jax_tk.attention(q, k, v, is_causal=True, implementation="xla")

@@ -1,10 +1,14 @@
+import jax
 import pytest
+
+# Float32 references mean float32: on GPUs, XLA's default matmul precision would use TF32 (about
+# 1e-3 relative error), which the tests' 1e-5 comparisons with jax.nn (and the kernels' fp32
+# references) must not see.
+jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def _gpu_available() -> bool:
     try:
-        import jax
-
         return bool(jax.devices("cuda"))
     except RuntimeError:
         return False
