@@ -182,6 +182,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       warpgroup::wait<0>();            // dV and dK are done with P^T, dS^T, Q and dO
       warpgroup::fence_registers(p16);
       warpgroup::fence_registers(ds16);
+      __syncwarp();  // every lane's reads of lse/delta come before lane 0 frees the slot
       if (laneid() == 0) arrive(sm.empty[slot]);
       rt_fl<16, C::DQ_COLS> dq;
       warpgroup::mma_AtB(dq, sm.ds[it % 2], k_cols, false);  // this warpgroup's columns of dS K
