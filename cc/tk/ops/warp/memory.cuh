@@ -103,24 +103,6 @@ __device__ __forceinline__ void store(const gl<T> &dst, const RT &src, coord o) 
   });
 }
 
-// Global fp32 view += register tile, with atomic reductions (other blocks may add to the same
-// elements); rows at or past dst.seq() are skipped.
-template <RegisterTile RT>
-__device__ __forceinline__ void atomic_add(const gl<float> &dst, const RT &src, coord o) {
-  static_assert(std::is_same_v<typename RT::dtype, float> && pair_along_row<RT>);
-  for_each_pair<RT>([&](int i, int j, int k, int r, int c) {
-    if (o.s + r >= dst.seq()) return;
-    float2 v = src.tiles[i][j].data[k];
-    float *a = dst.at(o.b, o.s + r, o.h, o.d + c);
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(a), "f"(v.x), "f"(v.y) : "memory");
-#else
-    atomicAdd(a, v.x);
-    atomicAdd(a + 1, v.y);
-#endif
-  });
-}
-
 // Vector <- src[0 .. n) (shared or global), `fill` past n.
 template <typename RV, typename T>
 __device__ __forceinline__ void load(RV &dst, const T *src, int n, float fill = 0.f) {
