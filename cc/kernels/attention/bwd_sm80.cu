@@ -45,7 +45,7 @@ template <typename T, int D> struct DQ {
   };
 };
 
-template <typename T, int D>
+template <typename T, int D, bool FULL>
 __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_constant__ Params p) {
   using C = DQ<T, D>;
   constexpr int BQ = C::BQ, BK = C::BK, NT = C::THREADS;
@@ -55,7 +55,7 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
   const int kvh = h / (p.q_heads / p.kv_heads);
   const int tid = threadIdx.x, w = warpid(), qw = q0 + 16 * w;
   const Views<T> g(p, D);
-  const int2 range = kv_block_range(p, b, q0, BQ, BK);  // key blocks [first, end) to visit
+  const int2 range = kv_block_range<FULL>(p, b, q0, BQ, BK);  // key blocks [first, end) to visit
   const int first = range.x, n_blocks = range.y - range.x;
 
   load_async<NT>(sm.q, g.Q, {b, q0, h, 0}, tid);
@@ -120,12 +120,12 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
     }
     // P = exp2(S * scale * log2 e - lse2), 0 where masked; dS = P * (dP - delta) (times the cap's
     // derivative).
-    scale_logits(s, dcap, p);
-    mask_logits(s, p, b, qw, k0);
+    scale_logits<FULL>(s, dcap, p);
+    mask_logits<FULL>(s, p, b, qw, k0);
     warp::map_row(s, s, lse2, [](float x, float l) { return warp::fn::exp2(x - l); });
     warp::sub_row(dp, dp, delta);
     warp::mul(s, s, dp);
-    softcap_backward(s, dcap, p);
+    softcap_backward<FULL>(s, dcap, p);
     warp::copy(ds, s);
 
     // dQ += dS K.
@@ -157,7 +157,7 @@ template <typename T, int D> struct DKV {
   };
 };
 
-template <typename T, int D>
+template <typename T, int D, bool FULL>
 __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_constant__ Params p) {
   using C = DKV<T, D>;
   constexpr int BQ = C::BQ, BKV = C::BKV, NT = C::THREADS;
@@ -169,7 +169,7 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
   const Views<T> g(p, D);
 
   // Steps: (head in group, query block), over the query blocks that may see these keys.
-  const int2 qb_range = q_block_range(p, b, k0, BKV, BQ);
+  const int2 qb_range = q_block_range<FULL>(p, b, k0, BKV, BQ);
   const int qb_first = qb_range.x, qb_count = qb_range.y - qb_range.x;
   const int n_steps = group * qb_count;
 
@@ -223,8 +223,8 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
     // P^T = exp2(S^T * scale * log2 e - lse2[query]), 0 where masked (and for query rows past the end).
     warp::load(lse2, &sm.lse2[buf][0], BQ);
     warp::load(delta, &sm.delta[buf][0], BQ);
-    scale_logits(s, dcap, p);
-    mask_logits_transposed(s, p, b, kw, q0);
+    scale_logits<FULL>(s, dcap, p);
+    mask_logits_transposed<FULL>(s, p, b, kw, q0);
     warp::map_col(s, s, lse2, [](float x, float l) { return warp::fn::exp2(x - l); });
     warp::copy(pt, s);
 
@@ -238,7 +238,7 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
     // dS^T = P^T * (dP^T - delta[query]) (times the cap's derivative); dK += dS^T Q.
     warp::sub_col(dp, dp, delta);
     warp::mul(s, s, dp);
-    softcap_backward(s, dcap, p);
+    softcap_backward<FULL>(s, dcap, p);
     warp::copy(pt, s);
 #pragma unroll
     for (int n = 0; n < D / 16; n++) {
@@ -260,14 +260,14 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
 }  // namespace
 
 cudaError_t bwd_sm80(const Params &p, cudaStream_t stream) {
-  return dispatch(p, [&]<typename T, int D>() {
+  return dispatch(p, [&]<typename T, int D, bool FULL>() {
     using A = DQ<T, D>;
     using B = DKV<T, D>;
     dim3 grid_q((p.q_len + A::BQ - 1) / A::BQ, p.q_heads, p.batch);
-    cudaError_t e = launch(dq_kernel<T, D>, grid_q, dim3(A::THREADS), sizeof(typename A::Shared), stream, p);
+    cudaError_t e = launch(dq_kernel<T, D, FULL>, grid_q, dim3(A::THREADS), sizeof(typename A::Shared), stream, p);
     if (e != cudaSuccess) return e;
     dim3 grid_kv((p.kv_len + B::BKV - 1) / B::BKV, p.kv_heads, p.batch);
-    return launch(dkdv_kernel<T, D>, grid_kv, dim3(B::THREADS), sizeof(typename B::Shared), stream, p);
+    return launch(dkdv_kernel<T, D, FULL>, grid_kv, dim3(B::THREADS), sizeof(typename B::Shared), stream, p);
   });
 }
 

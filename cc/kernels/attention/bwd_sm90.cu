@@ -54,19 +54,19 @@ template <typename T, int D> struct BwdH {
 constexpr int BWD_BQ = 64;  // query rows per step of the main kernel and per lock of the workspace
 
 // Does key block j (of BK keys) contribute to query block i of batch entry b?
-__device__ __forceinline__ bool sees(const Params &p, int b, int i, int j, int BK) {
-  int2 r = kv_block_range(p, b, i * BWD_BQ, BWD_BQ, BK);
+template <bool FULL> __device__ __forceinline__ bool sees(const Params &p, int b, int i, int j, int BK) {
+  int2 r = kv_block_range<FULL>(p, b, i * BWD_BQ, BWD_BQ, BK);
   return j >= r.x && j < r.y;
 }
 
 // P^T from S^T (rows: keys kw.., columns: queries q0..) and the columns' lse (log2 units, read
 // from shared memory: registers are short here).
-template <typename RT>
+template <bool FULL, typename RT>
 __device__ __forceinline__ void probabilities(RT &s, const Params &p, int b, int q0, int kw, const float *lse) {
   const float c = p.scale * LOG2E;
-  if (block_needs_mask(p, b, q0, BWD_BQ, kw, RT::rows))
+  if (block_needs_mask<FULL>(p, b, q0, BWD_BQ, kw, RT::rows))
     warp::map_indexed(s, s, [&](int r, int col, float x) {
-      return visible(p, b, q0 + col, kw + r) ? warp::fn::exp2(x * c - lse[col]) : 0.f;
+      return visible<FULL>(p, b, q0 + col, kw + r) ? warp::fn::exp2(x * c - lse[col]) : 0.f;
     });
   else
     warp::map_indexed(s, s, [&](int, int col, float x) { return warp::fn::exp2(x * c - lse[col]); });
@@ -78,7 +78,7 @@ __device__ __forceinline__ int load_acquire(const int *x) {
   return v;
 }
 
-template <typename T, int D>
+template <typename T, int D, bool FULL>
 __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const __grid_constant__ typename BwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = BwdH<T, D>;
@@ -91,7 +91,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   const int group = p.q_heads / p.kv_heads, n_qblocks = (p.q_len + BQ - 1) / BQ;
   const int wg = warpgroup::groupid();
   int n_steps = 0;  // (query head, query block) pairs this block visits
-  for (int i = 0; i < n_qblocks; i++) n_steps += sees(p, b, i, j, BK);
+  for (int i = 0; i < n_qblocks; i++) n_steps += sees<FULL>(p, b, i, j, BK);
   n_steps *= group;
 
   if (threadIdx.x == 0) {
@@ -117,7 +117,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     for (int g = 0; g < group; g++) {
       const int h = kvh * group + g;
       for (int i = 0; i < n_qblocks; i++) {
-        if (!sees(p, b, i, j, BK)) continue;
+        if (!sees<FULL>(p, b, i, j, BK)) continue;
         const int s = it % STAGES, phase = (it / STAGES) & 1;
         wait(sm.empty[s], phase ^ 1);
         if (pw == 0) {
@@ -156,7 +156,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   for (int g = 0; g < group; g++) {
     const int h = kvh * group + g;
     for (int i = 0; i < n_qblocks; i++) {
-      if (!sees(p, b, i, j, BK)) continue;
+      if (!sees<FULL>(p, b, i, j, BK)) continue;
       const int q0 = i * BQ, slot = it % STAGES, phase = (it / STAGES) & 1;
       rt_fl<16, BQ> s, dp;  // S^T (then P^T), dP^T (then dS^T)
       rt<T, 16, BQ> p16, ds16;  // P^T and dS^T in the input dtype
@@ -166,7 +166,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T
       warpgroup::wait<1>();
       warpgroup::fence_registers(s);
-      probabilities(s, p, b, q0, kw, sm.lse[slot]);
+      probabilities<FULL>(s, p, b, q0, kw, sm.lse[slot]);
       warp::copy(p16, s);
       warpgroup::mma_AB(dv, p16, sm.dout[slot], true);  // dV += P^T dO
       warp::load(delta, sm.delta[slot], BQ);
@@ -198,7 +198,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       if (leader) {
         int *lock = locks + (size_t(b) * p.q_heads + h) * n_qblocks + i;
         if (p.deterministic) {  // wait for the key blocks before this one
-          const int turn = CONSUMERS * (j - kv_block_range(p, b, q0, BQ, BK).x);
+          const int turn = CONSUMERS * (j - kv_block_range<FULL>(p, b, q0, BQ, BK).x);
           while (load_acquire(lock) < turn) __nanosleep(32);
         }
         reduce_add_async(p.workspace + C::dq_tile(p, b, h, i, wg), &sm.dq[wg], sizeof(sm.dq[wg].data));
@@ -268,7 +268,7 @@ bool bwd_sm90_supported(const Params &p) {
 }
 
 cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
-  return dispatch(p, [&]<typename T, int D>() {
+  return dispatch(p, [&]<typename T, int D, bool FULL>() {
     using C = BwdH<T, D>;
     const size_t rows = size_t(p.batch) * p.q_len * p.q_heads;
     bwd_prep_kernel<T, D><<<unsigned((rows + 7) / 8), 256, 0, stream>>>(p);
@@ -281,7 +281,7 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
         !make_tma_map(a.k, p.k, p.batch, p.kv_len, p.kv_heads, D) ||
         !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
       return cudaErrorInvalidValue;
-    auto kernel = bwd_sm90_kernel<T, D>;
+    auto kernel = bwd_sm90_kernel<T, D, FULL>;
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::smem));
     if (e != cudaSuccess) return e;
     kernel<<<dim3((p.kv_len + C::BK - 1) / C::BK, p.kv_heads, p.batch), C::THREADS, C::smem, stream>>>(a);

@@ -11,14 +11,25 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr float NEG_INF = -__builtin_huge_valf();
 
-// f.template operator()<T, D>() for the runtime dtype and head dim.
+// Does p use a masking option beyond causal (window, segment ids, lengths, soft cap)?
+inline bool has_options(const Params &p) {
+  return p.window_left >= 0 || p.window_right >= 0 || p.q_segment_ids || p.q_lengths || p.kv_lengths ||
+         p.softcap > 0.f;
+}
+
+// f.template operator()<T, D, FULL>() for the runtime dtype and head dim. The kernels are compiled
+// twice: FULL = false knows only the causal mask and the sequence ends (plain attention pays
+// nothing for the options), FULL = true applies every option of Params.
 template <typename F> cudaError_t dispatch(const Params &p, F f) {
-  auto by_dim = [&]<typename T>() -> cudaError_t {
-    if (p.head_dim == 64) return f.template operator()<T, 64>();
-    if (p.head_dim == 128) return f.template operator()<T, 128>();
+  auto by_dim = [&]<typename T, bool FULL>() -> cudaError_t {
+    if (p.head_dim == 64) return f.template operator()<T, 64, FULL>();
+    if (p.head_dim == 128) return f.template operator()<T, 128, FULL>();
     return cudaErrorInvalidValue;
   };
-  return p.dtype == DType::bf16 ? by_dim.template operator()<tk::bf16>() : by_dim.template operator()<tk::half>();
+  auto by_options = [&]<typename T>() -> cudaError_t {
+    return has_options(p) ? by_dim.template operator()<T, true>() : by_dim.template operator()<T, false>();
+  };
+  return p.dtype == DType::bf16 ? by_options.template operator()<tk::bf16>() : by_options.template operator()<tk::half>();
 }
 
 template <typename Kernel>
@@ -36,22 +47,29 @@ cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream
 // (j <= i), window (i - left <= j <= i + right), same segment, i < q length, j < kv length.
 // ------------------------------------------------------------------------------------------------
 
+// Every masking function takes FULL (see dispatch): with FULL = false the options are known to be
+// absent and fold away at compile time.
+
 // Query rows [0, q_end) and keys [0, kv_end) of batch entry b take part (sequence lengths, clamped).
-__device__ __forceinline__ int q_end(const Params &p, int b) {
-  return p.q_lengths ? min(p.q_len, max(p.q_lengths[b], 0)) : p.q_len;
+template <bool FULL> __device__ __forceinline__ int q_end(const Params &p, int b) {
+  return FULL && p.q_lengths ? min(p.q_len, max(p.q_lengths[b], 0)) : p.q_len;
 }
-__device__ __forceinline__ int kv_end(const Params &p, int b) {
-  return p.kv_lengths ? min(p.kv_len, max(p.kv_lengths[b], 0)) : p.kv_len;
+template <bool FULL> __device__ __forceinline__ int kv_end(const Params &p, int b) {
+  return FULL && p.kv_lengths ? min(p.kv_len, max(p.kv_lengths[b], 0)) : p.kv_len;
 }
 
 // May query row qi of batch entry b see key kj?
-__device__ __forceinline__ bool visible(const Params &p, int b, int qi, int kj) {
-  if (qi < 0 || kj < 0 || qi >= q_end(p, b) || kj >= kv_end(p, b)) return false;
+template <bool FULL> __device__ __forceinline__ bool visible(const Params &p, int b, int qi, int kj) {
+  if (qi >= q_end<FULL>(p, b) || kj >= kv_end<FULL>(p, b)) return false;
   if (p.causal && kj > qi) return false;
-  if (p.window_left >= 0 && qi - kj > p.window_left) return false;  // differences: no overflow
-  if (p.window_right >= 0 && kj - qi > p.window_right) return false;
-  return !p.q_segment_ids ||
-         p.q_segment_ids[size_t(b) * p.q_len + qi] == p.kv_segment_ids[size_t(b) * p.kv_len + kj];
+  if constexpr (FULL) {
+    if (qi < 0 || kj < 0) return false;
+    if (p.window_left >= 0 && qi - kj > p.window_left) return false;  // differences: no overflow
+    if (p.window_right >= 0 && kj - qi > p.window_right) return false;
+    return !p.q_segment_ids ||
+           p.q_segment_ids[size_t(b) * p.q_len + qi] == p.kv_segment_ids[size_t(b) * p.kv_len + kj];
+  }
+  return true;
 }
 
 // [first, end) of the blocks of size B that hold [lo, hi); {0, 0} when empty.
@@ -62,48 +80,49 @@ __device__ __forceinline__ int2 blocks_of(long long lo, long long hi, int B) {
 
 // Key blocks of size BK that query rows [q0, q0 + rows) may see: [first, end). Causal, the window
 // and the lengths tighten it; segment ids do not (their blocks are masked elementwise).
-__device__ __forceinline__ int2 kv_block_range(const Params &p, int b, int q0, int rows, int BK) {
-  const long long q_last = min(q0 + rows, q_end(p, b)) - 1;
+template <bool FULL> __device__ __forceinline__ int2 kv_block_range(const Params &p, int b, int q0, int rows, int BK) {
+  const long long q_last = min(q0 + rows, q_end<FULL>(p, b)) - 1;
   if (q_last < q0) return {0, 0};
-  long long lo = 0, hi = kv_end(p, b);
+  long long lo = 0, hi = kv_end<FULL>(p, b);
   if (p.causal) hi = min(hi, q_last + 1);
-  if (p.window_right >= 0) hi = min(hi, q_last + p.window_right + 1);
-  if (p.window_left >= 0) lo = max(lo, (long long)q0 - p.window_left);
+  if (FULL && p.window_right >= 0) hi = min(hi, q_last + p.window_right + 1);
+  if (FULL && p.window_left >= 0) lo = max(lo, (long long)q0 - p.window_left);
   return blocks_of(lo, hi, BK);
 }
 
 // Query blocks of size BQ that may see keys [k0, k0 + cols): [first, end) (backward over keys).
-__device__ __forceinline__ int2 q_block_range(const Params &p, int b, int k0, int cols, int BQ) {
-  const long long k_last = min(k0 + cols, kv_end(p, b)) - 1;
+template <bool FULL> __device__ __forceinline__ int2 q_block_range(const Params &p, int b, int k0, int cols, int BQ) {
+  const long long k_last = min(k0 + cols, kv_end<FULL>(p, b)) - 1;
   if (k_last < k0) return {0, 0};
-  long long lo = 0, hi = q_end(p, b);
+  long long lo = 0, hi = q_end<FULL>(p, b);
   if (p.causal) lo = max(lo, (long long)k0);
-  if (p.window_right >= 0) lo = max(lo, (long long)k0 - p.window_right);
-  if (p.window_left >= 0) hi = min(hi, k_last + p.window_left + 1);
+  if (FULL && p.window_right >= 0) lo = max(lo, (long long)k0 - p.window_right);
+  if (FULL && p.window_left >= 0) hi = min(hi, k_last + p.window_left + 1);
   return blocks_of(lo, hi, BQ);
 }
 
 // False when every query row of [q0, q0 + rows) sees every key of [k0, k0 + cols): the block can
 // skip the elementwise mask. Conservative: with segment ids, every block is masked.
+template <bool FULL>
 __device__ __forceinline__ bool block_needs_mask(const Params &p, int b, int q0, int rows, int k0, int cols) {
-  if (p.q_segment_ids) return true;
-  if (q0 + rows > q_end(p, b) || k0 + cols > kv_end(p, b)) return true;
+  if (FULL && p.q_segment_ids) return true;
+  if (q0 + rows > q_end<FULL>(p, b) || k0 + cols > kv_end<FULL>(p, b)) return true;
   const int q_last = q0 + rows - 1, k_last = k0 + cols - 1;
-  return (p.causal && k_last > q0) || (p.window_left >= 0 && q_last - k0 > p.window_left) ||
-         (p.window_right >= 0 && k_last - q0 > p.window_right);
+  return (p.causal && k_last > q0) || (FULL && p.window_left >= 0 && q_last - k0 > p.window_left) ||
+         (FULL && p.window_right >= 0 && k_last - q0 > p.window_right);
 }
 
 // s := -inf where query qw + r does not see key k0 + c (s: rows are queries, columns keys).
-template <typename RT>
+template <bool FULL, typename RT>
 __device__ __forceinline__ void mask_logits(RT &s, const Params &p, int b, int qw, int k0) {
-  if (block_needs_mask(p, b, qw, RT::rows, k0, RT::cols))
-    tk::warp::map_indexed(s, s, [&](int r, int c, float x) { return visible(p, b, qw + r, k0 + c) ? x : NEG_INF; });
+  if (block_needs_mask<FULL>(p, b, qw, RT::rows, k0, RT::cols))
+    tk::warp::map_indexed(s, s, [&](int r, int c, float x) { return visible<FULL>(p, b, qw + r, k0 + c) ? x : NEG_INF; });
 }
 // The same for a transposed tile s^T (rows are keys kw.., columns queries q0..).
-template <typename RT>
+template <bool FULL, typename RT>
 __device__ __forceinline__ void mask_logits_transposed(RT &s, const Params &p, int b, int kw, int q0) {
-  if (block_needs_mask(p, b, q0, RT::cols, kw, RT::rows))
-    tk::warp::map_indexed(s, s, [&](int r, int c, float x) { return visible(p, b, q0 + c, kw + r) ? x : NEG_INF; });
+  if (block_needs_mask<FULL>(p, b, q0, RT::cols, kw, RT::rows))
+    tk::warp::map_indexed(s, s, [&](int r, int c, float x) { return visible<FULL>(p, b, q0 + c, kw + r) ? x : NEG_INF; });
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -117,8 +136,8 @@ __device__ __forceinline__ float tanh_fast(float x) {
 }
 
 // s := the logits in log2 units: scale * s * log2 e, or with a cap cap * tanh(scale * s / cap) * log2 e.
-template <typename RT> __device__ __forceinline__ void scale_logits(RT &s, const Params &p) {
-  if (p.softcap > 0.f) {
+template <bool FULL, typename RT> __device__ __forceinline__ void scale_logits(RT &s, const Params &p) {
+  if (FULL && p.softcap > 0.f) {
     const float in = p.scale / p.softcap, out = p.softcap * LOG2E;
     tk::warp::map(s, s, [=](float x) { return out * tanh_fast(x * in); });
   } else {
@@ -129,8 +148,9 @@ template <typename RT> __device__ __forceinline__ void scale_logits(RT &s, const
 // untouched otherwise; a 16-bit tile is precise enough, like dS itself, and saves registers).
 // softcap_backward then turns dS (w.r.t. the capped logits) into dS w.r.t. the scaled logits, so that
 // dQ = scale * dS K and dK = scale * dS^T Q as without a cap.
-template <typename RT, typename DT> __device__ __forceinline__ void scale_logits(RT &s, DT &dcap, const Params &p) {
-  if (p.softcap > 0.f) {
+template <bool FULL, typename RT, typename DT>
+__device__ __forceinline__ void scale_logits(RT &s, DT &dcap, const Params &p) {
+  if (FULL && p.softcap > 0.f) {
     const float in = p.scale / p.softcap, out = p.softcap * LOG2E;
     tk::warp::map(s, s, [=](float x) { return tanh_fast(x * in); });
     tk::warp::map(dcap, s, [](float t) { return 1.f - t * t; });
@@ -139,17 +159,17 @@ template <typename RT, typename DT> __device__ __forceinline__ void scale_logits
     tk::warp::mul(s, s, p.scale * LOG2E);
   }
 }
-template <typename RT, typename DT>
+template <bool FULL, typename RT, typename DT>
 __device__ __forceinline__ void softcap_backward(RT &ds, const DT &dcap, const Params &p) {
-  if (p.softcap > 0.f) tk::warp::mul(ds, ds, dcap);
+  if (FULL && p.softcap > 0.f) tk::warp::mul(ds, ds, dcap);
 }
 
 // Logits of query rows qw.. (tile rows) against keys k0.. (tile columns): scaled (and capped) to
 // log2 units, invisible entries -inf (only blocks that need it pay for the elementwise mask).
-template <typename RT>
+template <bool FULL, typename RT>
 __device__ __forceinline__ void scale_and_mask(RT &s, const Params &p, int b, int qw, int k0) {
-  scale_logits(s, p);
-  mask_logits(s, p, b, qw, k0);
+  scale_logits<FULL>(s, p);
+  mask_logits<FULL>(s, p, b, qw, k0);
 }
 
 // A row's log-sum-exp in log2 units for P = exp2(s - lse2). A row that sees no key (lse = -inf)

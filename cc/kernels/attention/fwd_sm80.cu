@@ -21,7 +21,7 @@ template <typename T, int D> struct Fwd {
   };
 };
 
-template <typename T, int D>
+template <typename T, int D, bool FULL>
 __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_constant__ Params p) {
   using C = Fwd<T, D>;
   constexpr int BQ = C::BQ, BK = C::BK, NT = C::THREADS;
@@ -35,7 +35,7 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
   auto Q = gl<const T>::make(static_cast<const T *>(p.q), p.batch, p.q_len, p.q_heads, D);
   auto K = gl<const T>::make(static_cast<const T *>(p.k), p.batch, p.kv_len, p.kv_heads, D);
   auto V = gl<const T>::make(static_cast<const T *>(p.v), p.batch, p.kv_len, p.kv_heads, D);
-  const int2 range = kv_block_range(p, b, q0, BQ, BK);  // key blocks [first, end) to visit
+  const int2 range = kv_block_range<FULL>(p, b, q0, BQ, BK);  // key blocks [first, end) to visit
   const int first = range.x, n_blocks = range.y - range.x;
 
   load_async<NT>(sm.q, Q, {b, q0, h, 0}, tid);
@@ -79,7 +79,7 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
       warp::load(kt, sm.k[buf], 0, 16 * kk);
       warp::mma_ABt(s, q[kk], kt, s);
     }
-    scale_and_mask(s, p, b, qw, k0);
+    scale_and_mask<FULL>(s, p, b, qw, k0);
     softmax_step(s, m, l, corr);
 
     // O = O * corr + P V.
@@ -102,10 +102,10 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
 }  // namespace
 
 cudaError_t fwd_sm80(const Params &p, cudaStream_t stream) {
-  return dispatch(p, [&]<typename T, int D>() {
+  return dispatch(p, [&]<typename T, int D, bool FULL>() {
     using C = Fwd<T, D>;
     dim3 grid((p.q_len + C::BQ - 1) / C::BQ, p.q_heads, p.batch);
-    return launch(fwd_kernel<T, D>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p);
+    return launch(fwd_kernel<T, D, FULL>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p);
   });
 }
 

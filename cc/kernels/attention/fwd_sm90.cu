@@ -31,7 +31,7 @@ template <typename T, int D> struct FwdH {
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
 };
 
-template <typename T, int D>
+template <typename T, int D, bool FULL>
 __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const __grid_constant__ typename FwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = FwdH<T, D>;
@@ -42,7 +42,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   const int b = blockIdx.z, h = blockIdx.y;
   const int q0 = (gridDim.x - 1 - blockIdx.x) * C::BQ;  // heaviest (causal) blocks first
   const int kvh = h / (p.q_heads / p.kv_heads);
-  const int2 range = kv_block_range(p, b, q0, C::BQ, BK);  // key blocks [first, end) to visit
+  const int2 range = kv_block_range<FULL>(p, b, q0, C::BQ, BK);  // key blocks [first, end) to visit
   const int first = range.x, n_blocks = range.y - range.x;
   const int wg = warpgroup::groupid();
 
@@ -100,7 +100,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   warpgroup::wait<0>();
   warpgroup::fence_registers(s);
   if (laneid() == 0) arrive(sm.k_empty[0]);
-  scale_and_mask(s, p, b, qw, first * BK);
+  scale_and_mask<FULL>(s, p, b, qw, first * BK);
   softmax_step(s, m, l, corr);
   warp::copy(pr, s);
 
@@ -114,7 +114,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warpgroup::wait<1>();                         // S_j is ready
     warpgroup::fence_registers(s);
     if (laneid() == 0) arrive(sm.k_empty[st]);
-    scale_and_mask(s, p, b, qw, (first + j) * BK);
+    scale_and_mask<FULL>(s, p, b, qw, (first + j) * BK);
     softmax_step(s, m, l, corr);
     warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done
     warpgroup::fence_registers(o);
@@ -139,7 +139,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
 bool fwd_sm90_supported(const Params &p) { return p.head_dim == 64 || p.head_dim == 128; }
 
 cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
-  return dispatch(p, [&]<typename T, int D>() {
+  return dispatch(p, [&]<typename T, int D, bool FULL>() {
     using C = FwdH<T, D>;
     typename C::Args a{p, {}, {}, {}};
     if (!make_tma_map(a.q, p.q, p.batch, p.q_len, p.q_heads, D) ||
@@ -147,7 +147,7 @@ cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
         !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
       return cudaErrorInvalidValue;
     dim3 grid((p.q_len + C::BQ - 1) / C::BQ, p.q_heads, p.batch);
-    auto kernel = fwd_sm90_kernel<T, D>;
+    auto kernel = fwd_sm90_kernel<T, D, FULL>;
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::smem));
     if (e != cudaSuccess) return e;
     kernel<<<grid, C::THREADS, C::smem, stream>>>(a);

@@ -27,9 +27,12 @@ template <RegisterTile RT> __device__ __forceinline__ void fence_registers(RT &t
     for (int j = 0; j < RT::width; j++)
 #pragma unroll
       for (int k = 0; k < 4; k++) {
-        uint32_t *r = reinterpret_cast<uint32_t *>(&t.tiles[i][j].data[k]);
-#pragma unroll
-        for (int w = 0; w < int(sizeof(t.tiles[i][j].data[k]) / 4); w++) asm volatile("" : "+r"(r[w])::"memory");
+        auto &d = t.tiles[i][j].data[k];
+        if constexpr (sizeof(d) == 8) {  // float pair: "+f" (a bit cast to "+r" would read the
+          asm volatile("" : "+f"(d.x), "+f"(d.y)::"memory");  // registers early: ptxas then waits)
+        } else {
+          asm volatile("" : "+r"(*reinterpret_cast<uint32_t *>(&d))::"memory");
+        }
       }
 }
 // Make this thread's ordinary writes to shared memory visible to wgmma and TMA (the async proxy);
