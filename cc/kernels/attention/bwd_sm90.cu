@@ -148,46 +148,55 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   int *locks = reinterpret_cast<int *>(p.workspace + C::dq_tile(p, p.batch, 0, 0, 0));
   const bool leader = threadIdx.x % 128 == 0;
   rt_fl<16, D> dk, dv;
+  rt_fl<16, BQ> s, dp;  // S^T (then P^T), dP^T (then dS^T) of the current step
   warp::zero(dk);
   warp::zero(dv);
-  if (n_steps > 0) wait(sm.kv_full, 0);
+  // S^T = K Q^T of the next step is issued before this step's dQ goes out. After the last step it
+  // is issued all the same, on the other slot's stale tiles, and ignored: a wgmma under a branch
+  // would make ptxas serialize them all (C7518).
+  auto issue_logits = [&](int step) {
+    const int slot = step % STAGES;
+    if (step < n_steps) wait(sm.full[slot], (step / STAGES) & 1);
+    warpgroup::mma_ABt(s, k_rows, sm.q[slot], false);
+  };
+  if (n_steps > 0) {
+    wait(sm.kv_full, 0);
+    issue_logits(0);
+  }
 
+  // wgmma groups in flight are listed in [brackets]; they complete in order.
   int it = 0;
   for (int g = 0; g < group; g++) {
     const int h = kvh * group + g;
     for (int i = 0; i < n_qblocks; i++) {
       if (!sees<FULL>(p, b, i, j, BK)) continue;
-      const int q0 = i * BQ, slot = it % STAGES, phase = (it / STAGES) & 1;
-      rt_fl<16, BQ> s, dp;  // S^T (then P^T), dP^T (then dS^T)
+      const int q0 = i * BQ, slot = it % STAGES;
+      auto &ds_tile = sm.ds[it % 2];
       rt<T, 16, BQ> p16, ds16;  // P^T and dS^T in the input dtype
       row_vec<rt_fl<16, BQ>> delta;
-      wait(sm.full[slot], phase);
-      warpgroup::mma_ABt(s, k_rows, sm.q[slot], false);      // S^T = K Q^T
-      warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T
-      warpgroup::wait<1>();
+      warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
       warpgroup::fence_registers(s);
+      warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
       probabilities<FULL>(s, p, b, q0, kw, sm.lse[slot]);
       warp::copy(p16, s);
-      warpgroup::mma_AB(dv, p16, sm.dout[slot], true);  // dV += P^T dO
+      warpgroup::mma_AB(dv, p16, sm.dout[slot], true);  // dV += P^T dO   [dP, dV]
       warp::load(delta, sm.delta[slot], BQ);
-      warpgroup::wait<1>();                          // dP^T is ready
+      warpgroup::wait<1>();  // [dV]: dP^T is ready
       warpgroup::fence_registers(dp);
       warp::map_col(dp, dp, delta, [](float x, float d) { return x - d; });
       warp::mul(dp, dp, s);  // dS^T = P^T (dP^T - delta)
       warp::copy(ds16, dp);
-      warpgroup::mma_AB(dk, ds16, sm.q[slot], true);  // dK += dS^T Q
-      warp::store(sm.ds[it % 2], ds16, kw - k0, 0);
+      warp::store(ds_tile, ds16, kw - k0, 0);
       warpgroup::fence_shared_writes();
       sync_named(1, 128 * CONSUMERS);  // all of dS^T is in shared memory
-      warpgroup::wait<0>();            // dV and dK are done with P^T, dS^T, Q and dO
-      warpgroup::fence_registers(p16);
-      warpgroup::fence_registers(ds16);
-      __syncwarp();  // every lane's reads of lse/delta come before lane 0 frees the slot
-      if (laneid() == 0) arrive(sm.empty[slot]);
+      warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, 64 * wg, 0), sm.q[slot], true);  // dK += dS^T Q  [dV, dK]
       rt_fl<16, C::DQ_COLS> dq;
-      warpgroup::mma_AtB(dq, sm.ds[it % 2], k_cols, false);  // this warpgroup's columns of dS K
-      warpgroup::wait<0>();
+      warpgroup::mma_AtB(dq, ds_tile, k_cols, false);  // this warpgroup's columns of dS K   [dV, dK, dQ]
+      issue_logits(it + 1);   // [dV, dK, dQ, S']
+      warpgroup::wait<1>();  // [S']
       warpgroup::fence_registers(dq);
+      __syncwarp();  // every lane's reads of lse/delta come before lane 0 frees the slot
+      if (laneid() == 0) arrive(sm.empty[slot]);  // dV and dK are done with Q and dO
 
       // dQ_i's columns -> shared memory -> accumulator tile (+=, by the copy engine)
       if (leader) bulk_wait_read<0>();  // the last step's copy is done reading the buffer
@@ -212,6 +221,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       it++;
     }
   }
+  warpgroup::wait<0>();  // the extra S^T
   // dK and dV are read only here, after the last wait (fencing them in the loop makes ptxas
   // serialize the wgmmas).
   warpgroup::fence_registers(dk);

@@ -89,6 +89,19 @@ __device__ __forceinline__ void mma_AtB(rt<float, 16, N, row_l> &d, const SA &a,
   commit();
 }
 
+// A (64 x K) from shared memory, K-major; B (K x N) N-major.
+template <int N, SharedTile SA, SharedTile SB>
+__device__ __forceinline__ void mma_AB(rt<float, 16, N, row_l> &d, const SA &a, const SB &b, bool accumulate) {
+  using T = typename SA::dtype;
+  static_assert(SA::rows == 64 && SB::cols == N && SA::cols == SB::rows && std::is_same_v<T, typename SB::dtype>);
+  fence();
+#pragma unroll
+  for (int k = 0; k < SA::cols / 16; k++)
+    detail::wgmma<T, N, 1>::ss(accumulators(d), k_major(a, 16 * k), n_major(b, 16 * k), accumulate || k > 0);
+  commit();
+}
+
+// A (16 rows per warp x K) from registers.
 template <int N, int K, typename T, SharedTile SB>
 __device__ __forceinline__ void mma_AB(rt<float, 16, N, row_l> &d, const rt<T, 16, K, row_l> &a, const SB &b, bool accumulate) {
   static_assert(SB::rows == K && SB::cols == N && std::is_same_v<T, typename SB::dtype>);
