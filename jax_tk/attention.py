@@ -240,9 +240,10 @@ def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, ou
 
 def _bwd_workspace_shape(query):
     # Must match bwd_sm90_workspace_words() in cc/kernels/attention/attention.h: per (batch, head,
-    # 64-row query block) an fp32 64 x head_dim dq accumulator tile and one int32.
+    # 64-row query block) an fp32 64 x head_dim dq accumulator tile, 64 lse and 64 delta values
+    # and one int32.
     b, t, n, d = query.shape
-    return jax.ShapeDtypeStruct((b * n * -(-t // 64) * (64 * d + 1),), jnp.float32)
+    return jax.ShapeDtypeStruct((b * n * -(-t // 64) * (64 * d + 2 * 64 + 1),), jnp.float32)
 
 
 def _reference_options(spec: AttentionSpec, masks: Masks | None) -> dict:

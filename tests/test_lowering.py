@@ -220,7 +220,7 @@ def test_grad_contains_backward_call(lower, dtype, is_causal):
     assert bwd.operand_types == [q_t, kv_t, kv_t, q_t, lse_t, q_t, lse_t] + NO_MASKS
     # dq, dk, dv, and the fp32 workspaces: delta, and the Hopper kernel's: a 64 x d dq accumulator
     # and a lock per (batch, head, 64-row query block)
-    ws_t = tensor_type((b * n * -(-t // 64) * (64 * d + 1),), F32)
+    ws_t = tensor_type((b * n * -(-t // 64) * (64 * d + 2 * 64 + 1),), F32)
     assert bwd.result_types == [q_t, kv_t, kv_t, lse_t, ws_t]
     for call in (fwd, bwd):
         assert np.float32(call.attr_float("scale")) == np.float32(0.2)
@@ -234,7 +234,7 @@ def test_deterministic_attribute(lower, deterministic):
     fn = _grad_fn(jax_tk.attention, is_causal=True, deterministic=deterministic)
     (bwd,) = tk_calls(lower(fn, *_abstract(t=130)), BWD_TARGET)
     assert bwd.attr_int("deterministic") == int(deterministic)
-    assert bwd.result_types[-1] == tensor_type((2 * 4 * 3 * (64 * 64 + 1),), F32)
+    assert bwd.result_types[-1] == tensor_type((2 * 4 * 3 * (64 * 64 + 2 * 64 + 1),), F32)
 
 
 def test_deterministic_must_be_bool():

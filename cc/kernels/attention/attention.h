@@ -28,7 +28,7 @@ struct Params {
   void *dq, *dk, *dv;
   float *delta;       // workspace [batch, q_heads, q_len]: rowsum(dout * o) - dlse
   // workspace of the sm_90a backward (bwd_sm90_workspace_words() floats): fp32 dq accumulator
-  // tiles, then one int per (batch, q_head, 64-row query block)
+  // tiles, lse/delta rows, then one int per (batch, q_head, 64-row query block)
   float *workspace;
   bool deterministic;  // sm_90a backward: add dq contributions in a fixed order (same bits every run)
 };
@@ -43,9 +43,10 @@ cudaError_t fwd_sm90(const Params &p, cudaStream_t stream);
 bool bwd_sm90_supported(const Params &p);
 cudaError_t bwd_sm90(const Params &p, cudaStream_t stream);
 // Size of Params::workspace in 4-byte words (the caller allocates it; it is also what Python asks for).
-// One fp32 tile of 64 x head_dim per (batch, head, 64-row query block), then one int each.
+// Per (batch, head, 64-row query block): an fp32 64 x head_dim dq tile, the rows' lse (log2 units)
+// and delta (64 floats each), one int.
 __host__ __device__ inline size_t bwd_sm90_workspace_words(int batch, int q_len, int q_heads, int head_dim) {
-  return size_t(batch) * q_heads * ((q_len + 63) / 64) * (64 * head_dim + 1);
+  return size_t(batch) * q_heads * ((q_len + 63) / 64) * (64 * head_dim + 2 * 64 + 1);
 }
 
 }  // namespace jax_tk::attention

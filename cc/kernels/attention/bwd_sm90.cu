@@ -3,8 +3,8 @@
 // One block per 128 keys of one key/value head. It loops over the query heads of that head's group
 // and over the 64-row query blocks that see those keys, so dK and dV are summed over the group in
 // registers and written once (no atomics). Three warpgroups:
-//   producer:  one thread streams Q_i and dO_i through a ring of STAGES slots with TMA; one warp
-//              copies the rows' log-sum-exp and delta beside them;
+//   producer:  one thread streams Q_i, dO_i and the rows' log-sum-exp and delta (prepared in the
+//              workspace) through a ring of STAGES slots with TMA / bulk copies;
 //   consumers: 64 keys each:
 //                S^T = K Q_i^T,  dP^T = V dO_i^T                   (wgmma, both from shared memory)
 //                P^T = exp(S^T - lse),  dS^T = P^T (dP^T - delta)   (registers)
@@ -15,7 +15,8 @@
 //              memory with one bulk reduce-add (the copy engine does the atomics). With
 //              Params::deterministic the blocks of one query block take turns, in key-block order,
 //              so that the sums come out the same every run.
-// Before it, a small kernel computes delta = rowsum(dO * O) - dlse and clears the accumulator;
+// Before it, a small kernel computes delta = rowsum(dO * O) - dlse, lays out the rows' statistics
+// for the bulk copies and clears the accumulator;
 // after it, another scales the accumulator and converts it to dq.
 #include <algorithm>
 
@@ -34,7 +35,7 @@ template <typename T, int D> struct BwdH {
     st<T, BQ, D> q[STAGES], dout[STAGES];
     st<T, BK, BQ> ds[2];                        // dS^T of the last two steps (keys x queries)
     st<float, BQ, DQ_COLS> dq[CONSUMERS];       // each consumer's columns of dQ_i, on their way out
-    float lse[STAGES][BQ], delta[STAGES][BQ];  // per query row; lse in log2 units, +inf past q_len
+    alignas(16) float stats[STAGES][2 * BQ];  // per query row: lse (log2 units, +inf past q_len), delta
     semaphore kv_full, full[STAGES], empty[STAGES];
   };
   struct Args {
@@ -48,6 +49,10 @@ template <typename T, int D> struct BwdH {
   using DQTile = st<float, BQ, DQ_COLS>;
   __host__ __device__ static size_t dq_tile(const Params &p, int b, int h, int i, int c) {
     return (((size_t(b) * p.q_heads + h) * ((p.q_len + BQ - 1) / BQ) + i) * CONSUMERS + c) * (BQ * DQ_COLS);
+  }
+  // After the tiles: the stats rows (as in Shared::stats) of query block i, then the locks.
+  __host__ __device__ static size_t stats(const Params &p, int b, int h, int i) {
+    return dq_tile(p, p.batch, 0, 0, 0) + ((size_t(b) * p.q_heads + h) * ((p.q_len + BQ - 1) / BQ) + i) * 2 * BQ;
   }
 };
 
@@ -97,7 +102,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   if (threadIdx.x == 0) {
     init(sm.kv_full, 1);
     for (int s = 0; s < STAGES; s++) {
-      init(sm.full[s], 1 + 32);           // TMA bytes + the lse/delta warp's lanes
+      init(sm.full[s], 1);
       init(sm.empty[s], CONSUMERS * 4);  // one arrival per consumer warp
     }
     fence_barrier_init();
@@ -106,13 +111,10 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
 
   if (wg == CONSUMERS) {  // producer
     warpgroup::decrease_registers<24>();
-    const int pw = warpid() % 4;
-    if (pw > 1 || (pw == 0 && laneid() != 0) || n_steps == 0) return;
-    if (pw == 0) {
-      arrive_expect_bytes(sm.kv_full, sizeof(sm.k.data) + sizeof(sm.v.data));
-      load_async(sm.k, a.k, {b, k0, kvh, 0}, sm.kv_full);
-      load_async(sm.v, a.v, {b, k0, kvh, 0}, sm.kv_full);
-    }
+    if (threadIdx.x != CONSUMERS * 128 || n_steps == 0) return;
+    arrive_expect_bytes(sm.kv_full, sizeof(sm.k.data) + sizeof(sm.v.data));
+    load_async(sm.k, a.k, {b, k0, kvh, 0}, sm.kv_full);
+    load_async(sm.v, a.v, {b, k0, kvh, 0}, sm.kv_full);
     int it = 0;
     for (int g = 0; g < group; g++) {
       const int h = kvh * group + g;
@@ -120,20 +122,10 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
         if (!sees<FULL>(p, b, i, j, BK)) continue;
         const int s = it % STAGES, phase = (it / STAGES) & 1;
         wait(sm.empty[s], phase ^ 1);
-        if (pw == 0) {
-          arrive_expect_bytes(sm.full[s], sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
-          load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, sm.full[s]);
-          load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, sm.full[s]);
-        } else {
-          for (int c = laneid(); c < BQ; c += 32) {
-            const int t = i * BQ + c;
-            const size_t r = (size_t(b) * p.q_heads + h) * p.q_len + t;
-            const float lse = t < p.q_len ? p.lse[r] : NEG_INF;
-            sm.lse[s][c] = lse_to_log2(lse);  // no row or no key: +inf, so that P = 0
-            sm.delta[s][c] = t < p.q_len ? p.delta[r] : 0.f;
-          }
-          arrive(sm.full[s]);
-        }
+        arrive_expect_bytes(sm.full[s], sizeof(sm.q[s].data) + sizeof(sm.dout[s].data) + sizeof(sm.stats[s]));
+        load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, sm.full[s]);
+        load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, sm.full[s]);
+        load_async(sm.stats[s], p.workspace + C::stats(p, b, h, i), sizeof(sm.stats[s]), sm.full[s]);
         it++;
       }
     }
@@ -145,7 +137,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   const int kw = k0 + 64 * wg + 16 * (warpid() % 4);
   const auto k_rows = window<64, D>(sm.k, 64 * wg, 0), v_rows = window<64, D>(sm.v, 64 * wg, 0);
   const auto k_cols = window<BK, C::DQ_COLS>(sm.k, 0, C::DQ_COLS * wg);
-  int *locks = reinterpret_cast<int *>(p.workspace + C::dq_tile(p, p.batch, 0, 0, 0));
+  int *locks = reinterpret_cast<int *>(p.workspace + C::stats(p, p.batch, 0, 0));
   const bool leader = threadIdx.x % 128 == 0;
   rt_fl<16, D> dk, dv;
   rt_fl<16, BQ> s, dp;  // S^T (then P^T), dP^T (then dS^T) of the current step
@@ -177,10 +169,10 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
       warpgroup::fence_registers(s);
       warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
-      probabilities<FULL>(s, p, b, q0, kw, sm.lse[slot]);
+      probabilities<FULL>(s, p, b, q0, kw, sm.stats[slot]);
       warp::copy(p16, s);
       warpgroup::mma_AB(dv, p16, sm.dout[slot], true);  // dV += P^T dO   [dP, dV]
-      warp::load(delta, sm.delta[slot], BQ);
+      warp::load(delta, sm.stats[slot] + BQ, BQ);
       warpgroup::wait<1>();  // [dV]: dP^T is ready
       warpgroup::fence_registers(dp);
       warp::map_col(dp, dp, delta, [](float x, float d) { return x - d; });
@@ -195,7 +187,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       issue_logits(it + 1);   // [dV, dK, dQ, S']
       warpgroup::wait<1>();  // [S']
       warpgroup::fence_registers(dq);
-      __syncwarp();  // every lane's reads of lse/delta come before lane 0 frees the slot
+      __syncwarp();  // every lane's reads of the stats come before lane 0 frees the slot
       if (laneid() == 0) arrive(sm.empty[slot]);  // dV and dK are done with Q and dO
 
       // dQ_i's columns -> shared memory -> accumulator tile (+=, by the copy engine)
@@ -233,13 +225,28 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
 #endif
 }
 
-// delta = rowsum(dO * O) - dlse per query row (one warp per row), and a cleared workspace.
+// delta = rowsum(dO * O) - dlse per query row (one warp per row), the stats rows of the main kernel
+// (lse in log2 units and delta per 64-row query block; +inf and 0 past q_len) and cleared dq tiles
+// and locks.
 template <typename T, int D> __global__ void bwd_prep_kernel(const __grid_constant__ Params p) {
+  using C = BwdH<T, D>;
+  const size_t n_stats = C::stats(p, p.batch, 0, 0) - C::stats(p, 0, 0, 0);
+  const size_t tiles = C::stats(p, 0, 0, 0), locks = n_stats / (2 * C::BQ);
+  const size_t stride = size_t(gridDim.x) * blockDim.x, tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (size_t e = tid; e < tiles / 4; e += stride) reinterpret_cast<float4 *>(p.workspace)[e] = float4{0.f, 0.f, 0.f, 0.f};
+  for (size_t e = tid; e < locks; e += stride) p.workspace[tiles + n_stats + e] = 0.f;
+  const int padded = (p.q_len + C::BQ - 1) / C::BQ * C::BQ;
+  for (size_t e = tid; e < n_stats / 2; e += stride) {  // the rows past q_len
+    const int t = int(e % padded);
+    const size_t bh = e / padded;
+    if (t >= p.q_len) {
+      float *row = p.workspace + C::stats(p, 0, 0, 0) + bh * 2 * padded + t / C::BQ * 2 * C::BQ + t % C::BQ;
+      row[0] = -NEG_INF;  // P = 0
+      row[C::BQ] = 0.f;
+    }
+  }
+
   const size_t rows = size_t(p.batch) * p.q_len * p.q_heads;
-  const size_t words = bwd_sm90_workspace_words(p.batch, p.q_len, p.q_heads, D);
-  for (size_t e = size_t(blockIdx.x) * blockDim.x + threadIdx.x; e < words / 4; e += size_t(gridDim.x) * blockDim.x)
-    reinterpret_cast<float4 *>(p.workspace)[e] = float4{0.f, 0.f, 0.f, 0.f};
-  if (blockIdx.x == 0 && threadIdx.x < words % 4) p.workspace[words / 4 * 4 + threadIdx.x] = 0.f;
   const size_t row = size_t(blockIdx.x) * (blockDim.x / 32) + warpid();  // [b, t, h] order
   if (row >= rows) return;
   const auto *o = reinterpret_cast<const packed<T> *>(static_cast<const T *>(p.o) + row * D);
@@ -253,7 +260,11 @@ template <typename T, int D> __global__ void bwd_prep_kernel(const __grid_consta
   if (laneid() == 0) {
     const int h = int(row % p.q_heads), t = int(row / p.q_heads % p.q_len), b = int(row / (size_t(p.q_heads) * p.q_len));
     const size_t r = (size_t(b) * p.q_heads + h) * p.q_len + t;
-    p.delta[r] = acc - p.dlse[r];
+    const float delta = acc - p.dlse[r];
+    p.delta[r] = delta;
+    float *stats = p.workspace + C::stats(p, b, h, t / C::BQ) + t % C::BQ;
+    stats[0] = lse_to_log2(p.lse[r]);  // a row that sees no key: +inf, so that P = 0
+    stats[C::BQ] = delta;
   }
 }
 

@@ -68,6 +68,15 @@ __device__ __forceinline__ void load_async(ST &dst, const tma_map<typename ST::d
   }
 }
 
+// Device: one thread copies `bytes` contiguous bytes global -> shared, completing on `bar` (bytes a
+// multiple of 16, both addresses 16-byte aligned; announce them on `bar` like a tile's).
+__device__ __forceinline__ void load_async(void *dst, const void *src, uint32_t bytes, semaphore &bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(&bar.bar))
+               : "memory");
+}
+
 // Device: global fp32 [0, bytes/4) += shared memory, by the bulk copy engine (one thread issues;
 // bytes a multiple of 16, both addresses 16-byte aligned). Completion is tracked per thread in
 // bulk groups: commit them, then wait until at most N are pending (wait_read: until their
