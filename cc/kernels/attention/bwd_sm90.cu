@@ -103,7 +103,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     init(sm.kv_full, 1);
     for (int s = 0; s < STAGES; s++) {
       init(sm.full[s], 1);
-      init(sm.empty[s], CONSUMERS * 4);  // one arrival per consumer warp
+      init(sm.empty[s], CONSUMERS);  // one arrival per consumer warpgroup
     }
     fence_barrier_init();
   }
@@ -141,8 +141,6 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   const bool leader = threadIdx.x % 128 == 0;
   rt_fl<16, D> dk, dv;
   rt_fl<16, BQ> s, dp;  // S^T (then P^T), dP^T (then dS^T) of the current step
-  warp::zero(dk);
-  warp::zero(dv);
   // S^T = K Q^T of the next step is issued before this step's dQ goes out. After the last step it
   // is issued all the same, on the other slot's stale tiles, and ignored: a wgmma under a branch
   // would make ptxas serialize them all (C7518).
@@ -156,7 +154,9 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     issue_logits(0);
   }
 
-  // wgmma groups in flight are listed in [brackets]; they complete in order.
+  // wgmma groups in flight are listed in [brackets]; they complete in order. dK is still in flight
+  // when the loop goes round, so dK and dV start from their first product, not from zeroed
+  // registers (a definition before the loop would make ptxas serialize the wgmmas, C7515).
   int it = 0;
   for (int g = 0; g < group; g++) {
     const int h = kvh * group + g;
@@ -166,12 +166,13 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       auto &ds_tile = sm.ds[it % 2];
       rt<T, 16, BQ> p16, ds16;  // P^T and dS^T in the input dtype
       row_vec<rt_fl<16, BQ>> delta;
-      warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
+      warpgroup::wait<0>();  // S^T is ready, the last step's dK is done:
       warpgroup::fence_registers(s);
+      if (leader && it > 0) arrive(sm.empty[(it - 1) % STAGES]);  // the last step's slot is free
       warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
       probabilities<FULL>(s, p, b, q0, kw, sm.stats[slot]);
       warp::copy(p16, s);
-      warpgroup::mma_AB(dv, p16, sm.dout[slot], true);  // dV += P^T dO   [dP, dV]
+      warpgroup::mma_AB(dv, p16, sm.dout[slot], it > 0);  // dV += P^T dO   [dP, dV]
       warp::load(delta, sm.stats[slot] + BQ, BQ);
       warpgroup::wait<1>();  // [dV]: dP^T is ready
       warpgroup::fence_registers(dp);
@@ -181,18 +182,15 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       warp::store(ds_tile, ds16, kw - k0, 0);
       warpgroup::fence_shared_writes();
       sync_named(1, 128 * CONSUMERS);  // all of dS^T is in shared memory
-      warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, 64 * wg, 0), sm.q[slot], true);  // dK += dS^T Q  [dV, dK]
       rt_fl<16, C::DQ_COLS> dq;
-      warpgroup::mma_AtB(dq, ds_tile, k_cols, false);  // this warpgroup's columns of dS K   [dV, dK, dQ]
-      issue_logits(it + 1);   // [dV, dK, dQ, S']
-      warpgroup::wait<1>();  // [S']
+      warpgroup::mma_AtB(dq, ds_tile, k_cols, false);  // this warpgroup's columns of dS K   [dV, dQ]
+      warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, 64 * wg, 0), sm.q[slot], it > 0);  // dK += dS^T Q  [dV, dQ, dK]
+      issue_logits(it + 1);  // [dV, dQ, dK, S']
+      warpgroup::wait<2>();  // [dK, S']: they run while dQ goes out
       warpgroup::fence_registers(dq);
-      __syncwarp();  // every lane's reads of the stats come before lane 0 frees the slot
-      if (laneid() == 0) arrive(sm.empty[slot]);  // dV and dK are done with Q and dO
-
       // dQ_i's columns -> shared memory -> accumulator tile (+=, by the copy engine)
       if (leader) bulk_wait_read<0>();  // the last step's copy is done reading the buffer
-      sync_named(2 + wg, 128);          // this warpgroup only
+      sync_named(2 + wg, 128);          // this warpgroup only (also: all its reads of the slot are done)
       warp::store(sm.dq[wg], dq, 16 * (warpid() % 4), 0);
       warpgroup::fence_shared_writes();
       sync_named(2 + wg, 128);
@@ -213,11 +211,15 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       it++;
     }
   }
-  warpgroup::wait<0>();  // the extra S^T
+  warpgroup::wait<0>();  // the last dK and the extra S^T
   // dK and dV are read only here, after the last wait (fencing them in the loop makes ptxas
   // serialize the wgmmas).
   warpgroup::fence_registers(dk);
   warpgroup::fence_registers(dv);
+  if (n_steps == 0) {  // no query sees these keys
+    warp::zero(dk);
+    warp::zero(dv);
+  }
   if (leader) bulk_wait<0>();  // the copy engine has finished with shared memory
   warp::mul(dk, dk, p.scale);
   warp::store(gl<T>::make(static_cast<T *>(p.dk), p.batch, p.kv_len, p.kv_heads, D), dk, {b, kw, kvh, 0});
