@@ -14,4 +14,5 @@
 #include "ops/warp/memory.cuh"
 #include "ops/warp/mma.cuh"
 #include "ops/warp/reductions.cuh"
+#include "ops/warpgroup/fragments.cuh"
 #include "ops/warpgroup/wgmma.cuh"

@@ -34,7 +34,7 @@ template <typename T, int D> struct BwdH {
     st<T, BK, D> k, v;
     st<T, BQ, D> q[STAGES], dout[STAGES];
     st<T, BK, BQ> ds[2];                        // dS^T of the last two steps (keys x queries)
-    st<float, BQ, DQ_COLS> dq[CONSUMERS];       // each consumer's columns of dQ_i, on their way out
+    alignas(128) float dq[CONSUMERS][BQ * DQ_COLS];  // each consumer's columns of dQ_i, on their way out
     alignas(16) float stats[STAGES][2 * BQ];  // per query row: lse (log2 units, +inf past q_len), delta
     semaphore kv_full, full[STAGES], empty[STAGES];
   };
@@ -45,8 +45,7 @@ template <typename T, int D> struct BwdH {
   };
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
   // The workspace holds, per (batch, head, query block, consumer), that consumer's dQ tile exactly
-  // as it sits in shared memory, so that it goes out in one bulk copy.
-  using DQTile = st<float, BQ, DQ_COLS>;
+  // as it sits in shared memory (fragment order), so that it goes out in one bulk copy.
   __host__ __device__ static size_t dq_tile(const Params &p, int b, int h, int i, int c) {
     return (((size_t(b) * p.q_heads + h) * ((p.q_len + BQ - 1) / BQ) + i) * CONSUMERS + c) * (BQ * DQ_COLS);
   }
@@ -141,6 +140,8 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   const bool leader = threadIdx.x % 128 == 0;
   rt_fl<16, D> dk, dv;
   rt_fl<16, BQ> s, dp;  // S^T (then P^T), dP^T (then dS^T) of the current step
+  warp::zero(dk);
+  warp::zero(dv);
   // S^T = K Q^T of the next step is issued before this step's dQ goes out. After the last step it
   // is issued all the same, on the other slot's stale tiles, and ignored: a wgmma under a branch
   // would make ptxas serialize them all (C7518).
@@ -154,9 +155,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     issue_logits(0);
   }
 
-  // wgmma groups in flight are listed in [brackets]; they complete in order. dK is still in flight
-  // when the loop goes round, so dK and dV start from their first product, not from zeroed
-  // registers (a definition before the loop would make ptxas serialize the wgmmas, C7515).
+  // wgmma groups in flight are listed in [brackets]; they complete in order.
   int it = 0;
   for (int g = 0; g < group; g++) {
     const int h = kvh * group + g;
@@ -166,13 +165,12 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       auto &ds_tile = sm.ds[it % 2];
       rt<T, 16, BQ> p16, ds16;  // P^T and dS^T in the input dtype
       row_vec<rt_fl<16, BQ>> delta;
-      warpgroup::wait<0>();  // S^T is ready, the last step's dK is done:
+      warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
       warpgroup::fence_registers(s);
-      if (leader && it > 0) arrive(sm.empty[(it - 1) % STAGES]);  // the last step's slot is free
       warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
       probabilities<FULL>(s, p, b, q0, kw, sm.stats[slot]);
       warp::copy(p16, s);
-      warpgroup::mma_AB(dv, p16, sm.dout[slot], it > 0);  // dV += P^T dO   [dP, dV]
+      warpgroup::mma_AB(dv, p16, sm.dout[slot], true);  // dV += P^T dO   [dP, dV]
       warp::load(delta, sm.stats[slot] + BQ, BQ);
       warpgroup::wait<1>();  // [dV]: dP^T is ready
       warpgroup::fence_registers(dp);
@@ -182,16 +180,17 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       warp::store(ds_tile, ds16, kw - k0, 0);
       warpgroup::fence_shared_writes();
       sync_named(1, 128 * CONSUMERS);  // all of dS^T is in shared memory
+      warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, 64 * wg, 0), sm.q[slot], true);  // dK += dS^T Q  [dV, dK]
       rt_fl<16, C::DQ_COLS> dq;
-      warpgroup::mma_AtB(dq, ds_tile, k_cols, false);  // this warpgroup's columns of dS K   [dV, dQ]
-      warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, 64 * wg, 0), sm.q[slot], it > 0);  // dK += dS^T Q  [dV, dQ, dK]
-      issue_logits(it + 1);  // [dV, dQ, dK, S']
-      warpgroup::wait<2>();  // [dK, S']: they run while dQ goes out
+      warpgroup::mma_AtB(dq, ds_tile, k_cols, false);  // this warpgroup's columns of dS K   [dV, dK, dQ]
+      issue_logits(it + 1);   // [dV, dK, dQ, S']
+      warpgroup::wait<1>();  // [S']
       warpgroup::fence_registers(dq);
       // dQ_i's columns -> shared memory -> accumulator tile (+=, by the copy engine)
       if (leader) bulk_wait_read<0>();  // the last step's copy is done reading the buffer
-      sync_named(2 + wg, 128);          // this warpgroup only (also: all its reads of the slot are done)
-      warp::store(sm.dq[wg], dq, 16 * (warpid() % 4), 0);
+      sync_named(2 + wg, 128);          // this warpgroup only; all its threads are done with the slot:
+      if (leader) arrive(sm.empty[slot]);  // dV and dK with Q and dO, the warps with lse and delta
+      warpgroup::store_fragments(sm.dq[wg], dq);
       warpgroup::fence_shared_writes();
       sync_named(2 + wg, 128);
       if (leader) {
@@ -200,7 +199,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
           const int turn = CONSUMERS * (j - kv_block_range<FULL>(p, b, q0, BQ, BK).x);
           while (load_acquire(lock) < turn) __nanosleep(32);
         }
-        reduce_add_async(p.workspace + C::dq_tile(p, b, h, i, wg), &sm.dq[wg], sizeof(sm.dq[wg].data));
+        reduce_add_async(p.workspace + C::dq_tile(p, b, h, i, wg), sm.dq[wg], sizeof(sm.dq[wg]));
         bulk_commit();
         if (p.deterministic) {
           bulk_wait<0>();
@@ -211,15 +210,11 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       it++;
     }
   }
-  warpgroup::wait<0>();  // the last dK and the extra S^T
+  warpgroup::wait<0>();  // the extra S^T
   // dK and dV are read only here, after the last wait (fencing them in the loop makes ptxas
   // serialize the wgmmas).
   warpgroup::fence_registers(dk);
   warpgroup::fence_registers(dv);
-  if (n_steps == 0) {  // no query sees these keys
-    warp::zero(dk);
-    warp::zero(dv);
-  }
   if (leader) bulk_wait<0>();  // the copy engine has finished with shared memory
   warp::mul(dk, dk, p.scale);
   warp::store(gl<T>::make(static_cast<T *>(p.dk), p.batch, p.kv_len, p.kv_heads, D), dk, {b, kw, kvh, 0});
@@ -278,7 +273,7 @@ template <typename T, int D> __global__ void bwd_dq_kernel(const __grid_constant
     const int d = int(e % D), h = int(row % p.q_heads), t = int(row / p.q_heads % p.q_len);
     const int b = int(row / (size_t(p.q_heads) * p.q_len));
     const float *tile = p.workspace + C::dq_tile(p, b, h, t / C::BQ, d / C::DQ_COLS);
-    float2 v = *reinterpret_cast<const float2 *>(tile + C::DQTile::offset(t % C::BQ, d % C::DQ_COLS));
+    float2 v = *reinterpret_cast<const float2 *>(tile + warpgroup::fragment_offset<C::DQ_COLS>(t % C::BQ, d % C::DQ_COLS));
     *reinterpret_cast<packed<T> *>(static_cast<T *>(p.dq) + e) = from_float2<packed<T>>(float2{v.x * p.scale, v.y * p.scale});
   }
 }

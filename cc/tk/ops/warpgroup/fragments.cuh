@@ -1,0 +1,30 @@
+// A warpgroup's fp32 accumulator (its four warps' rt<float, 16, C>, a 64 x C tile) in shared memory
+// in "fragment order": the registers as they are, float4 q of thread t (0..127) at float index
+// (q * 128 + t) * 4. Each store instruction writes 512 consecutive bytes per warp (no bank
+// conflicts, no address arithmetic), which suits a buffer that only goes out by bulk copy and is
+// read back elsewhere with fragment_offset.
+#pragma once
+#include "../../types/rt.cuh"
+
+namespace tk::warpgroup {
+
+template <int C> __device__ __forceinline__ void store_fragments(float *dst, const rt<float, 16, C, row_l> &src) {
+  const int t = threadIdx.x % 128;
+#pragma unroll
+  for (int j = 0; j < C / 16; j++)
+#pragma unroll
+    for (int k = 0; k < 4; k += 2) {
+      const float2 a = src.tiles[0][j].data[k], b = src.tiles[0][j].data[k + 1];
+      reinterpret_cast<float4 *>(dst)[(j * 2 + k / 2) * 128 + t] = float4{a.x, a.y, b.x, b.y};
+    }
+}
+
+// Float index of element (r, c) of the 64 x C tile written by store_fragments (see rt.cuh for the
+// fragment layout: row g + 8 (k % 2), column 2 (lane % 4) + 8 (k / 2) of piece j, pair k).
+template <int C> __host__ __device__ constexpr int fragment_offset(int r, int c) {
+  const int warp = r / 16, lane = (r % 8) * 4 + (c % 8) / 2;
+  const int f = ((c / 16) * 4 + (r % 16) / 8 + 2 * ((c % 16) / 8)) * 2 + c % 2;  // float of the thread
+  return ((f / 4) * 128 + warp * 32 + lane) * 4 + f % 4;
+}
+
+}  // namespace tk::warpgroup
