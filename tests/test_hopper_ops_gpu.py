@@ -6,7 +6,8 @@ The kernels live in cc/tests/hopper_ops.cu (built into jax_tk._tk_tests), one la
   - wgmma: mma_ABt, mma_AtB and mma_AB (A in shared memory or in registers) on whole tiles and on
     windows of them, with and without accumulating onto a previous value;
   - bulk reduce-add: several blocks add fp32 shared tiles into one global buffer;
-  - a producer/consumer ring: TMA through 2 slots with full/empty semaphores, several wraps.
+  - a producer/consumer ring: tiles (tensor copies) and per-row weights (plain bulk copies) through
+    2 slots with full/empty semaphores, several wraps.
 Every output is aliased to an input that holds its initial value: NaN (so an element the kernel
 forgets to write shows up), or for the reduce-add the random values it adds to. The kernels are
 sm_90a code, so these tests run only on compute capability 9.0 GPUs (H100, H200).
@@ -194,8 +195,9 @@ def test_ring(dtype, dim, n_tiles):
     rng = np.random.default_rng([4, dim, n_tiles])
     seq, b, h = 128 * n_tiles - 37, 1, 2  # the last tile runs past the end (zero-filled)
     x = normal((2, seq, 3, dim), dtype, rng)
-    out = run("jax_tk_test_hopper_ring", nan((128, dim), np.float32), x, b=b, h=h, n_tiles=n_tiles)
+    w = rng.uniform(0.5, 2.0, 128 * n_tiles).astype(np.float32)  # a weight per row of every tile
+    out = run("jax_tk_test_hopper_ring", nan((128, dim), np.float32), x, w, b=b, h=h, n_tiles=n_tiles)
     padded = np.zeros((128 * n_tiles, dim), np.float64)
     padded[:seq] = x[b, :, h].astype(np.float64)
-    want = padded.reshape(n_tiles, 128, dim).sum(axis=0)
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    want = (padded * w[:, None]).reshape(n_tiles, 128, dim).sum(axis=0)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=5e-5)

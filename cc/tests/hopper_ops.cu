@@ -163,18 +163,21 @@ __global__ void reduce_add_kernel(const __grid_constant__ ReduceAddArgs x) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// 4. Producer/consumer ring: TMA through 2 slots with full/empty semaphores, register reallocation
+// 4. Producer/consumer ring: tensor and plain bulk copies through 2 slots with full/empty
+//    semaphores, register reallocation, a named barrier among the consumers
 // ------------------------------------------------------------------------------------------------
 
 template <typename T, int D> struct Ring {
   static constexpr int ROWS = 128, STAGES = 2, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
   struct Shared {
     st<T, ROWS, D> tile[STAGES];
+    alignas(16) float w[STAGES][ROWS];  // the tile's row weights
     st<float, ROWS, D> sum;
     semaphore full[STAGES], empty[STAGES];
   };
   struct Args {
     tma_map<T, ROWS> map;
+    const float *w;
     int b, h, n_tiles;
     float *out;
   };
@@ -188,7 +191,7 @@ __global__ __launch_bounds__(Ring<T, D>::THREADS, 1) void ring_kernel(const __gr
   const int wg = warpgroup::groupid();
   if (threadIdx.x == 0) {
     for (int s = 0; s < R::STAGES; s++) {
-      init(sm.full[s], 1);                  // the producer's arrival (+ the TMA bytes)
+      init(sm.full[s], 1);                  // the producer's arrival (+ the bytes of both copies)
       init(sm.empty[s], R::CONSUMERS * 4);  // one arrival per consumer warp
     }
     fence_barrier_init();
@@ -201,8 +204,9 @@ __global__ __launch_bounds__(Ring<T, D>::THREADS, 1) void ring_kernel(const __gr
       for (int j = 0; j < a.n_tiles; j++) {
         const int s = j % R::STAGES, phase = (j / R::STAGES) & 1;
         wait(sm.empty[s], phase ^ 1);  // tile j - STAGES is consumed (passes at once the first time round)
-        arrive_expect_bytes(sm.full[s], sizeof(sm.tile[s].data));
-        load_async(sm.tile[s], a.map, {a.b, j * R::ROWS, a.h, 0}, sm.full[s]);
+        arrive_expect_bytes(sm.full[s], sizeof(sm.tile[s].data) + sizeof(sm.w[s]));
+        load_async(sm.tile[s], a.map, {a.b, j * R::ROWS, a.h, 0}, sm.full[s]);  // tensor copy
+        load_async(sm.w[s], a.w + j * R::ROWS, sizeof(sm.w[s]), sm.full[s]);    // plain bulk copy
       }
     }
     return;
@@ -213,14 +217,17 @@ __global__ __launch_bounds__(Ring<T, D>::THREADS, 1) void ring_kernel(const __gr
   const int row0 = 64 * wg + 16 * (warpid() % 4);
   rt_fl<16, D> acc, xf;
   rt<T, 16, D> x;
+  col_vec<rt_fl<16, D>> w;
   warp::zero(acc);
   for (int j = 0; j < a.n_tiles; j++) {
     const int s = j % R::STAGES, phase = (j / R::STAGES) & 1;
     wait(sm.full[s], phase);
     warp::load(x, sm.tile[s], row0, 0);
+    warp::load(w, sm.w[s] + row0, 16);
     __syncwarp();  // every lane has read the slot before lane 0 frees it
     if (laneid() == 0) arrive(sm.empty[s]);
     warp::copy(xf, x);
+    warp::mul_row(xf, xf, w);
     warp::add(acc, acc, xf);
   }
   // Swap halves through shared memory: each warpgroup writes out the rows the other one summed.
@@ -272,7 +279,7 @@ template <typename T, int ROWS, int D> cudaError_t tma_load_as(const TmaLoadArgs
 
 template <typename T, int D> cudaError_t ring_as(const RingArgs &x, cudaStream_t stream) {
   using C = Ring<T, D>;
-  typename C::Args a{{}, x.b, x.h, x.n_tiles, x.out};
+  typename C::Args a{{}, x.w, x.b, x.h, x.n_tiles, x.out};
   if (!make_tma_map(a.map, x.x, x.batch, x.seq, x.heads, D)) return cudaErrorInvalidValue;
   return launch<typename C::Shared>(ring_kernel<T, D>, 1, C::THREADS, a, stream);
 }

@@ -50,15 +50,17 @@ struct ReduceAddArgs {
 };
 cudaError_t launch_reduce_add(const ReduceAddArgs &args, cudaStream_t stream);
 
-// out[128 x dim] = sum over j < n_tiles of x[b, 128 j : 128 (j + 1), h, :] (zero past the end): a
-// producer thread streams the tiles through a 2-slot ring (full/empty semaphores), two consumer
-// warpgroups add them up in registers, then swap halves through shared memory at a named barrier.
+// out[128 x dim] = sum over j < n_tiles of w[128 j : 128 (j + 1), None] * x[b, 128 j : 128 (j + 1), h, :]
+// (x zero past the end): a producer thread streams each tile (tensor copy) and its row weights
+// (plain bulk copy) through a 2-slot ring (full/empty semaphores), two consumer warpgroups add them
+// up in registers, then swap halves through shared memory at a named barrier.
 struct RingArgs {
   Elem dtype;
-  const void *x;  // [batch, seq, heads, dim], dim 64 or 128
+  const void *x;   // [batch, seq, heads, dim], dim 64 or 128
+  const float *w;  // [n_tiles * 128]
   int batch, seq, heads, dim;
   int b, h, n_tiles;
-  float *out;     // [128, dim]
+  float *out;      // [128, dim]
 };
 cudaError_t launch_ring(const RingArgs &args, cudaStream_t stream);
 

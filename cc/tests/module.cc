@@ -86,8 +86,8 @@ ffi::Error reduce_add_impl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::An
   return cuda_error(launch_reduce_add(a, stream), "hopper reduce_add");
 }
 
-ffi::Error ring_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer init, ffi::ResultBuffer<ffi::F32> out,
-                     int32_t b, int32_t h, int32_t n_tiles) {
+ffi::Error ring_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::AnyBuffer init,
+                     ffi::ResultBuffer<ffi::F32> out, int32_t b, int32_t h, int32_t n_tiles) {
   RingArgs a{};
   auto d = x.dimensions(), o = out->dimensions();
   if (!elem_of(x.element_type(), a.dtype) || d.size() != 4 || (d[3] != 64 && d[3] != 128))
@@ -97,9 +97,10 @@ ffi::Error ring_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer init,
   if (b < 0 || b >= a.batch || h < 0 || h >= a.heads) return invalid("hopper ring: b or h out of range");
   if (n_tiles < 1 || int64_t(n_tiles - 1) * 128 >= a.seq)
     return invalid("hopper ring: n_tiles must be >= 1, every tile starting inside the sequence");
+  if (w.element_count() != size_t(n_tiles) * 128) return invalid("hopper ring: w must have n_tiles * 128 elements");
   if (auto e = check_aliased(init, out->untyped_data(), "hopper ring"); e.failure()) return e;
   a.b = b; a.h = h; a.n_tiles = n_tiles;
-  a.x = x.untyped_data(); a.out = out->typed_data();
+  a.x = x.untyped_data(); a.w = w.typed_data(); a.out = out->typed_data();
   return cuda_error(launch_ring(a, stream), "hopper ring");
 }
 
@@ -137,8 +138,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HopperReduceAdd, reduce_add_impl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HopperRing, ring_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // out's initial value
+                                  .Arg<ffi::AnyBuffer>()         // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w
+                                  .Arg<ffi::AnyBuffer>()         // out's initial value
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("b")
                                   .Attr<int32_t>("h")
