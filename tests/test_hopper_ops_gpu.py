@@ -4,7 +4,8 @@ The kernels live in cc/tests/hopper_ops.cu (built into jax_tk._tk_tests), one la
   - TMA load of a [rows, dim] tile of a [batch, seq, heads, dim] tensor into a swizzled shared tile
     (semaphore: arrive_expect_bytes + wait), written out element by element;
   - wgmma: mma_ABt, mma_AtB and mma_AB (A in shared memory or in registers) on whole tiles and on
-    windows of them, with and without accumulating onto a previous value;
+    windows of them, with and without accumulating onto a previous value; the result stored from
+    registers, or through shared memory in fragment order (store_fragments / fragment_offset);
   - bulk reduce-add: several blocks add fp32 shared tiles into one global buffer;
   - a producer/consumer ring: tiles (tensor copies) and per-row weights (plain bulk copies) through
     2 slots with full/empty semaphores, several wraps.
@@ -152,16 +153,17 @@ def test_wgmma_cases_mirror_the_kernel_file():
 
 
 @hopper
-@pytest.mark.parametrize("accumulate", [False, True], ids=["set", "accumulate"])
+@pytest.mark.parametrize("mode", ["set", "accumulate", "accumulate-fragments"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("case", WGMMA_CASES, ids=case_id)
-def test_wgmma(case, dtype, accumulate):
+def test_wgmma(case, dtype, mode):
     product, n, k, a_shape, b_shape = case
-    rng = np.random.default_rng([2, PRODUCTS[product], n, k, *a_shape, *b_shape, int(accumulate)])
+    accumulate, fragments = mode != "set", mode.endswith("fragments")
+    rng = np.random.default_rng([2, PRODUCTS[product], n, k, *a_shape, *b_shape, len(mode)])
     a, b = normal(a_shape, dtype, rng), normal(b_shape, dtype, rng)
     c = normal((64, n), np.float32, rng, scale=np.sqrt(k))  # the accumulator's previous value
     out = run("jax_tk_test_hopper_wgmma", nan((64, n), np.float32), a, b, c,
-              product=PRODUCTS[product], k=k, accumulate=int(accumulate))
+              product=PRODUCTS[product], k=k, accumulate=int(accumulate), fragments=int(fragments))
     want = product_ref(product, n, k, a, b) + (c if accumulate else 0)
     assert np.isfinite(out).all(), f"{np.sum(~np.isfinite(out))} of {out.size} outputs are NaN/inf"
     rms = np.sqrt(np.mean(want.astype(np.float64) ** 2))

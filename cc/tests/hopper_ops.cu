@@ -90,9 +90,10 @@ __global__ void tma_load_kernel(const __grid_constant__ typename TmaLoad<T, ROWS
   X(AB_REGS, 64, 64, 128, 128, 128, 128)   /* A, B: rows and columns 64.. of 128 x 128 */ \
   X(AB_REGS, 32, 64, 64, 64, 64, 64)       /* B: columns 32.. of 64 */
 
-template <typename T, int AR, int AC, int BR, int BC> struct WgmmaShared {
+template <typename T, int N, int AR, int AC, int BR, int BC> struct WgmmaShared {
   st<T, AR, AC> a;
   st<T, BR, BC> b;
+  alignas(16) float frag[64 * N];  // the result in fragment order
 };
 
 // The R x C window at the bottom-right corner of t, or t itself when that is all of it.
@@ -104,7 +105,7 @@ template <int R, int C, SharedTile ST> __device__ __forceinline__ decltype(auto)
 template <typename T, int P, int N, int K, int AR, int AC, int BR, int BC>
 __global__ __launch_bounds__(128, 1) void wgmma_kernel(const __grid_constant__ WgmmaArgs x) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  auto &sm = shared_as<WgmmaShared<T, AR, AC, BR, BC>>();
+  auto &sm = shared_as<WgmmaShared<T, N, AR, AC, BR, BC>>();
   // Operands global -> shared with ordinary stores through st's swizzled layout, then fenced so
   // that wgmma (the async proxy) sees them.
   const T *a = static_cast<const T *>(x.a), *b = static_cast<const T *>(x.b);
@@ -132,7 +133,13 @@ __global__ __launch_bounds__(128, 1) void wgmma_kernel(const __grid_constant__ W
   }
   warpgroup::wait<0>();
   warpgroup::fence_registers(d);
-  warp::store(gl<float>::make(x.out, 1, 64, 1, N), d, {0, row0, 0, 0});
+  if (x.fragments) {  // as the Hopper backward stages dQ: registers as they are, read back by position
+    warpgroup::store_fragments(sm.frag, d);
+    __syncthreads();
+    for (int i = threadIdx.x; i < 64 * N; i += 128) x.out[i] = sm.frag[warpgroup::fragment_offset<N>(i / N, i % N)];
+  } else {
+    warp::store(gl<float>::make(x.out, 1, 64, 1, N), d, {0, row0, 0, 0});
+  }
 #endif
 }
 
@@ -311,7 +318,7 @@ cudaError_t launch_wgmma(const WgmmaArgs &x, cudaStream_t stream) {
   return by_dtype(x.dtype, [&]<typename T>() {
 #define TK_LAUNCH_CASE(P, N, K, AR, AC, BR, BC)                                                         \
   if (is_case(x, P, N, K, AR, AC, BR, BC))                                                              \
-    return launch<WgmmaShared<T, AR, AC, BR, BC>>(wgmma_kernel<T, P, N, K, AR, AC, BR, BC>, 1, 128, x, stream);
+    return launch<WgmmaShared<T, N, AR, AC, BR, BC>>(wgmma_kernel<T, P, N, K, AR, AC, BR, BC>, 1, 128, x, stream);
     TK_WGMMA_CASES(TK_LAUNCH_CASE)
 #undef TK_LAUNCH_CASE
     return cudaErrorInvalidValue;

@@ -36,6 +36,8 @@ struct WgmmaArgs {
   const void *a, *b;                   // [a_rows, a_cols], [b_rows, b_cols]
   const float *c;                      // [64, n]: the accumulator's previous value
   bool accumulate;                     // false: c is loaded, then ignored by the product
+  bool fragments;                      // out goes through shared memory in fragment order
+                                       // (store_fragments, read back with fragment_offset)
   float *out;                          // [64, n]
 };
 bool has_wgmma_case(const WgmmaArgs &args);  // is (product, n, k, tile shapes) a compiled case?

@@ -61,7 +61,7 @@ ffi::Error tma_load_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer i
 
 ffi::Error wgmma_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> c,
                       ffi::AnyBuffer init, ffi::ResultBuffer<ffi::F32> out, int32_t product, int32_t k,
-                      int32_t accumulate) {
+                      int32_t accumulate, int32_t fragments) {
   WgmmaArgs x{};
   auto da = a.dimensions(), db = b.dimensions(), dc = c.dimensions();
   if (!elem_of(a.element_type(), x.dtype) || b.element_type() != a.element_type() || da.size() != 2 || db.size() != 2)
@@ -72,7 +72,7 @@ ffi::Error wgmma_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, f
   if (!has_wgmma_case(x)) return invalid("hopper wgmma: not one of the compiled cases (TK_WGMMA_CASES in hopper_ops.cu)");
   if (auto e = check_aliased(init, out->untyped_data(), "hopper wgmma"); e.failure()) return e;
   x.a = a.untyped_data(); x.b = b.untyped_data(); x.c = c.typed_data();
-  x.accumulate = accumulate != 0; x.out = out->typed_data();
+  x.accumulate = accumulate != 0; x.fragments = fragments != 0; x.out = out->typed_data();
   return cuda_error(launch_wgmma(x, stream), "hopper wgmma");
 }
 
@@ -126,7 +126,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HopperWgmma, wgmma_impl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("product")
                                   .Attr<int32_t>("k")
-                                  .Attr<int32_t>("accumulate"));
+                                  .Attr<int32_t>("accumulate")
+                                  .Attr<int32_t>("fragments"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HopperReduceAdd, reduce_add_impl,
                               ffi::Ffi::Bind()
