@@ -185,11 +185,27 @@ def _default_variant() -> int:
     return VARIANT_SM80 if os.environ.get("JAX_TK_ATTENTION_KERNELS", "").lower() == "sm80" else VARIANT_AUTO
 
 
+SEGMENT_GRANULE = 64  # rows per segment range (SEGMENT_GRANULE in cc/kernels/attention/attention.h)
+
+
+def _segment_ranges(ids):
+    """[batch, ceil(n / 64), 2]: the smallest and largest segment id of every 64 rows of ``ids``
+    ``[batch, n]`` (the last group padded with its own last id). The kernels skip a block of queries
+    and keys whose id ranges do not meet, and need no elementwise mask where both hold one id."""
+    b, n = ids.shape
+    pad = -n % SEGMENT_GRANULE
+    groups = jnp.pad(ids, ((0, 0), (0, pad)), mode="edge").reshape(b, -1, SEGMENT_GRANULE)
+    return jnp.stack([groups.min(axis=-1), groups.max(axis=-1)], axis=-1)
+
+
 def _mask_operands(masks: Masks | None):
-    """The four masking operands of the kernels: int32 arrays, or int32 arrays of shape (0,) where an
-    option is absent (the handler decodes those as "none")."""
+    """The masking operands of the kernels: the four options of ``masks`` then the two segment
+    ranges, as int32 arrays, or int32 arrays of shape (0,) where an option is absent (the handler
+    decodes those as "none")."""
     masks = Masks() if masks is None else masks
-    return tuple(jnp.zeros((0,), jnp.int32) if x is None else jnp.asarray(x).astype(jnp.int32) for x in masks)
+    ints = [None if x is None else jnp.asarray(x).astype(jnp.int32) for x in masks]
+    ranges = [None if x is None else _segment_ranges(x) for x in ints[:2]]
+    return tuple(jnp.zeros((0,), jnp.int32) if x is None else x for x in (*ints, *ranges))
 
 
 def _mask_attributes(spec: AttentionSpec, q_len: int, kv_len: int) -> dict:

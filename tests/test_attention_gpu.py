@@ -248,11 +248,14 @@ def sorted_segments(rng, b, n, parts, offset=0):
 
 def make_masks(seed, b, t, s, segments=None, q_lengths=None, kv_lengths=None):
     """segments: None, "packed" (sorted ids, query and key segments of different lengths; the queries
-    have one segment more than the keys: its rows see no key) or "random" (unsorted ids in 0..2)."""
+    have one segment more than the keys: its rows see no key), "documents" (t == s, the same 8 sorted
+    segments for queries and keys) or "random" (unsorted ids in 0..2)."""
     rng = np.random.default_rng(seed)
     qs = ks = None
     if segments == "packed":
         qs, ks = sorted_segments(rng, b, t, 4), sorted_segments(rng, b, s, 3)
+    elif segments == "documents":  # self-attention over packed documents: whole blocks are skipped
+        qs = ks = sorted_segments(rng, b, t, 8)
     elif segments == "random":
         qs, ks = rng.integers(0, 3, (b, t)).astype(np.int32), rng.integers(0, 3, (b, s)).astype(np.int32)
     arr = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.int32))
@@ -266,6 +269,8 @@ MASK_CASES = [
     ("window_right_only", (1, 130, 200, 4, 4, 64, BF16), False, (0, 40), None, None, None, None, 1.0),
     ("window_causal_gqa_long", (1, 1024, 1024, 8, 2, 128, BF16), True, (200, 0), None, None, None, None, 1.0),
     ("segments_packed", (2, 200, 130, 4, 2, 128, BF16), False, None, "packed", None, None, None, 1.0),
+    ("documents_causal", (2, 1000, 1000, 4, 2, 128, BF16), True, None, "documents", None, None, None, 1.0),
+    ("documents_gqa", (1, 777, 777, 8, 2, 64, F16), False, None, "documents", None, None, None, 1.0),
     ("segments_random_causal", (1, 333, 1000, 4, 4, 64, F16), True, None, "random", None, None, None, 1.0),
     ("lengths", (3, 200, 130, 4, 2, 64, BF16), False, None, None, [200, 57, 0], [130, 0, 64], None, 1.0),
     ("segments_lengths", (2, 333, 1000, 8, 2, 128, BF16), False, None, "packed", [333, 100], [700, 1000], None, 1.0),

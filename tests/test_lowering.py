@@ -1,8 +1,9 @@
 """CPU tests (no GPU needed) of what jax_tk.attention lowers to for CUDA: the StableHLO must contain our
 FFI custom calls with the right operands and attributes, and only where the kernel applies.
 
-Operands: forward q, k, v, then the four masking operands (q_segment_ids, kv_segment_ids, q_lengths,
-kv_lengths: int32, shape (0,) when absent); backward q, k, v, out, lse, dout, dlse, then the same four.
+Operands: forward q, k, v, then the six masking operands (q_segment_ids, kv_segment_ids, q_lengths,
+kv_lengths, then the segment ranges q_segment_ranges [b, ceil(t/64), 2] and kv_segment_ranges: int32,
+shape (0,) when absent); backward q, k, v, out, lse, dout, dlse, then the same six.
 Attributes: scale, is_causal, variant, window_left, window_right (-1: unbounded), softcap (0: none)."""
 from __future__ import annotations
 
@@ -114,11 +115,11 @@ def tensor_type(shape, dtype):
 
 
 I32 = jnp.int32
-NO_MASKS = [tensor_type((0,), I32)] * 4  # the four masking operands when no option is given
+NO_MASKS = [tensor_type((0,), I32)] * 6  # the six masking operands when no option is given
 
 
 def assert_no_masking(call):
-    assert call.operand_types[-4:] == NO_MASKS
+    assert call.operand_types[-6:] == NO_MASKS
     assert (call.attr_int("window_left"), call.attr_int("window_right")) == (-1, -1)
     assert call.attr_float("softcap") == 0.0
 
@@ -167,7 +168,7 @@ def test_forward_custom_call(lower, dtype, is_causal, scale):
     text = lower(functools.partial(jax_tk.attention, scale=scale, is_causal=is_causal), *args)
     (call,) = tk_calls(text, FWD_TARGET)
     assert tk_calls(text, BWD_TARGET) == []
-    assert len(call.operands) == 7
+    assert len(call.operands) == 9
     assert call.operand_types == [tensor_type((b, t, n, d), dtype)] + [tensor_type((b, s, kh, d), dtype)] * 2 + NO_MASKS
     assert call.result_types == [tensor_type((b, t, n, d), dtype), tensor_type((b, n, t), F32)]
     expected_scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -215,7 +216,7 @@ def test_grad_contains_backward_call(lower, dtype, is_causal):
     (fwd,) = tk_calls(text, FWD_TARGET)
     (bwd,) = tk_calls(text, BWD_TARGET)
     # q, k, v, out, lse, dout, dlse, and the four (absent) masking operands
-    assert len(bwd.operands) == 11
+    assert len(bwd.operands) == 13
     q_t, kv_t, lse_t = tensor_type((b, t, n, d), dtype), tensor_type((b, s, kh, d), dtype), tensor_type((b, n, t), F32)
     assert bwd.operand_types == [q_t, kv_t, kv_t, q_t, lse_t, q_t, lse_t] + NO_MASKS
     # dq, dk, dv, and the fp32 workspaces: delta, and the Hopper kernel's: a 64 x d dq accumulator
@@ -251,7 +252,7 @@ def test_grad_of_attention_with_lse_contains_backward_call(lower):
     text = lower(jax.grad(loss, argnums=(0, 1, 2)), *_abstract())
     assert len(tk_calls(text, FWD_TARGET)) == 1
     (bwd,) = tk_calls(text, BWD_TARGET)
-    assert len(bwd.operands) == 11
+    assert len(bwd.operands) == 13
     assert bwd.attr_int("is_causal") == 1
     assert np.float32(bwd.attr_float("scale")) == np.float32(0.125)
 
@@ -271,6 +272,8 @@ def test_grad_wrt_query_only_still_uses_backward_kernel():
 B_, T_, S_ = 2, 16, 24  # the shapes of _abstract()
 Q_IDS, KV_IDS, LENS = tensor_type((B_, T_), I32), tensor_type((B_, S_), I32), tensor_type((B_,), I32)
 ABSENT = tensor_type((0,), I32)
+# segment ranges (min, max per 64 rows) follow the four options: present exactly with segment ids
+RANGES = [tensor_type((B_, 1, 2), I32), tensor_type((B_, 1, 2), I32)]
 
 
 def _ids(shape, dtype=I32):
@@ -280,22 +283,22 @@ def _ids(shape, dtype=I32):
 # (id, attention kwargs (arrays as abstract values), expected masking operand types,
 #  expected (window_left, window_right), expected softcap)
 MASKING_CASES = [
-    ("window", dict(local_window_size=(3, 5)), [ABSENT] * 4, (3, 5), 0.0),
-    ("window_int", dict(local_window_size=4), [ABSENT] * 4, (4, 4), 0.0),
-    ("window_one_sided_causal", dict(local_window_size=(7, 0), is_causal=True), [ABSENT] * 4, (7, 0), 0.0),
+    ("window", dict(local_window_size=(3, 5)), [ABSENT] * 6, (3, 5), 0.0),
+    ("window_int", dict(local_window_size=4), [ABSENT] * 6, (4, 4), 0.0),
+    ("window_one_sided_causal", dict(local_window_size=(7, 0), is_causal=True), [ABSENT] * 6, (7, 0), 0.0),
     # a side reaching past the sequence is unbounded (-1): also keeps huge values out of int32
-    ("window_huge_right", dict(local_window_size=(5, 10**12)), [ABSENT] * 4, (5, -1), 0.0),
-    ("window_huge_left", dict(local_window_size=(T_, 2)), [ABSENT] * 4, (-1, 2), 0.0),
+    ("window_huge_right", dict(local_window_size=(5, 10**12)), [ABSENT] * 6, (5, -1), 0.0),
+    ("window_huge_left", dict(local_window_size=(T_, 2)), [ABSENT] * 6, (-1, 2), 0.0),
     ("segments", dict(q_segment_ids=_ids((B_, T_)), kv_segment_ids=_ids((B_, S_))),
-     [Q_IDS, KV_IDS, ABSENT, ABSENT], (-1, -1), 0.0),
+     [Q_IDS, KV_IDS, ABSENT, ABSENT, *RANGES], (-1, -1), 0.0),
     ("segments_int16", dict(q_segment_ids=_ids((B_, T_), jnp.int16), kv_segment_ids=_ids((B_, S_), jnp.int16)),
-     [Q_IDS, KV_IDS, ABSENT, ABSENT], (-1, -1), 0.0),
-    ("q_lengths", dict(query_seq_lengths=_ids((B_,))), [ABSENT, ABSENT, LENS, ABSENT], (-1, -1), 0.0),
-    ("kv_lengths", dict(key_value_seq_lengths=_ids((B_,))), [ABSENT, ABSENT, ABSENT, LENS], (-1, -1), 0.0),
-    ("softcap", dict(logits_soft_cap=30.0), [ABSENT] * 4, (-1, -1), 30.0),
+     [Q_IDS, KV_IDS, ABSENT, ABSENT, *RANGES], (-1, -1), 0.0),
+    ("q_lengths", dict(query_seq_lengths=_ids((B_,))), [ABSENT, ABSENT, LENS, ABSENT, ABSENT, ABSENT], (-1, -1), 0.0),
+    ("kv_lengths", dict(key_value_seq_lengths=_ids((B_,))), [ABSENT, ABSENT, ABSENT, LENS, ABSENT, ABSENT], (-1, -1), 0.0),
+    ("softcap", dict(logits_soft_cap=30.0), [ABSENT] * 6, (-1, -1), 30.0),
     ("all", dict(is_causal=True, local_window_size=(6, 2), q_segment_ids=_ids((B_, T_)),
                  kv_segment_ids=_ids((B_, S_)), query_seq_lengths=_ids((B_,)), key_value_seq_lengths=_ids((B_,)),
-                 logits_soft_cap=2.5), [Q_IDS, KV_IDS, LENS, LENS], (6, 2), 2.5),
+                 logits_soft_cap=2.5), [Q_IDS, KV_IDS, LENS, LENS, *RANGES], (6, 2), 2.5),
 ]
 
 
@@ -341,7 +344,7 @@ def test_masking_arrays_are_operands_not_constants():
         q, k, v, q_segment_ids=qs, kv_segment_ids=ks, query_seq_lengths=ql, key_value_seq_lengths=kl)
     text = lower_jit(f, q, k, v, _ids((B_, T_)), _ids((B_, S_)), _ids((B_,)), _ids((B_,)))
     (call,) = tk_calls(text, FWD_TARGET)
-    assert call.operands == [f"%arg{i}" for i in range(7)]
+    assert call.operands[:7] == [f"%arg{i}" for i in range(7)]  # then the ranges, computed from the ids
 
 
 def test_masking_under_vmap_lowers_to_kernel():
@@ -353,7 +356,7 @@ def test_masking_under_vmap_lowers_to_kernel():
         q, k, v, q_segment_ids=qs, kv_segment_ids=ks, key_value_seq_lengths=kl, local_window_size=(2, 3)))
     text = lower_jit(f, *map(stack, (q, k, v, _ids((B_, T_)), _ids((B_, S_)), _ids((B_,)))))
     (call,) = tk_calls(text, FWD_TARGET)
-    assert call.operand_types[3:] == [Q_IDS, KV_IDS, ABSENT, LENS]
+    assert call.operand_types[3:] == [Q_IDS, KV_IDS, ABSENT, LENS, *RANGES]
     assert (call.attr_int("window_left"), call.attr_int("window_right")) == (2, 3)
 
 

@@ -203,3 +203,18 @@ def test_masking_errors(kwargs, error, match):
     q, k, v = qkv()
     with pytest.raises(error, match=match):
         jax_tk.attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 200])
+def test_segment_ranges_per_64_rows(n):
+    """The kernels skip blocks by these ranges: min and max id of every 64 rows, for any ids."""
+    from jax_tk.attention import _segment_ranges
+
+    ids = np.random.default_rng(n).integers(-5, 9, (3, n)).astype(np.int32)
+    got = np.asarray(_segment_ranges(jnp.asarray(ids)))
+    groups = -(-n // 64)
+    assert got.shape == (3, groups, 2)
+    for g in range(groups):
+        part = ids[:, 64 * g: 64 * (g + 1)]
+        np.testing.assert_array_equal(got[:, g, 0], part.min(axis=1))
+        np.testing.assert_array_equal(got[:, g, 1], part.max(axis=1))

@@ -5,7 +5,9 @@
 //
 // Masking operands (after q, k, v in the forward; after q, k, v, o, lse, dout, dlse in the backward):
 // q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len], q_lengths [batch], kv_lengths
-// [batch], all int32; an absent option is an int32 array of shape (0,). Attributes window_left,
+// [batch], then with segment ids their ranges q_segment_ranges [batch, ceil(q_len / 64), 2] and
+// kv_segment_ranges [batch, ceil(kv_len / 64), 2] (min and max id of every 64 rows, for skipping
+// blocks), all int32; an absent option is an int32 array of shape (0,). Attributes window_left,
 // window_right (-1: unbounded) and softcap (0: none).
 #include "ffi/common.h"
 #include "kernels/attention/attention.h"
@@ -68,14 +70,25 @@ ffi::Error optional_ints(const ffi::AnyBuffer &x, std::initializer_list<int64_t>
 
 // The masking operands and attributes (see the top of this file) into p; q, k, v already decoded.
 ffi::Error check_masking(Params &p, const ffi::AnyBuffer &q_segment_ids, const ffi::AnyBuffer &kv_segment_ids,
-                         const ffi::AnyBuffer &q_lengths, const ffi::AnyBuffer &kv_lengths, int32_t window_left,
-                         int32_t window_right, float softcap) {
+                         const ffi::AnyBuffer &q_lengths, const ffi::AnyBuffer &kv_lengths,
+                         const ffi::AnyBuffer &q_segment_ranges, const ffi::AnyBuffer &kv_segment_ranges,
+                         int32_t window_left, int32_t window_right, float softcap) {
   if (auto e = optional_ints(q_segment_ids, {p.batch, p.q_len}, "q_segment_ids", &p.q_segment_ids); e.failure())
     return e;
   if (auto e = optional_ints(kv_segment_ids, {p.batch, p.kv_len}, "kv_segment_ids", &p.kv_segment_ids); e.failure())
     return e;
   if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr))
     return invalid("give both q_segment_ids and kv_segment_ids, or neither");
+  const int64_t g = attention::SEGMENT_GRANULE, q_granules = (p.q_len + g - 1) / g, kv_granules = (p.kv_len + g - 1) / g;
+  if (auto e = optional_ints(q_segment_ranges, {p.batch, q_granules, 2}, "q_segment_ranges", &p.q_segment_ranges);
+      e.failure())
+    return e;
+  if (auto e = optional_ints(kv_segment_ranges, {p.batch, kv_granules, 2}, "kv_segment_ranges", &p.kv_segment_ranges);
+      e.failure())
+    return e;
+  if ((p.q_segment_ranges == nullptr) != (p.q_segment_ids == nullptr) ||
+      (p.kv_segment_ranges == nullptr) != (p.kv_segment_ids == nullptr))
+    return invalid("segment ranges come with segment ids, and only with them");
   if (auto e = optional_ints(q_lengths, {p.batch}, "q_lengths", &p.q_lengths); e.failure()) return e;
   if (auto e = optional_ints(kv_lengths, {p.batch}, "kv_lengths", &p.kv_lengths); e.failure()) return e;
   if (window_left < -1 || window_right < -1) return invalid("window_left and window_right must be >= -1");
@@ -98,13 +111,14 @@ bool use_sm90(int32_t variant) {
 
 ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_lengths,
-                    ffi::AnyBuffer kv_lengths, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> o,
+                    ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges,
+                    ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> o,
                     ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t is_causal, int32_t variant,
                     int32_t window_left, int32_t window_right, float softcap) {
   Params p{};
   if (auto e = check_qkv(p, q, k, v); e.failure()) return e;
-  if (auto e = check_masking(p, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, window_left, window_right,
-                             softcap);
+  if (auto e = check_masking(p, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, q_segment_ranges,
+                             kv_segment_ranges, window_left, window_right, softcap);
       e.failure())
     return e;
   if (!same_type_and_dims(*o, q)) return invalid("output must have the query's shape and dtype");
@@ -122,14 +136,15 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
                     ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_segment_ids,
                     ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
-                    ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                    ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges, ffi::RemainingArgs,
+                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                     ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
                     ffi::Result<ffi::AnyBuffer> workspace, float scale, int32_t is_causal, int32_t variant,
                     int32_t window_left, int32_t window_right, float softcap, int32_t deterministic) {
   Params p{};
   if (auto e = check_qkv(p, q, k, v); e.failure()) return e;
-  if (auto e = check_masking(p, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, window_left, window_right,
-                             softcap);
+  if (auto e = check_masking(p, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, q_segment_ranges,
+                             kv_segment_ranges, window_left, window_right, softcap);
       e.failure())
     return e;
   if (!same_type_and_dims(o, q) || !same_type_and_dims(dout, q) || !same_type_and_dims(*dq, q))
@@ -172,6 +187,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwd, fwd_impl,
                                   .Arg<ffi::AnyBuffer>()  // kv_segment_ids
                                   .Arg<ffi::AnyBuffer>()  // q_lengths
                                   .Arg<ffi::AnyBuffer>()  // kv_lengths
+                                  .Arg<ffi::AnyBuffer>()  // q_segment_ranges
+                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ranges
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<ffi::AnyBuffer>()  // lse
@@ -197,6 +214,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, bwd_impl,
                                   .Arg<ffi::AnyBuffer>()  // kv_segment_ids
                                   .Arg<ffi::AnyBuffer>()  // q_lengths
                                   .Arg<ffi::AnyBuffer>()  // kv_lengths
+                                  .Arg<ffi::AnyBuffer>()  // q_segment_ranges
+                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ranges
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk

@@ -6,6 +6,8 @@ namespace jax_tk::attention {
 
 enum class DType { bf16, fp16 };
 
+constexpr int SEGMENT_GRANULE = 64;  // rows per entry of Params::q_segment_ranges / kv_segment_ranges
+
 struct Params {
   DType dtype;
   int batch, q_len, kv_len, q_heads, kv_heads, head_dim;  // q: [batch, q_len, q_heads, head_dim]
@@ -16,6 +18,9 @@ struct Params {
   int window_left = -1, window_right = -1;  // i - left <= j <= i + right; -1: unbounded on that side
   const int *q_segment_ids = nullptr;       // [batch, q_len] and [batch, kv_len]: same segment only;
   const int *kv_segment_ids = nullptr;      //   nullptr: no segments
+  const int *q_segment_ranges = nullptr;    // with segment ids: [batch, ceil(q_len / 64), 2] and
+  const int *kv_segment_ranges = nullptr;   //   [batch, ceil(kv_len / 64), 2]: min and max id of each
+                                            //   64 rows (SEGMENT_GRANULE), to skip whole blocks
   const int *q_lengths = nullptr;           // [batch]: i < q_lengths[b]; nullptr: none
   const int *kv_lengths = nullptr;          // [batch]: j < kv_lengths[b]; nullptr: none
   float softcap = 0.f;                      // logits := cap * tanh(logits / cap) (after scaling); 0: none

@@ -55,13 +55,16 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
   const int kvh = h / (p.q_heads / p.kv_heads);
   const int tid = threadIdx.x, w = warpid(), qw = q0 + 16 * w;
   const Views<T> g(p, D);
-  const int2 range = kv_block_range<FULL>(p, b, q0, BQ, BK);  // key blocks [first, end) to visit
-  const int first = range.x, n_blocks = range.y - range.x;
+  // Key blocks to visit: in [first, end), minus the ones of other segments (next).
+  const int2 range = kv_block_range<FULL>(p, b, q0, BQ, BK);
+  const int end = range.y;
+  auto next = [&](int j) { return next_kv_block<FULL>(p, b, q0, BQ, j, end, BK); };
+  const int first = next(range.x);
 
   load_async<NT>(sm.q, g.Q, {b, q0, h, 0}, tid);
   load_async<NT>(sm.dout, g.dO, {b, q0, h, 0}, tid);
   commit_group();
-  if (n_blocks > 0) {
+  if (first < end) {
     load_async<NT>(sm.k[0], g.K, {b, first * BK, kvh, 0}, tid);
     load_async<NT>(sm.v[0], g.V, {b, first * BK, kvh, 0}, tid);
   }
@@ -94,11 +97,11 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
   rt_fl<16, BK> s, dp;
   rt<T, 16, BK> ds, dcap;
 
-  for (int j = 0; j < n_blocks; j++) {
-    const int buf = j % 2, k0 = (first + j) * BK;
-    if (j + 1 < n_blocks) {
-      load_async<NT>(sm.k[buf ^ 1], g.K, {b, k0 + BK, kvh, 0}, tid);
-      load_async<NT>(sm.v[buf ^ 1], g.V, {b, k0 + BK, kvh, 0}, tid);
+  for (int n = 0, j = first; j < end; n++) {
+    const int buf = n % 2, k0 = j * BK, j_next = next(j + 1);
+    if (j_next < end) {
+      load_async<NT>(sm.k[buf ^ 1], g.K, {b, j_next * BK, kvh, 0}, tid);
+      load_async<NT>(sm.v[buf ^ 1], g.V, {b, j_next * BK, kvh, 0}, tid);
     }
     commit_group();
     wait_group<1>();
@@ -136,6 +139,7 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
       warp::mma_AB(dq[n], ds, kc, dq[n]);
     }
     __syncthreads();
+    j = j_next;
   }
 #pragma unroll
   for (int n = 0; n < D / 16; n++) {
@@ -186,7 +190,13 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
 
   load_async<NT>(sm.k, g.K, {b, k0, kvh, 0}, tid);
   load_async<NT>(sm.v, g.V, {b, k0, kvh, 0}, tid);
-  if (n_steps > 0) prefetch(0, 0);
+  // Steps whose query block has no key's segment are skipped.
+  auto next = [&](int step) {
+    while (step < n_steps && !segments_meet<FULL>(p, b, (qb_first + step % qb_count) * BQ, BQ, k0, BKV)) step++;
+    return step;
+  };
+  const int first = next(0);
+  if (first < n_steps) prefetch(first, 0);
   commit_group();
 
   rt_fl<16, 16> dk[D / 16], dv[D / 16];
@@ -199,9 +209,9 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
   rt<T, 16, BQ> pt, dcap;
   row_vec<rt_fl<16, BQ>> lse2, delta;
 
-  for (int step = 0; step < n_steps; step++) {
-    const int buf = step % 2, q0 = (qb_first + step % qb_count) * BQ;
-    if (step + 1 < n_steps) prefetch(step + 1, buf ^ 1);
+  for (int n = 0, step = first; step < n_steps; n++) {
+    const int buf = n % 2, q0 = (qb_first + step % qb_count) * BQ, step_next = next(step + 1);
+    if (step_next < n_steps) prefetch(step_next, buf ^ 1);
     commit_group();
     wait_group<1>();
     __syncthreads();
@@ -247,6 +257,7 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
       warp::mma_AB(dk[n], pt, qc, dk[n]);
     }
     __syncthreads();
+    step = step_next;
   }
   wait_group<0>();  // no copy may still be landing when the block exits
 #pragma unroll

@@ -60,7 +60,13 @@ constexpr int BWD_BQ = 64;  // query rows per step of the main kernel and per lo
 // Does key block j (of BK keys) contribute to query block i of batch entry b?
 template <bool FULL> __device__ __forceinline__ bool sees(const Params &p, int b, int i, int j, int BK) {
   int2 r = kv_block_range<FULL>(p, b, i * BWD_BQ, BWD_BQ, BK);
-  return j >= r.x && j < r.y;
+  return j >= r.x && j < r.y && segments_meet<FULL>(p, b, i * BWD_BQ, BWD_BQ, j * BK, BK);
+}
+// How many key blocks before j contribute to query block i (the deterministic order's turn).
+template <bool FULL> __device__ __forceinline__ int blocks_before(const Params &p, int b, int i, int j, int BK) {
+  int n = 0;
+  for (int jj = kv_block_range<FULL>(p, b, i * BWD_BQ, BWD_BQ, BK).x; jj < j; jj++) n += sees<FULL>(p, b, i, jj, BK);
+  return n;
 }
 
 // P^T from S^T (rows: keys kw.., columns: queries q0..) and the columns' lse (log2 units, read
@@ -196,7 +202,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       if (leader) {
         int *lock = locks + (size_t(b) * p.q_heads + h) * n_qblocks + i;
         if (p.deterministic) {  // wait for the key blocks before this one
-          const int turn = CONSUMERS * (j - kv_block_range<FULL>(p, b, q0, BQ, BK).x);
+          const int turn = CONSUMERS * blocks_before<FULL>(p, b, i, j, BK);
           while (load_acquire(lock) < turn) __nanosleep(32);
         }
         reduce_add_async(p.workspace + C::dq_tile(p, b, h, i, wg), sm.dq[wg], sizeof(sm.dq[wg]));

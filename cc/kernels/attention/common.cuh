@@ -79,7 +79,7 @@ __device__ __forceinline__ int2 blocks_of(long long lo, long long hi, int B) {
 }
 
 // Key blocks of size BK that query rows [q0, q0 + rows) may see: [first, end). Causal, the window
-// and the lengths tighten it; segment ids do not (their blocks are masked elementwise).
+// and the lengths tighten it; segment ids skip blocks inside it (next_kv_block).
 template <bool FULL> __device__ __forceinline__ int2 kv_block_range(const Params &p, int b, int q0, int rows, int BK) {
   const long long q_last = min(q0 + rows, q_end<FULL>(p, b)) - 1;
   if (q_last < q0) return {0, 0};
@@ -101,11 +101,48 @@ template <bool FULL> __device__ __forceinline__ int2 q_block_range(const Params 
   return blocks_of(lo, hi, BQ);
 }
 
+// Segment ids of rows [r0, r0 + n) (of len) of batch entry b lie in [x, y], from the per-granule
+// ranges (min, max of every SEGMENT_GRANULE rows).
+__device__ __forceinline__ int2 segment_span(const int *ranges, int len, int b, int r0, int n) {
+  const int granules = (len + SEGMENT_GRANULE - 1) / SEGMENT_GRANULE;
+  const int g0 = max(r0, 0) / SEGMENT_GRANULE, g1 = (min(r0 + n, len) - 1) / SEGMENT_GRANULE;
+  const int2 *r = reinterpret_cast<const int2 *>(ranges) + size_t(b) * granules;
+  int2 span = r[g0];
+  for (int g = g0 + 1; g <= g1; g++) span = {min(span.x, r[g].x), max(span.y, r[g].y)};
+  return span;
+}
+
+// Can any query row of [q0, q0 + rows) share a segment with any key of [k0, k0 + cols)? If not,
+// the block is skipped. (Within the sequences; the other rules are left to the callers.)
+template <bool FULL> __device__ __forceinline__ bool segments_meet(const Params &p, int b, int q0, int rows, int k0, int cols) {
+  if (!FULL || !p.q_segment_ids || q0 >= p.q_len || k0 >= p.kv_len) return true;
+  const int2 qs = segment_span(p.q_segment_ranges, p.q_len, b, q0, rows);
+  const int2 ks = segment_span(p.kv_segment_ranges, p.kv_len, b, k0, cols);
+  return qs.x <= ks.y && ks.x <= qs.y;
+}
+
+// The next key block in [j, end) (blocks of BK) that query rows [q0, q0 + rows) may see (end if
+// none): kv_block_range bounds the blocks, segments_meet skips the ones between.
+template <bool FULL> __device__ __forceinline__ int next_kv_block(const Params &p, int b, int q0, int rows, int j, int end, int BK) {
+  while (j < end && !segments_meet<FULL>(p, b, q0, rows, j * BK, BK)) j++;
+  return j;
+}
+// The same over query blocks of BQ for keys [k0, k0 + cols).
+template <bool FULL> __device__ __forceinline__ int next_q_block(const Params &p, int b, int k0, int cols, int i, int end, int BQ) {
+  while (i < end && !segments_meet<FULL>(p, b, i * BQ, BQ, k0, cols)) i++;
+  return i;
+}
+
 // False when every query row of [q0, q0 + rows) sees every key of [k0, k0 + cols): the block can
-// skip the elementwise mask. Conservative: with segment ids, every block is masked.
+// skip the elementwise mask. With segment ids: when all those rows and keys are in one segment.
 template <bool FULL>
 __device__ __forceinline__ bool block_needs_mask(const Params &p, int b, int q0, int rows, int k0, int cols) {
-  if (FULL && p.q_segment_ids) return true;
+  if (FULL && p.q_segment_ids) {
+    if (q0 + rows > p.q_len || k0 + cols > p.kv_len) return true;
+    const int2 qs = segment_span(p.q_segment_ranges, p.q_len, b, q0, rows);
+    const int2 ks = segment_span(p.kv_segment_ranges, p.kv_len, b, k0, cols);
+    if (qs.x != qs.y || ks.x != ks.y || qs.x != ks.x) return true;
+  }
   if (q0 + rows > q_end<FULL>(p, b) || k0 + cols > kv_end<FULL>(p, b)) return true;
   const int q_last = q0 + rows - 1, k_last = k0 + cols - 1;
   return (p.causal && k_last > q0) || (FULL && p.window_left >= 0 && q_last - k0 > p.window_left) ||

@@ -35,12 +35,15 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
   auto Q = gl<const T>::make(static_cast<const T *>(p.q), p.batch, p.q_len, p.q_heads, D);
   auto K = gl<const T>::make(static_cast<const T *>(p.k), p.batch, p.kv_len, p.kv_heads, D);
   auto V = gl<const T>::make(static_cast<const T *>(p.v), p.batch, p.kv_len, p.kv_heads, D);
-  const int2 range = kv_block_range<FULL>(p, b, q0, BQ, BK);  // key blocks [first, end) to visit
-  const int first = range.x, n_blocks = range.y - range.x;
+  // Key blocks to visit: in [first, end), minus the ones of other segments (next).
+  const int2 range = kv_block_range<FULL>(p, b, q0, BQ, BK);
+  const int end = range.y;
+  auto next = [&](int j) { return next_kv_block<FULL>(p, b, q0, BQ, j, end, BK); };
+  const int first = next(range.x);
 
   load_async<NT>(sm.q, Q, {b, q0, h, 0}, tid);
   commit_group();
-  if (n_blocks > 0) {
+  if (first < end) {
     load_async<NT>(sm.k[0], K, {b, first * BK, kvh, 0}, tid);
     load_async<NT>(sm.v[0], V, {b, first * BK, kvh, 0}, tid);
   }
@@ -61,11 +64,11 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
   warp::fill_vec(m, NEG_INF);
   warp::fill_vec(l, 0.f);
 
-  for (int j = 0; j < n_blocks; j++) {
-    const int buf = j % 2, k0 = (first + j) * BK;
-    if (j + 1 < n_blocks) {  // prefetch the next key/value block into the other buffer
-      load_async<NT>(sm.k[buf ^ 1], K, {b, k0 + BK, kvh, 0}, tid);
-      load_async<NT>(sm.v[buf ^ 1], V, {b, k0 + BK, kvh, 0}, tid);
+  for (int n = 0, j = first; j < end; n++) {
+    const int buf = n % 2, k0 = j * BK, j_next = next(j + 1);
+    if (j_next < end) {  // prefetch the next key/value block into the other buffer
+      load_async<NT>(sm.k[buf ^ 1], K, {b, j_next * BK, kvh, 0}, tid);
+      load_async<NT>(sm.v[buf ^ 1], V, {b, j_next * BK, kvh, 0}, tid);
     }
     commit_group();
     wait_group<1>();
@@ -92,6 +95,7 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
       warp::mma_AB(o[n], pr, vt, o[n]);
     }
     __syncthreads();  // everyone is done with `buf` before it is refilled
+    j = j_next;
   }
 
 #pragma unroll

@@ -6,8 +6,8 @@
 // online softmax in registers (the same warp code as the mma.sync kernel), O += P V (wgmma, P from
 // registers), pipelined so that the softmax of one block overlaps the P V product of the previous.
 // setmaxnreg moves registers from the producer to the consumers. Producer and consumers walk the
-// same key blocks [first, end) (kv_block_range: causal, window, lengths); a block of query rows
-// that sees no key loads nothing and stores O = 0, lse = -inf.
+// same key blocks (kv_block_range: causal, window, lengths; next_kv_block: segments); a block of
+// query rows that sees no key loads nothing and stores O = 0, lse = -inf.
 #include "common.cuh"
 
 namespace jax_tk::attention {
@@ -42,8 +42,11 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   const int b = blockIdx.z, h = blockIdx.y;
   const int q0 = (gridDim.x - 1 - blockIdx.x) * C::BQ;  // heaviest (causal) blocks first
   const int kvh = h / (p.q_heads / p.kv_heads);
-  const int2 range = kv_block_range<FULL>(p, b, q0, C::BQ, BK);  // key blocks [first, end) to visit
-  const int first = range.x, n_blocks = range.y - range.x;
+  // Key blocks to visit: in [first, end), minus the ones of other segments (next).
+  const int2 range = kv_block_range<FULL>(p, b, q0, C::BQ, BK);
+  const int end = range.y;
+  auto next = [&](int j) { return next_kv_block<FULL>(p, b, q0, C::BQ, j, end, BK); };
+  const int first = next(range.x);
   const int wg = warpgroup::groupid();
 
   if (threadIdx.x == 0) {
@@ -60,11 +63,11 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
 
   if (wg == CONSUMERS) {  // producer
     warpgroup::decrease_registers<24>();
-    if (threadIdx.x == CONSUMERS * 128 && n_blocks > 0) {
+    if (threadIdx.x == CONSUMERS * 128 && first < end) {
       arrive_expect_bytes(sm.q_full, CONSUMERS * sizeof(sm.q[0].data));
       for (int c = 0; c < CONSUMERS; c++) load_async(sm.q[c], a.q, {b, q0 + 64 * c, h, 0}, sm.q_full);
-      for (int j = 0; j < n_blocks; j++) {
-        const int s = j % STAGES, phase = (j / STAGES) & 1, k0 = (first + j) * BK;
+      for (int n = 0, j = first; j < end; n++, j = next(j + 1)) {
+        const int s = n % STAGES, phase = (n / STAGES) & 1, k0 = j * BK;
         wait(sm.k_empty[s], phase ^ 1);
         arrive_expect_bytes(sm.k_full[s], sizeof(sm.k[s].data));
         load_async(sm.k[s], a.k, {b, k0, kvh, 0}, sm.k_full[s]);
@@ -86,7 +89,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   warp::zero(o);
   warp::fill_vec(m, NEG_INF);
   warp::fill_vec(l, 0.f);
-  if (n_blocks == 0) {  // these rows see no key: O = 0, lse = -inf
+  if (first == end) {  // these rows see no key: O = 0, lse = -inf
     store_output<T>(p, o, l, b, h, qw, 0);
     store_lse(p, m, l, b, h, qw);
     return;
@@ -104,9 +107,10 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   softmax_step(s, m, l, corr);
   warp::copy(pr, s);
 
-  for (int j = 1; j < n_blocks; j++) {
-    const int st = j % STAGES, phase = (j / STAGES) & 1;
-    const int prev = (j - 1) % STAGES, prev_phase = ((j - 1) / STAGES) & 1;
+  int n = 1;  // blocks visited
+  for (int j = next(first + 1); j < end; n++, j = next(j + 1)) {
+    const int st = n % STAGES, phase = (n / STAGES) & 1;
+    const int prev = (n - 1) % STAGES, prev_phase = ((n - 1) / STAGES) & 1;
     wait(sm.k_full[st], phase);
     warpgroup::mma_ABt(s, sm.q[wg], sm.k[st], false);  // S_j = Q K_j^T
     wait(sm.v_full[prev], prev_phase);
@@ -114,7 +118,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warpgroup::wait<1>();                         // S_j is ready
     warpgroup::fence_registers(s);
     if (laneid() == 0) arrive(sm.k_empty[st]);
-    scale_and_mask<FULL>(s, p, b, qw, (first + j) * BK);
+    scale_and_mask<FULL>(s, p, b, qw, j * BK);
     softmax_step(s, m, l, corr);
     warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done
     warpgroup::fence_registers(o);
@@ -123,8 +127,8 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warp::mul_row(o, o, corr);
     warp::copy(pr, s);
   }
-  const int last = (n_blocks - 1) % STAGES;
-  wait(sm.v_full[last], ((n_blocks - 1) / STAGES) & 1);
+  const int last = (n - 1) % STAGES;
+  wait(sm.v_full[last], ((n - 1) / STAGES) & 1);
   warpgroup::mma_AB(o, pr, sm.v[last], true);
   warpgroup::wait<0>();
   warpgroup::fence_registers(o);

@@ -4,6 +4,7 @@
 //   nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -Icc cc/tests/standalone/attention_sanitize.cu \
 //        cc/kernels/attention/*.cu -o attention_sanitize
 //   compute-sanitizer --tool memcheck ./attention_sanitize
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -74,8 +75,26 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, boo
       ql[i] = i == 0 ? t : 0;
       kl[i] = i == 0 ? s / 2 + 1 : s;
     }
-    ints = {device_ints(qs), device_ints(ks), device_ints(ql), device_ints(kl)};
+    // min and max id of every SEGMENT_GRANULE rows (what jax_tk computes in Python)
+    auto ranges = [](const std::vector<int> &ids, int b, int n) {
+      const int g = (n + SEGMENT_GRANULE - 1) / SEGMENT_GRANULE;
+      std::vector<int> r(size_t(b) * g * 2);
+      for (int i = 0; i < b; i++)
+        for (int k = 0; k < g; k++) {
+          int lo = 1 << 30, hi = -(1 << 30);
+          for (int x = k * SEGMENT_GRANULE; x < std::min(n, (k + 1) * SEGMENT_GRANULE); x++) {
+            lo = std::min(lo, ids[size_t(i) * n + x]);
+            hi = std::max(hi, ids[size_t(i) * n + x]);
+          }
+          r[(size_t(i) * g + k) * 2] = lo;
+          r[(size_t(i) * g + k) * 2 + 1] = hi;
+        }
+      return r;
+    };
+    ints = {device_ints(qs), device_ints(ks), device_ints(ql), device_ints(kl), device_ints(ranges(qs, b, t)),
+            device_ints(ranges(ks, b, s))};
     p.q_segment_ids = ints[0]; p.kv_segment_ids = ints[1]; p.q_lengths = ints[2]; p.kv_lengths = ints[3];
+    p.q_segment_ranges = ints[4]; p.kv_segment_ranges = ints[5];
     p.window_left = 40; p.window_right = 7; p.softcap = 5.f;
   }
   CHECK(hopper ? fwd_sm90(p, 0) : fwd_sm80(p, 0));
