@@ -3,7 +3,7 @@ operand lists (one per accumulator register) are too long to write by hand.
 
     python scripts/gen_wgmma.py > cc/tk/ops/warpgroup/wgmma_asm.cuh
 """
-NS = (32, 64, 128)
+NS = (32, 64, 128, 256)
 TYPES = {"bf16": "bf16", "half": "f16"}
 
 

@@ -434,3 +434,52 @@ def test_backward_is_deterministic(is_causal, variant):
     g1, g2 = grad(q, k, v), grad(q, k, v)
     for name, x, y in zip(("dq", "dk", "dv"), g1, g2):
         assert _same_bits(x, y), f"public {name} differs between two identical runs"
+
+
+# ----------------------------------------------------------------------------------------------
+# Head dim 256: a forward kernel on H100/H200 (sm_90a); the backward runs the reference
+# ----------------------------------------------------------------------------------------------
+
+HOPPER = jax_tk._ffi.cuda_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the head-dim-256 forward kernel runs on compute capability 9.0")
+@pytest.mark.parametrize(
+    "b,t,s,n,kh,dtype,is_causal,window,segments",
+    [(2, 333, 1000, 4, 2, BF16, False, None, None), (1, 1000, 1000, 4, 4, F16, True, None, None),
+     (2, 70, 33, 8, 2, BF16, True, None, None), (1, 777, 777, 4, 2, BF16, True, (100, 0), "documents"),
+     (2, 200, 130, 4, 2, F16, False, (16, 8), "packed")],
+    ids=["cross_gqa", "causal_fp16", "short_causal", "window_documents", "window_packed"])
+def test_head_dim_256_forward_kernel(b, t, s, n, kh, dtype, is_causal, window, segments):
+    d = 256
+    seed = zlib.crc32(f"{b}{t}{s}{n}{kh}{is_causal}".encode())
+    q, k, v, dout = make_inputs(seed, b, t, s, n, kh, d, dtype)
+    masks = make_masks(seed + 1, b, t, s, segments) if segments else None
+    spec = AttentionSpec(1 / math.sqrt(d), is_causal, True, window, None)
+    out, lse = jax.jit(lambda q, k, v: _fwd_kernel(
+        q, k, v, spec, out_init=(_nan(q.shape, q.dtype), _nan((b, n, t), F32)), variant=VARIANT_AUTO,
+        masks=masks))(q, k, v)
+    dlse = jnp.zeros((b, n, t), F32)
+    want = reference_fwd_bwd(q, k, v, dout, dlse, masks, scale=spec.scale, is_causal=is_causal, window=window)
+    assert_finite("out", out)
+    assert_close("out", out, want[0])
+    assert_lse_close(lse, want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the head-dim-256 forward kernel runs on compute capability 9.0")
+def test_head_dim_256_public_api_and_grad():
+    """implementation=None and "tk" take the forward kernel; gradients (reference backward) are right."""
+    b, t, n, d = 2, 300, 4, 256
+    q, k, v, dout = make_inputs(31, b, t, t, n, 2, d, BF16)
+    for impl in (None, "tk"):
+        f = functools.partial(jax_tk.attention, is_causal=True, implementation=impl)
+        text = jax.jit(f).lower(q, k, v).as_text()
+        assert FWD_TARGET in text
+        grads = jax.jit(jax.grad(_loss(f, dout), argnums=(0, 1, 2)))(q, k, v)
+        assert BWD_TARGET not in jax.jit(jax.grad(_loss(f, dout), argnums=(0, 1, 2))).lower(q, k, v).as_text()
+        want = reference_fwd_bwd(q, k, v, dout, jnp.zeros((b, n, t), F32), scale=1 / math.sqrt(d), is_causal=True)
+        assert_close("out", jax.jit(f)(q, k, v), want[0])
+        for name, x, r in zip(("dq", "dk", "dv"), grads, want[2:]):
+            assert_close(name, x, r)

@@ -271,7 +271,7 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
 }  // namespace
 
 cudaError_t bwd_sm80(const Params &p, cudaStream_t stream) {
-  return dispatch(p, [&]<typename T, int D, bool FULL>() {
+  return dispatch<64, 128>(p, [&]<typename T, int D, bool FULL>() {
     using A = DQ<T, D>;
     using B = DKV<T, D>;
     dim3 grid_q((p.q_len + A::BQ - 1) / A::BQ, p.q_heads, p.batch);

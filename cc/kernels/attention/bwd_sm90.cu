@@ -127,10 +127,11 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
         if (!sees<FULL>(p, b, i, j, BK)) continue;
         const int s = it % STAGES, phase = (it / STAGES) & 1;
         wait(sm.empty[s], phase ^ 1);
-        arrive_expect_bytes(sm.full[s], sizeof(sm.q[s].data) + sizeof(sm.dout[s].data) + sizeof(sm.stats[s]));
+        expect_bytes(sm.full[s], sizeof(sm.q[s].data) + sizeof(sm.dout[s].data) + sizeof(sm.stats[s]));
         load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, sm.full[s]);
         load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, sm.full[s]);
         load_async(sm.stats[s], p.workspace + C::stats(p, b, h, i), sizeof(sm.stats[s]), sm.full[s]);
+        arrive(sm.full[s]);  // after the copies (the consumers read the stats with ordinary loads)
         it++;
       }
     }
@@ -292,7 +293,7 @@ bool bwd_sm90_supported(const Params &p) {
 }
 
 cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
-  return dispatch(p, [&]<typename T, int D, bool FULL>() {
+  return dispatch<64, 128>(p, [&]<typename T, int D, bool FULL>() {
     using C = BwdH<T, D>;
     const size_t rows = size_t(p.batch) * p.q_len * p.q_heads;
     bwd_prep_kernel<T, D><<<unsigned((rows + 7) / 8), 256, 0, stream>>>(p);

@@ -17,14 +17,14 @@ inline bool has_options(const Params &p) {
          p.softcap > 0.f;
 }
 
-// f.template operator()<T, D, FULL>() for the runtime dtype and head dim. The kernels are compiled
-// twice: FULL = false knows only the causal mask and the sequence ends (plain attention pays
-// nothing for the options), FULL = true applies every option of Params.
-template <typename F> cudaError_t dispatch(const Params &p, F f) {
+// f.template operator()<T, D, FULL>() for the runtime dtype and head dim (one of DIMS). The kernels
+// are compiled twice: FULL = false knows only the causal mask and the sequence ends (plain attention
+// pays nothing for the options), FULL = true applies every option of Params.
+template <int... DIMS, typename F> cudaError_t dispatch(const Params &p, F f) {
   auto by_dim = [&]<typename T, bool FULL>() -> cudaError_t {
-    if (p.head_dim == 64) return f.template operator()<T, 64, FULL>();
-    if (p.head_dim == 128) return f.template operator()<T, 128, FULL>();
-    return cudaErrorInvalidValue;
+    cudaError_t e = cudaErrorInvalidValue;
+    ((p.head_dim == DIMS ? (e = f.template operator()<T, DIMS, FULL>(), true) : false) || ...);
+    return e;
   };
   auto by_options = [&]<typename T>() -> cudaError_t {
     return has_options(p) ? by_dim.template operator()<T, true>() : by_dim.template operator()<T, false>();

@@ -106,7 +106,7 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
 }  // namespace
 
 cudaError_t fwd_sm80(const Params &p, cudaStream_t stream) {
-  return dispatch(p, [&]<typename T, int D, bool FULL>() {
+  return dispatch<64, 128>(p, [&]<typename T, int D, bool FULL>() {
     using C = Fwd<T, D>;
     dim3 grid((p.q_len + C::BQ - 1) / C::BQ, p.q_heads, p.batch);
     return launch(fwd_kernel<T, D, FULL>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p);

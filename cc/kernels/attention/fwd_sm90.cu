@@ -16,7 +16,8 @@ namespace {
 using namespace tk;
 
 template <typename T, int D> struct FwdH {
-  static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1), BQ = 64 * CONSUMERS, BK = 128;
+  static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1), BQ = 64 * CONSUMERS;
+  static constexpr int BK = D <= 128 ? 128 : 64;  // D = 256: O takes 128 registers, K/V tiles 32 KB
   static constexpr int STAGES = D <= 64 ? 4 : 2;
   struct Shared {
     st<T, 64, D> q[CONSUMERS];
@@ -140,10 +141,10 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
 
 }  // namespace
 
-bool fwd_sm90_supported(const Params &p) { return p.head_dim == 64 || p.head_dim == 128; }
+bool fwd_sm90_supported(const Params &p) { return p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256; }
 
 cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
-  return dispatch(p, [&]<typename T, int D, bool FULL>() {
+  return dispatch<64, 128, 256>(p, [&]<typename T, int D, bool FULL>() {
     using C = FwdH<T, D>;
     typename C::Args a{p, {}, {}, {}};
     if (!make_tma_map(a.q, p.q, p.batch, p.q_len, p.q_heads, D) ||
