@@ -8,9 +8,10 @@
 //   consumers: 64 keys each:
 //                S^T = K Q_i^T,  dP^T = V dO_i^T                   (wgmma, both from shared memory)
 //                P^T = exp(S^T - lse),  dS^T = P^T (dP^T - delta)   (registers)
-//                dV += P^T dO_i,  dK += dS^T Q_i                    (wgmma, A from registers)
-//              then both write dS^T to shared memory and each computes half of the columns of
-//                dQ_i = dS K                                       (wgmma, A read M-major)
+//                dV += P^T dO_i                                    (wgmma, A from registers)
+//              then both write dS^T to shared memory, and each computes
+//                dK += dS^T Q_i                                    (wgmma, A: its rows of dS^T)
+//                dQ_i = dS K, half of the columns                  (wgmma, A read M-major)
 //              which it stages in shared memory and adds to an fp32 accumulator tile in global
 //              memory with one bulk reduce-add (the copy engine does the atomics). With
 //              Params::deterministic the blocks of one query block take turns, in key-block order,
