@@ -132,7 +132,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
         load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, sm.full[s]);
         load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, sm.full[s]);
         load_async(sm.stats[s], p.workspace + C::stats(p, b, h, i), sizeof(sm.stats[s]), sm.full[s]);
-        arrive(sm.full[s]);  // after the copies (the consumers read the stats with ordinary loads)
+        arrive(sm.full[s]);
         it++;
       }
     }

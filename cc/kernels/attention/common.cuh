@@ -127,11 +127,6 @@ template <bool FULL> __device__ __forceinline__ int next_kv_block(const Params &
   while (j < end && !segments_meet<FULL>(p, b, q0, rows, j * BK, BK)) j++;
   return j;
 }
-// The same over query blocks of BQ for keys [k0, k0 + cols).
-template <bool FULL> __device__ __forceinline__ int next_q_block(const Params &p, int b, int k0, int cols, int i, int end, int BQ) {
-  while (i < end && !segments_meet<FULL>(p, b, i * BQ, BQ, k0, cols)) i++;
-  return i;
-}
 
 // False when every query row of [q0, q0 + rows) sees every key of [k0, k0 + cols): the block can
 // skip the elementwise mask. With segment ids: when all those rows and keys are in one segment.

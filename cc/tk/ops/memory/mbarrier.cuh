@@ -22,9 +22,8 @@ __device__ __forceinline__ void arrive(semaphore &s) {
 __device__ __forceinline__ void arrive_expect_bytes(semaphore &s, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(&s.bar)), "r"(bytes) : "memory");
 }
-// Announce `bytes` of TMA transactions without arriving: the issuing thread can then start its
-// copies and arrive after them (its writes, as far as tools that track threads see, come before its
-// arrival; the barrier completes the same way).
+// Announce `bytes` of TMA transactions without arriving (arrive separately, e.g. after issuing the
+// copies); the phase completes as with arrive_expect_bytes.
 __device__ __forceinline__ void expect_bytes(semaphore &s, uint32_t bytes) {
   asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(&s.bar)), "r"(bytes) : "memory");
 }
