@@ -17,7 +17,7 @@ from jax_tk import _ffi, reference, sharding
 IMPLEMENTATIONS = (None, "tk", "xla")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 KERNEL_HEAD_DIMS = (64, 128)  # forward and backward, every GPU path
-HOPPER_FORWARD_HEAD_DIMS = (256,)  # forward only, sm_90a kernel (H100/H200); the backward: reference
+HOPPER_HEAD_DIMS = (256,)  # forward and backward, the sm_90a kernels only (H100/H200)
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 FWD_TARGET = "jax_tk_attention_fwd"
@@ -123,12 +123,12 @@ def kernel_unsupported_reason(query, key) -> str | None:
     if not any(query.dtype == d for d in KERNEL_DTYPES):
         return f"dtype {query.dtype} (the kernel takes bfloat16 and float16)"
     d = query.shape[-1]
-    if d in HOPPER_FORWARD_HEAD_DIMS:
+    if d in HOPPER_HEAD_DIMS:
         if _ffi.cuda_device_capability() != (9, 0) or _default_variant() != VARIANT_AUTO:
-            return f"head_dim {d} (a forward kernel on H100/H200 only; elsewhere the kernels take {KERNEL_HEAD_DIMS})"
+            return f"head_dim {d} (kernels on H100/H200 only; elsewhere the kernels take {KERNEL_HEAD_DIMS})"
         return None
     if d not in KERNEL_HEAD_DIMS:
-        return f"head_dim {d} (the kernels take {KERNEL_HEAD_DIMS}, and {HOPPER_FORWARD_HEAD_DIMS} on H100/H200)"
+        return f"head_dim {d} (the kernels take {KERNEL_HEAD_DIMS}, and {HOPPER_HEAD_DIMS} on H100/H200)"
     return None
 
 
@@ -317,10 +317,7 @@ def _fwd_local(spec: AttentionSpec, query, key, value, masks=None):
 
 
 def _bwd_local(spec: AttentionSpec, query, key, value, out, lse, dout, dlse, masks=None):
-    # Head dims with only a forward kernel (256) take the reference backward (it recomputes the
-    # attention with XLA: memory O(q_len * kv_len)).
-    kernel = _bwd_kernel if query.shape[-1] in KERNEL_HEAD_DIMS else _bwd_reference
-    return _dispatch(kernel, _bwd_reference, spec, query, key, value, out, lse, dout, dlse, masks=masks)
+    return _dispatch(_bwd_kernel, _bwd_reference, spec, query, key, value, out, lse, dout, dlse, masks=masks)
 
 
 # masks (segment ids, lengths: integer arrays) is an input of the custom_vjp like query/key/value, so

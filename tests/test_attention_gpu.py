@@ -437,49 +437,51 @@ def test_backward_is_deterministic(is_causal, variant):
 
 
 # ----------------------------------------------------------------------------------------------
-# Head dim 256: a forward kernel on H100/H200 (sm_90a); the backward runs the reference
+# Head dim 256: sm_90a kernels only (H100/H200), forward and backward
 # ----------------------------------------------------------------------------------------------
 
 HOPPER = jax_tk._ffi.cuda_device_capability() == (9, 0)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="the head-dim-256 forward kernel runs on compute capability 9.0")
+@pytest.mark.skipif(not HOPPER, reason="the head-dim-256 kernels run on compute capability 9.0")
 @pytest.mark.parametrize(
-    "b,t,s,n,kh,dtype,is_causal,window,segments",
-    [(2, 333, 1000, 4, 2, BF16, False, None, None), (1, 1000, 1000, 4, 4, F16, True, None, None),
-     (2, 70, 33, 8, 2, BF16, True, None, None), (1, 777, 777, 4, 2, BF16, True, (100, 0), "documents"),
-     (2, 200, 130, 4, 2, F16, False, (16, 8), "packed")],
-    ids=["cross_gqa", "causal_fp16", "short_causal", "window_documents", "window_packed"])
-def test_head_dim_256_forward_kernel(b, t, s, n, kh, dtype, is_causal, window, segments):
+    "b,t,s,n,kh,dtype,is_causal,window,segments,softcap,deterministic",
+    [(2, 333, 1000, 4, 2, BF16, False, None, None, None, False),
+     (1, 1000, 1000, 4, 4, F16, True, None, None, None, False),
+     (2, 70, 33, 8, 2, BF16, True, None, None, None, True),
+     (1, 777, 777, 4, 2, BF16, True, (100, 0), "documents", None, False),
+     (2, 200, 130, 4, 2, F16, False, (16, 8), "packed", 20.0, False),
+     (1, 513, 257, 8, 1, BF16, False, None, None, 5.0, True)],
+    ids=["cross_gqa", "causal_fp16", "short_causal_deterministic", "window_documents", "window_packed_softcap",
+         "mqa_softcap_deterministic"])
+def test_head_dim_256_kernels(b, t, s, n, kh, dtype, is_causal, window, segments, softcap, deterministic):
     d = 256
-    seed = zlib.crc32(f"{b}{t}{s}{n}{kh}{is_causal}".encode())
-    q, k, v, dout = make_inputs(seed, b, t, s, n, kh, d, dtype)
-    masks = make_masks(seed + 1, b, t, s, segments) if segments else None
-    spec = AttentionSpec(1 / math.sqrt(d), is_causal, True, window, None)
-    out, lse = jax.jit(lambda q, k, v: _fwd_kernel(
-        q, k, v, spec, out_init=(_nan(q.shape, q.dtype), _nan((b, n, t), F32)), variant=VARIANT_AUTO,
-        masks=masks))(q, k, v)
-    dlse = jnp.zeros((b, n, t), F32)
-    want = reference_fwd_bwd(q, k, v, dout, dlse, masks, scale=spec.scale, is_causal=is_causal, window=window)
-    assert_finite("out", out)
-    assert_close("out", out, want[0])
-    assert_lse_close(lse, want[1])
+    seed = zlib.crc32(f"{b}{t}{s}{n}{kh}{is_causal}{softcap}".encode())
+    q, k, v, dout = make_inputs(seed, b, t, s, n, kh, d, dtype, q_mult=2.0 if softcap else 1.0)
+    dlse = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((b, n, t), dtype=np.float32))
+    masks = make_masks(seed + 2, b, t, s, segments) if segments else None
+    got, _ = check_kernels(q, k, v, dout, dlse, masks, scale=1 / math.sqrt(d), is_causal=is_causal, window=window,
+                           softcap=softcap, deterministic=deterministic)
+    if deterministic:
+        again = kernel_fwd_bwd(q, k, v, dout, dlse, masks, scale=1 / math.sqrt(d), is_causal=is_causal, window=window,
+                               softcap=softcap, deterministic=True)
+        for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), got, again):
+            assert _same_bits(x, y), f"{name} differs between two identical runs"
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="the head-dim-256 forward kernel runs on compute capability 9.0")
+@pytest.mark.skipif(not HOPPER, reason="the head-dim-256 kernels run on compute capability 9.0")
 def test_head_dim_256_public_api_and_grad():
-    """implementation=None and "tk" take the forward kernel; gradients (reference backward) are right."""
+    """implementation=None and "tk" take both kernels; outputs and gradients match the reference."""
     b, t, n, d = 2, 300, 4, 256
     q, k, v, dout = make_inputs(31, b, t, t, n, 2, d, BF16)
     for impl in (None, "tk"):
         f = functools.partial(jax_tk.attention, is_causal=True, implementation=impl)
-        text = jax.jit(f).lower(q, k, v).as_text()
-        assert FWD_TARGET in text
-        grads = jax.jit(jax.grad(_loss(f, dout), argnums=(0, 1, 2)))(q, k, v)
-        assert BWD_TARGET not in jax.jit(jax.grad(_loss(f, dout), argnums=(0, 1, 2))).lower(q, k, v).as_text()
+        assert FWD_TARGET in jax.jit(f).lower(q, k, v).as_text()
+        grad = jax.jit(jax.grad(_loss(f, dout), argnums=(0, 1, 2)))
+        assert BWD_TARGET in grad.lower(q, k, v).as_text()
         want = reference_fwd_bwd(q, k, v, dout, jnp.zeros((b, n, t), F32), scale=1 / math.sqrt(d), is_causal=True)
         assert_close("out", jax.jit(f)(q, k, v), want[0])
-        for name, x, r in zip(("dq", "dk", "dv"), grads, want[2:]):
+        for name, x, r in zip(("dq", "dk", "dv"), grad(q, k, v), want[2:]):
             assert_close(name, x, r)

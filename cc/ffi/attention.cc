@@ -30,7 +30,7 @@ ffi::Error check_qkv(Params &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer &k
   if (qd[0] != kd[0] || qd[3] != kd[3]) return invalid("query and key/value disagree on batch or head_dim");
   if (kd[2] == 0 || qd[2] % kd[2] != 0) return invalid("query heads must be a multiple of key/value heads");
   if (qd[3] != 64 && qd[3] != 128 && qd[3] != 256)
-    return invalid("attention kernels take head_dim 64 or 128 (and 256 in the H100/H200 forward)");
+    return invalid("attention kernels take head_dim 64 or 128 (and 256 on H100/H200)");
   for (auto d : {qd[0], qd[1], qd[2], kd[1], kd[2]})
     if (d <= 0 || d >= (int64_t(1) << 31)) return invalid("attention dimensions must be in [1, 2^31)");
   if (qd[1] * qd[2] * qd[3] >= (int64_t(1) << 31) || kd[1] * kd[2] * kd[3] >= (int64_t(1) << 31))
@@ -172,9 +172,9 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   p.delta = static_cast<float *>(delta->untyped_data());
   p.workspace = static_cast<float *>(workspace->untyped_data());
   p.deterministic = deterministic != 0;
-  if (p.head_dim == 256) return invalid("head_dim 256: no backward kernel yet (jax_tk runs the reference)");
   if (use_sm90(variant) && attention::bwd_sm90_supported(p))
     return cuda_error(attention::bwd_sm90(p, stream), "attention backward (sm_90a)");
+  if (p.head_dim == 256) return invalid("head_dim 256: the backward kernel runs on H100/H200 (sm_90a) only");
   return cuda_error(attention::bwd_sm80(p, stream), "attention backward");
 }
 

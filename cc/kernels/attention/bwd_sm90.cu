@@ -30,7 +30,12 @@ using namespace tk;
 
 template <typename T, int D> struct BwdH {
   static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
-  static constexpr int BK = 64 * CONSUMERS, BQ = 64, STAGES = 2, DQ_COLS = D / CONSUMERS;
+  // SPLIT consumers share each 64 keys and split the columns of dK/dV (SPLIT = 2 at D = 256: 64 x 256
+  // fp32 accumulators would not fit one warpgroup's registers; both then compute S^T and dP^T).
+  static constexpr int SPLIT = D > 128 ? 2 : 1, KV_COLS = D / SPLIT;
+  static constexpr int BK = 64 * CONSUMERS / SPLIT, BQ = 64, STAGES = D > 128 ? 1 : 2, DQ_COLS = D / CONSUMERS;
+  // Each consumer computes its DQ_COLS columns of dQ_i in parts of at most 64 (registers again).
+  static constexpr int DQ_PART = DQ_COLS < 64 ? DQ_COLS : 64, DQ_PARTS = DQ_COLS / DQ_PART;
   struct Shared {
     st<T, BK, D> k, v;
     st<T, BQ, D> q[STAGES], dout[STAGES];
@@ -74,13 +79,28 @@ template <bool FULL> __device__ __forceinline__ int blocks_before(const Params &
 // from shared memory: registers are short here).
 template <bool FULL, typename RT>
 __device__ __forceinline__ void probabilities(RT &s, const Params &p, int b, int q0, int kw, const float *lse) {
-  const float c = p.scale * LOG2E;
+  float c = p.scale * LOG2E;
+  if (FULL && p.softcap > 0.f) {
+    scale_logits<FULL>(s, p);  // capped, in log2 units
+    c = 1.f;
+  }
   if (block_needs_mask<FULL>(p, b, q0, BWD_BQ, kw, RT::rows))
     warp::map_indexed(s, s, [&](int r, int col, float x) {
       return visible<FULL>(p, b, q0 + col, kw + r) ? warp::fn::exp2(x * c - lse[col]) : 0.f;
     });
   else
     warp::map_indexed(s, s, [&](int, int col, float x) { return warp::fn::exp2(x * c - lse[col]); });
+}
+
+// With a soft cap: P^T := d(capped logit) / d(scaled logit) = 1 - tanh^2 = 1 - (capped / cap)^2,
+// the capped logit recovered from P = exp2(capped log2 e - lse) (no register tile to keep it in). An
+// entry with P = 0 gets 0 (its dS is 0 anyway; this also turns -inf and NaN into 0).
+template <typename RT> __device__ __forceinline__ void softcap_derivative(RT &pt, const Params &p, const float *lse) {
+  const float inv = 1.f / (p.softcap * LOG2E);
+  warp::map_indexed(pt, pt, [&](int, int col, float x) {
+    const float t = (warp::fn::log2(x) + lse[col]) * inv;
+    return fmaxf(1.f - t * t, 0.f);
+  });
 }
 
 __device__ __forceinline__ int load_acquire(const int *x) {
@@ -139,14 +159,16 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     return;
   }
 
-  // consumers: warpgroup wg owns keys k0 + 64 wg .. + 64, this warp 16 of them from kw
+  // consumers: warpgroup wg owns keys k0 + row0 .. + 64 (this warp 16 of them from kw) and the
+  // columns col0 .. + KV_COLS of their dK and dV
   warpgroup::increase_registers<240>();
-  const int kw = k0 + 64 * wg + 16 * (warpid() % 4);
-  const auto k_rows = window<64, D>(sm.k, 64 * wg, 0), v_rows = window<64, D>(sm.v, 64 * wg, 0);
-  const auto k_cols = window<BK, C::DQ_COLS>(sm.k, 0, C::DQ_COLS * wg);
+  const int row0 = 64 * (wg / C::SPLIT), col0 = C::KV_COLS * (wg % C::SPLIT);
+  const int kw = k0 + row0 + 16 * (warpid() % 4);
+  const bool writes_ds = wg % C::SPLIT == 0;  // one of the warpgroups that share the keys
+  const auto k_rows = window<64, D>(sm.k, row0, 0), v_rows = window<64, D>(sm.v, row0, 0);
   int *locks = reinterpret_cast<int *>(p.workspace + C::stats(p, p.batch, 0, 0));
   const bool leader = threadIdx.x % 128 == 0;
-  rt_fl<16, D> dk, dv;
+  rt_fl<16, C::KV_COLS> dk, dv;
   rt_fl<16, BQ> s, dp;  // S^T (then P^T), dP^T (then dS^T) of the current step
   warp::zero(dk);
   warp::zero(dv);
@@ -178,27 +200,45 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
       probabilities<FULL>(s, p, b, q0, kw, sm.stats[slot]);
       warp::copy(p16, s);
-      warpgroup::mma_AB(dv, p16, sm.dout[slot], true);  // dV += P^T dO   [dP, dV]
+      warpgroup::mma_AB(dv, p16, window<BQ, C::KV_COLS>(sm.dout[slot], 0, col0), true);  // dV += P^T dO   [dP, dV]
       warp::load(delta, sm.stats[slot] + BQ, BQ);
       warpgroup::wait<1>();  // [dV]: dP^T is ready
       warpgroup::fence_registers(dp);
       warp::map_col(dp, dp, delta, [](float x, float d) { return x - d; });
       warp::mul(dp, dp, s);  // dS^T = P^T (dP^T - delta)
-      warp::copy(ds16, dp);
-      warp::store(ds_tile, ds16, kw - k0, 0);
-      warpgroup::fence_shared_writes();
+      if (FULL && p.softcap > 0.f) {  // w.r.t. the logits before the cap
+        softcap_derivative(s, p, sm.stats[slot]);
+        warp::mul(dp, dp, s);
+      }
+      if (writes_ds) {
+        warp::copy(ds16, dp);
+        warp::store(ds_tile, ds16, kw - k0, 0);
+        warpgroup::fence_shared_writes();
+      }
       sync_named(1, 128 * CONSUMERS);  // all of dS^T is in shared memory
-      warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, 64 * wg, 0), sm.q[slot], true);  // dK += dS^T Q  [dV, dK]
-      rt_fl<16, C::DQ_COLS> dq;
-      warpgroup::mma_AtB(dq, ds_tile, k_cols, false);  // this warpgroup's columns of dS K   [dV, dK, dQ]
-      issue_logits(it + 1);   // [dV, dK, dQ, S']
-      warpgroup::wait<1>();  // [S']
-      warpgroup::fence_registers(dq);
-      // dQ_i's columns -> shared memory -> accumulator tile (+=, by the copy engine)
-      if (leader) bulk_wait_read<0>();  // the last step's copy is done reading the buffer
-      sync_named(2 + wg, 128);          // this warpgroup only; all its threads are done with the slot:
-      if (leader) arrive(sm.empty[slot]);  // dV and dK with Q and dO, the warps with lse and delta
-      warpgroup::store_fragments(sm.dq[wg], dq);
+      warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, row0, 0), window<BQ, C::KV_COLS>(sm.q[slot], 0, col0), true);  // dK += dS^T Q  [dV, dK]
+      // This warpgroup's columns of dQ_i = dS K -> shared memory -> accumulator tile (+=, by the
+      // copy engine). Parts stored one after the other in fragment order make the fragment order
+      // of all the columns.
+#pragma unroll
+      for (int part = 0; part < C::DQ_PARTS; part++) {
+        rt_fl<16, C::DQ_PART> dq;
+        const int c0 = C::DQ_COLS * wg + C::DQ_PART * part;
+        warpgroup::mma_AtB(dq, ds_tile, window<BK, C::DQ_PART>(sm.k, 0, c0), false);  // [dV, dK, dQ]
+        if (part == C::DQ_PARTS - 1) {
+          issue_logits(it + 1);  // [dV, dK, dQ, S']
+          warpgroup::wait<1>();  // [S']
+        } else {
+          warpgroup::wait<0>();
+        }
+        warpgroup::fence_registers(dq);
+        if (part == 0) {
+          if (leader) bulk_wait_read<0>();  // the last step's copy is done reading the buffer
+          sync_named(2 + wg, 128);          // this warpgroup only; all its threads are done with the slot:
+          if (leader) arrive(sm.empty[slot]);  // dV and dK with Q and dO, the warps with lse and delta
+        }
+        warpgroup::store_fragments(sm.dq[wg] + part * BQ * C::DQ_PART, dq);
+      }
       warpgroup::fence_shared_writes();
       sync_named(2 + wg, 128);
       if (leader) {
@@ -225,8 +265,8 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   warpgroup::fence_registers(dv);
   if (leader) bulk_wait<0>();  // the copy engine has finished with shared memory
   warp::mul(dk, dk, p.scale);
-  warp::store(gl<T>::make(static_cast<T *>(p.dk), p.batch, p.kv_len, p.kv_heads, D), dk, {b, kw, kvh, 0});
-  warp::store(gl<T>::make(static_cast<T *>(p.dv), p.batch, p.kv_len, p.kv_heads, D), dv, {b, kw, kvh, 0});
+  warp::store(gl<T>::make(static_cast<T *>(p.dk), p.batch, p.kv_len, p.kv_heads, D), dk, {b, kw, kvh, col0});
+  warp::store(gl<T>::make(static_cast<T *>(p.dv), p.batch, p.kv_len, p.kv_heads, D), dv, {b, kw, kvh, col0});
 #endif
 }
 
@@ -288,13 +328,12 @@ template <typename T, int D> __global__ void bwd_dq_kernel(const __grid_constant
 
 }  // namespace
 
-// The soft cap is left to the mma.sync backward: its derivative would need one more register tile.
 bool bwd_sm90_supported(const Params &p) {
-  return (p.head_dim == 64 || p.head_dim == 128) && p.workspace != nullptr && p.softcap == 0.f;
+  return (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) && p.workspace != nullptr;
 }
 
 cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
-  return dispatch<64, 128>(p, [&]<typename T, int D, bool FULL>() {
+  return dispatch<64, 128, 256>(p, [&]<typename T, int D, bool FULL>() {
     using C = BwdH<T, D>;
     const size_t rows = size_t(p.batch) * p.q_len * p.q_heads;
     bwd_prep_kernel<T, D><<<unsigned((rows + 7) / 8), 256, 0, stream>>>(p);

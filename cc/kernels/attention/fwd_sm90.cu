@@ -4,7 +4,9 @@
 // semaphore (TMA bytes landed) and an "empty" one (every consumer warp is done with it). The
 // other two are consumers, 64 query rows each: S = Q K^T (wgmma, both operands in shared memory),
 // online softmax in registers (the same warp code as the mma.sync kernel), O += P V (wgmma, P from
-// registers), pipelined so that the softmax of one block overlaps the P V product of the previous.
+// registers), pipelined so that the softmax of one block overlaps the P V product of the previous,
+// and the two consumers take turns issuing their products (ping-pong), so that one's softmax runs
+// while the tensor cores work for the other.
 // setmaxnreg moves registers from the producer to the consumers. Producer and consumers walk the
 // same key blocks (kv_block_range: causal, window, lengths; next_kv_block: segments); a block of
 // query rows that sees no key loads nothing and stores O = 0, lse = -inf.
@@ -19,6 +21,7 @@ template <typename T, int D> struct FwdH {
   static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1), BQ = 64 * CONSUMERS;
   static constexpr int BK = D <= 128 ? 128 : 64;  // D = 256: O takes 128 registers, K/V tiles 32 KB
   static constexpr int STAGES = D <= 64 ? 4 : 2;
+  static constexpr bool PINGPONG = D <= 128;  // the consumers take turns issuing their products
   struct Shared {
     st<T, 64, D> q[CONSUMERS];
     st<T, BK, D> k[STAGES], v[STAGES];
@@ -82,6 +85,12 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
 
   // consumers
   warpgroup::increase_registers<240>();
+  static_assert(CONSUMERS == 2);
+  // Turns: named barrier 1 + w opens consumer w's turn when the other arrives on it. Every turn
+  // but the other's last is answered, and consumer 1 opens the first one. (Not at D = 256: there
+  // the barriers cost registers that O needs.)
+  auto my_turn = [&] { if constexpr (C::PINGPONG) sync_named(1 + wg, 256); };
+  auto your_turn = [&] { if constexpr (C::PINGPONG) arrive_named(2 - wg, 256); };
   const int qw = q0 + 64 * wg + 16 * (warpid() % 4);  // this warp's first query row
   rt_fl<16, BK> s;
   rt<T, 16, BK> pr;
@@ -96,11 +105,14 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     return;
   }
   wait(sm.q_full, 0);
+  if (wg == 1) your_turn();
 
   // Software pipeline: while the tensor cores compute O += P_{j-1} V_{j-1}, the warps run the
   // softmax of block j. S_j is issued first; wgmma groups complete in order.
   wait(sm.k_full[0], 0);
+  my_turn();
   warpgroup::mma_ABt(s, sm.q[wg], sm.k[0], false);  // S_0 = Q K_0^T
+  your_turn();
   warpgroup::wait<0>();
   warpgroup::fence_registers(s);
   if (laneid() == 0) arrive(sm.k_empty[0]);
@@ -113,9 +125,11 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     const int st = n % STAGES, phase = (n / STAGES) & 1;
     const int prev = (n - 1) % STAGES, prev_phase = ((n - 1) / STAGES) & 1;
     wait(sm.k_full[st], phase);
-    warpgroup::mma_ABt(s, sm.q[wg], sm.k[st], false);  // S_j = Q K_j^T
     wait(sm.v_full[prev], prev_phase);
-    warpgroup::mma_AB(o, pr, sm.v[prev], true);  // O += P_{j-1} V_{j-1}
+    my_turn();
+    warpgroup::mma_ABt(s, sm.q[wg], sm.k[st], false);  // S_j = Q K_j^T
+    warpgroup::mma_AB(o, pr, sm.v[prev], true);        // O += P_{j-1} V_{j-1}
+    your_turn();
     warpgroup::wait<1>();                         // S_j is ready
     warpgroup::fence_registers(s);
     if (laneid() == 0) arrive(sm.k_empty[st]);
@@ -130,7 +144,9 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   }
   const int last = (n - 1) % STAGES;
   wait(sm.v_full[last], ((n - 1) / STAGES) & 1);
+  my_turn();
   warpgroup::mma_AB(o, pr, sm.v[last], true);
+  if (wg == 0) your_turn();
   warpgroup::wait<0>();
   warpgroup::fence_registers(o);
   if (laneid() == 0) arrive(sm.v_empty[last]);

@@ -118,7 +118,11 @@ int main() {
       run(1, 70, 50, 2, 1, 64, causal, hopper);
       run(2, 33, 130, 4, 2, 128, causal, hopper);
       run(2, 150, 90, 4, 2, 64, causal, hopper, true);
-      if (hopper) run(1, 130, 200, 4, 2, 64, causal, hopper, false, true);
+      if (hopper) {
+        run(1, 130, 200, 4, 2, 64, causal, hopper, false, true);
+        run(1, 70, 130, 2, 1, 256, causal, hopper, true);
+        run(2, 65, 50, 2, 2, 256, causal, hopper, false, true);
+      }
     }
   }
   return 0;

@@ -22,6 +22,11 @@ __device__ __forceinline__ int warpid() { return threadIdx.x >> 5; }
 __device__ __forceinline__ void sync_named(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Count this warp's threads toward named barrier `id` without waiting (a signal to the threads that
+// sync_named on it).
+__device__ __forceinline__ void arrive_named(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 template <typename T> constexpr bool is_16bit = std::is_same_v<T, bf16> || std::is_same_v<T, half>;
 template <typename T> constexpr bool is_element = is_16bit<T> || std::is_same_v<T, float>;
