@@ -84,12 +84,15 @@ __device__ __forceinline__ void probabilities(RT &s, const Params &p, int b, int
     scale_logits<FULL>(s, p);  // capped, in log2 units
     c = 1.f;
   }
-  if (block_needs_mask<FULL>(p, b, q0, BWD_BQ, kw, RT::rows))
+  if constexpr (FULL) {  // masked entries -inf, then exp2(-inf) = 0
+    mask_logits_transposed<FULL>(s, p, b, kw, q0);
+  } else if (block_needs_mask<FULL>(p, b, q0, BWD_BQ, kw, RT::rows)) {
     warp::map_indexed(s, s, [&](int r, int col, float x) {
       return visible<FULL>(p, b, q0 + col, kw + r) ? warp::fn::exp2(x * c - lse[col]) : 0.f;
     });
-  else
-    warp::map_indexed(s, s, [&](int, int col, float x) { return warp::fn::exp2(x * c - lse[col]); });
+    return;
+  }
+  warp::map_indexed(s, s, [&](int, int col, float x) { return warp::fn::exp2(x * c - lse[col]); });
 }
 
 // With a soft cap: P^T := d(capped logit) / d(scaled logit) = 1 - tanh^2 = 1 - (capped / cap)^2,

@@ -58,18 +58,23 @@ template <bool FULL> __device__ __forceinline__ int kv_end(const Params &p, int 
   return FULL && p.kv_lengths ? min(p.kv_len, max(p.kv_lengths[b], 0)) : p.kv_len;
 }
 
+// The keys lo..hi (int2 {lo, hi}; lo > hi: none) that query row qi may see by causality, the window
+// and the lengths (segment ids aside: mask_segments).
+template <bool FULL> __device__ __forceinline__ int2 key_range(const Params &p, int b, int qi) {
+  if (qi < 0 || qi >= q_end<FULL>(p, b)) return {0, -1};
+  int2 r{0, kv_end<FULL>(p, b) - 1};
+  if (p.causal) r.y = min(r.y, qi);
+  if (FULL && p.window_right >= 0) r.y = int(min((long long)r.y, (long long)qi + p.window_right));
+  if (FULL && p.window_left >= 0) r.x = max(r.x, qi - p.window_left);
+  return r;
+}
+__device__ __forceinline__ bool in_range(int2 r, int kj) { return kj >= r.x && kj <= r.y; }
+
 // May query row qi of batch entry b see key kj?
 template <bool FULL> __device__ __forceinline__ bool visible(const Params &p, int b, int qi, int kj) {
-  if (qi >= q_end<FULL>(p, b) || kj >= kv_end<FULL>(p, b)) return false;
-  if (p.causal && kj > qi) return false;
-  if constexpr (FULL) {
-    if (qi < 0 || kj < 0) return false;
-    if (p.window_left >= 0 && qi - kj > p.window_left) return false;  // differences: no overflow
-    if (p.window_right >= 0 && kj - qi > p.window_right) return false;
-    return !p.q_segment_ids ||
-           p.q_segment_ids[size_t(b) * p.q_len + qi] == p.kv_segment_ids[size_t(b) * p.kv_len + kj];
-  }
-  return true;
+  return in_range(key_range<FULL>(p, b, qi), kj) &&
+         (!FULL || !p.q_segment_ids ||
+          p.q_segment_ids[size_t(b) * p.q_len + qi] == p.kv_segment_ids[size_t(b) * p.kv_len + kj]);
 }
 
 // [first, end) of the blocks of size B that hold [lo, hi); {0, 0} when empty.
@@ -144,17 +149,33 @@ __device__ __forceinline__ bool block_needs_mask(const Params &p, int b, int q0,
          (FULL && p.window_right >= 0 && k_last - q0 > p.window_right);
 }
 
-// s := -inf where query qw + r does not see key k0 + c (s: rows are queries, columns keys).
+// s := -inf where query q0 + i and key k0 + j have different segment ids; (i, j) = (row, column) of
+// s, or (column, row) when TRANSPOSED. (Base pointers and 32-bit offsets: 64-bit addresses per
+// element would cost registers.)
+template <bool TRANSPOSED, typename RT> __device__ __forceinline__ void mask_segments(RT &s, const Params &p, int b, int q0, int k0) {
+  const int *q_ids = p.q_segment_ids + size_t(b) * p.q_len + q0, *kv_ids = p.kv_segment_ids + size_t(b) * p.kv_len + k0;
+  const int nq = p.q_len - q0, nk = p.kv_len - k0;
+  tk::warp::map_indexed(s, s, [&](int r, int c, float x) {
+    const int i = TRANSPOSED ? c : r, j = TRANSPOSED ? r : c;
+    return i < nq && j < nk && q_ids[i] != kv_ids[j] ? NEG_INF : x;
+  });
+}
+
+// s := -inf where query qw + r does not see key k0 + c (s: rows are queries, columns keys), in the
+// blocks that need it. The range of a row is worked out once (the compiler shares it between the
+// row's elements).
 template <bool FULL, typename RT>
 __device__ __forceinline__ void mask_logits(RT &s, const Params &p, int b, int qw, int k0) {
-  if (block_needs_mask<FULL>(p, b, qw, RT::rows, k0, RT::cols))
-    tk::warp::map_indexed(s, s, [&](int r, int c, float x) { return visible<FULL>(p, b, qw + r, k0 + c) ? x : NEG_INF; });
+  if (!block_needs_mask<FULL>(p, b, qw, RT::rows, k0, RT::cols)) return;
+  tk::warp::map_indexed(s, s, [&](int r, int c, float x) { return in_range(key_range<FULL>(p, b, qw + r), k0 + c) ? x : NEG_INF; });
+  if (FULL && p.q_segment_ids) mask_segments<false>(s, p, b, qw, k0);
 }
 // The same for a transposed tile s^T (rows are keys kw.., columns queries q0..).
 template <bool FULL, typename RT>
 __device__ __forceinline__ void mask_logits_transposed(RT &s, const Params &p, int b, int kw, int q0) {
-  if (block_needs_mask<FULL>(p, b, q0, RT::cols, kw, RT::rows))
-    tk::warp::map_indexed(s, s, [&](int r, int c, float x) { return visible<FULL>(p, b, q0 + c, kw + r) ? x : NEG_INF; });
+  if (!block_needs_mask<FULL>(p, b, q0, RT::cols, kw, RT::rows)) return;
+  tk::warp::map_indexed(s, s, [&](int r, int c, float x) { return in_range(key_range<FULL>(p, b, q0 + c), kw + r) ? x : NEG_INF; });
+  if (FULL && p.q_segment_ids) mask_segments<true>(s, p, b, q0, kw);
 }
 
 // ------------------------------------------------------------------------------------------------

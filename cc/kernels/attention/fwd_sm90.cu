@@ -121,7 +121,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   warp::copy(pr, s);
 
   int n = 1;  // blocks visited
-  for (int j = next(first + 1); j < end; n++, j = next(j + 1)) {
+  for (int j = next(first + 1), j_next; j < end; n++, j = j_next) {
     const int st = n % STAGES, phase = (n / STAGES) & 1;
     const int prev = (n - 1) % STAGES, prev_phase = ((n - 1) / STAGES) & 1;
     wait(sm.k_full[st], phase);
@@ -130,7 +130,9 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warpgroup::mma_ABt(s, sm.q[wg], sm.k[st], false);  // S_j = Q K_j^T
     warpgroup::mma_AB(o, pr, sm.v[prev], true);        // O += P_{j-1} V_{j-1}
     your_turn();
-    warpgroup::wait<1>();                         // S_j is ready
+    // While the products run: the next block (with segment ids: read from their ranges)
+    j_next = next(j + 1);
+    warpgroup::wait<1>();  // S_j is ready
     warpgroup::fence_registers(s);
     if (laneid() == 0) arrive(sm.k_empty[st]);
     scale_and_mask<FULL>(s, p, b, qw, j * BK);
