@@ -1,5 +1,6 @@
 """Where do the masking features lose time? Times jax_tk on plain attention and on the same work
-through the masked (FULL) kernels, with the benchmark's timer. Usage: python scripts/feature_probe.py [T H D]"""
+through the masked (FULL) kernels, with the benchmark's timer. Usage: [PROBE_ROWS=0,1,...] python scripts/feature_probe.py [T H D]"""
+import os
 import sys
 
 from jax_tk.bench import AttentionConfig as C, bench_attention
@@ -15,6 +16,9 @@ configs = [
     C(1, T, T, H, D, False, feature="plain", documents=8),
     C(1, T * 13 // 32, T * 13 // 32, H, D, False, feature="plain"),
 ]
+rows = os.environ.get("PROBE_ROWS")
+if rows:
+    configs = [configs[int(i)] for i in rows.split(",")]
 results = bench_attention(configs, ["jax_tk"], ("fwd", "bwd"), check=False, log=None)
 for r in results:
     c = r.config
