@@ -124,9 +124,12 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   const int j = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, k0 = j * BK;
   const int group = p.q_heads / p.kv_heads, n_qblocks = (p.q_len + BQ - 1) / BQ;
   const int wg = warpgroup::groupid();
-  int n_steps = 0;  // (query head, query block) pairs this block visits
-  for (int i = 0; i < n_qblocks; i++) n_steps += sees<FULL>(p, b, i, j, BK);
-  n_steps *= group;
+  // The query blocks that see these keys (with options: listed once, see BlockList), and the
+  // (query head, query block) pairs this block visits.
+  const int2 qr = q_block_range<FULL>(p, b, k0, BK, BQ);
+  const BlockList qblocks = list_blocks(reinterpret_cast<uint32_t *>(&sm + 1), qr.x, qr.y, FULL,
+                                        [&](int i) { return sees<FULL>(p, b, i, j, BK); });
+  const int n_steps = qblocks.count() * group;
 
   if (threadIdx.x == 0) {
     init(sm.kv_full, 1);
@@ -147,8 +150,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     int it = 0;
     for (int g = 0; g < group; g++) {
       const int h = kvh * group + g;
-      for (int i = 0; i < n_qblocks; i++) {
-        if (!sees<FULL>(p, b, i, j, BK)) continue;
+      for (int i = qblocks.next(qr.x); i < qr.y; i = qblocks.next(i + 1)) {
         const int s = it % STAGES, phase = (it / STAGES) & 1;
         wait(sm.empty[s], phase ^ 1);
         expect_bytes(sm.full[s], sizeof(sm.q[s].data) + sizeof(sm.dout[s].data) + sizeof(sm.stats[s]));
@@ -192,8 +194,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   int it = 0;
   for (int g = 0; g < group; g++) {
     const int h = kvh * group + g;
-    for (int i = 0; i < n_qblocks; i++) {
-      if (!sees<FULL>(p, b, i, j, BK)) continue;
+    for (int i = qblocks.next(qr.x); i < qr.y; i = qblocks.next(i + 1)) {
       const int q0 = i * BQ, slot = it % STAGES;
       auto &ds_tile = sm.ds[it % 2];
       rt<T, 16, BQ> p16, ds16;  // P^T and dS^T in the input dtype
@@ -350,9 +351,10 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
         !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
       return cudaErrorInvalidValue;
     auto kernel = bwd_sm90_kernel<T, D, FULL>;
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::smem));
+    const size_t smem = C::smem + (FULL ? 4 * block_list_words((p.q_len + C::BQ - 1) / C::BQ) : 0);
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
-    kernel<<<dim3((p.kv_len + C::BK - 1) / C::BK, p.kv_heads, p.batch), C::THREADS, C::smem, stream>>>(a);
+    kernel<<<dim3((p.kv_len + C::BK - 1) / C::BK, p.kv_heads, p.batch), C::THREADS, smem, stream>>>(a);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
 
     const size_t n = rows * D;

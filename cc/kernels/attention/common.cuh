@@ -133,6 +133,45 @@ template <bool FULL> __device__ __forceinline__ int next_kv_block(const Params &
   return j;
 }
 
+// The blocks [first, end) a thread block visits, minus those that a test rules out. The test reads
+// the segment id ranges (an L2 round trip per block: serially, one stall per step), so the whole
+// thread block evaluates it once, in parallel, into a bit list in shared memory (list_blocks); with
+// bits == nullptr every block of the range is visited.
+struct BlockList {
+  int first, end;
+  const uint32_t *bits;
+  __device__ __forceinline__ int next(int j) const {  // the first listed block >= j (end if none)
+    if (!bits) return j;
+    while (j < end) {
+      const int i = j - first;
+      const uint32_t w = bits[i / 32] >> (i % 32);
+      if (w) return min(j + __ffs(w) - 1, end);
+      j += 32 - i % 32;
+    }
+    return end;
+  }
+  __device__ __forceinline__ int count() const {
+    int n = 0;
+    for (int j = next(first); j < end; j = next(j + 1)) n++;
+    return n;
+  }
+};
+__host__ __device__ constexpr int block_list_words(int blocks) { return (blocks + 31) / 32; }
+// Lists the blocks j of [first, end) with takes_part(j) when `use` (the same for the whole thread
+// block: it synchronizes it), one warp per 32 blocks; otherwise lists all.
+template <typename F>
+__device__ __forceinline__ BlockList list_blocks(uint32_t *bits, int first, int end, bool use, F takes_part) {
+  if (!use) return {first, end, nullptr};
+  const int n = max(end - first, 0);
+  for (int w = threadIdx.x / 32; w * 32 < n; w += blockDim.x / 32) {
+    const int i = w * 32 + int(threadIdx.x % 32);
+    const uint32_t word = __ballot_sync(~0u, i < n && takes_part(first + i));
+    if (threadIdx.x % 32 == 0) bits[w] = word;
+  }
+  __syncthreads();
+  return {first, end, bits};
+}
+
 // False when every query row of [q0, q0 + rows) sees every key of [k0, k0 + cols): the block can
 // skip the elementwise mask. With segment ids: when all those rows and keys are in one segment.
 template <bool FULL>

@@ -48,8 +48,11 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   const int kvh = h / (p.q_heads / p.kv_heads);
   // Key blocks to visit: in [first, end), minus the ones of other segments (next).
   const int2 range = kv_block_range<FULL>(p, b, q0, C::BQ, BK);
+  const BlockList blocks = list_blocks(reinterpret_cast<uint32_t *>(&sm + 1), range.x, range.y,
+                                       FULL && p.q_segment_ids != nullptr,
+                                       [&](int j) { return segments_meet<FULL>(p, b, q0, C::BQ, j * BK, BK); });
   const int end = range.y;
-  auto next = [&](int j) { return next_kv_block<FULL>(p, b, q0, C::BQ, j, end, BK); };
+  auto next = [&](int j) { return blocks.next(j); };
   const int first = next(range.x);
   const int wg = warpgroup::groupid();
 
@@ -171,9 +174,10 @@ cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
       return cudaErrorInvalidValue;
     dim3 grid((p.q_len + C::BQ - 1) / C::BQ, p.q_heads, p.batch);
     auto kernel = fwd_sm90_kernel<T, D, FULL>;
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::smem));
+    const size_t smem = C::smem + (p.q_segment_ids ? 4 * block_list_words((p.kv_len + C::BK - 1) / C::BK) : 0);
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
-    kernel<<<grid, C::THREADS, C::smem, stream>>>(a);
+    kernel<<<grid, C::THREADS, smem, stream>>>(a);
     return cudaGetLastError();
   });
 }
