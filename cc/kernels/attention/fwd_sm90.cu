@@ -42,7 +42,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   constexpr int BK = C::BK, STAGES = C::STAGES, CONSUMERS = C::CONSUMERS;
   extern __shared__ char smem_raw[];
   auto &sm = *reinterpret_cast<typename C::Shared *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const Params &p = a.p;
+  const Params p = a.p;  // a copy: the fields it uses stay in registers (no reloads after each memory clobber)
   const int b = blockIdx.z, h = blockIdx.y;
   const int q0 = (gridDim.x - 1 - blockIdx.x) * C::BQ;  // heaviest (causal) blocks first
   const int kvh = h / (p.q_heads / p.kv_heads);
