@@ -78,20 +78,16 @@ template <bool FULL> __device__ __forceinline__ int blocks_before(const Params &
 // P^T from S^T (rows: keys kw.., columns: queries q0..) and the columns' lse (log2 units, read
 // from shared memory: registers are short here).
 template <bool FULL, typename RT>
-__device__ __forceinline__ void probabilities(RT &s, const Params &p, int b, int q0, int kw, const float *lse) {
+__device__ __forceinline__ void probabilities(RT &s, const Params &p, const KeyRule &rule, bool one_segment, int b, int q0,
+                                              int kw, const float *lse) {
   float c = p.scale * LOG2E;
   if (FULL && p.softcap > 0.f) {
     scale_logits<FULL>(s, p);  // capped, in log2 units
     c = 1.f;
   }
-  if constexpr (FULL) {  // masked entries -inf, then exp2(-inf) = 0
-    mask_logits_transposed<FULL>(s, p, b, kw, q0);
-  } else if (block_needs_mask<FULL>(p, b, q0, BWD_BQ, kw, RT::rows)) {
-    warp::map_indexed(s, s, [&](int r, int col, float x) {
-      return visible<FULL>(p, b, q0 + col, kw + r) ? warp::fn::exp2(x * c - lse[col]) : 0.f;
-    });
-    return;
-  }
+  // Masked entries -inf, then exp2(-inf) = 0. (One exp2 map after the conditional mask: two maps in
+  // the two branches would make ptxas serialize the wgmmas, C7520.)
+  mask_logits_transposed<FULL>(s, p, rule, one_segment, b, kw, q0);
   warp::map_indexed(s, s, [&](int, int col, float x) { return warp::fn::exp2(x * c - lse[col]); });
 }
 
@@ -119,7 +115,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   constexpr int BK = C::BK, BQ = C::BQ, STAGES = C::STAGES, CONSUMERS = C::CONSUMERS;
   static_assert(BQ == BWD_BQ);
   extern __shared__ char smem_raw[];
-  auto &sm = *reinterpret_cast<typename C::Shared *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  auto &sm = align_shared<typename C::Shared>(smem_raw);
   const Params &p = a.p;
   const int j = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, k0 = j * BK;
   const int group = p.q_heads / p.kv_heads, n_qblocks = (p.q_len + BQ - 1) / BQ;
@@ -128,7 +124,9 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   // (query head, query block) pairs this block visits.
   const int2 qr = q_block_range<FULL>(p, b, k0, BK, BQ);
   const BlockList qblocks = list_blocks(reinterpret_cast<uint32_t *>(&sm + 1), qr.x, qr.y, FULL,
-                                        [&](int i) { return sees<FULL>(p, b, i, j, BK); });
+                                        [&](int i) { return sees<FULL>(p, b, i, j, BK); },
+                                        [&](int i) { return in_one_segment<FULL>(p, b, i * BQ, BQ, k0, BK); });
+  const KeyRule rule = key_rule<FULL>(p, b);
   const int n_steps = qblocks.count() * group;
 
   if (threadIdx.x == 0) {
@@ -147,18 +145,18 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     arrive_expect_bytes(sm.kv_full, sizeof(sm.k.data) + sizeof(sm.v.data));
     load_async(sm.k, a.k, {b, k0, kvh, 0}, sm.kv_full);
     load_async(sm.v, a.v, {b, k0, kvh, 0}, sm.kv_full);
-    int it = 0;
-    for (int g = 0; g < group; g++) {
+    for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++) {  // the consumers' steps
       const int h = kvh * group + g;
-      for (int i = qblocks.next(qr.x); i < qr.y; i = qblocks.next(i + 1)) {
-        const int s = it % STAGES, phase = (it / STAGES) & 1;
-        wait(sm.empty[s], phase ^ 1);
-        expect_bytes(sm.full[s], sizeof(sm.q[s].data) + sizeof(sm.dout[s].data) + sizeof(sm.stats[s]));
-        load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, sm.full[s]);
-        load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, sm.full[s]);
-        load_async(sm.stats[s], p.workspace + C::stats(p, b, h, i), sizeof(sm.stats[s]), sm.full[s]);
-        arrive(sm.full[s]);
-        it++;
+      const int s = it % STAGES, phase = (it / STAGES) & 1;
+      wait(sm.empty[s], phase ^ 1);
+      expect_bytes(sm.full[s], sizeof(sm.q[s].data) + sizeof(sm.dout[s].data) + sizeof(sm.stats[s]));
+      load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, sm.full[s]);
+      load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, sm.full[s]);
+      load_async(sm.stats[s], p.workspace + C::stats(p, b, h, i), sizeof(sm.stats[s]), sm.full[s]);
+      arrive(sm.full[s]);
+      if ((i = qblocks.next(i + 1)) >= qr.y) {  // on to the next query head
+        i = qblocks.next(qr.x);
+        g++;
       }
     }
     return;
@@ -191,75 +189,77 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   }
 
   // wgmma groups in flight are listed in [brackets]; they complete in order.
-  int it = 0;
-  for (int g = 0; g < group; g++) {
+  // One loop over the steps (query head g, query block i): ptxas keeps the wgmmas in flight across
+  // one back edge, not across nested loops (C7514).
+  for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++) {
     const int h = kvh * group + g;
-    for (int i = qblocks.next(qr.x); i < qr.y; i = qblocks.next(i + 1)) {
-      const int q0 = i * BQ, slot = it % STAGES;
-      auto &ds_tile = sm.ds[it % 2];
-      rt<T, 16, BQ> p16, ds16;  // P^T and dS^T in the input dtype
-      row_vec<rt_fl<16, BQ>> delta;
-      warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
-      warpgroup::fence_registers(s);
-      warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
-      probabilities<FULL>(s, p, b, q0, kw, sm.stats[slot]);
-      warp::copy(p16, s);
-      warpgroup::mma_AB(dv, p16, window<BQ, C::KV_COLS>(sm.dout[slot], 0, col0), true);  // dV += P^T dO   [dP, dV]
-      warp::load(delta, sm.stats[slot] + BQ, BQ);
-      warpgroup::wait<1>();  // [dV]: dP^T is ready
-      warpgroup::fence_registers(dp);
-      warp::map_col(dp, dp, delta, [](float x, float d) { return x - d; });
-      warp::mul(dp, dp, s);  // dS^T = P^T (dP^T - delta)
-      if (FULL && p.softcap > 0.f) {  // w.r.t. the logits before the cap
-        softcap_derivative(s, p, sm.stats[slot]);
-        warp::mul(dp, dp, s);
-      }
-      if (writes_ds) {
-        warp::copy(ds16, dp);
-        warp::store(ds_tile, ds16, kw - k0, 0);
-        warpgroup::fence_shared_writes();
-      }
-      sync_named(1, 128 * CONSUMERS);  // all of dS^T is in shared memory
-      warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, row0, 0), window<BQ, C::KV_COLS>(sm.q[slot], 0, col0), true);  // dK += dS^T Q  [dV, dK]
-      // This warpgroup's columns of dQ_i = dS K -> shared memory -> accumulator tile (+=, by the
-      // copy engine). Parts stored one after the other in fragment order make the fragment order
-      // of all the columns.
-#pragma unroll
-      for (int part = 0; part < C::DQ_PARTS; part++) {
-        rt_fl<16, C::DQ_PART> dq;
-        const int c0 = C::DQ_COLS * wg + C::DQ_PART * part;
-        warpgroup::mma_AtB(dq, ds_tile, window<BK, C::DQ_PART>(sm.k, 0, c0), false);  // [dV, dK, dQ]
-        if (part == C::DQ_PARTS - 1) {
-          issue_logits(it + 1);  // [dV, dK, dQ, S']
-          warpgroup::wait<1>();  // [S']
-        } else {
-          warpgroup::wait<0>();
-        }
-        warpgroup::fence_registers(dq);
-        if (part == 0) {
-          if (leader) bulk_wait_read<0>();  // the last step's copy is done reading the buffer
-          sync_named(2 + wg, 128);          // this warpgroup only; all its threads are done with the slot:
-          if (leader) arrive(sm.empty[slot]);  // dV and dK with Q and dO, the warps with lse and delta
-        }
-        warpgroup::store_fragments(sm.dq[wg] + part * BQ * C::DQ_PART, dq);
-      }
+    const int q0 = i * BQ, slot = it % STAGES;
+    auto &ds_tile = sm.ds[it % 2];
+    rt<T, 16, BQ> p16, ds16;  // P^T and dS^T in the input dtype
+    row_vec<rt_fl<16, BQ>> delta;
+    warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
+    warpgroup::fence_registers(s);
+    warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
+    probabilities<FULL>(s, p, rule, qblocks.one_segment(i), b, q0, kw, sm.stats[slot]);
+    warp::copy(p16, s);
+    warpgroup::mma_AB(dv, p16, window<BQ, C::KV_COLS>(sm.dout[slot], 0, col0), true);  // dV += P^T dO   [dP, dV]
+    warp::load(delta, sm.stats[slot] + BQ, BQ);
+    warpgroup::wait<1>();  // [dV]: dP^T is ready
+    warpgroup::fence_registers(dp);
+    warp::map_col(dp, dp, delta, [](float x, float d) { return x - d; });
+    warp::mul(dp, dp, s);  // dS^T = P^T (dP^T - delta)
+    if (FULL && p.softcap > 0.f) {  // w.r.t. the logits before the cap
+      softcap_derivative(s, p, sm.stats[slot]);
+      warp::mul(dp, dp, s);
+    }
+    if (writes_ds) {
+      warp::copy(ds16, dp);
+      warp::store(ds_tile, ds16, kw - k0, 0);
       warpgroup::fence_shared_writes();
-      sync_named(2 + wg, 128);
-      if (leader) {
-        int *lock = locks + (size_t(b) * p.q_heads + h) * n_qblocks + i;
-        if (p.deterministic) {  // wait for the key blocks before this one
-          const int turn = CONSUMERS * blocks_before<FULL>(p, b, i, j, BK);
-          while (load_acquire(lock) < turn) __nanosleep(32);
-        }
-        reduce_add_async(p.workspace + C::dq_tile(p, b, h, i, wg), sm.dq[wg], sizeof(sm.dq[wg]));
-        bulk_commit();
-        if (p.deterministic) {
-          bulk_wait<0>();
-          __threadfence();
-          atomicAdd(lock, 1);
-        }
+    }
+    sync_named(1, 128 * CONSUMERS);  // all of dS^T is in shared memory
+    warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, row0, 0), window<BQ, C::KV_COLS>(sm.q[slot], 0, col0), true);  // dK += dS^T Q  [dV, dK]
+    // This warpgroup's columns of dQ_i = dS K -> shared memory -> accumulator tile (+=, by the
+    // copy engine). Parts stored one after the other in fragment order make the fragment order
+    // of all the columns.
+#pragma unroll
+    for (int part = 0; part < C::DQ_PARTS; part++) {
+      rt_fl<16, C::DQ_PART> dq;
+      const int c0 = C::DQ_COLS * wg + C::DQ_PART * part;
+      warpgroup::mma_AtB(dq, ds_tile, window<BK, C::DQ_PART>(sm.k, 0, c0), false);  // [dV, dK, dQ]
+      if (part == C::DQ_PARTS - 1) {
+        issue_logits(it + 1);  // [dV, dK, dQ, S']
+        warpgroup::wait<1>();  // [S']
+      } else {
+        warpgroup::wait<0>();
       }
-      it++;
+      warpgroup::fence_registers(dq);
+      if (part == 0) {
+        if (leader) bulk_wait_read<0>();  // the last step's copy is done reading the buffer
+        sync_named(2 + wg, 128);          // this warpgroup only; all its threads are done with the slot:
+        if (leader) arrive(sm.empty[slot]);  // dV and dK with Q and dO, the warps with lse and delta
+      }
+      warpgroup::store_fragments(sm.dq[wg] + part * BQ * C::DQ_PART, dq);
+    }
+    warpgroup::fence_shared_writes();
+    sync_named(2 + wg, 128);
+    if (leader) {
+      int *lock = locks + (size_t(b) * p.q_heads + h) * n_qblocks + i;
+      if (p.deterministic) {  // wait for the key blocks before this one
+        const int turn = CONSUMERS * blocks_before<FULL>(p, b, i, j, BK);
+        while (load_acquire(lock) < turn) __nanosleep(32);
+      }
+      reduce_add_async(p.workspace + C::dq_tile(p, b, h, i, wg), sm.dq[wg], sizeof(sm.dq[wg]));
+      bulk_commit();
+      if (p.deterministic) {
+        bulk_wait<0>();
+        __threadfence();
+        atomicAdd(lock, 1);
+      }
+    }
+    if ((i = qblocks.next(i + 1)) >= qr.y) {  // on to the next query head
+      i = qblocks.next(qr.x);
+      g++;
     }
   }
   warpgroup::wait<0>();  // the extra S^T
@@ -351,7 +351,7 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
         !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
       return cudaErrorInvalidValue;
     auto kernel = bwd_sm90_kernel<T, D, FULL>;
-    const size_t smem = C::smem + (FULL ? 4 * block_list_words((p.q_len + C::BQ - 1) / C::BQ) : 0);
+    const size_t smem = C::smem + (FULL ? block_list_bytes((p.q_len + C::BQ - 1) / C::BQ) : 0);
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
     kernel<<<dim3((p.kv_len + C::BK - 1) / C::BK, p.kv_heads, p.batch), C::THREADS, smem, stream>>>(a);

@@ -2,6 +2,8 @@
 // dynamic shared-memory budget, the masking rules, the logit transform (scale, soft cap) and the
 // online softmax.
 #pragma once
+#include <climits>
+
 #include "attention.h"
 #include "tk/tk.cuh"
 
@@ -58,23 +60,24 @@ template <bool FULL> __device__ __forceinline__ int kv_end(const Params &p, int 
   return FULL && p.kv_lengths ? min(p.kv_len, max(p.kv_lengths[b], 0)) : p.kv_len;
 }
 
-// The keys lo..hi (int2 {lo, hi}; lo > hi: none) that query row qi may see by causality, the window
-// and the lengths (segment ids aside: mask_segments).
-template <bool FULL> __device__ __forceinline__ int2 key_range(const Params &p, int b, int qi) {
-  if (qi < 0 || qi >= q_end<FULL>(p, b)) return {0, -1};
-  int2 r{0, kv_end<FULL>(p, b) - 1};
-  if (p.causal) r.y = min(r.y, qi);
-  if (FULL && p.window_right >= 0) r.y = int(min((long long)r.y, (long long)qi + p.window_right));
-  if (FULL && p.window_left >= 0) r.x = max(r.x, qi - p.window_left);
+// The position rules (causal, window, lengths) of one batch entry as four integers: query row qi
+// sees key kj iff qi < q_end, kj < kv_end and lo <= kj - qi <= hi (segment ids aside). A kernel works
+// them out once; each test is then a few integer operations, with no memory access.
+struct KeyRule {
+  int q_end, kv_end, lo, hi;
+  __device__ __forceinline__ bool sees(int qi, int kj) const {
+    return qi < q_end && kj < kv_end && kj - qi >= lo && kj - qi <= hi;
+  }
+  // Does some query row of [q0, q0 + rows) miss some key of [k0, k0 + cols)?
+  __device__ __forceinline__ bool partial(int q0, int rows, int k0, int cols) const {
+    return q0 + rows > q_end || k0 + cols > kv_end || k0 - (q0 + rows - 1) < lo || k0 + cols - 1 - q0 > hi;
+  }
+};
+template <bool FULL> __device__ __forceinline__ KeyRule key_rule(const Params &p, int b) {
+  KeyRule r{q_end<FULL>(p, b), kv_end<FULL>(p, b), INT_MIN, p.causal ? 0 : INT_MAX};
+  if (FULL && p.window_right >= 0) r.hi = min(r.hi, p.window_right);
+  if (FULL && p.window_left >= 0) r.lo = -p.window_left;
   return r;
-}
-__device__ __forceinline__ bool in_range(int2 r, int kj) { return kj >= r.x && kj <= r.y; }
-
-// May query row qi of batch entry b see key kj?
-template <bool FULL> __device__ __forceinline__ bool visible(const Params &p, int b, int qi, int kj) {
-  return in_range(key_range<FULL>(p, b, qi), kj) &&
-         (!FULL || !p.q_segment_ids ||
-          p.q_segment_ids[size_t(b) * p.q_len + qi] == p.kv_segment_ids[size_t(b) * p.kv_len + kj]);
 }
 
 // [first, end) of the blocks of size B that hold [lo, hi); {0, 0} when empty.
@@ -133,13 +136,24 @@ template <bool FULL> __device__ __forceinline__ int next_kv_block(const Params &
   return j;
 }
 
-// The blocks [first, end) a thread block visits, minus those that a test rules out. The test reads
-// the segment id ranges (an L2 round trip per block: serially, one stall per step), so the whole
-// thread block evaluates it once, in parallel, into a bit list in shared memory (list_blocks); with
-// bits == nullptr every block of the range is visited.
+// Do the rows [q0, q0 + rows) and keys [k0, k0 + cols) (those inside the sequences) all lie in one
+// segment, so that their tile needs no elementwise segment test? (True without segment ids.)
+template <bool FULL> __device__ __forceinline__ bool in_one_segment(const Params &p, int b, int q0, int rows, int k0, int cols) {
+  if (!FULL || !p.q_segment_ids || q0 >= p.q_len || k0 >= p.kv_len) return true;  // (past the ends: KeyRule)
+  const int2 qs = segment_span(p.q_segment_ranges, p.q_len, b, q0, rows);
+  const int2 ks = segment_span(p.kv_segment_ranges, p.kv_len, b, k0, cols);
+  return qs.x == qs.y && ks.x == ks.y && qs.x == ks.x;
+}
+
+// The blocks [first, end) a thread block visits, minus those that a test rules out, and for each
+// whether it lies in one segment. Both tests read the segment id ranges (an L2 round trip per block:
+// serially, one stall per step), so the whole thread block evaluates them once, in parallel, into
+// two bit lists in shared memory (list_blocks); with bits == nullptr every block of the range is
+// visited and none needs a segment test.
 struct BlockList {
   int first, end;
-  const uint32_t *bits;
+  const uint32_t *bits;  // [0, words): takes part; [words, 2 words): in one segment
+  int words;
   __device__ __forceinline__ int next(int j) const {  // the first listed block >= j (end if none)
     if (!bits) return j;
     while (j < end) {
@@ -150,42 +164,37 @@ struct BlockList {
     }
     return end;
   }
+  __device__ __forceinline__ bool one_segment(int j) const {
+    if (!bits) return true;
+    const int i = j - first;
+    return (bits[words + i / 32] >> (i % 32)) & 1;
+  }
   __device__ __forceinline__ int count() const {
     int n = 0;
     for (int j = next(first); j < end; j = next(j + 1)) n++;
     return n;
   }
 };
-__host__ __device__ constexpr int block_list_words(int blocks) { return (blocks + 31) / 32; }
-// Lists the blocks j of [first, end) with takes_part(j) when `use` (the same for the whole thread
-// block: it synchronizes it), one warp per 32 blocks; otherwise lists all.
-template <typename F>
-__device__ __forceinline__ BlockList list_blocks(uint32_t *bits, int first, int end, bool use, F takes_part) {
-  if (!use) return {first, end, nullptr};
-  const int n = max(end - first, 0);
-  for (int w = threadIdx.x / 32; w * 32 < n; w += blockDim.x / 32) {
+// Shared memory for the lists of a range of `blocks` blocks.
+__host__ __device__ constexpr size_t block_list_bytes(int blocks) { return 8 * size_t((blocks + 31) / 32); }
+// Lists the blocks j of [first, end) with takes_part(j), and which of them are in_one_segment(j),
+// when `use` (the same for the whole thread block: it synchronizes it), one warp per 32 blocks;
+// otherwise lists all.
+template <typename F, typename G>
+__device__ __forceinline__ BlockList list_blocks(uint32_t *bits, int first, int end, bool use, F takes_part, G in_one_segment) {
+  if (!use) return {first, end, nullptr, 0};
+  const int n = max(end - first, 0), words = (n + 31) / 32;
+  for (int w = threadIdx.x / 32; w < words; w += blockDim.x / 32) {
     const int i = w * 32 + int(threadIdx.x % 32);
-    const uint32_t word = __ballot_sync(~0u, i < n && takes_part(first + i));
-    if (threadIdx.x % 32 == 0) bits[w] = word;
+    const uint32_t part = __ballot_sync(~0u, i < n && takes_part(first + i));
+    const uint32_t one = __ballot_sync(~0u, i < n && in_one_segment(first + i));
+    if (threadIdx.x % 32 == 0) {
+      bits[w] = part;
+      bits[words + w] = one;
+    }
   }
   __syncthreads();
-  return {first, end, bits};
-}
-
-// False when every query row of [q0, q0 + rows) sees every key of [k0, k0 + cols): the block can
-// skip the elementwise mask. With segment ids: when all those rows and keys are in one segment.
-template <bool FULL>
-__device__ __forceinline__ bool block_needs_mask(const Params &p, int b, int q0, int rows, int k0, int cols) {
-  if (FULL && p.q_segment_ids) {
-    if (q0 + rows > p.q_len || k0 + cols > p.kv_len) return true;
-    const int2 qs = segment_span(p.q_segment_ranges, p.q_len, b, q0, rows);
-    const int2 ks = segment_span(p.kv_segment_ranges, p.kv_len, b, k0, cols);
-    if (qs.x != qs.y || ks.x != ks.y || qs.x != ks.x) return true;
-  }
-  if (q0 + rows > q_end<FULL>(p, b) || k0 + cols > kv_end<FULL>(p, b)) return true;
-  const int q_last = q0 + rows - 1, k_last = k0 + cols - 1;
-  return (p.causal && k_last > q0) || (FULL && p.window_left >= 0 && q_last - k0 > p.window_left) ||
-         (FULL && p.window_right >= 0 && k_last - q0 > p.window_right);
+  return {first, end, bits, words};
 }
 
 // s := -inf where query q0 + i and key k0 + j have different segment ids; (i, j) = (row, column) of
@@ -200,21 +209,34 @@ template <bool TRANSPOSED, typename RT> __device__ __forceinline__ void mask_seg
   });
 }
 
+// s := -inf where query q0 + i does not see key k0 + j; (i, j) = (row, column) of s, or (column, row)
+// when TRANSPOSED. one_segment: the rows and keys are known to share one segment.
+template <bool FULL, bool TRANSPOSED, typename RT>
+__device__ __forceinline__ void mask_tile(RT &s, const Params &p, const KeyRule &rule, bool one_segment, int b, int q0, int k0) {
+  tk::warp::map_indexed(s, s, [&](int r, int c, float x) {
+    return rule.sees(q0 + (TRANSPOSED ? c : r), k0 + (TRANSPOSED ? r : c)) ? x : NEG_INF;
+  });
+  if (FULL && p.q_segment_ids && !one_segment) mask_segments<TRANSPOSED>(s, p, b, q0, k0);
+}
+
 // s := -inf where query qw + r does not see key k0 + c (s: rows are queries, columns keys), in the
-// blocks that need it. The range of a row is worked out once (the compiler shares it between the
-// row's elements).
+// tiles that need it (only those pay for the elementwise work).
 template <bool FULL, typename RT>
-__device__ __forceinline__ void mask_logits(RT &s, const Params &p, int b, int qw, int k0) {
-  if (!block_needs_mask<FULL>(p, b, qw, RT::rows, k0, RT::cols)) return;
-  tk::warp::map_indexed(s, s, [&](int r, int c, float x) { return in_range(key_range<FULL>(p, b, qw + r), k0 + c) ? x : NEG_INF; });
-  if (FULL && p.q_segment_ids) mask_segments<false>(s, p, b, qw, k0);
+__device__ __forceinline__ void mask_logits(RT &s, const Params &p, const KeyRule &rule, bool one_segment, int b, int qw, int k0) {
+  if (rule.partial(qw, RT::rows, k0, RT::cols) || !one_segment) mask_tile<FULL, false>(s, p, rule, one_segment, b, qw, k0);
 }
 // The same for a transposed tile s^T (rows are keys kw.., columns queries q0..).
 template <bool FULL, typename RT>
+__device__ __forceinline__ void mask_logits_transposed(RT &s, const Params &p, const KeyRule &rule, bool one_segment, int b, int kw, int q0) {
+  if (rule.partial(q0, RT::cols, kw, RT::rows) || !one_segment) mask_tile<FULL, true>(s, p, rule, one_segment, b, q0, kw);
+}
+// Both, working out the rule and the segment test on the spot.
+template <bool FULL, typename RT> __device__ __forceinline__ void mask_logits(RT &s, const Params &p, int b, int qw, int k0) {
+  mask_logits<FULL>(s, p, key_rule<FULL>(p, b), in_one_segment<FULL>(p, b, qw, RT::rows, k0, RT::cols), b, qw, k0);
+}
+template <bool FULL, typename RT>
 __device__ __forceinline__ void mask_logits_transposed(RT &s, const Params &p, int b, int kw, int q0) {
-  if (!block_needs_mask<FULL>(p, b, q0, RT::cols, kw, RT::rows)) return;
-  tk::warp::map_indexed(s, s, [&](int r, int c, float x) { return in_range(key_range<FULL>(p, b, q0 + c), kw + r) ? x : NEG_INF; });
-  if (FULL && p.q_segment_ids) mask_segments<true>(s, p, b, q0, kw);
+  mask_logits_transposed<FULL>(s, p, key_rule<FULL>(p, b), in_one_segment<FULL>(p, b, q0, RT::cols, kw, RT::rows), b, kw, q0);
 }
 
 // ------------------------------------------------------------------------------------------------

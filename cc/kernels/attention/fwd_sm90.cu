@@ -8,8 +8,9 @@
 // and the two consumers take turns issuing their products (ping-pong), so that one's softmax runs
 // while the tensor cores work for the other.
 // setmaxnreg moves registers from the producer to the consumers. Producer and consumers walk the
-// same key blocks (kv_block_range: causal, window, lengths; next_kv_block: segments); a block of
-// query rows that sees no key loads nothing and stores O = 0, lse = -inf.
+// same key blocks (kv_block_range: causal, window, lengths; a BlockList: segments); a block of
+// query rows that sees no key loads nothing and stores O = 0, lse = -inf. Only the tiles that cut
+// through a rule or a segment boundary are masked elementwise (KeyRule, BlockList::one_segment).
 #include "common.cuh"
 
 namespace jax_tk::attention {
@@ -41,7 +42,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   using C = FwdH<T, D>;
   constexpr int BK = C::BK, STAGES = C::STAGES, CONSUMERS = C::CONSUMERS;
   extern __shared__ char smem_raw[];
-  auto &sm = *reinterpret_cast<typename C::Shared *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  auto &sm = align_shared<typename C::Shared>(smem_raw);
   const Params p = a.p;  // a copy: the fields it uses stay in registers (no reloads after each memory clobber)
   const int b = blockIdx.z, h = blockIdx.y;
   const int q0 = (gridDim.x - 1 - blockIdx.x) * C::BQ;  // heaviest (causal) blocks first
@@ -50,7 +51,9 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   const int2 range = kv_block_range<FULL>(p, b, q0, C::BQ, BK);
   const BlockList blocks = list_blocks(reinterpret_cast<uint32_t *>(&sm + 1), range.x, range.y,
                                        FULL && p.q_segment_ids != nullptr,
-                                       [&](int j) { return segments_meet<FULL>(p, b, q0, C::BQ, j * BK, BK); });
+                                       [&](int j) { return segments_meet<FULL>(p, b, q0, C::BQ, j * BK, BK); },
+                                       [&](int j) { return in_one_segment<FULL>(p, b, q0, C::BQ, j * BK, BK); });
+  const KeyRule rule = key_rule<FULL>(p, b);
   const int end = range.y;
   auto next = [&](int j) { return blocks.next(j); };
   const int first = next(range.x);
@@ -119,7 +122,8 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   warpgroup::wait<0>();
   warpgroup::fence_registers(s);
   if (laneid() == 0) arrive(sm.k_empty[0]);
-  scale_and_mask<FULL>(s, p, b, qw, first * BK);
+  scale_logits<FULL>(s, p);
+  mask_logits<FULL>(s, p, rule, blocks.one_segment(first), b, qw, first * BK);
   softmax_step(s, m, l, corr);
   warp::copy(pr, s);
 
@@ -138,7 +142,8 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warpgroup::wait<1>();  // S_j is ready
     warpgroup::fence_registers(s);
     if (laneid() == 0) arrive(sm.k_empty[st]);
-    scale_and_mask<FULL>(s, p, b, qw, j * BK);
+    scale_logits<FULL>(s, p);
+    mask_logits<FULL>(s, p, rule, blocks.one_segment(j), b, qw, j * BK);
     softmax_step(s, m, l, corr);
     warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done
     warpgroup::fence_registers(o);
@@ -174,7 +179,7 @@ cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
       return cudaErrorInvalidValue;
     dim3 grid((p.q_len + C::BQ - 1) / C::BQ, p.q_heads, p.batch);
     auto kernel = fwd_sm90_kernel<T, D, FULL>;
-    const size_t smem = C::smem + (p.q_segment_ids ? 4 * block_list_words((p.kv_len + C::BK - 1) / C::BK) : 0);
+    const size_t smem = C::smem + (p.q_segment_ids ? block_list_bytes((p.kv_len + C::BK - 1) / C::BK) : 0);
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
     kernel<<<grid, C::THREADS, smem, stream>>>(a);

@@ -28,6 +28,14 @@ __device__ __forceinline__ void arrive_named(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// The struct S at the first 1024-byte boundary of a dynamic shared-memory array (swizzled tiles need
+// that alignment). Arithmetic on the array's own pointer keeps its state space known, so that plain
+// loads and stores of S's members compile to shared-memory instructions, not generic ones.
+template <typename S> __device__ __forceinline__ S &align_shared(char *raw) {
+  const uintptr_t pad = (1024 - (reinterpret_cast<uintptr_t>(raw) & 1023)) & 1023;
+  return *reinterpret_cast<S *>(raw + pad);
+}
+
 template <typename T> constexpr bool is_16bit = std::is_same_v<T, bf16> || std::is_same_v<T, half>;
 template <typename T> constexpr bool is_element = is_16bit<T> || std::is_same_v<T, float>;
 
