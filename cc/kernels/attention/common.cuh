@@ -66,7 +66,8 @@ template <bool FULL> __device__ __forceinline__ int kv_end(const Params &p, int 
 struct KeyRule {
   int q_end, kv_end, lo, hi;
   __device__ __forceinline__ bool sees(int qi, int kj) const {
-    return qi < q_end && kj < kv_end && kj - qi >= lo && kj - qi <= hi;
+    // lo <= kj - qi <= hi as one unsigned comparison (wrapping arithmetic: hi - lo < 2^32)
+    return qi < q_end && kj < kv_end && unsigned(kj - qi) - unsigned(lo) <= unsigned(hi) - unsigned(lo);
   }
   // Does some query row of [q0, q0 + rows) miss some key of [k0, k0 + cols)?
   __device__ __forceinline__ bool partial(int q0, int rows, int k0, int cols) const {
