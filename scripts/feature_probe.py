@@ -1,5 +1,6 @@
 """Where do the masking features lose time? Times jax_tk on plain attention and on the same work
-through the masked (FULL) kernels, with the benchmark's timer. Usage: [PROBE_ROWS=0,1,...] python scripts/feature_probe.py [T H D]"""
+through the masked (FULL) kernels, with the benchmark's timer.
+Usage: [PROBE_ROWS=0,1,...] [PROBE_MODES=fwd,bwd] python scripts/feature_probe.py [T H D]"""
 import os
 import sys
 
@@ -19,7 +20,8 @@ configs = [
 rows = os.environ.get("PROBE_ROWS")
 if rows:
     configs = [configs[int(i)] for i in rows.split(",")]
-results = bench_attention(configs, ["jax_tk"], ("fwd", "bwd"), check=False, log=None)
+modes = tuple(os.environ.get("PROBE_MODES", "fwd,bwd").split(","))
+results = bench_attention(configs, ["jax_tk"], modes, check=False, log=None)
 for r in results:
     c = r.config
     print(f"{r.mode} causal={c.causal} T={c.q_len} window={c.window} docs={c.documents}: "
