@@ -240,9 +240,14 @@ def _kernel_call(target, out_types, args, spec, out_init, variant=None, masks=No
 
 
 def _fwd_kernel(query, key, value, spec: AttentionSpec, out_init=None, variant=None, masks=None):
-    out_types = (jax.ShapeDtypeStruct(query.shape, query.dtype), _lse_shape(query))
-    return tuple(_kernel_call(FWD_TARGET, out_types, (query, key, value), spec, out_init, variant, masks,
-                              (query.shape[1], key.shape[1])))
+    out_types = (
+        jax.ShapeDtypeStruct(query.shape, query.dtype),
+        _lse_shape(query),
+        jax.ShapeDtypeStruct((1,), jnp.int32),  # workspace: the Hopper kernel's tile counter
+    )
+    out, lse, _ = _kernel_call(FWD_TARGET, out_types, (query, key, value), spec, out_init, variant, masks,
+                               (query.shape[1], key.shape[1]))
+    return out, lse
 
 
 def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, out_init=None, variant=None,

@@ -116,6 +116,7 @@ def tensor_type(shape, dtype):
 
 I32 = jnp.int32
 NO_MASKS = [tensor_type((0,), I32)] * 6  # the six masking operands when no option is given
+TILE_COUNTER = tensor_type((1,), I32)  # the forward's third result: scratch for the Hopper kernel's tile counter
 
 
 def assert_no_masking(call):
@@ -170,7 +171,7 @@ def test_forward_custom_call(lower, dtype, is_causal, scale):
     assert tk_calls(text, BWD_TARGET) == []
     assert len(call.operands) == 9
     assert call.operand_types == [tensor_type((b, t, n, d), dtype)] + [tensor_type((b, s, kh, d), dtype)] * 2 + NO_MASKS
-    assert call.result_types == [tensor_type((b, t, n, d), dtype), tensor_type((b, n, t), F32)]
+    assert call.result_types == [tensor_type((b, t, n, d), dtype), tensor_type((b, n, t), F32), TILE_COUNTER]
     expected_scale = 1.0 / math.sqrt(d) if scale is None else scale
     assert np.float32(call.attr_float("scale")) == np.float32(expected_scale)
     assert call.attr_int("is_causal") == int(is_causal)
@@ -200,7 +201,7 @@ def test_forward_shapes(b, t, s, n, kh, d):
     text = lower_jit(functools.partial(jax_tk.attention, is_causal=True), *_abstract(b, t, s, n, kh, d))
     (call,) = tk_calls(text, FWD_TARGET)
     assert call.operand_types == [tensor_type((b, t, n, d), BF16)] + [tensor_type((b, s, kh, d), BF16)] * 2 + NO_MASKS
-    assert call.result_types == [tensor_type((b, t, n, d), BF16), tensor_type((b, n, t), F32)]
+    assert call.result_types == [tensor_type((b, t, n, d), BF16), tensor_type((b, n, t), F32), TILE_COUNTER]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 // XLA FFI handlers for attention: decode buffers and attributes into Params, check what the kernels
-// can take, and launch on XLA's stream. No allocation: the backward's workspaces (delta, and the
-// sm_90a kernel's fp32 dq accumulator) are outputs declared in Python. Trailing extra arguments are accepted and ignored: tests alias poisoned buffers
+// can take, and launch on XLA's stream. No allocation: the workspaces (the forward's tile counter,
+// the backward's delta and the sm_90a kernel's fp32 dq accumulator) are outputs declared in Python. Trailing extra arguments are accepted and ignored: tests alias poisoned buffers
 // to the outputs through them.
 //
 // Masking operands (after q, k, v in the forward; after q, k, v, o, lse, dout, dlse in the backward):
@@ -114,7 +114,7 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_lengths,
                     ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges,
                     ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> o,
-                    ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t is_causal, int32_t variant,
+                    ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> tile_counter, float scale, int32_t is_causal, int32_t variant,
                     int32_t window_left, int32_t window_right, float softcap) {
   Params p{};
   if (auto e = check_qkv(p, q, k, v); e.failure()) return e;
@@ -124,11 +124,15 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
     return e;
   if (!same_type_and_dims(*o, q)) return invalid("output must have the query's shape and dtype");
   if (auto e = check_rows(p, *lse, "lse"); e.failure()) return e;
+  if (tile_counter->element_type() != ffi::DataType::S32 || tile_counter->dimensions().size() != 1 ||
+      tile_counter->dimensions()[0] != 1)
+    return invalid("tile_counter must be int32 [1]");
   if (auto e = check_device(8, 0); e.failure()) return e;
   p.scale = scale;
   p.causal = is_causal != 0;
   p.o = o->untyped_data();
   p.lse = static_cast<float *>(lse->untyped_data());
+  p.tile_counter = static_cast<int *>(tile_counter->untyped_data());
   if (use_sm90(variant) && attention::fwd_sm90_supported(p))
     return cuda_error(attention::fwd_sm90(p, stream), "attention forward (sm_90a)");
   if (p.head_dim == 256) return invalid("head_dim 256: the forward kernel runs on H100/H200 (sm_90a) only");
@@ -195,6 +199,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwd, fwd_impl,
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<ffi::AnyBuffer>()  // lse
+                                  .Ret<ffi::AnyBuffer>()  // tile counter of the sm_90a kernel (scratch)
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("is_causal")
                                   .Attr<int32_t>("variant")

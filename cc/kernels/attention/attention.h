@@ -27,6 +27,7 @@ struct Params {
   const void *q, *k, *v;
   void *o;          // forward output; backward input (the forward's output)
   float *lse;       // [batch, q_heads, q_len]: forward output, backward input
+  int *tile_counter;  // sm_90a forward: one int of scratch (the persistent kernel's tile counter)
   // backward only
   const void *dout;
   const float *dlse;  // cotangent of lse, [batch, q_heads, q_len]

@@ -178,14 +178,13 @@ struct BlockList {
 };
 // Shared memory for the lists of a range of `blocks` blocks.
 __host__ __device__ constexpr size_t block_list_bytes(int blocks) { return 8 * size_t((blocks + 31) / 32); }
-// Lists the blocks j of [first, end) with takes_part(j), and which of them are in_one_segment(j),
-// when `use` (the same for the whole thread block: it synchronizes it), one warp per 32 blocks;
-// otherwise lists all.
+// Writes the lists of the blocks j of [first, end): takes_part(j), and in_one_segment(j), as bits, by
+// warps `warp`, `warp` + `warps`, ... (32 blocks each). The list is {first, end, bits, (n + 31) / 32}.
 template <typename F, typename G>
-__device__ __forceinline__ BlockList list_blocks(uint32_t *bits, int first, int end, bool use, F takes_part, G in_one_segment) {
-  if (!use) return {first, end, nullptr, 0};
+__device__ __forceinline__ void write_block_list(uint32_t *bits, int first, int end, int warp, int warps, F takes_part,
+                                                 G in_one_segment) {
   const int n = max(end - first, 0), words = (n + 31) / 32;
-  for (int w = threadIdx.x / 32; w < words; w += blockDim.x / 32) {
+  for (int w = warp; w < words; w += warps) {
     const int i = w * 32 + int(threadIdx.x % 32);
     const uint32_t part = __ballot_sync(~0u, i < n && takes_part(first + i));
     const uint32_t one = __ballot_sync(~0u, i < n && in_one_segment(first + i));
@@ -194,8 +193,18 @@ __device__ __forceinline__ BlockList list_blocks(uint32_t *bits, int first, int 
       bits[words + w] = one;
     }
   }
+}
+__device__ __forceinline__ BlockList block_list(const uint32_t *bits, int first, int end) {
+  return {first, end, bits, (max(end - first, 0) + 31) / 32};
+}
+// The whole thread block lists the blocks when `use` (the same for the whole thread block: it
+// synchronizes it); otherwise every block of [first, end) is listed.
+template <typename F, typename G>
+__device__ __forceinline__ BlockList list_blocks(uint32_t *bits, int first, int end, bool use, F takes_part, G in_one_segment) {
+  if (!use) return {first, end, nullptr, 0};
+  write_block_list(bits, first, end, threadIdx.x / 32, blockDim.x / 32, takes_part, in_one_segment);
   __syncthreads();
-  return {first, end, bits, words};
+  return block_list(bits, first, end);
 }
 
 // s := -inf where query q0 + i and key k0 + j have different segment ids; (i, j) = (row, column) of
@@ -279,27 +288,33 @@ __device__ __forceinline__ void softcap_backward(RT &ds, const DT &dcap, const P
   if (FULL && p.softcap > 0.f) tk::warp::mul(ds, ds, dcap);
 }
 
-// Logits of query rows qw.. (tile rows) against keys k0.. (tile columns): scaled (and capped) to
-// log2 units, invisible entries -inf (only blocks that need it pay for the elementwise mask).
-template <bool FULL, typename RT>
-__device__ __forceinline__ void scale_and_mask(RT &s, const Params &p, int b, int qw, int k0) {
-  scale_logits<FULL>(s, p);
-  mask_logits<FULL>(s, p, b, qw, k0);
-}
-
 // A row's log-sum-exp in log2 units for P = exp2(s - lse2). A row that sees no key (lse = -inf)
 // gets +inf, so that its P is 0 (not exp2(-inf + inf) = NaN) and its gradients are 0.
 __device__ __forceinline__ float lse_to_log2(float lse) { return lse == NEG_INF ? -NEG_INF : lse * LOG2E; }
 
-// One step of the online softmax over a block of logits s (log2 units): updates the running row max
-// m and sum l, sets corr to the factor that rescales what was accumulated before, and s := exp2(s - m).
+// The softmax takes the logits in units of 1 / logit_factor: with a soft cap they are capped first
+// (cap_logits), in log2 units (factor 1); otherwise they stay raw and the softmax applies the factor
+// scale * log2 e inside its exp2 (one fused multiply-add per logit). (scale > 0: the row max of the
+// raw logits is that of the scaled ones.)
+template <bool FULL> __device__ __forceinline__ float logit_factor(const Params &p) {
+  return FULL && p.softcap > 0.f ? 1.f : p.scale * LOG2E;
+}
+template <bool FULL, typename RT> __device__ __forceinline__ void cap_logits(RT &s, const Params &p) {
+  if (FULL && p.softcap > 0.f) scale_logits<FULL>(s, p);
+}
+
+// One step of the online softmax over a block of logits s (units of 1 / c, see logit_factor):
+// updates the running row max m (same units) and sum l, sets corr to the factor that rescales what
+// was accumulated before, and s := exp2(c (s - m)).
 template <typename RT, typename V>
-__device__ __forceinline__ void softmax_step(RT &s, V &m, V &l, V &corr) {
+__device__ __forceinline__ void softmax_step(RT &s, V &m, V &l, V &corr, float c) {
   using namespace tk;
-  V m_new;
+  V m_new, mc;
   warp::row_max(m_new, s, m);
-  warp::map_vec(corr, m, m_new, [](float a, float b) { return b == NEG_INF ? 1.f : warp::fn::exp2(a - b); });
-  warp::map_row(s, s, m_new, [](float x, float mx) { return warp::fn::exp2(x - (mx == NEG_INF ? 0.f : mx)); });
+  // c m_new, or 0 for a row that has seen no key yet (all -inf: exp2(-inf) = 0, never NaN)
+  warp::map_vec(mc, m_new, [=](float x) { return x == NEG_INF ? 0.f : x * c; });
+  warp::map_vec(corr, m, mc, [=](float a, float b) { return warp::fn::exp2(a * c - b); });
+  warp::map_row(s, s, mc, [=](float x, float b) { return warp::fn::exp2(x * c - b); });
   warp::map_vec(l, l, corr, [](float a, float b) { return a * b; });
   warp::row_sum(l, s, l);
   m = m_new;
@@ -316,11 +331,12 @@ __device__ __forceinline__ void store_output(const Params &p, RT &o, const V &l,
   auto O = gl<T>::make(static_cast<T *>(p.o), p.batch, p.q_len, p.q_heads, p.head_dim);
   warp::store(O, o, {b, qw, h, d0});
 }
+// (m in units of 1 / c, as softmax_step keeps it.)
 template <typename V>
-__device__ __forceinline__ void store_lse(const Params &p, const V &m, const V &l, int b, int h, int qw) {
+__device__ __forceinline__ void store_lse(const Params &p, const V &m, const V &l, float c, int b, int h, int qw) {
   using namespace tk;
   V lse;
-  warp::map_vec(lse, m, l, [](float mx, float x) { return x > 0.f ? (mx + warp::fn::log2(x)) * LN2 : NEG_INF; });
+  warp::map_vec(lse, m, l, [=](float mx, float x) { return x > 0.f ? (mx * c + warp::fn::log2(x)) * LN2 : NEG_INF; });
   if (qw < p.q_len) warp::store(p.lse + (size_t(b) * p.q_heads + h) * p.q_len + qw, lse, p.q_len - qw);
 }
 

@@ -74,7 +74,7 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
     wait_group<1>();
     __syncthreads();
 
-    // S = Q K^T, in log2 units.
+    // S = Q K^T (raw logits: the softmax scales them, see logit_factor).
     warp::zero(s);
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
@@ -82,8 +82,9 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
       warp::load(kt, sm.k[buf], 0, 16 * kk);
       warp::mma_ABt(s, q[kk], kt, s);
     }
-    scale_and_mask<FULL>(s, p, b, qw, k0);
-    softmax_step(s, m, l, corr);
+    cap_logits<FULL>(s, p);
+    mask_logits<FULL>(s, p, b, qw, k0);
+    softmax_step(s, m, l, corr, logit_factor<FULL>(p));
 
     // O = O * corr + P V.
     warp::copy(pr, s);
@@ -100,7 +101,7 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
 
 #pragma unroll
   for (int n = 0; n < D / 16; n++) store_output<T>(p, o[n], l, b, h, qw, 16 * n);
-  store_lse(p, m, l, b, h, qw);
+  store_lse(p, m, l, logit_factor<FULL>(p), b, h, qw);
 }
 
 }  // namespace

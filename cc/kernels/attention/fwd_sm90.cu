@@ -1,16 +1,7 @@
-// Attention forward for Hopper (sm_90a): TMA, mbarriers, wgmma and warp specialization.
-// A block has 3 warpgroups. The last is the producer: one thread streams Q once and key/value
-// blocks through a ring of STAGES shared-memory slots with TMA, each slot guarded by a "full"
-// semaphore (TMA bytes landed) and an "empty" one (every consumer warp is done with it). The
-// other two are consumers, 64 query rows each: S = Q K^T (wgmma, both operands in shared memory),
-// online softmax in registers (the same warp code as the mma.sync kernel), O += P V (wgmma, P from
-// registers), pipelined so that the softmax of one block overlaps the P V product of the previous,
-// and the two consumers take turns issuing their products (ping-pong), so that one's softmax runs
-// while the tensor cores work for the other.
-// setmaxnreg moves registers from the producer to the consumers. Producer and consumers walk the
-// same key blocks (kv_block_range: causal, window, lengths; a BlockList: segments); a block of
-// query rows that sees no key loads nothing and stores O = 0, lse = -inf. Only the tiles that cut
-// through a rule or a segment boundary are masked elementwise (KeyRule, BlockList::one_segment).
+// Attention forward for Hopper (sm_90a): TMA, mbarriers, wgmma and warp specialization, in a
+// persistent kernel (fwd_sm90_kernel says how it is organized).
+#include <algorithm>
+
 #include "common.cuh"
 
 namespace jax_tk::attention {
@@ -22,11 +13,14 @@ template <typename T, int D> struct FwdH {
   static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1), BQ = 64 * CONSUMERS;
   static constexpr int BK = D <= 128 ? 128 : 64;  // D = 256: O takes 128 registers, K/V tiles 32 KB
   static constexpr int STAGES = D <= 64 ? 4 : 2;
+  static constexpr int Q_STAGES = D <= 128 ? 2 : 1;  // the next tile's Q loads during this one (not at D = 256: space)
   static constexpr bool PINGPONG = D <= 128;  // the consumers take turns issuing their products
   struct Shared {
-    st<T, 64, D> q[CONSUMERS];
+    st<T, 64, D> q[Q_STAGES][CONSUMERS];
     st<T, BK, D> k[STAGES], v[STAGES];
-    semaphore q_full, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
+    semaphore q_full[Q_STAGES], q_empty[Q_STAGES], k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
+    semaphore tile_full[2], tile_empty[2];
+    int tile[2];  // the tiles announced by the scheduler (>= tiles: no more)
   };
   struct Args {
     Params p;
@@ -34,134 +28,227 @@ template <typename T, int D> struct FwdH {
     tma_map<T, BK> k, v;
   };
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
+  // Shared memory for the block lists of the two announced tiles (segment ids only).
+  static size_t list_bytes(const Params &p) {
+    return p.q_segment_ids ? 2 * block_list_bytes((p.kv_len + BK - 1) / BK) : 0;
+  }
 };
 
+// A tile: query rows [q0, q0 + BQ) of head h of batch entry b, and the key blocks it visits.
+struct FwdTile {
+  int b, h, q0;
+  int2 range;        // key blocks [first, end) (kv_block_range)
+  BlockList blocks;  // ... minus those of other segments
+};
+// Tile t of the order in which the tiles are handed out: the query blocks of one head, heaviest
+// (causal) first, then the next head, the next batch entry. (The tiles running at one time share
+// their keys and values in L2.)
+template <bool FULL>
+__device__ __forceinline__ FwdTile fwd_tile(const Params &p, int t, int BQ, int BK, const uint32_t *list) {
+  const int qblocks = (p.q_len + BQ - 1) / BQ, rest = t / qblocks;
+  FwdTile x;
+  x.b = rest / p.q_heads;
+  x.h = rest % p.q_heads;
+  x.q0 = (qblocks - 1 - t % qblocks) * BQ;
+  x.range = kv_block_range<FULL>(p, x.b, x.q0, BQ, BK);
+  x.blocks = FULL && p.q_segment_ids ? block_list(list, x.range.x, x.range.y) : BlockList{x.range.x, x.range.y, nullptr, 0};
+  return x;
+}
+
+// A persistent kernel: one block per SM, each taking tiles (fwd_tile) one after the other from a
+// counter shared by the grid (the tiles of causal or packed attention differ in length), so that the
+// next tile's loads overlap this tile's last blocks and its output. Per block, 3 warpgroups:
+//   producer warpgroup: warp 0 (one thread) loads each tile's Q once and streams its key/value
+//     blocks through a ring of STAGES slots (TMA), each slot guarded by a "full" semaphore (bytes
+//     landed) and an "empty" one (every consumer warp is done with it); warp 1 schedules: it takes
+//     the next tile from the counter and announces it in one of two slots (with segment ids, with the
+//     list of its key blocks, worked out by the warp's 32 lanes in parallel);
+//   two consumer warpgroups, 64 query rows each: S = Q K^T (wgmma, both operands in shared memory),
+//     online softmax in registers, O += P V (wgmma, P from registers), pipelined so that the softmax
+//     of one block overlaps the P V product of the previous, and the two take turns issuing their
+//     products (ping-pong), so that one's softmax runs while the tensor cores work for the other.
+// setmaxnreg moves registers from the producer to the consumers. A tile whose rows see no key loads
+// nothing and stores O = 0, lse = -inf. Only the tiles that cut through a rule or a segment
+// boundary are masked elementwise (KeyRule, BlockList::one_segment).
 template <typename T, int D, bool FULL>
 __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const __grid_constant__ typename FwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = FwdH<T, D>;
-  constexpr int BK = C::BK, STAGES = C::STAGES, CONSUMERS = C::CONSUMERS;
+  constexpr int BK = C::BK, STAGES = C::STAGES, QS = C::Q_STAGES, CONSUMERS = C::CONSUMERS;
   extern __shared__ char smem_raw[];
   auto &sm = align_shared<typename C::Shared>(smem_raw);
   const Params p = a.p;  // a copy: the fields it uses stay in registers (no reloads after each memory clobber)
-  const int b = blockIdx.z, h = blockIdx.y;
-  const int q0 = (gridDim.x - 1 - blockIdx.x) * C::BQ;  // heaviest (causal) blocks first
-  const int kvh = h / (p.q_heads / p.kv_heads);
-  // Key blocks to visit: in [first, end), minus the ones of other segments (next).
-  const int2 range = kv_block_range<FULL>(p, b, q0, C::BQ, BK);
-  const BlockList blocks = list_blocks(reinterpret_cast<uint32_t *>(&sm + 1), range.x, range.y,
-                                       FULL && p.q_segment_ids != nullptr,
-                                       [&](int j) { return segments_meet<FULL>(p, b, q0, C::BQ, j * BK, BK); },
-                                       [&](int j) { return in_one_segment<FULL>(p, b, q0, C::BQ, j * BK, BK); });
-  const KeyRule rule = key_rule<FULL>(p, b);
-  const int end = range.y;
-  auto next = [&](int j) { return blocks.next(j); };
-  const int first = next(range.x);
+  const int tiles = (p.q_len + C::BQ - 1) / C::BQ * p.q_heads * p.batch;
+  const bool segments = FULL && p.q_segment_ids != nullptr;
+  uint32_t *lists = reinterpret_cast<uint32_t *>(&sm + 1);  // two slots of list_words words
+  const int list_words = int(block_list_bytes((p.kv_len + BK - 1) / BK) / 4);
+  auto tile_at = [&](int slot) { return fwd_tile<FULL>(p, sm.tile[slot], C::BQ, BK, lists + slot * list_words); };
   const int wg = warpgroup::groupid();
 
   if (threadIdx.x == 0) {
-    init(sm.q_full, 1);
+    for (int s = 0; s < QS; s++) {
+      init(sm.q_full[s], 1);
+      init(sm.q_empty[s], CONSUMERS * 4);  // one arrival per consumer warp
+    }
     for (int s = 0; s < STAGES; s++) {
       init(sm.k_full[s], 1);
       init(sm.v_full[s], 1);
-      init(sm.k_empty[s], CONSUMERS * 4);  // one arrival per consumer warp
+      init(sm.k_empty[s], CONSUMERS * 4);
       init(sm.v_empty[s], CONSUMERS * 4);
+    }
+    for (int s = 0; s < 2; s++) {
+      init(sm.tile_full[s], 1);
+      init(sm.tile_empty[s], CONSUMERS * 4 + 1);  // the consumer warps and the loading thread
     }
     fence_barrier_init();
   }
   __syncthreads();
 
   if (wg == CONSUMERS) {  // producer
-    warpgroup::decrease_registers<24>();
-    if (threadIdx.x == CONSUMERS * 128 && first < end) {
-      arrive_expect_bytes(sm.q_full, CONSUMERS * sizeof(sm.q[0].data));
-      for (int c = 0; c < CONSUMERS; c++) load_async(sm.q[c], a.q, {b, q0 + 64 * c, h, 0}, sm.q_full);
-      for (int n = 0, j = first; j < end; n++, j = next(j + 1)) {
-        const int s = n % STAGES, phase = (n / STAGES) & 1, k0 = j * BK;
-        wait(sm.k_empty[s], phase ^ 1);
-        arrive_expect_bytes(sm.k_full[s], sizeof(sm.k[s].data));
-        load_async(sm.k[s], a.k, {b, k0, kvh, 0}, sm.k_full[s]);
-        wait(sm.v_empty[s], phase ^ 1);
-        arrive_expect_bytes(sm.v_full[s], sizeof(sm.v[s].data));
-        load_async(sm.v[s], a.v, {b, k0, kvh, 0}, sm.v_full[s]);
+    warpgroup::decrease_registers<40>();
+    const Params &p = a.p;  // read where used: the producer's registers are few
+    const int w = warpid() % 4;
+    if (w == 1) {  // the scheduler
+      for (int n = 0;; n++) {
+        const int slot = n % 2;
+        wait(sm.tile_empty[slot], ((n / 2) & 1) ^ 1);
+        int t = blockIdx.x;
+        if (n > 0 && laneid() == 0) t = gridDim.x + atomicAdd(p.tile_counter, 1);
+        t = __shfl_sync(~0u, t, 0);
+        if (segments && t < tiles) {
+          const FwdTile x = fwd_tile<FULL>(p, t, C::BQ, BK, nullptr);
+          write_block_list(lists + slot * list_words, x.range.x, x.range.y, 0, 1,
+                           [&](int j) { return segments_meet<FULL>(p, x.b, x.q0, C::BQ, j * BK, BK); },
+                           [&](int j) { return in_one_segment<FULL>(p, x.b, x.q0, C::BQ, j * BK, BK); });
+          __syncwarp();
+        }
+        if (laneid() == 0) {
+          sm.tile[slot] = t;
+          arrive(sm.tile_full[slot]);
+        }
+        if (t >= tiles) return;
       }
     }
-    return;
+    if (threadIdx.x != CONSUMERS * 128) return;
+    // the loader
+    for (int nt = 0, n = 0, nq = 0;; nt++) {  // tiles, key blocks, Q loads so far
+      const int slot = nt % 2;
+      wait(sm.tile_full[slot], (nt / 2) & 1);
+      if (sm.tile[slot] >= tiles) return;
+      const FwdTile x = fwd_tile<FULL>(p, sm.tile[slot], C::BQ, BK, lists + slot * list_words);
+      const int kvh = x.h / (p.q_heads / p.kv_heads);
+      if (int j = x.blocks.next(x.range.x); j < x.range.y) {
+        const int qs = nq % QS;
+        wait(sm.q_empty[qs], ((nq++ / QS) & 1) ^ 1);
+        arrive_expect_bytes(sm.q_full[qs], CONSUMERS * sizeof(sm.q[0][0].data));
+        for (int c = 0; c < CONSUMERS; c++) load_async(sm.q[qs][c], a.q, {x.b, x.q0 + 64 * c, x.h, 0}, sm.q_full[qs]);
+        for (; j < x.range.y; n++, j = x.blocks.next(j + 1)) {
+          const int s = n % STAGES, phase = (n / STAGES) & 1, k0 = j * BK;
+          wait(sm.k_empty[s], phase ^ 1);
+          arrive_expect_bytes(sm.k_full[s], sizeof(sm.k[s].data));
+          load_async(sm.k[s], a.k, {x.b, k0, kvh, 0}, sm.k_full[s]);
+          wait(sm.v_empty[s], phase ^ 1);
+          arrive_expect_bytes(sm.v_full[s], sizeof(sm.v[s].data));
+          load_async(sm.v[s], a.v, {x.b, k0, kvh, 0}, sm.v_full[s]);
+        }
+      }
+      arrive(sm.tile_empty[slot]);
+    }
   }
 
   // consumers
-  warpgroup::increase_registers<240>();
+  warpgroup::increase_registers<232>();
   static_assert(CONSUMERS == 2);
-  // Turns: named barrier 1 + w opens consumer w's turn when the other arrives on it. Every turn
-  // but the other's last is answered, and consumer 1 opens the first one. (Not at D = 256: there
-  // the barriers cost registers that O needs.)
+  // Turns: named barrier 1 + w opens consumer w's turn when the other arrives on it. Consumer 1 opens
+  // the first turn, every turn is answered, and consumer 0 takes the answer to the last one at the
+  // end (no arrival is left pending). (Not at D = 256: there the barriers cost registers that O needs.)
   auto my_turn = [&] { if constexpr (C::PINGPONG) sync_named(1 + wg, 256); };
   auto your_turn = [&] { if constexpr (C::PINGPONG) arrive_named(2 - wg, 256); };
-  const int qw = q0 + 64 * wg + 16 * (warpid() % 4);  // this warp's first query row
-  rt_fl<16, BK> s;
-  rt<T, 16, BK> pr;
-  rt_fl<16, D> o;
-  col_vec<rt_fl<16, BK>> m, l, corr;
-  warp::zero(o);
-  warp::fill_vec(m, NEG_INF);
-  warp::fill_vec(l, 0.f);
-  if (first == end) {  // these rows see no key: O = 0, lse = -inf
-    store_output<T>(p, o, l, b, h, qw, 0);
-    store_lse(p, m, l, b, h, qw);
-    return;
-  }
-  wait(sm.q_full, 0);
   if (wg == 1) your_turn();
+  const float c = logit_factor<FULL>(p);
+  const bool lane0 = laneid() == 0;
+  for (int nt = 0, n = 0, nq = 0;; nt++) {  // tiles, key blocks, Q loads so far
+    const int slot = nt % 2;
+    wait(sm.tile_full[slot], (nt / 2) & 1);
+    if (sm.tile[slot] >= tiles) break;
+    const FwdTile x = tile_at(slot);
+    const KeyRule rule = key_rule<FULL>(p, x.b);
+    const BlockList &blocks = x.blocks;
+    const int end = x.range.y, first = blocks.next(x.range.x);
+    const int qw = x.q0 + 64 * wg + 16 * (warpid() % 4);  // this warp's first query row
+    rt_fl<16, BK> s;
+    rt<T, 16, BK> pr;
+    rt_fl<16, D> o;
+    col_vec<rt_fl<16, BK>> m, l, corr;
+    warp::zero(o);
+    warp::fill_vec(m, NEG_INF);
+    warp::fill_vec(l, 0.f);
+    if (first == end) {  // these rows see no key: O = 0, lse = -inf
+      if (lane0) arrive(sm.tile_empty[slot]);
+      store_output<T>(p, o, l, x.b, x.h, qw, 0);
+      store_lse(p, m, l, c, x.b, x.h, qw);
+      continue;
+    }
+    const int qs = nq % QS;
+    wait(sm.q_full[qs], (nq++ / QS) & 1);
+    const auto &q = sm.q[qs][wg];
 
-  // Software pipeline: while the tensor cores compute O += P_{j-1} V_{j-1}, the warps run the
-  // softmax of block j. S_j is issued first; wgmma groups complete in order.
-  wait(sm.k_full[0], 0);
-  my_turn();
-  warpgroup::mma_ABt(s, sm.q[wg], sm.k[0], false);  // S_0 = Q K_0^T
-  your_turn();
-  warpgroup::wait<0>();
-  warpgroup::fence_registers(s);
-  if (laneid() == 0) arrive(sm.k_empty[0]);
-  scale_logits<FULL>(s, p);
-  mask_logits<FULL>(s, p, rule, blocks.one_segment(first), b, qw, first * BK);
-  softmax_step(s, m, l, corr);
-  warp::copy(pr, s);
-
-  int n = 1;  // blocks visited
-  for (int j = next(first + 1), j_next; j < end; n++, j = j_next) {
-    const int st = n % STAGES, phase = (n / STAGES) & 1;
-    const int prev = (n - 1) % STAGES, prev_phase = ((n - 1) / STAGES) & 1;
-    wait(sm.k_full[st], phase);
-    wait(sm.v_full[prev], prev_phase);
+    // Software pipeline: while the tensor cores compute O += P_{j-1} V_{j-1}, the warps run the
+    // softmax of block j. S_j is issued first; wgmma groups complete in order.
+    int st = n % STAGES;
+    wait(sm.k_full[st], (n / STAGES) & 1);
     my_turn();
-    warpgroup::mma_ABt(s, sm.q[wg], sm.k[st], false);  // S_j = Q K_j^T
-    warpgroup::mma_AB(o, pr, sm.v[prev], true);        // O += P_{j-1} V_{j-1}
+    warpgroup::mma_ABt(s, q, sm.k[st], false);  // S_0 = Q K_0^T
     your_turn();
-    // While the products run: the next block (with segment ids: read from their ranges)
-    j_next = next(j + 1);
-    warpgroup::wait<1>();  // S_j is ready
+    warpgroup::wait<0>();
     warpgroup::fence_registers(s);
-    if (laneid() == 0) arrive(sm.k_empty[st]);
-    scale_logits<FULL>(s, p);
-    mask_logits<FULL>(s, p, rule, blocks.one_segment(j), b, qw, j * BK);
-    softmax_step(s, m, l, corr);
-    warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done
-    warpgroup::fence_registers(o);
-    warpgroup::fence_registers(pr);
-    if (laneid() == 0) arrive(sm.v_empty[prev]);
-    warp::mul_row(o, o, corr);
+    if (lane0) arrive(sm.k_empty[st]);
+    cap_logits<FULL>(s, p);
+    mask_logits<FULL>(s, p, rule, blocks.one_segment(first), x.b, qw, first * BK);
+    softmax_step(s, m, l, corr, c);
     warp::copy(pr, s);
+
+    for (int j = blocks.next(first + 1), j_next; j < end; j = j_next) {
+      const int prev = st;
+      const int prev_phase = (n / STAGES) & 1;
+      st = ++n % STAGES;
+      wait(sm.k_full[st], (n / STAGES) & 1);
+      wait(sm.v_full[prev], prev_phase);
+      my_turn();
+      warpgroup::mma_ABt(s, q, sm.k[st], false);   // S_j = Q K_j^T
+      warpgroup::mma_AB(o, pr, sm.v[prev], true);  // O += P_{j-1} V_{j-1}
+      your_turn();
+      // While the products run: the next block (with segment ids: from the list)
+      j_next = blocks.next(j + 1);
+      warpgroup::wait<1>();  // S_j is ready
+      warpgroup::fence_registers(s);
+      if (lane0) arrive(sm.k_empty[st]);
+      cap_logits<FULL>(s, p);
+      mask_logits<FULL>(s, p, rule, blocks.one_segment(j), x.b, qw, j * BK);
+      softmax_step(s, m, l, corr, c);
+      warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done
+      warpgroup::fence_registers(o);
+      warpgroup::fence_registers(pr);
+      if (lane0) arrive(sm.v_empty[prev]);
+      warp::mul_row(o, o, corr);
+      warp::copy(pr, s);
+    }
+    if (lane0) {  // done with Q and with the tile's list
+      arrive(sm.q_empty[qs]);
+      arrive(sm.tile_empty[slot]);
+    }
+    wait(sm.v_full[st], (n / STAGES) & 1);
+    my_turn();
+    warpgroup::mma_AB(o, pr, sm.v[st], true);
+    your_turn();
+    n++;
+    warpgroup::wait<0>();
+    warpgroup::fence_registers(o);
+    if (lane0) arrive(sm.v_empty[st]);
+    store_output<T>(p, o, l, x.b, x.h, qw, 0);
+    store_lse(p, m, l, c, x.b, x.h, qw);
   }
-  const int last = (n - 1) % STAGES;
-  wait(sm.v_full[last], ((n - 1) / STAGES) & 1);
-  my_turn();
-  warpgroup::mma_AB(o, pr, sm.v[last], true);
-  if (wg == 0) your_turn();
-  warpgroup::wait<0>();
-  warpgroup::fence_registers(o);
-  if (laneid() == 0) arrive(sm.v_empty[last]);
-  store_output<T>(p, o, l, b, h, qw, 0);
-  store_lse(p, m, l, b, h, qw);
+  if (wg == 0) my_turn();  // the answer to consumer 1's last turn
 #endif
 }
 
@@ -177,12 +264,18 @@ cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
         !make_tma_map(a.k, p.k, p.batch, p.kv_len, p.kv_heads, D) ||
         !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
       return cudaErrorInvalidValue;
-    dim3 grid((p.q_len + C::BQ - 1) / C::BQ, p.q_heads, p.batch);
-    auto kernel = fwd_sm90_kernel<T, D, FULL>;
-    const size_t smem = C::smem + (p.q_segment_ids ? block_list_bytes((p.kv_len + C::BK - 1) / C::BK) : 0);
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    const long long tiles = (p.q_len + C::BQ - 1) / C::BQ * (long long)p.q_heads * p.batch;
+    int dev = 0, sms = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (e != cudaSuccess) return e;
-    kernel<<<grid, C::THREADS, smem, stream>>>(a);
+    if (tiles + 2 * sms >= INT_MAX || p.tile_counter == nullptr) return cudaErrorInvalidValue;
+    auto kernel = fwd_sm90_kernel<T, D, FULL>;
+    const size_t smem = C::smem + C::list_bytes(p);
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (e == cudaSuccess) e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
+    if (e != cudaSuccess) return e;
+    kernel<<<unsigned(std::min<long long>(tiles, sms)), C::THREADS, smem, stream>>>(a);
     return cudaGetLastError();
   });
 }

@@ -64,6 +64,9 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, boo
   CHECK(cudaMalloc(&lse, nr * 4)); CHECK(cudaMalloc(&delta, nr * 4));
   float *workspace;
   CHECK(cudaMalloc(&workspace, bwd_sm90_workspace_words(b, t, n, d) * 4));
+  int *tile_counter;
+  CHECK(cudaMalloc(&tile_counter, sizeof(int)));
+  p.tile_counter = tile_counter;
   p.o = o; p.lse = lse; p.dq = dq; p.dk = dk; p.dv = dv; p.delta = delta;
   p.workspace = workspace; p.deterministic = deterministic;
   std::vector<int *> ints;
@@ -100,7 +103,7 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, boo
   CHECK(hopper ? fwd_sm90(p, 0) : fwd_sm80(p, 0));
   CHECK(hopper ? bwd_sm90(p, 0) : bwd_sm80(p, 0));
   CHECK(cudaDeviceSynchronize());
-  const void *buffers[] = {p.q, p.k, p.v, p.dout, p.dlse, o, dq, dk, dv, lse, delta, workspace};
+  const void *buffers[] = {p.q, p.k, p.v, p.dout, p.dlse, o, dq, dk, dv, lse, delta, workspace, tile_counter};
   for (const void *x : buffers) CHECK(cudaFree(const_cast<void *>(x)));
   for (int *x : ints) CHECK(cudaFree(x));
   std::printf("ok b=%d t=%d s=%d n=%d kh=%d d=%d causal=%d %s%s%s\n", b, t, s, n, kh, d, causal,
