@@ -3,9 +3,9 @@
 // One block per 128 keys of one key/value head. It loops over the query heads of that head's group
 // and over the 64-row query blocks that see those keys, so dK and dV are summed over the group in
 // registers and written once (no atomics). Three warpgroups:
-//   producer:  one thread streams Q_i, dO_i and the rows' log-sum-exp and delta (prepared in the
-//              workspace) through a ring of STAGES slots with TMA / bulk copies;
-//   consumers: 64 keys each:
+//   producer:  one thread streams Q_i and dO_i through a ring of STAGES slots with TMA;
+//   consumers: 64 keys each (the rows' log-sum-exp and delta, prepared in the workspace, read by
+//              each warp for itself, a step ahead):
 //                S^T = K Q_i^T,  dP^T = V dO_i^T                   (wgmma, both from shared memory)
 //                P^T = exp(S^T - lse),  dS^T = P^T (dP^T - delta)   (registers)
 //                dV += P^T dO_i                                    (wgmma, A from registers)
@@ -41,7 +41,8 @@ template <typename T, int D> struct BwdH {
     st<T, BQ, D> q[STAGES], dout[STAGES];
     st<T, BK, BQ> ds[2];                        // dS^T of the last two steps (keys x queries)
     alignas(128) float dq[CONSUMERS][BQ * DQ_COLS];  // each consumer's columns of dQ_i, on their way out
-    alignas(16) float stats[STAGES][2 * BQ];  // per query row: lse (log2 units, +inf past q_len), delta
+    alignas(16) float stats[CONSUMERS * 4][2][2 * BQ];  // each consumer warp's copy of the rows' lse (log2
+                                                        // units, +inf past q_len) and delta, per step in flight
     semaphore kv_full, full[STAGES], empty[STAGES];
   };
   struct Args {
@@ -149,11 +150,9 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       const int h = kvh * group + g;
       const int s = it % STAGES, phase = (it / STAGES) & 1;
       wait(sm.empty[s], phase ^ 1);
-      expect_bytes(sm.full[s], sizeof(sm.q[s].data) + sizeof(sm.dout[s].data) + sizeof(sm.stats[s]));
+      arrive_expect_bytes(sm.full[s], sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
       load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, sm.full[s]);
       load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, sm.full[s]);
-      load_async(sm.stats[s], p.workspace + C::stats(p, b, h, i), sizeof(sm.stats[s]), sm.full[s]);
-      arrive(sm.full[s]);
       if ((i = qblocks.next(i + 1)) >= qr.y) {  // on to the next query head
         i = qblocks.next(qr.x);
         g++;
@@ -187,6 +186,11 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     wait(sm.kv_full, 0);
     issue_logits(0);
   }
+  // The rows' lse and delta of a step (128 floats in the workspace): each warp copies them into its
+  // own buffer (of two: one per step in flight), one float4 per lane. (A bulk copy by the producer,
+  // ordered by the slot's mbarrier, is correct too, but racecheck does not follow the copy engine's
+  // writes through the mbarrier and reports a hazard; one copy per warpgroup needs a barrier, which
+  // cost 3-4%.)
 
   // wgmma groups in flight are listed in [brackets]; they complete in order.
   // One loop over the steps (query head g, query block i): ptxas keeps the wgmmas in flight across
@@ -197,19 +201,23 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     auto &ds_tile = sm.ds[it % 2];
     rt<T, 16, BQ> p16, ds16;  // P^T and dS^T in the input dtype
     row_vec<rt_fl<16, BQ>> delta;
+    float *stats = sm.stats[warpid()][it % 2];
+    const float4 stat = reinterpret_cast<const float4 *>(p.workspace + C::stats(p, b, h, i))[laneid()];  // lands during the wait
     warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
     warpgroup::fence_registers(s);
     warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
-    probabilities<FULL>(s, p, rule, qblocks.one_segment(i), b, q0, kw, sm.stats[slot]);
+    reinterpret_cast<float4 *>(stats)[laneid()] = stat;
+    __syncwarp();
+    probabilities<FULL>(s, p, rule, qblocks.one_segment(i), b, q0, kw, stats);
     warp::copy(p16, s);
     warpgroup::mma_AB(dv, p16, window<BQ, C::KV_COLS>(sm.dout[slot], 0, col0), true);  // dV += P^T dO   [dP, dV]
-    warp::load(delta, sm.stats[slot] + BQ, BQ);
+    warp::load(delta, stats + BQ, BQ);
     warpgroup::wait<1>();  // [dV]: dP^T is ready
     warpgroup::fence_registers(dp);
     warp::map_col(dp, dp, delta, [](float x, float d) { return x - d; });
     warp::mul(dp, dp, s);  // dS^T = P^T (dP^T - delta)
     if (FULL && p.softcap > 0.f) {  // w.r.t. the logits before the cap
-      softcap_derivative(s, p, sm.stats[slot]);
+      softcap_derivative(s, p, stats);
       warp::mul(dp, dp, s);
     }
     if (writes_ds) {
@@ -237,7 +245,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       if (part == 0) {
         if (leader) bulk_wait_read<0>();  // the last step's copy is done reading the buffer
         sync_named(2 + wg, 128);          // this warpgroup only; all its threads are done with the slot:
-        if (leader) arrive(sm.empty[slot]);  // dV and dK with Q and dO, the warps with lse and delta
+        if (leader) arrive(sm.empty[slot]);  // dV and dK with Q and dO
       }
       warpgroup::store_fragments(sm.dq[wg] + part * BQ * C::DQ_PART, dq);
     }

@@ -208,37 +208,39 @@ __device__ __forceinline__ BlockList list_blocks(uint32_t *bits, int first, int 
 }
 
 // s := -inf where query q0 + i and key k0 + j have different segment ids; (i, j) = (row, column) of
-// s, or (column, row) when TRANSPOSED. (Base pointers and 32-bit offsets: 64-bit addresses per
-// element would cost registers.)
+// s, or (column, row) when TRANSPOSED. Each thread loads the ids of its rows and columns once (INT_MIN
+// past the ends of the sequences, where the KeyRule decides).
 template <bool TRANSPOSED, typename RT> __device__ __forceinline__ void mask_segments(RT &s, const Params &p, int b, int q0, int k0) {
-  const int *q_ids = p.q_segment_ids + size_t(b) * p.q_len + q0, *kv_ids = p.kv_segment_ids + size_t(b) * p.kv_len + k0;
-  const int nq = p.q_len - q0, nk = p.kv_len - k0;
-  tk::warp::map_indexed(s, s, [&](int r, int c, float x) {
-    const int i = TRANSPOSED ? c : r, j = TRANSPOSED ? r : c;
-    return i < nq && j < nk && q_ids[i] != kv_ids[j] ? NEG_INF : x;
-  });
+  auto ids = [](const int *x, int n) { return [=](int i) { return i < n ? x[i] : INT_MIN; }; };
+  const auto q_ids = ids(p.q_segment_ids + size_t(b) * p.q_len + q0, p.q_len - q0);
+  const auto kv_ids = ids(p.kv_segment_ids + size_t(b) * p.kv_len + k0, p.kv_len - k0);
+  tk::rv<int, RT::rows, typename tk::col_vec<RT>::layout> row_ids;
+  tk::rv<int, RT::cols, typename tk::row_vec<RT>::layout> col_ids;
+  tk::warp::map_index(row_ids, TRANSPOSED ? kv_ids : q_ids);
+  tk::warp::map_index(col_ids, TRANSPOSED ? q_ids : kv_ids);
+  tk::warp::map_outer(s, s, row_ids, col_ids, [](float x, int r, int c) { return r == c ? x : NEG_INF; });
 }
 
-// s := -inf where query q0 + i does not see key k0 + j; (i, j) = (row, column) of s, or (column, row)
-// when TRANSPOSED. one_segment: the rows and keys are known to share one segment.
-template <bool FULL, bool TRANSPOSED, typename RT>
-__device__ __forceinline__ void mask_tile(RT &s, const Params &p, const KeyRule &rule, bool one_segment, int b, int q0, int k0) {
+// s := -inf where the rule hides key k0 + j from query q0 + i; (i, j) as in mask_segments.
+template <bool TRANSPOSED, typename RT> __device__ __forceinline__ void mask_rule(RT &s, const KeyRule &rule, int q0, int k0) {
   tk::warp::map_indexed(s, s, [&](int r, int c, float x) {
     return rule.sees(q0 + (TRANSPOSED ? c : r), k0 + (TRANSPOSED ? r : c)) ? x : NEG_INF;
   });
-  if (FULL && p.q_segment_ids && !one_segment) mask_segments<TRANSPOSED>(s, p, b, q0, k0);
 }
 
 // s := -inf where query qw + r does not see key k0 + c (s: rows are queries, columns keys), in the
-// tiles that need it (only those pay for the elementwise work).
+// tiles that need it (only those pay for the elementwise work). one_segment: the rows and keys are
+// known to share one segment.
 template <bool FULL, typename RT>
 __device__ __forceinline__ void mask_logits(RT &s, const Params &p, const KeyRule &rule, bool one_segment, int b, int qw, int k0) {
-  if (rule.partial(qw, RT::rows, k0, RT::cols) || !one_segment) mask_tile<FULL, false>(s, p, rule, one_segment, b, qw, k0);
+  if (rule.partial(qw, RT::rows, k0, RT::cols)) mask_rule<false>(s, rule, qw, k0);
+  if (FULL && p.q_segment_ids && !one_segment) mask_segments<false>(s, p, b, qw, k0);
 }
 // The same for a transposed tile s^T (rows are keys kw.., columns queries q0..).
 template <bool FULL, typename RT>
 __device__ __forceinline__ void mask_logits_transposed(RT &s, const Params &p, const KeyRule &rule, bool one_segment, int b, int kw, int q0) {
-  if (rule.partial(q0, RT::cols, kw, RT::rows) || !one_segment) mask_tile<FULL, true>(s, p, rule, one_segment, b, q0, kw);
+  if (rule.partial(q0, RT::cols, kw, RT::rows)) mask_rule<true>(s, rule, q0, kw);
+  if (FULL && p.q_segment_ids && !one_segment) mask_segments<true>(s, p, b, q0, kw);
 }
 // Both, working out the rule and the segment test on the spot.
 template <bool FULL, typename RT> __device__ __forceinline__ void mask_logits(RT &s, const Params &p, int b, int qw, int k0) {

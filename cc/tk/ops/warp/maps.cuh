@@ -86,6 +86,22 @@ __device__ __forceinline__ void map_col(D &dst, const S &src, const V &v, F f) {
         dst.set(i, j, e, f(src.get(i, j, e), v.data[j][col_slot<typename S::layout>(e)]));
 }
 
+// dst(r, c) = f(src(r, c), rows[r], cols[c]): rows and cols are vectors of any element type laid
+// out like the tile's col_vec and row_vec (e.g. integer ids of the rows and columns).
+template <RegisterTile D, RegisterTile S, typename RV, typename CV, typename F>
+__device__ __forceinline__ void map_outer(D &dst, const S &src, const RV &rows, const CV &cols, F f) {
+  static_assert(std::is_same_v<typename RV::layout, typename col_vec<S>::layout> && RV::length == S::rows);
+  static_assert(std::is_same_v<typename CV::layout, typename row_vec<S>::layout> && CV::length == S::cols);
+#pragma unroll
+  for (int i = 0; i < D::height; i++)
+#pragma unroll
+    for (int j = 0; j < D::width; j++)
+#pragma unroll
+      for (int e = 0; e < 8; e++)
+        dst.set(i, j, e, f(src.get(i, j, e), rows.data[i][row_slot<typename S::layout>(e)],
+                           cols.data[j][col_slot<typename S::layout>(e)]));
+}
+
 // Fills and copies.
 template <RegisterTile D> __device__ __forceinline__ void fill(D &dst, float x) { map(dst, dst, [x](float) { return x; }); }
 template <RegisterTile D> __device__ __forceinline__ void zero(D &dst) { fill(dst, 0.f); }
@@ -99,6 +115,13 @@ template <typename V> __device__ __forceinline__ void fill_vec(V &v, float x) {
     for (int k = 0; k < V::per; k++) v.data[i][k] = x;
 }
 
+// v[x] = f(x) for every index x of the vector (this lane's slots).
+template <typename V, typename F> __device__ __forceinline__ void map_index(V &v, F f) {
+#pragma unroll
+  for (int i = 0; i < V::pieces; i++)
+#pragma unroll
+    for (int k = 0; k < V::per; k++) v.data[i][k] = f(V::index_of(i, k));
+}
 // Vector maps: dst[i] = f(a[i]) and dst[i] = f(a[i], b[i]).
 template <typename V, typename F> __device__ __forceinline__ void map_vec(V &dst, const V &a, F f) {
 #pragma unroll
