@@ -81,11 +81,8 @@ template <bool FULL> __device__ __forceinline__ int blocks_before(const Params &
 template <bool FULL, typename RT>
 __device__ __forceinline__ void probabilities(RT &s, const Params &p, const KeyRule &rule, bool one_segment, int b, int q0,
                                               int kw, const float *lse) {
-  float c = p.scale * LOG2E;
-  if (FULL && p.softcap > 0.f) {
-    scale_logits<FULL>(s, p);  // capped, in log2 units
-    c = 1.f;
-  }
+  cap_logits<FULL>(s, p);  // in units of 1 / c (logit_factor)
+  const float c = logit_factor<FULL>(p);
   // Masked entries -inf, then exp2(-inf) = 0. (One exp2 map after the conditional mask: two maps in
   // the two branches would make ptxas serialize the wgmmas, C7520.)
   mask_logits_transposed<FULL>(s, p, rule, one_segment, b, kw, q0);
