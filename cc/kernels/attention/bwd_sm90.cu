@@ -3,21 +3,21 @@
 // One block per 128 keys of one key/value head. It loops over the query heads of that head's group
 // and over the 64-row query blocks that see those keys, so dK and dV are summed over the group in
 // registers and written once (no atomics). Three warpgroups:
-//   producer:  one thread streams Q_i and dO_i through a ring of STAGES slots with TMA;
-//   consumers: 64 keys each (the rows' log-sum-exp and delta, prepared in the workspace, read by
-//              each warp for itself, a step ahead):
+//   producer:  one warp streams Q_i and dO_i (TMA) and the rows' log-sum-exp and delta (prepared
+//              in the workspace) through a ring of STAGES slots;
+//   consumers: 64 keys each:
 //                S^T = K Q_i^T,  dP^T = V dO_i^T                   (wgmma, both from shared memory)
 //                P^T = exp(S^T - lse),  dS^T = P^T (dP^T - delta)   (registers)
 //                dV += P^T dO_i                                    (wgmma, A from registers)
 //              then both write dS^T to shared memory, and each computes
 //                dK += dS^T Q_i                                    (wgmma, A: its rows of dS^T)
 //                dQ_i = dS K, half of the columns                  (wgmma, A read M-major)
-//              which it stages in shared memory and adds to an fp32 accumulator tile in global
-//              memory with one bulk reduce-add (the copy engine does the atomics). With
+//              which it adds from its registers to an fp32 accumulator tile in global memory
+//              (vector reductions, red.global.add.v4.f32). With
 //              Params::deterministic the blocks of one query block take turns, in key-block order,
 //              so that the sums come out the same every run.
 // Before it, a small kernel computes delta = rowsum(dO * O) - dlse, lays out the rows' statistics
-// for the bulk copies and clears the accumulator;
+// for the producer and clears the accumulator;
 // after it, another scales the accumulator and converts it to dq.
 #include <algorithm>
 
@@ -33,16 +33,14 @@ template <typename T, int D> struct BwdH {
   // SPLIT consumers share each 64 keys and split the columns of dK/dV (SPLIT = 2 at D = 256: 64 x 256
   // fp32 accumulators would not fit one warpgroup's registers; both then compute S^T and dP^T).
   static constexpr int SPLIT = D > 128 ? 2 : 1, KV_COLS = D / SPLIT;
-  static constexpr int BK = 64 * CONSUMERS / SPLIT, BQ = 64, STAGES = D > 128 ? 1 : 2, DQ_COLS = D / CONSUMERS;
+  static constexpr int BK = 64 * CONSUMERS / SPLIT, BQ = 64, STAGES = D > 128 ? 2 : 3, DQ_COLS = D / CONSUMERS;
   // Each consumer computes its DQ_COLS columns of dQ_i in parts of at most 64 (registers again).
   static constexpr int DQ_PART = DQ_COLS < 64 ? DQ_COLS : 64, DQ_PARTS = DQ_COLS / DQ_PART;
   struct Shared {
     st<T, BK, D> k, v;
     st<T, BQ, D> q[STAGES], dout[STAGES];
     st<T, BK, BQ> ds[2];                        // dS^T of the last two steps (keys x queries)
-    alignas(128) float dq[CONSUMERS][BQ * DQ_COLS];  // each consumer's columns of dQ_i, on their way out
-    alignas(16) float stats[CONSUMERS * 4][2][2 * BQ];  // each consumer warp's copy of the rows' lse (log2
-                                                        // units, +inf past q_len) and delta, per step in flight
+    alignas(16) float stats[STAGES][2 * BQ];    // per query row: lse (log2 units, +inf past q_len), delta
     semaphore kv_full, full[STAGES], empty[STAGES];
   };
   struct Args {
@@ -51,8 +49,8 @@ template <typename T, int D> struct BwdH {
     tma_map<T, BK> k, v;
   };
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
-  // The workspace holds, per (batch, head, query block, consumer), that consumer's dQ tile exactly
-  // as it sits in shared memory (fragment order), so that it goes out in one bulk copy.
+  // The workspace holds, per (batch, head, query block, consumer), that consumer's dQ tile in
+  // fragment order (see warpgroup::reduce_add_fragments).
   __host__ __device__ static size_t dq_tile(const Params &p, int b, int h, int i, int c) {
     return (((size_t(b) * p.q_heads + h) * ((p.q_len + BQ - 1) / BQ) + i) * CONSUMERS + c) * (BQ * DQ_COLS);
   }
@@ -131,7 +129,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     init(sm.kv_full, 1);
     for (int s = 0; s < STAGES; s++) {
       init(sm.full[s], 1);
-      init(sm.empty[s], CONSUMERS);  // one arrival per consumer warpgroup
+      init(sm.empty[s], CONSUMERS * 4);  // one arrival per consumer warp
     }
     fence_barrier_init();
   }
@@ -139,17 +137,27 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
 
   if (wg == CONSUMERS) {  // producer
     warpgroup::decrease_registers<24>();
-    if (threadIdx.x != CONSUMERS * 128 || n_steps == 0) return;
-    arrive_expect_bytes(sm.kv_full, sizeof(sm.k.data) + sizeof(sm.v.data));
-    load_async(sm.k, a.k, {b, k0, kvh, 0}, sm.kv_full);
-    load_async(sm.v, a.v, {b, k0, kvh, 0}, sm.kv_full);
+    if (warpid() != CONSUMERS * 4 || n_steps == 0) return;
+    const bool loader = laneid() == 0;
+    if (loader) {
+      arrive_expect_bytes(sm.kv_full, sizeof(sm.k.data) + sizeof(sm.v.data));
+      load_async(sm.k, a.k, {b, k0, kvh, 0}, sm.kv_full);
+      load_async(sm.v, a.v, {b, k0, kvh, 0}, sm.kv_full);
+    }
     for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++) {  // the consumers' steps
       const int h = kvh * group + g;
       const int s = it % STAGES, phase = (it / STAGES) & 1;
       wait(sm.empty[s], phase ^ 1);
-      arrive_expect_bytes(sm.full[s], sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
-      load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, sm.full[s]);
-      load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, sm.full[s]);
+      if (loader) {
+        expect_bytes(sm.full[s], sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
+        load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, sm.full[s]);
+        load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, sm.full[s]);
+      }
+      // The rows' statistics: 128 floats, one float4 per lane, ordinary stores released by the
+      // arrival (as the warp's own writes, ordered by __syncwarp).
+      reinterpret_cast<float4 *>(sm.stats[s])[laneid()] = reinterpret_cast<const float4 *>(p.workspace + C::stats(p, b, h, i))[laneid()];
+      __syncwarp();
+      if (loader) arrive(sm.full[s]);
       if ((i = qblocks.next(i + 1)) >= qr.y) {  // on to the next query head
         i = qblocks.next(qr.x);
         g++;
@@ -183,11 +191,6 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     wait(sm.kv_full, 0);
     issue_logits(0);
   }
-  // The rows' lse and delta of a step (128 floats in the workspace): each warp copies them into its
-  // own buffer (of two: one per step in flight), one float4 per lane. (A bulk copy by the producer,
-  // ordered by the slot's mbarrier, is correct too, but racecheck does not follow the copy engine's
-  // writes through the mbarrier and reports a hazard; one copy per warpgroup needs a barrier, which
-  // cost 3-4%.)
 
   // wgmma groups in flight are listed in [brackets]; they complete in order.
   // One loop over the steps (query head g, query block i): ptxas keeps the wgmmas in flight across
@@ -198,13 +201,10 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     auto &ds_tile = sm.ds[it % 2];
     rt<T, 16, BQ> p16, ds16;  // P^T and dS^T in the input dtype
     row_vec<rt_fl<16, BQ>> delta;
-    float *stats = sm.stats[warpid()][it % 2];
-    const float4 stat = reinterpret_cast<const float4 *>(p.workspace + C::stats(p, b, h, i))[laneid()];  // lands during the wait
+    const float *stats = sm.stats[slot];
     warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
     warpgroup::fence_registers(s);
     warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
-    reinterpret_cast<float4 *>(stats)[laneid()] = stat;
-    __syncwarp();
     probabilities<FULL>(s, p, rule, qblocks.one_segment(i), b, q0, kw, stats);
     warp::copy(p16, s);
     warpgroup::mma_AB(dv, p16, window<BQ, C::KV_COLS>(sm.dout[slot], 0, col0), true);  // dV += P^T dO   [dP, dV]
@@ -224,9 +224,11 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     }
     sync_named(1, 128 * CONSUMERS);  // all of dS^T is in shared memory
     warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, row0, 0), window<BQ, C::KV_COLS>(sm.q[slot], 0, col0), true);  // dK += dS^T Q  [dV, dK]
-    // This warpgroup's columns of dQ_i = dS K -> shared memory -> accumulator tile (+=, by the
-    // copy engine). Parts stored one after the other in fragment order make the fragment order
-    // of all the columns.
+    // This warpgroup's columns of dQ_i = dS K, added to the accumulator tile in global memory. With
+    // Params::deterministic the warpgroup first waits for its turn (the key blocks before this one)
+    // and, once its additions are done, hands the turn on.
+    int *lock = locks + (size_t(b) * p.q_heads + h) * n_qblocks + i;
+    float *dq_tile = p.workspace + C::dq_tile(p, b, h, i, wg);
 #pragma unroll
     for (int part = 0; part < C::DQ_PARTS; part++) {
       rt_fl<16, C::DQ_PART> dq;
@@ -240,24 +242,20 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       }
       warpgroup::fence_registers(dq);
       if (part == 0) {
-        if (leader) bulk_wait_read<0>();  // the last step's copy is done reading the buffer
-        sync_named(2 + wg, 128);          // this warpgroup only; all its threads are done with the slot:
-        if (leader) arrive(sm.empty[slot]);  // dV and dK with Q and dO
+        __syncwarp();  // this warp is done with the slot (Q, dO and the statistics)
+        if (laneid() == 0) arrive(sm.empty[slot]);
+        if (p.deterministic) {
+          if (leader)
+            while (load_acquire(lock) < CONSUMERS * blocks_before<FULL>(p, b, i, j, BK)) __nanosleep(32);
+          sync_named(2 + wg, 128);
+        }
       }
-      warpgroup::store_fragments(sm.dq[wg] + part * BQ * C::DQ_PART, dq);
+      warpgroup::reduce_add_fragments(dq_tile + part * BQ * C::DQ_PART, dq);
     }
-    warpgroup::fence_shared_writes();
-    sync_named(2 + wg, 128);
-    if (leader) {
-      int *lock = locks + (size_t(b) * p.q_heads + h) * n_qblocks + i;
-      if (p.deterministic) {  // wait for the key blocks before this one
-        const int turn = CONSUMERS * blocks_before<FULL>(p, b, i, j, BK);
-        while (load_acquire(lock) < turn) __nanosleep(32);
-      }
-      reduce_add_async(p.workspace + C::dq_tile(p, b, h, i, wg), sm.dq[wg], sizeof(sm.dq[wg]));
-      bulk_commit();
-      if (p.deterministic) {
-        bulk_wait<0>();
+    if (p.deterministic) {
+      __threadfence();  // this thread's additions are done before the turn moves on
+      sync_named(2 + wg, 128);
+      if (leader) {
         __threadfence();
         atomicAdd(lock, 1);
       }
@@ -272,7 +270,6 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   // serialize the wgmmas).
   warpgroup::fence_registers(dk);
   warpgroup::fence_registers(dv);
-  if (leader) bulk_wait<0>();  // the copy engine has finished with shared memory
   warp::mul(dk, dk, p.scale);
   warp::store(gl<T>::make(static_cast<T *>(p.dk), p.batch, p.kv_len, p.kv_heads, D), dk, {b, kw, kvh, col0});
   warp::store(gl<T>::make(static_cast<T *>(p.dv), p.batch, p.kv_len, p.kv_heads, D), dv, {b, kw, kvh, col0});

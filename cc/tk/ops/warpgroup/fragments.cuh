@@ -1,22 +1,39 @@
-// A warpgroup's fp32 accumulator (its four warps' rt<float, 16, C>, a 64 x C tile) in shared memory
-// in "fragment order": the registers as they are, float4 q of thread t (0..127) at float index
+// A warpgroup's fp32 accumulator (its four warps' rt<float, 16, C>, a 64 x C tile) in memory in
+// "fragment order": the registers as they are, float4 q of thread t (0..127) at float index
 // (q * 128 + t) * 4. Each store instruction writes 512 consecutive bytes per warp (no bank
-// conflicts, no address arithmetic), which suits a buffer that only goes out by bulk copy and is
+// conflicts, no address arithmetic), which suits a buffer that is only summed into or copied out and
 // read back elsewhere with fragment_offset.
 #pragma once
 #include "../../types/rt.cuh"
 
 namespace tk::warpgroup {
 
-template <int C> __device__ __forceinline__ void store_fragments(float *dst, const rt<float, 16, C, row_l> &src) {
-  const int t = threadIdx.x % 128;
+// Calls f(q, v) for float4 q of this thread's part of the 64 x C accumulator (fragment order).
+template <int C, typename F> __device__ __forceinline__ void for_each_fragment(const rt<float, 16, C, row_l> &src, F &&f) {
 #pragma unroll
   for (int j = 0; j < C / 16; j++)
 #pragma unroll
     for (int k = 0; k < 4; k += 2) {
       const float2 a = src.tiles[0][j].data[k], b = src.tiles[0][j].data[k + 1];
-      reinterpret_cast<float4 *>(dst)[(j * 2 + k / 2) * 128 + t] = float4{a.x, a.y, b.x, b.y};
+      f(j * 2 + k / 2, float4{a.x, a.y, b.x, b.y});
     }
+}
+
+template <int C> __device__ __forceinline__ void store_fragments(float *dst, const rt<float, 16, C, row_l> &src) {
+  const int t = threadIdx.x % 128;
+  for_each_fragment(src, [&](int q, float4 v) { reinterpret_cast<float4 *>(dst)[q * 128 + t] = v; });
+}
+
+// dst += src for a tile in global memory kept in fragment order (one vector reduction,
+// red.global.add.v4.f32, per float4: a warp adds 512 consecutive bytes per instruction). The adds are
+// relaxed atomics at GPU scope: tiles summed by many thread blocks need no other synchronization.
+template <int C> __device__ __forceinline__ void reduce_add_fragments(float *dst, const rt<float, 16, C, row_l> &src) {
+  const int t = threadIdx.x % 128;
+  for_each_fragment(src, [&](int q, float4 v) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + (q * 128 + t) * 4), "f"(v.x), "f"(v.y),
+                 "f"(v.z), "f"(v.w)
+                 : "memory");
+  });
 }
 
 // Float index of element (r, c) of the 64 x C tile written by store_fragments (see rt.cuh for the
