@@ -1,5 +1,8 @@
-"""One forward call each of plain causal, the same mask through the masked kernels, and 8 packed
-documents (for ncu: ncu -k regex:fwd_sm90 python scripts/ncu_probe.py)."""
+"""One call each of plain causal, the same mask through the masked kernels, and 8 packed documents,
+forward or (NCU_PROBE=bwd) backward, plus plain non-causal for the backward
+(for ncu: ncu -k regex:fwd_sm90 python scripts/ncu_probe.py)."""
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -15,7 +18,11 @@ calls = {
     "masked_causal": dict(is_causal=True, local_window_size=(T, 0)),
     "documents": dict(q_segment_ids=ids, kv_segment_ids=ids),
 }
+if os.environ.get("NCU_PROBE") == "bwd":
+    calls = {"plain": {}, **calls}
 for name, kw in calls.items():
-    out = jax.jit(lambda q, k, v: jax_tk.attention(q, k, v, implementation="tk", **kw))(q, k, v)
-    out.block_until_ready()
+    f = lambda q, k, v: jax_tk.attention(q, k, v, implementation="tk", **kw)
+    if os.environ.get("NCU_PROBE") == "bwd":
+        f = jax.grad(lambda q, k, v, f=f: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    jax.block_until_ready(jax.jit(f)(q, k, v))
     print(name, "done")

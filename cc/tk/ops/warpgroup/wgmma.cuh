@@ -46,22 +46,31 @@ template <int R> __device__ __forceinline__ void decrease_registers() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
 }
 
-// Shared-memory matrix descriptors for 128-byte-swizzled tiles.
-__device__ __forceinline__ uint64_t descriptor(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32) | (1ull << 62);
-}
-// K-major operand: tile rows are M (or N), columns are K; the 16 columns from k on.
-template <SharedTile ST> __device__ __forceinline__ uint64_t k_major(const ST &t, int k) {
+// Shared-memory matrix descriptor of a 128-byte-swizzled operand. The operands of one product's
+// k-steps differ only in their start address, a compile-time offset from the tile's: at(bytes) adds
+// it to the descriptor's low word (the 14-bit start-address field, in 16-byte units, cannot carry:
+// shared memory is below 256 KB), so that each wgmma costs one add, not a descriptor built anew.
+struct descriptor {
+  uint32_t lo, hi;
+  __device__ __forceinline__ descriptor(uint32_t addr, uint32_t lbo, uint32_t sbo)
+      : lo(((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16)), hi((sbo >> 4) | (1u << 30)) {}
+  __device__ __forceinline__ uint64_t at(uint32_t bytes) const { return (uint64_t(hi) << 32) | (lo + (bytes >> 4)); }
+};
+// K-major operand: tile rows are M (or N), columns are K; k_offset(k): the 16 columns from k on.
+template <SharedTile ST> __device__ __forceinline__ descriptor k_major(const ST &t) {
   static_assert(ST::panel_cols * sizeof(typename ST::dtype) == 128, "wgmma tiles use full 128-byte panels");
-  uint32_t addr = smem_addr(t.panel(k / ST::panel_cols)) + (k % ST::panel_cols) * sizeof(typename ST::dtype);
-  return descriptor(addr, 16, 1024);  // 8-row groups are 1024 bytes apart
+  return descriptor(smem_addr(t.panel(0)), 16, 1024);  // 8-row groups are 1024 bytes apart
 }
-// N-major operand: tile rows are K, columns are N; the 16 rows from k on. Panels (64 columns of
-// bf16) are panel_bytes apart, groups of 8 rows 1024 bytes apart.
-template <SharedTile ST> __device__ __forceinline__ uint64_t n_major(const ST &t, int k) {
+template <SharedTile ST> constexpr uint32_t k_offset(int k) {
+  return (k / ST::panel_cols) * ST::panel_bytes + (k % ST::panel_cols) * sizeof(typename ST::dtype);
+}
+// N-major operand: tile rows are K, columns are N; n_offset(k): the 16 rows from k on. Panels (64
+// columns of bf16) are panel_bytes apart, groups of 8 rows 1024 bytes apart.
+template <SharedTile ST> __device__ __forceinline__ descriptor n_major(const ST &t) {
   static_assert(ST::panel_cols * sizeof(typename ST::dtype) == 128, "wgmma tiles use full 128-byte panels");
-  return descriptor(smem_addr(t.panel(0)) + k * 128, ST::panel_bytes, 1024);
+  return descriptor(smem_addr(t.panel(0)), ST::panel_bytes, 1024);
 }
+constexpr uint32_t n_offset(int k) { return k * 128; }
 
 template <int N> __device__ __forceinline__ float (&accumulators(rt<float, 16, N, row_l> &d))[N / 2] {
   return *reinterpret_cast<float(*)[N / 2]>(&d.tiles[0][0]);
@@ -71,10 +80,11 @@ template <int N, SharedTile SA, SharedTile SB>
 __device__ __forceinline__ void mma_ABt(rt<float, 16, N, row_l> &d, const SA &a, const SB &b, bool accumulate) {
   using T = typename SA::dtype;
   static_assert(SA::rows == 64 && SB::rows == N && SA::cols == SB::cols && std::is_same_v<T, typename SB::dtype>);
+  const descriptor da = k_major(a), db = k_major(b);
   fence();
 #pragma unroll
   for (int k = 0; k < SA::cols / 16; k++)
-    detail::wgmma<T, N, 0>::ss(accumulators(d), k_major(a, 16 * k), k_major(b, 16 * k), accumulate || k > 0);
+    detail::wgmma<T, N, 0>::ss(accumulators(d), da.at(k_offset<SA>(16 * k)), db.at(k_offset<SB>(16 * k)), accumulate || k > 0);
   commit();
 }
 
@@ -82,10 +92,11 @@ template <int N, SharedTile SA, SharedTile SB>
 __device__ __forceinline__ void mma_AtB(rt<float, 16, N, row_l> &d, const SA &a, const SB &b, bool accumulate) {
   using T = typename SA::dtype;
   static_assert(SA::cols == 64 && SB::cols == N && SA::rows == SB::rows && std::is_same_v<T, typename SB::dtype>);
+  const descriptor da = n_major(a), db = n_major(b);
   fence();
 #pragma unroll
   for (int k = 0; k < SA::rows / 16; k++)
-    detail::wgmma<T, N, 1>::template ss<1>(accumulators(d), n_major(a, 16 * k), n_major(b, 16 * k), accumulate || k > 0);
+    detail::wgmma<T, N, 1>::template ss<1>(accumulators(d), da.at(n_offset(16 * k)), db.at(n_offset(16 * k)), accumulate || k > 0);
   commit();
 }
 
@@ -94,10 +105,11 @@ template <int N, SharedTile SA, SharedTile SB>
 __device__ __forceinline__ void mma_AB(rt<float, 16, N, row_l> &d, const SA &a, const SB &b, bool accumulate) {
   using T = typename SA::dtype;
   static_assert(SA::rows == 64 && SB::cols == N && SA::cols == SB::rows && std::is_same_v<T, typename SB::dtype>);
+  const descriptor da = k_major(a), db = n_major(b);
   fence();
 #pragma unroll
   for (int k = 0; k < SA::cols / 16; k++)
-    detail::wgmma<T, N, 1>::ss(accumulators(d), k_major(a, 16 * k), n_major(b, 16 * k), accumulate || k > 0);
+    detail::wgmma<T, N, 1>::ss(accumulators(d), da.at(k_offset<SA>(16 * k)), db.at(n_offset(16 * k)), accumulate || k > 0);
   commit();
 }
 
@@ -105,11 +117,12 @@ __device__ __forceinline__ void mma_AB(rt<float, 16, N, row_l> &d, const SA &a, 
 template <int N, int K, typename T, SharedTile SB>
 __device__ __forceinline__ void mma_AB(rt<float, 16, N, row_l> &d, const rt<T, 16, K, row_l> &a, const SB &b, bool accumulate) {
   static_assert(SB::rows == K && SB::cols == N && std::is_same_v<T, typename SB::dtype>);
+  const descriptor db = n_major(b);
   fence();
 #pragma unroll
   for (int k = 0; k < K / 16; k++)
     detail::wgmma<T, N, 1>::rs(accumulators(d), reinterpret_cast<const uint32_t(&)[4]>(a.tiles[0][k].data),
-                               n_major(b, 16 * k), accumulate || k > 0);
+                               db.at(n_offset(16 * k)), accumulate || k > 0);
   commit();
 }
 
