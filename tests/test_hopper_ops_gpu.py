@@ -5,7 +5,8 @@ The kernels live in cc/tests/hopper_ops.cu (built into jax_tk._tk_tests), one la
     (semaphore: arrive_expect_bytes + wait), written out element by element;
   - wgmma: mma_ABt, mma_AtB and mma_AB (A in shared memory or in registers) on whole tiles and on
     windows of them, with and without accumulating onto a previous value; the result stored from
-    registers, or through shared memory in fragment order (store_fragments / fragment_offset);
+    registers, through shared memory in fragment order (store_fragments / fragment_offset), or added
+    twice into a zeroed global buffer in fragment order (reduce_add_fragments);
   - bulk reduce-add: several blocks add fp32 shared tiles into one global buffer;
   - a producer/consumer ring: tiles (tensor copies) and per-row weights (plain bulk copies) through
     2 slots with full/empty semaphores, several wraps.
@@ -153,18 +154,21 @@ def test_wgmma_cases_mirror_the_kernel_file():
 
 
 @hopper
-@pytest.mark.parametrize("mode", ["set", "accumulate", "accumulate-fragments"])
+@pytest.mark.parametrize("mode", ["set", "accumulate", "accumulate-fragments", "accumulate-reduce"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("case", WGMMA_CASES, ids=case_id)
 def test_wgmma(case, dtype, mode):
     product, n, k, a_shape, b_shape = case
-    accumulate, fragments = mode != "set", mode.endswith("fragments")
+    accumulate = mode != "set"
+    fragments = {"fragments": 1, "reduce": 2}.get(mode.rsplit("-")[-1], 0)
     rng = np.random.default_rng([2, PRODUCTS[product], n, k, *a_shape, *b_shape, len(mode)])
     a, b = normal(a_shape, dtype, rng), normal(b_shape, dtype, rng)
     c = normal((64, n), np.float32, rng, scale=np.sqrt(k))  # the accumulator's previous value
     out = run("jax_tk_test_hopper_wgmma", nan((64, n), np.float32), a, b, c,
               product=PRODUCTS[product], k=k, accumulate=int(accumulate), fragments=int(fragments))
     want = product_ref(product, n, k, a, b) + (c if accumulate else 0)
+    if fragments == 2:  # added twice into a zeroed buffer
+        want = 2 * want
     assert np.isfinite(out).all(), f"{np.sum(~np.isfinite(out))} of {out.size} outputs are NaN/inf"
     rms = np.sqrt(np.mean(want.astype(np.float64) ** 2))
     np.testing.assert_allclose(out, want, rtol=1e-2, atol=1e-2 * rms)

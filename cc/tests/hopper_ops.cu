@@ -133,7 +133,17 @@ __global__ __launch_bounds__(128, 1) void wgmma_kernel(const __grid_constant__ W
   }
   warpgroup::wait<0>();
   warpgroup::fence_registers(d);
-  if (x.fragments) {  // as the Hopper backward stages dQ: registers as they are, read back by position
+  if (x.fragments == 2) {  // as the Hopper backward adds dQ up: vector reductions in global memory
+    for (int i = threadIdx.x; i < 64 * N; i += 128) x.out[i] = 0.f;
+    __syncthreads();
+    warpgroup::reduce_add_fragments(x.out, d);
+    warpgroup::reduce_add_fragments(x.out, d);
+    __threadfence();
+    __syncthreads();
+    for (int i = threadIdx.x; i < 64 * N; i += 128) sm.frag[i] = __ldcg(x.out + i);  // fragment order
+    __syncthreads();
+    for (int i = threadIdx.x; i < 64 * N; i += 128) x.out[i] = sm.frag[warpgroup::fragment_offset<N>(i / N, i % N)];
+  } else if (x.fragments == 1) {  // as a tile staged in shared memory: registers as they are, read back by position
     warpgroup::store_fragments(sm.frag, d);
     __syncthreads();
     for (int i = threadIdx.x; i < 64 * N; i += 128) x.out[i] = sm.frag[warpgroup::fragment_offset<N>(i / N, i % N)];

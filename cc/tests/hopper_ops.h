@@ -36,8 +36,10 @@ struct WgmmaArgs {
   const void *a, *b;                   // [a_rows, a_cols], [b_rows, b_cols]
   const float *c;                      // [64, n]: the accumulator's previous value
   bool accumulate;                     // false: c is loaded, then ignored by the product
-  bool fragments;                      // out goes through shared memory in fragment order
-                                       // (store_fragments, read back with fragment_offset)
+  int fragments;                       // 1: out goes through shared memory in fragment order
+                                       // (store_fragments, read back with fragment_offset);
+                                       // 2: out is zeroed, the result added to it twice in fragment
+                                       // order (reduce_add_fragments), then read back: out = 2 d
   float *out;                          // [64, n]
 };
 bool has_wgmma_case(const WgmmaArgs &args);  // is (product, n, k, tile shapes) a compiled case?

@@ -69,10 +69,11 @@ ffi::Error wgmma_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, f
   if (dc.size() != 2 || dc[0] != 64 || !same_dims(c, *out)) return invalid("hopper wgmma: c and out must be [64, n]");
   x.product = product; x.n = int(dc[1]); x.k = k;
   x.a_rows = int(da[0]); x.a_cols = int(da[1]); x.b_rows = int(db[0]); x.b_cols = int(db[1]);
+  if (fragments < 0 || fragments > 2) return invalid("hopper wgmma: fragments must be 0, 1 or 2");
   if (!has_wgmma_case(x)) return invalid("hopper wgmma: not one of the compiled cases (TK_WGMMA_CASES in hopper_ops.cu)");
   if (auto e = check_aliased(init, out->untyped_data(), "hopper wgmma"); e.failure()) return e;
   x.a = a.untyped_data(); x.b = b.untyped_data(); x.c = c.typed_data();
-  x.accumulate = accumulate != 0; x.fragments = fragments != 0; x.out = out->typed_data();
+  x.accumulate = accumulate != 0; x.fragments = fragments; x.out = out->typed_data();
   return cuda_error(launch_wgmma(x, stream), "hopper wgmma");
 }
 
