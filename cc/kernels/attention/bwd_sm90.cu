@@ -154,7 +154,8 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
         load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, sm.full[s]);
       }
       // The rows' statistics: 128 floats, one float4 per lane, ordinary stores released by the
-      // arrival (as the warp's own writes, ordered by __syncwarp).
+      // arrival (as the warp's own writes, ordered by __syncwarp). racecheck reports this hand-off
+      // when a slot is reused (benchmarks/NOTES.md, Next 0).
       reinterpret_cast<float4 *>(sm.stats[s])[laneid()] = reinterpret_cast<const float4 *>(p.workspace + C::stats(p, b, h, i))[laneid()];
       __syncwarp();
       if (loader) arrive(sm.full[s]);
