@@ -128,8 +128,8 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   if (threadIdx.x == 0) {
     init(sm.kv_full, 1);
     for (int s = 0; s < STAGES; s++) {
-      init(sm.full[s], 1);
-      init(sm.empty[s], CONSUMERS * 4);  // one arrival per consumer warp
+      init(sm.full[s], 32);                // one arrival per lane of the producer warp
+      init(sm.empty[s], CONSUMERS * 128);  // one arrival per consumer thread
     }
     fence_barrier_init();
   }
@@ -153,12 +153,10 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
         load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, sm.full[s]);
         load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, sm.full[s]);
       }
-      // The rows' statistics: 128 floats, one float4 per lane, ordinary stores released by the
-      // arrival (as the warp's own writes, ordered by __syncwarp). racecheck reports this hand-off
-      // when a slot is reused (benchmarks/NOTES.md, Next 0).
+      // The rows' statistics: 128 floats, one float4 per lane, each lane's stores released by its own
+      // arrival (so that every write and read is ordered by a release and an acquire of its own thread).
       reinterpret_cast<float4 *>(sm.stats[s])[laneid()] = reinterpret_cast<const float4 *>(p.workspace + C::stats(p, b, h, i))[laneid()];
-      __syncwarp();
-      if (loader) arrive(sm.full[s]);
+      arrive(sm.full[s]);
       if ((i = qblocks.next(i + 1)) >= qr.y) {  // on to the next query head
         i = qblocks.next(qr.x);
         g++;
@@ -243,8 +241,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       }
       warpgroup::fence_registers(dq);
       if (part == 0) {
-        __syncwarp();  // this warp is done with the slot (Q, dO and the statistics)
-        if (laneid() == 0) arrive(sm.empty[slot]);
+        arrive(sm.empty[slot]);  // this thread is done with the slot (Q, dO and the statistics)
         if (p.deterministic) {
           if (leader)
             while (load_acquire(lock) < CONSUMERS * blocks_before<FULL>(p, b, i, j, BK)) __nanosleep(32);
