@@ -5,6 +5,8 @@
 # ROUNDS times with each build, alternating, and appends everything to OUTFILE (machines differ by a
 # few percent: compare only within one such run).
 #   scripts/ab.sh OUTFILE ROUNDS command...   e.g. scripts/ab.sh ab.log 2 python3 -P -m jax_tk.bench attention ...
+# Each run of the command is stopped after AB_TIMEOUT seconds (default 120): a build that hangs costs
+# that much, not the whole call. scripts/ab_build.sh builds all the trees at once beforehand.
 set -uo pipefail
 log=${1:?usage: scripts/ab.sh OUTFILE ROUNDS command...}
 rounds=${2:?usage: scripts/ab.sh OUTFILE ROUNDS command...}
@@ -22,6 +24,6 @@ sites+=("${JAX_TK_SITE:-/tmp/jax_tk_site}")
 for ((r = 0; r < rounds; r++)); do
   for site in "${sites[@]}"; do
     echo "=== round $r: $site" >>"$log"
-    PYTHONPATH="$site" "$@" >>"$log" 2>&1
+    PYTHONPATH="$site" timeout "${AB_TIMEOUT:-120}" "$@" >>"$log" 2>&1 || echo "rc=$? (124: timed out)" >>"$log"
   done
 done

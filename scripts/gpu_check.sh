@@ -5,7 +5,8 @@
 # JAX_TK_SANITIZE=1 runs compute-sanitizer (memcheck, racecheck, synccheck) on the kernels;
 # JAX_TK_EXAMPLE=1 times examples/train_gpt.py (GPU preset, JAX_TK_EXAMPLE_STEPS steps, default 150)
 # with each attention: jax_tk, cuDNN and XLA;
-# JAX_TK_TESTS=0 skips the tests; JAX_TK_TEST_PROCS sets the number of parallel test processes (default 12).
+# JAX_TK_TESTS=0 skips the tests; JAX_TK_TEST_PROCS sets the number of parallel test processes (default 12);
+# JAX_TK_TEST_TIMEOUT stops the tests after that many seconds (default 420: a kernel that hangs).
 # Logs: OUTDIR/build.log, OUTDIR/tests.log, OUTDIR/junit.xml, OUTDIR/sanitizer*.log,
 # OUTDIR/example_*.log (+ loss curves), OUTDIR/bench.log (+ csv/png).
 set -uo pipefail
@@ -40,7 +41,7 @@ test_rc=0
 if [ "${JAX_TK_TESTS:-1}" = "1" ]; then
   # No autotuning of XLA's own GEMMs: most of the tests' time would go to it, and they check results only.
   XLA_FLAGS="--xla_gpu_autotune_level=0 ${XLA_FLAGS:-}" \
-    python3 -P -m pytest -q -rs -p no:cacheprovider "${par[@]}" --junitxml="$out/junit.xml" "$@" tests 2>&1 | tee "$out/tests.log"
+    timeout "${JAX_TK_TEST_TIMEOUT:-420}" python3 -P -m pytest -q -rs -p no:cacheprovider "${par[@]}" --junitxml="$out/junit.xml" "$@" tests 2>&1 | tee "$out/tests.log"
   test_rc=${PIPESTATUS[0]}
 fi
 
