@@ -1,0 +1,68 @@
+"""How much of the Hopper backward's time goes to the tail of its last wave, by launch order? A
+list-scheduling model without a GPU: each thread block (one key block of one key/value head) costs
+`overhead` + the number of query blocks it visits, and the blocks go, in launch order, to whichever
+of the SMs frees first. Prints each order's time over the perfect-balance bound.
+
+    python scripts/schedule_model.py [--overhead 5] [--sms 132]
+
+Orders: `head-major` (key blocks of one head one after the other: the launch order up to now),
+`key-major` (all batch entries and heads of key block 0, then key block 1, ...), `longest-first`
+(sorted by cost; needs the costs on the device before the launch)."""
+import argparse
+import heapq
+
+import numpy as np
+
+from jax_tk.bench import document_lengths
+
+BK, BQ = 128, 64  # keys per block and query rows per step of the D <= 128 backward
+
+
+def visits(t: int, causal: bool, window: int | None, docs: int) -> list[int]:
+    """Query blocks seen by each key block of one batch row."""
+    seg = np.repeat(np.arange(docs), document_lengths(t, docs)[0]) if docs > 1 else np.zeros(t, int)
+    out = []
+    for j in range(t // BK):
+        keys = np.arange(j * BK, (j + 1) * BK)
+        n = 0
+        for i in range(t // BQ):
+            rows = np.arange(i * BQ, (i + 1) * BQ)
+            ok = seg[rows][:, None] == seg[keys][None, :]
+            if causal:
+                ok &= rows[:, None] >= keys[None, :]
+            if window is not None:
+                ok &= rows[:, None] - keys[None, :] <= window
+            n += bool(ok.any())
+        out.append(n)
+    return out
+
+
+def makespan(costs, sms: int) -> float:
+    free = [0.0] * sms
+    for c in costs:
+        heapq.heappush(free, heapq.heappop(free) + c)
+    return max(free)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--overhead", type=float, default=5.0, help="per-block cost in steps (prologue, epilogue)")
+    ap.add_argument("--sms", type=int, default=132)
+    a = ap.parse_args()
+    cases = [(t, 16384 // t, c, None, 1) for t in (2048, 4096, 8192, 16384) for c in (False, True)]
+    cases += [(16384, 1, True, 4096, 1), (16384, 1, False, None, 8)]
+    heads = 16
+    for t, b, causal, window, docs in cases:
+        v = visits(t, causal, window, docs)
+        head_major = [v[j] + a.overhead for _ in range(b * heads) for j in range(len(v))]
+        key_major = [v[j] + a.overhead for j in range(len(v)) for _ in range(b * heads)]
+        bound = sum(head_major) / a.sms
+        row = {name: makespan(order, a.sms) / bound for name, order in
+               (("head-major", head_major), ("key-major", key_major),
+                ("longest-first", sorted(head_major, reverse=True)))}
+        label = f"T={t} B={b} causal={causal} window={window} docs={docs}"
+        print(f"{label:50s} " + "  ".join(f"{k} {x:.3f}" for k, x in row.items()))
+
+
+if __name__ == "__main__":
+    main()
