@@ -18,11 +18,12 @@ calls = {
     "masked_causal": dict(is_causal=True, local_window_size=(T, 0)),
     "documents": dict(q_segment_ids=ids, kv_segment_ids=ids),
 }
-if os.environ.get("NCU_PROBE") == "bwd":
+backward = os.environ.get("NCU_PROBE") == "bwd"
+if backward:
     calls = {"plain": {}, **calls}
 for name, kw in calls.items():
     f = lambda q, k, v: jax_tk.attention(q, k, v, implementation="tk", **kw)
-    if os.environ.get("NCU_PROBE") == "bwd":
+    if backward:
         f = jax.grad(lambda q, k, v, f=f: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     jax.block_until_ready(jax.jit(f)(q, k, v))
     print(name, "done")
