@@ -33,15 +33,22 @@ template <typename T, int D> struct BwdH {
   // SPLIT consumers share each 64 keys and split the columns of dK/dV (SPLIT = 2 at D = 256: 64 x 256
   // fp32 accumulators would not fit one warpgroup's registers; both then compute S^T and dP^T).
   static constexpr int SPLIT = D > 128 ? 2 : 1, KV_COLS = D / SPLIT;
-  static constexpr int BK = 64 * CONSUMERS / SPLIT, BQ = 64, STAGES = D > 128 ? 2 : 3, DQ_COLS = D / CONSUMERS;
+  static constexpr int BK = 64 * CONSUMERS / SPLIT, BQ = 64, DQ_COLS = D / CONSUMERS;
   // Each consumer computes its DQ_COLS columns of dQ_i in parts of at most 64 (registers again).
   static constexpr int DQ_PART = DQ_COLS < 64 ? DQ_COLS : 64, DQ_PARTS = DQ_COLS / DQ_PART;
+  // STAGED (D <= 128): each consumer stores its dQ_i tile to shared memory (its registers are free at
+  // once) and a writer warp adds it to the accumulator with one bulk reduce-add; at D = 256 (no room)
+  // the consumers add it from their registers.
+  static constexpr bool STAGED = D <= 128;
+  static constexpr int STAGES = D == 64 ? 3 : 2;
+  static_assert(!STAGED || DQ_PARTS == 1);
   struct Shared {
     st<T, BK, D> k, v;
     st<T, BQ, D> q[STAGES], dout[STAGES];
     st<T, BK, BQ> ds[2];                        // dS^T of the last two steps (keys x queries)
     alignas(16) float stats[STAGES][2 * BQ];    // per query row: lse (log2 units, +inf past q_len), delta
-    semaphore kv_full, full[STAGES], empty[STAGES];
+    alignas(128) float dq[CONSUMERS][STAGED ? BQ * DQ_COLS : 4];  // each consumer's dQ_i, fragment order
+    semaphore kv_full, full[STAGES], empty[STAGES], dq_full[CONSUMERS], dq_empty[CONSUMERS];
   };
   struct Args {
     Params p;
@@ -124,6 +131,13 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
                                         [&](int i) { return in_one_segment<FULL>(p, b, i * BQ, BQ, k0, BK); });
   const KeyRule rule = key_rule<FULL>(p, b);
   const int n_steps = qblocks.count() * group;
+  // The steps, in order: for each query head g of the group, the listed query blocks i.
+  auto advance = [&](int &g, int &i) {
+    if ((i = qblocks.next(i + 1)) >= qr.y) {  // on to the next query head
+      i = qblocks.next(qr.x);
+      g++;
+    }
+  };
 
   if (threadIdx.x == 0) {
     init(sm.kv_full, 1);
@@ -131,12 +145,39 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       init(sm.full[s], 32);                // one arrival per lane of the producer warp
       init(sm.empty[s], CONSUMERS * 128);  // one arrival per consumer thread
     }
+    for (int c = 0; c < CONSUMERS; c++) {
+      init(sm.dq_full[c], 128);  // one arrival per thread of consumer c
+      init(sm.dq_empty[c], 1);   // the writer
+    }
     fence_barrier_init();
   }
   __syncthreads();
 
+  int *locks = reinterpret_cast<int *>(p.workspace + C::stats(p, p.batch, 0, 0));  // deterministic turns
   if (wg == CONSUMERS) {  // producer
     warpgroup::decrease_registers<24>();
+    if (C::STAGED && warpid() == CONSUMERS * 4 + 1 && laneid() == 0) {  // the dQ writer
+      static_assert(CONSUMERS == 2);
+      for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++, advance(g, i)) {
+        const int h = kvh * group + g;
+        for (int c = 0; c < CONSUMERS; c++) {  // (deterministic: the consumers have waited for the turn)
+          wait(sm.dq_full[c], it & 1);
+          reduce_add_async(p.workspace + C::dq_tile(p, b, h, i, c), sm.dq[c], sizeof(sm.dq[c]));
+          bulk_commit();
+        }
+        bulk_wait_read<1>();  // consumer 0's tile is read: it may store the next one
+        arrive(sm.dq_empty[0]);
+        bulk_wait_read<0>();
+        arrive(sm.dq_empty[1]);
+        if (p.deterministic) {  // the additions are done: hand the turn on
+          bulk_wait<0>();
+          __threadfence();
+          atomicAdd(locks + (size_t(b) * p.q_heads + h) * n_qblocks + i, CONSUMERS);
+        }
+      }
+      bulk_wait<0>();  // the copy engine has finished with shared memory
+      return;
+    }
     if (warpid() != CONSUMERS * 4 || n_steps == 0) return;
     const bool loader = laneid() == 0;
     if (loader) {
@@ -144,7 +185,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       load_async(sm.k, a.k, {b, k0, kvh, 0}, sm.kv_full);
       load_async(sm.v, a.v, {b, k0, kvh, 0}, sm.kv_full);
     }
-    for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++) {  // the consumers' steps
+    for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++, advance(g, i)) {  // the consumers' steps
       const int h = kvh * group + g;
       const int s = it % STAGES, phase = (it / STAGES) & 1;
       wait(sm.empty[s], phase ^ 1);
@@ -157,10 +198,6 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       // arrival (so that every write and read is ordered by a release and an acquire of its own thread).
       reinterpret_cast<float4 *>(sm.stats[s])[laneid()] = reinterpret_cast<const float4 *>(p.workspace + C::stats(p, b, h, i))[laneid()];
       arrive(sm.full[s]);
-      if ((i = qblocks.next(i + 1)) >= qr.y) {  // on to the next query head
-        i = qblocks.next(qr.x);
-        g++;
-      }
     }
     return;
   }
@@ -172,7 +209,6 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   const int kw = k0 + row0 + 16 * (warpid() % 4);
   const bool writes_ds = wg % C::SPLIT == 0;  // one of the warpgroups that share the keys
   const auto k_rows = window<64, D>(sm.k, row0, 0), v_rows = window<64, D>(sm.v, row0, 0);
-  int *locks = reinterpret_cast<int *>(p.workspace + C::stats(p, p.batch, 0, 0));
   const bool leader = threadIdx.x % 128 == 0;
   rt_fl<16, C::KV_COLS> dk, dv;
   rt_fl<16, BQ> s, dp;  // S^T (then P^T), dP^T (then dS^T) of the current step
@@ -194,7 +230,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   // wgmma groups in flight are listed in [brackets]; they complete in order.
   // One loop over the steps (query head g, query block i): ptxas keeps the wgmmas in flight across
   // one back edge, not across nested loops (C7514).
-  for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++) {
+  for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++, advance(g, i)) {
     const int h = kvh * group + g;
     const int q0 = i * BQ, slot = it % STAGES;
     auto &ds_tile = sm.ds[it % 2];
@@ -223,10 +259,15 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     }
     sync_named(1, 128 * CONSUMERS);  // all of dS^T is in shared memory
     warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, row0, 0), window<BQ, C::KV_COLS>(sm.q[slot], 0, col0), true);  // dK += dS^T Q  [dV, dK]
-    // This warpgroup's columns of dQ_i = dS K, added to the accumulator tile in global memory. With
-    // Params::deterministic the warpgroup first waits for its turn (the key blocks before this one)
-    // and, once its additions are done, hands the turn on.
+    // This warpgroup's columns of dQ_i = dS K, added to the accumulator tile in global memory: by the
+    // writer warp from shared memory (STAGED), or from the registers. With Params::deterministic the
+    // warpgroup first waits for its turn (the key blocks before this one); the turn is handed on once
+    // the additions are done.
     int *lock = locks + (size_t(b) * p.q_heads + h) * n_qblocks + i;
+    const auto wait_for_turn = [&] {
+      if (leader)
+        while (load_acquire(lock) < CONSUMERS * blocks_before<FULL>(p, b, i, j, BK)) __nanosleep(32);
+    };
     float *dq_tile = p.workspace + C::dq_tile(p, b, h, i, wg);
 #pragma unroll
     for (int part = 0; part < C::DQ_PARTS; part++) {
@@ -240,27 +281,28 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
         warpgroup::wait<0>();
       }
       warpgroup::fence_registers(dq);
-      if (part == 0) {
-        arrive(sm.empty[slot]);  // this thread is done with the slot (Q, dO and the statistics)
-        if (p.deterministic) {
-          if (leader)
-            while (load_acquire(lock) < CONSUMERS * blocks_before<FULL>(p, b, i, j, BK)) __nanosleep(32);
+      if (part == 0) arrive(sm.empty[slot]);  // this thread is done with the slot (Q, dO and the statistics)
+      if constexpr (C::STAGED) {  // (one part)
+        if (p.deterministic) wait_for_turn();  // the writer adds once all threads have arrived
+        wait(sm.dq_empty[wg], (it & 1) ^ 1);   // the writer has read the last step's tile
+        warpgroup::store_fragments(sm.dq[wg], dq);
+        warpgroup::fence_shared_writes();
+        arrive(sm.dq_full[wg]);
+      } else {
+        if (part == 0 && p.deterministic) {
+          wait_for_turn();
           sync_named(2 + wg, 128);
         }
+        warpgroup::reduce_add_fragments(dq_tile + part * BQ * C::DQ_PART, dq);
       }
-      warpgroup::reduce_add_fragments(dq_tile + part * BQ * C::DQ_PART, dq);
     }
-    if (p.deterministic) {
+    if (!C::STAGED && p.deterministic) {
       __threadfence();  // this thread's additions are done before the turn moves on
       sync_named(2 + wg, 128);
       if (leader) {
         __threadfence();
         atomicAdd(lock, 1);
       }
-    }
-    if ((i = qblocks.next(i + 1)) >= qr.y) {  // on to the next query head
-      i = qblocks.next(qr.x);
-      g++;
     }
   }
   warpgroup::wait<0>();  // the extra S^T
