@@ -22,6 +22,13 @@ export PYTHONUNBUFFERED=1
   git rev-parse HEAD 2>/dev/null || true
 } 2>&1 | tee "$out/env.log"
 
+# The standalone sanitizer driver (below) builds alongside the package.
+if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
+  nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
+    --expt-relaxed-constexpr -lineinfo -Icc cc/tests/standalone/attention_sanitize.cu cc/kernels/attention/*.cu \
+    -o "$out/attention_sanitize" >"$out/sanitizer_build.log" 2>&1 &
+  sanitizer_build=$!
+fi
 start=$(date +%s)
 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} JAX_TK_CUDA=ON \
   python3 -m pip install --no-build-isolation --no-deps --target "$site" . >"$out/build.log" 2>&1
@@ -57,9 +64,7 @@ fi
 if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
   # compute-sanitizer on a standalone driver of the kernels (no JAX in the process: memcheck on a
   # JAX process crashed), small odd shapes, every variant, one cudaMalloc per buffer.
-  nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
-    --expt-relaxed-constexpr -lineinfo -Icc cc/tests/standalone/attention_sanitize.cu cc/kernels/attention/*.cu \
-    -o "$out/attention_sanitize" >"$out/sanitizer_build.log" 2>&1 || echo "sanitizer driver build failed" | tee -a "$out/sanitizer.log"
+  wait "$sanitizer_build" || echo "sanitizer driver build failed" | tee -a "$out/sanitizer.log"
   for tool in memcheck racecheck synccheck; do
     timeout "${JAX_TK_SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool $tool --error-exitcode 3 "$out/attention_sanitize" >"$out/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool rc=$?" | tee -a "$out/sanitizer.log"
