@@ -30,6 +30,7 @@ if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
   sanitizer_build=$!
 fi
 start=$(date +%s)
+rm -rf "$site"  # pip --target keeps a package already there: always install this tree's build
 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} JAX_TK_CUDA=ON \
   python3 -m pip install --no-build-isolation --no-deps --target "$site" . >"$out/build.log" 2>&1
 rc=$?
