@@ -4,7 +4,8 @@
 // and over the 64-row query blocks that see those keys, so dK and dV are summed over the group in
 // registers and written once (no atomics). Three warpgroups:
 //   producer:  one warp streams Q_i and dO_i (TMA) and the rows' log-sum-exp and delta (prepared
-//              in the workspace) through a ring of STAGES slots;
+//              in the workspace) through a ring of STAGES slots; one thread adds the dQ tiles
+//              (D <= 128, below);
 //   consumers: 64 keys each:
 //                S^T = K Q_i^T,  dP^T = V dO_i^T                   (wgmma, both from shared memory)
 //                P^T = exp(S^T - lse),  dS^T = P^T (dP^T - delta)   (registers)
@@ -12,8 +13,9 @@
 //              then both write dS^T to shared memory, and each computes
 //                dK += dS^T Q_i                                    (wgmma, A: its rows of dS^T)
 //                dQ_i = dS K, half of the columns                  (wgmma, A read M-major)
-//              which it adds from its registers to an fp32 accumulator tile in global memory
-//              (vector reductions, red.global.add.v4.f32). With
+//              which goes to an fp32 accumulator tile in global memory: through shared memory and
+//              a bulk reduce-add issued by the producer's dQ writer (D <= 128), or from the
+//              registers by vector reductions (red.global.add.v4.f32, D = 256). With
 //              Params::deterministic the blocks of one query block take turns, in key-block order,
 //              so that the sums come out the same every run.
 // Before it, a small kernel computes delta = rowsum(dO * O) - dlse, lays out the rows' statistics
