@@ -361,16 +361,36 @@ template <typename T, int D> __global__ void bwd_prep_kernel(const __grid_consta
   }
 }
 
-// dq = scale * accumulator, in the input dtype (one thread per pair of dq elements).
-template <typename T, int D> __global__ void bwd_dq_kernel(const __grid_constant__ Params p, size_t n) {
+// dq = scale * accumulator, in the input dtype: one block per accumulator tile (BQ rows x DQ_COLS,
+// in the order of BwdH::dq_tile), read in fragment order (each load instruction of a warp reads 512
+// consecutive bytes), turned into rows in shared memory and written 16 bytes per thread.
+template <typename T, int D> __global__ __launch_bounds__(128) void bwd_dq_kernel(const __grid_constant__ Params p) {
   using C = BwdH<T, D>;
-  for (size_t e = 2 * (size_t(blockIdx.x) * blockDim.x + threadIdx.x); e < n; e += 2 * size_t(gridDim.x) * blockDim.x) {
-    const size_t row = e / D;  // [b, t, h] order
-    const int d = int(e % D), h = int(row % p.q_heads), t = int(row / p.q_heads % p.q_len);
-    const int b = int(row / (size_t(p.q_heads) * p.q_len));
-    const float *tile = p.workspace + C::dq_tile(p, b, h, t / C::BQ, d / C::DQ_COLS);
-    float2 v = *reinterpret_cast<const float2 *>(tile + warpgroup::fragment_offset<C::DQ_COLS>(t % C::BQ, d % C::DQ_COLS));
-    *reinterpret_cast<packed<T> *>(static_cast<T *>(p.dq) + e) = from_float2<packed<T>>(float2{v.x * p.scale, v.y * p.scale});
+  constexpr int ROWS = C::BQ, COLS = C::DQ_COLS, PITCH = COLS + 8;  // (+ 8: conflict-free float2 stores)
+  static_assert(ROWS == 64 && COLS % 16 == 0);
+  __shared__ alignas(16) float tile[ROWS * PITCH];
+  const int t = threadIdx.x, n_qblocks = (p.q_len + ROWS - 1) / ROWS;
+  const int c = int(blockIdx.x % C::CONSUMERS), i = int(blockIdx.x / C::CONSUMERS % n_qblocks);
+  const int bh = int(blockIdx.x / (C::CONSUMERS * n_qblocks)), h = bh % p.q_heads, b = bh / p.q_heads;
+  const auto *src = reinterpret_cast<const float4 *>(p.workspace + C::dq_tile(p, b, h, i, c));
+#pragma unroll
+  for (int q = 0; q < ROWS * COLS / 512; q++) {
+    const float4 v = src[q * 128 + t];
+    const auto [r, col] = warpgroup::fragment_coords(q, t);
+    *reinterpret_cast<float2 *>(tile + r * PITCH + col) = float2{v.x * p.scale, v.y * p.scale};
+    *reinterpret_cast<float2 *>(tile + (r + 8) * PITCH + col) = float2{v.z * p.scale, v.w * p.scale};
+  }
+  __syncthreads();
+  for (int e = t; e < ROWS * COLS / 8; e += 128) {  // 8 columns of one row each
+    const int r = e / (COLS / 8), col = e % (COLS / 8) * 8, row = i * ROWS + r;
+    if (row >= p.q_len) continue;
+    const float *x = tile + r * PITCH + col;
+    struct alignas(16) {
+      packed<T> v[4];
+    } out;
+    for (int k = 0; k < 4; k++) out.v[k] = from_float2<packed<T>>(float2{x[2 * k], x[2 * k + 1]});
+    *reinterpret_cast<decltype(out) *>(static_cast<T *>(p.dq) + ((size_t(b) * p.q_len + row) * p.q_heads + h) * D +
+                                       c * COLS + col) = out;
   }
 }
 
@@ -401,8 +421,9 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
     kernel<<<dim3((p.kv_len + C::BK - 1) / C::BK, p.kv_heads, p.batch), C::THREADS, smem, stream>>>(a);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
 
-    const size_t n = rows * D;
-    bwd_dq_kernel<T, D><<<unsigned(std::min<size_t>((n / 2 + 255) / 256, 1 << 16)), 256, 0, stream>>>(p, n);
+    const size_t tiles = size_t(p.batch) * p.q_heads * ((p.q_len + C::BQ - 1) / C::BQ) * C::CONSUMERS;
+    if (tiles >= INT_MAX) return cudaErrorInvalidValue;
+    bwd_dq_kernel<T, D><<<unsigned(tiles), 128, 0, stream>>>(p);
     return cudaGetLastError();
   });
 }

@@ -44,4 +44,27 @@ template <int C> __host__ __device__ constexpr int fragment_offset(int r, int c)
   return ((f / 4) * 128 + warp * 32 + lane) * 4 + f % 4;
 }
 
+// The inverse: the row and column of the first float of float4 q of thread t; its four floats are
+// (r, c), (r, c + 1), (r + 8, c) and (r + 8, c + 1).
+struct FragmentCoords {
+  int r, c;
+};
+__host__ __device__ constexpr FragmentCoords fragment_coords(int q, int t) {
+  return {(t / 32) * 16 + (t % 32) / 4, (q / 2) * 16 + (q % 2) * 8 + 2 * (t % 4)};
+}
+namespace detail {
+constexpr bool coords_invert_offsets() {  // over a 64 x 128 tile (the layout does not depend on C)
+  for (int q = 0; q < 16; q++)
+    for (int t = 0; t < 128; t++) {
+      const auto [r, c] = fragment_coords(q, t);
+      const int at = (q * 128 + t) * 4;
+      if (fragment_offset<128>(r, c) != at || fragment_offset<128>(r, c + 1) != at + 1 ||
+          fragment_offset<128>(r + 8, c) != at + 2 || fragment_offset<128>(r + 8, c + 1) != at + 3)
+        return false;
+    }
+  return true;
+}
+static_assert(coords_invert_offsets());
+}  // namespace detail
+
 }  // namespace tk::warpgroup
