@@ -76,6 +76,22 @@ template <bool FULL> __device__ __forceinline__ bool sees(const Params &p, int b
   int2 r = kv_block_range<FULL>(p, b, i * BWD_BQ, BWD_BQ, BK);
   return j >= r.x && j < r.y && segments_meet<FULL>(p, b, i * BWD_BQ, BWD_BQ, j * BK, BK);
 }
+// The order in which the blocks (key block j of key/value head kvh of batch entry b) are launched:
+// key block by key block within groups of ORDER_GROUP (batch entry, head) pairs, group after group.
+// With a causal mask or packed sequences the first key blocks see the most query blocks, so each
+// group starts with its longest blocks and the last wave ends with short ones
+// (scripts/schedule_model.py: a tail of 1.4% instead of 6.3% at causal T = 2k); the blocks running
+// together still share each head's queries in L2 (an order key block by key block over all heads
+// measured 40% slower at T = 2k). Within a (batch entry, head), key block j' < j comes first, as the
+// deterministic mode's turns need.
+constexpr int ORDER_GROUP = 8;
+__device__ __forceinline__ int3 block_coords(const Params &p, int t, int kblocks) {  // {b, kvh, j}
+  const int first = t / (ORDER_GROUP * kblocks) * ORDER_GROUP;  // the group's first pair
+  const int size = min(ORDER_GROUP, p.batch * p.kv_heads - first), r = t - first * kblocks;
+  const int pair = first + r % size;
+  return {pair / p.kv_heads, pair % p.kv_heads, r / size};
+}
+
 // How many key blocks before j contribute to query block i (the deterministic order's turn).
 template <bool FULL> __device__ __forceinline__ int blocks_before(const Params &p, int b, int i, int j, int BK) {
   int n = 0;
@@ -122,7 +138,8 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   extern __shared__ char smem_raw[];
   auto &sm = align_shared<typename C::Shared>(smem_raw);
   const Params &p = a.p;
-  const int j = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, k0 = j * BK;
+  const int3 at = block_coords(p, blockIdx.x, (p.kv_len + BK - 1) / BK);
+  const int b = at.x, kvh = at.y, j = at.z, k0 = j * BK;
   const int group = p.q_heads / p.kv_heads, n_qblocks = (p.q_len + BQ - 1) / BQ;
   const int wg = warpgroup::groupid();
   // The query blocks that see these keys (with options: listed once, see BlockList), and the
@@ -418,7 +435,9 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
     const size_t smem = C::smem + (FULL ? block_list_bytes((p.q_len + C::BQ - 1) / C::BQ) : 0);
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
-    kernel<<<dim3((p.kv_len + C::BK - 1) / C::BK, p.kv_heads, p.batch), C::THREADS, smem, stream>>>(a);
+    const long long blocks = (p.kv_len + C::BK - 1) / C::BK * (long long)p.kv_heads * p.batch;
+    if (blocks >= INT_MAX) return cudaErrorInvalidValue;
+    kernel<<<unsigned(blocks), C::THREADS, smem, stream>>>(a);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
 
     const size_t tiles = size_t(p.batch) * p.q_heads * ((p.q_len + C::BQ - 1) / C::BQ) * C::CONSUMERS;
