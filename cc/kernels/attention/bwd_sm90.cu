@@ -56,6 +56,7 @@ template <typename T, int D> struct BwdH {
     Params p;
     tma_map<T, BQ> q, dout;
     tma_map<T, BK> k, v;
+    int order_pairs;  // see block_coords
   };
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
   // The workspace holds, per (batch, head, query block, consumer), that consumer's dQ tile in
@@ -77,17 +78,24 @@ template <bool FULL> __device__ __forceinline__ bool sees(const Params &p, int b
   return j >= r.x && j < r.y && segments_meet<FULL>(p, b, i * BWD_BQ, BWD_BQ, j * BK, BK);
 }
 // The order in which the blocks (key block j of key/value head kvh of batch entry b) are launched:
-// key block by key block within groups of ORDER_GROUP (batch entry, head) pairs, group after group.
-// With a causal mask or packed sequences the first key blocks see the most query blocks, so each
-// group starts with its longest blocks and the last wave ends with short ones
-// (scripts/schedule_model.py: a tail of 1.4% instead of 6.3% at causal T = 2k); the blocks running
-// together still share each head's queries in L2 (an order key block by key block over all heads
-// measured 40% slower at T = 2k). Within a (batch entry, head), key block j' < j comes first, as the
-// deterministic mode's turns need.
-constexpr int ORDER_GROUP = 8;
-__device__ __forceinline__ int3 block_coords(const Params &p, int t, int kblocks) {  // {b, kvh, j}
-  const int first = t / (ORDER_GROUP * kblocks) * ORDER_GROUP;  // the group's first pair
-  const int size = min(ORDER_GROUP, p.batch * p.kv_heads - first), r = t - first * kblocks;
+// key block by key block within groups of `pairs` (batch entry, head) pairs, group after group. With
+// a causal mask or packed sequences the first key blocks see the most query blocks, so each group
+// starts with its longest blocks and the last wave ends with short ones (scripts/schedule_model.py:
+// a tail of 1.4% instead of 6.3% at causal T = 2k with 8 pairs). The blocks running together read
+// the Q and dO of a whole group, so a group is kept to ORDER_BYTES of them (L2: 8 pairs at T = 2k and
+// D = 128, one pair from T = 16k, where 8 measured 1-4% slower; key block by key block over all
+// heads measured 40% slower at T = 2k). Within a (batch entry, head), key block j' < j comes first,
+// as the deterministic mode's turns need.
+constexpr size_t ORDER_BYTES = size_t(8) << 20;
+constexpr int ORDER_MAX_PAIRS = 8;
+inline int order_pairs(const Params &p) {
+  const size_t per_pair = size_t(p.q_heads / p.kv_heads) * p.q_len * p.head_dim * 4 + 1;  // Q and dO, 2 bytes each
+  const size_t n = ORDER_BYTES / per_pair;
+  return n < 1 ? 1 : n > ORDER_MAX_PAIRS ? ORDER_MAX_PAIRS : int(n);
+}
+__device__ __forceinline__ int3 block_coords(const Params &p, int pairs, int t, int kblocks) {  // {b, kvh, j}
+  const int first = t / (pairs * kblocks) * pairs;  // the group's first pair
+  const int size = min(pairs, p.batch * p.kv_heads - first), r = t - first * kblocks;
   const int pair = first + r % size;
   return {pair / p.kv_heads, pair % p.kv_heads, r / size};
 }
@@ -138,7 +146,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   extern __shared__ char smem_raw[];
   auto &sm = align_shared<typename C::Shared>(smem_raw);
   const Params &p = a.p;
-  const int3 at = block_coords(p, blockIdx.x, (p.kv_len + BK - 1) / BK);
+  const int3 at = block_coords(p, a.order_pairs, blockIdx.x, (p.kv_len + BK - 1) / BK);
   const int b = at.x, kvh = at.y, j = at.z, k0 = j * BK;
   const int group = p.q_heads / p.kv_heads, n_qblocks = (p.q_len + BQ - 1) / BQ;
   const int wg = warpgroup::groupid();
@@ -425,7 +433,7 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
 
-    typename C::Args a{p, {}, {}, {}, {}};
+    typename C::Args a{p, {}, {}, {}, {}, order_pairs(p)};
     if (!make_tma_map(a.q, p.q, p.batch, p.q_len, p.q_heads, D) ||
         !make_tma_map(a.dout, p.dout, p.batch, p.q_len, p.q_heads, D) ||
         !make_tma_map(a.k, p.k, p.batch, p.kv_len, p.kv_heads, D) ||
