@@ -343,11 +343,15 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
 #endif
 }
 
-// delta = rowsum(dO * O) - dlse per query row (one warp per row), the stats rows of the main kernel
-// (lse in log2 units and delta per 64-row query block; +inf and 0 past q_len) and cleared dq tiles
-// and locks.
-template <typename T, int D> __global__ void bwd_prep_kernel(const __grid_constant__ Params p) {
+// delta = rowsum(dO * O) - dlse per query row (D / 8 lanes per row, 16 bytes of O and of dO per
+// lane), the stats rows of the main kernel (lse in log2 units and delta per 64-row query block; +inf
+// and 0 past q_len) and cleared dq tiles and locks.
+template <int D> constexpr int PREP_LANES = D / 8;                       // lanes per row
+template <int D> constexpr int PREP_ROWS = 8 * (32 / PREP_LANES<D>);  // rows per block of 256 threads
+template <typename T, int D> __global__ __launch_bounds__(256) void bwd_prep_kernel(const __grid_constant__ Params p) {
   using C = BwdH<T, D>;
+  constexpr int LANES = PREP_LANES<D>;
+  static_assert(LANES <= 32 && 32 % LANES == 0);
   const size_t n_stats = C::stats(p, p.batch, 0, 0) - C::stats(p, 0, 0, 0);
   const size_t tiles = C::stats(p, 0, 0, 0), locks = n_stats / (2 * C::BQ);
   const size_t stride = size_t(gridDim.x) * blockDim.x, tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -365,17 +369,20 @@ template <typename T, int D> __global__ void bwd_prep_kernel(const __grid_consta
   }
 
   const size_t rows = size_t(p.batch) * p.q_len * p.q_heads;
-  const size_t row = size_t(blockIdx.x) * (blockDim.x / 32) + warpid();  // [b, t, h] order
-  if (row >= rows) return;
-  const auto *o = reinterpret_cast<const packed<T> *>(static_cast<const T *>(p.o) + row * D);
-  const auto *dout = reinterpret_cast<const packed<T> *>(static_cast<const T *>(p.dout) + row * D);
+  const size_t row = size_t(blockIdx.x) * PREP_ROWS<D> + threadIdx.x / LANES;  // [b, t, h] order
+  const bool valid = row < rows;  // (every lane takes part in the shuffles)
   float acc = 0.f;
-  for (int c = laneid(); c < D / 2; c += 32) {
-    float2 x = to_float2(o[c]), y = to_float2(dout[c]);
-    acc += x.x * y.x + x.y * y.y;
+  if (valid) {
+    const size_t at = row * D + threadIdx.x % LANES * 8;
+    const uint4 x = *reinterpret_cast<const uint4 *>(static_cast<const T *>(p.o) + at);
+    const uint4 y = *reinterpret_cast<const uint4 *>(static_cast<const T *>(p.dout) + at);
+    for (int k = 0; k < 4; k++) {
+      const float2 a = to_float2(reinterpret_cast<const packed<T> *>(&x)[k]), b = to_float2(reinterpret_cast<const packed<T> *>(&y)[k]);
+      acc += a.x * b.x + a.y * b.y;
+    }
   }
-  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (laneid() == 0) {
+  for (int off = LANES / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (valid && threadIdx.x % LANES == 0) {
     const int h = int(row % p.q_heads), t = int(row / p.q_heads % p.q_len), b = int(row / (size_t(p.q_heads) * p.q_len));
     const size_t r = (size_t(b) * p.q_heads + h) * p.q_len + t;
     const float delta = acc - p.dlse[r];
@@ -429,7 +436,7 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
   return dispatch<64, 128, 256>(p, [&]<typename T, int D, bool FULL>() {
     using C = BwdH<T, D>;
     const size_t rows = size_t(p.batch) * p.q_len * p.q_heads;
-    bwd_prep_kernel<T, D><<<unsigned((rows + 7) / 8), 256, 0, stream>>>(p);
+    bwd_prep_kernel<T, D><<<unsigned((rows + PREP_ROWS<D> - 1) / PREP_ROWS<D>), 256, 0, stream>>>(p);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
 
