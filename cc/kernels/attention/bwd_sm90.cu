@@ -21,8 +21,6 @@
 // Before it, a small kernel computes delta = rowsum(dO * O) - dlse, lays out the rows' statistics
 // for the producer and clears the accumulator;
 // after it, another scales the accumulator and converts it to dq.
-#include <algorithm>
-
 #include "common.cuh"
 
 namespace jax_tk::attention {
