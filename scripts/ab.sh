@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A/B timing of builds on one GPU: the working tree (built by gpu_check.sh into $JAX_TK_SITE,
-# default /tmp/jax_tk_site) against older trees, by default ab_old/ (e.g. `git archive REV | tar -x -C
+# A/B timing of builds on one GPU: the working tree (in $JAX_TK_SITE, default /tmp/jax_tk_site, as
+# gpu_check.sh or scripts/ab_build.sh left it) against older trees, by default ab_old/ (e.g. `git archive REV | tar -x -C
 # ab_old`; AB_TREES="ab_old ab_other" for several), each built into /tmp/<tree> by scripts/ab_build.sh
 # (all at once, logs beside OUTFILE). Runs the command ROUNDS times with each build, alternating, and
 # appends everything to OUTFILE (machines differ by a few percent: compare only within one such run).

@@ -82,8 +82,8 @@ template <bool FULL> __device__ __forceinline__ bool sees(const Params &p, int b
 // a tail of 1.4% instead of 6.3% at causal T = 2k with 8 pairs). The blocks running together read
 // the Q and dO of a whole group, so a group is kept below ORDER_BYTES of them (L2; at D = 128: 7 pairs
 // at T = 2k, 3 at 4k, one from 8k; 8 pairs at T = 16k measured 1-4% slower; key block by key block
-// over all heads measured 40% slower at T = 2k). Within a (batch entry, head), key block j' < j comes first,
-// as the deterministic mode's turns need.
+// over all heads measured 40% slower at T = 2k). Within a (batch entry, head), key block j' < j
+// comes first, as the deterministic mode's turns need.
 constexpr size_t ORDER_BYTES = size_t(8) << 20;
 constexpr int ORDER_MAX_PAIRS = 8;
 inline int order_pairs(const Params &p) {
