@@ -135,7 +135,9 @@ __device__ __forceinline__ int load_acquire(const int *x) {
   return v;
 }
 
-template <typename T, int D, bool FULL>
+// SEG (FULL only): with segment ids. The masked kernel without them (windows, lengths, soft cap)
+// leaves out the elementwise segment test, whose registers cost the loop spills.
+template <typename T, int D, bool FULL, bool SEG>
 __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const __grid_constant__ typename BwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = BwdH<T, D>;
@@ -265,7 +267,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
     warpgroup::fence_registers(s);
     warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
-    probabilities<FULL>(s, p, rule, qblocks.one_segment(i), b, q0, kw, stats);
+    probabilities<FULL>(s, p, rule, !SEG || qblocks.one_segment(i), b, q0, kw, stats);
     warp::copy(p16, s);
     warpgroup::mma_AB(dv, p16, window<BQ, C::KV_COLS>(sm.dout[slot], 0, col0), true);  // dV += P^T dO   [dP, dV]
     warp::load(delta, stats + BQ, BQ);
@@ -444,7 +446,9 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
         !make_tma_map(a.k, p.k, p.batch, p.kv_len, p.kv_heads, D) ||
         !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
       return cudaErrorInvalidValue;
-    auto kernel = bwd_sm90_kernel<T, D, FULL>;
+    auto kernel = bwd_sm90_kernel<T, D, FULL, false>;
+    if constexpr (FULL)
+      if (p.q_segment_ids) kernel = bwd_sm90_kernel<T, D, FULL, true>;
     const size_t smem = C::smem + (FULL ? block_list_bytes((p.q_len + C::BQ - 1) / C::BQ) : 0);
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
