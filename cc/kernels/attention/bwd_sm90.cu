@@ -150,10 +150,11 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   const int b = at.x, kvh = at.y, j = at.z, k0 = j * BK;
   const int group = p.q_heads / p.kv_heads, n_qblocks = (p.q_len + BQ - 1) / BQ;
   const int wg = warpgroup::groupid();
-  // The query blocks that see these keys (with options: listed once, see BlockList), and the
-  // (query head, query block) pairs this block visits.
+  // The query blocks that see these keys (with segment ids: listed once, see BlockList; without,
+  // every block of the range sees some of them), and the (query head, query block) pairs this block
+  // visits.
   const int2 qr = q_block_range<FULL>(p, b, k0, BK, BQ);
-  const BlockList qblocks = list_blocks(reinterpret_cast<uint32_t *>(&sm + 1), qr.x, qr.y, FULL,
+  const BlockList qblocks = list_blocks(reinterpret_cast<uint32_t *>(&sm + 1), qr.x, qr.y, SEG,
                                         [&](int i) { return sees<FULL>(p, b, i, j, BK); },
                                         [&](int i) { return in_one_segment<FULL>(p, b, i * BQ, BQ, k0, BK); });
   const KeyRule rule = key_rule<FULL>(p, b);
@@ -449,7 +450,7 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
     auto kernel = bwd_sm90_kernel<T, D, FULL, false>;
     if constexpr (FULL)
       if (p.q_segment_ids) kernel = bwd_sm90_kernel<T, D, FULL, true>;
-    const size_t smem = C::smem + (FULL ? block_list_bytes((p.q_len + C::BQ - 1) / C::BQ) : 0);
+    const size_t smem = C::smem + (p.q_segment_ids ? block_list_bytes((p.q_len + C::BQ - 1) / C::BQ) : 0);
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
     const long long blocks = (p.kv_len + C::BK - 1) / C::BK * (long long)p.kv_heads * p.batch;
