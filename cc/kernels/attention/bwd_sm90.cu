@@ -107,11 +107,11 @@ template <bool FULL> __device__ __forceinline__ int blocks_before(const Params &
 
 // P^T from S^T (rows: keys kw.., columns: queries q0..) and the columns' lse (log2 units, read
 // from shared memory: registers are short here).
-template <bool FULL, typename RT>
+template <bool FULL, bool CAP, typename RT>
 __device__ __forceinline__ void probabilities(RT &s, const Params &p, const KeyRule &rule, bool one_segment, int b, int q0,
                                               int kw, const float *lse) {
-  cap_logits<FULL>(s, p);  // in units of 1 / c (logit_factor)
-  const float c = logit_factor<FULL>(p);
+  cap_logits<CAP>(s, p);  // in units of 1 / c (logit_factor)
+  const float c = logit_factor<CAP>(p);
   // Masked entries -inf, then exp2(-inf) = 0. (One exp2 map after the conditional mask: two maps in
   // the two branches would make ptxas serialize the wgmmas, C7520.)
   mask_logits_transposed<FULL>(s, p, rule, one_segment, b, kw, q0);
@@ -135,9 +135,10 @@ __device__ __forceinline__ int load_acquire(const int *x) {
   return v;
 }
 
-// SEG (FULL only): with segment ids. The masked kernel without them (windows, lengths, soft cap)
-// leaves out the elementwise segment test, whose registers cost the loop spills.
-template <typename T, int D, bool FULL, bool SEG>
+// The masked kernels (FULL) come in three: SEG and CAP say whether segment ids and a soft cap may be
+// given (otherwise they are known to be absent). The common masks (windows, lengths) thus leave out
+// the code of the segment test and of the soft cap, which cost the loop registers and branches.
+template <typename T, int D, bool FULL, bool SEG, bool CAP>
 __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const __grid_constant__ typename BwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = BwdH<T, D>;
@@ -268,7 +269,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
     warpgroup::fence_registers(s);
     warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
-    probabilities<FULL>(s, p, rule, !SEG || qblocks.one_segment(i), b, q0, kw, stats);
+    probabilities<FULL, CAP>(s, p, rule, !SEG || qblocks.one_segment(i), b, q0, kw, stats);
     warp::copy(p16, s);
     warpgroup::mma_AB(dv, p16, window<BQ, C::KV_COLS>(sm.dout[slot], 0, col0), true);  // dV += P^T dO   [dP, dV]
     warp::load(delta, stats + BQ, BQ);
@@ -276,7 +277,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     warpgroup::fence_registers(dp);
     warp::map_col(dp, dp, delta, [](float x, float d) { return x - d; });
     warp::mul(dp, dp, s);  // dS^T = P^T (dP^T - delta)
-    if (FULL && p.softcap > 0.f) {  // w.r.t. the logits before the cap
+    if (CAP && p.softcap > 0.f) {  // w.r.t. the logits before the cap
       softcap_derivative(s, p, stats);
       warp::mul(dp, dp, s);
     }
@@ -447,10 +448,10 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
         !make_tma_map(a.k, p.k, p.batch, p.kv_len, p.kv_heads, D) ||
         !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
       return cudaErrorInvalidValue;
-    auto kernel = bwd_sm90_kernel<T, D, FULL, false>;
-    if constexpr (FULL)
-      if (p.q_segment_ids) kernel = bwd_sm90_kernel<T, D, FULL, true>;
-    const size_t smem = C::smem + (p.q_segment_ids ? block_list_bytes((p.q_len + C::BQ - 1) / C::BQ) : 0);
+    const bool cap = FULL && p.softcap > 0.f, seg = cap || (FULL && p.q_segment_ids);  // the kernel's CAP, SEG
+    auto kernel = bwd_sm90_kernel<T, D, FULL, false, false>;
+    if constexpr (FULL) kernel = cap ? bwd_sm90_kernel<T, D, true, true, true> : seg ? bwd_sm90_kernel<T, D, true, true, false> : kernel;
+    const size_t smem = C::smem + (seg ? block_list_bytes((p.q_len + C::BQ - 1) / C::BQ) : 0);
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
     const long long blocks = (p.kv_len + C::BK - 1) / C::BK * (long long)p.kv_heads * p.batch;
