@@ -436,6 +436,27 @@ def test_backward_is_deterministic(is_causal, variant):
         assert _same_bits(x, y), f"public {name} differs between two identical runs"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "b,t,n,kh,d,is_causal,window,segments,softcap",
+    [(1, 1000, 4, 2, 128, True, None, "documents", None),
+     (2, 700, 4, 4, 64, False, (100, 20), None, None),
+     (2, 200, 4, 2, 128, True, None, None, 5.0)],
+    ids=["documents_causal", "window", "softcap"])
+def test_masked_backward_is_deterministic(b, t, n, kh, d, is_causal, window, segments, softcap):
+    """The ordered backward with the masking options (each option set has its own Hopper backward
+    kernel): against the reference, and bitwise the same in two runs."""
+    seed = zlib.crc32(f"det{t}{d}{segments}{softcap}".encode())
+    q, k, v, dout = make_inputs(seed, b, t, t, n, kh, d, BF16, q_mult=2.0 if softcap else 1.0)
+    dlse = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((b, n, t), dtype=np.float32))
+    masks = make_masks(seed + 2, b, t, t, segments) if segments else None
+    opts = dict(scale=1 / math.sqrt(d), is_causal=is_causal, window=window, softcap=softcap, deterministic=True)
+    got, _ = check_kernels(q, k, v, dout, dlse, masks, **opts)
+    again = kernel_fwd_bwd(q, k, v, dout, dlse, masks, **opts)
+    for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), got, again):
+        assert _same_bits(x, y), f"{name} differs between two identical runs"
+
+
 # ----------------------------------------------------------------------------------------------
 # Head dim 256: sm_90a kernels only (H100/H200), forward and backward
 # ----------------------------------------------------------------------------------------------

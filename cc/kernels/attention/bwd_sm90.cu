@@ -47,6 +47,7 @@ template <typename T, int D> struct BwdH {
     st<T, BQ, D> q[STAGES], dout[STAGES];
     st<T, BK, BQ> ds[2];                        // dS^T of the last two steps (keys x queries)
     alignas(16) float stats[STAGES][2 * BQ];    // per query row: lse (log2 units, +inf past q_len), delta
+    int2 step[STAGES];                          // the step's query head g and query block i (block lists)
     alignas(128) float dq[CONSUMERS][STAGED ? BQ * DQ_COLS : 4];  // each consumer's dQ_i, fragment order
     semaphore kv_full, full[STAGES], empty[STAGES], dq_full[CONSUMERS], dq_empty[CONSUMERS];
   };
@@ -219,6 +220,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       const int s = it % STAGES, phase = (it / STAGES) & 1;
       wait(sm.empty[s], phase ^ 1);
       if (loader) {
+        if constexpr (SEG) sm.step[s] = {g, i};  // for the consumers (see next_step)
         expect_bytes(sm.full[s], sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
         load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, sm.full[s]);
         load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, sm.full[s]);
@@ -258,8 +260,19 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
 
   // wgmma groups in flight are listed in [brackets]; they complete in order.
   // One loop over the steps (query head g, query block i): ptxas keeps the wgmmas in flight across
-  // one back edge, not across nested loops (C7514).
-  for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++, advance(g, i)) {
+  // one back edge, not across nested loops (C7514). So with a block list (whose next() is a loop) the
+  // consumers take the next step's (g, i) from the producer, in its slot (whose full barrier they
+  // have passed in issue_logits).
+  auto next_step = [&](int it, int &g, int &i) {
+    if constexpr (SEG) {
+      const int2 x = sm.step[it % STAGES];
+      g = x.x;
+      i = x.y;
+    } else {
+      advance(g, i);
+    }
+  };
+  for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++, next_step(it, g, i)) {
     const int h = kvh * group + g;
     const int q0 = i * BQ, slot = it % STAGES;
     auto &ds_tile = sm.ds[it % 2];

@@ -42,9 +42,12 @@ int *device_ints(const std::vector<int> &host) {
   return d;
 }
 
-// masked: a window, packed segment ids (the queries' last segment has no key), lengths (one batch
-// entry with no query rows, the other with only half of its keys) and a soft cap, all at once.
-int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, bool masked = false,
+// The masks: ALL = a window, packed segment ids (the queries' last segment has no key), lengths (one
+// batch entry with no query rows, the other with only half of its keys) and a soft cap, all at once;
+// SEGMENTS = the segment ids and lengths alone; WINDOW = the window and lengths alone (each option
+// set takes its own Hopper backward kernel).
+enum Mask { NONE, ALL, SEGMENTS, WINDOW };
+int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mask masked = NONE,
         bool deterministic = false) {
   std::mt19937 rng(b * 1000 + t + s + d);
   Params p{};
@@ -96,9 +99,13 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, boo
     };
     ints = {device_ints(qs), device_ints(ks), device_ints(ql), device_ints(kl), device_ints(ranges(qs, b, t)),
             device_ints(ranges(ks, b, s))};
-    p.q_segment_ids = ints[0]; p.kv_segment_ids = ints[1]; p.q_lengths = ints[2]; p.kv_lengths = ints[3];
-    p.q_segment_ranges = ints[4]; p.kv_segment_ranges = ints[5];
-    p.window_left = 40; p.window_right = 7; p.softcap = 5.f;
+    p.q_lengths = ints[2]; p.kv_lengths = ints[3];
+    if (masked != WINDOW) {
+      p.q_segment_ids = ints[0]; p.kv_segment_ids = ints[1];
+      p.q_segment_ranges = ints[4]; p.kv_segment_ranges = ints[5];
+    }
+    if (masked != SEGMENTS) p.window_left = 40, p.window_right = 7;
+    if (masked == ALL) p.softcap = 5.f;
   }
   CHECK(hopper ? fwd_sm90(p, 0) : fwd_sm80(p, 0));
   CHECK(hopper ? bwd_sm90(p, 0) : bwd_sm80(p, 0));
@@ -106,8 +113,9 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, boo
   const void *buffers[] = {p.q, p.k, p.v, p.dout, p.dlse, o, dq, dk, dv, lse, delta, workspace, tile_counter};
   for (const void *x : buffers) CHECK(cudaFree(const_cast<void *>(x)));
   for (int *x : ints) CHECK(cudaFree(x));
+  const char *masks[] = {"", " masked", " segments", " window"};
   std::printf("ok b=%d t=%d s=%d n=%d kh=%d d=%d causal=%d %s%s%s\n", b, t, s, n, kh, d, causal,
-              hopper ? "sm90" : "sm80", masked ? " masked" : "", deterministic ? " deterministic" : "");
+              hopper ? "sm90" : "sm80", masks[masked], deterministic ? " deterministic" : "");
   return 0;
 }
 
@@ -120,11 +128,14 @@ int main() {
     for (bool causal : {false, true}) {
       run(1, 70, 50, 2, 1, 64, causal, hopper);
       run(2, 33, 130, 4, 2, 128, causal, hopper);
-      run(2, 150, 90, 4, 2, 64, causal, hopper, true);
+      run(2, 150, 90, 4, 2, 64, causal, hopper, ALL);
       if (hopper) {
-        run(1, 130, 200, 4, 2, 64, causal, hopper, false, true);
-        run(1, 70, 130, 2, 1, 256, causal, hopper, true);
-        run(2, 65, 50, 2, 2, 256, causal, hopper, false, true);
+        run(1, 130, 200, 4, 2, 64, causal, hopper, NONE, true);
+        run(1, 70, 130, 2, 1, 256, causal, hopper, ALL);
+        run(2, 65, 50, 2, 2, 256, causal, hopper, NONE, true);
+        run(2, 150, 90, 4, 2, 128, causal, hopper, SEGMENTS);
+        run(2, 150, 90, 4, 2, 128, causal, hopper, SEGMENTS, true);
+        run(2, 150, 90, 4, 2, 128, causal, hopper, WINDOW);
       }
     }
   }
