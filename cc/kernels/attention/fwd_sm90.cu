@@ -15,12 +15,16 @@ template <typename T, int D> struct FwdH {
   static constexpr int STAGES = D <= 64 ? 4 : 2;
   static constexpr int Q_STAGES = D <= 128 ? 2 : 1;  // the next tile's Q loads during this one (not at D = 256: space)
   static constexpr bool PINGPONG = D <= 128;  // the consumers take turns issuing their products
+  // With segment ids, the loader tells the consumers each next key block (see the consumers' loop);
+  // at D = 256 they walk the list themselves (the other way costs spills there).
+  static constexpr bool LOADER_LISTS = D <= 128;
   struct Shared {
     st<T, 64, D> q[Q_STAGES][CONSUMERS];
     st<T, BK, D> k[STAGES], v[STAGES];
     semaphore q_full[Q_STAGES], q_empty[Q_STAGES], k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
     semaphore tile_full[2], tile_empty[2];
     int tile[2];  // the tiles announced by the scheduler (>= tiles: no more)
+    int next[STAGES];   // with segment ids: the listed key block after the one in the slot (see the consumers)
   };
   struct Args {
     Params p;
@@ -142,9 +146,11 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
         wait(sm.q_empty[qs], ((nq++ / QS) & 1) ^ 1);
         arrive_expect_bytes(sm.q_full[qs], CONSUMERS * sizeof(sm.q[0][0].data));
         for (int c = 0; c < CONSUMERS; c++) load_async(sm.q[qs][c], a.q, {x.b, x.q0 + 64 * c, x.h, 0}, sm.q_full[qs]);
-        for (; j < x.range.y; n++, j = x.blocks.next(j + 1)) {
+        for (int j_next; j < x.range.y; n++, j = j_next) {
           const int s = n % STAGES, phase = (n / STAGES) & 1, k0 = j * BK;
+          j_next = x.blocks.next(j + 1);
           wait(sm.k_empty[s], phase ^ 1);
+          if (C::LOADER_LISTS && segments) sm.next[s] = j_next;  // (released by the arrival)
           arrive_expect_bytes(sm.k_full[s], sizeof(sm.k[s].data));
           load_async(sm.k[s], a.k, {x.b, k0, kvh, 0}, sm.k_full[s]);
           wait(sm.v_empty[s], phase ^ 1);
@@ -195,8 +201,13 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
 
     // Software pipeline: while the tensor cores compute O += P_{j-1} V_{j-1}, the warps run the
     // softmax of block j. S_j is issued first; wgmma groups complete in order.
+    // The key block after block j (blocks.next(j + 1)): with LOADER_LISTS the loader, which walks the
+    // list, leaves it in j's slot (walking the list here, a loop inside the loop below, would hold up
+    // the products in flight).
+    const bool from_loader = C::LOADER_LISTS && segments;
     int st = n % STAGES;
     wait(sm.k_full[st], (n / STAGES) & 1);
+    int j = from_loader ? sm.next[st] : blocks.next(first + 1);
     my_turn();
     warpgroup::mma_ABt(s, q, sm.k[st], false);  // S_0 = Q K_0^T
     your_turn();
@@ -208,18 +219,18 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     softmax_step(s, m, l, corr, c);
     warp::copy(pr, s);
 
-    for (int j = blocks.next(first + 1), j_next; j < end; j = j_next) {
+    for (int j_next; j < end; j = j_next) {
       const int prev = st;
       const int prev_phase = (n / STAGES) & 1;
       st = ++n % STAGES;
       wait(sm.k_full[st], (n / STAGES) & 1);
+      if (from_loader) j_next = sm.next[st];
       wait(sm.v_full[prev], prev_phase);
       my_turn();
       warpgroup::mma_ABt(s, q, sm.k[st], false);   // S_j = Q K_j^T
       warpgroup::mma_AB(o, pr, sm.v[prev], true);  // O += P_{j-1} V_{j-1}
       your_turn();
-      // While the products run: the next block (with segment ids: from the list)
-      j_next = blocks.next(j + 1);
+      if (!from_loader) j_next = blocks.next(j + 1);  // while the products run
       warpgroup::wait<1>();  // S_j is ready
       warpgroup::fence_registers(s);
       if (lane0) arrive(sm.k_empty[st]);
