@@ -137,8 +137,10 @@ __device__ __forceinline__ int load_acquire(const int *x) {
 }
 
 // The masked kernels (FULL) come in three: SEG and CAP say whether segment ids and a soft cap may be
-// given (otherwise they are known to be absent). The common masks (windows, lengths) thus leave out
-// the code of the segment test and of the soft cap, which cost the loop registers and branches.
+// given (otherwise they are known to be absent): windows and lengths alone (neither), segment ids
+// without a cap (SEG), and any options with a cap (both). Leaving out the code of the segment test
+// and of the cap takes branches out of the loop (the window rows ran 10% faster without them and
+// without the block list).
 template <typename T, int D, bool FULL, bool SEG, bool CAP>
 __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const __grid_constant__ typename BwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -21,7 +21,8 @@ inline bool has_options(const Params &p) {
 
 // f.template operator()<T, D, FULL>() for the runtime dtype and head dim (one of DIMS). The kernels
 // are compiled twice: FULL = false knows only the causal mask and the sequence ends (plain attention
-// pays nothing for the options), FULL = true applies every option of Params.
+// pays nothing for the options), FULL = true applies every option of Params (the Hopper backward
+// splits FULL further by option, see bwd_sm90_kernel).
 template <int... DIMS, typename F> cudaError_t dispatch(const Params &p, F f) {
   auto by_dim = [&]<typename T, bool FULL>() -> cudaError_t {
     cudaError_t e = cudaErrorInvalidValue;
