@@ -69,7 +69,7 @@ if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
   for tool in memcheck racecheck synccheck; do
     timeout "${JAX_TK_SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool $tool --error-exitcode 3 "$out/attention_sanitize" >"$out/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool rc=$?" | tee -a "$out/sanitizer.log"
-    grep -E "ERROR SUMMARY" "$out/sanitizer_$tool.log" | tail -1 | tee -a "$out/sanitizer.log"
+    grep -E "(ERROR|RACECHECK) SUMMARY" "$out/sanitizer_$tool.log" | tail -2 | tee -a "$out/sanitizer.log"
   done
 fi
 
