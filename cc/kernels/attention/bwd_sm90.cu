@@ -286,8 +286,8 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
     probabilities<FULL, CAP>(s, p, rule, !SEG || qblocks.one_segment(i), b, q0, kw, stats);
     warp::copy(p16, s);
+    warp::load(delta, stats + BQ, BQ);  // (before the dV product's shared-memory reads queue ahead of it)
     warpgroup::mma_AB(dv, p16, window<BQ, C::KV_COLS>(sm.dout[slot], 0, col0), true);  // dV += P^T dO   [dP, dV]
-    warp::load(delta, stats + BQ, BQ);
     warpgroup::wait<1>();  // [dV]: dP^T is ready
     warpgroup::fence_registers(dp);
     warp::map_col(dp, dp, delta, [](float x, float d) { return x - d; });
