@@ -28,7 +28,7 @@ class EqualDocuments(AttentionConfig):
         return np.full((self.batch, self.documents), self.q_len // self.documents, np.int64)
 
     def mask_label(self):
-        return super().mask_label().replace("docs (seed", "equal docs (not seed")
+        return super().mask_label().split(" (seed")[0].replace(" docs", " equal docs")
 
 
 configs = []
