@@ -15,6 +15,7 @@ OPS = dict(
     MAX=12, MIN=13, ADD_SCALAR=14, ROW_MAX=15, ROW_SUM=16, COL_MAX=17, COL_SUM=18, ADD_ROW=19,
     SUB_ROW=20, MUL_ROW=21, DIV_ROW=22, ADD_COL=23, SUB_COL=24, MUL_COL=25, DIV_COL=26, TRIL=27,
     TRIU=28, BOUNDS=29, MMA_AB=30, MMA_ABT=31, MMA_ATB=32, MMA_ATBT=33, FILL=34, ZERO=35, CAST=36,
+    SHARED_ST=37,
 )
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 RTOL = {"float32": 2e-6, "bfloat16": 8e-3, "float16": 1e-3}
@@ -55,6 +56,7 @@ def close(got, want, dtype, rtol=None, atol=1e-6):
 ELEMENTWISE = {
     "COPY": lambda a, b, v: a,
     "SHARED_RT": lambda a, b, v: a,
+    "SHARED_ST": lambda a, b, v: a,  # the store alone (stmatrix for 16-bit tiles on sm_90)
     "CAST": lambda a, b, v: a,
     "EXP": lambda a, b, v: np.exp(a),
     "EXP2": lambda a, b, v: np.exp2(a),

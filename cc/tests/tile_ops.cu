@@ -23,6 +23,7 @@ enum Op {
   MMA_AB = 30, MMA_ABT = 31, MMA_ATB = 32, MMA_ATBT = 33,        // out = v[0] + a (b) in the named transposes
   FILL = 34, ZERO = 35,                                          // out = param / 0
   CAST = 36,                                                     // out = float(T(float(a)) via rt<float>)
+  SHARED_ST = 37,  // out = a (register -> shared store alone, read back element by element)
 };
 
 template <typename T, typename L, int R, int C>
@@ -55,6 +56,12 @@ __device__ void run(const TileOpArgs &x, st<T, R, C> &sa, st<T, R, C> &sb) {
       __syncwarp();
       warp::load(r, sb);
       break;
+    }
+    case SHARED_ST: {
+      warp::store(sb, a);
+      __syncwarp();
+      for (int e = laneid(); e < R * C; e += 32) x.out[e] = convert<float>(sb(e / C, e % C));
+      return;
     }
     case GLOBAL_RT: {
       auto shortA = A;

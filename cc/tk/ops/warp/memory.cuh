@@ -19,6 +19,26 @@ __device__ __forceinline__ void ldmatrix_x4(packed<bf16> *d, uint32_t addr, bool
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
+// stmatrix (sm_90): the inverse of ldmatrix_x4, with the same lane addresses and registers.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const packed<bf16> *d, bool trans) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t *r = reinterpret_cast<const uint32_t *>(d);
+  if (trans)
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n"
+                 :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+  else
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n"
+                 :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+#endif
+}
+
+// The row and column of the 16 x 16 piece whose address lane gives to ldmatrix / stmatrix x4 (row
+// lane % 8 of 8x8 matrix lane / 8; the matrices are the piece's quarters in register order).
+template <bool TRANS> __device__ __forceinline__ int2 matrix_x4_origin(int lane) {
+  const int m = lane / 8;
+  return {(lane % 8) + 8 * (TRANS ? m / 2 : m % 2), 8 * (TRANS ? m % 2 : m / 2)};
+}
+
 // Visit every pair a lane holds: f(i, j, k, row, col) with (row, col) the pair's first element
 // inside the tile; the second element is at (row, col+1) for row_l and (row+1, col) for col_l.
 template <RegisterTile RT, typename F> __device__ __forceinline__ void for_each_pair(F f) {
@@ -40,17 +60,13 @@ __device__ __forceinline__ void load(RT &dst, const ST &src, int row0 = 0, int c
   using T = typename RT::dtype;
   if constexpr (is_16bit<T> && std::is_same_v<T, typename ST::dtype>) {
     constexpr bool trans = std::is_same_v<typename RT::layout, col_l>;
-    int lane = laneid(), m = lane / 8;
-    // ldmatrix: lane l gives the address of row (l % 8) of 8x8 matrix l / 8; the matrices are the
-    // four quarters of the piece in register order.
-    int r = (lane % 8) + 8 * (trans ? m / 2 : m % 2);
-    int c = 8 * (trans ? m % 2 : m / 2);
+    const int2 o = matrix_x4_origin<trans>(laneid());
 #pragma unroll
     for (int i = 0; i < RT::height; i++)
 #pragma unroll
       for (int j = 0; j < RT::width; j++)
         ldmatrix_x4(reinterpret_cast<packed<bf16> *>(dst.tiles[i][j].data),
-                    smem_addr(&src(row0 + i * TILE + r, col0 + j * TILE + c)), trans);
+                    smem_addr(&src(row0 + i * TILE + o.x, col0 + j * TILE + o.y)), trans);
   } else {
     for_each_pair<RT>([&](int i, int j, int k, int r, int c) {
       int r2 = pair_along_row<RT> ? r : r + 1, c2 = pair_along_row<RT> ? c + 1 : c;
@@ -61,9 +77,24 @@ __device__ __forceinline__ void load(RT &dst, const ST &src, int row0 = 0, int c
 }
 
 // Register tile -> shared tile (at (row0, col0)), converting the element type if they differ.
+// 16-bit tiles of the shared tile's type go in with stmatrix on sm_90 (4 instructions per 16 x 16
+// piece fewer than pair by pair).
 template <SharedTile ST, RegisterTile RT>
 __device__ __forceinline__ void store(ST &dst, const RT &src, int row0 = 0, int col0 = 0) {
   using T = typename ST::dtype;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (is_16bit<T> && std::is_same_v<T, typename RT::dtype>) {
+    constexpr bool trans = std::is_same_v<typename RT::layout, col_l>;
+    const int2 o = matrix_x4_origin<trans>(laneid());
+#pragma unroll
+    for (int i = 0; i < RT::height; i++)
+#pragma unroll
+      for (int j = 0; j < RT::width; j++)
+        stmatrix_x4(smem_addr(&dst(row0 + i * TILE + o.x, col0 + j * TILE + o.y)),
+                    reinterpret_cast<const packed<bf16> *>(src.tiles[i][j].data), trans);
+    return;
+  }
+#endif
   for_each_pair<RT>([&](int i, int j, int k, int r, int c) {
     float2 v = to_float2(src.tiles[i][j].data[k]);
     if constexpr (pair_along_row<RT>) {  // the pair is contiguous in the row: one store
