@@ -106,17 +106,16 @@ template <bool FULL> __device__ __forceinline__ int blocks_before(const Params &
   return n;
 }
 
-// P^T from S^T (rows: keys kw.., columns: queries q0..) and the columns' lse (log2 units, read
-// from shared memory: registers are short here).
-template <bool FULL, bool CAP, typename RT>
+// P^T from S^T (rows: keys kw.., columns: queries q0..) and the columns' lse (log2 units).
+template <bool FULL, bool CAP, typename RT, typename V>
 __device__ __forceinline__ void probabilities(RT &s, const Params &p, const KeyRule &rule, bool one_segment, int b, int q0,
-                                              int kw, const float *lse) {
+                                              int kw, const V &lse) {
   cap_logits<CAP>(s, p);  // in units of 1 / c (logit_factor)
   const float c = logit_factor<CAP>(p);
   // Masked entries -inf, then exp2(-inf) = 0. (One exp2 map after the conditional mask: two maps in
   // the two branches would make ptxas serialize the wgmmas, C7520.)
   mask_logits_transposed<FULL>(s, p, rule, one_segment, b, kw, q0);
-  warp::map_indexed(s, s, [&](int, int col, float x) { return warp::fn::exp2(x * c - lse[col]); });
+  warp::map_col(s, s, lse, [=](float x, float l) { return warp::fn::exp2(x * c - l); });
 }
 
 // With a soft cap: P^T := d(capped logit) / d(scaled logit) = 1 - tanh^2 = 1 - (capped / cap)^2,
@@ -279,12 +278,14 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     const int q0 = i * BQ, slot = it % STAGES;
     auto &ds_tile = sm.ds[it % 2];
     rt<T, 16, BQ> p16, ds16;  // P^T and dS^T in the input dtype
-    row_vec<rt_fl<16, BQ>> delta;
+    row_vec<rt_fl<16, BQ>> lse, delta;
     const float *stats = sm.stats[slot];
+    // The columns' lse, from shared memory before the dP product's reads of it queue ahead.
+    warp::load(lse, stats, BQ);
     warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
     warpgroup::fence_registers(s);
     warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
-    probabilities<FULL, CAP>(s, p, rule, !SEG || qblocks.one_segment(i), b, q0, kw, stats);
+    probabilities<FULL, CAP>(s, p, rule, !SEG || qblocks.one_segment(i), b, q0, kw, lse);
     warp::copy(p16, s);
     warp::load(delta, stats + BQ, BQ);  // (before the dV product's shared-memory reads queue ahead of it)
     warpgroup::mma_AB(dv, p16, window<BQ, C::KV_COLS>(sm.dout[slot], 0, col0), true);  // dV += P^T dO   [dP, dV]
