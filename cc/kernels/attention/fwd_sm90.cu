@@ -27,6 +27,11 @@ template <typename T, int D> struct FwdH {
   // With segment ids, the loader tells the consumers each next key block (see the consumers' loop);
   // at D = 256 they walk the list themselves (the other way costs spills there).
   static constexpr bool LOADER_LISTS = D <= 128;
+  // Plain attention (FULL = false) at D <= 128 stores O through a staging tile per consumer (after
+  // Shared) and TMA, instead of each thread's global stores; the masked kernels keep that room for
+  // their block lists, and at D = 256 there is none.
+  static constexpr bool stages_o(bool full) { return !full && D <= 128; }
+  using OTile = st<T, 64, D>;
   struct Shared {
     st<T, 64, D> q[Q_STAGES][CONSUMERS];
     st<T, BK, D> k[STAGES], v[STAGES];
@@ -37,12 +42,14 @@ template <typename T, int D> struct FwdH {
   };
   struct Args {
     Params p;
-    tma_map<T, 64> q;
+    tma_map<T, 64> q, o;
     tma_map<T, BK> k, v;
   };
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
-  // Shared memory for the block lists of the two announced tiles (segment ids only).
-  static size_t list_bytes(const Params &p) {
+  // Shared memory after Shared: the block lists of the two announced tiles (segment ids only), or
+  // the staging tiles of O.
+  static size_t extra_bytes(const Params &p, bool full) {
+    if (stages_o(full)) return CONSUMERS * sizeof(OTile);
     return p.q_segment_ids ? 2 * block_list_bytes((p.kv_len + BK - 1) / BK) : 0;
   }
 };
@@ -187,7 +194,8 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   auto your_turn = [&] { if constexpr (C::PINGPONG) arrive_named(2 - wg, 256); };
   if (wg == 1) your_turn();
   const float c = logit_factor<FULL>(p);
-  const bool lane0 = laneid() == 0;
+  const bool lane0 = laneid() == 0, leader = threadIdx.x % 128 == 0;
+  auto &o_stage = reinterpret_cast<typename C::OTile *>(&sm + 1)[wg];  // (stages_o)
   for (int nt = 0, n = 0, nq = 0;; nt++) {  // tiles, key blocks, Q loads so far
     const int slot = nt % 2;
     wait(sm.tile_full[slot], (nt / 2) & 1);
@@ -271,9 +279,27 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warpgroup::wait<0>();
     warpgroup::fence_registers(o);
     if (lane0) arrive(sm.v_empty[st]);
-    store_output<T>(p, o, l, x.b, x.h, qw, 0);
+    if constexpr (C::stages_o(FULL)) {
+      // O /= l into this consumer's staging tile, then one TMA store (the warps do not wait for
+      // global stores); the leader first waits until the last tile's store has read the tile.
+      if (leader) bulk_wait_read<0>();
+      sync_named(3 + wg, 128);
+      col_vec<rt_fl<16, BK>> inv_l;
+      warp::map_vec(inv_l, l, [](float x) { return x > 0.f ? 1.f / x : 0.f; });
+      warp::mul_row(o, o, inv_l);
+      rt<T, 16, D> o16;
+      warp::copy(o16, o);
+      warp::store(o_stage, o16, 16 * (warpid() % 4), 0);
+      warpgroup::fence_shared_writes();
+      sync_named(3 + wg, 128);
+      if (leader && x.q0 + 64 * wg < p.q_len) store_async(a.o, o_stage, {x.b, x.q0 + 64 * wg, x.h, 0});
+      if (leader) bulk_commit();
+    } else {
+      store_output<T>(p, o, l, x.b, x.h, qw, 0);
+    }
     store_lse(p, m, l, c, x.b, x.h, qw);
   }
+  if (C::stages_o(FULL) && leader) bulk_wait<0>();  // the last store is done with shared memory
   if (wg == 0) my_turn();  // the answer to consumer 1's last turn
 #endif
 }
@@ -285,8 +311,9 @@ bool fwd_sm90_supported(const Params &p) { return p.head_dim == 64 || p.head_dim
 cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
   return dispatch<64, 128, 256>(p, [&]<typename T, int D, bool FULL>() {
     using C = FwdH<T, D>;
-    typename C::Args a{p, {}, {}, {}};
+    typename C::Args a{p, {}, {}, {}, {}};
     if (!make_tma_map(a.q, p.q, p.batch, p.q_len, p.q_heads, D) ||
+        !make_tma_map(a.o, p.o, p.batch, p.q_len, p.q_heads, D) ||
         !make_tma_map(a.k, p.k, p.batch, p.kv_len, p.kv_heads, D) ||
         !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
       return cudaErrorInvalidValue;
@@ -297,7 +324,7 @@ cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
     if (e != cudaSuccess) return e;
     if (tiles + 2 * sms >= INT_MAX || p.tile_counter == nullptr) return cudaErrorInvalidValue;
     auto kernel = fwd_sm90_kernel<T, D, FULL>;
-    const size_t smem = C::smem + C::list_bytes(p);
+    const size_t smem = C::smem + C::extra_bytes(p, FULL);
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e == cudaSuccess) e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
     if (e != cudaSuccess) return e;

@@ -68,6 +68,20 @@ __device__ __forceinline__ void load_async(ST &dst, const tma_map<typename ST::d
   }
 }
 
+// Device: one thread stores a shared tile to rows [s, s + R) at (b, h), all panels (rows past the end
+// of the tensor are not written). A bulk group: commit it, then bulk_wait_read before the tile is
+// written again (and bulk_wait before the thread block exits).
+template <SharedTile ST, int ROWS>
+__device__ __forceinline__ void store_async(const tma_map<typename ST::dtype, ROWS> &m, const ST &src, coord o) {
+  static_assert(ST::rows == ROWS && ST::panel_cols * sizeof(typename ST::dtype) == 128);
+#pragma unroll
+  for (int p = 0; p < ST::panels; p++) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(&m.map),
+                 "r"(o.d + p * ST::panel_cols), "r"(o.h), "r"(o.s), "r"(o.b), "r"(smem_addr(src.panel(p)))
+                 : "memory");
+  }
+}
+
 // Device: one thread copies `bytes` contiguous bytes global -> shared, completing on `bar` (bytes a
 // multiple of 16, both addresses 16-byte aligned; announce them on `bar` like a tile's).
 __device__ __forceinline__ void load_async(void *dst, const void *src, uint32_t bytes, semaphore &bar) {
