@@ -86,7 +86,8 @@ __device__ __forceinline__ FwdTile fwd_tile(const Params &p, int t, int BQ, int 
 //   two consumer warpgroups, 64 query rows each: S = Q K^T (wgmma, both operands in shared memory),
 //     online softmax in registers, O += P V (wgmma, P from registers), pipelined so that the softmax
 //     of one block overlaps the P V product of the previous, and the two take turns issuing their
-//     products (ping-pong), so that one's softmax runs while the tensor cores work for the other.
+//     products (ping-pong), so that one's softmax runs while the tensor cores work for the other;
+//     each writes its rows of O through a staging tile and a TMA store (plain attention, D <= 128).
 // setmaxnreg moves registers from the producer to the consumers. A tile whose rows see no key loads
 // nothing and stores O = 0, lse = -inf. Only the tiles that cut through a rule or a segment
 // boundary are masked elementwise (KeyRule, BlockList::one_segment).

@@ -32,11 +32,19 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const packed<bf16> *d
 #endif
 }
 
-// The row and column of the 16 x 16 piece whose address lane gives to ldmatrix / stmatrix x4 (row
-// lane % 8 of 8x8 matrix lane / 8; the matrices are the piece's quarters in register order).
-template <bool TRANS> __device__ __forceinline__ int2 matrix_x4_origin(int lane) {
-  const int m = lane / 8;
-  return {(lane % 8) + 8 * (TRANS ? m / 2 : m % 2), 8 * (TRANS ? m % 2 : m / 2)};
+// f(i, j, addr, trans) for each 16 x 16 piece (i, j) of a 16-bit register tile RT placed at (row0,
+// col0) of shared tile t: addr is what this lane gives ldmatrix / stmatrix x4 for the piece (row
+// lane % 8 of 8x8 matrix lane / 8; the matrices are the piece's quarters in register order), trans
+// whether they transpose (col_l).
+template <RegisterTile RT, SharedTile ST, typename F>
+__device__ __forceinline__ void for_each_piece_x4(const ST &t, int row0, int col0, F f) {
+  constexpr bool trans = std::is_same_v<typename RT::layout, col_l>;
+  const int lane = laneid(), m = lane / 8;
+  const int r = (lane % 8) + 8 * (trans ? m / 2 : m % 2), c = 8 * (trans ? m % 2 : m / 2);
+#pragma unroll
+  for (int i = 0; i < RT::height; i++)
+#pragma unroll
+    for (int j = 0; j < RT::width; j++) f(i, j, smem_addr(&t(row0 + i * TILE + r, col0 + j * TILE + c)), trans);
 }
 
 // Visit every pair a lane holds: f(i, j, k, row, col) with (row, col) the pair's first element
@@ -59,14 +67,9 @@ template <RegisterTile RT, SharedTile ST>
 __device__ __forceinline__ void load(RT &dst, const ST &src, int row0 = 0, int col0 = 0) {
   using T = typename RT::dtype;
   if constexpr (is_16bit<T> && std::is_same_v<T, typename ST::dtype>) {
-    constexpr bool trans = std::is_same_v<typename RT::layout, col_l>;
-    const int2 o = matrix_x4_origin<trans>(laneid());
-#pragma unroll
-    for (int i = 0; i < RT::height; i++)
-#pragma unroll
-      for (int j = 0; j < RT::width; j++)
-        ldmatrix_x4(reinterpret_cast<packed<bf16> *>(dst.tiles[i][j].data),
-                    smem_addr(&src(row0 + i * TILE + o.x, col0 + j * TILE + o.y)), trans);
+    for_each_piece_x4<RT>(src, row0, col0, [&](int i, int j, uint32_t addr, bool trans) {
+      ldmatrix_x4(reinterpret_cast<packed<bf16> *>(dst.tiles[i][j].data), addr, trans);
+    });
   } else {
     for_each_pair<RT>([&](int i, int j, int k, int r, int c) {
       int r2 = pair_along_row<RT> ? r : r + 1, c2 = pair_along_row<RT> ? c + 1 : c;
@@ -84,14 +87,9 @@ __device__ __forceinline__ void store(ST &dst, const RT &src, int row0 = 0, int 
   using T = typename ST::dtype;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if constexpr (is_16bit<T> && std::is_same_v<T, typename RT::dtype>) {
-    constexpr bool trans = std::is_same_v<typename RT::layout, col_l>;
-    const int2 o = matrix_x4_origin<trans>(laneid());
-#pragma unroll
-    for (int i = 0; i < RT::height; i++)
-#pragma unroll
-      for (int j = 0; j < RT::width; j++)
-        stmatrix_x4(smem_addr(&dst(row0 + i * TILE + o.x, col0 + j * TILE + o.y)),
-                    reinterpret_cast<const packed<bf16> *>(src.tiles[i][j].data), trans);
+    for_each_piece_x4<RT>(dst, row0, col0, [&](int i, int j, uint32_t addr, bool trans) {
+      stmatrix_x4(addr, reinterpret_cast<const packed<bf16> *>(src.tiles[i][j].data), trans);
+    });
     return;
   }
 #endif
