@@ -277,6 +277,9 @@ MASK_CASES = [
     ("softcap_causal", (2, 200, 130, 8, 2, 128, BF16), True, None, None, None, None, 5.0, 4.0),
     ("softcap", (1, 333, 1000, 4, 4, 64, F16), False, None, None, None, None, 30.0, 2.0),
     ("everything", (2, 333, 1000, 8, 2, 64, BF16), True, (100, 3), "packed", [300, 333], [333, 640], 8.0, 2.0),
+    # more than 2048 key blocks with segment ids at D = 128: the Hopper forward's block lists leave no
+    # room for its O staging tiles, and its consumers store O themselves
+    ("segments_long_keys", (1, 100, 263000, 2, 1, 128, BF16), False, None, "packed", None, None, None, 1.0),
 ]
 
 

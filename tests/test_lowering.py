@@ -1,9 +1,10 @@
 """CPU tests (no GPU needed) of what jax_tk.attention lowers to for CUDA: the StableHLO must contain our
 FFI custom calls with the right operands and attributes, and only where the kernel applies.
 
-Operands: forward q, k, v, then the six masking operands (q_segment_ids, kv_segment_ids, q_lengths,
-kv_lengths, then the segment ranges q_segment_ranges [b, ceil(t/64), 2] and kv_segment_ranges: int32,
-shape (0,) when absent); backward q, k, v, out, lse, dout, dlse, then the same six.
+Operands: forward q, k, v, then the seven masking operands (q_segment_ids, kv_segment_ids, q_lengths,
+kv_lengths, then the segment ranges q_segment_ranges [b, ceil(t/64), 2] and kv_segment_ranges, then
+the Hopper kernel's block order: int32, shape (0,) when absent); backward q, k, v, out, lse, dout,
+dlse, then the same seven (the block order of the backward's blocks).
 Attributes: scale, is_causal, variant, window_left, window_right (-1: unbounded), softcap (0: none)."""
 from __future__ import annotations
 
@@ -115,12 +116,12 @@ def tensor_type(shape, dtype):
 
 
 I32 = jnp.int32
-NO_MASKS = [tensor_type((0,), I32)] * 6  # the six masking operands when no option is given
+NO_MASKS = [tensor_type((0,), I32)] * 7  # the seven masking operands when no option is given
 TILE_COUNTER = tensor_type((1,), I32)  # the forward's third result: scratch for the Hopper kernel's tile counter
 
 
 def assert_no_masking(call):
-    assert call.operand_types[-6:] == NO_MASKS
+    assert call.operand_types[-7:] == NO_MASKS
     assert (call.attr_int("window_left"), call.attr_int("window_right")) == (-1, -1)
     assert call.attr_float("softcap") == 0.0
 
@@ -169,7 +170,7 @@ def test_forward_custom_call(lower, dtype, is_causal, scale):
     text = lower(functools.partial(jax_tk.attention, scale=scale, is_causal=is_causal), *args)
     (call,) = tk_calls(text, FWD_TARGET)
     assert tk_calls(text, BWD_TARGET) == []
-    assert len(call.operands) == 9
+    assert len(call.operands) == 10
     assert call.operand_types == [tensor_type((b, t, n, d), dtype)] + [tensor_type((b, s, kh, d), dtype)] * 2 + NO_MASKS
     assert call.result_types == [tensor_type((b, t, n, d), dtype), tensor_type((b, n, t), F32), TILE_COUNTER]
     expected_scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -216,8 +217,8 @@ def test_grad_contains_backward_call(lower, dtype, is_causal):
     text = lower(_grad_fn(jax_tk.attention, scale=0.2, is_causal=is_causal), *_abstract(b, t, s, n, kh, d, dtype))
     (fwd,) = tk_calls(text, FWD_TARGET)
     (bwd,) = tk_calls(text, BWD_TARGET)
-    # q, k, v, out, lse, dout, dlse, and the four (absent) masking operands
-    assert len(bwd.operands) == 13
+    # q, k, v, out, lse, dout, dlse, and the seven (absent) masking operands
+    assert len(bwd.operands) == 14
     q_t, kv_t, lse_t = tensor_type((b, t, n, d), dtype), tensor_type((b, s, kh, d), dtype), tensor_type((b, n, t), F32)
     assert bwd.operand_types == [q_t, kv_t, kv_t, q_t, lse_t, q_t, lse_t] + NO_MASKS
     # dq, dk, dv, and the fp32 workspaces: delta, and the Hopper kernel's: a 64 x d dq accumulator
@@ -253,7 +254,7 @@ def test_grad_of_attention_with_lse_contains_backward_call(lower):
     text = lower(jax.grad(loss, argnums=(0, 1, 2)), *_abstract())
     assert len(tk_calls(text, FWD_TARGET)) == 1
     (bwd,) = tk_calls(text, BWD_TARGET)
-    assert len(bwd.operands) == 13
+    assert len(bwd.operands) == 14
     assert bwd.attr_int("is_causal") == 1
     assert np.float32(bwd.attr_float("scale")) == np.float32(0.125)
 
@@ -273,8 +274,13 @@ def test_grad_wrt_query_only_still_uses_backward_kernel():
 B_, T_, S_ = 2, 16, 24  # the shapes of _abstract()
 Q_IDS, KV_IDS, LENS = tensor_type((B_, T_), I32), tensor_type((B_, S_), I32), tensor_type((B_,), I32)
 ABSENT = tensor_type((0,), I32)
-# segment ranges (min, max per 64 rows) follow the four options: present exactly with segment ids
+# segment ranges (min, max per 64 rows) follow the four options, then the block order (one entry per
+# batch entry and 128-row block: forward query tiles, backward key blocks): present exactly with
+# segment ids
 RANGES = [tensor_type((B_, 1, 2), I32), tensor_type((B_, 1, 2), I32)]
+# the block orders (batch entries x heads x 128-row blocks: the forward's 4 query heads, the
+# backward's 2 key/value heads)
+ORDER_FWD, ORDER_BWD = tensor_type((B_ * 4 * 1,), I32), tensor_type((B_ * 2 * 1,), I32)
 
 
 def _ids(shape, dtype=I32):
@@ -328,9 +334,10 @@ def test_masking_options_lower_to_kernels(lower, case):
     (fwd,) = tk_calls(grad_text, FWD_TARGET)
     (bwd,) = tk_calls(grad_text, BWD_TARGET)
     q_t, kv_t, lse_t = tensor_type(q.shape, BF16), tensor_type(k.shape, BF16), tensor_type((B_, 4, T_), F32)
+    segments = mask_types[0] != ABSENT
     for call in (fwd_only, fwd):
-        assert call.operand_types == [q_t, kv_t, kv_t] + mask_types
-    assert bwd.operand_types == [q_t, kv_t, kv_t, q_t, lse_t, q_t, lse_t] + mask_types
+        assert call.operand_types == [q_t, kv_t, kv_t] + mask_types + [ORDER_FWD if segments else ABSENT]
+    assert bwd.operand_types == [q_t, kv_t, kv_t, q_t, lse_t, q_t, lse_t] + mask_types + [ORDER_BWD if segments else ABSENT]
     for call in (fwd_only, fwd, bwd):
         assert (call.attr_int("window_left"), call.attr_int("window_right")) == window
         assert np.float32(call.attr_float("softcap")) == np.float32(softcap)
@@ -357,7 +364,7 @@ def test_masking_under_vmap_lowers_to_kernel():
         q, k, v, q_segment_ids=qs, kv_segment_ids=ks, key_value_seq_lengths=kl, local_window_size=(2, 3)))
     text = lower_jit(f, *map(stack, (q, k, v, _ids((B_, T_)), _ids((B_, S_)), _ids((B_,)))))
     (call,) = tk_calls(text, FWD_TARGET)
-    assert call.operand_types[3:] == [Q_IDS, KV_IDS, ABSENT, LENS, *RANGES]
+    assert call.operand_types[3:] == [Q_IDS, KV_IDS, ABSENT, LENS, *RANGES, ORDER_FWD]
     assert (call.attr_int("window_left"), call.attr_int("window_right")) == (2, 3)
 
 
@@ -440,3 +447,97 @@ def test_jit_of_grad_lowering_is_stable():
     """Lowering twice gives the same text (the spec is hashable and static)."""
     f = _grad_fn(jax_tk.attention, is_causal=True)
     assert lower_jit(f, *_abstract()) == lower_jit(f, *_abstract())
+
+
+# ----------------------------------------------------------------------------------------------
+# The Hopper kernels' block order (segment ids): longest first
+# ----------------------------------------------------------------------------------------------
+
+
+def _work_numpy(q_ids, kv_ids, row_block, col_block, causal, by_queries):
+    """Per (batch entry, block) the blocks of the other side that it visits, from the ids themselves:
+    a query block and a key block meet when they share a segment id (and, causal, the key block
+    starts at or before the query block ends)."""
+    (b, t), s = q_ids.shape, kv_ids.shape[1]
+    qb, kb = (row_block, col_block) if by_queries else (col_block, row_block)
+    nq, nk = -(-t // qb), -(-s // kb)
+    work = np.zeros((b, nq if by_queries else nk), np.int64)
+    for e in range(b):
+        for i in range(nq):
+            for j in range(nk):
+                meet = set(q_ids[e, i * qb:(i + 1) * qb]) & set(kv_ids[e, j * kb:(j + 1) * kb])
+                if meet and (not causal or j * kb <= i * qb + qb - 1):
+                    work[e, i if by_queries else j] += 1
+    return work.reshape(-1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("forward", [True, False], ids=["fwd", "bwd"])
+def test_block_order_is_longest_first(causal, d, forward):
+    from jax_tk.attention import _block_order, _bwd_order_blocks, _fwd_order_blocks, _segment_ranges
+
+    rng = np.random.default_rng(7)
+    b, t, s = 3, 777, 901  # odd lengths: partial last blocks
+    q_ids = np.sort(rng.integers(0, 6, (b, t)), axis=1).astype(np.int32)
+    kv_ids = np.sort(rng.integers(0, 6, (b, s)), axis=1).astype(np.int32)
+    q_ids[1] = 2  # one segment
+    if forward:
+        q_block, kv_block = _fwd_order_blocks(d)
+        work = _work_numpy(q_ids, kv_ids, q_block, kv_block, causal, True)
+    else:
+        kv_block, q_block = _bwd_order_blocks(d)
+        work = _work_numpy(q_ids, kv_ids, kv_block, q_block, causal, False)
+    heads, group = 6, 2
+    order = np.asarray(_block_order(_segment_ranges(jnp.asarray(q_ids)), _segment_ranges(jnp.asarray(kv_ids)),
+                                    q_block, kv_block, causal, forward, heads, group))
+    assert order.dtype == np.int32
+    blocks = len(work) // b
+    assert sorted(order.tolist()) == list(range(b * heads * blocks))  # a permutation of (entry, head, block)
+    head = order // blocks % heads
+    pair = order // blocks // heads * blocks + order % blocks  # b * blocks + i
+    for g in range(heads // group):  # group after group, each with its heads
+        part = slice(g * b * blocks * group, (g + 1) * b * blocks * group)
+        assert set(head[part].tolist()) == set(range(g * group, (g + 1) * group))
+        pairs = pair[part].reshape(-1, group)
+        assert np.all(pairs == pairs[:, :1])  # the group's heads of one pair one after the other
+        assert np.all(head[part].reshape(-1, group) == np.arange(g * group, (g + 1) * group))
+        p = pairs[:, 0]
+        assert sorted(p.tolist()) == list(range(b * blocks))
+        assert np.all(np.diff(work[p]) <= 0)  # most work first
+        for w in set(work.tolist()):  # ties keep index order
+            assert np.all(np.diff(p[work[p] == w]) > 0)
+    assert len(set(work.tolist())) > 2  # (the case has blocks of different work)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_block_order_operand(lower, deterministic):
+    """With segment ids, both kernels get a block order, except the deterministic backward (its turns
+    need each head's key blocks in order); the mma.sync variant gets none."""
+    ids_q, ids_kv = _ids((B_, T_)), _ids((B_, S_))
+    fn = lambda q, k, v, qs, ks: jnp.sum(jax_tk.attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks,
+                                                          deterministic=deterministic).astype(F32))
+    text = lower(jax.grad(fn, argnums=(0, 1, 2)), *_abstract(B_, T_, S_), ids_q, ids_kv)
+    (fwd,) = tk_calls(text, FWD_TARGET)
+    (bwd,) = tk_calls(text, BWD_TARGET)
+    assert fwd.operand_types[-1] == ORDER_FWD
+    assert bwd.operand_types[-1] == (ABSENT if deterministic else ORDER_BWD)
+
+
+def test_no_block_order_for_the_mma_sync_kernels(monkeypatch):
+    monkeypatch.setenv("JAX_TK_ATTENTION_KERNELS", "sm80")
+    fn = lambda q, k, v, qs, ks: jax_tk.attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks)
+    (fwd,) = tk_calls(lower_jit(fn, *_abstract(B_, T_, S_), _ids((B_, T_)), _ids((B_, S_))), FWD_TARGET)
+    assert fwd.operand_types[-1] == ABSENT
+
+
+def test_block_order_traces_without_constants():
+    """Under jit with sharded inputs a custom_partitioning rule traces the kernel call, and it takes
+    no constants (jax asserts that): the order must be built from iotas, not numpy arrays."""
+    from jax_tk.attention import _block_order, _segment_ranges
+
+    ids = jnp.zeros((2, 300), jnp.int32)
+    for causal in (False, True):
+        jaxpr = jax.make_jaxpr(lambda a, b: _block_order(_segment_ranges(a), _segment_ranges(b), 128, 128, causal,
+                                                         True, 16, 4))(ids, ids)
+        assert not jaxpr.consts

@@ -7,8 +7,12 @@
 // q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len], q_lengths [batch], kv_lengths
 // [batch], then with segment ids their ranges q_segment_ranges [batch, ceil(q_len / 64), 2] and
 // kv_segment_ranges [batch, ceil(kv_len / 64), 2] (min and max id of every 64 rows, for skipping
-// blocks), all int32; an absent option is an int32 array of shape (0,). Attributes window_left,
-// window_right (-1: unbounded) and softcap (0: none).
+// blocks), and with segment ids optionally the order of the sm_90a kernel's blocks (Params::block_order:
+// [batch * q_heads * ceil(q_len / fwd_order_rows)] in the forward, [batch * kv_heads *
+// ceil(kv_len / bwd_order_rows)] in the backward; jax_tk/attention.py works it out, and it must be a
+// permutation), all int32; an absent
+// option is an int32 array of shape (0,). Attributes window_left, window_right (-1: unbounded) and
+// softcap (0: none).
 #include "ffi/common.h"
 #include "kernels/attention/attention.h"
 
@@ -69,6 +73,15 @@ ffi::Error optional_ints(const ffi::AnyBuffer &x, std::initializer_list<int64_t>
   return ffi::Error::Success();
 }
 
+// Params::block_order: blocks of `block` of `rows` rows per batch entry and head, with segment ids only.
+ffi::Error check_order(Params &p, const ffi::AnyBuffer &order, int heads, int rows, int block) {
+  if (auto e = optional_ints(order, {int64_t(p.batch) * heads * ((rows + block - 1) / block)}, "block_order", &p.block_order);
+      e.failure())
+    return e;
+  if (p.block_order && !p.q_segment_ids) return invalid("block_order comes with segment ids, and only with them");
+  return ffi::Error::Success();
+}
+
 // The masking operands and attributes (see the top of this file) into p; q, k, v already decoded.
 ffi::Error check_masking(Params &p, const ffi::AnyBuffer &q_segment_ids, const ffi::AnyBuffer &kv_segment_ids,
                          const ffi::AnyBuffer &q_lengths, const ffi::AnyBuffer &kv_lengths,
@@ -113,7 +126,7 @@ bool use_sm90(int32_t variant) {
 ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_lengths,
                     ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges,
-                    ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> o,
+                    ffi::AnyBuffer block_order, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> o,
                     ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> tile_counter, float scale, int32_t is_causal, int32_t variant,
                     int32_t window_left, int32_t window_right, float softcap) {
   Params p{};
@@ -122,6 +135,7 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                              kv_segment_ranges, window_left, window_right, softcap);
       e.failure())
     return e;
+  if (auto e = check_order(p, block_order, p.q_heads, p.q_len, attention::fwd_order_rows(p.head_dim)); e.failure()) return e;
   if (!same_type_and_dims(*o, q)) return invalid("output must have the query's shape and dtype");
   if (auto e = check_rows(p, *lse, "lse"); e.failure()) return e;
   if (tile_counter->element_type() != ffi::DataType::S32 || tile_counter->dimensions().size() != 1 ||
@@ -142,8 +156,8 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
                     ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_segment_ids,
                     ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
-                    ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges, ffi::RemainingArgs,
-                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                    ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges, ffi::AnyBuffer block_order,
+                    ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                     ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
                     ffi::Result<ffi::AnyBuffer> workspace, float scale, int32_t is_causal, int32_t variant,
                     int32_t window_left, int32_t window_right, float softcap, int32_t deterministic) {
@@ -153,6 +167,8 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                              kv_segment_ranges, window_left, window_right, softcap);
       e.failure())
     return e;
+  if (auto e = check_order(p, block_order, p.kv_heads, p.kv_len, attention::bwd_order_rows(p.head_dim)); e.failure()) return e;
+  if (p.block_order && deterministic) return invalid("block_order cannot be combined with deterministic");
   if (!same_type_and_dims(o, q) || !same_type_and_dims(dout, q) || !same_type_and_dims(*dq, q))
     return invalid("out, dout and dq must have the query's shape and dtype");
   if (!same_type_and_dims(*dk, k) || !same_type_and_dims(*dv, v)) return invalid("dk and dv must match key and value");
@@ -196,6 +212,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwd, fwd_impl,
                                   .Arg<ffi::AnyBuffer>()  // kv_lengths
                                   .Arg<ffi::AnyBuffer>()  // q_segment_ranges
                                   .Arg<ffi::AnyBuffer>()  // kv_segment_ranges
+                                  .Arg<ffi::AnyBuffer>()  // block_order
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<ffi::AnyBuffer>()  // lse
@@ -224,6 +241,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, bwd_impl,
                                   .Arg<ffi::AnyBuffer>()  // kv_lengths
                                   .Arg<ffi::AnyBuffer>()  // q_segment_ranges
                                   .Arg<ffi::AnyBuffer>()  // kv_segment_ranges
+                                  .Arg<ffi::AnyBuffer>()  // block_order
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk

@@ -21,6 +21,12 @@ struct Params {
   const int *q_segment_ranges = nullptr;    // with segment ids: [batch, ceil(q_len / 64), 2] and
   const int *kv_segment_ranges = nullptr;   //   [batch, ceil(kv_len / 64), 2]: min and max id of each
                                             //   64 rows (SEGMENT_GRANULE), to skip whole blocks
+  // With segment ids, the sm_90a kernels may take their blocks in an order worked out by the caller
+  // (jax_tk/attention.py: longest first): block_order lists the (batch entry b, head h, block i)
+  // triples as (b * heads + h) * blocks + i, a permutation of [0, batch * heads * blocks) (heads: the
+  // query heads in the forward, the key/value heads in the backward; blocks of *_order_rows() rows);
+  // nullptr: the kernels' own order.
+  const int *block_order = nullptr;
   const int *q_lengths = nullptr;           // [batch]: i < q_lengths[b]; nullptr: none
   const int *kv_lengths = nullptr;          // [batch]: j < kv_lengths[b]; nullptr: none
   float softcap = 0.f;                      // logits := cap * tanh(logits / cap) (after scaling); 0: none
@@ -38,6 +44,11 @@ struct Params {
   float *workspace;
   bool deterministic;  // sm_90a backward: add dq contributions in a fixed order (same bits every run)
 };
+
+// The rows of a block of Params::block_order: the forward's query tiles (128 rows) and the
+// backward's key blocks (128 keys, 64 at head_dim 256).
+inline int fwd_order_rows(int) { return 128; }
+inline int bwd_order_rows(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 
 // The mma.sync kernels (sm_80 and newer). Return the launch error, if any.
 cudaError_t fwd_sm80(const Params &p, cudaStream_t stream);

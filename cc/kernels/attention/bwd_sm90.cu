@@ -84,7 +84,8 @@ template <bool FULL> __device__ __forceinline__ bool sees(const Params &p, int b
 // the Q and dO of a whole group, so a group is kept below ORDER_BYTES of them (L2; at D = 128: 7 pairs
 // at T = 2k, 3 at 4k, one from 8k; 8 pairs at T = 16k measured 1-4% slower; key block by key block
 // over all heads measured 40% slower at T = 2k). Within a (batch entry, head), key block j' < j
-// comes first, as the deterministic mode's turns need.
+// comes first, as the deterministic mode's turns need. With Params::block_order (segment ids, not
+// deterministic): its order.
 constexpr size_t ORDER_BYTES = size_t(8) << 20;
 constexpr int ORDER_MAX_PAIRS = 8;
 inline int order_pairs(const Params &p) {
@@ -92,7 +93,12 @@ inline int order_pairs(const Params &p) {
   const size_t n = ORDER_BYTES / per_pair;
   return n < 1 ? 1 : n > ORDER_MAX_PAIRS ? ORDER_MAX_PAIRS : int(n);
 }
+template <bool FULL>
 __device__ __forceinline__ int3 block_coords(const Params &p, int pairs, int t, int kblocks) {  // {b, kvh, j}
+  if (FULL && p.block_order) {
+    const int e = p.block_order[t], pair = e / kblocks;
+    return {pair / p.kv_heads, pair % p.kv_heads, e % kblocks};
+  }
   const int first = t / (pairs * kblocks) * pairs;  // the group's first pair
   const int size = min(pairs, p.batch * p.kv_heads - first), r = t - first * kblocks;
   const int pair = first + r % size;
@@ -149,7 +155,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   extern __shared__ char smem_raw[];
   auto &sm = align_shared<typename C::Shared>(smem_raw);
   const Params &p = a.p;
-  const int3 at = block_coords(p, a.order_pairs, blockIdx.x, (p.kv_len + BK - 1) / BK);
+  const int3 at = block_coords<FULL>(p, a.order_pairs, blockIdx.x, (p.kv_len + BK - 1) / BK);
   const int b = at.x, kvh = at.y, j = at.z, k0 = j * BK;
   const int group = p.q_heads / p.kv_heads, n_qblocks = (p.q_len + BQ - 1) / BQ;
   const int wg = warpgroup::groupid();

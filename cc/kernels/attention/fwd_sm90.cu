@@ -9,13 +9,14 @@ namespace {
 
 using namespace tk;
 
-// Tile t as the scheduler announces it. In plain attention (FULL = false) the scheduler works it
-// out (divisions, key range) and the consumers, whose tensor cores wait at each tile's start, only
-// read it (the divisions took 1.2% of the stall samples at T = 2k); the masked kernels work it out
-// where it is used (in the scheduler's registers it spills there).
+// Tile t as the scheduler announces it. In plain attention (FULL = false) and with segment ids the
+// scheduler works out where it lies (divisions, or a load of Params::block_order) and the consumers,
+// whose tensor cores wait at each tile's start, only read it (the divisions took 1.2% of the stall
+// samples at T = 2k); in plain attention the slot also holds the key range. The other masked
+// kernels work it out where it is used (in the scheduler's registers it spills there).
 struct alignas(16) TileSlot {
   int t, b, h, q0;
-  int2 range;
+  int2 range;  // (plain attention)
 };
 
 template <typename T, int D> struct FwdH {
@@ -27,10 +28,6 @@ template <typename T, int D> struct FwdH {
   // With segment ids, the loader tells the consumers each next key block (see the consumers' loop);
   // at D = 256 they walk the list themselves (the other way costs spills there).
   static constexpr bool LOADER_LISTS = D <= 128;
-  // Plain attention (FULL = false) at D <= 128 stores O through a staging tile per consumer (after
-  // Shared) and TMA, instead of each thread's global stores; the masked kernels keep that room for
-  // their block lists, and at D = 256 there is none.
-  static constexpr bool stages_o(bool full) { return !full && D <= 128; }
   using OTile = st<T, 64, D>;
   struct Shared {
     st<T, 64, D> q[Q_STAGES][CONSUMERS];
@@ -44,13 +41,21 @@ template <typename T, int D> struct FwdH {
     Params p;
     tma_map<T, 64> q, o;
     tma_map<T, BK> k, v;
+    bool stage_o;  // see stages_o
   };
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
-  // Shared memory after Shared: the block lists of the two announced tiles (segment ids only), or
-  // the staging tiles of O.
-  static size_t extra_bytes(const Params &p, bool full) {
-    if (stages_o(full)) return CONSUMERS * sizeof(OTile);
-    return p.q_segment_ids ? 2 * block_list_bytes((p.kv_len + BK - 1) / BK) : 0;
+  // Shared memory after Shared: at D <= 128 a staging tile of O per consumer (O goes out through it
+  // and one TMA store, instead of each thread's global stores), then with segment ids the block
+  // lists of the two announced tiles. Where both do not fit (D = 128: keys past 256k with segment
+  // ids), the consumers store O themselves.
+  static size_t lists_bytes(const Params &p, bool full) {
+    return full && p.q_segment_ids ? 2 * block_list_bytes((p.kv_len + BK - 1) / BK) : 0;
+  }
+  static bool stages_o(const Params &p, bool full, size_t max_smem) {
+    return D <= 128 && smem + CONSUMERS * sizeof(OTile) + lists_bytes(p, full) <= max_smem;
+  }
+  static size_t extra_bytes(const Params &p, bool full, bool stage_o) {
+    return (stage_o ? CONSUMERS * sizeof(OTile) : 0) + lists_bytes(p, full);
   }
 };
 
@@ -61,15 +66,21 @@ struct FwdTile {
   BlockList blocks;  // ... minus those of other segments
 };
 // Tile t of the order in which the tiles are handed out: the query blocks of one head, heaviest
-// (causal) first, then the next head, the next batch entry. (The tiles running at one time share
-// their keys and values in L2.)
+// (causal) first, then the next head, the next batch entry (the tiles running at one time share
+// their keys and values in L2); with Params::block_order, its order.
+template <bool FULL> __device__ __forceinline__ TileSlot tile_coords(const Params &p, int t, int BQ) {
+  const int qblocks = (p.q_len + BQ - 1) / BQ;
+  if (FULL && p.block_order) {
+    const int e = p.block_order[t], rest = e / qblocks;
+    return {t, rest / p.q_heads, rest % p.q_heads, e % qblocks * BQ, {}};
+  }
+  const int rest = t / qblocks;
+  return {t, rest / p.q_heads, rest % p.q_heads, (qblocks - 1 - t % qblocks) * BQ, {}};
+}
+// The tile at c (tile_coords) and its key blocks.
 template <bool FULL>
-__device__ __forceinline__ FwdTile fwd_tile(const Params &p, int t, int BQ, int BK, const uint32_t *list) {
-  const int qblocks = (p.q_len + BQ - 1) / BQ, rest = t / qblocks;
-  FwdTile x;
-  x.b = rest / p.q_heads;
-  x.h = rest % p.q_heads;
-  x.q0 = (qblocks - 1 - t % qblocks) * BQ;
+__device__ __forceinline__ FwdTile fwd_tile(const Params &p, const TileSlot &c, int BQ, int BK, const uint32_t *list) {
+  FwdTile x{c.b, c.h, c.q0};
   x.range = kv_block_range<FULL>(p, x.b, x.q0, BQ, BK);
   x.blocks = FULL && p.q_segment_ids ? block_list(list, x.range.x, x.range.y) : BlockList{x.range.x, x.range.y, nullptr, 0};
   return x;
@@ -87,7 +98,7 @@ __device__ __forceinline__ FwdTile fwd_tile(const Params &p, int t, int BQ, int 
 //     online softmax in registers, O += P V (wgmma, P from registers), pipelined so that the softmax
 //     of one block overlaps the P V product of the previous, and the two take turns issuing their
 //     products (ping-pong), so that one's softmax runs while the tensor cores work for the other;
-//     each writes its rows of O through a staging tile and a TMA store (plain attention, D <= 128).
+//     each writes its rows of O through a staging tile and a TMA store (D <= 128).
 // setmaxnreg moves registers from the producer to the consumers. A tile whose rows see no key loads
 // nothing and stores O = 0, lse = -inf. Only the tiles that cut through a rule or a segment
 // boundary are masked elementwise (KeyRule, BlockList::one_segment).
@@ -101,11 +112,16 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   const Params p = a.p;  // a copy: the fields it uses stay in registers (no reloads after each memory clobber)
   const int tiles = (p.q_len + C::BQ - 1) / C::BQ * p.q_heads * p.batch;
   const bool segments = FULL && p.q_segment_ids != nullptr;
-  uint32_t *lists = reinterpret_cast<uint32_t *>(&sm + 1);  // two slots of list_words words
+  const bool stage_o = D <= 128 && (!FULL || a.stage_o);  // (always in plain attention: see fwd_sm90)
+  auto *o_stages = reinterpret_cast<typename C::OTile *>(&sm + 1);
+  uint32_t *lists = reinterpret_cast<uint32_t *>(o_stages + (stage_o ? CONSUMERS : 0));  // two slots of list_words words
   const int list_words = int(block_list_bytes((p.kv_len + BK - 1) / BK) / 4);
   auto tile_at = [&](int slot) {
-    if constexpr (FULL) return fwd_tile<FULL>(p, sm.tile[slot].t, C::BQ, BK, lists + slot * list_words);
-    const TileSlot x = sm.tile[slot];
+    TileSlot x = sm.tile[slot];
+    if constexpr (FULL) {
+      if (!segments) x = tile_coords<FULL>(p, x.t, C::BQ);
+      return fwd_tile<FULL>(p, x, C::BQ, BK, lists + slot * list_words);
+    }
     return FwdTile{x.b, x.h, x.q0, x.range, BlockList{x.range.x, x.range.y, nullptr, 0}};
   };
   const int wg = warpgroup::groupid();
@@ -140,8 +156,13 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
         int t = blockIdx.x;
         if (n > 0 && laneid() == 0) t = gridDim.x + atomicAdd(p.tile_counter, 1);
         t = __shfl_sync(~0u, t, 0);
+        TileSlot c{t};
         FwdTile x{};  // (the masked kernels need it only with segment ids: see TileSlot)
-        if (!FULL || (segments && t < tiles)) x = fwd_tile<FULL>(p, min(t, tiles - 1), C::BQ, BK, nullptr);
+        if (!FULL || (segments && t < tiles)) {
+          c = tile_coords<FULL>(p, min(t, tiles - 1), C::BQ);
+          c.t = t;
+          x = fwd_tile<FULL>(p, c, C::BQ, BK, nullptr);
+        }
         if (segments && t < tiles) {
           write_block_list(lists + slot * list_words, x.range.x, x.range.y, 0, 1,
                            [&](int j) { return segments_meet<FULL>(p, x.b, x.q0, C::BQ, j * BK, BK); },
@@ -149,8 +170,8 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
           __syncwarp();
         }
         if (laneid() == 0) {
-          if constexpr (FULL) sm.tile[slot].t = t;
-          else sm.tile[slot] = TileSlot{t, x.b, x.h, x.q0, x.range};
+          if constexpr (!FULL) c.range = x.range;
+          sm.tile[slot] = c;
           arrive(sm.tile_full[slot]);
         }
         if (t >= tiles) return;
@@ -196,7 +217,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   if (wg == 1) your_turn();
   const float c = logit_factor<FULL>(p);
   const bool lane0 = laneid() == 0, leader = threadIdx.x % 128 == 0;
-  auto &o_stage = reinterpret_cast<typename C::OTile *>(&sm + 1)[wg];  // (stages_o)
+  auto &o_stage = o_stages[wg];  // (stage_o)
   for (int nt = 0, n = 0, nq = 0;; nt++) {  // tiles, key blocks, Q loads so far
     const int slot = nt % 2;
     wait(sm.tile_full[slot], (nt / 2) & 1);
@@ -280,7 +301,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warpgroup::wait<0>();
     warpgroup::fence_registers(o);
     if (lane0) arrive(sm.v_empty[st]);
-    if constexpr (C::stages_o(FULL)) {
+    if (stage_o) {
       // O /= l into this consumer's staging tile, then one TMA store (the warps do not wait for
       // global stores); the leader first waits until the last tile's store has read the tile.
       if (leader) bulk_wait_read<0>();
@@ -300,7 +321,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     }
     store_lse(p, m, l, c, x.b, x.h, qw);
   }
-  if (C::stages_o(FULL) && leader) bulk_wait<0>();  // the last store is done with shared memory
+  if (stage_o && leader) bulk_wait<0>();  // the last store is done with shared memory
   if (wg == 0) my_turn();  // the answer to consumer 1's last turn
 #endif
 }
@@ -312,20 +333,24 @@ bool fwd_sm90_supported(const Params &p) { return p.head_dim == 64 || p.head_dim
 cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
   return dispatch<64, 128, 256>(p, [&]<typename T, int D, bool FULL>() {
     using C = FwdH<T, D>;
-    typename C::Args a{p, {}, {}, {}, {}};
+    typename C::Args a{p, {}, {}, {}, {}, false};
     if (!make_tma_map(a.q, p.q, p.batch, p.q_len, p.q_heads, D) ||
         !make_tma_map(a.o, p.o, p.batch, p.q_len, p.q_heads, D) ||
         !make_tma_map(a.k, p.k, p.batch, p.kv_len, p.kv_heads, D) ||
         !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
       return cudaErrorInvalidValue;
     const long long tiles = (p.q_len + C::BQ - 1) / C::BQ * (long long)p.q_heads * p.batch;
-    int dev = 0, sms = 0;
+    int dev = 0, sms = 0, max_smem = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     if (e != cudaSuccess) return e;
+    // (Plain attention always stages O at D <= 128: it fits, and the kernel takes it as known.)
+    a.stage_o = C::stages_o(p, FULL, size_t(max_smem));
+    if (!FULL && D <= 128 && !a.stage_o) return cudaErrorInvalidConfiguration;
     if (tiles + 2 * sms >= INT_MAX || p.tile_counter == nullptr) return cudaErrorInvalidValue;
     auto kernel = fwd_sm90_kernel<T, D, FULL>;
-    const size_t smem = C::smem + C::extra_bytes(p, FULL);
+    const size_t smem = C::smem + C::extra_bytes(p, FULL, a.stage_o);
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e == cudaSuccess) e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
     if (e != cudaSuccess) return e;

@@ -106,8 +106,20 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
     }
     if (masked != SEGMENTS) p.window_left = 40, p.window_right = 7;
     if (masked == ALL) p.softcap = 5.f;
+    if (masked == SEGMENTS) {  // Params::block_order: the blocks in reverse (jax_tk sorts them by work)
+      auto reversed = [&](int heads, int rows, int block) {
+        std::vector<int> order(size_t(b) * heads * ((rows + block - 1) / block));
+        for (size_t i = 0; i < order.size(); i++) order[i] = int(order.size() - 1 - i);
+        return order;
+      };
+      ints.push_back(device_ints(reversed(n, t, fwd_order_rows(d))));
+      ints.push_back(device_ints(reversed(kh, s, bwd_order_rows(d))));
+    }
   }
+  const bool ordered = ints.size() > 6;
+  p.block_order = ordered ? ints[6] : nullptr;
   CHECK(hopper ? fwd_sm90(p, 0) : fwd_sm80(p, 0));
+  p.block_order = ordered && !deterministic ? ints[7] : nullptr;
   CHECK(hopper ? bwd_sm90(p, 0) : bwd_sm80(p, 0));
   CHECK(cudaDeviceSynchronize());
   const void *buffers[] = {p.q, p.k, p.v, p.dout, p.dlse, o, dq, dk, dv, lse, delta, workspace, tile_counter};
