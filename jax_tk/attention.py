@@ -226,9 +226,10 @@ def _bwd_order_blocks(head_dim):
 
 # Heads per group of the block order (_block_order). Measured on an H100 (8 documents of random
 # lengths in 16k, 16 heads, D = 128): groups of 4 heads ran the forward 6% and the backward 3-4%
-# faster than the kernels' own order; groups of 2 or 8 less so (8: 3% slower on the causal backward),
-# and one group of all 16 heads ran the causal backward at 0.7x (the blocks running at one time then
-# read the queries and keys of all heads of a document: L2).
+# faster than the kernels' own order; groups of 1, 2 or 8 heads less so (8: 3% slower on the causal
+# backward), and one group of all 16 heads ran the causal backward at 0.7x (the blocks running at one
+# time then read the queries and keys of all heads of a document: L2). benchmarks/RESULTS.md has the
+# table.
 ORDER_GROUP_HEADS = 4
 
 
@@ -236,11 +237,11 @@ def _block_order(q_ranges, kv_ranges, q_block, kv_block, causal, by_queries, hea
     """With segment ids, the Hopper kernels take their blocks in this order (``Params::block_order``):
     the (batch entry, head, block) triples ``(b * heads + h) * blocks + i``, longest first within
     groups of ``group`` heads (the largest divisor of ``heads`` up to it; ORDER_GROUP_HEADS says why
-    groups): the (batch entry, block) pairs sorted by how many blocks of the other
-    side they visit, most first (ties in index order), each for the group's heads, then the next
-    group. The forward's blocks are its query tiles (``by_queries``), the backward's its key blocks.
-    The count sees the segments and the causal mask (not windows or lengths: the order only moves work
-    between SMs, the results do not depend on it)."""
+    groups): the (batch entry, block) pairs sorted by how many blocks of the other side they visit,
+    most first (ties in index order), each for the group's heads, then the next group. The forward's
+    blocks are its query tiles (``by_queries``), the backward's its key blocks. The count sees the
+    segments and the causal mask (not windows or lengths: the order only moves work between SMs, the
+    results do not depend on it)."""
     q, k = _block_spans(q_ranges, q_block), _block_spans(kv_ranges, kv_block)
     meet = (q[:, :, None, 0] <= k[:, None, :, 1]) & (k[:, None, :, 0] <= q[:, :, None, 1])  # [b, q blocks, kv blocks]
     if causal:  # key block j starts at or before query block i ends

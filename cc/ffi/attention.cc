@@ -7,12 +7,11 @@
 // q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len], q_lengths [batch], kv_lengths
 // [batch], then with segment ids their ranges q_segment_ranges [batch, ceil(q_len / 64), 2] and
 // kv_segment_ranges [batch, ceil(kv_len / 64), 2] (min and max id of every 64 rows, for skipping
-// blocks), and with segment ids optionally the order of the sm_90a kernel's blocks (Params::block_order:
-// [batch * q_heads * ceil(q_len / fwd_order_rows)] in the forward, [batch * kv_heads *
-// ceil(kv_len / bwd_order_rows)] in the backward; jax_tk/attention.py works it out, and it must be a
-// permutation), all int32; an absent
-// option is an int32 array of shape (0,). Attributes window_left, window_right (-1: unbounded) and
-// softcap (0: none).
+// blocks), then with segment ids optionally the order of the sm_90a kernel's blocks
+// (Params::block_order: [batch * q_heads * ceil(q_len / fwd_order_rows)] in the forward, [batch *
+// kv_heads * ceil(kv_len / bwd_order_rows)] in the backward; jax_tk/attention.py works it out, and it
+// must be a permutation), all int32; an absent option is an int32 array of shape (0,). Attributes
+// window_left, window_right (-1: unbounded) and softcap (0: none).
 #include "ffi/common.h"
 #include "kernels/attention/attention.h"
 
