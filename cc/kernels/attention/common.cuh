@@ -323,14 +323,19 @@ __device__ __forceinline__ void softmax_step(RT &s, V &m, V &l, V &corr, float c
   m = m_new;
 }
 
+// O /= l (O = 0 for a row that saw no key, l = 0).
+template <typename RT, typename V> __device__ __forceinline__ void normalize_output(RT &o, const V &l) {
+  V inv_l;
+  tk::warp::map_vec(inv_l, l, [](float x) { return x > 0.f ? 1.f / x : 0.f; });
+  tk::warp::mul_row(o, o, inv_l);
+}
+
 // O /= l, then store O's rows qw.. and their log-sum-exp ln(sum exp(logits)) = (m + log2 l) ln 2
 // (-inf and O = 0 for a row that saw no key).
 template <typename T, typename RT, typename V>
 __device__ __forceinline__ void store_output(const Params &p, RT &o, const V &l, int b, int h, int qw, int d0) {
   using namespace tk;
-  V inv_l;
-  warp::map_vec(inv_l, l, [](float x) { return x > 0.f ? 1.f / x : 0.f; });
-  warp::mul_row(o, o, inv_l);
+  normalize_output(o, l);
   auto O = gl<T>::make(static_cast<T *>(p.o), p.batch, p.q_len, p.q_heads, p.head_dim);
   warp::store(O, o, {b, qw, h, d0});
 }

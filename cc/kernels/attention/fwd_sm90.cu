@@ -306,9 +306,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       // global stores); the leader first waits until the last tile's store has read the tile.
       if (leader) bulk_wait_read<0>();
       sync_named(3 + wg, 128);
-      col_vec<rt_fl<16, BK>> inv_l;
-      warp::map_vec(inv_l, l, [](float x) { return x > 0.f ? 1.f / x : 0.f; });
-      warp::mul_row(o, o, inv_l);
+      normalize_output(o, l);
       rt<T, 16, D> o16;
       warp::copy(o16, o);
       warp::store(o_stage, o16, 16 * (warpid() % 4), 0);
