@@ -7,7 +7,11 @@ Times, with the benchmark's timer, useful TFLOP/s (only visible pairs count):
   - the benchmark's plain baseline for the documents row (one row with as many visible pairs).
 Packed equal documents against the batch is the cost of packing (segment masks, block lists); the
 batch against the baseline is the cost of short attention, which every implementation pays.
-Usage: [PROBE_MODES=fwd,bwd] [PROBE_PROVIDERS=jax_tk,cudnn,cudnn_packed] python scripts/docs_bound_probe.py [T H D]"""
+PROBE_SET=steps (jax_tk only) splits the packing cost between the batch of 8 plain rows and the packed
+equal documents: the same batch through the masked kernel (a window wider than the rows: no mask, but
+FULL = true), then with one segment per row (segment ids: block lists, block order), then packed.
+Usage: [PROBE_MODES=fwd,bwd] [PROBE_PROVIDERS=jax_tk,cudnn,cudnn_packed] [PROBE_SET=steps]
+       python scripts/docs_bound_probe.py [T H D]"""
 import dataclasses
 import os
 import sys
@@ -32,7 +36,17 @@ class EqualDocuments(AttentionConfig):
 
 
 configs = []
+steps = os.environ.get("PROBE_SET") == "steps"
 for causal in (False, True):
+    if steps:
+        n = T // DOCS
+        configs += [
+            AttentionConfig(DOCS, n, n, H, D, causal, feature="plain"),
+            AttentionConfig(DOCS, n, n, H, D, causal, feature="window", window=(2 * n, 2 * n)),
+            AttentionConfig(DOCS, n, n, H, D, causal, feature="documents", documents=1),
+            EqualDocuments(1, T, T, H, D, causal, feature="documents", documents=DOCS),
+        ]
+        continue
     packed = AttentionConfig(1, T, T, H, D, causal, feature="documents", documents=DOCS)
     configs += [
         packed,
@@ -41,7 +55,7 @@ for causal in (False, True):
         plain_baseline(packed),
     ]
 modes = tuple(os.environ.get("PROBE_MODES", "fwd,bwd").split(","))
-providers = os.environ.get("PROBE_PROVIDERS", "jax_tk,cudnn,cudnn_packed").split(",")
+providers = os.environ.get("PROBE_PROVIDERS", "jax_tk" if steps else "jax_tk,cudnn,cudnn_packed").split(",")
 results = bench_attention(configs, providers, modes, check=False, log=None)
 for r in results:
     if r.status == "ok":
