@@ -8,7 +8,7 @@ Times, with the benchmark's timer, useful TFLOP/s (only visible pairs count):
 Packed equal documents against the batch is the cost of packing (segment masks, block lists); the
 batch against the baseline is the cost of short attention, which every implementation pays.
 PROBE_SET=steps (jax_tk only) splits the packing cost between the batch of 8 plain rows and the packed
-equal documents: the same batch through the masked kernel (a window wider than the rows: no mask, but
+equal documents: the same batch through the masked kernel (a window as wide as the rows: no mask, but
 FULL = true), then with one segment per row (segment ids: block lists, block order), then packed.
 Usage: [PROBE_MODES=fwd,bwd] [PROBE_PROVIDERS=jax_tk,cudnn,cudnn_packed] [PROBE_SET=steps]
        python scripts/docs_bound_probe.py [T H D]"""
@@ -42,7 +42,7 @@ for causal in (False, True):
         n = T // DOCS
         configs += [
             AttentionConfig(DOCS, n, n, H, D, causal, feature="plain"),
-            AttentionConfig(DOCS, n, n, H, D, causal, feature="window", window=(2 * n, 2 * n)),
+            AttentionConfig(DOCS, n, n, H, D, causal, feature="window", window=(n - 1, n - 1)),
             AttentionConfig(DOCS, n, n, H, D, causal, feature="documents", documents=1),
             EqualDocuments(1, T, T, H, D, causal, feature="documents", documents=DOCS),
         ]

@@ -47,7 +47,8 @@ template <typename T, int D> struct BwdH {
     st<T, BQ, D> q[STAGES], dout[STAGES];
     st<T, BK, BQ> ds[2];                        // dS^T of the last two steps (keys x queries)
     alignas(16) float stats[STAGES][2 * BQ];    // per query row: lse (log2 units, +inf past q_len), delta
-    int2 step[STAGES];                          // the step's query head g and query block i (block lists)
+    int2 step[STAGES];  // (SEG) the step's query head g, and its query block i shifted left by MASK_BITS
+                        // and the block's mask bits (tile_mask_bits)
     alignas(128) float dq[CONSUMERS][STAGED ? BQ * DQ_COLS : 4];  // each consumer's dQ_i, fragment order
     semaphore kv_full, full[STAGES], empty[STAGES], dq_full[CONSUMERS], dq_empty[CONSUMERS];
   };
@@ -114,13 +115,13 @@ template <bool FULL> __device__ __forceinline__ int blocks_before(const Params &
 
 // P^T from S^T (rows: keys kw.., columns: queries q0..) and the columns' lse (log2 units).
 template <bool FULL, bool CAP, typename RT, typename V>
-__device__ __forceinline__ void probabilities(RT &s, const Params &p, const KeyRule &rule, bool one_segment, int b, int q0,
+__device__ __forceinline__ void probabilities(RT &s, const Params &p, const KeyRule &rule, MaskNeed need, int b, int q0,
                                               int kw, const V &lse) {
   cap_logits<CAP>(s, p);  // in units of 1 / c (logit_factor)
   const float c = logit_factor<CAP>(p);
   // Masked entries -inf, then exp2(-inf) = 0. (One exp2 map after the conditional mask: two maps in
   // the two branches would make ptxas serialize the wgmmas, C7520.)
-  mask_logits_transposed<FULL>(s, p, rule, one_segment, b, kw, q0);
+  mask_logits_transposed<FULL>(s, p, rule, need, b, kw, q0);
   warp::map_col(s, s, lse, [=](float x, float l) { return warp::fn::exp2(x * c - l); });
 }
 
@@ -227,7 +228,8 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       const int s = it % STAGES, phase = (it / STAGES) & 1;
       wait(sm.empty[s], phase ^ 1);
       if (loader) {
-        if constexpr (SEG) sm.step[s] = {g, i};  // for the consumers (see next_step)
+        if constexpr (SEG)  // for the consumers (see next_step)
+          sm.step[s] = {g, i << MASK_BITS | tile_mask_bits<FULL>(p, rule, qblocks.one_segment(i), i * BQ, BQ, k0, BK)};
         expect_bytes(sm.full[s], sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
         load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, sm.full[s]);
         load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, sm.full[s]);
@@ -269,12 +271,12 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   // One loop over the steps (query head g, query block i): ptxas keeps the wgmmas in flight across
   // one back edge, not across nested loops (C7514). So with a block list (whose next() is a loop) the
   // consumers take the next step's (g, i) from the producer, in its slot (whose full barrier they
-  // have passed in issue_logits).
+  // have passed in issue_logits), and each step's mask bits there.
   auto next_step = [&](int it, int &g, int &i) {
     if constexpr (SEG) {
       const int2 x = sm.step[it % STAGES];
       g = x.x;
-      i = x.y;
+      i = x.y >> MASK_BITS;
     } else {
       advance(g, i);
     }
@@ -288,10 +290,13 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     const float *stats = sm.stats[slot];
     // The columns' lse, from shared memory before the dP product's reads of it queue ahead.
     warp::load(lse, stats, BQ);
+    MaskNeed need;  // the step's masks: with SEG from the producer's bits, read before the wait
+    if constexpr (SEG) need = warp_mask_need(sm.step[slot].y, rule, q0, BQ, kw, 16);
     warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
     warpgroup::fence_registers(s);
     warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
-    probabilities<FULL, CAP>(s, p, rule, !SEG || qblocks.one_segment(i), b, q0, kw, lse);
+    if constexpr (!SEG) need = mask_need<FULL>(p, rule, true, q0, BQ, kw, 16);
+    probabilities<FULL, CAP>(s, p, rule, need, b, q0, kw, lse);
     warp::copy(p16, s);
     warp::load(delta, stats + BQ, BQ);  // (before the dV product's shared-memory reads queue ahead of it)
     warpgroup::mma_AB(dv, p16, window<BQ, C::KV_COLS>(sm.dout[slot], 0, col0), true);  // dV += P^T dO   [dP, dV]

@@ -229,27 +229,59 @@ template <bool TRANSPOSED, typename RT> __device__ __forceinline__ void mask_rul
   });
 }
 
-// s := -inf where query qw + r does not see key k0 + c (s: rows are queries, columns keys), in the
-// tiles that need it (only those pay for the elementwise work). one_segment: the rows and keys are
-// known to share one segment.
+// Which elementwise masks a tile of logits (query rows q0 + [0, rows), keys k0 + [0, cols)) needs:
+// the rule where the tile cuts through it, the segment test where the tile is not known to lie in
+// one segment (one_segment). Only those tiles pay for the elementwise work. The Hopper kernels work it
+// out while the tile's product runs (one_segment reads the block list in shared memory), so that
+// nothing waits for it once the logits are there.
+struct MaskNeed {
+  bool rule, segments;
+};
+template <bool FULL>
+__device__ __forceinline__ MaskNeed mask_need(const Params &p, const KeyRule &rule, bool one_segment, int q0, int rows, int k0,
+                                              int cols) {
+  return {rule.partial(q0, rows, k0, cols), FULL && p.q_segment_ids && !one_segment};
+}
+
+// A block's masks as a producer works them out for the consumers of a whole tile (rows: theirs
+// together), in the two low bits of an int (MASK_BITS) that also carries something else: bit 1, the
+// tile cuts through the rule (each warp then tests its own rows: warp_mask_need); bit 0, the segment
+// test. In the common blocks the consumers then pay one shared-memory load and no test.
+constexpr int MASK_BITS = 2;
+template <bool FULL>
+__device__ __forceinline__ int tile_mask_bits(const Params &p, const KeyRule &rule, bool one_segment, int q0, int rows, int k0,
+                                              int cols) {
+  const MaskNeed need = mask_need<FULL>(p, rule, one_segment, q0, rows, k0, cols);
+  return (need.rule ? 2 : 0) | (need.segments ? 1 : 0);
+}
+__device__ __forceinline__ MaskNeed warp_mask_need(int bits, const KeyRule &rule, int q0, int rows, int k0, int cols) {
+  return {(bits & 2) && rule.partial(q0, rows, k0, cols), (bits & 1) != 0};
+}
+
+// s := -inf where query qw + r does not see key k0 + c (s: rows are queries, columns keys), as far as
+// `need` says.
 template <bool FULL, typename RT>
-__device__ __forceinline__ void mask_logits(RT &s, const Params &p, const KeyRule &rule, bool one_segment, int b, int qw, int k0) {
-  if (rule.partial(qw, RT::rows, k0, RT::cols)) mask_rule<false>(s, rule, qw, k0);
-  if (FULL && p.q_segment_ids && !one_segment) mask_segments<false>(s, p, b, qw, k0);
+__device__ __forceinline__ void mask_logits(RT &s, const Params &p, const KeyRule &rule, MaskNeed need, int b, int qw, int k0) {
+  if (need.rule) mask_rule<false>(s, rule, qw, k0);
+  if (FULL && need.segments) mask_segments<false>(s, p, b, qw, k0);
 }
 // The same for a transposed tile s^T (rows are keys kw.., columns queries q0..).
 template <bool FULL, typename RT>
-__device__ __forceinline__ void mask_logits_transposed(RT &s, const Params &p, const KeyRule &rule, bool one_segment, int b, int kw, int q0) {
-  if (rule.partial(q0, RT::cols, kw, RT::rows)) mask_rule<true>(s, rule, q0, kw);
-  if (FULL && p.q_segment_ids && !one_segment) mask_segments<true>(s, p, b, q0, kw);
+__device__ __forceinline__ void mask_logits_transposed(RT &s, const Params &p, const KeyRule &rule, MaskNeed need, int b, int kw, int q0) {
+  if (need.rule) mask_rule<true>(s, rule, q0, kw);
+  if (FULL && need.segments) mask_segments<true>(s, p, b, q0, kw);
 }
-// Both, working out the rule and the segment test on the spot.
+// Both, working out the rule and the masks needed on the spot.
 template <bool FULL, typename RT> __device__ __forceinline__ void mask_logits(RT &s, const Params &p, int b, int qw, int k0) {
-  mask_logits<FULL>(s, p, key_rule<FULL>(p, b), in_one_segment<FULL>(p, b, qw, RT::rows, k0, RT::cols), b, qw, k0);
+  const KeyRule rule = key_rule<FULL>(p, b);
+  const bool one = in_one_segment<FULL>(p, b, qw, RT::rows, k0, RT::cols);
+  mask_logits<FULL>(s, p, rule, mask_need<FULL>(p, rule, one, qw, RT::rows, k0, RT::cols), b, qw, k0);
 }
 template <bool FULL, typename RT>
 __device__ __forceinline__ void mask_logits_transposed(RT &s, const Params &p, int b, int kw, int q0) {
-  mask_logits_transposed<FULL>(s, p, key_rule<FULL>(p, b), in_one_segment<FULL>(p, b, q0, RT::cols, kw, RT::rows), b, kw, q0);
+  const KeyRule rule = key_rule<FULL>(p, b);
+  const bool one = in_one_segment<FULL>(p, b, q0, RT::cols, kw, RT::rows);
+  mask_logits_transposed<FULL>(s, p, rule, mask_need<FULL>(p, rule, one, q0, RT::cols, kw, RT::rows), b, kw, q0);
 }
 
 // ------------------------------------------------------------------------------------------------

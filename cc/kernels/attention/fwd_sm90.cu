@@ -25,9 +25,10 @@ template <typename T, int D> struct FwdH {
   static constexpr int STAGES = D <= 64 ? 4 : 2;
   static constexpr int Q_STAGES = D <= 128 ? 2 : 1;  // the next tile's Q loads during this one (not at D = 256: space)
   static constexpr bool PINGPONG = D <= 128;  // the consumers take turns issuing their products
-  // With segment ids, the loader tells the consumers each next key block (see the consumers' loop);
-  // at D = 256 they walk the list themselves (the other way costs spills there).
-  static constexpr bool LOADER_LISTS = D <= 128;
+  // In the masked kernel the loader tells the consumers, with each key block, the next listed one and
+  // the masks it needs (see the consumers' loop); at D = 256 they work both out themselves (the other
+  // way costs spills there).
+  static constexpr bool LOADER_INFO = D <= 128;
   using OTile = st<T, 64, D>;
   struct Shared {
     st<T, 64, D> q[Q_STAGES][CONSUMERS];
@@ -35,7 +36,8 @@ template <typename T, int D> struct FwdH {
     semaphore q_full[Q_STAGES], q_empty[Q_STAGES], k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
     semaphore tile_full[2], tile_empty[2];
     TileSlot tile[2];  // the tiles announced by the scheduler (t >= tiles: no more)
-    int next[STAGES];   // with segment ids: the listed key block after the one in the slot (see the consumers)
+    int info[STAGES];   // (LOADER_INFO) the listed key block after the one in the slot, shifted left by
+                        // MASK_BITS, and that one's mask bits (tile_mask_bits)
   };
   struct Args {
     Params p;
@@ -185,6 +187,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       if (sm.tile[slot].t >= tiles) return;
       const FwdTile x = tile_at(slot);
       const int kvh = x.h / (p.q_heads / p.kv_heads);
+      const KeyRule rule = key_rule<FULL>(p, x.b);
       if (int j = x.blocks.next(x.range.x); j < x.range.y) {
         const int qs = nq % QS;
         wait(sm.q_empty[qs], ((nq++ / QS) & 1) ^ 1);
@@ -194,7 +197,8 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
           const int s = n % STAGES, phase = (n / STAGES) & 1, k0 = j * BK;
           j_next = x.blocks.next(j + 1);
           wait(sm.k_empty[s], phase ^ 1);
-          if (C::LOADER_LISTS && segments) sm.next[s] = j_next;  // (released by the arrival)
+          if (FULL && C::LOADER_INFO)  // (released by the arrival)
+            sm.info[s] = j_next << MASK_BITS | tile_mask_bits<FULL>(p, rule, x.blocks.one_segment(j), x.q0, C::BQ, k0, BK);
           arrive_expect_bytes(sm.k_full[s], sizeof(sm.k[s].data));
           load_async(sm.k[s], a.k, {x.b, k0, kvh, 0}, sm.k_full[s]);
           wait(sm.v_empty[s], phase ^ 1);
@@ -246,13 +250,19 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
 
     // Software pipeline: while the tensor cores compute O += P_{j-1} V_{j-1}, the warps run the
     // softmax of block j. S_j is issued first; wgmma groups complete in order.
-    // The key block after block j (blocks.next(j + 1)): with LOADER_LISTS the loader, which walks the
-    // list, leaves it in j's slot (walking the list here, a loop inside the loop below, would hold up
-    // the products in flight).
-    const bool from_loader = C::LOADER_LISTS && segments;
+    // The key block after block j (blocks.next(j + 1)) and block j's masks: in the masked kernel with
+    // LOADER_INFO the loader, which walks the list, leaves both in j's slot (walking the list here, a
+    // loop inside the loop below, would hold up the products in flight; and most blocks need no mask).
+    constexpr bool from_loader = FULL && C::LOADER_INFO;
+    auto mask = [&](int j, int info) {
+      const MaskNeed need = from_loader ? warp_mask_need(info, rule, qw, 16, j * BK, BK)
+                                        : mask_need<FULL>(p, rule, blocks.one_segment(j), qw, 16, j * BK, BK);
+      mask_logits<FULL>(s, p, rule, need, x.b, qw, j * BK);
+    };
     int st = n % STAGES;
     wait(sm.k_full[st], (n / STAGES) & 1);
-    int j = from_loader ? sm.next[st] : blocks.next(first + 1);
+    int info = from_loader ? sm.info[st] : 0;
+    int j = from_loader ? info >> MASK_BITS : blocks.next(first + 1);
     my_turn();
     warpgroup::mma_ABt(s, q, sm.k[st], false);  // S_0 = Q K_0^T
     your_turn();
@@ -260,7 +270,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warpgroup::fence_registers(s);
     if (lane0) arrive(sm.k_empty[st]);
     cap_logits<FULL>(s, p);
-    mask_logits<FULL>(s, p, rule, blocks.one_segment(first), x.b, qw, first * BK);
+    mask(first, info);
     softmax_step(s, m, l, corr, c);
     warp::copy(pr, s);
 
@@ -269,7 +279,10 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       const int prev_phase = (n / STAGES) & 1;
       st = ++n % STAGES;
       wait(sm.k_full[st], (n / STAGES) & 1);
-      if (from_loader) j_next = sm.next[st];
+      if (from_loader) {
+        info = sm.info[st];
+        j_next = info >> MASK_BITS;
+      }
       wait(sm.v_full[prev], prev_phase);
       my_turn();
       warpgroup::mma_ABt(s, q, sm.k[st], false);   // S_j = Q K_j^T
@@ -280,7 +293,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       warpgroup::fence_registers(s);
       if (lane0) arrive(sm.k_empty[st]);
       cap_logits<FULL>(s, p);
-      mask_logits<FULL>(s, p, rule, blocks.one_segment(j), x.b, qw, j * BK);
+      mask(j, info);
       softmax_step(s, m, l, corr, c);
       warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done
       warpgroup::fence_registers(o);
