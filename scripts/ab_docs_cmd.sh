@@ -1,2 +1,2 @@
 PROBE_SET=steps python3 -P scripts/docs_bound_probe.py 2>&1 | grep "TF/s"
-python3 -P -m jax_tk.bench attention --features documents --providers jax_tk --no-check --png none --out /tmp/benchout 2>&1 | grep -E "^ *(plain|documents) |== features"
+python3 -P -m jax_tk.bench attention --features ${AB_FEATURES:-documents} --providers jax_tk --no-check --png none --out /tmp/benchout 2>&1 | grep -E "^ *(plain|documents|window) |== features"
