@@ -104,7 +104,7 @@ __device__ __forceinline__ FwdTile fwd_tile(const Params &p, const TileSlot &c, 
 // setmaxnreg moves registers from the producer to the consumers. A tile whose rows see no key loads
 // nothing and stores O = 0, lse = -inf. Only the tiles that cut through a rule or a segment
 // boundary are masked elementwise (KeyRule, BlockList::one_segment).
-template <typename T, int D, bool FULL, bool CAP>
+template <typename T, int D, bool FULL>
 __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const __grid_constant__ typename FwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = FwdH<T, D>;
@@ -219,7 +219,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   auto my_turn = [&] { if constexpr (C::PINGPONG) sync_named(1 + wg, 256); };
   auto your_turn = [&] { if constexpr (C::PINGPONG) arrive_named(2 - wg, 256); };
   if (wg == 1) your_turn();
-  const float c = logit_factor<CAP>(p);
+  const float c = logit_factor<FULL>(p);
   const bool lane0 = laneid() == 0, leader = threadIdx.x % 128 == 0;
   auto &o_stage = o_stages[wg];  // (stage_o)
   for (int nt = 0, n = 0, nq = 0;; nt++) {  // tiles, key blocks, Q loads so far
@@ -269,7 +269,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warpgroup::wait<0>();
     warpgroup::fence_registers(s);
     if (lane0) arrive(sm.k_empty[st]);
-    cap_logits<CAP>(s, p);
+    cap_logits<FULL>(s, p);
     mask(first, info);
     softmax_step(s, m, l, corr, c);
     warp::copy(pr, s);
@@ -292,7 +292,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       warpgroup::wait<1>();  // S_j is ready
       warpgroup::fence_registers(s);
       if (lane0) arrive(sm.k_empty[st]);
-      cap_logits<CAP>(s, p);
+      cap_logits<FULL>(s, p);
       mask(j, info);
       softmax_step(s, m, l, corr, c);
       warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done
@@ -360,11 +360,7 @@ cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
     a.stage_o = C::stages_o(p, FULL, size_t(max_smem));
     if (!FULL && D <= 128 && !a.stage_o) return cudaErrorInvalidConfiguration;
     if (tiles + 2 * sms >= INT_MAX || p.tile_counter == nullptr) return cudaErrorInvalidValue;
-    // A soft cap has a kernel of its own: its code left out of the others takes branches and registers
-    // out of their loop.
-    auto kernel = fwd_sm90_kernel<T, D, FULL, false>;
-    if constexpr (FULL)
-      if (p.softcap > 0.f) kernel = fwd_sm90_kernel<T, D, true, true>;
+    auto kernel = fwd_sm90_kernel<T, D, FULL>;
     const size_t smem = C::smem + C::extra_bytes(p, FULL, a.stage_o);
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e == cudaSuccess) e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
