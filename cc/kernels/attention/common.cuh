@@ -171,9 +171,10 @@ struct BlockList {
     const int i = j - first;
     return (bits[words + i / 32] >> (i % 32)) & 1;
   }
-  __device__ __forceinline__ int count() const {
+  __device__ __forceinline__ int count() const {  // of the listed blocks
+    if (!bits) return max(end - first, 0);
     int n = 0;
-    for (int j = next(first); j < end; j = next(j + 1)) n++;
+    for (int w = 0; w < words; w++) n += __popc(bits[w]);
     return n;
   }
 };
