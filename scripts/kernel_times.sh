@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Each kernel's duration (ncu gpu__time_duration) in one jitted gradient of attention, jax_tk and cuDNN,
+# for the configurations given (default: the packed-documents baseline's shapes, B x T x H x D, causal
+# or not): how the backward's time splits between its pre-pass, main kernel and dq pass.
+#   scripts/kernel_times.sh OUTFILE ["B T H D [causal]" ...]
+set -uo pipefail
+out=${1:?usage: scripts/kernel_times.sh OUTFILE [config ...]}
+shift
+mkdir -p "$(dirname "$out")"
+configs=("$@")
+[ ${#configs[@]} -eq 0 ] && configs=("8 2048 16 128" "1 6656 16 128" "8 2048 16 128 causal" "1 6656 16 128 causal")
+for cfg in "${configs[@]}"; do
+  for impl in tk cudnn; do
+    echo "== $impl $cfg" >>"$out"
+    # shellcheck disable=SC2086
+    timeout 120 ncu --csv --metrics gpu__time_duration.sum python3 -P scripts/kernel_times_probe.py $impl $cfg 2>/dev/null |
+      python3 -c '
+import csv, re, sys
+rows = [r for r in csv.reader(sys.stdin) if len(r) > 10]
+head, rows = rows[0], rows[1:]
+name, unit, value = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
+for r in rows:
+    k = r[name]
+    if "jax_tk" in k or "cudnn" in k:  # the attention kernels, not the XLA ops around them
+        short = re.sub(r"\(.*", "", re.sub(r"^void ", "", k)).split("::")[-1][:60]
+        print(f"  {short:60s} {float(r[value].replace(",", "")):10.1f} {r[unit]}")
+' >>"$out"
+  done
+done
+cat "$out"
