@@ -213,7 +213,7 @@ def _block_spans(ranges, block):
     return jnp.stack([r[..., 0].min(axis=-1), r[..., 1].max(axis=-1)], axis=-1)
 
 
-# The blocks of the sm_90a kernels' orders (fwd_order_rows and bwd_order_rows in
+# The blocks of the sm_90a kernels' orders (Params::fwd_tiles and bwd_order_rows in
 # cc/kernels/attention/attention.h): the forward's 128-row query tiles visit key blocks of 128 (64 at
 # head_dim 256); the backward's key blocks (128 keys, 64 at head_dim 256) visit 64-row query blocks.
 def _fwd_order_blocks(head_dim):
@@ -256,6 +256,62 @@ def _block_order(q_ranges, kv_ranges, q_block, kv_block, causal, by_queries, hea
     h = jnp.arange(heads // group, dtype=jnp.int32)[:, None, None] * group + jnp.arange(group, dtype=jnp.int32)
     b, i = (pairs // blocks)[None, :, None], (pairs % blocks)[None, :, None]
     return ((b * heads + h) * blocks + i).reshape(-1)
+
+
+def _fwd_tiles(q_ids, kv_ids, q_ranges, kv_ranges, causal, heads, group, head_dim):
+    """With segment ids, the Hopper forward's tiles (``Params::fwd_tiles``): ``fwd_tile_cap(T)`` entries
+    per (batch entry, head), four int32 each, {b * heads + h (-1: none), q0, end, key base}, flattened;
+    the unused entries last.
+
+    Where the query and key ids are the same sorted runs (packed documents: ``T == S``, ids
+    non-decreasing along each row, head_dim <= 128) and the tiles fit, each document gets tiles of its
+    own, 128 rows from its start (the last one shorter), that visit only its keys, in blocks from its
+    start: no tile cuts through a document boundary, and none needs the elementwise segment test. The
+    (batch entry, tile) pairs go longest first (keys visited), in groups of ``group`` heads as in
+    ``_block_order``. Otherwise (other ids, or more documents than the room allows) the tiles of the
+    fixed grid, in ``_block_order``'s order, with key base -1. The choice is made on the device."""
+    q_block, kv_block = _fwd_order_blocks(head_dim)
+    b, t = q_ids.shape
+    qblocks = -(-t // q_block)
+    cap = 2 * qblocks  # fwd_tile_cap in cc/kernels/attention/attention.h
+    n = b * heads * cap
+    # (-1, 0, 0, -1), from an iota: a custom_partitioning rule traces this and takes no constants
+    unused = -(jnp.arange(4, dtype=jnp.int32) % 3 == 0).astype(jnp.int32)
+    order = _block_order(q_ranges, kv_ranges, q_block, kv_block, causal, True, heads, group)  # (b * heads + h) * qblocks + i
+    grid = jnp.stack([order // qblocks, order % qblocks * q_block, jnp.full_like(order, t), jnp.full_like(order, -1)], -1)
+    grid = jnp.concatenate([grid, jnp.broadcast_to(unused, (n - grid.shape[0], 4))])
+    if kv_ids.shape[1] != t or head_dim > 128:
+        return grid.reshape(-1)
+    # Documents: where each row's runs of ids start and end, and where their tiles start.
+    pos = jnp.arange(t, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), q_ids[:, 1:] != q_ids[:, :-1]], axis=1)
+    doc_start = jax.lax.cummax(jnp.where(starts, pos, 0), axis=1)
+    next_start = jax.lax.cummin(jnp.where(starts, pos, t), axis=1, reverse=True)
+    doc_end = jnp.concatenate([next_start[:, 1:], jnp.full((b, 1), t, jnp.int32)], axis=1)
+    tile_starts = (pos - doc_start) % q_block == 0
+    count = tile_starts.sum(axis=1)
+    documents = (jnp.all(q_ids == kv_ids) & jnp.all(q_ids[:, 1:] >= q_ids[:, :-1]) & jnp.all(count <= cap))
+    rank = jnp.where(tile_starts, jnp.cumsum(tile_starts, axis=1, dtype=jnp.int32) - 1, cap)
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+    q0 = jnp.full((b, cap), t, jnp.int32).at[rows, rank].set(jnp.broadcast_to(pos, (b, t)), mode="drop")  # [b, cap]
+    valid = q0 < t
+    at = jnp.minimum(q0, t - 1)
+    start, end = jnp.take_along_axis(doc_start, at, axis=1), jnp.take_along_axis(doc_end, at, axis=1)
+    keys = (jnp.minimum(q0 + q_block, end) if causal else end) - start
+    work = jnp.where(valid, -(-keys // kv_block), -1).reshape(-1)
+    pairs = jnp.argsort(-work, stable=True).astype(jnp.int32)  # b * cap + i, the unused ones last
+    used = valid.sum(dtype=jnp.int32)
+    group = max(g for g in range(1, min(group, heads) + 1) if heads % g == 0)
+    # entry e: group e // (used * group) of heads, then the pairs, each for the group's heads
+    e = jnp.arange(n, dtype=jnp.int32)
+    per_group = jnp.maximum(used, 1) * group
+    g, rest = e // per_group, e % per_group
+    pair = pairs[jnp.minimum(rest // group, b * cap - 1)]
+    bb, i = pair // cap, pair % cap
+    h = g * group + rest % group
+    docs = jnp.stack([bb * heads + h, q0[bb, i], end[bb, i], start[bb, i]], -1)
+    docs = jnp.where((e < heads * used)[:, None], docs, unused)
+    return jnp.where(documents, docs, grid).reshape(-1)
 
 
 def _mask_operands(masks: Masks | None, order=None):
@@ -305,9 +361,9 @@ def _fwd_kernel(query, key, value, spec: AttentionSpec, out_init=None, variant=N
         _lse_shape(query),
         jax.ShapeDtypeStruct((1,), jnp.int32),  # workspace: the Hopper kernel's tile counter
     )
-    q_block, kv_block = _fwd_order_blocks(query.shape[3])
-    order = functools.partial(_block_order, q_block=q_block, kv_block=kv_block, causal=spec.is_causal,
-                              by_queries=True, heads=query.shape[2], group=ORDER_GROUP_HEADS)
+    ints = [None if x is None else jnp.asarray(x).astype(jnp.int32) for x in (masks or Masks())[:2]]
+    order = functools.partial(_fwd_tiles, *ints, causal=spec.is_causal, heads=query.shape[2],
+                              group=ORDER_GROUP_HEADS, head_dim=query.shape[3])
     out, lse, _ = _kernel_call(FWD_TARGET, out_types, (query, key, value), spec, out_init, variant, masks,
                                (query.shape[1], key.shape[1]), order=order)
     return out, lse

@@ -278,9 +278,9 @@ ABSENT = tensor_type((0,), I32)
 # batch entry and 128-row block: forward query tiles, backward key blocks): present exactly with
 # segment ids
 RANGES = [tensor_type((B_, 1, 2), I32), tensor_type((B_, 1, 2), I32)]
-# the block orders (batch entries x heads x 128-row blocks: the forward's 4 query heads, the
-# backward's 2 key/value heads)
-ORDER_FWD, ORDER_BWD = tensor_type((B_ * 4 * 1,), I32), tensor_type((B_ * 2 * 1,), I32)
+# the forward's tiles (batch entries x 4 query heads x fwd_tile_cap = 2 x 128-row blocks, 4 ints each)
+# and the backward's block order (batch entries x 2 key/value heads x 128-key blocks)
+ORDER_FWD, ORDER_BWD = tensor_type((B_ * 4 * 2 * 4,), I32), tensor_type((B_ * 2 * 1,), I32)
 
 
 def _ids(shape, dtype=I32):
@@ -540,4 +540,101 @@ def test_block_order_traces_without_constants():
     for causal in (False, True):
         jaxpr = jax.make_jaxpr(lambda a, b: _block_order(_segment_ranges(a), _segment_ranges(b), 128, 128, causal,
                                                          True, 16, 4))(ids, ids)
+        assert not jaxpr.consts
+
+
+# ----------------------------------------------------------------------------------------------
+# The Hopper forward's tiles: packed documents get tiles of their own
+# ----------------------------------------------------------------------------------------------
+
+
+def _fwd_tiles_numpy(ids, heads, causal, head_dim=128):
+    from jax_tk.attention import _fwd_tiles, _segment_ranges
+
+    x = jnp.asarray(ids)
+    r = _segment_ranges(x)
+    return np.asarray(_fwd_tiles(x, x, r, r, causal, heads, 2, head_dim)).reshape(-1, 4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_tiles_of_documents(causal):
+    """Sorted ids, the same for queries and keys: every row belongs to exactly one tile of its own
+    document, 128 rows from the document's start, and the tiles come longest first in groups of heads."""
+    rng = np.random.default_rng(3)
+    b, t, heads = 2, 1000, 4
+    ids = np.zeros((b, t), np.int32)
+    for e in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, t), 6, replace=False))
+        ids[e] = 10 + 3 * np.searchsorted(cuts, np.arange(t), side="right")  # increasing, not 0..n-1
+    tiles = _fwd_tiles_numpy(ids, heads, causal)
+    assert tiles.dtype == np.int32 and tiles.shape == (b * heads * 2 * 8, 4)
+    used = tiles[:, 0] >= 0
+    n_used = used.sum()
+    assert used[:n_used].all() and not used[n_used:].any()  # the unused entries last
+    expected = 0
+    for e in range(b):
+        starts = np.flatnonzero(np.r_[True, ids[e, 1:] != ids[e, :-1]])
+        ends = np.r_[starts[1:], t]
+        expected += sum(-(-(z - a) // 128) for a, z in zip(starts, ends))
+        for h in range(heads):
+            mine = tiles[used & (tiles[:, 0] == e * heads + h)]
+            covered = np.zeros(t, np.int32)
+            for _, q0, end, base in mine:
+                assert base >= 0  # a document's tile
+                d = np.searchsorted(starts, q0, side="right") - 1
+                assert (base, end) == (starts[d], ends[d]) and (q0 - base) % 128 == 0
+                covered[q0:min(q0 + 128, end)] += 1
+            assert np.all(covered == 1)
+    assert n_used == expected * heads
+    # longest first within each group of 2 heads: keys visited, in 128-key blocks
+    q0, end, base = tiles[:n_used, 1], tiles[:n_used, 2], tiles[:n_used, 3]
+    keys = (np.minimum(q0 + 128, end) if causal else end) - base
+    work = -(-keys // 128)
+    group_of = (tiles[:n_used, 0] % heads) // 2
+    assert np.all(np.diff(group_of) >= 0)
+    for g in range(heads // 2):
+        assert np.all(np.diff(work[group_of == g][::2]) <= 0)
+
+
+@pytest.mark.parametrize("case", ["unsorted", "different_kv", "too_many", "head_dim_256"])
+def test_fwd_tiles_fall_back_to_the_grid(case):
+    """Ids that are not the same sorted runs for queries and keys, more documents than the room
+    allows, or head_dim 256: the tiles of the fixed grid (key base -1), in the block order."""
+    from jax_tk.attention import _block_order, _fwd_tiles, _segment_ranges
+
+    rng = np.random.default_rng(5)
+    b, t, heads = 2, 300, 4
+    ids = np.sort(rng.integers(0, 4, (b, t)), axis=1).astype(np.int32)
+    kv = ids.copy()
+    head_dim = 256 if case == "head_dim_256" else 128
+    if case == "unsorted":
+        ids[0, :10] = 3
+        kv = ids
+    elif case == "different_kv":
+        kv = ids.copy()
+        kv[1, -1] += 1
+    elif case == "too_many":
+        ids = np.arange(b * t, dtype=np.int32).reshape(b, t) // 2  # 150 documents of 2 rows
+        kv = ids
+    q, k = jnp.asarray(ids), jnp.asarray(kv)
+    tiles = np.asarray(_fwd_tiles(q, k, _segment_ranges(q), _segment_ranges(k), True, heads, 2, head_dim)).reshape(-1, 4)
+    order = np.asarray(_block_order(_segment_ranges(q), _segment_ranges(k), 128, 128 if head_dim <= 128 else 64,
+                                    True, True, heads, 2))
+    qblocks = 3
+    assert tiles.shape == (b * heads * 2 * qblocks, 4)
+    n = len(order)
+    np.testing.assert_array_equal(tiles[:n, 0], order // qblocks)
+    np.testing.assert_array_equal(tiles[:n, 1], order % qblocks * 128)
+    assert np.all(tiles[:n, 2] == t) and np.all(tiles[:n, 3] == -1)
+    assert np.all(tiles[n:] == [-1, 0, 0, -1])
+
+
+def test_fwd_tiles_trace_without_constants():
+    """(See test_block_order_traces_without_constants.)"""
+    from jax_tk.attention import _fwd_tiles, _segment_ranges
+
+    ids = jnp.zeros((2, 300), jnp.int32)
+    for causal in (False, True):
+        jaxpr = jax.make_jaxpr(lambda a, b: _fwd_tiles(a, b, _segment_ranges(a), _segment_ranges(b), causal, 16, 4,
+                                                       128))(ids, ids)
         assert not jaxpr.consts

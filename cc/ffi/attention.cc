@@ -7,10 +7,10 @@
 // q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len], q_lengths [batch], kv_lengths
 // [batch], then with segment ids their ranges q_segment_ranges [batch, ceil(q_len / 64), 2] and
 // kv_segment_ranges [batch, ceil(kv_len / 64), 2] (min and max id of every 64 rows, for skipping
-// blocks), then with segment ids optionally the order of the sm_90a kernel's blocks
-// (Params::block_order: [batch * q_heads * ceil(q_len / fwd_order_rows)] in the forward, [batch *
-// kv_heads * ceil(kv_len / bwd_order_rows)] in the backward; jax_tk/attention.py works it out, and it
-// must be a permutation), all int32; an absent option is an int32 array of shape (0,). Attributes
+// blocks), then with segment ids optionally the sm_90a forward's tiles (Params::fwd_tiles: [batch *
+// q_heads * fwd_tile_cap(q_len) * 4]) or the backward's order of its blocks (Params::block_order:
+// [batch * kv_heads * ceil(kv_len / bwd_order_rows)]; a permutation); jax_tk/attention.py works them
+// out. All int32; an absent option is an int32 array of shape (0,). Attributes
 // window_left, window_right (-1: unbounded) and softcap (0: none).
 #include "ffi/common.h"
 #include "kernels/attention/attention.h"
@@ -134,7 +134,11 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                              kv_segment_ranges, window_left, window_right, softcap);
       e.failure())
     return e;
-  if (auto e = check_order(p, block_order, p.q_heads, p.q_len, attention::fwd_order_rows(p.head_dim)); e.failure()) return e;
+  if (auto e = optional_ints(block_order, {int64_t(p.batch) * p.q_heads * attention::fwd_tile_cap(p.q_len) * 4}, "tiles",
+                             &p.fwd_tiles);
+      e.failure())
+    return e;
+  if (p.fwd_tiles && !p.q_segment_ids) return invalid("the forward's tiles come with segment ids, and only with them");
   if (!same_type_and_dims(*o, q)) return invalid("output must have the query's shape and dtype");
   if (auto e = check_rows(p, *lse, "lse"); e.failure()) return e;
   if (tile_counter->element_type() != ffi::DataType::S32 || tile_counter->dimensions().size() != 1 ||

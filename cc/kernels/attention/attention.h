@@ -21,12 +21,20 @@ struct Params {
   const int *q_segment_ranges = nullptr;    // with segment ids: [batch, ceil(q_len / 64), 2] and
   const int *kv_segment_ranges = nullptr;   //   [batch, ceil(kv_len / 64), 2]: min and max id of each
                                             //   64 rows (SEGMENT_GRANULE), to skip whole blocks
-  // With segment ids, the sm_90a kernels may take their blocks in an order worked out by the caller
-  // (jax_tk/attention.py: longest first): block_order lists the (batch entry b, head h, block i)
-  // triples as (b * heads + h) * blocks + i, a permutation of [0, batch * heads * blocks) (heads: the
-  // query heads in the forward, the key/value heads in the backward; blocks of *_order_rows() rows);
-  // nullptr: the kernels' own order.
-  const int *block_order = nullptr;
+  // With segment ids, the sm_90a backward may take its blocks in an order worked out by the caller
+  // (jax_tk/attention.py: longest first): block_order lists the (batch entry b, key/value head h,
+  // block i) triples as (b * kv_heads + h) * blocks + i, a permutation of [0, batch * kv_heads *
+  // blocks) (blocks of bwd_order_rows() keys); nullptr: the kernel's own order.
+  const int *block_order = nullptr;  // (the backward's; the forward takes fwd_tiles)
+  // With segment ids, the sm_90a forward's tiles in the order it takes them (jax_tk/attention.py,
+  // _fwd_tiles): fwd_tile_cap(q_len) entries per (batch entry, query head), four ints each:
+  // {b * q_heads + h (-1: no more tiles), first query row q0, end, key base}. A tile owns the query
+  // rows [q0, min(q0 + 128, end)). With key base -1 it is a tile of the fixed grid (q0 a multiple of
+  // 128, end = q_len): it sees the keys the segment ids allow. With key base >= 0 it is a tile of one
+  // document (q_len == kv_len, the queries' and the keys' ids the same sorted runs): it sees only the
+  // keys [key base, end) (its document), in blocks counted from key base, with no segment test.
+  // nullptr: the kernel's own order of the fixed grid.
+  const int *fwd_tiles = nullptr;
   const int *q_lengths = nullptr;           // [batch]: i < q_lengths[b]; nullptr: none
   const int *kv_lengths = nullptr;          // [batch]: j < kv_lengths[b]; nullptr: none
   float softcap = 0.f;                      // logits := cap * tanh(logits / cap) (after scaling); 0: none
@@ -45,9 +53,11 @@ struct Params {
   bool deterministic;  // sm_90a backward: add dq contributions in a fixed order (same bits every run)
 };
 
-// The rows of a block of Params::block_order: the forward's query tiles (128 rows) and the
-// backward's key blocks (128 keys, 64 at head_dim 256).
-inline int fwd_order_rows(int) { return 128; }
+// The rows of a block of Params::block_order: the backward's key blocks (128 keys, 64 at head_dim 256).
+// Entries of Params::fwd_tiles per (batch entry, query head): room for the fixed grid's 128-row tiles,
+// or for documents' tiles (one more than the grid's per document at most: jax_tk/attention.py takes
+// the grid where they do not fit).
+__host__ __device__ inline int fwd_tile_cap(int q_len) { return 2 * ((q_len + 127) / 128); }
 inline int bwd_order_rows(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 
 // The mma.sync kernels (sm_80 and newer). Return the launch error, if any.

@@ -363,21 +363,25 @@ template <typename RT, typename V> __device__ __forceinline__ void normalize_out
 }
 
 // O /= l, then store O's rows qw.. and their log-sum-exp ln(sum exp(logits)) = (m + log2 l) ln 2
-// (-inf and O = 0 for a row that saw no key).
+// (-inf and O = 0 for a row that saw no key). Rows at or past rows_end (or q_len) are not stored.
 template <typename T, typename RT, typename V>
-__device__ __forceinline__ void store_output(const Params &p, RT &o, const V &l, int b, int h, int qw, int d0) {
+__device__ __forceinline__ void store_output(const Params &p, RT &o, const V &l, int b, int h, int qw, int d0,
+                                             int rows_end = INT_MAX) {
   using namespace tk;
   normalize_output(o, l);
   auto O = gl<T>::make(static_cast<T *>(p.o), p.batch, p.q_len, p.q_heads, p.head_dim);
+  O.dims[1] = min(p.q_len, rows_end);
   warp::store(O, o, {b, qw, h, d0});
 }
 // (m in units of 1 / c, as softmax_step keeps it.)
 template <typename V>
-__device__ __forceinline__ void store_lse(const Params &p, const V &m, const V &l, float c, int b, int h, int qw) {
+__device__ __forceinline__ void store_lse(const Params &p, const V &m, const V &l, float c, int b, int h, int qw,
+                                          int rows_end = INT_MAX) {
   using namespace tk;
   V lse;
   warp::map_vec(lse, m, l, [=](float mx, float x) { return x > 0.f ? (mx * c + warp::fn::log2(x)) * LN2 : NEG_INF; });
-  if (qw < p.q_len) warp::store(p.lse + (size_t(b) * p.q_heads + h) * p.q_len + qw, lse, p.q_len - qw);
+  const int end = min(p.q_len, rows_end);
+  if (qw < end) warp::store(p.lse + (size_t(b) * p.q_heads + h) * p.q_len + qw, lse, end - qw);
 }
 
 }  // namespace jax_tk::attention

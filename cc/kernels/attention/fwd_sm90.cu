@@ -10,13 +10,14 @@ namespace {
 using namespace tk;
 
 // Tile t as the scheduler announces it. In plain attention (FULL = false) and with segment ids the
-// scheduler works out where it lies (divisions, or a load of Params::block_order) and the consumers,
-// whose tensor cores wait at each tile's start, only read it (the divisions took 1.2% of the stall
-// samples at T = 2k); in plain attention the slot also holds the key range. The other masked
-// kernels work it out where it is used (in the scheduler's registers it spills there).
+// scheduler works out where it lies and which key blocks it visits (divisions, or a load of
+// Params::fwd_tiles) and the consumers, whose tensor cores wait at each tile's start, only read it
+// (the divisions took 1.2% of the stall samples at T = 2k). The other masked kernels work it out
+// where it is used (in the scheduler's registers it spills there).
 struct alignas(16) TileSlot {
   int t, b, h, q0;
-  int2 range;  // (plain attention)
+  int2 range;       // (plain attention, segment ids)
+  int kbase, end;   // a document's tile: its keys' base, and its document's end (Params::fwd_tiles); -1, q_len otherwise
 };
 
 template <typename T, int D> struct FwdH {
@@ -29,6 +30,9 @@ template <typename T, int D> struct FwdH {
   // the masks it needs (see the consumers' loop); at D = 256 they work both out themselves (the other
   // way costs spills there).
   static constexpr bool LOADER_INFO = D <= 128;
+  // The masked kernel takes documents' tiles (Params::fwd_tiles) at D <= 128 (at D = 256 the
+  // registers they need spill in the consumers' loop; jax_tk gives it tiles of the fixed grid only).
+  static constexpr bool DOCS = D <= 128;
   using OTile = st<T, 64, D>;
   struct Shared {
     st<T, 64, D> q[Q_STAGES][CONSUMERS];
@@ -61,31 +65,64 @@ template <typename T, int D> struct FwdH {
   }
 };
 
-// A tile: query rows [q0, q0 + BQ) of head h of batch entry b, and the key blocks it visits.
+// A tile: query rows [q0, min(q0 + BQ, end)) of head h of batch entry b, and the key blocks it visits:
+// blocks of BK keys from kbase (0; a document's tile: its document's start, see Params::fwd_tiles).
 struct FwdTile {
   int b, h, q0;
   int2 range;        // key blocks [first, end) (kv_block_range)
   BlockList blocks;  // ... minus those of other segments
+  bool doc;          // a document's tile: keys [kbase, end) only, no segment test
+  int kbase, end;
 };
 // Tile t of the order in which the tiles are handed out: the query blocks of one head, heaviest
 // (causal) first, then the next head, the next batch entry (the tiles running at one time share
-// their keys and values in L2); with Params::block_order, its order.
+// their keys and values in L2); with Params::fwd_tiles, its tile t.
 template <bool FULL> __device__ __forceinline__ TileSlot tile_coords(const Params &p, int t, int BQ) {
-  const int qblocks = (p.q_len + BQ - 1) / BQ;
-  if (FULL && p.block_order) {
-    const int e = p.block_order[t], rest = e / qblocks;
-    return {t, rest / p.q_heads, rest % p.q_heads, e % qblocks * BQ, {}};
+  if (FULL && p.fwd_tiles) {
+    const int4 e = reinterpret_cast<const int4 *>(p.fwd_tiles)[t];
+    return {t, e.x / p.q_heads, e.x % p.q_heads, e.y, {}, e.w, e.z};
   }
-  const int rest = t / qblocks;
-  return {t, rest / p.q_heads, rest % p.q_heads, (qblocks - 1 - t % qblocks) * BQ, {}};
+  const int qblocks = (p.q_len + BQ - 1) / BQ, rest = t / qblocks;
+  return {t, rest / p.q_heads, rest % p.q_heads, (qblocks - 1 - t % qblocks) * BQ, {}, -1, p.q_len};
 }
-// The tile at c (tile_coords) and its key blocks.
-template <bool FULL>
+// The tile at c (tile_coords) and its key blocks (with segment ids, the list in `list`, unless a
+// document's tile; DOCS: the kernel takes documents' tiles).
+template <bool FULL, bool DOCS>
 __device__ __forceinline__ FwdTile fwd_tile(const Params &p, const TileSlot &c, int BQ, int BK, const uint32_t *list) {
   FwdTile x{c.b, c.h, c.q0};
-  x.range = kv_block_range<FULL>(p, x.b, x.q0, BQ, BK);
-  x.blocks = FULL && p.q_segment_ids ? block_list(list, x.range.x, x.range.y) : BlockList{x.range.x, x.range.y, nullptr, 0};
+  x.doc = DOCS && c.kbase >= 0;
+  x.kbase = x.doc ? c.kbase : 0;
+  x.end = c.end;
+  if (x.doc) {  // its document's keys that its rows may see, in blocks from the document's start
+    const int2 keys = kv_block_range<FULL>(p, x.b, x.q0, min(BQ, x.end - x.q0), 1);
+    x.range = blocks_of(max(keys.x, x.kbase) - x.kbase, min(keys.y, x.end) - x.kbase, BK);
+  } else {
+    x.range = kv_block_range<FULL>(p, x.b, x.q0, BQ, BK);
+  }
+  x.blocks = FULL && p.q_segment_ids && !x.doc ? block_list(list, x.range.x, x.range.y) : BlockList{x.range.x, x.range.y, nullptr, 0};
   return x;
+}
+// The position rules of a tile's rows: a document's tile's rows see its document's keys only.
+template <bool FULL> __device__ __forceinline__ KeyRule tile_rule(const Params &p, const FwdTile &x) {
+  KeyRule r = key_rule<FULL>(p, x.b);
+  if (x.doc) {
+    r.q_end = min(r.q_end, x.end);
+    r.kv_end = min(r.kv_end, x.end);
+  }
+  return r;
+}
+
+// Rows [0, n) of a staged tile of O (n < its rows) to O's rows r0.., 16 bytes per thread and step
+// (thread: 0 .. 127 of the warpgroup that staged it).
+template <typename ST>
+__device__ __forceinline__ void store_rows(const Params &p, const ST &t, int b, int h, int r0, int n, int thread) {
+  using T = typename ST::dtype;
+  constexpr int CHUNKS = ST::cols / ST::chunk;  // per row
+  for (int e = thread; e < n * CHUNKS; e += 128) {
+    const int r = e / CHUNKS, c = e % CHUNKS * ST::chunk;
+    *reinterpret_cast<uint4 *>(static_cast<T *>(p.o) + ((size_t(b) * p.q_len + r0 + r) * p.q_heads + h) * ST::cols + c) =
+        *reinterpret_cast<const uint4 *>(&t(r, c));
+  }
 }
 
 // A persistent kernel: one block per SM, each taking tiles (fwd_tile) one after the other from a
@@ -112,9 +149,10 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   extern __shared__ char smem_raw[];
   auto &sm = align_shared<typename C::Shared>(smem_raw);
   const Params p = a.p;  // a copy: the fields it uses stay in registers (no reloads after each memory clobber)
-  const int tiles = (p.q_len + C::BQ - 1) / C::BQ * p.q_heads * p.batch;
+  const int tiles = FULL && p.fwd_tiles ? fwd_tile_cap(p.q_len) * p.q_heads * p.batch : (p.q_len + C::BQ - 1) / C::BQ * p.q_heads * p.batch;
   const bool segments = FULL && p.q_segment_ids != nullptr;
   const bool stage_o = D <= 128 && (!FULL || a.stage_o);  // (always in plain attention: see fwd_sm90)
+  constexpr bool DOCS = FULL && C::DOCS;
   auto *o_stages = reinterpret_cast<typename C::OTile *>(&sm + 1);
   uint32_t *lists = reinterpret_cast<uint32_t *>(o_stages + (stage_o ? CONSUMERS : 0));  // two slots of list_words words
   const int list_words = int(block_list_bytes((p.kv_len + BK - 1) / BK) / 4);
@@ -122,9 +160,9 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     TileSlot x = sm.tile[slot];
     if constexpr (FULL) {
       if (!segments) x = tile_coords<FULL>(p, x.t, C::BQ);
-      return fwd_tile<FULL>(p, x, C::BQ, BK, lists + slot * list_words);
+      return fwd_tile<FULL, DOCS>(p, x, C::BQ, BK, lists + slot * list_words);
     }
-    return FwdTile{x.b, x.h, x.q0, x.range, BlockList{x.range.x, x.range.y, nullptr, 0}};
+    return FwdTile{x.b, x.h, x.q0, x.range, BlockList{x.range.x, x.range.y, nullptr, 0}, false, 0, p.q_len};
   };
   const int wg = warpgroup::groupid();
 
@@ -158,21 +196,22 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
         int t = blockIdx.x;
         if (n > 0 && laneid() == 0) t = gridDim.x + atomicAdd(p.tile_counter, 1);
         t = __shfl_sync(~0u, t, 0);
-        TileSlot c{t};
+        if (FULL && p.fwd_tiles && t < tiles && p.fwd_tiles[4 * t] < 0) t = tiles;  // (the list's unused entries come last)
+        TileSlot c{t, 0, 0, 0, {}, -1, p.q_len};
         FwdTile x{};  // (the masked kernels need it only with segment ids: see TileSlot)
         if (!FULL || (segments && t < tiles)) {
           c = tile_coords<FULL>(p, min(t, tiles - 1), C::BQ);
           c.t = t;
-          x = fwd_tile<FULL>(p, c, C::BQ, BK, nullptr);
+          x = fwd_tile<FULL, DOCS>(p, c, C::BQ, BK, nullptr);
         }
-        if (segments && t < tiles) {
+        if (segments && t < tiles && !x.doc) {
           write_block_list(lists + slot * list_words, x.range.x, x.range.y, 0, 1,
                            [&](int j) { return segments_meet<FULL>(p, x.b, x.q0, C::BQ, j * BK, BK); },
                            [&](int j) { return in_one_segment<FULL>(p, x.b, x.q0, C::BQ, j * BK, BK); });
           __syncwarp();
         }
         if (laneid() == 0) {
-          if constexpr (!FULL) c.range = x.range;
+          c.range = x.range;
           sm.tile[slot] = c;
           arrive(sm.tile_full[slot]);
         }
@@ -187,14 +226,14 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       if (sm.tile[slot].t >= tiles) return;
       const FwdTile x = tile_at(slot);
       const int kvh = x.h / (p.q_heads / p.kv_heads);
-      const KeyRule rule = key_rule<FULL>(p, x.b);
+      const KeyRule rule = tile_rule<FULL>(p, x);
       if (int j = x.blocks.next(x.range.x); j < x.range.y) {
         const int qs = nq % QS;
         wait(sm.q_empty[qs], ((nq++ / QS) & 1) ^ 1);
         arrive_expect_bytes(sm.q_full[qs], CONSUMERS * sizeof(sm.q[0][0].data));
         for (int c = 0; c < CONSUMERS; c++) load_async(sm.q[qs][c], a.q, {x.b, x.q0 + 64 * c, x.h, 0}, sm.q_full[qs]);
         for (int j_next; j < x.range.y; n++, j = j_next) {
-          const int s = n % STAGES, phase = (n / STAGES) & 1, k0 = j * BK;
+          const int s = n % STAGES, phase = (n / STAGES) & 1, k0 = x.kbase + j * BK;
           j_next = x.blocks.next(j + 1);
           wait(sm.k_empty[s], phase ^ 1);
           if (FULL && C::LOADER_INFO)  // (released by the arrival)
@@ -227,7 +266,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     wait(sm.tile_full[slot], (nt / 2) & 1);
     if (sm.tile[slot].t >= tiles) break;
     const FwdTile x = tile_at(slot);
-    const KeyRule rule = key_rule<FULL>(p, x.b);
+    const KeyRule rule = tile_rule<FULL>(p, x);
     const BlockList &blocks = x.blocks;
     const int end = x.range.y, first = blocks.next(x.range.x);
     const int qw = x.q0 + 64 * wg + 16 * (warpid() % 4);  // this warp's first query row
@@ -240,8 +279,8 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warp::fill_vec(l, 0.f);
     if (first == end) {  // these rows see no key: O = 0, lse = -inf
       if (lane0) arrive(sm.tile_empty[slot]);
-      store_output<T>(p, o, l, x.b, x.h, qw, 0);
-      store_lse(p, m, l, c, x.b, x.h, qw);
+      store_output<T>(p, o, l, x.b, x.h, qw, 0, x.end);
+      store_lse(p, m, l, c, x.b, x.h, qw, x.end);
       continue;
     }
     const int qs = nq % QS;
@@ -254,10 +293,14 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     // LOADER_INFO the loader, which walks the list, leaves both in j's slot (walking the list here, a
     // loop inside the loop below, would hold up the products in flight; and most blocks need no mask).
     constexpr bool from_loader = FULL && C::LOADER_INFO;
+    // (A document's tile counts its key blocks from its document's start: the base is read from the
+    // slot where a block needs a mask, not held in a register through the loop.)
     auto mask = [&](int j, int info) {
-      const MaskNeed need = from_loader ? warp_mask_need(info, rule, qw, 16, j * BK, BK)
-                                        : mask_need<FULL>(p, rule, blocks.one_segment(j), qw, 16, j * BK, BK);
-      mask_logits<FULL>(s, p, rule, need, x.b, qw, j * BK);
+      if (from_loader && (info & ((1 << MASK_BITS) - 1)) == 0) return;  // most blocks
+      const int k0 = (DOCS ? max(sm.tile[slot].kbase, 0) : 0) + j * BK;
+      const MaskNeed need = from_loader ? warp_mask_need(info, rule, qw, 16, k0, BK)
+                                        : mask_need<FULL>(p, rule, blocks.one_segment(j), qw, 16, k0, BK);
+      mask_logits<FULL>(s, p, rule, need, x.b, qw, k0);
     };
     int st = n % STAGES;
     wait(sm.k_full[st], (n / STAGES) & 1);
@@ -302,7 +345,8 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       warp::mul_row(o, o, corr);
       warp::copy(pr, s);
     }
-    if (lane0) {  // done with Q and with the tile's list
+    const int rows_end = DOCS ? sm.tile[slot].end : p.q_len;  // (see FwdTile)
+    if (lane0) {  // done with Q and with the tile's slot and list
       arrive(sm.q_empty[qs]);
       arrive(sm.tile_empty[slot]);
     }
@@ -325,12 +369,17 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       warp::store(o_stage, o16, 16 * (warpid() % 4), 0);
       warpgroup::fence_shared_writes();
       sync_named(3 + wg, 128);
-      if (leader && x.q0 + 64 * wg < p.q_len) store_async(a.o, o_stage, {x.b, x.q0 + 64 * wg, x.h, 0});
+      const int r0 = x.q0 + 64 * wg;
+      if (rows_end == p.q_len || r0 + 64 <= rows_end) {
+        if (leader && r0 < p.q_len) store_async(a.o, o_stage, {x.b, r0, x.h, 0});
+      } else {  // a document's tile that ends inside these rows: the rows after it are the next tile's
+        store_rows(p, o_stage, x.b, x.h, r0, rows_end - r0, threadIdx.x % 128);
+      }
       if (leader) bulk_commit();
     } else {
-      store_output<T>(p, o, l, x.b, x.h, qw, 0);
+      store_output<T>(p, o, l, x.b, x.h, qw, 0, rows_end);
     }
-    store_lse(p, m, l, c, x.b, x.h, qw);
+    store_lse(p, m, l, c, x.b, x.h, qw, rows_end);
   }
   if (stage_o && leader) bulk_wait<0>();  // the last store is done with shared memory
   if (wg == 0) my_turn();  // the answer to consumer 1's last turn
@@ -351,6 +400,7 @@ cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
         !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
       return cudaErrorInvalidValue;
     const long long tiles = (p.q_len + C::BQ - 1) / C::BQ * (long long)p.q_heads * p.batch;
+    const long long listed = FULL && p.fwd_tiles ? (long long)fwd_tile_cap(p.q_len) * p.q_heads * p.batch : tiles;
     int dev = 0, sms = 0, max_smem = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
@@ -359,7 +409,7 @@ cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
     // (Plain attention always stages O at D <= 128: it fits, and the kernel takes it as known.)
     a.stage_o = C::stages_o(p, FULL, size_t(max_smem));
     if (!FULL && D <= 128 && !a.stage_o) return cudaErrorInvalidConfiguration;
-    if (tiles + 2 * sms >= INT_MAX || p.tile_counter == nullptr) return cudaErrorInvalidValue;
+    if (listed + 2 * sms >= INT_MAX || p.tile_counter == nullptr) return cudaErrorInvalidValue;
     auto kernel = fwd_sm90_kernel<T, D, FULL>;
     const size_t smem = C::smem + C::extra_bytes(p, FULL, a.stage_o);
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));

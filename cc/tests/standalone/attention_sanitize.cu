@@ -45,8 +45,9 @@ int *device_ints(const std::vector<int> &host) {
 // The masks: ALL = a window, packed segment ids (the queries' last segment has no key), lengths (one
 // batch entry with no query rows, the other with only half of its keys) and a soft cap, all at once;
 // SEGMENTS = the segment ids and lengths alone; WINDOW = the window and lengths alone (each option
-// set takes its own Hopper backward kernel).
-enum Mask { NONE, ALL, SEGMENTS, WINDOW };
+// set takes its own Hopper backward kernel); DOCUMENTS = the same sorted segment ids for queries and
+// keys (t == s) and lengths, the forward taking one document's tiles (Params::fwd_tiles).
+enum Mask { NONE, ALL, SEGMENTS, WINDOW, DOCUMENTS };
 int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mask masked = NONE,
         bool deterministic = false) {
   std::mt19937 rng(b * 1000 + t + s + d);
@@ -77,6 +78,7 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
     std::vector<int> qs(size_t(b) * t), ks(size_t(b) * s), ql(b), kl(b);
     for (size_t i = 0; i < qs.size(); i++) qs[i] = int(3 * (i % t) / t);  // segments 0, 1, 2
     for (size_t j = 0; j < ks.size(); j++) ks[j] = int(2 * (j % s) / s);  // segments 0, 1
+    if (masked == DOCUMENTS) ks = qs;
     for (int i = 0; i < b; i++) {
       ql[i] = i == 0 ? t : 0;
       kl[i] = i == 0 ? s / 2 + 1 : s;
@@ -104,20 +106,33 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
       p.q_segment_ids = ints[0]; p.kv_segment_ids = ints[1];
       p.q_segment_ranges = ints[4]; p.kv_segment_ranges = ints[5];
     }
-    if (masked != SEGMENTS) p.window_left = 40, p.window_right = 7;
+    if (masked != SEGMENTS && masked != DOCUMENTS) p.window_left = 40, p.window_right = 7;
     if (masked == ALL) p.softcap = 5.f;
-    if (masked == SEGMENTS) {  // Params::block_order: the blocks in reverse (jax_tk sorts them by work)
-      auto reversed = [&](int heads, int rows, int block) {
-        std::vector<int> order(size_t(b) * heads * ((rows + block - 1) / block));
-        for (size_t i = 0; i < order.size(); i++) order[i] = int(order.size() - 1 - i);
-        return order;
-      };
-      ints.push_back(device_ints(reversed(n, t, fwd_order_rows(d))));
-      ints.push_back(device_ints(reversed(kh, s, bwd_order_rows(d))));
+    if (masked == SEGMENTS || masked == DOCUMENTS) {  // tiles and blocks in orders of their own
+      // the forward's tiles (Params::fwd_tiles): with SEGMENTS the fixed grid's in reverse, with
+      // DOCUMENTS each segment's, from its start
+      const int cap = fwd_tile_cap(t), qblocks = (t + 127) / 128;
+      std::vector<int> tiles;
+      auto tile = [&](int bh, int q0, int end, int base) { tiles.insert(tiles.end(), {bh, q0, end, base}); };
+      if (masked == SEGMENTS) {
+        for (int e = b * n * qblocks - 1; e >= 0; e--) tile(e / qblocks, e % qblocks * 128, t, -1);
+      } else {
+        for (int e = 0; e < b * n; e++)
+          for (int start = 0, end; start < t; start = end) {
+            for (end = start; end < t && qs[size_t(e / n) * t + end] == qs[size_t(e / n) * t + start]; end++) {}
+            for (int q0 = start; q0 < end; q0 += 128) tile(e, q0, end, start);
+          }
+      }
+      while (tiles.size() < size_t(b) * n * cap * 4) tile(-1, 0, 0, -1);
+      ints.push_back(device_ints(tiles));
+      // the backward's blocks in reverse (jax_tk sorts them by work)
+      std::vector<int> order(size_t(b) * kh * ((s + bwd_order_rows(d) - 1) / bwd_order_rows(d)));
+      for (size_t i = 0; i < order.size(); i++) order[i] = int(order.size() - 1 - i);
+      ints.push_back(device_ints(order));
     }
   }
   const bool ordered = ints.size() > 6;
-  p.block_order = ordered ? ints[6] : nullptr;
+  p.fwd_tiles = ordered ? ints[6] : nullptr;
   CHECK(hopper ? fwd_sm90(p, 0) : fwd_sm80(p, 0));
   p.block_order = ordered && !deterministic ? ints[7] : nullptr;
   CHECK(hopper ? bwd_sm90(p, 0) : bwd_sm80(p, 0));
@@ -125,7 +140,7 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
   const void *buffers[] = {p.q, p.k, p.v, p.dout, p.dlse, o, dq, dk, dv, lse, delta, workspace, tile_counter};
   for (const void *x : buffers) CHECK(cudaFree(const_cast<void *>(x)));
   for (int *x : ints) CHECK(cudaFree(x));
-  const char *masks[] = {"", " masked", " segments", " window"};
+  const char *masks[] = {"", " masked", " segments", " window", " documents"};
   std::printf("ok b=%d t=%d s=%d n=%d kh=%d d=%d causal=%d %s%s%s\n", b, t, s, n, kh, d, causal,
               hopper ? "sm90" : "sm80", masks[masked], deterministic ? " deterministic" : "");
   return 0;
@@ -148,6 +163,8 @@ int main() {
         run(2, 150, 90, 4, 2, 128, causal, hopper, SEGMENTS);
         run(2, 150, 90, 4, 2, 128, causal, hopper, SEGMENTS, true);
         run(2, 150, 90, 4, 2, 128, causal, hopper, WINDOW);
+        run(2, 300, 300, 4, 2, 128, causal, hopper, DOCUMENTS);
+        run(1, 300, 300, 2, 2, 64, causal, hopper, DOCUMENTS);
       }
     }
   }
