@@ -10,14 +10,14 @@ namespace {
 using namespace tk;
 
 // Tile t as the scheduler announces it. In plain attention (FULL = false) and with segment ids the
-// scheduler works out where it lies and which key blocks it visits (divisions, or a load of
-// Params::fwd_tiles) and the consumers, whose tensor cores wait at each tile's start, only read it
-// (the divisions took 1.2% of the stall samples at T = 2k). The other masked kernels work it out
-// where it is used (in the scheduler's registers it spills there).
+// scheduler works out where it lies (divisions, or a load of Params::fwd_tiles) and the consumers,
+// whose tensor cores wait at each tile's start, only read it (the divisions took 1.2% of the stall
+// samples at T = 2k); plain attention reads the key range from it too. The other masked kernels
+// work it out where it is used (in the scheduler's registers it spills there).
 struct alignas(16) TileSlot {
   int t, b, h, q0;
-  int2 range;       // (plain attention, segment ids)
-  int kbase, end;   // a document's tile: its keys' base, and its document's end (Params::fwd_tiles); -1, q_len otherwise
+  int2 range;      // (read by plain attention)
+  int kbase, end;  // a document's tile: its keys' base and its document's end (Params::fwd_tiles); -1, q_len otherwise
 };
 
 template <typename T, int D> struct FwdH {
