@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Each kernel's duration (ncu gpu__time_duration) in one jitted gradient of attention, jax_tk and cuDNN,
 # for the configurations given (default: the packed-documents baseline's shapes, B x T x H x D, causal
-# or not): how the backward's time splits between its pre-pass, main kernel and dq pass.
-#   scripts/kernel_times.sh OUTFILE ["B T H D [causal]" ...]
+# or not): how the backward's time splits between its pre-pass, main kernel and dq pass. A
+# configuration with `docs` (8 packed documents, jax_tk only; `fwd`: the forward alone) lists every
+# kernel, the XLA ops that prepare the tiles and the input generation included.
+#   scripts/kernel_times.sh OUTFILE ["B T H D [causal] [fwd] [docs]" ...]
 set -uo pipefail
 out=${1:?usage: scripts/kernel_times.sh OUTFILE [config ...]}
 shift
@@ -10,18 +12,21 @@ mkdir -p "$(dirname "$out")"
 configs=("$@")
 [ ${#configs[@]} -eq 0 ] && configs=("8 2048 16 128" "1 6656 16 128" "8 2048 16 128 causal" "1 6656 16 128 causal")
 for cfg in "${configs[@]}"; do
-  for impl in tk cudnn; do
+  impls="tk cudnn"
+  all=0
+  case " $cfg " in *" docs "*) impls=tk; all=1 ;; esac
+  for impl in $impls; do
     echo "== $impl $cfg" >>"$out"
     # shellcheck disable=SC2086
     timeout 120 ncu --csv --metrics gpu__time_duration.sum python3 -P scripts/kernel_times_probe.py $impl $cfg 2>/dev/null |
-      python3 -c '
-import csv, re, sys
+      ALL=$all python3 -c '
+import csv, os, re, sys
 rows = [r for r in csv.reader(sys.stdin) if len(r) > 10]
 head, rows = rows[0], rows[1:]
 name, unit, value = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
 for r in rows:
     k = r[name]
-    if "jax_tk" in k or "cudnn" in k:  # the attention kernels, not the XLA ops around them
+    if os.environ["ALL"] == "1" or "jax_tk" in k or "cudnn" in k:  # (else the attention kernels alone)
         short = re.sub(r"\(.*", "", re.sub(r"^void ", "", k)).split("::")[-1][:60]
         print(f"  {short:60s} {float(r[value].replace(",", "")):10.1f} {r[unit]}")
 ' >>"$out"
