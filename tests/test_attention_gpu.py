@@ -271,6 +271,10 @@ MASK_CASES = [
     ("segments_packed", (2, 200, 130, 4, 2, 128, BF16), False, None, "packed", None, None, None, 1.0),
     ("documents_causal", (2, 1000, 1000, 4, 2, 128, BF16), True, None, "documents", None, None, None, 1.0),
     ("documents_gqa", (1, 777, 777, 8, 2, 64, F16), False, None, "documents", None, None, None, 1.0),
+    # documents with the other options: the Hopper forward's tiles of one document each, with their
+    # rule cut by lengths (a query length inside a document, a key length before it) and a window
+    ("documents_lengths", (2, 1000, 1000, 4, 2, 128, BF16), False, None, "documents", [1000, 517], [700, 1000], None, 1.0),
+    ("documents_everything", (2, 333, 333, 8, 2, 64, BF16), True, (100, 3), "documents", [300, 333], [333, 200], 8.0, 2.0),
     ("segments_random_causal", (1, 333, 1000, 4, 4, 64, F16), True, None, "random", None, None, None, 1.0),
     ("lengths", (3, 200, 130, 4, 2, 64, BF16), False, None, None, [200, 57, 0], [130, 0, 64], None, 1.0),
     ("segments_lengths", (2, 333, 1000, 8, 2, 128, BF16), False, None, "packed", [333, 100], [700, 1000], None, 1.0),
