@@ -1,8 +1,9 @@
 """What the segment-id operands cost outside the kernels: the XLA ops that work out the segment
-ranges and the block order (jax_tk.attention._mask_operands), timed alone with the benchmark's timer,
-next to the whole forward and backward with segment ids, with and without the order, and without
-segment ids (one segment per row: the same results).
-Usage: PYTHONPATH=<built jax_tk> python scripts/prep_probe.py [B T H D]"""
+ranges and the forward's tiles or the backward's block order (jax_tk.attention._mask_operands),
+timed alone with the benchmark's timer, next to the whole forward and backward with segment ids, and
+without segment ids. The ids: one segment per row (the same results as none), or with `docs` the
+benchmark's 8 packed documents of random lengths per row.
+Usage: PYTHONPATH=<built jax_tk> python scripts/prep_probe.py [B T H D] [docs]"""
 import functools
 import sys
 
@@ -11,12 +12,13 @@ import jax.numpy as jnp
 
 import jax_tk  # noqa: E402
 A = sys.modules["jax_tk.attention"]
-from jax_tk.bench import WallTimer
+from jax_tk.bench import WallTimer, document_lengths, segment_ids_from_lengths
 
 B, T, H, D = (int(x) for x in sys.argv[1:5]) if len(sys.argv) > 4 else (8, 2048, 16, 128)
 key = jax.random.PRNGKey(0)
 q, k, v, do = (jax.random.normal(kk, (B, T, H, D), jnp.bfloat16) for kk in jax.random.split(key, 4))
-ids = jnp.zeros((B, T), jnp.int32)
+docs = "docs" in sys.argv[1:]
+ids = jnp.asarray(segment_ids_from_lengths(document_lengths(T, 8, 0, B))) if docs else jnp.zeros((B, T), jnp.int32)
 timer = WallTimer()
 
 
@@ -26,11 +28,13 @@ def ms(fn, *args):
 
 for causal in (False, True):
     for tag in ("fwd", "bwd"):
-        qb, kb = (A._fwd_order_blocks if tag == "fwd" else lambda d: A._bwd_order_blocks(d)[::-1])(D)
-        order = functools.partial(A._block_order, q_block=qb, kv_block=kb, causal=causal, by_queries=tag == "fwd",
-                                  heads=H, group=A.ORDER_GROUP_HEADS)
-        masks = A.Masks(ids, ids, None, None)
-        print(f"causal={causal} {tag} prep (ranges + order): {ms(lambda i: A._mask_operands(A.Masks(i, i, None, None), order), ids):.4f} ms"
+        def order(qr, kr, i):
+            if tag == "fwd":
+                return A._fwd_tiles(i, i, qr, kr, causal, H, A.ORDER_GROUP_HEADS, D)
+            kb, qb = A._bwd_order_blocks(D)
+            return A._block_order(qr, kr, qb, kb, causal, False, H, A.ORDER_GROUP_HEADS)
+        print(f"causal={causal} {tag} prep (ranges + {'tiles' if tag == 'fwd' else 'order'}): "
+              f"{ms(lambda i: A._mask_operands(A.Masks(i, i, None, None), functools.partial(order, i=i)), ids):.4f} ms"
               f"  ranges only: {ms(lambda i: A._mask_operands(A.Masks(i, i, None, None)), ids):.4f} ms")
 
     def fwd(q, k, v, i=None):
