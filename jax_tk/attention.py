@@ -234,7 +234,8 @@ ORDER_GROUP_HEADS = 4
 
 
 def _block_order(q_ranges, kv_ranges, q_block, kv_block, causal, by_queries, heads, group):
-    """With segment ids, the Hopper kernels take their blocks in this order (``Params::block_order``):
+    """With segment ids, the Hopper kernels take their blocks of the fixed grid in this order (the
+    backward's ``Params::block_order``; the forward's grid tiles, ``_fwd_tiles``):
     the (batch entry, head, block) triples ``(b * heads + h) * blocks + i``, longest first within
     groups of ``group`` heads (the largest divisor of ``heads`` up to it; ORDER_GROUP_HEADS says why
     groups): the (batch entry, block) pairs sorted by how many blocks of the other side they visit,
@@ -316,8 +317,8 @@ def _fwd_tiles(q_ids, kv_ids, q_ranges, kv_ranges, causal, heads, group, head_di
 
 def _mask_operands(masks: Masks | None, order=None):
     """The masking operands of the kernels: the four options of ``masks``, the two segment ranges,
-    then with segment ids ``order(q_ranges, kv_ranges)`` (the blocks' order, ``_block_order``; None:
-    the kernel's own), as int32 arrays, or int32 arrays of shape (0,) where an option is absent (the
+    then with segment ids ``order(q_ranges, kv_ranges)`` (the forward's tiles, ``_fwd_tiles``, or the
+    backward's block order, ``_block_order``; None: the kernel's own), as int32 arrays, or int32 arrays of shape (0,) where an option is absent (the
     handler decodes those as "none")."""
     masks = Masks() if masks is None else masks
     ints = [None if x is None else jnp.asarray(x).astype(jnp.int32) for x in masks]
