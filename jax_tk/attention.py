@@ -318,8 +318,8 @@ def _fwd_tiles(q_ids, kv_ids, q_ranges, kv_ranges, causal, heads, group, head_di
 def _mask_operands(masks: Masks | None, order=None):
     """The masking operands of the kernels: the four options of ``masks``, the two segment ranges,
     then with segment ids ``order(q_ranges, kv_ranges)`` (the forward's tiles, ``_fwd_tiles``, or the
-    backward's block order, ``_block_order``; None: the kernel's own), as int32 arrays, or int32 arrays of shape (0,) where an option is absent (the
-    handler decodes those as "none")."""
+    backward's block order, ``_block_order``; None: the kernel's own), as int32 arrays, or int32
+    arrays of shape (0,) where an option is absent (the handler decodes those as "none")."""
     masks = Masks() if masks is None else masks
     ints = [None if x is None else jnp.asarray(x).astype(jnp.int32) for x in masks]
     ranges = [None if x is None else _segment_ranges(x) for x in ints[:2]]
