@@ -233,6 +233,11 @@ def _bwd_order_blocks(head_dim):
 ORDER_GROUP_HEADS = 4
 
 
+def _order_group(group, heads):
+    """Heads per group of the orders: the largest divisor of ``heads`` up to ``group``."""
+    return max(g for g in range(1, min(group, heads) + 1) if heads % g == 0)
+
+
 def _block_order(q_ranges, kv_ranges, q_block, kv_block, causal, by_queries, heads, group):
     """With segment ids, the Hopper kernels take their blocks of the fixed grid in this order (the
     backward's ``Params::block_order``; the forward's grid tiles, ``_fwd_tiles``):
@@ -252,7 +257,7 @@ def _block_order(q_ranges, kv_ranges, q_block, kv_block, causal, by_queries, hea
     work = meet.sum(axis=2 if by_queries else 1, dtype=jnp.int32)  # [b, blocks]
     blocks = work.shape[1]
     pairs = jnp.argsort(-work.reshape(-1), stable=True).astype(jnp.int32)  # b * blocks + i
-    group = max(g for g in range(1, min(group, heads) + 1) if heads % g == 0)
+    group = _order_group(group, heads)
     # (iota, not numpy constants: a custom_partitioning rule traces this and takes no constants)
     h = jnp.arange(heads // group, dtype=jnp.int32)[:, None, None] * group + jnp.arange(group, dtype=jnp.int32)
     b, i = (pairs // blocks)[None, :, None], (pairs % blocks)[None, :, None]
@@ -302,7 +307,7 @@ def _fwd_tiles(q_ids, kv_ids, q_ranges, kv_ranges, causal, heads, group, head_di
     work = jnp.where(valid, -(-keys // kv_block), -1).reshape(-1)
     pairs = jnp.argsort(-work, stable=True).astype(jnp.int32)  # b * cap + i, the unused ones last
     used = valid.sum(dtype=jnp.int32)
-    group = max(g for g in range(1, min(group, heads) + 1) if heads % g == 0)
+    group = _order_group(group, heads)
     # entry e: group e // (used * group) of heads, then the pairs, each for the group's heads
     e = jnp.arange(n, dtype=jnp.int32)
     per_group = jnp.maximum(used, 1) * group
@@ -317,13 +322,14 @@ def _fwd_tiles(q_ids, kv_ids, q_ranges, kv_ranges, causal, heads, group, head_di
 
 def _mask_operands(masks: Masks | None, order=None):
     """The masking operands of the kernels: the four options of ``masks``, the two segment ranges,
-    then with segment ids ``order(q_ranges, kv_ranges)`` (the forward's tiles, ``_fwd_tiles``, or the
-    backward's block order, ``_block_order``; None: the kernel's own), as int32 arrays, or int32
-    arrays of shape (0,) where an option is absent (the handler decodes those as "none")."""
+    then with segment ids ``order(q_ids, kv_ids, q_ranges, kv_ranges)`` (the forward's tiles,
+    ``_fwd_tiles``, or the backward's block order, ``_block_order``; None: the kernel's own), as int32
+    arrays, or int32 arrays of shape (0,) where an option is absent (the handler decodes those as
+    "none")."""
     masks = Masks() if masks is None else masks
     ints = [None if x is None else jnp.asarray(x).astype(jnp.int32) for x in masks]
     ranges = [None if x is None else _segment_ranges(x) for x in ints[:2]]
-    block_order = None if ranges[0] is None or order is None else order(*ranges)
+    block_order = None if ranges[0] is None or order is None else order(*ints[:2], *ranges)
     return tuple(jnp.zeros((0,), jnp.int32) if x is None else x for x in (*ints, *ranges, block_order))
 
 
@@ -362,9 +368,8 @@ def _fwd_kernel(query, key, value, spec: AttentionSpec, out_init=None, variant=N
         _lse_shape(query),
         jax.ShapeDtypeStruct((1,), jnp.int32),  # workspace: the Hopper kernel's tile counter
     )
-    ints = [None if x is None else jnp.asarray(x).astype(jnp.int32) for x in (masks or Masks())[:2]]
-    order = functools.partial(_fwd_tiles, *ints, causal=spec.is_causal, heads=query.shape[2],
-                              group=ORDER_GROUP_HEADS, head_dim=query.shape[3])
+    order = functools.partial(_fwd_tiles, causal=spec.is_causal, heads=query.shape[2], group=ORDER_GROUP_HEADS,
+                              head_dim=query.shape[3])
     out, lse, _ = _kernel_call(FWD_TARGET, out_types, (query, key, value), spec, out_init, variant, masks,
                                (query.shape[1], key.shape[1]), order=order)
     return out, lse
@@ -383,8 +388,10 @@ def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, ou
     order = None  # (the deterministic mode's turns need each head's key blocks in order)
     if not spec.deterministic:
         kv_block, q_block = _bwd_order_blocks(query.shape[3])
-        order = functools.partial(_block_order, q_block=q_block, kv_block=kv_block, causal=spec.is_causal,
-                                  by_queries=False, heads=key.shape[2], group=ORDER_GROUP_HEADS)
+
+        def order(q_ids, kv_ids, q_ranges, kv_ranges):  # (the ids themselves are not needed)
+            return _block_order(q_ranges, kv_ranges, q_block, kv_block, spec.is_causal, False, key.shape[2],
+                                ORDER_GROUP_HEADS)
     dq, dk, dv, *_ = _kernel_call(BWD_TARGET, out_types, args, spec, out_init, variant, masks,
                                   (query.shape[1], key.shape[1]), order=order, deterministic=np.int32(spec.deterministic))
     return dq, dk, dv

@@ -4,7 +4,6 @@ timed alone with the benchmark's timer, next to the whole forward and backward w
 without segment ids. The ids: one segment per row (the same results as none), or with `docs` the
 benchmark's 8 packed documents of random lengths per row.
 Usage: PYTHONPATH=<built jax_tk> python scripts/prep_probe.py [B T H D] [docs]"""
-import functools
 import sys
 
 import jax
@@ -28,13 +27,13 @@ def ms(fn, *args):
 
 for causal in (False, True):
     for tag in ("fwd", "bwd"):
-        def order(qr, kr, i):
+        def order(qi, ki, qr, kr):
             if tag == "fwd":
-                return A._fwd_tiles(i, i, qr, kr, causal, H, A.ORDER_GROUP_HEADS, D)
+                return A._fwd_tiles(qi, ki, qr, kr, causal, H, A.ORDER_GROUP_HEADS, D)
             kb, qb = A._bwd_order_blocks(D)
             return A._block_order(qr, kr, qb, kb, causal, False, H, A.ORDER_GROUP_HEADS)
         print(f"causal={causal} {tag} prep (ranges + {'tiles' if tag == 'fwd' else 'order'}): "
-              f"{ms(lambda i: A._mask_operands(A.Masks(i, i, None, None), functools.partial(order, i=i)), ids):.4f} ms"
+              f"{ms(lambda i: A._mask_operands(A.Masks(i, i, None, None), order), ids):.4f} ms"
               f"  ranges only: {ms(lambda i: A._mask_operands(A.Masks(i, i, None, None)), ids):.4f} ms")
 
     def fwd(q, k, v, i=None):

@@ -72,12 +72,10 @@ ffi::Error optional_ints(const ffi::AnyBuffer &x, std::initializer_list<int64_t>
   return ffi::Error::Success();
 }
 
-// Params::block_order: blocks of `block` of `rows` rows per batch entry and head, with segment ids only.
-ffi::Error check_order(Params &p, const ffi::AnyBuffer &order, int heads, int rows, int block) {
-  if (auto e = optional_ints(order, {int64_t(p.batch) * heads * ((rows + block - 1) / block)}, "block_order", &p.block_order);
-      e.failure())
-    return e;
-  if (p.block_order && !p.q_segment_ids) return invalid("block_order comes with segment ids, and only with them");
+// The kernels' order operand (Params::fwd_tiles, Params::block_order): `size` ints, with segment ids only.
+ffi::Error check_order(const Params &p, const ffi::AnyBuffer &order, int64_t size, const char *name, const int **out) {
+  if (auto e = optional_ints(order, {size}, name, out); e.failure()) return e;
+  if (*out && !p.q_segment_ids) return invalid(std::string(name) + " must be absent without segment ids");
   return ffi::Error::Success();
 }
 
@@ -134,11 +132,10 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                              kv_segment_ranges, window_left, window_right, softcap);
       e.failure())
     return e;
-  if (auto e = optional_ints(block_order, {int64_t(p.batch) * p.q_heads * attention::fwd_tile_cap(p.q_len) * 4}, "tiles",
-                             &p.fwd_tiles);
+  if (auto e = check_order(p, block_order, int64_t(p.batch) * p.q_heads * attention::fwd_tile_cap(p.q_len) * 4, "tiles",
+                          &p.fwd_tiles);
       e.failure())
     return e;
-  if (p.fwd_tiles && !p.q_segment_ids) return invalid("the forward's tiles come with segment ids, and only with them");
   if (!same_type_and_dims(*o, q)) return invalid("output must have the query's shape and dtype");
   if (auto e = check_rows(p, *lse, "lse"); e.failure()) return e;
   if (tile_counter->element_type() != ffi::DataType::S32 || tile_counter->dimensions().size() != 1 ||
@@ -170,7 +167,10 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                              kv_segment_ranges, window_left, window_right, softcap);
       e.failure())
     return e;
-  if (auto e = check_order(p, block_order, p.kv_heads, p.kv_len, attention::bwd_order_rows(p.head_dim)); e.failure()) return e;
+  const int kv_blocks = (p.kv_len + attention::bwd_order_rows(p.head_dim) - 1) / attention::bwd_order_rows(p.head_dim);
+  if (auto e = check_order(p, block_order, int64_t(p.batch) * p.kv_heads * kv_blocks, "block_order", &p.block_order);
+      e.failure())
+    return e;
   if (p.block_order && deterministic) return invalid("block_order cannot be combined with deterministic");
   if (!same_type_and_dims(o, q) || !same_type_and_dims(dout, q) || !same_type_and_dims(*dq, q))
     return invalid("out, dout and dq must have the query's shape and dtype");

@@ -53,11 +53,11 @@ struct Params {
   bool deterministic;  // sm_90a backward: add dq contributions in a fixed order (same bits every run)
 };
 
-// The rows of a block of Params::block_order: the backward's key blocks (128 keys, 64 at head_dim 256).
 // Entries of Params::fwd_tiles per (batch entry, query head): room for the fixed grid's 128-row tiles,
 // or for documents' tiles (one more than the grid's per document at most: jax_tk/attention.py takes
 // the grid where they do not fit).
 __host__ __device__ inline int fwd_tile_cap(int q_len) { return 2 * ((q_len + 127) / 128); }
+// The rows of a block of Params::block_order: the backward's key blocks (128 keys, 64 at head_dim 256).
 inline int bwd_order_rows(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 
 // The mma.sync kernels (sm_80 and newer). Return the launch error, if any.

@@ -362,16 +362,20 @@ template <typename RT, typename V> __device__ __forceinline__ void normalize_out
   tk::warp::mul_row(o, o, inv_l);
 }
 
+// The output O as a global view whose rows end at rows_end (or q_len): stores skip the rows past it.
+template <typename T> __device__ __forceinline__ tk::gl<T> output_rows(const Params &p, int rows_end = INT_MAX) {
+  auto O = tk::gl<T>::make(static_cast<T *>(p.o), p.batch, p.q_len, p.q_heads, p.head_dim);
+  O.dims[1] = min(p.q_len, rows_end);
+  return O;
+}
+
 // O /= l, then store O's rows qw.. and their log-sum-exp ln(sum exp(logits)) = (m + log2 l) ln 2
 // (-inf and O = 0 for a row that saw no key). Rows at or past rows_end (or q_len) are not stored.
 template <typename T, typename RT, typename V>
 __device__ __forceinline__ void store_output(const Params &p, RT &o, const V &l, int b, int h, int qw, int d0,
                                              int rows_end = INT_MAX) {
-  using namespace tk;
   normalize_output(o, l);
-  auto O = gl<T>::make(static_cast<T *>(p.o), p.batch, p.q_len, p.q_heads, p.head_dim);
-  O.dims[1] = min(p.q_len, rows_end);
-  warp::store(O, o, {b, qw, h, d0});
+  tk::warp::store(output_rows<T>(p, rows_end), o, {b, qw, h, d0});
 }
 // (m in units of 1 / c, as softmax_step keeps it.)
 template <typename V>

@@ -112,19 +112,6 @@ template <bool FULL> __device__ __forceinline__ KeyRule tile_rule(const Params &
   return r;
 }
 
-// Rows [0, n) of a staged tile of O (n < its rows) to O's rows r0.., 16 bytes per thread and step
-// (thread: 0 .. 127 of the warpgroup that staged it).
-template <typename ST>
-__device__ __forceinline__ void store_rows(const Params &p, const ST &t, int b, int h, int r0, int n, int thread) {
-  using T = typename ST::dtype;
-  constexpr int CHUNKS = ST::cols / ST::chunk;  // per row
-  for (int e = thread; e < n * CHUNKS; e += 128) {
-    const int r = e / CHUNKS, c = e % CHUNKS * ST::chunk;
-    *reinterpret_cast<uint4 *>(static_cast<T *>(p.o) + ((size_t(b) * p.q_len + r0 + r) * p.q_heads + h) * ST::cols + c) =
-        *reinterpret_cast<const uint4 *>(&t(r, c));
-  }
-}
-
 // A persistent kernel: one block per SM, each taking tiles (fwd_tile) one after the other from a
 // counter shared by the grid (the tiles of causal or packed attention differ in length), so that the
 // next tile's loads overlap this tile's last blocks and its output. Per block, 3 warpgroups:
@@ -373,7 +360,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       if (rows_end == p.q_len || r0 + 64 <= rows_end) {
         if (leader && r0 < p.q_len) store_async(a.o, o_stage, {x.b, r0, x.h, 0});
       } else {  // a document's tile that ends inside these rows: the rows after it are the next tile's
-        store_rows(p, o_stage, x.b, x.h, r0, rows_end - r0, threadIdx.x % 128);
+        store<128>(output_rows<T>(p, rows_end), o_stage, {x.b, r0, x.h, 0}, threadIdx.x % 128);
       }
       if (leader) bulk_commit();
     } else {

@@ -1,6 +1,6 @@
-// Asynchronous global -> shared copies (cp.async, sm_80+): a thread block fills a shared tile in
-// 16-byte chunks; rows past the end of the tensor are filled with zeros, so tail tiles need no
-// special case in the math.
+// Copies between global tensors and shared tiles by the threads themselves, in 16-byte chunks:
+// asynchronous loads (cp.async, sm_80+), whose rows past the end of the tensor are filled with zeros
+// (tail tiles need no special case in the math), and plain stores, which skip those rows.
 #pragma once
 #include "../../types/gl.cuh"
 #include "../../types/st.cuh"
@@ -36,6 +36,22 @@ __device__ __forceinline__ void load_async(ST &dst, const gl<U> &src, coord orig
     bool valid = s < src.seq();
     const auto *p = src.at(origin.b, valid ? s : 0, origin.h, origin.d + c);
     cp_async16(&dst(r, c), p, valid);
+  }
+}
+
+// Threads 0..THREADS-1 (thread index `tid`) copy src into rows origin.s .. origin.s+R of dst at
+// (origin.b, origin.h), columns origin.d .. origin.d+C; rows >= dst.seq() are not written (the
+// mirror of load_async).
+template <int THREADS, SharedTile ST, typename U>
+__device__ __forceinline__ void store(const gl<U> &dst, const ST &src, coord origin, int tid) {
+  static_assert(std::is_same_v<U, typename ST::dtype>, "store does not convert");
+  constexpr int row_chunks = ST::cols / ST::chunk;
+#pragma unroll
+  for (int i = tid; i < ST::rows * row_chunks; i += THREADS) {
+    const int r = i / row_chunks, c = (i % row_chunks) * ST::chunk;
+    if (origin.s + r < dst.seq())
+      *reinterpret_cast<uint4 *>(dst.at(origin.b, origin.s + r, origin.h, origin.d + c)) =
+          *reinterpret_cast<const uint4 *>(&src(r, c));
   }
 }
 
