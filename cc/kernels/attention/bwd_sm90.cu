@@ -164,9 +164,11 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   // every block of the range sees some of them), and the (query head, query block) pairs this block
   // visits.
   const int2 qr = q_block_range<FULL>(p, b, k0, BK, BQ);
-  const BlockList qblocks = list_blocks(reinterpret_cast<uint32_t *>(&sm + 1), qr.x, qr.y, SEG,
-                                        [&](int i) { return sees<FULL>(p, b, i, j, BK); },
-                                        [&](int i) { return in_one_segment<FULL>(p, b, i * BQ, BQ, k0, BK); });
+  const BlockList qblocks = list_blocks(reinterpret_cast<uint32_t *>(&sm + 1), qr.x, qr.y, SEG, [&](int i) {
+    const int2 r = kv_block_range<FULL>(p, b, i * BQ, BQ, BK);
+    const SegmentTest x = segment_test<FULL>(p, b, i * BQ, BQ, k0, BK);
+    return SegmentTest{x.meet && j >= r.x && j < r.y, x.one};  // (takes part: sees)
+  });
   const KeyRule rule = key_rule<FULL>(p, b);
   const int n_steps = qblocks.count() * group;
   // The steps, in order: for each query head g of the group, the listed query blocks i.

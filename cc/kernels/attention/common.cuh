@@ -122,13 +122,24 @@ __device__ __forceinline__ int2 segment_span(const int *ranges, int len, int b, 
   return span;
 }
 
-// Can any query row of [q0, q0 + rows) share a segment with any key of [k0, k0 + cols)? If not,
-// the block is skipped. (Within the sequences; the other rules are left to the callers.)
-template <bool FULL> __device__ __forceinline__ bool segments_meet(const Params &p, int b, int q0, int rows, int k0, int cols) {
-  if (!FULL || !p.q_segment_ids || q0 >= p.q_len || k0 >= p.kv_len) return true;
+// The segment ids of query rows [q0, q0 + rows) and keys [k0, k0 + cols) (those inside the
+// sequences; the other rules are left to the callers): `meet`: can some row share a segment with
+// some key (if not, the block is skipped); `one`: do they all lie in one segment, so that their tile
+// needs no elementwise segment test? (Both true without segment ids, or past the ends: KeyRule.)
+struct SegmentTest {
+  bool meet, one;
+};
+template <bool FULL> __device__ __forceinline__ SegmentTest segment_test(const Params &p, int b, int q0, int rows, int k0, int cols) {
+  if (!FULL || !p.q_segment_ids || q0 >= p.q_len || k0 >= p.kv_len) return {true, true};
   const int2 qs = segment_span(p.q_segment_ranges, p.q_len, b, q0, rows);
   const int2 ks = segment_span(p.kv_segment_ranges, p.kv_len, b, k0, cols);
-  return qs.x <= ks.y && ks.x <= qs.y;
+  return {qs.x <= ks.y && ks.x <= qs.y, qs.x == qs.y && ks.x == ks.y && qs.x == ks.x};
+}
+template <bool FULL> __device__ __forceinline__ bool segments_meet(const Params &p, int b, int q0, int rows, int k0, int cols) {
+  return segment_test<FULL>(p, b, q0, rows, k0, cols).meet;
+}
+template <bool FULL> __device__ __forceinline__ bool in_one_segment(const Params &p, int b, int q0, int rows, int k0, int cols) {
+  return segment_test<FULL>(p, b, q0, rows, k0, cols).one;
 }
 
 // The next key block in [j, end) (blocks of BK) that query rows [q0, q0 + rows) may see (end if
@@ -136,15 +147,6 @@ template <bool FULL> __device__ __forceinline__ bool segments_meet(const Params 
 template <bool FULL> __device__ __forceinline__ int next_kv_block(const Params &p, int b, int q0, int rows, int j, int end, int BK) {
   while (j < end && !segments_meet<FULL>(p, b, q0, rows, j * BK, BK)) j++;
   return j;
-}
-
-// Do the rows [q0, q0 + rows) and keys [k0, k0 + cols) (those inside the sequences) all lie in one
-// segment, so that their tile needs no elementwise segment test? (True without segment ids.)
-template <bool FULL> __device__ __forceinline__ bool in_one_segment(const Params &p, int b, int q0, int rows, int k0, int cols) {
-  if (!FULL || !p.q_segment_ids || q0 >= p.q_len || k0 >= p.kv_len) return true;  // (past the ends: KeyRule)
-  const int2 qs = segment_span(p.q_segment_ranges, p.q_len, b, q0, rows);
-  const int2 ks = segment_span(p.kv_segment_ranges, p.kv_len, b, k0, cols);
-  return qs.x == qs.y && ks.x == ks.y && qs.x == ks.x;
 }
 
 // The blocks [first, end) a thread block visits, minus those that a test rules out, and for each
@@ -180,16 +182,15 @@ struct BlockList {
 };
 // Shared memory for the lists of a range of `blocks` blocks.
 __host__ __device__ constexpr size_t block_list_bytes(int blocks) { return 8 * size_t((blocks + 31) / 32); }
-// Writes the lists of the blocks j of [first, end): takes_part(j), and in_one_segment(j), as bits, by
-// warps `warp`, `warp` + `warps`, ... (32 blocks each). The list is {first, end, bits, (n + 31) / 32}.
-template <typename F, typename G>
-__device__ __forceinline__ void write_block_list(uint32_t *bits, int first, int end, int warp, int warps, F takes_part,
-                                                 G in_one_segment) {
+// Writes the lists of the blocks j of [first, end) as bits, by warps `warp`, `warp` + `warps`, ...
+// (32 blocks each): test(j) gives whether j takes part (meet) and lies in one segment (one), as a
+// SegmentTest. The list is {first, end, bits, (n + 31) / 32}.
+template <typename F> __device__ __forceinline__ void write_block_list(uint32_t *bits, int first, int end, int warp, int warps, F test) {
   const int n = max(end - first, 0), words = (n + 31) / 32;
   for (int w = warp; w < words; w += warps) {
     const int i = w * 32 + int(threadIdx.x % 32);
-    const uint32_t part = __ballot_sync(~0u, i < n && takes_part(first + i));
-    const uint32_t one = __ballot_sync(~0u, i < n && in_one_segment(first + i));
+    const SegmentTest x = i < n ? test(first + i) : SegmentTest{false, false};
+    const uint32_t part = __ballot_sync(~0u, x.meet), one = __ballot_sync(~0u, x.one);
     if (threadIdx.x % 32 == 0) {
       bits[w] = part;
       bits[words + w] = one;
@@ -201,10 +202,9 @@ __device__ __forceinline__ BlockList block_list(const uint32_t *bits, int first,
 }
 // The whole thread block lists the blocks when `use` (the same for the whole thread block: it
 // synchronizes it); otherwise every block of [first, end) is listed.
-template <typename F, typename G>
-__device__ __forceinline__ BlockList list_blocks(uint32_t *bits, int first, int end, bool use, F takes_part, G in_one_segment) {
+template <typename F> __device__ __forceinline__ BlockList list_blocks(uint32_t *bits, int first, int end, bool use, F test) {
   if (!use) return {first, end, nullptr, 0};
-  write_block_list(bits, first, end, threadIdx.x / 32, blockDim.x / 32, takes_part, in_one_segment);
+  write_block_list(bits, first, end, threadIdx.x / 32, blockDim.x / 32, test);
   __syncthreads();
   return block_list(bits, first, end);
 }

@@ -193,8 +193,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
         }
         if (segments && t < tiles && !x.doc) {
           write_block_list(lists + slot * list_words, x.range.x, x.range.y, 0, 1,
-                           [&](int j) { return segments_meet<FULL>(p, x.b, x.q0, C::BQ, j * BK, BK); },
-                           [&](int j) { return in_one_segment<FULL>(p, x.b, x.q0, C::BQ, j * BK, BK); });
+                           [&](int j) { return segment_test<FULL>(p, x.b, x.q0, C::BQ, j * BK, BK); });
           __syncwarp();
         }
         if (laneid() == 0) {
