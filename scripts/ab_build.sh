@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
 # Build the working tree into $JAX_TK_SITE (default /tmp/jax_tk_site) and each tree of $AB_TREES into
-# /tmp/<tree>, all at once; a build already there is kept. Logs: OUTDIR/build_*.log. Exits non-zero if
-# a build failed (scripts/ab.sh calls it for the trees it times).
+# /tmp/<tree>, all at once; a build already there is kept if it was built from the same sources (a
+# stamp of cc/, jax_tk/, CMakeLists.txt and pyproject.toml: a machine kept warm between calls still
+# holds the last call's builds, which once timed an old experiment as main). Logs: OUTDIR/build_*.log.
+# Exits non-zero if a build failed (scripts/ab.sh calls it for the trees it times).
 #   scripts/ab_build.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: scripts/ab_build.sh OUTDIR}
 mkdir -p "$out"
 build() {  # tree target
-  [ -d "$2/jax_tk" ] && return 0
+  local stamp
+  stamp=$(cd "$1" && find cc jax_tk CMakeLists.txt pyproject.toml -type f -not -name '*.pyc' | sort | xargs cat |
+    sha1sum | cut -c1-40)-${JAX_TK_CUDA_ARCHS:-all}-${JAX_TK_TEST_KERNELS:-ON}
+  [ -d "$2/jax_tk" ] && [ "$(cat "$2/.jax_tk_src" 2>/dev/null)" = "$stamp" ] && return 0
+  rm -rf "$2"  # (pip install --target keeps a package already there)
   (cd "$1" && CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} JAX_TK_CUDA=ON \
     python3 -m pip install --no-build-isolation --no-deps --target "$2" .) >"$out/build_$(basename "$2").log" 2>&1
   local rc=$?
+  [ $rc -eq 0 ] && echo "$stamp" >"$2/.jax_tk_src"
   echo "build $1 -> $2 rc=$rc"
   return $rc
 }
