@@ -17,11 +17,17 @@ for cfg in "${configs[@]}"; do
   case " $cfg " in *" docs "*) impls=tk; all=1 ;; esac
   for impl in $impls; do
     echo "== $impl $cfg" >>"$out"
+    # (into a file, not a pipe: a timed-out ncu can leave the profiled process behind holding the pipe
+    # open, which once hung the whole call; it is killed below)
     # shellcheck disable=SC2086
-    timeout 120 ncu --csv --metrics gpu__time_duration.sum python3 -P scripts/kernel_times_probe.py $impl $cfg 2>/dev/null |
-      ALL=$all python3 -c '
+    timeout -k 10 "${KT_TIMEOUT:-240}" ncu --csv --metrics gpu__time_duration.sum python3 -P scripts/kernel_times_probe.py \
+      $impl $cfg >"$out.ncu" 2>/dev/null || echo "  (ncu rc=$?: 124 = timed out after ${KT_TIMEOUT:-240} s)" >>"$out"
+    pkill -9 -f kernel_times_probe.py 2>/dev/null
+    ALL=$all python3 -c '
 import csv, os, re, sys
 rows = [r for r in csv.reader(sys.stdin) if len(r) > 10]
+if not rows:
+    sys.exit("  (no kernels profiled)")
 head, rows = rows[0], rows[1:]
 name, unit, value = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
 for r in rows:
@@ -29,7 +35,8 @@ for r in rows:
     if os.environ["ALL"] == "1" or "jax_tk" in k or "cudnn" in k:  # (else the attention kernels alone)
         short = re.sub(r"\(.*", "", re.sub(r"^void ", "", k)).split("::")[-1][:60]
         print(f"  {short:60s} {float(r[value].replace(",", "")):10.1f} {r[unit]}")
-' >>"$out"
+' <"$out.ncu" >>"$out" 2>&1
+    rm -f "$out.ncu"
   done
 done
 cat "$out"
