@@ -291,14 +291,15 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     row_vec<rt_fl<16, BQ>> lse, delta;
     const float *stats = sm.stats[slot];
     // The columns' lse, from shared memory before the dP product's reads of it queue ahead.
-    warp::load(lse, stats, BQ);
+    if constexpr (!SEG) warp::load(lse, stats, BQ);
     // The step's masks: with SEG from the producer's bits, loaded before the wait and decoded after
-    // the dP product's issue (decoded before it, the branch waited for the load).
+    // the dP product's issue (decoded before it, the branch waited for the load); the lse after that.
     const int mask_bits = SEG ? sm.step[slot].y : 0;
     warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
     warpgroup::fence_registers(s);
     warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
     const MaskNeed need = SEG ? warp_mask_need(mask_bits, rule, q0, BQ, kw, 16) : mask_need<FULL>(p, rule, true, q0, BQ, kw, 16);
+    if constexpr (SEG) warp::load(lse, stats, BQ);
     probabilities<FULL, CAP>(s, p, rule, need, b, q0, kw, lse);
     warp::copy(p16, s);
     warp::load(delta, stats + BQ, BQ);  // (before the dV product's shared-memory reads queue ahead of it)
