@@ -290,10 +290,11 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     rt<T, 16, BQ> p16, ds16;  // P^T and dS^T in the input dtype
     row_vec<rt_fl<16, BQ>> lse, delta;
     const float *stats = sm.stats[slot];
-    // The columns' lse, from shared memory before the dP product's reads of it queue ahead.
+    // The columns' lse, from shared memory before the dP product's reads of it queue ahead; with SEG
+    // after the step's mask bits are decoded (loaded before them, the bits' first use waited for them).
     if constexpr (!SEG) warp::load(lse, stats, BQ);
     // The step's masks: with SEG from the producer's bits, loaded before the wait and decoded after
-    // the dP product's issue (decoded before it, the branch waited for the load); the lse after that.
+    // the dP product's issue (decoded before it, the branch waited for the load).
     const int mask_bits = SEG ? sm.step[slot].y : 0;
     warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
     warpgroup::fence_registers(s);
