@@ -1,8 +1,11 @@
 """What the segment-id operands cost outside the kernels: the XLA ops that work out the segment
 ranges and the forward's tiles or the backward's block order (jax_tk.attention._mask_operands),
 timed alone with the benchmark's timer, next to the whole forward and backward with segment ids, and
-without segment ids. The ids: one segment per row (the same results as none), or with `docs` the
-benchmark's 8 packed documents of random lengths per row.
+without segment ids; then the forward and backward with the same operands worked out beforehand and
+passed in (their difference from the whole call is what the operands cost inside it), and the
+forward with the ids a constant of the program (as the benchmark passes them: XLA folds the
+operands' ops at compile time). The ids: one segment per row (the same results as none), or with
+`docs` the benchmark's 8 packed documents of random lengths per row.
 Usage: PYTHONPATH=<built jax_tk> python scripts/prep_probe.py [B T H D] [docs]"""
 import sys
 
@@ -44,3 +47,28 @@ for causal in (False, True):
         print(f"causal={causal} {name}: fwd {ms(fwd, q, k, v, i) if i is not None else ms(fwd, q, k, v):.4f} ms", end="")
         vjp = jax.jit(lambda q, k, v, i=i: jax.vjp(lambda q, k, v: fwd(q, k, v, i), q, k, v)[1])(q, k, v)
         print(f"  bwd {timer.measure(jax.jit(lambda f, g: f(g)), [(vjp, do)]).median_ms:.4f} ms")
+
+    # The same calls with the masking operands worked out beforehand: _mask_operands replaced, while
+    # the timed function is traced, by the operands passed in.
+    real = A._mask_operands
+
+    def given(ops, fn):
+        def call(ops, *args):
+            A._mask_operands = lambda masks, order=None: ops
+            try:
+                return fn(*args)
+            finally:
+                A._mask_operands = real
+        return call
+
+    kb, qb = A._bwd_order_blocks(D)
+    ops_f = jax.jit(lambda i: real(A.Masks(i, i, None, None), lambda qi, ki, qr, kr: A._fwd_tiles(
+        qi, ki, qr, kr, causal, H, A.ORDER_GROUP_HEADS, D)))(ids)
+    ops_b = jax.jit(lambda i: real(A.Masks(i, i, None, None), lambda qi, ki, qr, kr: A._block_order(
+        qr, kr, qb, kb, causal, False, H, A.ORDER_GROUP_HEADS)))(ids)
+    f_ms = timer.measure(jax.jit(given(ops_f, fwd)), [(ops_f, q, k, v, ids)]).median_ms
+    vjp = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: fwd(q, k, v, ids), q, k, v)[1])(q, k, v)
+    b_ms = timer.measure(jax.jit(given(ops_b, lambda f, g: f(g))), [(ops_b, vjp, do)]).median_ms
+    print(f"causal={causal} segments, operands given: fwd {f_ms:.4f} ms  bwd {b_ms:.4f} ms")
+    # (The backward's residuals, the ids among them, are arguments of the timed program either way.)
+    print(f"causal={causal} segments, ids constant: fwd {ms(lambda q, k, v: fwd(q, k, v, ids), q, k, v):.4f} ms")
