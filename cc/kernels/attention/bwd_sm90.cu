@@ -402,27 +402,28 @@ template <typename T, int D> __global__ __launch_bounds__(256) void bwd_prep_ker
     }
   }
 
+  // Rows in [b, h, t] order: the statistics (lse, dlse, delta and the stats rows) are read and written
+  // in runs of consecutive rows; each row of O and dO is D * 2 contiguous bytes.
   const size_t rows = size_t(p.batch) * p.q_len * p.q_heads;
-  const size_t row = size_t(blockIdx.x) * PREP_ROWS<D> + threadIdx.x / LANES;  // [b, t, h] order
+  const size_t row = size_t(blockIdx.x) * PREP_ROWS<D> + threadIdx.x / LANES;
   const bool valid = row < rows;  // (every lane takes part in the shuffles)
+  const int t = int(row % p.q_len), h = int(row / p.q_len % p.q_heads), b = int(row / (size_t(p.q_heads) * p.q_len));
   float acc = 0.f;
   if (valid) {
-    const size_t at = row * D + threadIdx.x % LANES * 8;
+    const size_t at = ((size_t(b) * p.q_len + t) * p.q_heads + h) * D + threadIdx.x % LANES * 8;
     const uint4 x = *reinterpret_cast<const uint4 *>(static_cast<const T *>(p.o) + at);
     const uint4 y = *reinterpret_cast<const uint4 *>(static_cast<const T *>(p.dout) + at);
     for (int k = 0; k < 4; k++) {
-      const float2 a = to_float2(reinterpret_cast<const packed<T> *>(&x)[k]), b = to_float2(reinterpret_cast<const packed<T> *>(&y)[k]);
-      acc += a.x * b.x + a.y * b.y;
+      const float2 o = to_float2(reinterpret_cast<const packed<T> *>(&x)[k]), d = to_float2(reinterpret_cast<const packed<T> *>(&y)[k]);
+      acc += o.x * d.x + o.y * d.y;
     }
   }
   for (int off = LANES / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (valid && threadIdx.x % LANES == 0) {
-    const int h = int(row % p.q_heads), t = int(row / p.q_heads % p.q_len), b = int(row / (size_t(p.q_heads) * p.q_len));
-    const size_t r = (size_t(b) * p.q_heads + h) * p.q_len + t;
-    const float delta = acc - p.dlse[r];
-    p.delta[r] = delta;
+    const float delta = acc - p.dlse[row];
+    p.delta[row] = delta;
     float *stats = p.workspace + C::stats(p, b, h, t / C::BQ) + t % C::BQ;
-    stats[0] = lse_to_log2(p.lse[r]);  // a row that sees no key: +inf, so that P = 0
+    stats[0] = lse_to_log2(p.lse[row]);  // a row that sees no key: +inf, so that P = 0
     stats[C::BQ] = delta;
   }
 }
