@@ -28,47 +28,50 @@ def ms(fn, *args):
     return timer.measure(jax.jit(fn), [args]).median_ms
 
 
+def operands(ids, order=None):  # the masking operands of a call with these segment ids
+    return A._mask_operands(A.Masks(ids, ids, None, None), order)
+
+
+def order_of(tag, causal):  # the forward's tiles or the backward's block order
+    if tag == "fwd":
+        return lambda qi, ki, qr, kr: A._fwd_tiles(qi, ki, qr, kr, causal, H, A.ORDER_GROUP_HEADS, D)
+    kb, qb = A._bwd_order_blocks(D)
+    return lambda qi, ki, qr, kr: A._block_order(qr, kr, qb, kb, causal, False, H, A.ORDER_GROUP_HEADS)
+
+
+def given(ops, fn):
+    """fn with the masking operands `ops` passed in: _mask_operands replaced by them while it is traced."""
+    real = A._mask_operands
+
+    def call(ops, *args):
+        A._mask_operands = lambda masks, order=None: ops
+        try:
+            return fn(*args)
+        finally:
+            A._mask_operands = real
+    return call
+
+
 for causal in (False, True):
     for tag in ("fwd", "bwd"):
-        def order(qi, ki, qr, kr):
-            if tag == "fwd":
-                return A._fwd_tiles(qi, ki, qr, kr, causal, H, A.ORDER_GROUP_HEADS, D)
-            kb, qb = A._bwd_order_blocks(D)
-            return A._block_order(qr, kr, qb, kb, causal, False, H, A.ORDER_GROUP_HEADS)
         print(f"causal={causal} {tag} prep (ranges + {'tiles' if tag == 'fwd' else 'order'}): "
-              f"{ms(lambda i: A._mask_operands(A.Masks(i, i, None, None), order), ids):.4f} ms"
-              f"  ranges only: {ms(lambda i: A._mask_operands(A.Masks(i, i, None, None)), ids):.4f} ms")
+              f"{ms(lambda i: operands(i, order_of(tag, causal)), ids):.4f} ms"
+              f"  ranges only: {ms(operands, ids):.4f} ms")
 
     def fwd(q, k, v, i=None):
         kw = {} if i is None else dict(q_segment_ids=i, kv_segment_ids=i)
         return jax_tk.attention(q, k, v, is_causal=causal, implementation="tk", **kw)
 
+    vjps = {}
     for name, i in (("plain", None), ("segments", ids)):
         print(f"causal={causal} {name}: fwd {ms(fwd, q, k, v, i) if i is not None else ms(fwd, q, k, v):.4f} ms", end="")
-        vjp = jax.jit(lambda q, k, v, i=i: jax.vjp(lambda q, k, v: fwd(q, k, v, i), q, k, v)[1])(q, k, v)
-        print(f"  bwd {timer.measure(jax.jit(lambda f, g: f(g)), [(vjp, do)]).median_ms:.4f} ms")
+        vjps[name] = jax.jit(lambda q, k, v, i=i: jax.vjp(lambda q, k, v: fwd(q, k, v, i), q, k, v)[1])(q, k, v)
+        print(f"  bwd {timer.measure(jax.jit(lambda f, g: f(g)), [(vjps[name], do)]).median_ms:.4f} ms")
 
-    # The same calls with the masking operands worked out beforehand: _mask_operands replaced, while
-    # the timed function is traced, by the operands passed in.
-    real = A._mask_operands
-
-    def given(ops, fn):
-        def call(ops, *args):
-            A._mask_operands = lambda masks, order=None: ops
-            try:
-                return fn(*args)
-            finally:
-                A._mask_operands = real
-        return call
-
-    kb, qb = A._bwd_order_blocks(D)
-    ops_f = jax.jit(lambda i: real(A.Masks(i, i, None, None), lambda qi, ki, qr, kr: A._fwd_tiles(
-        qi, ki, qr, kr, causal, H, A.ORDER_GROUP_HEADS, D)))(ids)
-    ops_b = jax.jit(lambda i: real(A.Masks(i, i, None, None), lambda qi, ki, qr, kr: A._block_order(
-        qr, kr, qb, kb, causal, False, H, A.ORDER_GROUP_HEADS)))(ids)
+    # The same calls with the operands worked out beforehand and passed in.
+    ops_f, ops_b = (jax.jit(lambda i, tag=tag: operands(i, order_of(tag, causal)))(ids) for tag in ("fwd", "bwd"))
     f_ms = timer.measure(jax.jit(given(ops_f, fwd)), [(ops_f, q, k, v, ids)]).median_ms
-    vjp = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: fwd(q, k, v, ids), q, k, v)[1])(q, k, v)
-    b_ms = timer.measure(jax.jit(given(ops_b, lambda f, g: f(g))), [(ops_b, vjp, do)]).median_ms
+    b_ms = timer.measure(jax.jit(given(ops_b, lambda f, g: f(g))), [(ops_b, vjps["segments"], do)]).median_ms
     print(f"causal={causal} segments, operands given: fwd {f_ms:.4f} ms  bwd {b_ms:.4f} ms")
     # (The backward's residuals, the ids among them, are arguments of the timed program either way.)
     print(f"causal={causal} segments, ids constant: fwd {ms(lambda q, k, v: fwd(q, k, v, ids), q, k, v):.4f} ms")
