@@ -448,11 +448,14 @@ def test_backward_is_deterministic(is_causal, variant):
     "b,t,n,kh,d,is_causal,window,segments,softcap",
     [(1, 1000, 4, 2, 128, True, None, "documents", None),
      (2, 700, 4, 4, 64, False, (100, 20), None, None),
-     (2, 200, 4, 2, 128, True, None, None, 5.0)],
-    ids=["documents_causal", "window", "softcap"])
+     (2, 200, 4, 2, 128, True, None, None, 5.0),
+     (1, 300, 2, 1, 256, True, (64, 0), "documents", None)],
+    ids=["documents_causal", "window", "softcap", "d256_window_documents"])
 def test_masked_backward_is_deterministic(b, t, n, kh, d, is_causal, window, segments, softcap):
     """The ordered backward with the masking options (each option set has its own Hopper backward
     kernel): against the reference, and bitwise the same in two runs."""
+    if d == 256 and not HOPPER:
+        pytest.skip("the head-dim-256 kernels run on compute capability 9.0")
     seed = zlib.crc32(f"det{t}{d}{segments}{softcap}".encode())
     q, k, v, dout = make_inputs(seed, b, t, t, n, kh, d, BF16, q_mult=2.0 if softcap else 1.0)
     dlse = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((b, n, t), dtype=np.float32))

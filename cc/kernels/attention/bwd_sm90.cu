@@ -142,12 +142,15 @@ __device__ __forceinline__ int load_acquire(const int *x) {
   return v;
 }
 
-// The masked kernels (FULL) come in three: SEG and CAP say whether segment ids and a soft cap may be
+// The masked kernels (FULL) come in four: SEG and CAP say whether segment ids and a soft cap may be
 // given (otherwise they are known to be absent): windows and lengths alone (neither), segment ids
-// without a cap (SEG), and any options with a cap (both). Leaving out the code of the segment test
-// and of the cap takes branches out of the loop (the window rows ran 10% faster without them and
-// without the block list).
-template <typename T, int D, bool FULL, bool SEG, bool CAP>
+// without a cap (SEG), and any options with a cap (both); DET, the deterministic mode (any options:
+// SEG and CAP). Leaving out the code of the segment test and of the cap takes branches out of the
+// loop (the window rows ran 10% faster without them and without the block list), and leaving out the
+// deterministic turns' code keeps ptxas from spilling in the loop (14-18 LDL/STL per step). The plain
+// kernel (FULL = false) tests Params::deterministic at run time: DET does not apply to it (with the
+// turns' code compiled out it spilled instead, and ran 2-4% slower).
+template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET>
 __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const __grid_constant__ typename BwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = BwdH<T, D>;
@@ -156,6 +159,9 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   extern __shared__ char smem_raw[];
   auto &sm = align_shared<typename C::Shared>(smem_raw);
   const Params &p = a.p;
+  // The deterministic mode's turns: read where they are tested (a flag kept in a register across the
+  // loop changed the plain kernel's schedule and cost it 2%).
+  const auto det = [&] { return FULL ? DET : p.deterministic; };
   const int3 at = block_coords<FULL>(p, a.order_pairs, blockIdx.x, (p.kv_len + BK - 1) / BK);
   const int b = at.x, kvh = at.y, j = at.z, k0 = j * BK;
   const int group = p.q_heads / p.kv_heads, n_qblocks = (p.q_len + BQ - 1) / BQ;
@@ -209,7 +215,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
         arrive(sm.dq_empty[0]);
         bulk_wait_read<0>();
         arrive(sm.dq_empty[1]);
-        if (p.deterministic) {  // the additions are done: hand the turn on
+        if (det()) {  // the additions are done: hand the turn on
           bulk_wait<0>();
           __threadfence();
           atomicAdd(locks + (size_t(b) * p.q_heads + h) * n_qblocks + i, CONSUMERS);
@@ -344,20 +350,20 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       warpgroup::fence_registers(dq);
       if (part == 0) arrive(sm.empty[slot]);  // this thread is done with the slot (Q, dO and the statistics)
       if constexpr (C::STAGED) {  // (one part)
-        if (p.deterministic) wait_for_turn();  // the writer adds once all threads have arrived
+        if (det()) wait_for_turn();  // the writer adds once all threads have arrived
         wait(sm.dq_empty[wg], (it & 1) ^ 1);   // the writer has read the last step's tile
         warpgroup::store_fragments(sm.dq[wg], dq);
         warpgroup::fence_shared_writes();
         arrive(sm.dq_full[wg]);
       } else {
-        if (part == 0 && p.deterministic) {
+        if (part == 0 && det()) {
           wait_for_turn();
           sync_named(2 + wg, 128);
         }
         warpgroup::reduce_add_fragments(dq_tile + part * BQ * C::DQ_PART, dq);
       }
     }
-    if (!C::STAGED && p.deterministic) {
+    if (!C::STAGED && det()) {
       __threadfence();  // this thread's additions are done before the turn moves on
       sync_named(2 + wg, 128);
       if (leader) {
@@ -481,9 +487,14 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
         !make_tma_map(a.k, p.k, p.batch, p.kv_len, p.kv_heads, D) ||
         !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
       return cudaErrorInvalidValue;
-    const bool cap = FULL && p.softcap > 0.f, seg = cap || (FULL && p.q_segment_ids);  // the kernel's CAP, SEG
-    auto kernel = bwd_sm90_kernel<T, D, FULL, false, false>;
-    if constexpr (FULL) kernel = cap ? bwd_sm90_kernel<T, D, true, true, true> : seg ? bwd_sm90_kernel<T, D, true, true, false> : kernel;
+    // The kernel's DET, CAP and SEG (the deterministic masked kernel takes any options).
+    const bool det = FULL && p.deterministic, cap = det || (FULL && p.softcap > 0.f), seg = cap || (FULL && p.q_segment_ids);
+    auto kernel = bwd_sm90_kernel<T, D, FULL, false, false, false>;
+    if constexpr (FULL)
+      kernel = det   ? bwd_sm90_kernel<T, D, true, true, true, true>
+               : cap ? bwd_sm90_kernel<T, D, true, true, true, false>
+               : seg ? bwd_sm90_kernel<T, D, true, true, false, false>
+                     : kernel;
     const size_t smem = C::smem + (seg ? block_list_bytes((p.q_len + C::BQ - 1) / C::BQ) : 0);
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;

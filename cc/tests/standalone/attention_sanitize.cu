@@ -159,6 +159,7 @@ int main() {
       if (hopper) {
         run(1, 130, 200, 4, 2, 64, causal, hopper, NONE, true);
         run(1, 70, 130, 2, 1, 256, causal, hopper, ALL);
+        run(1, 70, 130, 2, 1, 256, causal, hopper, ALL, true);
         run(2, 65, 50, 2, 2, 256, causal, hopper, NONE, true);
         run(2, 150, 90, 4, 2, 128, causal, hopper, SEGMENTS);
         run(2, 150, 90, 4, 2, 128, causal, hopper, SEGMENTS, true);
