@@ -50,12 +50,12 @@ template <typename T, int D> struct BwdH {
     int2 step[STAGES];  // (SEG) the step's query head g, and its query block i shifted left by MASK_BITS
                         // and the block's mask bits (tile_mask_bits)
     alignas(128) float dq[CONSUMERS][STAGED ? BQ * DQ_COLS : 4];  // each consumer's dQ_i, fragment order
-    semaphore kv_full, full[STAGES], empty[STAGES], dq_full[CONSUMERS], dq_empty[CONSUMERS];
+    semaphore kv_full, full[STAGES], empty[STAGES], dq_full[CONSUMERS], dq_empty[CONSUMERS], kv_out;
   };
   struct Args {
     Params p;
     tma_map<T, BQ> q, dout;
-    tma_map<T, BK> k, v;
+    tma_map<T, BK> k, v, dk, dv;  // (dK and dV go out from the shared tiles of K and V)
     int order_pairs;  // see block_coords
   };
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
@@ -187,6 +187,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
 
   if (threadIdx.x == 0) {
     init(sm.kv_full, 1);
+    init(sm.kv_out, CONSUMERS * 128);  // one arrival per consumer thread: dK and dV are in shared memory
     for (int s = 0; s < STAGES; s++) {
       init(sm.full[s], 32);                // one arrival per lane of the producer warp
       init(sm.empty[s], CONSUMERS * 128);  // one arrival per consumer thread
@@ -224,9 +225,9 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       bulk_wait<0>();  // the copy engine has finished with shared memory
       return;
     }
-    if (warpid() != CONSUMERS * 4 || n_steps == 0) return;
+    if (warpid() != CONSUMERS * 4) return;
     const bool loader = laneid() == 0;
-    if (loader) {
+    if (loader && n_steps > 0) {
       arrive_expect_bytes(sm.kv_full, sizeof(sm.k.data) + sizeof(sm.v.data));
       load_async(sm.k, a.k, {b, k0, kvh, 0}, sm.kv_full);
       load_async(sm.v, a.v, {b, k0, kvh, 0}, sm.kv_full);
@@ -246,6 +247,13 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       // arrival (so that every write and read is ordered by a release and an acquire of its own thread).
       reinterpret_cast<float4 *>(sm.stats[s])[laneid()] = reinterpret_cast<const float4 *>(p.workspace + C::stats(p, b, h, i))[laneid()];
       arrive(sm.full[s]);
+    }
+    if (loader) {  // dK and dV, once the consumers have put them in the tiles of K and V
+      wait(sm.kv_out, 0);
+      store_async(a.dk, sm.k, {b, k0, kvh, 0});
+      store_async(a.dv, sm.v, {b, k0, kvh, 0});
+      bulk_commit();
+      bulk_wait_read<0>();  // (the writes are done by the kernel's end)
     }
     return;
   }
@@ -374,12 +382,18 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   }
   warpgroup::wait<0>();  // the extra S^T
   // dK and dV are read only here, after the last wait (fencing them in the loop makes ptxas
-  // serialize the wgmmas).
+  // serialize the wgmmas). They go out through the shared tiles of K and V, free once both consumers
+  // are done with them (the dQ product reads all keys), by the loader's TMA stores: stored from the
+  // registers pair by pair (half-filled sectors), they took 6-7 us of every block's life (a timeline
+  // of the blocks at B = 8, T = 2k), about 4 steps' time.
   warpgroup::fence_registers(dk);
   warpgroup::fence_registers(dv);
   warp::mul(dk, dk, p.scale);
-  warp::store(gl<T>::make(static_cast<T *>(p.dk), p.batch, p.kv_len, p.kv_heads, D), dk, {b, kw, kvh, col0});
-  warp::store(gl<T>::make(static_cast<T *>(p.dv), p.batch, p.kv_len, p.kv_heads, D), dv, {b, kw, kvh, col0});
+  sync_named(1, 128 * CONSUMERS);
+  warp::store(sm.k, dk, kw - k0, col0);
+  warp::store(sm.v, dv, kw - k0, col0);
+  warpgroup::fence_shared_writes();
+  arrive(sm.kv_out);
 #endif
 }
 
@@ -481,11 +495,13 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
 
-    typename C::Args a{p, {}, {}, {}, {}, order_pairs(p)};
+    typename C::Args a{p, {}, {}, {}, {}, {}, {}, order_pairs(p)};
     if (!make_tma_map(a.q, p.q, p.batch, p.q_len, p.q_heads, D) ||
         !make_tma_map(a.dout, p.dout, p.batch, p.q_len, p.q_heads, D) ||
         !make_tma_map(a.k, p.k, p.batch, p.kv_len, p.kv_heads, D) ||
-        !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
+        !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D) ||
+        !make_tma_map(a.dk, p.dk, p.batch, p.kv_len, p.kv_heads, D) ||
+        !make_tma_map(a.dv, p.dv, p.batch, p.kv_len, p.kv_heads, D))
       return cudaErrorInvalidValue;
     // The kernel's DET, CAP and SEG (the deterministic masked kernel takes any options).
     const bool det = FULL && p.deterministic, cap = det || (FULL && p.softcap > 0.f), seg = cap || (FULL && p.q_segment_ids);

@@ -70,7 +70,8 @@ __device__ __forceinline__ void load_async(ST &dst, const tma_map<typename ST::d
 
 // Device: one thread stores a shared tile to rows [s, s + R) at (b, h), all panels (rows past the end
 // of the tensor are not written). A bulk group: commit it, then bulk_wait_read before the tile is
-// written again (and bulk_wait before the thread block exits).
+// written again or the thread block exits (the writes to global memory are done by the kernel's end;
+// bulk_wait where the kernel itself must see them, e.g. before handing them on to another block).
 template <SharedTile ST, int ROWS>
 __device__ __forceinline__ void store_async(const tma_map<typename ST::dtype, ROWS> &m, const ST &src, coord o) {
   static_assert(ST::rows == ROWS && ST::panel_cols * sizeof(typename ST::dtype) == 128);
