@@ -382,12 +382,14 @@ def _align_for(t: float) -> int:
     return 128 if t >= 1024 else 16
 
 
-def plain_baseline(cfg: AttentionConfig) -> AttentionConfig:
+def plain_baseline(cfg: AttentionConfig, batch: int | None = None) -> AttentionConfig:
     """Plain attention (no window, no documents, kv_heads = heads) with about the same useful FLOPs
-    as ``cfg``: same batch, heads, head_dim, causal flag and dtype, and q_len = kv_len chosen (a
-    multiple of 128, or of 16 under 1024) so that its visible pairs are closest to ``cfg``'s. For a
-    grouped-KV row that is the same shape with as many key/value heads as query heads."""
-    per_row = cfg.visible() / cfg.batch
+    as ``cfg``: same batch (or ``batch`` rows, e.g. one per packed document), heads, head_dim, causal
+    flag and dtype, and q_len = kv_len chosen (a multiple of 128, or of 16 under 1024) so that its
+    visible pairs are closest to ``cfg``'s. For a grouped-KV row that is the same shape with as many
+    key/value heads as query heads."""
+    batch = batch or cfg.batch
+    per_row = cfg.visible() / batch
     if cfg.causal:  # T (T + 1) / 2 = per_row
         t = (math.sqrt(1.0 + 8.0 * per_row) - 1.0) / 2.0
         pairs = lambda n: n * (n + 1) / 2
@@ -397,7 +399,7 @@ def plain_baseline(cfg: AttentionConfig) -> AttentionConfig:
     align = _align_for(t)
     lo = max(align, int(t // align) * align)
     best = min((lo, lo + align), key=lambda n: abs(pairs(n) - per_row))
-    return AttentionConfig(batch=cfg.batch, q_len=best, kv_len=best, heads=cfg.heads,
+    return AttentionConfig(batch=batch, q_len=best, kv_len=best, heads=cfg.heads,
                            head_dim=cfg.head_dim, causal=cfg.causal, dtype=cfg.dtype, feature="plain")
 
 

@@ -4,6 +4,8 @@ Times, with the benchmark's timer, useful TFLOP/s (only visible pairs count):
   - the benchmark's documents row (8 random lengths packed in one row of T);
   - 8 equal documents packed in one row of T;
   - the same 8 equal documents as a batch of 8 plain rows of T / 8 (what packing could at best reach);
+  - a batch of 8 plain rows with as many visible pairs as the random documents (plain_baseline with
+    batch = 8: the plain attention a user would run instead of packing, at the same useful FLOPs);
   - the benchmark's plain baseline for the documents row (one row with as many visible pairs).
 Packed equal documents against the batch is the cost of packing (segment masks, block lists); the
 batch against the baseline is the cost of short attention, which every implementation pays.
@@ -52,6 +54,7 @@ for causal in (False, True):
         packed,
         EqualDocuments(1, T, T, H, D, causal, feature="documents", documents=DOCS),
         AttentionConfig(DOCS, T // DOCS, T // DOCS, H, D, causal, feature="plain"),
+        plain_baseline(packed, batch=DOCS),
         plain_baseline(packed),
     ]
 modes = tuple(os.environ.get("PROBE_MODES", "fwd,bwd").split(","))

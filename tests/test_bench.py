@@ -322,6 +322,18 @@ def test_plain_baseline_small():
     assert err(base.q_len) <= min(err(base.q_len - 16), err(base.q_len + 16))
 
 
+def test_plain_baseline_with_a_batch_of_its_own():
+    """batch = the documents: one plain row per document, as many visible pairs in all."""
+    c = bench.AttentionConfig(1, 4096, 4096, 2, 64, False, feature="documents", documents=8)
+    base = bench.plain_baseline(c, batch=8)
+    assert (base.batch, base.heads, base.head_dim, base.causal) == (8, 2, 64, False)
+    per = c.visible() / 8
+    err = lambda n: abs(n * n - per)
+    a = 16  # (rows under 1024: multiples of 16)
+    assert base.q_len < 1024 and base.q_len % a == 0 and err(base.q_len) <= min(err(base.q_len - a), err(base.q_len + a))
+    assert bench.plain_baseline(c) == bench.plain_baseline(c, batch=1)
+
+
 def test_vs_plain_and_table():
     c = bench.AttentionConfig(1, 512, 512, 2, 64, False, feature="documents", documents=8)
     base = bench.plain_baseline(c)
