@@ -385,7 +385,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   // serialize the wgmmas). They go out through the shared tiles of K and V, free once both consumers
   // are done with them (the dQ product reads all keys), by the loader's TMA stores: stored from the
   // registers pair by pair (half-filled sectors), they took 6-7 us of every block's life (a timeline
-  // of the blocks at B = 8, T = 2k), about 4 steps' time.
+  // of the blocks at B = 8, T = 2k), about 3 steps' time.
   warpgroup::fence_registers(dk);
   warpgroup::fence_registers(dv);
   warp::mul(dk, dk, p.scale);
