@@ -16,26 +16,30 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL = os.path.join(ROOT, "cc/kernels/attention/bwd_sm90.cu")
 
-HELPERS = """namespace {
-__device__ unsigned long long bwd_timeline_buf[1 << 16][8];  // per block: 7 stamps and the SM
+STAMP = """__device__ unsigned long long bwd_timeline_buf[1 << 16][8];  // per block: 7 stamps and the SM
 __device__ __forceinline__ void stamp(int k) {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   bwd_timeline_buf[blockIdx.x][k] = t;
 }
 """
-# (place in the kernel, what goes after it)
-STAMPS = [
-    ("  const Params &p = a.p;\n",
-     "  if (threadIdx.x == 0) {\n    stamp(0);\n    unsigned sm_id;\n"
-     "    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm_id));\n    bwd_timeline_buf[blockIdx.x][7] = sm_id;\n  }\n"),
-    ("    fence_barrier_init();\n  }\n  __syncthreads();\n", "  if (threadIdx.x == 0) stamp(1);\n"),
-    ("    wait(sm.kv_full, 0);\n", "    if (threadIdx.x == 0) stamp(2);\n"),
+SM = ("  if (threadIdx.x == 0) {\n    stamp(0);\n    unsigned sm_id;\n"
+      "    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm_id));\n    bwd_timeline_buf[blockIdx.x][7] = sm_id;\n  }\n")
+EXTRA_S = "  warpgroup::wait<0>();  // the extra S^T\n"
+# (place in the kernel, what replaces it): each place must be found once.
+EDITS = [
+    ("namespace {\n", "namespace {\n" + STAMP),
+    ("  const Params &p = a.p;\n", "  const Params &p = a.p;\n" + SM),
+    ("    fence_barrier_init();\n  }\n  __syncthreads();\n",
+     "    fence_barrier_init();\n  }\n  __syncthreads();\n  if (threadIdx.x == 0) stamp(1);\n"),
+    ("    wait(sm.kv_full, 0);\n", "    wait(sm.kv_full, 0);\n    if (threadIdx.x == 0) stamp(2);\n"),
     ("    warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)\n",
+     "    warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)\n"
      "    if (it == 0 && threadIdx.x == 0) stamp(3);\n"),
-    ("    }\n  }\n  warpgroup::wait<0>();  // the extra S^T\n", ""),  # (stamp 4 goes before the wait: below)
-    ("  arrive(sm.kv_out);\n", "  if (threadIdx.x == 0) stamp(5);\n"),
-    ("      bulk_wait_read<0>();  // (the writes are done by the kernel's end)\n", "      stamp(6);\n"),
+    (EXTRA_S, "  if (threadIdx.x == 0) stamp(4);\n" + EXTRA_S),
+    ("  arrive(sm.kv_out);\n", "  arrive(sm.kv_out);\n  if (threadIdx.x == 0) stamp(5);\n"),
+    ("      bulk_wait_read<0>();  // (the writes are done by the kernel's end)\n",
+     "      bulk_wait_read<0>();  // (the writes are done by the kernel's end)\n      stamp(6);\n"),
 ]
 READER = """
 namespace jax_tk::attention {
@@ -47,16 +51,10 @@ cudaError_t bwd_trace_read(unsigned long long *host, size_t blocks) {
 
 
 def instrumented(src: str) -> str:
-    for place, add in [("namespace {\n", HELPERS)] + STAMPS:
+    for place, new in EDITS:
         if src.count(place) != 1:
             sys.exit(f"bwd_timeline.py: the kernel's code changed at:\n{place}")
-        if place == "namespace {\n":
-            src = src.replace(place, add, 1)
-        elif "the extra S^T" in place:
-            src = src.replace(place, place.replace("  warpgroup::wait<0>();", "  if (threadIdx.x == 0) stamp(4);\n"
-                                                   "  warpgroup::wait<0>();"))
-        else:
-            src = src.replace(place, place + add)
+        src = src.replace(place, new)
     return src + READER
 
 

@@ -13,27 +13,9 @@
 #include <cuda_bf16.h>
 
 #include "kernels/attention/attention.h"
+#include "driver.h"
 
 using namespace jax_tk::attention;
-
-#define CHECK(x)                                                                          \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
-
-template <typename T> T *device_random(size_t n, std::mt19937 &rng) {
-  std::normal_distribution<float> dist;
-  std::vector<T> host(n);
-  for (auto &x : host) x = T(dist(rng));
-  T *d;
-  CHECK(cudaMalloc(&d, n * sizeof(T)));
-  CHECK(cudaMemcpy(d, host.data(), n * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
 
 int *device_ints(const std::vector<int> &host) {
   int *d;

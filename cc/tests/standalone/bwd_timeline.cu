@@ -11,21 +11,17 @@
 #include <vector>
 #include <cuda_bf16.h>
 #include "kernels/attention/attention.h"
+#include "driver.h"
 using namespace jax_tk::attention;
 namespace jax_tk::attention { cudaError_t bwd_trace_read(unsigned long long *host, size_t ctas); }
-#define CHECK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { std::printf("%s: %s\n", #x, cudaGetErrorString(e_)); std::exit(1); } } while (0)
-template <typename T> T *rnd(size_t n, std::mt19937 &rng) {
-  std::normal_distribution<float> d; std::vector<T> h(n); for (auto &x : h) x = T(d(rng));
-  T *p; CHECK(cudaMalloc(&p, n * sizeof(T))); CHECK(cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice)); return p;
-}
 int main(int argc, char **argv) {
   int b = atoi(argv[1]), t = atoi(argv[2]), n = atoi(argv[3]), d = 128; bool causal = argc > 4 && atoi(argv[4]);
   std::mt19937 rng(1);
   Params p{}; p.dtype = DType::bf16; p.batch = b; p.q_len = t; p.kv_len = t; p.q_heads = n; p.kv_heads = n; p.head_dim = d;
   p.scale = 0.088f; p.causal = causal;
   size_t nq = size_t(b) * t * n * d, nr = size_t(b) * n * t;
-  p.q = rnd<__nv_bfloat16>(nq, rng); p.k = rnd<__nv_bfloat16>(nq, rng); p.v = rnd<__nv_bfloat16>(nq, rng);
-  p.dout = rnd<__nv_bfloat16>(nq, rng); p.dlse = rnd<float>(nr, rng);
+  p.q = device_random<__nv_bfloat16>(nq, rng); p.k = device_random<__nv_bfloat16>(nq, rng); p.v = device_random<__nv_bfloat16>(nq, rng);
+  p.dout = device_random<__nv_bfloat16>(nq, rng); p.dlse = device_random<float>(nr, rng);
   void *o, *dq, *dk, *dv; float *lse, *delta, *ws; int *tc;
   CHECK(cudaMalloc(&o, nq * 2)); CHECK(cudaMalloc(&dq, nq * 2)); CHECK(cudaMalloc(&dk, nq * 2)); CHECK(cudaMalloc(&dv, nq * 2));
   CHECK(cudaMalloc(&lse, nr * 4)); CHECK(cudaMalloc(&delta, nr * 4));
