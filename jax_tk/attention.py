@@ -512,10 +512,28 @@ def _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids,
     return local_window_size, _positive_float("logits_soft_cap", logits_soft_cap)
 
 
-def attention_with_lse(query, key, value, *, scale=None, is_causal=False, local_window_size=None,
-                       q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None,
+def _reject_unsupported(bias, mask, dropout_rate, dropout_rng):
+    """bias, mask and dropout are in the signature so that no framework can pass them and have them
+    dropped silently (flax passes ``mask=`` and dropout keywords to an ``attention_fn`` only when it
+    accepts them); until the kernels take them, setting any of them is an error."""
+    for name, x in (("bias", bias), ("mask", mask)):
+        if x is not None:
+            raise NotImplementedError(
+                f"jax_tk.attention: {name}= is not supported yet. Express the masking with is_causal, "
+                "local_window_size, q_segment_ids/kv_segment_ids or query_seq_lengths/key_value_seq_lengths, "
+                "or use jax.nn.dot_product_attention."
+            )
+    if dropout_rng is not None and dropout_rate != 0:
+        raise NotImplementedError(
+            f"jax_tk.attention: attention dropout (dropout_rate={dropout_rate!r}) is not supported; set the "
+            "attention dropout rate to 0 or use jax.nn.dot_product_attention."
+        )
+
+
+def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                       local_window_size=None, q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None,
                        key_value_seq_lengths=None, logits_soft_cap=None, implementation=None,
-                       deterministic=False):
+                       deterministic=False, dropout_rate=0.0, dropout_rng=None, broadcast_dropout=True):
     """Like :func:`attention`, and also returns the float32 log-sum-exp of each query row.
 
     Returns:
@@ -523,6 +541,8 @@ def attention_with_lse(query, key, value, *, scale=None, is_causal=False, local_
       ``[batch, q_heads, q_len]`` float32 (natural log of the softmax denominator of the scaled
       logits; ``-inf`` for a row that sees no key). Both are differentiable.
     """
+    del broadcast_dropout  # (meaningless without dropout)
+    _reject_unsupported(bias, mask, dropout_rate, dropout_rng)
     scale = _check_inputs(query, key, value, scale, is_causal, implementation)
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"jax_tk.attention: deterministic must be a bool, got {deterministic!r}")
@@ -535,9 +555,10 @@ def attention_with_lse(query, key, value, *, scale=None, is_causal=False, local_
     return _attention(query, key, value, spec, masks)
 
 
-def attention(query, key, value, *, scale=None, is_causal=False, local_window_size=None, q_segment_ids=None,
-              kv_segment_ids=None, query_seq_lengths=None, key_value_seq_lengths=None, logits_soft_cap=None,
-              implementation=None, deterministic=False):
+def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, local_window_size=None,
+              q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None, key_value_seq_lengths=None,
+              logits_soft_cap=None, implementation=None, deterministic=False, dropout_rate=0.0, dropout_rng=None,
+              broadcast_dropout=True):
     """Scaled dot-product attention, ``softmax(scale * query @ key^T) @ value``.
 
     Same layout and meaning as :func:`jax.nn.dot_product_attention`.
@@ -562,6 +583,10 @@ def attention(query, key, value, *, scale=None, is_causal=False, local_window_si
         the query gradient's partial sums with atomics in whatever order blocks finish; with
         ``deterministic=True`` they take turns in a fixed order (somewhat slower). The mma.sync
         backward (pre-Hopper GPUs) and the reference are always deterministic.
+      bias, mask: jax.nn's additive bias and boolean mask: not supported yet, and an error when given
+        (never ignored).
+      dropout_rate, dropout_rng, broadcast_dropout: flax's attention-dropout arguments; dropout is not
+        supported, so ``dropout_rate > 0`` with a ``dropout_rng`` (dropout active) is an error.
 
     The masking options combine (a query sees a key only if every rule allows it), also with
     ``is_causal``, cross attention and grouped-query attention, and the kernels take all of them
@@ -572,8 +597,9 @@ def attention(query, key, value, *, scale=None, is_causal=False, local_window_si
       ``[batch, q_len, q_heads, head_dim]`` in the input dtype.
     """
     return attention_with_lse(
-        query, key, value, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap,
-        implementation=implementation, deterministic=deterministic,
+        implementation=implementation, deterministic=deterministic, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
     )[0]

@@ -336,3 +336,35 @@ def test_vmap_on_axis_1():
     qn, kn, vn = (np.asarray(x) for x in (q, k, v))
     for i in range(3):
         assert _rel_err(out[:, i], _tk_attention(qn[:, i], kn[:, i], vn[:, i])) < 1e-5
+
+
+# bias, mask and dropout are accepted by name (jax.nn's positional order for bias and mask) so that
+# a framework that passes them only to functions that accept them (flax) cannot have them dropped:
+# until the kernels take them, setting one is an error, never ignored.
+@pytest.mark.parametrize("fn_name", sorted(FUNCTIONS))
+@pytest.mark.parametrize("arg", ["bias", "mask"])
+@pytest.mark.parametrize("positional", [False, True])
+def test_bias_and_mask_raise(fn_name, arg, positional):
+    q, k, v = _qkv(0)
+    x = jnp.ones((2, 4, 8, 8), bool) if arg == "mask" else jnp.zeros((2, 4, 8, 8), F32)
+    args = (q, k, v, None, x) if arg == "mask" else (q, k, v, x)
+    with pytest.raises(NotImplementedError, match=arg):
+        if positional:
+            FUNCTIONS[fn_name](*args)
+        else:
+            FUNCTIONS[fn_name](q, k, v, **{arg: x})
+
+
+def test_bias_and_mask_none_are_the_plain_call():
+    q, k, v = _qkv(1)
+    want = jax_tk.attention(q, k, v, is_causal=True)
+    got = jax_tk.attention(q, k, v, None, None, is_causal=True, dropout_rate=0.1, dropout_rng=None)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_active_dropout_raises():
+    q, k, v = _qkv(2)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        jax_tk.attention(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+    # a rate of 0 with a key is no dropout
+    jax_tk.attention(q, k, v, dropout_rate=0.0, dropout_rng=jax.random.key(0))
