@@ -191,7 +191,7 @@ def _default_variant() -> int:
     return VARIANT_SM80 if os.environ.get("JAX_TK_ATTENTION_KERNELS", "").lower() == "sm80" else VARIANT_AUTO
 
 
-SEGMENT_GRANULE = 64  # rows per segment range (SEGMENT_GRANULE in cc/kernels/attention/attention.h)
+SEGMENT_GRANULE = 64  # rows per segment range (SEGMENT_GRANULE in cc/attention/attention.h)
 
 
 def _segment_ranges(ids):
@@ -214,7 +214,7 @@ def _block_spans(ranges, block):
 
 
 # The blocks of the sm_90a kernels' orders (Params::fwd_tiles and bwd_order_rows in
-# cc/kernels/attention/attention.h): the forward's 128-row query tiles visit key blocks of 128 (64 at
+# cc/attention/attention.h): the forward's 128-row query tiles visit key blocks of 128 (64 at
 # head_dim 256); the backward's key blocks (128 keys, 64 at head_dim 256) visit 64-row query blocks.
 def _fwd_order_blocks(head_dim):
     return 128, (128 if head_dim <= 128 else 64)  # query rows, keys per block
@@ -279,7 +279,7 @@ def _fwd_tiles(q_ids, kv_ids, q_ranges, kv_ranges, causal, heads, group, head_di
     q_block, kv_block = _fwd_order_blocks(head_dim)
     b, t = q_ids.shape
     qblocks = -(-t // q_block)
-    cap = 2 * qblocks  # fwd_tile_cap in cc/kernels/attention/attention.h
+    cap = 2 * qblocks  # fwd_tile_cap in cc/attention/attention.h
     n = b * heads * cap
     # (-1, 0, 0, -1), from an iota: a custom_partitioning rule traces this and takes no constants
     unused = -(jnp.arange(4, dtype=jnp.int32) % 3 == 0).astype(jnp.int32)
@@ -398,7 +398,7 @@ def _bwd_kernel(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, ou
 
 
 def _bwd_workspace_shape(query):
-    # Must match bwd_sm90_workspace_words() in cc/kernels/attention/attention.h: per (batch, head,
+    # Must match bwd_sm90_workspace_words() in cc/attention/attention.h: per (batch, head,
     # 64-row query block) an fp32 64 x head_dim dq accumulator tile, 64 lse and 64 delta values
     # and one int32.
     b, t, n, d = query.shape

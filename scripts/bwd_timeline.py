@@ -1,5 +1,5 @@
 """A timeline of the Hopper backward's thread blocks, no JAX: builds cc/tests/standalone/bwd_timeline.cu
-against a copy of cc/kernels/attention/bwd_sm90.cu with %globaltimer stamps added at fixed places
+against a copy of cc/attention/bwd_sm90.cu with %globaltimer stamps added at fixed places
 (each block's start, its barriers, K/V in, the first S^T, the loop's end, dK/dV in shared memory, its
 end), runs it on each configuration and prints the means per block and the gaps between blocks on an
 SM. The stamps go in by text: if the kernel's code at a place changed, this stops and names it.
@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNEL = os.path.join(ROOT, "cc/kernels/attention/bwd_sm90.cu")
+KERNEL = os.path.join(ROOT, "cc/attention/bwd_sm90.cu")
 
 STAMP = """__device__ unsigned long long bwd_timeline_buf[1 << 16][8];  // per block: 7 stamps and the SM
 __device__ __forceinline__ void stamp(int k) {
@@ -70,7 +70,7 @@ def main():
     subprocess.run(["nvcc", "--threads", "4", "-std=c++20", "-gencode=arch=compute_90a,code=sm_90a",
                     "--expt-relaxed-constexpr", f"-I{cc}", f"-I{cc}/kernels/attention",
                     os.path.join(cc, "tests/standalone/bwd_timeline.cu"), kernel,
-                    os.path.join(cc, "kernels/attention/fwd_sm90.cu"), "-o", exe], check=True)
+                    os.path.join(cc, "attention/fwd_sm90.cu"), "-o", exe], check=True)
     for c in configs:
         subprocess.run([exe, *c.split()], check=True)
 

@@ -25,7 +25,7 @@ export PYTHONUNBUFFERED=1
 # The standalone sanitizer driver (below) builds alongside the package.
 if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
   nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
-    --expt-relaxed-constexpr -lineinfo -Icc cc/tests/standalone/attention_sanitize.cu cc/kernels/attention/*.cu \
+    --expt-relaxed-constexpr -lineinfo -Icc cc/tests/standalone/attention_sanitize.cu cc/attention/*.cu \
     -o "$out/attention_sanitize" >"$out/sanitizer_build.log" 2>&1 &
   sanitizer_build=$!
 fi

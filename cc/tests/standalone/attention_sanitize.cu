@@ -2,7 +2,7 @@
 // synccheck): small odd shapes, every kernel variant, each buffer its own cudaMalloc so that an
 // out-of-bounds access is caught. No JAX in the process. Built and run by scripts/gpu_check.sh:
 //   nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -Icc cc/tests/standalone/attention_sanitize.cu \
-//        cc/kernels/attention/*.cu -o attention_sanitize
+//        cc/attention/*.cu -o attention_sanitize
 //   compute-sanitizer --tool memcheck ./attention_sanitize
 #include <algorithm>
 #include <cstdio>
@@ -12,7 +12,7 @@
 
 #include <cuda_bf16.h>
 
-#include "kernels/attention/attention.h"
+#include "attention/attention.h"
 #include "driver.h"
 
 using namespace jax_tk::attention;

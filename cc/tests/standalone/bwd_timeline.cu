@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 #include <cuda_bf16.h>
-#include "kernels/attention/attention.h"
+#include "attention/attention.h"
 #include "driver.h"
 using namespace jax_tk::attention;
 namespace jax_tk::attention { cudaError_t bwd_trace_read(unsigned long long *host, size_t ctas); }

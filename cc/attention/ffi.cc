@@ -13,7 +13,7 @@
 // out. All int32; an absent option is an int32 array of shape (0,). Attributes
 // window_left, window_right (-1: unbounded) and softcap (0: none).
 #include "ffi/common.h"
-#include "kernels/attention/attention.h"
+#include "attention/attention.h"
 
 namespace jax_tk {
 namespace {
