@@ -1,24 +1,41 @@
-// The nanobind module jax_tk._tk: registrations() -> {FFI target name: capsule}.
+// The nanobind module jax_tk._tk: registrations() -> {FFI target name: capsule} and contract() ->
+// {op: {constant: value}} of every op (jax_tk/_core/extension.py reads both).
 #include <nanobind/nanobind.h>
 
-#include "xla/ffi/api/c_api.h"
+#include "ffi/common.h"
 
 namespace nb = nanobind;
 
-namespace jax_tk {
-extern "C" {
-XLA_FFI_Error *AttentionFwd(XLA_FFI_CallFrame *);
-XLA_FFI_Error *AttentionBwd(XLA_FFI_CallFrame *);
-}
-}  // namespace jax_tk
+// The ops: one entry each. cc/<op>/ffi.cc defines jax_tk::<op>::exports().
+#define JAX_TK_OPS(op) op(attention)
 
-template <typename F> nb::capsule capsule(F *fn) { return nb::capsule(reinterpret_cast<void *>(fn)); }
+#define JAX_TK_DECLARE(name) \
+  namespace jax_tk::name {   \
+  OpExports exports();       \
+  }
+JAX_TK_OPS(JAX_TK_DECLARE)
+#undef JAX_TK_DECLARE
+
+static std::vector<jax_tk::OpExports> ops() {
+#define JAX_TK_EXPORTS(name) jax_tk::name::exports(),
+  return {JAX_TK_OPS(JAX_TK_EXPORTS)};
+#undef JAX_TK_EXPORTS
+}
 
 NB_MODULE(_tk, m) {
   m.def("registrations", []() {
     nb::dict d;
-    d["jax_tk_attention_fwd"] = capsule(jax_tk::AttentionFwd);
-    d["jax_tk_attention_bwd"] = capsule(jax_tk::AttentionBwd);
+    for (const auto &op : ops())
+      for (const auto &[name, handler] : op.targets) d[name] = nb::capsule(handler);
+    return d;
+  });
+  m.def("contract", []() {
+    nb::dict d;
+    for (const auto &op : ops()) {
+      nb::dict c;
+      for (const auto &[name, value] : op.constants) c[name] = value;
+      d[op.op] = c;
+    }
     return d;
   });
 }

@@ -896,7 +896,7 @@ def _rel_err(got, want) -> float:
 
 
 def _reference(q, k, v, seg, scale, causal, window):
-    from jax_tk import reference
+    from jax_tk.attention import reference
 
     return reference.attention(q, k, v, scale=scale, is_causal=causal, local_window_size=window,
                                q_segment_ids=seg, kv_segment_ids=seg)

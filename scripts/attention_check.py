@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk import reference
-from jax_tk.attention import AttentionSpec, Masks, _bwd_kernel, _bwd_workspace_shape, _fwd_kernel
+from jax_tk.attention import reference
+from jax_tk.attention.api import AttentionSpec
+from jax_tk.attention.launch import Masks, bwd_kernel, bwd_workspace_shape, fwd_kernel
 
 # the fastest kernels for this GPU, the same with the deterministic backward, and the mma.sync ones
 VARIANTS = {"auto": 0, "det": 0, "sm80": 1}
@@ -47,11 +48,11 @@ def check(b, t, s, n, kh, d, causal, dtype, variant="auto", seed=0, window=None,
 
     @jax.jit
     def kernel(q, k, v, do, dlse):
-        o, lse = _fwd_kernel(q, k, v, spec, out_init=(nan(q.shape, q.dtype), nan((b, n, t), jnp.float32)),
+        o, lse = fwd_kernel(q, k, v, spec, out_init=(nan(q.shape, q.dtype), nan((b, n, t), jnp.float32)),
                              variant=variant, masks=masks)
-        grads = _bwd_kernel(q, k, v, o, lse, do, dlse, spec,
+        grads = bwd_kernel(q, k, v, o, lse, do, dlse, spec,
                             out_init=(nan(q.shape, q.dtype), nan(k.shape, k.dtype), nan(v.shape, v.dtype),
-                                      nan((b, n, t), jnp.float32), nan(_bwd_workspace_shape(q).shape, jnp.float32)),
+                                      nan((b, n, t), jnp.float32), nan(bwd_workspace_shape(q).shape, jnp.float32)),
                             variant=variant, masks=masks)
         return (o, lse, *grads)
 

@@ -19,9 +19,9 @@ GPU = _gpu_available()
 
 def pytest_collection_modifyitems(config, items):
     if GPU:
-        from jax_tk import _ffi
+        from jax_tk._core import extension
 
-        if not _ffi.has_cuda_kernels():
+        if not extension.has_cuda_kernels():
             raise pytest.UsageError(
                 "a CUDA GPU is present but jax_tk was built without its kernels: reinstall with nvcc"
             )

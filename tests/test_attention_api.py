@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 import jax_tk
-from jax_tk import _ffi
+from jax_tk._core import extension
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 FUNCTIONS = {"attention": jax_tk.attention, "attention_with_lse": jax_tk.attention_with_lse}
 
 
 def _gpu_present() -> bool:
-    return _ffi.cuda_device_capability() is not None
+    return extension.cuda_device_capability() is not None
 
 
 def _sds(shape, dtype=BF16):
@@ -191,7 +191,7 @@ def test_tk_without_gpu_raises(fn_name):
 )
 def test_tk_unsupported_config_raises_value_error(dtype, d, match):
     # Raised whether or not a GPU is present: the configuration check comes first.
-    if d == 256 and jax_tk._ffi.cuda_device_capability() == (9, 0):
+    if d == 256 and extension.cuda_device_capability() == (9, 0):
         pytest.skip("head_dim 256 has kernels on H100/H200 (test_attention_gpu covers them)")
     q, k, v = _abstract_qkv(dtype=dtype, d=d)
     with pytest.raises(ValueError, match=r"implementation='tk'.*" + match):

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 import jax_tk
-from jax_tk import reference
-from jax_tk.attention import (
-    BWD_TARGET, FWD_TARGET, VARIANT_AUTO, VARIANT_SM80, AttentionSpec, Masks, _bwd_kernel, _bwd_workspace_shape,
-    _fwd_kernel,
+from jax_tk.attention import reference
+from jax_tk._core import extension
+from jax_tk.attention.api import AttentionSpec
+from jax_tk.attention.launch import (
+    BWD_TARGET, FWD_TARGET, VARIANT_AUTO, VARIANT_SM80, Masks, bwd_kernel, bwd_workspace_shape, fwd_kernel,
 )
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -97,12 +98,12 @@ def kernel_fwd_bwd(q, k, v, dout, dlse, masks=None, *, scale, is_causal, variant
     softcap: float or None; deterministic: the backward's ordered mode."""
     spec = AttentionSpec(scale, is_causal, True, window, softcap, deterministic)
     b, t, n, _ = q.shape
-    out, lse = _fwd_kernel(q, k, v, spec, out_init=(_nan(q.shape, q.dtype), _nan((b, n, t), F32)), variant=variant,
+    out, lse = fwd_kernel(q, k, v, spec, out_init=(_nan(q.shape, q.dtype), _nan((b, n, t), F32)), variant=variant,
                            masks=masks)
-    dq, dk, dv = _bwd_kernel(
+    dq, dk, dv = bwd_kernel(
         q, k, v, out, lse, dout, dlse, spec,
         out_init=(_nan(q.shape, q.dtype), _nan(k.shape, k.dtype), _nan(v.shape, v.dtype), _nan((b, n, t), F32),
-                  _nan(_bwd_workspace_shape(q).shape, F32)),
+                  _nan(bwd_workspace_shape(q).shape, F32)),
         variant=variant, masks=masks,
     )
     return out, lse, dq, dk, dv
@@ -471,7 +472,7 @@ def test_masked_backward_is_deterministic(b, t, n, kh, d, is_causal, window, seg
 # Head dim 256: sm_90a kernels only (H100/H200), forward and backward
 # ----------------------------------------------------------------------------------------------
 
-HOPPER = jax_tk._ffi.cuda_device_capability() == (9, 0)
+HOPPER = extension.cuda_device_capability() == (9, 0)
 
 
 @pytest.mark.gpu

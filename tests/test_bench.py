@@ -199,7 +199,7 @@ def test_visible_pairs_segments(causal, window, contiguous):
 def test_visible_pairs_lengths_and_library_semantics():
     import numpy as np
 
-    from jax_tk import reference
+    from jax_tk.attention import reference
 
     t, s = 40, 33
     q_lens, kv_lens = np.array([40, 17, 0], np.int32), np.array([5, 33, 20], np.int32)

@@ -21,14 +21,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_tk import _ffi
+from jax_tk._core import extension
 
 
 def _skip_reason():
-    cap = _ffi.cuda_device_capability()
+    cap = extension.cuda_device_capability()
     if cap != (9, 0):
         return f"sm_90a kernels: needs a compute capability 9.0 GPU (H100/H200), found {cap}"
-    if not _ffi.has_test_kernels():
+    if not extension.has_test_kernels():
         return "jax_tk was built without its test kernels (JAX_TK_TEST_KERNELS=OFF)"
     return None
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import jax_tk
-from jax_tk import reference
-from jax_tk.attention import BWD_TARGET, FWD_TARGET
+from jax_tk.attention import reference
+from jax_tk.attention.launch import BWD_TARGET, FWD_TARGET
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TARGETS = (FWD_TARGET, BWD_TARGET)
@@ -475,7 +475,7 @@ def _work_numpy(q_ids, kv_ids, row_block, col_block, causal, by_queries):
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("forward", [True, False], ids=["fwd", "bwd"])
 def test_block_order_is_longest_first(causal, d, forward):
-    from jax_tk.attention import _block_order, _bwd_order_blocks, _fwd_order_blocks, _segment_ranges
+    from jax_tk.attention.launch import block_order, bwd_order_blocks, fwd_order_blocks, segment_ranges
 
     rng = np.random.default_rng(7)
     b, t, s = 3, 777, 901  # odd lengths: partial last blocks
@@ -483,13 +483,13 @@ def test_block_order_is_longest_first(causal, d, forward):
     kv_ids = np.sort(rng.integers(0, 6, (b, s)), axis=1).astype(np.int32)
     q_ids[1] = 2  # one segment
     if forward:
-        q_block, kv_block = _fwd_order_blocks(d)
+        q_block, kv_block = fwd_order_blocks(d)
         work = _work_numpy(q_ids, kv_ids, q_block, kv_block, causal, True)
     else:
-        kv_block, q_block = _bwd_order_blocks(d)
+        kv_block, q_block = bwd_order_blocks(d)
         work = _work_numpy(q_ids, kv_ids, kv_block, q_block, causal, False)
     heads, group = 6, 2
-    order = np.asarray(_block_order(_segment_ranges(jnp.asarray(q_ids)), _segment_ranges(jnp.asarray(kv_ids)),
+    order = np.asarray(block_order(segment_ranges(jnp.asarray(q_ids)), segment_ranges(jnp.asarray(kv_ids)),
                                     q_block, kv_block, causal, forward, heads, group))
     assert order.dtype == np.int32
     blocks = len(work) // b
@@ -534,11 +534,11 @@ def test_no_block_order_for_the_mma_sync_kernels(monkeypatch):
 def test_block_order_traces_without_constants():
     """Under jit with sharded inputs a custom_partitioning rule traces the kernel call, and it takes
     no constants (jax asserts that): the order must be built from iotas, not numpy arrays."""
-    from jax_tk.attention import _block_order, _segment_ranges
+    from jax_tk.attention.launch import block_order, segment_ranges
 
     ids = jnp.zeros((2, 300), jnp.int32)
     for causal in (False, True):
-        jaxpr = jax.make_jaxpr(lambda a, b: _block_order(_segment_ranges(a), _segment_ranges(b), 128, 128, causal,
+        jaxpr = jax.make_jaxpr(lambda a, b: block_order(segment_ranges(a), segment_ranges(b), 128, 128, causal,
                                                          True, 16, 4))(ids, ids)
         assert not jaxpr.consts
 
@@ -549,11 +549,11 @@ def test_block_order_traces_without_constants():
 
 
 def _fwd_tiles_numpy(ids, heads, causal, head_dim=128):
-    from jax_tk.attention import _fwd_tiles, _segment_ranges
+    from jax_tk.attention.launch import fwd_tiles, segment_ranges
 
     x = jnp.asarray(ids)
-    r = _segment_ranges(x)
-    return np.asarray(_fwd_tiles(x, x, r, r, causal, heads, 2, head_dim)).reshape(-1, 4)
+    r = segment_ranges(x)
+    return np.asarray(fwd_tiles(x, x, r, r, causal, heads, 2, head_dim)).reshape(-1, 4)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -600,7 +600,7 @@ def test_fwd_tiles_of_documents(causal):
 def test_fwd_tiles_fall_back_to_the_grid(case):
     """Ids that are not the same sorted runs for queries and keys, more documents than the room
     allows, or head_dim 256: the tiles of the fixed grid (key base -1), in the block order."""
-    from jax_tk.attention import _block_order, _fwd_tiles, _segment_ranges
+    from jax_tk.attention.launch import block_order, fwd_tiles, segment_ranges
 
     rng = np.random.default_rng(5)
     b, t, heads = 2, 300, 4
@@ -617,8 +617,8 @@ def test_fwd_tiles_fall_back_to_the_grid(case):
         ids = np.arange(b * t, dtype=np.int32).reshape(b, t) // 2  # 150 documents of 2 rows
         kv = ids
     q, k = jnp.asarray(ids), jnp.asarray(kv)
-    tiles = np.asarray(_fwd_tiles(q, k, _segment_ranges(q), _segment_ranges(k), True, heads, 2, head_dim)).reshape(-1, 4)
-    order = np.asarray(_block_order(_segment_ranges(q), _segment_ranges(k), 128, 128 if head_dim <= 128 else 64,
+    tiles = np.asarray(fwd_tiles(q, k, segment_ranges(q), segment_ranges(k), True, heads, 2, head_dim)).reshape(-1, 4)
+    order = np.asarray(block_order(segment_ranges(q), segment_ranges(k), 128, 128 if head_dim <= 128 else 64,
                                     True, True, heads, 2))
     qblocks = 3
     assert tiles.shape == (b * heads * 2 * qblocks, 4)
@@ -631,10 +631,10 @@ def test_fwd_tiles_fall_back_to_the_grid(case):
 
 def test_fwd_tiles_trace_without_constants():
     """(See test_block_order_traces_without_constants.)"""
-    from jax_tk.attention import _fwd_tiles, _segment_ranges
+    from jax_tk.attention.launch import fwd_tiles, segment_ranges
 
     ids = jnp.zeros((2, 300), jnp.int32)
     for causal in (False, True):
-        jaxpr = jax.make_jaxpr(lambda a, b: _fwd_tiles(a, b, _segment_ranges(a), _segment_ranges(b), causal, 16, 4,
+        jaxpr = jax.make_jaxpr(lambda a, b: fwd_tiles(a, b, segment_ranges(a), segment_ranges(b), causal, 16, 4,
                                                        128))(ids, ids)
         assert not jaxpr.consts

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_tk
-from jax_tk import reference
+from jax_tk.attention import reference
 
 F32 = jnp.float32
 
@@ -208,10 +208,10 @@ def test_masking_errors(kwargs, error, match):
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 200])
 def test_segment_ranges_per_64_rows(n):
     """The kernels skip blocks by these ranges: min and max id of every 64 rows, for any ids."""
-    from jax_tk.attention import _segment_ranges
+    from jax_tk.attention.launch import segment_ranges
 
     ids = np.random.default_rng(n).integers(-5, 9, (3, n)).astype(np.int32)
-    got = np.asarray(_segment_ranges(jnp.asarray(ids)))
+    got = np.asarray(segment_ranges(jnp.asarray(ids)))
     groups = -(-n // 64)
     assert got.shape == (3, groups, 2)
     for g in range(groups):

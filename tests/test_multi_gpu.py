@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from jax_tk import reference
+from jax_tk.attention import reference
 
 
 def _cuda_devices():

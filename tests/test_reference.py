@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_tk
-from jax_tk import reference
+from jax_tk.attention import reference
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TOL = {F32: 1e-5, BF16: 1e-2, F16: 2e-3}

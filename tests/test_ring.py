@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from jax_tk import reference
+from jax_tk.attention import reference
 from jax_tk.ring import unzigzag, zigzag, zigzag_indices
 
 from test_sharding import _CHILD_ENV, _have_devices, run_in_subprocess

@@ -21,7 +21,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from jax_tk import reference, sharding
+from jax_tk import sharding
+from jax_tk.attention import reference
 
 N_DEVICES = 8
 _CHILD_ENV = "JAX_TK_MULTIDEVICE_CHILD"
@@ -347,9 +348,9 @@ class TestSharding:
     def test_plan(self):
         sizes = {"data": 2, "model": 4}
         plan = sharding.plan_attention(sizes, P("data", None, "model"), (4, 8, 8, 64), (4, 8, 4, 64))
-        assert (plan.batch, plan.heads, plan.kv_split) == (("data",), ("model",), True)
+        assert (plan.batch, plan.heads, plan.split_grouped) == (("data",), ("model",), True)
         plan = sharding.plan_attention(sizes, P("data", None, "model"), (4, 8, 8, 64), (4, 8, 2, 64))
-        assert (plan.heads, plan.kv_split, plan.kv_share) == (("model",), False, 2)
+        assert (plan.heads, plan.split_grouped, plan.group_share) == (("model",), False, 2)
         plan = sharding.plan_attention(sizes, P(None, None, "model"), (4, 8, 6, 64), (4, 8, 6, 64))
         assert plan.heads == ()  # 6 heads do not split 4 ways: gathered
         plan = sharding.plan_attention(sizes, P(None, "model"), (4, 8, 8, 64), (4, 8, 8, 64))

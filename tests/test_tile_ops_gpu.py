@@ -25,7 +25,7 @@ def run_op(op, a, b, v, layout, param=0.0):
     import jax
     import jax.numpy as jnp
 
-    from jax_tk import _ffi  # noqa: F401  (registers the targets)
+    from jax_tk._core import extension  # noqa: F401  (registers the targets)
 
     call = jax.ffi.ffi_call(
         "jax_tk_test_tile_op",

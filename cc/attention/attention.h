@@ -6,7 +6,20 @@ namespace jax_tk::attention {
 
 enum class DType { bf16, fp16 };
 
-constexpr int SEGMENT_GRANULE = 64;  // rows per entry of Params::q_segment_ranges / kv_segment_ranges
+// The contract with Python (jax_tk/attention/launch.py): every number both sides must agree on is a
+// `constexpr int NAME = value;` line here, which Python reads through the extension (or from this
+// file's text where the extension was not built); the formulas below use only these.
+constexpr int SEGMENT_GRANULE = 64;      // rows per entry of Params::q_segment_ranges / kv_segment_ranges
+constexpr int HEAD_DIMS_SM80 = 64 | 128;        // head dims of every GPU's kernels (a set of powers of 2)
+constexpr int HEAD_DIMS_SM90 = 64 | 128 | 256;  // ... and of the sm_90a kernels
+constexpr int FWD_TILE_ROWS = 128;       // sm_90a forward: query rows per tile (Params::fwd_tiles)
+constexpr int FWD_TILE_KEYS = 128;       // ... keys per key block, head_dim <= 128
+constexpr int FWD_TILE_KEYS_D256 = 64;   // ... keys per key block, head_dim 256
+constexpr int FWD_DOCS_MAX_HEAD_DIM = 128;  // documents' own tiles (Params::fwd_tiles) up to this head_dim
+constexpr int FWD_TILES_PER_BLOCK = 2;   // Params::fwd_tiles entries per FWD_TILE_ROWS query rows
+constexpr int BWD_BLOCK_KEYS = 128;      // sm_90a backward: keys per block (Params::block_order), head_dim <= 128
+constexpr int BWD_BLOCK_KEYS_D256 = 64;  // ... head_dim 256
+constexpr int BWD_QUERY_ROWS = 64;       // ... query rows per step, and per dq tile of the workspace
 
 struct Params {
   DType dtype;
@@ -56,9 +69,12 @@ struct Params {
 // Entries of Params::fwd_tiles per (batch entry, query head): room for the fixed grid's 128-row tiles,
 // or for documents' tiles (one more than the grid's per document at most: jax_tk/attention.py takes
 // the grid where they do not fit).
-__host__ __device__ inline int fwd_tile_cap(int q_len) { return 2 * ((q_len + 127) / 128); }
-// The rows of a block of Params::block_order: the backward's key blocks (128 keys, 64 at head_dim 256).
-inline int bwd_order_rows(int head_dim) { return head_dim <= 128 ? 128 : 64; }
+__host__ __device__ inline int fwd_tile_cap(int q_len) {
+  return FWD_TILES_PER_BLOCK * ((q_len + FWD_TILE_ROWS - 1) / FWD_TILE_ROWS);
+}
+// The rows of a block of Params::block_order: the backward's key blocks.
+inline int bwd_order_rows(int head_dim) { return head_dim <= 128 ? BWD_BLOCK_KEYS : BWD_BLOCK_KEYS_D256; }
+inline bool head_dim_in(int head_dim, int dims) { return (head_dim & (head_dim - 1)) == 0 && (head_dim & dims) != 0; }
 
 // The mma.sync kernels (sm_80 and newer). Return the launch error, if any.
 cudaError_t fwd_sm80(const Params &p, cudaStream_t stream);
@@ -73,7 +89,8 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream);
 // Per (batch, head, 64-row query block): an fp32 64 x head_dim dq tile, the rows' lse (log2 units)
 // and delta (64 floats each), one int.
 __host__ __device__ inline size_t bwd_sm90_workspace_words(int batch, int q_len, int q_heads, int head_dim) {
-  return size_t(batch) * q_heads * ((q_len + 63) / 64) * (64 * head_dim + 2 * 64 + 1);
+  constexpr int R = BWD_QUERY_ROWS;
+  return size_t(batch) * q_heads * ((q_len + R - 1) / R) * (R * head_dim + 2 * R + 1);
 }
 
 }  // namespace jax_tk::attention

@@ -32,7 +32,7 @@ ffi::Error check_qkv(Params &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer &k
   if (!same_dims(k, v)) return invalid("key and value must have the same shape");
   if (qd[0] != kd[0] || qd[3] != kd[3]) return invalid("query and key/value disagree on batch or head_dim");
   if (kd[2] == 0 || qd[2] % kd[2] != 0) return invalid("query heads must be a multiple of key/value heads");
-  if (qd[3] != 64 && qd[3] != 128 && qd[3] != 256)
+  if (qd[3] <= 0 || qd[3] > 256 || !attention::head_dim_in(int(qd[3]), attention::HEAD_DIMS_SM90))
     return invalid("attention kernels take head_dim 64 or 128 (and 256 on H100/H200)");
   for (auto d : {qd[0], qd[1], qd[2], kd[1], kd[2]})
     if (d <= 0 || d >= (int64_t(1) << 31)) return invalid("attention dimensions must be in [1, 2^31)");
@@ -149,7 +149,8 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   p.tile_counter = static_cast<int *>(tile_counter->untyped_data());
   if (use_sm90(variant) && attention::fwd_sm90_supported(p))
     return cuda_error(attention::fwd_sm90(p, stream), "attention forward (sm_90a)");
-  if (p.head_dim == 256) return invalid("head_dim 256: the forward kernel runs on H100/H200 (sm_90a) only");
+  if (!attention::head_dim_in(p.head_dim, attention::HEAD_DIMS_SM80))
+    return invalid("head_dim " + std::to_string(p.head_dim) + ": the forward kernel runs on H100/H200 (sm_90a) only");
   return cuda_error(attention::fwd_sm80(p, stream), "attention forward");
 }
 
@@ -197,11 +198,16 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   p.deterministic = deterministic != 0;
   if (use_sm90(variant) && attention::bwd_sm90_supported(p))
     return cuda_error(attention::bwd_sm90(p, stream), "attention backward (sm_90a)");
-  if (p.head_dim == 256) return invalid("head_dim 256: the backward kernel runs on H100/H200 (sm_90a) only");
+  if (!attention::head_dim_in(p.head_dim, attention::HEAD_DIMS_SM80))
+    return invalid("head_dim " + std::to_string(p.head_dim) + ": the backward kernel runs on H100/H200 (sm_90a) only");
   return cuda_error(attention::bwd_sm80(p, stream), "attention backward");
 }
 
 }  // namespace
+
+namespace attention {
+OpExports exports();
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwd, fwd_impl,
                               ffi::Ffi::Bind()
@@ -259,5 +265,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, bwd_impl,
                                   .Attr<float>("softcap")
                                   .Attr<int32_t>("deterministic"),
                               {ffi::Traits::kCmdBufferCompatible});
+
+OpExports attention::exports() {  // (declared by cc/module.cc)
+  return {"attention",
+          {{"jax_tk_attention_fwd", reinterpret_cast<void *>(AttentionFwd)},
+           {"jax_tk_attention_bwd", reinterpret_cast<void *>(AttentionBwd)}},
+          {
+#define JAX_TK_CONSTANT(name) {#name, attention::name}
+              JAX_TK_CONSTANT(SEGMENT_GRANULE), JAX_TK_CONSTANT(HEAD_DIMS_SM80), JAX_TK_CONSTANT(HEAD_DIMS_SM90),
+              JAX_TK_CONSTANT(FWD_TILE_ROWS), JAX_TK_CONSTANT(FWD_TILE_KEYS), JAX_TK_CONSTANT(FWD_TILE_KEYS_D256),
+              JAX_TK_CONSTANT(FWD_DOCS_MAX_HEAD_DIM), JAX_TK_CONSTANT(FWD_TILES_PER_BLOCK),
+              JAX_TK_CONSTANT(BWD_BLOCK_KEYS), JAX_TK_CONSTANT(BWD_BLOCK_KEYS_D256), JAX_TK_CONSTANT(BWD_QUERY_ROWS),
+#undef JAX_TK_CONSTANT
+          }};
+}
 
 }  // namespace jax_tk

@@ -4,12 +4,22 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_tk {
 
 namespace ffi = xla::ffi;
+
+// What an op gives cc/module.cc: its FFI targets and its contract constants (cc/<op>/<op>.h), which
+// jax_tk/_core/extension.py registers and reads.
+struct OpExports {
+  const char *op;
+  std::vector<std::pair<const char *, void *>> targets;  // FFI target name, XLA_FFI_Handler*
+  std::vector<std::pair<const char *, int>> constants;
+};
 
 inline ffi::Error invalid(const std::string &msg) { return ffi::Error::InvalidArgument("jax_tk: " + msg); }
 

@@ -1,0 +1,12 @@
+"""The op-agnostic core every jax_tk op is built on.
+
+- ``extension``: loads the compiled extension, registers every FFI target, reads the ops' C++
+  contracts (constants defined once, in ``cc/<op>/<op>.h``).
+- ``ffi``: builds an ``ffi_call`` from operands and attributes (with the test-only output poisoning).
+- ``dispatch``: the ``implementation=`` choice (kernel, reference, or a clear error) and the
+  ``platform_dependent`` branch between them.
+- ``sharding``: runs an op on per-device shards under ``jit`` with sharded inputs (``shard_map`` for
+  explicit meshes, ``custom_partitioning`` for auto ones), from the op's description of its operands.
+
+docs/adding_an_op.md walks through a new op end to end.
+"""

@@ -1,0 +1,99 @@
+"""The ``implementation=`` choice and the platform dispatch shared by every op.
+
+``implementation=None`` runs the kernel where the configuration is supported and the pure-JAX
+reference elsewhere; the choice between them is made per platform by ``platform_dependent``, so the
+same program lowers for CPU (the reference) and for CUDA (the kernel). ``"tk"`` forces the kernel
+(or raises), ``"xla"`` the reference.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+
+import jax
+
+from jax_tk._core import extension
+
+IMPLEMENTATIONS = (None, "tk", "xla")
+
+
+def check_implementation(op: str, implementation) -> None:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"jax_tk.{op}: implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_kernels(op: str):
+    warnings.warn(
+        f"jax_tk was installed without its CUDA kernels (no nvcc at build time); {op} runs the pure-JAX "
+        "reference on the GPU. Install the binary wheel, or reinstall on a machine with nvcc, to get the kernels.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def use_kernel(op: str, implementation, unsupported_reason: str | None) -> bool:
+    """Whether the call takes the kernel: ``unsupported_reason`` is why the kernel cannot take this
+    configuration (None if it can). Raises for ``implementation="tk"`` when the kernel cannot run."""
+    check_implementation(op, implementation)
+    if implementation == "xla":
+        return False
+    local_gpu = extension.cuda_device_capability() is not None
+    if implementation == "tk":
+        if unsupported_reason is not None:
+            raise ValueError(f"jax_tk.{op}(implementation='tk'): unsupported {unsupported_reason}")
+        if not extension.has_cuda_kernels():
+            raise RuntimeError(f"jax_tk.{op}(implementation='tk'): jax_tk was built without CUDA kernels "
+                               "(no nvcc at install time)")
+        if not local_gpu:
+            raise RuntimeError(f"jax_tk.{op}(implementation='tk') needs a CUDA GPU")
+        return True
+    # implementation=None: the kernel where it applies. Without local CUDA devices the kernel is still
+    # emitted in the CUDA branch, so that programs exported or lowered for CUDA use it.
+    if unsupported_reason is not None:
+        return False
+    if local_gpu and not extension.has_cuda_kernels():
+        _warn_no_kernels(op)
+        return False
+    return True
+
+
+def platform_dispatch(use_kernel: bool, kernel_fn: Callable, reference_fn: Callable, *args):
+    """``kernel_fn(*args)`` on CUDA and ``reference_fn(*args)`` elsewhere (only the reference when
+    ``use_kernel`` is False). ``args`` may hold pytrees and Nones."""
+    if not use_kernel:
+        return reference_fn(*args)
+    # vary_like: inside shard_map(check_vma=True) the ffi_call's results must be typed as varying over
+    # the inputs' manual axes, like the reference branch's, or the branches do not type-check.
+    return jax.lax.platform_dependent(*args, cuda=functools.partial(vary_like, kernel_fn), default=reference_fn)
+
+
+def _vma(x) -> frozenset:
+    """The manual mesh axes over which ``x`` varies (``aval.manual_axis_type.varying`` in JAX >= 0.10,
+    ``aval.vma`` before)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", None) or ())
+    return frozenset(getattr(aval, "vma", None) or ())
+
+
+def _pcast_varying(x, axes: tuple):
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)  # pragma: no cover - older JAX
+
+
+def vary_like(fn: Callable, *args):
+    """``fn(*args)`` with its results typed as varying over every manual mesh axis its inputs vary over.
+
+    An ``ffi_call``'s results carry no varying-manual-axes (vma) type, so inside
+    ``shard_map(check_vma=True)`` the kernel branch of ``platform_dependent`` would not type like the
+    reference branch; this fixes that (a type-level cast, no data movement)."""
+    outs = fn(*args)
+    vma = frozenset().union(*(_vma(a) for a in jax.tree.leaves(args)))
+    if not vma:
+        return outs
+    fix = lambda o: _pcast_varying(o, tuple(sorted(vma - _vma(o)))) if vma - _vma(o) else o
+    return type(outs)(fix(o) for o in outs) if isinstance(outs, (tuple, list)) else fix(outs)

@@ -1,0 +1,319 @@
+"""jax_tk.attention: scaled dot-product attention on jax_tk's kernels, differentiable and jit-friendly.
+
+The op: input checks (trace time), the static spec of a call, the kernel/reference dispatch on the
+core, partitioning over batch and heads, and the custom_vjp. The kernels' operands are worked out in
+``launch``; the pure-JAX reference is ``reference``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import numpy as np
+import jax.numpy as jnp
+
+from jax_tk._core import dispatch, sharding
+from jax_tk.attention import launch, reference
+from jax_tk.attention.launch import Masks
+
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Static description of one attention call (hashable: it is a custom_vjp nondiff argument).
+
+    window: ``(left, right)`` (ints >= 0, as given to ``local_window_size``) or None.
+    softcap: the logit soft cap (a positive float) or None.
+    """
+
+    scale: float
+    is_causal: bool
+    use_kernel: bool
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    deterministic: bool = False  # backward: same bits every run (the Hopper kernel orders its dq sums)
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks (trace time)
+# ----------------------------------------------------------------------------------------------
+
+
+def _positive_float(name, value):
+    """None, or value as a positive finite float (TypeError for strings, bools and non-numbers)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, bool, np.bool_)):
+        raise TypeError(f"jax_tk.attention: {name} must be a Python float or None, got {value!r}")
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"jax_tk.attention: {name} must be a Python float or None, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"jax_tk.attention: {name} must be a positive finite float, got {value}")
+    return value
+
+
+def check_inputs(query, key, value, scale, is_causal, implementation):
+    names = ("query", "key", "value")
+    for name, x in zip(names, (query, key, value)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"jax_tk.attention: {name} must be an array, got {type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(
+                f"jax_tk.attention: {name} must have rank 4 [batch, seq, heads, head_dim], "
+                f"got shape {tuple(x.shape)}"
+            )
+        if not any(x.dtype == d for d in FLOAT_DTYPES):
+            raise TypeError(
+                f"jax_tk.attention: {name} must be bfloat16, float16 or float32, got {x.dtype}"
+            )
+        if any(dim == 0 for dim in x.shape):
+            raise ValueError(f"jax_tk.attention: {name} has an empty dimension: {tuple(x.shape)}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            "jax_tk.attention: query, key and value must have the same dtype, got "
+            f"{query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    if key.shape != value.shape:
+        raise ValueError(
+            f"jax_tk.attention: key and value must have the same shape, got {tuple(key.shape)} "
+            f"and {tuple(value.shape)}"
+        )
+    b, _, n, d = query.shape
+    kb, _, kh, kd = key.shape
+    if kb != b:
+        raise ValueError(f"jax_tk.attention: batch of key/value ({kb}) != batch of query ({b})")
+    if kd != d:
+        raise ValueError(f"jax_tk.attention: head_dim of key/value ({kd}) != head_dim of query ({d})")
+    if n % kh != 0:
+        raise ValueError(
+            f"jax_tk.attention: the number of query heads ({n}) must be a multiple of the number "
+            f"of key/value heads ({kh})"
+        )
+    scale = _positive_float("scale", scale)
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"jax_tk.attention: is_causal must be a bool, got {is_causal!r}")
+    dispatch.check_implementation("attention", implementation)
+    return 1.0 / math.sqrt(d) if scale is None else scale
+
+
+def use_kernel(query, key, implementation) -> bool:
+    return dispatch.use_kernel("attention", implementation, launch.kernel_unsupported_reason(query, key))
+
+
+# ----------------------------------------------------------------------------------------------
+# The op: reference, dispatch, partitioning, custom_vjp
+# ----------------------------------------------------------------------------------------------
+
+
+def _reference_options(spec: AttentionSpec, masks: Masks | None) -> dict:
+    masks = Masks() if masks is None else masks
+    return dict(scale=spec.scale, is_causal=spec.is_causal, local_window_size=spec.window,
+                q_segment_ids=masks.q_segment_ids, kv_segment_ids=masks.kv_segment_ids,
+                query_seq_lengths=masks.q_lengths, key_value_seq_lengths=masks.kv_lengths,
+                logits_soft_cap=spec.softcap)
+
+
+def _fwd_reference(query, key, value, spec: AttentionSpec, masks=None):
+    return reference.attention_with_lse(query, key, value, **_reference_options(spec, masks))
+
+
+def _bwd_reference(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, masks=None):
+    del out, lse
+    f = functools.partial(reference.attention_with_lse, **_reference_options(spec, masks))
+    _, vjp = jax.vjp(f, query, key, value)
+    return vjp((dout, dlse))
+
+
+# The arrays of the op for the partitioning (jax_tk._core.sharding): batch "b" and query heads "n"
+# split, key/value heads "k" grouped (GQA), rows "t", keys "s" and head_dim "d" whole. The masking
+# arrays (Masks, flat, None where absent) follow the operands.
+_MASK_LABELS = ("b t", "b s", "b", "b")
+FWD_LAYOUT = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", *_MASK_LABELS),
+                             outputs=("b t n d", "b n t"), heads="n", grouped="k")
+BWD_LAYOUT = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", "b t n d", "b n t", "b t n d", "b n t",
+                                     *_MASK_LABELS),
+                             outputs=("b t n d", "b s k d", "b s k d"), heads="n", grouped="k")
+
+
+def fwd_local(spec: AttentionSpec, query, key, value, *masks):
+    """The forward on one device's shards: the kernel on CUDA, the reference elsewhere."""
+    masks = Masks(*masks) if any(m is not None for m in masks) else None
+    return dispatch.platform_dispatch(
+        spec.use_kernel,
+        lambda q, k, v, m: launch.fwd_kernel(q, k, v, spec, masks=m),
+        lambda q, k, v, m: _fwd_reference(q, k, v, spec, m),
+        query, key, value, masks)
+
+
+def bwd_local(spec: AttentionSpec, query, key, value, out, lse, dout, dlse, *masks):
+    """The backward on one device's shards."""
+    masks = Masks(*masks) if any(m is not None for m in masks) else None
+    return dispatch.platform_dispatch(
+        spec.use_kernel,
+        lambda *a: launch.bwd_kernel(*a[:7], spec, masks=a[7]),
+        lambda *a: _bwd_reference(*a[:7], spec, a[7]),
+        query, key, value, out, lse, dout, dlse, masks)
+
+
+def fwd(spec: AttentionSpec, query, key, value, masks=None):
+    """(out, lse), partitioned over batch and heads under jit with sharded inputs."""
+    return sharding.call(FWD_LAYOUT, fwd_local, spec, query, key, value, *(masks or Masks()))
+
+
+def bwd(spec: AttentionSpec, query, key, value, out, lse, dout, dlse, masks=None):
+    """(dq, dk, dv), partitioned like :func:`fwd` (each gradient sharded like its input)."""
+    return sharding.call(BWD_LAYOUT, bwd_local, spec, query, key, value, out, lse, dout, dlse, *(masks or Masks()),
+                         result_like=(0, 1, 2))
+
+
+# masks (segment ids, lengths: integer arrays) is an input of the custom_vjp like query/key/value, so
+# that it may be traced; its cotangent is None (not differentiable).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def attention_vjp(query, key, value, spec: AttentionSpec, masks=None):
+    return fwd(spec, query, key, value, masks)
+
+
+def _attention_fwd(query, key, value, spec, masks=None):
+    out, lse = attention_vjp(query, key, value, spec, masks)
+    return (out, lse), (query, key, value, out, lse, masks)
+
+
+def _attention_bwd(spec, residuals, cotangents):
+    # The log-sum-exp's cotangent enters as dS = P * (dP - (rowsum(dO * O) - dlse)), so the kernel
+    # takes it as one more input and both outputs stay differentiable at no extra cost.
+    query, key, value, out, lse, masks = residuals
+    dout, dlse = cotangents
+    dq, dk, dv = bwd(spec, query, key, value, out, lse, dout, dlse, masks)
+    return dq, dk, dv, None
+
+
+attention_vjp.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids, query_seq_lengths,
+                   key_value_seq_lengths, logits_soft_cap):
+    """Validates the masking/soft-cap options; returns them normalized (window as a pair of ints)."""
+    b, t, s = query.shape[0], query.shape[1], key.shape[1]
+    if local_window_size is not None:
+        window = (local_window_size, local_window_size) if isinstance(local_window_size, int) else local_window_size
+        if (not isinstance(window, (tuple, list)) or len(window) != 2
+                or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= 0 for w in window)):
+            raise ValueError(
+                "jax_tk.attention: local_window_size must be None, an int >= 0 or a pair (left, right) of "
+                f"ints >= 0, got {local_window_size!r}"
+            )
+        # A side longer than the sequence it reaches over bounds nothing: clamp (same meaning, and the
+        # values stay small enough for int32 index arithmetic in the reference and the kernels).
+        local_window_size = (min(int(window[0]), t), min(int(window[1]), s))
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("jax_tk.attention: give both q_segment_ids and kv_segment_ids, or neither")
+    for name, x, shape in (("q_segment_ids", q_segment_ids, (b, t)), ("kv_segment_ids", kv_segment_ids, (b, s)),
+                           ("query_seq_lengths", query_seq_lengths, (b,)),
+                           ("key_value_seq_lengths", key_value_seq_lengths, (b,))):
+        if x is None:
+            continue
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"jax_tk.attention: {name} must be an integer array, got {type(x).__name__}")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"jax_tk.attention: {name} must have an integer dtype (int32), got {x.dtype}")
+        if tuple(x.shape) != shape:
+            raise ValueError(f"jax_tk.attention: {name} must have shape {shape}, got {tuple(x.shape)}")
+    return local_window_size, _positive_float("logits_soft_cap", logits_soft_cap)
+
+
+def _reject_unsupported(bias, mask, dropout_rate, dropout_rng):
+    """bias, mask and dropout are in the signature so that no framework can pass them and have them
+    dropped silently (flax passes ``mask=`` and dropout keywords to an ``attention_fn`` only when it
+    accepts them); until the kernels take them, setting any of them is an error."""
+    for name, x in (("bias", bias), ("mask", mask)):
+        if x is not None:
+            raise NotImplementedError(
+                f"jax_tk.attention: {name}= is not supported yet. Express the masking with is_causal, "
+                "local_window_size, q_segment_ids/kv_segment_ids or query_seq_lengths/key_value_seq_lengths, "
+                "or use jax.nn.dot_product_attention."
+            )
+    if dropout_rng is not None and dropout_rate != 0:
+        raise NotImplementedError(
+            f"jax_tk.attention: attention dropout (dropout_rate={dropout_rate!r}) is not supported; set the "
+            "attention dropout rate to 0 or use jax.nn.dot_product_attention."
+        )
+
+
+def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                       local_window_size=None, q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None,
+                       key_value_seq_lengths=None, logits_soft_cap=None, implementation=None,
+                       deterministic=False, dropout_rate=0.0, dropout_rng=None, broadcast_dropout=True):
+    """Like :func:`attention`, and also returns the float32 log-sum-exp of each query row.
+
+    Returns:
+      ``(out, lse)``: ``out`` is ``[batch, q_len, q_heads, head_dim]`` in the input dtype, ``lse`` is
+      ``[batch, q_heads, q_len]`` float32 (natural log of the softmax denominator of the scaled
+      logits; ``-inf`` for a row that sees no key). Both are differentiable.
+    """
+    del broadcast_dropout  # (meaningless without dropout)
+    _reject_unsupported(bias, mask, dropout_rate, dropout_rng)
+    scale = check_inputs(query, key, value, scale, is_causal, implementation)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"jax_tk.attention: deterministic must be a bool, got {deterministic!r}")
+    window, cap = _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids,
+                                 query_seq_lengths, key_value_seq_lengths, logits_soft_cap)
+    spec = AttentionSpec(float(scale), bool(is_causal), use_kernel(query, key, implementation), window, cap,
+                         bool(deterministic))
+    masks = Masks(q_segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths)
+    masks = None if all(x is None for x in masks) else masks
+    return attention_vjp(query, key, value, spec, masks)
+
+
+def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, local_window_size=None,
+              q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None, key_value_seq_lengths=None,
+              logits_soft_cap=None, implementation=None, deterministic=False, dropout_rate=0.0, dropout_rng=None,
+              broadcast_dropout=True):
+    """Scaled dot-product attention, ``softmax(scale * query @ key^T) @ value``.
+
+    Same layout and meaning as :func:`jax.nn.dot_product_attention`.
+
+    Args:
+      query: ``[batch, q_len, q_heads, head_dim]``, bfloat16, float16 or float32.
+      key, value: ``[batch, kv_len, kv_heads, head_dim]``, same dtype; ``q_heads`` must be a multiple
+        of ``kv_heads`` (grouped-query attention).
+      scale: multiplier of the logits; default ``1/sqrt(head_dim)``.
+      is_causal: query ``i`` attends to keys ``j <= i`` (top-left aligned when ``q_len != kv_len``,
+        like ``jax.nn.dot_product_attention``).
+      local_window_size: ``(left, right)`` (or one int for both): query ``i`` attends to keys
+        ``i - left <= j <= i + right``, as in ``jax.nn.dot_product_attention``.
+      q_segment_ids, kv_segment_ids: ``[batch, q_len]`` and ``[batch, kv_len]`` integers (packed
+        sequences): a query attends only to keys of its own segment.
+      query_seq_lengths, key_value_seq_lengths: ``[batch]`` integers (padded batches): query rows at or
+        past their length give 0, keys at or past their length are not attended to.
+      logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` (as in Gemma 2).
+      implementation: ``None`` (the CUDA kernel where the configuration is supported, the pure-JAX
+        reference otherwise), ``"tk"`` (the kernel, or an error), ``"xla"`` (the reference).
+      deterministic: make the backward give the same bits on every run. The Hopper backward adds
+        the query gradient's partial sums with atomics in whatever order blocks finish; with
+        ``deterministic=True`` they take turns in a fixed order (somewhat slower). The mma.sync
+        backward (pre-Hopper GPUs) and the reference are always deterministic.
+      bias, mask: jax.nn's additive bias and boolean mask: not supported yet, and an error when given
+        (never ignored).
+      dropout_rate, dropout_rng, broadcast_dropout: flax's attention-dropout arguments; dropout is not
+        supported, so ``dropout_rate > 0`` with a ``dropout_rng`` (dropout active) is an error.
+
+    The masking options combine (a query sees a key only if every rule allows it), also with
+    ``is_causal``, cross attention and grouped-query attention, and the kernels take all of them
+    (forward and backward). A query row that sees no key at all gives 0, log-sum-exp ``-inf`` and
+    zero gradients (never NaN).
+
+    Returns:
+      ``[batch, q_len, q_heads, head_dim]`` in the input dtype.
+    """
+    return attention_with_lse(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap,
+        implementation=implementation, deterministic=deterministic, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
+    )[0]

@@ -1,0 +1,284 @@
+"""The attention kernels' operands: what Python works out for them and how they are called.
+
+The numbers the kernels and this file share (block sizes, the workspace's layout, the head dims)
+come from ``cc/attention/attention.h`` through ``jax_tk._core.extension.contract``; nothing here
+copies them.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tk._core import extension
+from jax_tk._core.ffi import kernel_call
+
+FWD_TARGET = "jax_tk_attention_fwd"
+BWD_TARGET = "jax_tk_attention_bwd"
+KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+
+# Kernel variants: 0 = the fastest for the device (sm_90a kernels on H100/H200, chosen by the FFI
+# handler from the device), 1 = the mma.sync (sm_80) kernels on every GPU. Tests and benchmarks use 1
+# to check and time the portable path; JAX_TK_ATTENTION_KERNELS=sm80 makes it the default.
+VARIANT_AUTO, VARIANT_SM80 = 0, 1
+
+
+def contract() -> dict[str, int]:
+    return extension.contract("attention")
+
+
+def default_variant() -> int:
+    return VARIANT_SM80 if os.environ.get("JAX_TK_ATTENTION_KERNELS", "").lower() == "sm80" else VARIANT_AUTO
+
+
+def _head_dims(mask: int) -> tuple[int, ...]:
+    return tuple(1 << i for i in range(mask.bit_length()) if mask >> i & 1)
+
+
+def kernel_unsupported_reason(query, key) -> str | None:
+    """Why the CUDA kernels cannot take this configuration, or None if they can."""
+    del key
+    if not any(query.dtype == d for d in KERNEL_DTYPES):
+        return f"dtype {query.dtype} (the kernel takes bfloat16 and float16)"
+    c, d = contract(), query.shape[-1]
+    everywhere, hopper = _head_dims(c["HEAD_DIMS_SM80"]), _head_dims(c["HEAD_DIMS_SM90"])
+    if d in everywhere:
+        return None
+    if d in hopper:
+        if extension.cuda_device_capability() != (9, 0) or default_variant() != VARIANT_AUTO:
+            return f"head_dim {d} (kernels on H100/H200 only; elsewhere the kernels take {everywhere})"
+        return None
+    return f"head_dim {d} (the kernels take {everywhere}, and {hopper} on H100/H200)"
+
+
+class Masks(NamedTuple):
+    """The array-valued masking options of one call (None where not given): ``q_segment_ids``
+    ``[batch, q_len]``, ``kv_segment_ids`` ``[batch, kv_len]``, ``q_lengths`` and ``kv_lengths``
+    ``[batch]``, integers."""
+
+    q_segment_ids: jax.Array | None = None
+    kv_segment_ids: jax.Array | None = None
+    q_lengths: jax.Array | None = None
+    kv_lengths: jax.Array | None = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Segment ranges and the Hopper kernels' orders of their blocks
+# ----------------------------------------------------------------------------------------------
+
+
+def segment_ranges(ids):
+    """[batch, ceil(n / g), 2]: the smallest and largest segment id of every g = SEGMENT_GRANULE rows
+    of ``ids`` ``[batch, n]`` (the last group padded with its own last id). The kernels skip a block of
+    queries and keys whose id ranges do not meet, and need no elementwise mask where both hold one id."""
+    g = contract()["SEGMENT_GRANULE"]
+    b, n = ids.shape
+    groups = jnp.pad(ids, ((0, 0), (0, -n % g)), mode="edge").reshape(b, -1, g)
+    return jnp.stack([groups.min(axis=-1), groups.max(axis=-1)], axis=-1)
+
+
+def block_spans(ranges, block):
+    """[batch, ceil(n / block), 2]: the smallest and largest segment id of every ``block`` rows (a
+    multiple of the granule), from the ``ranges`` of :func:`segment_ranges`."""
+    k = block // contract()["SEGMENT_GRANULE"]
+    b, g, _ = ranges.shape
+    r = jnp.pad(ranges, ((0, 0), (0, -g % k), (0, 0)), mode="edge").reshape(b, -1, k, 2)
+    return jnp.stack([r[..., 0].min(axis=-1), r[..., 1].max(axis=-1)], axis=-1)
+
+
+def fwd_order_blocks(head_dim):
+    """The sm_90a forward's tiles: (query rows, keys per key block)."""
+    c = contract()
+    return c["FWD_TILE_ROWS"], c["FWD_TILE_KEYS"] if head_dim <= 128 else c["FWD_TILE_KEYS_D256"]
+
+
+def bwd_order_blocks(head_dim):
+    """The sm_90a backward's blocks: (keys per block, query rows per step)."""
+    c = contract()
+    return c["BWD_BLOCK_KEYS"] if head_dim <= 128 else c["BWD_BLOCK_KEYS_D256"], c["BWD_QUERY_ROWS"]
+
+
+# Heads per group of the block order (block_order). Groups of 4 heads ran packed documents faster
+# than the kernels' own order in both directions; one group of all heads made the blocks running at
+# one time read the queries and keys of all heads of a document, which L2 does not hold.
+ORDER_GROUP_HEADS = 4
+
+
+def order_group(group, heads):
+    """Heads per group of the orders: the largest divisor of ``heads`` up to ``group``."""
+    return max(g for g in range(1, min(group, heads) + 1) if heads % g == 0)
+
+
+def block_order(q_ranges, kv_ranges, q_block, kv_block, causal, by_queries, heads, group):
+    """With segment ids, the Hopper kernels take their blocks of the fixed grid in this order (the
+    backward's ``Params::block_order``; the forward's grid tiles, :func:`fwd_tiles`):
+    the (batch entry, head, block) triples ``(b * heads + h) * blocks + i``, longest first within
+    groups of ``group`` heads (the largest divisor of ``heads`` up to it; ORDER_GROUP_HEADS says why
+    groups): the (batch entry, block) pairs sorted by how many blocks of the other side they visit,
+    most first (ties in index order), each for the group's heads, then the next group. The forward's
+    blocks are its query tiles (``by_queries``), the backward's its key blocks. The count sees the
+    segments and the causal mask (not windows or lengths: the order only moves work between SMs, the
+    results do not depend on it)."""
+    q, k = block_spans(q_ranges, q_block), block_spans(kv_ranges, kv_block)
+    meet = (q[:, :, None, 0] <= k[:, None, :, 1]) & (k[:, None, :, 0] <= q[:, :, None, 1])  # [b, q blocks, kv blocks]
+    if causal:  # key block j starts at or before query block i ends
+        i = jnp.arange(q.shape[1])[:, None]
+        j = jnp.arange(k.shape[1])[None, :]
+        meet &= j * kv_block <= i * q_block + q_block - 1
+    work = meet.sum(axis=2 if by_queries else 1, dtype=jnp.int32)  # [b, blocks]
+    blocks = work.shape[1]
+    pairs = jnp.argsort(-work.reshape(-1), stable=True).astype(jnp.int32)  # b * blocks + i
+    group = order_group(group, heads)
+    # (iota, not numpy constants: a custom_partitioning rule traces this and takes no constants)
+    h = jnp.arange(heads // group, dtype=jnp.int32)[:, None, None] * group + jnp.arange(group, dtype=jnp.int32)
+    b, i = (pairs // blocks)[None, :, None], (pairs % blocks)[None, :, None]
+    return ((b * heads + h) * blocks + i).reshape(-1)
+
+
+def fwd_tiles(q_ids, kv_ids, q_ranges, kv_ranges, causal, heads, group, head_dim):
+    """With segment ids, the Hopper forward's tiles (``Params::fwd_tiles``): ``fwd_tile_cap(T)`` entries
+    per (batch entry, head), four int32 each, {b * heads + h (-1: none), q0, end, key base}, flattened;
+    the unused entries last.
+
+    Where the query and key ids are the same sorted runs (packed documents: ``T == S``, ids
+    non-decreasing along each row, head_dim <= FWD_DOCS_MAX_HEAD_DIM) and the tiles fit, each document
+    gets tiles of its own, FWD_TILE_ROWS rows from its start (the last one shorter), that visit only its
+    keys, in blocks from its start: no tile cuts through a document boundary, and none needs the
+    elementwise segment test. The (batch entry, tile) pairs go longest first (keys visited), in groups
+    of ``group`` heads as in :func:`block_order`. Otherwise (other ids, or more documents than the room
+    allows) the tiles of the fixed grid, in :func:`block_order`'s order, with key base -1. The choice
+    is made on the device."""
+    c = contract()
+    q_block, kv_block = fwd_order_blocks(head_dim)
+    b, t = q_ids.shape
+    qblocks = -(-t // q_block)
+    cap = c["FWD_TILES_PER_BLOCK"] * qblocks  # fwd_tile_cap
+    n = b * heads * cap
+    # (-1, 0, 0, -1), from an iota: a custom_partitioning rule traces this and takes no constants
+    unused = -(jnp.arange(4, dtype=jnp.int32) % 3 == 0).astype(jnp.int32)
+    order = block_order(q_ranges, kv_ranges, q_block, kv_block, causal, True, heads, group)  # (b * heads + h) * qblocks + i
+    grid = jnp.stack([order // qblocks, order % qblocks * q_block, jnp.full_like(order, t), jnp.full_like(order, -1)], -1)
+    grid = jnp.concatenate([grid, jnp.broadcast_to(unused, (n - grid.shape[0], 4))])
+    if kv_ids.shape[1] != t or head_dim > c["FWD_DOCS_MAX_HEAD_DIM"]:
+        return grid.reshape(-1)
+    # Documents: where each row's runs of ids start and end, and where their tiles start.
+    pos = jnp.arange(t, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), q_ids[:, 1:] != q_ids[:, :-1]], axis=1)
+    doc_start = jax.lax.cummax(jnp.where(starts, pos, 0), axis=1)
+    next_start = jax.lax.cummin(jnp.where(starts, pos, t), axis=1, reverse=True)
+    doc_end = jnp.concatenate([next_start[:, 1:], jnp.full((b, 1), t, jnp.int32)], axis=1)
+    tile_starts = (pos - doc_start) % q_block == 0
+    count = tile_starts.sum(axis=1)
+    documents = (jnp.all(q_ids == kv_ids) & jnp.all(q_ids[:, 1:] >= q_ids[:, :-1]) & jnp.all(count <= cap))
+    rank = jnp.where(tile_starts, jnp.cumsum(tile_starts, axis=1, dtype=jnp.int32) - 1, cap)
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+    q0 = jnp.full((b, cap), t, jnp.int32).at[rows, rank].set(jnp.broadcast_to(pos, (b, t)), mode="drop")  # [b, cap]
+    valid = q0 < t
+    at = jnp.minimum(q0, t - 1)
+    start, end = jnp.take_along_axis(doc_start, at, axis=1), jnp.take_along_axis(doc_end, at, axis=1)
+    keys = (jnp.minimum(q0 + q_block, end) if causal else end) - start
+    work = jnp.where(valid, -(-keys // kv_block), -1).reshape(-1)
+    pairs = jnp.argsort(-work, stable=True).astype(jnp.int32)  # b * cap + i, the unused ones last
+    used = valid.sum(dtype=jnp.int32)
+    group = order_group(group, heads)
+    # entry e: group e // (used * group) of heads, then the pairs, each for the group's heads
+    e = jnp.arange(n, dtype=jnp.int32)
+    per_group = jnp.maximum(used, 1) * group
+    g, rest = e // per_group, e % per_group
+    pair = pairs[jnp.minimum(rest // group, b * cap - 1)]
+    bb, i = pair // cap, pair % cap
+    h = g * group + rest % group
+    docs = jnp.stack([bb * heads + h, q0[bb, i], end[bb, i], start[bb, i]], -1)
+    docs = jnp.where((e < heads * used)[:, None], docs, unused)
+    return jnp.where(documents, docs, grid).reshape(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel calls
+# ----------------------------------------------------------------------------------------------
+
+
+def mask_operands(masks: Masks | None, order=None):
+    """The masking operands of the kernels: the four options of ``masks``, the two segment ranges,
+    then with segment ids ``order(q_ids, kv_ids, q_ranges, kv_ranges)`` (the forward's tiles,
+    :func:`fwd_tiles`, or the backward's block order, :func:`block_order`; None: the kernel's own), as
+    int32 arrays, or int32 arrays of shape (0,) where an option is absent (the handler decodes those as
+    "none")."""
+    masks = Masks() if masks is None else masks
+    ints = [None if x is None else jnp.asarray(x).astype(jnp.int32) for x in masks]
+    ranges = [None if x is None else segment_ranges(x) for x in ints[:2]]
+    order = None if ranges[0] is None or order is None else order(*ints[:2], *ranges)
+    return tuple(jnp.zeros((0,), jnp.int32) if x is None else x for x in (*ints, *ranges, order))
+
+
+def _attributes(spec, q_len: int, kv_len: int, variant: int) -> dict:
+    """scale, is_causal, variant, window_left/window_right (-1: unbounded; a side that reaches past the
+    sequence is unbounded, which also keeps the attribute in int32) and softcap (0: none)."""
+    left, right = spec.window if spec.window is not None else (-1, -1)
+    left = -1 if left < 0 or left >= q_len else left
+    right = -1 if right < 0 or right >= kv_len else right
+    return dict(scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal), variant=np.int32(variant),
+                window_left=np.int32(left), window_right=np.int32(right),
+                softcap=np.float32(spec.softcap if spec.softcap is not None else 0.0))
+
+
+def _call(target, out_types, args, spec, out_init, variant, masks, order, **attrs):
+    variant = default_variant() if variant is None else variant
+    if variant == VARIANT_SM80:
+        order = None  # (only the Hopper kernels take it)
+    operands = (*args, *mask_operands(masks, order))
+    q, k = args[0], args[1]
+    return kernel_call(target, out_types, operands, {**_attributes(spec, q.shape[1], k.shape[1], variant), **attrs},
+                       out_init=out_init)
+
+
+def lse_shape(query):
+    b, t, n, _ = query.shape
+    return jax.ShapeDtypeStruct((b, n, t), jnp.float32)
+
+
+def bwd_workspace_shape(query):
+    """The sm_90a backward's workspace (``bwd_sm90_workspace_words``): per (batch, head, block of R =
+    BWD_QUERY_ROWS query rows) an fp32 R x head_dim dq accumulator tile, R lse and R delta values and
+    one int32."""
+    b, t, n, d = query.shape
+    r = contract()["BWD_QUERY_ROWS"]
+    return jax.ShapeDtypeStruct((b * n * -(-t // r) * (r * d + 2 * r + 1),), jnp.float32)
+
+
+def fwd_kernel(query, key, value, spec, out_init=None, variant=None, masks=None):
+    """(out, lse) of the forward kernel. ``out_init`` (tests): buffers aliased to (out, lse, scratch)."""
+    out_types = (
+        jax.ShapeDtypeStruct(query.shape, query.dtype),
+        lse_shape(query),
+        jax.ShapeDtypeStruct((1,), jnp.int32),  # workspace: the Hopper kernel's tile counter
+    )
+    order = functools.partial(fwd_tiles, causal=spec.is_causal, heads=query.shape[2], group=ORDER_GROUP_HEADS,
+                              head_dim=query.shape[3])
+    out, lse, _ = _call(FWD_TARGET, out_types, (query, key, value), spec, out_init, variant, masks, order)
+    return out, lse
+
+
+def bwd_kernel(query, key, value, out, lse, dout, dlse, spec, out_init=None, variant=None, masks=None):
+    """(dq, dk, dv) of the backward kernel, given the forward's out and lse and the cotangents."""
+    out_types = (
+        jax.ShapeDtypeStruct(query.shape, query.dtype),
+        jax.ShapeDtypeStruct(key.shape, key.dtype),
+        jax.ShapeDtypeStruct(value.shape, value.dtype),
+        lse_shape(query),  # workspace: delta = rowsum(dout * out) - dlse, fp32
+        bwd_workspace_shape(query),  # workspace of the Hopper kernel: fp32 dq accumulator + locks
+    )
+    order = None  # (the deterministic mode's turns need each head's key blocks in order)
+    if not spec.deterministic:
+        kv_block, q_block = bwd_order_blocks(query.shape[3])
+
+        def order(q_ids, kv_ids, q_ranges, kv_ranges):  # (the ids themselves are not needed)
+            return block_order(q_ranges, kv_ranges, q_block, kv_block, spec.is_causal, False, key.shape[2],
+                               ORDER_GROUP_HEADS)
+    dq, dk, dv, *_ = _call(BWD_TARGET, out_types, (query, key, value, out, lse, dout, dlse), spec, out_init,
+                           variant, masks, order, deterministic=np.int32(spec.deterministic))
+    return dq, dk, dv
