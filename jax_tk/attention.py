@@ -228,8 +228,7 @@ def _bwd_order_blocks(head_dim):
 # lengths in 16k, 16 heads, D = 128): groups of 4 heads ran the forward 6% and the backward 3-4%
 # faster than the kernels' own order; groups of 1, 2 or 8 heads less so (8: 3% slower on the causal
 # backward), and one group of all 16 heads ran the causal backward at 0.7x (the blocks running at one
-# time then read the queries and keys of all heads of a document: L2). benchmarks/RESULTS.md has the
-# table.
+# time then read the queries and keys of all heads of a document: L2).
 ORDER_GROUP_HEADS = 4
 
 
