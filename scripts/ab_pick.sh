@@ -8,8 +8,6 @@
 #   1. builds them all at once, 90a only, without the test kernels (scripts/ab_build.sh);
 #   2. runs `python -m jax_tk.bench attention --providers jax_tk,cudnn --no-check --png none
 #      bench-args` AB_ROUNDS times per build, builds alternating (scripts/ab.sh), into OUTDIR/bench.log;
-#      With AB_PROBE_ROWS (and AB_PROBE_MODES), also scripts/feature_probe.py's rows, into
-#      OUTDIR/probe.log (not scored);
 #   3. scores each candidate by its mean speed over the baseline's, row by row, over every jax_tk row
 #      of every round (OUTDIR/pick.txt);
 #   4. if the best scores at least AB_MIN, runs JAX_TK_SANITIZE=1 scripts/gpu_check.sh OUTDIR/check in
@@ -25,10 +23,6 @@ cd "$here"  # (the trees are relative to the repository root)
 export JAX_TK_CUDA_ARCHS=90a JAX_TK_TEST_KERNELS=OFF
 AB_TREES="$base ${AB_TREES:-}" AB_TIMEOUT=${AB_TIMEOUT:-150} "$here/scripts/ab.sh" "$out/bench.log" "${AB_ROUNDS:-2}" \
   python3 -P -m jax_tk.bench attention --providers jax_tk,cudnn --no-check --png none --out "$out/bench" "$@"
-if [ -n "${AB_PROBE_ROWS:-}" ]; then  # also scripts/feature_probe.py's rows, once per build (not scored)
-  PROBE_ROWS=$AB_PROBE_ROWS PROBE_MODES=${AB_PROBE_MODES:-fwd,bwd} AB_TREES="$base ${AB_TREES:-}" \
-    "$here/scripts/ab.sh" "$out/probe.log" 1 python3 -P "$here/scripts/feature_probe.py"
-fi
 python3 - "$out/bench.log" "/tmp/$base" "${AB_MIN:-1.007}" >"$out/pick.txt" <<'PY'
 import collections, re, sys
 log, base, least = sys.argv[1], sys.argv[2], float(sys.argv[3])

@@ -1,29 +1,69 @@
-"""One call each of plain causal, the same mask through the masked kernels, and 8 packed documents,
-forward or (NCU_PROBE=bwd) backward, plus plain non-causal for the backward
-(for ncu: ncu -k regex:fwd_sm90 python scripts/ncu_probe.py)."""
-import os
+"""One jitted call of attention (forward, or with --bwd the gradient), for profilers: run it under
+ncu or nsys, e.g. through scripts/ncu_profile.sh, which profiles its kernels.
+
+    python scripts/ncu_probe.py [--impl tk|cudnn|xla] [--shape B T H D] [--kv-heads N] [--causal]
+                                [--window LEFT] [--documents N] [--bwd] [--calls N]
+
+--impl tk (default): jax_tk.attention(implementation="tk"); xla: jax_tk.attention's pure-JAX reference
+(runs on CPU too); cudnn: jax.nn.dot_product_attention(implementation="cudnn").
+--documents N: N packed documents of random lengths per row (the benchmark's, seed 0) as segment ids
+(jax_tk only), so that the XLA ops preparing the kernels' tiles show too.
+--calls N runs the call N times after the first (compiling) one, e.g. to skip it with ncu's
+--launch-skip or to profile a warm call.
+"""
+import argparse
 
 import jax
 import jax.numpy as jnp
 
 import jax_tk
-from jax_tk.bench import AttentionConfig
+from jax_tk.bench import document_lengths, segment_ids_from_lengths
 
-T, H, D = 16384, 16, 128
-key = jax.random.PRNGKey(0)
-q, k, v = (jax.random.normal(kk, (1, T, H, D), jnp.bfloat16) for kk in jax.random.split(key, 3))
-ids = jnp.asarray(AttentionConfig(1, T, T, H, D, False, documents=8).segment_ids())
-calls = {
-    "plain_causal": dict(is_causal=True),
-    "masked_causal": dict(is_causal=True, local_window_size=(T, 0)),
-    "documents": dict(q_segment_ids=ids, kv_segment_ids=ids),
-}
-backward = os.environ.get("NCU_PROBE") == "bwd"
-if backward:
-    calls = {"plain": {}, **calls}
-for name, kw in calls.items():
-    f = lambda q, k, v: jax_tk.attention(q, k, v, implementation="tk", **kw)
-    if backward:
-        f = jax.grad(lambda q, k, v, f=f: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
-    jax.block_until_ready(jax.jit(f)(q, k, v))
-    print(name, "done")
+
+def main():
+    a = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    a.add_argument("--impl", choices=("tk", "cudnn", "xla"), default="tk")
+    a.add_argument("--shape", type=int, nargs=4, default=(1, 16384, 16, 128), metavar=("B", "T", "H", "D"))
+    a.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default H)")
+    a.add_argument("--causal", action="store_true")
+    a.add_argument("--window", type=int, default=None, help="local_window_size=(LEFT, 0)")
+    a.add_argument("--documents", type=int, default=None, help="packed documents per row (segment ids)")
+    a.add_argument("--bwd", action="store_true", help="the gradient with respect to q, k and v")
+    a.add_argument("--calls", type=int, default=0, help="calls after the first")
+    a.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    args = a.parse_args()
+
+    B, T, H, D = args.shape
+    KH = args.kv_heads or H
+    dtype = jnp.bfloat16 if args.dtype == "bf16" else jnp.float16
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(kq, (B, T, H, D), dtype)
+    k = jax.random.normal(kk, (B, T, KH, D), dtype)
+    v = jax.random.normal(kv, (B, T, KH, D), dtype)
+    ids = None
+    if args.documents:
+        if args.impl == "cudnn":
+            a.error("--documents: jax.nn.dot_product_attention has no segment ids")
+        ids = jnp.asarray(segment_ids_from_lengths(document_lengths(T, args.documents, 0, B)))
+    window = None if args.window is None else (args.window, 0)
+
+    if args.impl == "cudnn":
+        def attn(q, k, v, ids):
+            return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", is_causal=args.causal,
+                                                local_window_size=window)
+    else:
+        def attn(q, k, v, ids):
+            return jax_tk.attention(q, k, v, implementation=args.impl, is_causal=args.causal,
+                                    local_window_size=window, q_segment_ids=ids, kv_segment_ids=ids)
+    if args.bwd:
+        f = jax.jit(jax.grad(lambda q, k, v, ids: attn(q, k, v, ids).astype(jnp.float32).sum(),
+                             argnums=(0, 1, 2)))
+    else:
+        f = jax.jit(attn)
+    for _ in range(1 + args.calls):
+        jax.block_until_ready(f(q, k, v, ids))
+    print(f"{args.impl} {'bwd' if args.bwd else 'fwd'} B={B} T={T} H={H}/{KH} D={D} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -103,8 +103,8 @@ def test_failing_provider_is_recorded(tmp_path):
     assert by["xla"].status == "ok"
 
 
-def test_script_entry_point():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "attention.py"), "--help"],
+def test_module_entry_point():
+    out = subprocess.run([sys.executable, "-m", "jax_tk.bench", "attention", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--providers" in out.stdout

@@ -80,8 +80,8 @@ template <bool FULL> __device__ __forceinline__ bool sees(const Params &p, int b
 // The order in which the blocks (key block j of key/value head kvh of batch entry b) are launched:
 // key block by key block within groups of `pairs` (batch entry, head) pairs, group after group. With
 // a causal mask or packed sequences the first key blocks see the most query blocks, so each group
-// starts with its longest blocks and the last wave ends with short ones (scripts/schedule_model.py:
-// a tail of 1.4% instead of 6.3% at causal T = 2k with 8 pairs). The blocks running together read
+// starts with its longest blocks and the last wave ends with short ones (modelled: a tail of 1.4%
+// instead of 6.3% at causal T = 2k with 8 pairs). The blocks running together read
 // the Q and dO of a whole group, so a group is kept below ORDER_BYTES of them (L2; at D = 128: 7 pairs
 // at T = 2k, 3 at 4k, one from 8k; 8 pairs at T = 16k measured 1-4% slower; key block by key block
 // over all heads measured 40% slower at T = 2k). Within a (batch entry, head), key block j' < j
