@@ -145,7 +145,7 @@ def product_ref(product, n, k, a, b):
 
 def test_wgmma_cases_mirror_the_kernel_file():
     """WGMMA_CASES lists exactly the cases compiled in cc/tests/hopper_ops.cu (runs without a GPU)."""
-    src = pathlib.Path(__file__).parents[1] / "cc" / "tests" / "hopper_ops.cu"
+    src = pathlib.Path(__file__).parents[2] / "cc" / "tests" / "hopper_ops.cu"
     if not src.exists():
         pytest.skip("not in a source checkout")
     compiled = [(p, int(n), int(k), (int(ar), int(ac)), (int(br), int(bc))) for p, n, k, ar, ac, br, bc in

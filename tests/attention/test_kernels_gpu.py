@@ -17,6 +17,7 @@ import pytest
 
 import jax_tk
 from jax_tk.attention import reference
+import helpers
 from jax_tk._core import extension
 from jax_tk.attention.api import AttentionSpec
 from jax_tk.attention.launch import (
@@ -34,17 +35,7 @@ LSE_TOL = 1e-3  # lse: max |x - ref| / max(1, max |ref|)
 
 
 def rel_err(x, ref, floor=1e-4):
-    """norm(x - ref) / norm(ref), in float64.
-
-    The denominator is at least ``floor`` times the RMS-norm of a tensor of ones, so that a reference
-    that is zero analytically (dq when every query row sees exactly one key) compares its rounding
-    noise against a small absolute scale instead of dividing by ~0.
-    """
-    x = np.asarray(x).astype(np.float64)
-    ref = np.asarray(ref).astype(np.float64)
-    assert x.shape == ref.shape, (x.shape, ref.shape)
-    den = max(np.linalg.norm(ref), floor * math.sqrt(ref.size))
-    return np.linalg.norm(x - ref) / den
+    return helpers.rel_err(x, ref, floor)
 
 
 def assert_finite(name, x):
@@ -85,8 +76,7 @@ def make_inputs(seed, b, t, s, n, kh, d, dtype, q_mult=1.0):
     return randn((b, t, n, d), q_mult), randn((b, s, kh, d)), randn((b, s, kh, d)), randn((b, t, n, d))
 
 
-def _nan(shape, dtype):
-    return jnp.full(shape, jnp.nan, dtype)
+_nan = helpers.nan
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "is_causal", "variant", "window", "softcap", "deterministic"))

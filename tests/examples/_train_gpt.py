@@ -3,7 +3,7 @@ import importlib.util
 import os
 import sys
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "train_gpt.py")
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples", "train_gpt.py")
 
 
 def load_example():

@@ -10,6 +10,7 @@ import pytest
 
 import jax_tk
 from jax_tk.attention import reference
+from helpers import attention_inputs, randn as _randn, rel_err
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TOL = {F32: 1e-5, BF16: 1e-2, F16: 2e-3}
@@ -19,28 +20,14 @@ ref_attention = jax.jit(reference.attention, static_argnames=("scale", "is_causa
 ref_attention_with_lse = jax.jit(reference.attention_with_lse, static_argnames=("scale", "is_causal"))
 
 
-def _randn(rng, shape, dtype):
-    # Rounded on the host (no eager device op to compile per shape).
-    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(jnp.dtype(dtype)))
-
-
-def _qkv(seed, b, t, s, n, kh, d, dtype):
-    rng = np.random.default_rng(seed)
-    return (
-        _randn(rng, (b, t, n, d), dtype),
-        _randn(rng, (b, s, kh, d), dtype),
-        _randn(rng, (b, s, kh, d), dtype),
-    )
+_qkv = attention_inputs
 
 
 def _f64(x):
     return np.asarray(x).astype(np.float64)
 
 
-def _rel_err(x, ref):
-    x, ref = _f64(x), _f64(ref)
-    num, den = np.linalg.norm(x - ref), np.linalg.norm(ref)
-    return num / den if den > 0 else num  # an all-zero reference (e.g. dq of a row seeing one key)
+_rel_err = rel_err
 
 
 def numpy_attention(q, k, v, scale, is_causal):

@@ -17,7 +17,7 @@ import jax_tk
 from jax_tk.attention import reference
 from jax_tk.ring import unzigzag, zigzag, zigzag_indices
 
-from test_sharding import _CHILD_ENV, _have_devices, run_in_subprocess
+from helpers import CHILD_ENV as _CHILD_ENV, attention_inputs, have_devices as _have_devices, rel_err, run_in_subprocess
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -35,14 +35,10 @@ def test_in_subprocess():
 
 
 def _inputs(seed, b, t, s, n, kh, d, dtype):
-    rng = np.random.default_rng(seed)
-    mk = lambda shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
-    return mk((b, t, n, d)), mk((b, s, kh, d)), mk((b, s, kh, d)), mk((b, t, n, d)), mk((b, n, t))
+    return attention_inputs(seed, b, t, s, n, kh, d, dtype, cotangents=True)
 
 
-def _rel(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
+_rel = rel_err
 
 
 def _ring_fn(mesh, axis, layout, causal, batch_axis=None):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jax_tk
+from helpers import attention_inputs, randn as _randn, rel_err
 from jax_tk.attention import reference
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -15,27 +16,12 @@ TOL = {F32: 1e-5, BF16: 1e-2, F16: 1e-2}
 ARGS = (0, 1, 2)
 
 
-def _randn(rng, shape, dtype):
-    # Rounded on the host (no eager device op to compile per shape).
-    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(jnp.dtype(dtype)))
-
-
 def _inputs(seed, b, t, s, n, kh, d, dtype):
     """q, k, v in dtype, and float32 cotangents w (for out) and u (for lse); never zeros or ones."""
-    rng = np.random.default_rng(seed)
-    q = _randn(rng, (b, t, n, d), dtype)
-    k = _randn(rng, (b, s, kh, d), dtype)
-    v = _randn(rng, (b, s, kh, d), dtype)
-    w = _randn(rng, (b, t, n, d), F32)
-    u = _randn(rng, (b, n, t), F32)
-    return q, k, v, w, u
+    return attention_inputs(seed, b, t, s, n, kh, d, dtype, cotangents=True, cotangent_dtype=F32)
 
 
-def _rel_err(x, ref):
-    x = np.asarray(x).astype(np.float64)
-    ref = np.asarray(ref).astype(np.float64)
-    num, den = np.linalg.norm(x - ref), np.linalg.norm(ref)
-    return num / den if den > 0 else num  # an all-zero reference (e.g. dq of a row seeing one key)
+_rel_err = rel_err
 
 
 def _assert_grads_close(got, want, tol, what):

@@ -23,34 +23,10 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jax_tk
 from jax_tk import sharding
 from jax_tk.attention import reference
-
-N_DEVICES = 8
-_CHILD_ENV = "JAX_TK_MULTIDEVICE_CHILD"
-
-
-def _have_devices() -> bool:
-    return jax.default_backend() == "cpu" and jax.device_count() >= N_DEVICES
-
-
-def run_in_subprocess(path):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEVICES}"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env[_CHILD_ENV] = "1"
-    safe_path = ["-P"] if getattr(sys.flags, "safe_path", False) else []  # as this process was run
-    cmd = [sys.executable, *safe_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", path]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    tail = "\n".join(proc.stdout.splitlines()[-60:])
-    print(tail)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{tail}\n{proc.stderr[-3000:]}"
-
+from helpers import N_DEVICES, REPO, attention_inputs, have_devices as _have_devices, rel_err, run_in_subprocess
 
 @pytest.mark.skipif(_have_devices(), reason="this process has the devices: the tests run here")
 def test_in_subprocess():
-    if os.environ.get(_CHILD_ENV):
-        pytest.fail("the 8-device subprocess did not get 8 CPU devices")
     run_in_subprocess(__file__)
 
 
@@ -71,9 +47,7 @@ def _mesh(axis_type, shape=(2, 4), names=("data", "model")):
 
 
 def _qkv(seed, b, t, n, kh, d, dtype):
-    rng = np.random.default_rng(seed)
-    mk = lambda shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
-    return mk((b, t, n, d)), mk((b, t, kh, d)), mk((b, t, kh, d)), mk((b, t, n, d)), mk((b, n, t))
+    return attention_inputs(seed, b, t, t, n, kh, d, dtype, cotangents=True)
 
 
 def _loss(fn, causal):
@@ -116,9 +90,7 @@ def _masked_loss(fn):
     return loss
 
 
-def _rel(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
+_rel = rel_err
 
 
 def _tol(dtype):
@@ -369,7 +341,7 @@ class TestMultiGpuExample:
         pytest.importorskip("optax")
         import importlib.util
 
-        path = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "multi_gpu.py")
+        path = str(REPO / "examples" / "multi_gpu.py")
         spec = importlib.util.spec_from_file_location("multi_gpu_example", path)
         example = importlib.util.module_from_spec(spec)
         sys.modules["multi_gpu_example"] = example  # dataclasses look their module up there

@@ -10,13 +10,11 @@ import pytest
 
 import jax_tk
 from jax_tk.attention import reference
+from helpers import rel_err
 
 F32 = jnp.float32
 
 
-def rel_err(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-12)
 
 
 def qkv(b=2, t=37, s=37, n=4, kh=2, d=32, seed=0, dtype=F32):

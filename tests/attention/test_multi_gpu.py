@@ -13,6 +13,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
 from jax_tk.attention import reference
+from helpers import rel_err
 
 
 def _cuda_devices():
@@ -46,9 +47,7 @@ def _inputs(seed, b, t, n, kh, d, dtype=BF16):
     )
 
 
-def _rel(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
+_rel = rel_err
 
 
 def _values_and_grads(fn, causal):

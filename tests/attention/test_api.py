@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jax_tk
+from helpers import attention_inputs, randn as _randn, rel_err
 from jax_tk._core import extension
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -27,18 +28,8 @@ def _abstract_qkv(b=2, t=8, s=8, n=4, kh=2, d=64, dtype=BF16):
     return _sds((b, t, n, d), dtype), _sds((b, s, kh, d), dtype), _sds((b, s, kh, d), dtype)
 
 
-def _randn(rng, shape, dtype):
-    # Rounded on the host (no eager device op to compile per shape).
-    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(jnp.dtype(dtype)))
-
-
 def _qkv(seed, b=2, t=8, s=8, n=4, kh=2, d=32, dtype=BF16):
-    rng = np.random.default_rng(seed)
-    return (
-        _randn(rng, (b, t, n, d), dtype),
-        _randn(rng, (b, s, kh, d), dtype),
-        _randn(rng, (b, s, kh, d), dtype),
-    )
+    return attention_inputs(seed, b, t, s, n, kh, d, dtype)
 
 
 def _trace(fn, q, k, v, **kwargs):
@@ -46,11 +37,7 @@ def _trace(fn, q, k, v, **kwargs):
     return jax.eval_shape(functools.partial(fn, **kwargs), q, k, v)
 
 
-def _rel_err(x, ref):
-    x = np.asarray(x).astype(np.float64)
-    ref = np.asarray(ref).astype(np.float64)
-    num, den = np.linalg.norm(x - ref), np.linalg.norm(ref)
-    return num / den if den > 0 else num  # an all-zero reference (e.g. dq of a row seeing one key)
+_rel_err = rel_err
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,73 @@
+"""What the tests share: the repository's root, random inputs, relative errors, poisoned buffers and
+the 8-device subprocess for multi-device tests on CPU. (tests/conftest.py puts this folder on sys.path.)"""
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+F32 = jnp.float32
+
+
+def randn(rng, shape, dtype):
+    """Standard normal values in ``dtype``, rounded on the host (no eager device op to compile per
+    shape). Never zeros or ones."""
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(jnp.dtype(dtype)))
+
+
+def attention_inputs(seed, b, t, s, n, kh, d, dtype, cotangents=False, cotangent_dtype=None):
+    """q ``[b, t, n, d]``, k and v ``[b, s, kh, d]`` in ``dtype``; with ``cotangents``, also dout
+    ``[b, t, n, d]`` and dlse ``[b, n, t]`` (in ``cotangent_dtype``, default ``dtype``)."""
+    rng = np.random.default_rng(seed)
+    arrays = [randn(rng, (b, t, n, d), dtype), randn(rng, (b, s, kh, d), dtype), randn(rng, (b, s, kh, d), dtype)]
+    if cotangents:
+        ct = cotangent_dtype or dtype
+        arrays += [randn(rng, (b, t, n, d), ct), randn(rng, (b, n, t), ct)]
+    return tuple(arrays)
+
+
+def rel_err(x, ref, floor=0.0):
+    """norm(x - ref) / norm(ref), in float64. The denominator is at least ``floor`` times the norm of a
+    tensor of ones of the same size, so that a reference that is zero analytically (dq when every
+    query row sees exactly one key) compares its rounding noise against a small absolute scale; with
+    ``floor=0`` an all-zero reference gives the absolute error."""
+    x, ref = np.asarray(x).astype(np.float64), np.asarray(ref).astype(np.float64)
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    num, den = np.linalg.norm(x - ref), max(np.linalg.norm(ref), floor * math.sqrt(ref.size))
+    return num / den if den > 0 else num
+
+
+def nan(shape, dtype):
+    """A poisoned buffer: outputs aliased to it must all be written."""
+    return jnp.full(shape, jnp.nan, dtype)
+
+
+# Multi-device tests on CPU: XLA fixes the number of CPU devices when its backend starts, which another
+# test module has already done in this process; a module that needs 8 devices reruns itself in a fresh
+# Python with them (run_in_subprocess) unless this process already has them (have_devices).
+N_DEVICES = 8
+CHILD_ENV = "JAX_TK_MULTIDEVICE_CHILD"
+
+
+def have_devices() -> bool:
+    return jax.default_backend() == "cpu" and jax.device_count() >= N_DEVICES
+
+
+def run_in_subprocess(path):
+    if os.environ.get(CHILD_ENV):
+        raise AssertionError(f"the {N_DEVICES}-device subprocess did not get {N_DEVICES} CPU devices")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEVICES}").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env[CHILD_ENV] = "1"
+    safe_path = ["-P"] if getattr(sys.flags, "safe_path", False) else []  # as this process was run
+    cmd = [sys.executable, *safe_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    tail = "\n".join(proc.stdout.splitlines()[-60:])
+    print(tail)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{tail}\n{proc.stderr[-3000:]}"
