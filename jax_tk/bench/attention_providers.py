@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tk.bench.attention_configs import AttentionConfig
-from jax_tk.bench.harness import Provider, Skip, Unavailable, has_gpu, short_error
+from jax_tk.bench.harness import Provider, Skip, Unavailable, cuda_capability, has_gpu, short_error
 
 PROVIDERS = ("jax_tk", "jax_tk_auto", "cudnn", "cudnn_packed", "fa3", "xla", "pallas", "pallas_triton")
 DEFAULT_PROVIDERS = ("jax_tk", "cudnn", "xla", "pallas")  # and fa3 where installed: default_providers()
@@ -230,9 +230,9 @@ def _fa3_provider(cfg: AttentionConfig, scale: float) -> Provider:
     except Exception as e:  # noqa: BLE001 - ImportError, or its CUDA library does not load
         raise Unavailable(f"flash_attn3_jax does not import (pip install flash-attn3-jax): "
                           f"{short_error(e, 160)}") from None
-    if not has_gpu():
+    cc = cuda_capability()
+    if cc is None:
         raise Unavailable("flash_attn3_jax needs a CUDA GPU (Hopper)")
-    cc = str(getattr(jax.devices("cuda")[0], "compute_capability", "") or "")
     if cc and not cc.startswith("9"):
         raise Skip(f"FlashAttention-3's kernels are built for sm90 (Hopper), this GPU is sm{cc}")
     if cfg.head_dim not in fa3_head_dims():

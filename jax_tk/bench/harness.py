@@ -182,6 +182,13 @@ def has_gpu() -> bool:
         return False
 
 
+def cuda_capability() -> str | None:
+    """The first CUDA device's compute capability ("9.0"), "" where jax does not say, None without one."""
+    if not has_gpu():
+        return None
+    return str(getattr(jax.devices("cuda")[0], "compute_capability", "") or "")
+
+
 def random_normal_sets(shapes: Sequence[tuple], dtype, copies: int, seed: int = 0) -> list[tuple]:
     """``copies`` tuples of standard-normal arrays of ``shapes`` in ``dtype`` (never zeros)."""
     sets = [_random_set(jax.random.key(seed + i), shapes=tuple(map(tuple, shapes)), dtype=dtype)
