@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from jax_tk.bench.harness import ENV_FIELDS, Result, csv_fields, has_gpu  # noqa: F401 (has_gpu: API)
+from jax_tk.bench.harness import ENV_FIELDS, Result, csv_fields
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
