@@ -172,13 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def detect_op(path: str) -> Command:
-    """The registered op whose configuration columns are all in the CSV's header."""
+    """The registered op that wrote a CSV: the one with the largest share of its configuration
+    columns in the CSV's header (older CSVs may lack columns added since; ``--op`` to choose)."""
     header = set(output.csv_header(path))
-    found = [c for c in load_ops().values()
-             if c.config_type is not None and set(c.config_type.CSV_FIELDS) <= header]
-    if not found:
-        raise SystemExit(f"report: {path}: no registered op has these columns")
-    return max(found, key=lambda c: len(c.config_type.CSV_FIELDS))
+    share = {c.name: len(set(c.config_type.CSV_FIELDS) & header) / len(c.config_type.CSV_FIELDS)
+             for c in load_ops().values() if c.config_type is not None}
+    best = max(share, key=share.get, default=None)
+    if best is None or share[best] < 0.5:
+        raise SystemExit(f"report: {path}: no registered op has these columns; use --op")
+    return COMMANDS[best]
 
 
 def run_report(args) -> int:
