@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
+from helpers import REPO
 from jax_tk import bench
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 
 
 def test_flops_forward():

@@ -1,0 +1,360 @@
+"""Attention benchmark configurations: the problems, the sweep, the feature rows, and their FLOPs.
+
+FLOPs are counted the standard way (FlashAttention's benchmarks): forward ``4*B*H*T*S*D``, halved
+when causal; backward 2.5x forward; forward+backward 3.5x. Feature rows (grouped KV, sliding window,
+packed documents) count only the (query, key) pairs their mask leaves visible ("useful FLOPs"),
+counted on the host in O(T) per document (``visible_pairs``); each is compared with a plain row of
+about the same useful FLOPs (``plain_baseline``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+FEATURES = ("gqa", "window", "documents")
+MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp16": jnp.float16, "float16": jnp.float16}
+
+DEFAULT_HEAD_DIMS = (64, 128)
+DEFAULT_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+DEFAULT_TOKENS = 16384  # batch * seq_len
+DEFAULT_HIDDEN = 2048  # heads * head_dim
+
+QUICK_HEAD_DIMS = (64,)
+QUICK_SEQ_LENS = (128, 256)
+QUICK_TOKENS = 512
+QUICK_HIDDEN = 128
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOPs and masks
+# ----------------------------------------------------------------------------------------------
+
+
+def attention_flops(batch: int, q_len: int, kv_len: int, heads: int, head_dim: int,
+                    causal: bool, mode: str = "fwd") -> float:
+    """FLOPs of attention counted the standard way (FlashAttention's benchmarks).
+
+    Forward: two matrix products of ``2*T*S*D`` each per (batch, head), ``4*B*H*T*S*D``, halved when
+    causal; backward 2.5x the forward (five matrix products against two); forward+backward 3.5x.
+    """
+    if mode not in MODE_FLOP_FACTOR:
+        raise ValueError(f"mode must be one of {tuple(MODE_FLOP_FACTOR)}, got {mode!r}")
+    fwd = 4.0 * batch * heads * q_len * kv_len * head_dim
+    if causal:
+        fwd /= 2.0
+    return fwd * MODE_FLOP_FACTOR[mode]
+
+
+def visible_pairs(q_len: int, kv_len: int, *, causal: bool = False, window=None,
+                  q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None,
+                  key_value_seq_lengths=None, batch: int = 1) -> int:
+    """The number of (query, key) pairs that a mask leaves visible, summed over the batch.
+
+    Same rules as ``jax_tk.attention`` (all must hold): causal ``j <= i`` (top-left aligned), window
+    ``(left, right)``: ``i - left <= j <= i + right``, same segment id, ``i < query length``,
+    ``j < key length``. Computed per query row as an interval of keys, so O(q_len + kv_len) per batch
+    row, times the number of segments where segment ids are given (never a q_len x kv_len matrix).
+    ``batch`` is used when no per-batch array (segment ids, lengths) gives it.
+    """
+    arrays = [x for x in (q_segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths)
+              if x is not None]
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("give both q_segment_ids and kv_segment_ids, or neither")
+    if arrays:
+        batch = int(np.shape(arrays[0])[0])
+    i = np.arange(q_len, dtype=np.int64)
+    lo = np.zeros(q_len, np.int64)
+    hi = np.full(q_len, kv_len - 1, np.int64)
+    if causal:
+        hi = np.minimum(hi, i)
+    if window is not None:
+        left, right = (window, window) if isinstance(window, (int, np.integer)) else window
+        lo = np.maximum(lo, i - int(left))
+        hi = np.minimum(hi, i + int(right))
+    total = 0
+    for b in range(batch):
+        lo_b, hi_b = lo, hi
+        if key_value_seq_lengths is not None:
+            hi_b = np.minimum(hi_b, int(np.asarray(key_value_seq_lengths)[b]) - 1)
+        rows = np.ones(q_len, bool)
+        if query_seq_lengths is not None:
+            rows = i < int(np.asarray(query_seq_lengths)[b])
+        hi_b = np.where(rows, hi_b, -1)
+        lo_c = np.clip(lo_b, 0, kv_len)
+        hi_c = np.clip(hi_b, -1, kv_len - 1)
+        if q_segment_ids is None:
+            total += int(np.maximum(hi_c - lo_c + 1, 0).sum())
+            continue
+        q_ids = np.asarray(q_segment_ids)[b]
+        kv_ids = np.asarray(kv_segment_ids)[b]
+        for g in np.unique(q_ids):
+            # prefix[j] = keys of segment g among the first j keys.
+            prefix = np.concatenate([[0], np.cumsum(kv_ids == g, dtype=np.int64)])
+            sel = q_ids == g
+            a, z = lo_c[sel], hi_c[sel]
+            total += int(np.where(z >= a, prefix[z + 1] - prefix[a], 0).sum())
+    return total
+
+
+def document_lengths(total: int, documents: int, seed: int = 0, batch: int = 1) -> np.ndarray:
+    """[batch, documents] random lengths (each >= 1) that add up to ``total`` in every batch row:
+    ``documents - 1`` distinct cut points drawn uniformly from 1..total-1 (numpy, fixed seed)."""
+    if not 1 <= documents <= total:
+        raise ValueError(f"need 1 <= documents <= total, got documents={documents}, total={total}")
+    rng = np.random.default_rng(seed)
+    out = np.empty((batch, documents), np.int64)
+    for b in range(batch):
+        cuts = np.sort(rng.choice(np.arange(1, total), documents - 1, replace=False))
+        out[b] = np.diff(np.concatenate([[0], cuts, [total]]))
+    return out
+
+
+def segment_ids_from_lengths(lengths: np.ndarray) -> np.ndarray:
+    """[batch, total] int32 segment ids (0, 1, ...) from [batch, documents] lengths."""
+    lengths = np.asarray(lengths)
+    return np.stack([np.repeat(np.arange(len(row), dtype=np.int32), row) for row in lengths])
+
+
+# ----------------------------------------------------------------------------------------------
+# Configurations
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """One benchmarked problem. The plain sweep leaves ``feature`` empty (FLOPs counted the standard
+    way); feature rows (``feature`` in FEATURES, and ``"plain"`` for their baselines) count only the
+    visible (query, key) pairs of their mask ("useful FLOPs")."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    heads: int
+    head_dim: int
+    causal: bool
+    dtype: str = "bf16"
+    feature: str = ""
+    kv_heads: int | None = None  # None: = heads (normalized on construction)
+    window: tuple[int, int] | None = None  # local_window_size (left, right)
+    documents: int = 0  # > 0: packed documents of random lengths (q_segment_ids = kv_segment_ids)
+    doc_seed: int = 0
+
+    def __post_init__(self):
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.window is not None:
+            object.__setattr__(self, "window", (int(self.window[0]), int(self.window[1])))
+        if self.documents and self.q_len != self.kv_len:
+            raise ValueError("packed documents need q_len == kv_len")
+
+    @property
+    def shape_q(self):
+        return (self.batch, self.q_len, self.heads, self.head_dim)
+
+    @property
+    def shape_kv(self):
+        return (self.batch, self.kv_len, self.kv_heads, self.head_dim)
+
+    @property
+    def jnp_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def useful(self) -> bool:
+        """FLOPs count only visible pairs (feature rows and their plain baselines)."""
+        return bool(self.feature)
+
+    def document_lengths(self) -> np.ndarray | None:
+        if not self.documents:
+            return None
+        return _document_lengths_cached(self.q_len, self.documents, self.doc_seed, self.batch)
+
+    def segment_ids(self) -> np.ndarray | None:
+        """[batch, q_len] int32 segment ids (the same for queries and keys), or None."""
+        lengths = self.document_lengths()
+        return None if lengths is None else segment_ids_from_lengths(lengths)
+
+    def visible(self) -> int:
+        """Visible (query, key) pairs per head, summed over the batch."""
+        return _visible_cached(self)
+
+    def flops(self, mode: str) -> float:
+        if not self.useful:
+            return attention_flops(self.batch, self.q_len, self.kv_len, self.heads, self.head_dim,
+                                   self.causal, mode)
+        if mode not in MODE_FLOP_FACTOR:
+            raise ValueError(f"mode must be one of {tuple(MODE_FLOP_FACTOR)}, got {mode!r}")
+        return 4.0 * self.heads * self.head_dim * self.visible() * MODE_FLOP_FACTOR[mode]
+
+    def logits_bytes(self) -> int:
+        """Bytes of one float32 [B, H, T, S] logits array (what XLA's attention materializes)."""
+        return self.q_len * self.kv_len * self.batch * self.heads * 4
+
+    def mask_label(self) -> str:
+        parts = ["causal" if self.causal else "full"]
+        if self.window is not None:
+            parts.append(f"window={self.window[0]}:{self.window[1]}")
+        if self.documents:
+            parts.append(f"{self.documents} docs (seed {self.doc_seed})")
+        return " ".join(parts)
+
+    def label(self) -> str:
+        h = f"H={self.heads}" + (f"/{self.kv_heads}kv" if self.kv_heads != self.heads else "")
+        text = f"B={self.batch} T={self.q_len} S={self.kv_len} {h} D={self.head_dim} {self.mask_label()}"
+        return f"[{self.feature}] {text}" if self.feature else text
+
+
+    # The CSV columns (harness.csv_fields puts them between the environment and the measurement).
+    CSV_FIELDS = ("dtype", "batch", "q_len", "kv_len", "heads", "head_dim", "causal",
+                  "feature", "kv_heads", "window", "documents", "doc_seed")
+
+    def csv_row(self) -> dict:
+        return {
+            "dtype": self.dtype, "batch": self.batch, "q_len": self.q_len, "kv_len": self.kv_len,
+            "heads": self.heads, "head_dim": self.head_dim, "causal": self.causal,
+            "feature": self.feature, "kv_heads": self.kv_heads,
+            "window": "" if self.window is None else f"{self.window[0]}:{self.window[1]}",
+            "documents": self.documents or "", "doc_seed": self.doc_seed if self.documents else "",
+        }
+
+    @classmethod
+    def from_row(cls, row: dict) -> "AttentionConfig":
+        """The inverse of ``csv_row`` (a row of a CSV read back)."""
+        window = row.get("window") or None
+        if window:
+            window = tuple(int(w) for w in window.split(":"))
+        return cls(int(row["batch"]), int(row["q_len"]), int(row["kv_len"]), int(row["heads"]),
+                   int(row["head_dim"]), row["causal"] == "True", row["dtype"],
+                   feature=row.get("feature") or "",
+                   kv_heads=int(row["kv_heads"]) if row.get("kv_heads") else None,
+                   window=window, documents=int(row.get("documents") or 0),
+                   doc_seed=int(row.get("doc_seed") or 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _document_lengths_cached(total, documents, seed, batch):
+    out = document_lengths(total, documents, seed, batch)
+    out.setflags(write=False)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _visible_cached(cfg: AttentionConfig) -> int:
+    seg = cfg.segment_ids()
+    return visible_pairs(cfg.q_len, cfg.kv_len, causal=cfg.causal, window=cfg.window,
+                         q_segment_ids=seg, kv_segment_ids=seg, batch=cfg.batch)
+
+
+def sweep_configs(head_dims: Sequence[int], seq_lens: Sequence[int], causals: Sequence[bool], *,
+                  tokens: int = DEFAULT_TOKENS, hidden: int = DEFAULT_HIDDEN,
+                  dtype: str = "bf16") -> list[AttentionConfig]:
+    """The sweep: batch = tokens // seq_len, heads = hidden // head_dim, q_len == kv_len."""
+    configs = []
+    for d in head_dims:
+        if hidden % d:
+            raise ValueError(f"hidden size {hidden} is not a multiple of head_dim {d}")
+        for causal in causals:
+            for t in seq_lens:
+                configs.append(AttentionConfig(batch=max(1, tokens // t), q_len=t, kv_len=t,
+                                               heads=hidden // d, head_dim=d, causal=bool(causal),
+                                               dtype=dtype))
+    return configs
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSizes:
+    """Shapes of the feature rows (issue #4): B*T = ``tokens``, bf16."""
+
+    tokens: int = DEFAULT_TOKENS
+    head_dim: int = 128
+    gqa_heads: tuple[int, int] = (32, 8)  # query heads, key/value heads
+    gqa_seq_lens: tuple[int, ...] = (4096, 16384)
+    heads: int = 16  # window and documents rows
+    window: tuple[int, int] = (4096, 0)
+    documents: int = 8
+    doc_seed: int = 0
+
+
+FEATURE_SIZES = FeatureSizes()
+QUICK_FEATURE_SIZES = FeatureSizes(tokens=QUICK_TOKENS, head_dim=64, gqa_heads=(4, 2),
+                                   gqa_seq_lens=(128, 256), heads=2, window=(64, 0), documents=8)
+
+
+def _align_for(t: float) -> int:
+    return 128 if t >= 1024 else 16
+
+
+def plain_baseline(cfg: AttentionConfig, batch: int | None = None) -> AttentionConfig:
+    """Plain attention (no window, no documents, kv_heads = heads) with about the same useful FLOPs
+    as ``cfg``: same batch (or ``batch`` rows, e.g. one per packed document), heads, head_dim, causal
+    flag and dtype, and q_len = kv_len chosen (a multiple of 128, or of 16 under 1024) so that its
+    visible pairs are closest to ``cfg``'s. For a grouped-KV row that is the same shape with as many
+    key/value heads as query heads."""
+    batch = batch or cfg.batch
+    per_row = cfg.visible() / batch
+    if cfg.causal:  # T (T + 1) / 2 = per_row
+        t = (math.sqrt(1.0 + 8.0 * per_row) - 1.0) / 2.0
+        pairs = lambda n: n * (n + 1) / 2
+    else:
+        t = math.sqrt(per_row)
+        pairs = lambda n: n * n
+    align = _align_for(t)
+    lo = max(align, int(t // align) * align)
+    best = min((lo, lo + align), key=lambda n: abs(pairs(n) - per_row))
+    return AttentionConfig(batch=batch, q_len=best, kv_len=best, heads=cfg.heads,
+                           head_dim=cfg.head_dim, causal=cfg.causal, dtype=cfg.dtype, feature="plain")
+
+
+def feature_configs(features: Sequence[str] = FEATURES, causals: Sequence[bool] = (False, True), *,
+                    sizes: FeatureSizes = FEATURE_SIZES, head_dims: Sequence[int] | None = None,
+                    dtype: str = "bf16", baselines: bool = True) -> list[AttentionConfig]:
+    """The feature rows, each preceded by its plain baseline (``plain_baseline``; each baseline once):
+
+    - ``gqa``: grouped KV, ``sizes.gqa_heads`` = (32 query, 8 key/value) heads, T = S in
+      ``sizes.gqa_seq_lens``, batch = tokens // T, causal and not;
+    - ``window``: causal with ``local_window_size = sizes.window`` = (4096, 0), T = tokens, B = 1;
+    - ``documents``: ``sizes.documents`` = 8 packed documents of random lengths (seed
+      ``sizes.doc_seed``) per row of T = tokens, B = 1, q_segment_ids = kv_segment_ids, causal and not.
+    """
+    bad = [f for f in features if f not in FEATURES]
+    if bad:
+        raise ValueError(f"unknown features {bad}; choose from {FEATURES}")
+    head_dims = list(head_dims or [sizes.head_dim])
+    rows: list[AttentionConfig] = []
+    for d in head_dims:
+        for feature in features:
+            for causal in causals:
+                causal = bool(causal)
+                if feature == "gqa":
+                    hq, hkv = sizes.gqa_heads
+                    for t in sizes.gqa_seq_lens:
+                        rows.append(AttentionConfig(max(1, sizes.tokens // t), t, t, hq, d, causal, dtype,
+                                                    feature="gqa", kv_heads=hkv))
+                elif feature == "window":
+                    if not causal:  # the issue's row: causal + sliding window
+                        continue
+                    rows.append(AttentionConfig(1, sizes.tokens, sizes.tokens, sizes.heads, d, True, dtype,
+                                                feature="window", window=sizes.window))
+                else:
+                    rows.append(AttentionConfig(1, sizes.tokens, sizes.tokens, sizes.heads, d, causal, dtype,
+                                                feature="documents", documents=sizes.documents,
+                                                doc_seed=sizes.doc_seed))
+    if not baselines:
+        return rows
+    out: list[AttentionConfig] = []
+    for cfg in rows:
+        base = plain_baseline(cfg)
+        if base not in out:
+            out.append(base)
+        out.append(cfg)
+    return out
+
+

@@ -1,0 +1,151 @@
+"""Timers: one measurement method for every provider of every op.
+
+``WallTimer`` (``--timer wall``, the default): each measured sample enqueues a batch of calls of the
+jitted function (JAX dispatches asynchronously, so the device queue stays full) and waits for all
+their results with ``jax.block_until_ready``; the sample is the elapsed host time over the number of
+calls. The batch is sized to last >= 20 ms so the one launch latency per sample is negligible.
+Warm-up (compilation, autotuning, and 200 ms of calls) first, then ``reps`` (>= 20) samples; the
+median is reported, with min and max. The fraction of each sample that the host spent enqueueing is
+recorded (``host_frac``); near 1.0 would mean the host, not the device, set the pace.
+
+``CuptiTimer`` (``--timer cupti``): the summed kernel durations that CUPTI records, through
+``jax.experimental.mosaic.gpu.profiler.measure`` (the tool JAX's own Pallas GPU benchmarks use); GPU
+only, experimental API; it leaves out the gaps between calls and between kernels.
+
+Both take ``measure(fn, arg_sets)``: ``fn`` is jitted, ``arg_sets`` a list of argument tuples that
+the calls rotate over (copies whose total size exceeds the L2 cache many times).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+MIN_REPS = 20
+# Inputs rotate over copies until this many bytes are touched: several times the L2 of any current
+# GPU (50 MB on an H100/H200), so no timed call finds its inputs in cache from the previous call.
+WORKING_SET_BYTES = 256 * 2**20
+MAX_COPIES = 16
+# At most this many bytes of outputs are kept alive by one batch of calls.
+BATCH_OUTPUT_BYTES = 4 * 2**30
+MAX_CALLS_PER_SAMPLE = 1000
+TIMERS = ("wall", "cupti")
+
+
+@dataclasses.dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    reps: int
+    calls_per_sample: int
+    host_frac: float
+
+
+def nbytes(tree) -> int:
+    """Bytes of the arrays in a pytree."""
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree)
+               if hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
+def copies_for(set_bytes: int) -> int:
+    """How many copies of a set of inputs of ``set_bytes`` to rotate over (2 to MAX_COPIES)."""
+    return int(min(MAX_COPIES, max(2, math.ceil(WORKING_SET_BYTES / max(set_bytes, 1)))))
+
+
+class WallTimer:
+    """Median over samples; one sample = a batch of asynchronously dispatched calls, timed from the
+    first dispatch to ``block_until_ready`` of all results, divided by the number of calls."""
+
+    name = "wall"
+
+    def __init__(self, reps: int = MIN_REPS, batch_ms: float = 20.0, warmup_ms: float = 200.0):
+        self.reps = max(int(reps), 1)
+        self.batch_s = batch_ms * 1e-3
+        self.warmup_s = warmup_ms * 1e-3
+
+    @staticmethod
+    def _sample(fn, arg_sets, start: int, calls: int) -> tuple[float, float]:
+        n = len(arg_sets)
+        t0 = time.perf_counter()
+        outs = [fn(*arg_sets[(start + i) % n]) for i in range(calls)]
+        t1 = time.perf_counter()
+        jax.block_until_ready(outs)
+        t2 = time.perf_counter()
+        return (t2 - t0) / calls, (t1 - t0) / max(t2 - t0, 1e-12)
+
+    def measure(self, fn: Callable, arg_sets: Sequence[tuple]) -> Timing:
+        n = len(arg_sets)
+        # Warm-up: every copy once (compiles, autotunes), then until warmup_s of device work.
+        first = fn(*arg_sets[0])
+        jax.block_until_ready(first)
+        out_bytes = max(nbytes(first), 1)
+        del first
+        for i in range(1, n):
+            jax.block_until_ready(fn(*arg_sets[i]))
+        t_end = time.perf_counter() + self.warmup_s
+        est, _ = self._sample(fn, arg_sets, 0, n)
+        while time.perf_counter() < t_end:
+            est, _ = self._sample(fn, arg_sets, 0, n)
+        max_calls = max(1, min(MAX_CALLS_PER_SAMPLE, BATCH_OUTPUT_BYTES // out_bytes))
+        calls = int(min(max_calls, max(1, math.ceil(self.batch_s / max(est, 1e-9)))))
+        samples, host = [], []
+        start = 0
+        for _ in range(self.reps):
+            t, h = self._sample(fn, arg_sets, start, calls)
+            start = (start + calls) % n
+            samples.append(t * 1e3)
+            host.append(h)
+        return Timing(statistics.median(samples), min(samples), max(samples), len(samples), calls,
+                      statistics.median(host))
+
+
+class CuptiTimer:
+    """Median over calls of the summed kernel time of one call, as CUPTI records it, through
+    ``jax.experimental.mosaic.gpu.profiler.measure``. Warm-up as for WallTimer; then, for each input
+    copy in turn, a run of back-to-back calls on that copy (so on small problems later calls may find
+    their inputs in L2)."""
+
+    name = "cupti"
+
+    def __init__(self, reps: int = MIN_REPS, warmup_ms: float = 200.0):
+        try:
+            from jax.experimental.mosaic.gpu import profiler  # noqa: F401
+        except Exception as e:  # pragma: no cover - GPU only
+            from jax_tk.bench.harness import short_error
+
+            raise RuntimeError(
+                f"--timer cupti needs jax.experimental.mosaic.gpu (a CUDA jaxlib): {short_error(e)}")
+        self._profiler = profiler
+        self.reps = max(int(reps), 1)
+        self.warmup_s = warmup_ms * 1e-3
+
+    def measure(self, fn: Callable, arg_sets: Sequence[tuple]) -> Timing:  # pragma: no cover - GPU
+        n = len(arg_sets)
+        for args in arg_sets:
+            jax.block_until_ready(fn(*args))
+        t_end = time.perf_counter() + self.warmup_s
+        while time.perf_counter() < t_end:
+            jax.block_until_ready([fn(*args) for args in arg_sets])
+        per_copy = max(2, math.ceil(self.reps / n))
+        samples: list[float] = []
+        for args in arg_sets:
+            _, ts = self._profiler.measure(fn, iterations=per_copy)(*args)
+            if not ts:
+                raise RuntimeError("CUPTI recorded no kernel")
+            samples.extend(float(t) for t in ts)
+        return Timing(statistics.median(samples), min(samples), max(samples), len(samples),
+                      per_copy, math.nan)
+
+
+def make_timer(name: str, reps: int, quick: bool = False):
+    if name == "wall":
+        return WallTimer(reps, batch_ms=2.0 if quick else 20.0, warmup_ms=10.0 if quick else 200.0)
+    if name == "cupti":
+        return CuptiTimer(reps, warmup_ms=10.0 if quick else 200.0)
+    raise ValueError(f"unknown timer {name!r}: choose 'wall' or 'cupti'")
