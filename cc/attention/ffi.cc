@@ -1,7 +1,8 @@
 // XLA FFI handlers for attention: decode buffers and attributes into Params, check what the kernels
 // can take, and launch on XLA's stream. No allocation: the workspaces (the forward's tile counter,
-// the backward's delta and the sm_90a kernel's fp32 dq accumulator) are outputs declared in Python. Trailing extra arguments are accepted and ignored: tests alias poisoned buffers
-// to the outputs through them.
+// the backward's delta and the sm_90a kernel's fp32 dq accumulator) are outputs declared in Python.
+// The *_test targets are the same handlers plus trailing operands that they ignore: tests alias
+// poisoned buffers to the outputs through them.
 //
 // Masking operands (after q, k, v in the forward; after q, k, v, o, lse, dout, dlse in the backward):
 // q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len], q_lengths [batch], kv_lengths
@@ -9,7 +10,7 @@
 // kv_segment_ranges [batch, ceil(kv_len / 64), 2] (min and max id of every 64 rows, for skipping
 // blocks), then with segment ids optionally the sm_90a forward's tiles (Params::fwd_tiles: [batch *
 // q_heads * fwd_tile_cap(q_len) * 4]) or the backward's order of its blocks (Params::block_order:
-// [batch * kv_heads * ceil(kv_len / bwd_order_rows)]; a permutation); jax_tk/attention.py works them
+// [batch * kv_heads * ceil(kv_len / bwd_order_rows)]; a permutation); jax_tk/attention/launch.py works them
 // out. All int32; an absent option is an int32 array of shape (0,). Attributes
 // window_left, window_right (-1: unbounded) and softcap (0: none).
 #include "ffi/common.h"
@@ -120,10 +121,13 @@ bool use_sm90(int32_t variant) {
   return variant == 0 && major == 9 && minor == 0;  // sm_90a code runs on 9.0 only
 }
 
+// Extra... is empty in the production targets; the test targets take ffi::RemainingArgs there: the
+// buffers that tests alias to the outputs to poison them (see jax_tk/_core/ffi.py), ignored here.
+template <typename... Extra>
 ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_lengths,
                     ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges,
-                    ffi::AnyBuffer block_order, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> o,
+                    ffi::AnyBuffer block_order, Extra..., ffi::Result<ffi::AnyBuffer> o,
                     ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> tile_counter, float scale, int32_t is_causal, int32_t variant,
                     int32_t window_left, int32_t window_right, float softcap) {
   Params p{};
@@ -154,11 +158,12 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   return cuda_error(attention::fwd_sm80(p, stream), "attention forward");
 }
 
+template <typename... Extra>
 ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
                     ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_segment_ids,
                     ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                     ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges, ffi::AnyBuffer block_order,
-                    ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                    Extra..., ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                     ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
                     ffi::Result<ffi::AnyBuffer> workspace, float scale, int32_t is_causal, int32_t variant,
                     int32_t window_left, int32_t window_right, float softcap, int32_t deterministic) {
@@ -203,73 +208,99 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   return cuda_error(attention::bwd_sm80(p, stream), "attention backward");
 }
 
+// The bindings: operands (head), then (test targets only) the remaining operands, then results and
+// attributes (tail). (A Binding cannot be moved into a variable: the chain is built from prvalues.)
+template <bool TEST> auto bind(auto head, auto tail) {
+  if constexpr (TEST) return tail(head().RemainingArgs());
+  else return tail(head());
+}
+
+template <bool TEST> auto fwd_binding() {
+  auto head = [] {
+    return ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()   // query
+        .Arg<ffi::AnyBuffer>()   // key
+        .Arg<ffi::AnyBuffer>()   // value
+        .Arg<ffi::AnyBuffer>()   // q_segment_ids
+        .Arg<ffi::AnyBuffer>()   // kv_segment_ids
+        .Arg<ffi::AnyBuffer>()   // q_lengths
+        .Arg<ffi::AnyBuffer>()   // kv_lengths
+        .Arg<ffi::AnyBuffer>()   // q_segment_ranges
+        .Arg<ffi::AnyBuffer>()   // kv_segment_ranges
+        .Arg<ffi::AnyBuffer>();  // tiles (Params::fwd_tiles)
+  };
+  auto tail = [](auto &&b) {
+    return std::move(b)
+        .template Ret<ffi::AnyBuffer>()  // out
+        .template Ret<ffi::AnyBuffer>()  // lse
+        .template Ret<ffi::AnyBuffer>()  // tile counter of the sm_90a kernel (scratch)
+        .template Attr<float>("scale")
+        .template Attr<int32_t>("is_causal")
+        .template Attr<int32_t>("variant")
+        .template Attr<int32_t>("window_left")
+        .template Attr<int32_t>("window_right")
+        .template Attr<float>("softcap");
+  };
+  return bind<TEST>(head, tail);
+}
+
+template <bool TEST> auto bwd_binding() {
+  auto head = [] {
+    return ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()   // query
+        .Arg<ffi::AnyBuffer>()   // key
+        .Arg<ffi::AnyBuffer>()   // value
+        .Arg<ffi::AnyBuffer>()   // out
+        .Arg<ffi::AnyBuffer>()   // lse
+        .Arg<ffi::AnyBuffer>()   // dout
+        .Arg<ffi::AnyBuffer>()   // dlse
+        .Arg<ffi::AnyBuffer>()   // q_segment_ids
+        .Arg<ffi::AnyBuffer>()   // kv_segment_ids
+        .Arg<ffi::AnyBuffer>()   // q_lengths
+        .Arg<ffi::AnyBuffer>()   // kv_lengths
+        .Arg<ffi::AnyBuffer>()   // q_segment_ranges
+        .Arg<ffi::AnyBuffer>()   // kv_segment_ranges
+        .Arg<ffi::AnyBuffer>();  // block_order
+  };
+  auto tail = [](auto &&b) {
+    return std::move(b)
+        .template Ret<ffi::AnyBuffer>()  // dq
+        .template Ret<ffi::AnyBuffer>()  // dk
+        .template Ret<ffi::AnyBuffer>()  // dv
+        .template Ret<ffi::AnyBuffer>()  // delta workspace
+        .template Ret<ffi::AnyBuffer>()  // workspace of the sm_90a kernel
+        .template Attr<float>("scale")
+        .template Attr<int32_t>("is_causal")
+        .template Attr<int32_t>("variant")
+        .template Attr<int32_t>("window_left")
+        .template Attr<int32_t>("window_right")
+        .template Attr<float>("softcap")
+        .template Attr<int32_t>("deterministic");
+  };
+  return bind<TEST>(head, tail);
+}
+
 }  // namespace
 
 namespace attention {
 OpExports exports();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwd, fwd_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // query
-                                  .Arg<ffi::AnyBuffer>()  // key
-                                  .Arg<ffi::AnyBuffer>()  // value
-                                  .Arg<ffi::AnyBuffer>()  // q_segment_ids
-                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ids
-                                  .Arg<ffi::AnyBuffer>()  // q_lengths
-                                  .Arg<ffi::AnyBuffer>()  // kv_lengths
-                                  .Arg<ffi::AnyBuffer>()  // q_segment_ranges
-                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ranges
-                                  .Arg<ffi::AnyBuffer>()  // block_order
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Ret<ffi::AnyBuffer>()  // tile counter of the sm_90a kernel (scratch)
-                                  .Attr<float>("scale")
-                                  .Attr<int32_t>("is_causal")
-                                  .Attr<int32_t>("variant")
-                                  .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right")
-                                  .Attr<float>("softcap"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwd, fwd_impl<>, fwd_binding<false>(), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, bwd_impl<>, bwd_binding<false>(), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwdTest, fwd_impl<ffi::RemainingArgs>, fwd_binding<true>(),
                               {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, bwd_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // query
-                                  .Arg<ffi::AnyBuffer>()  // key
-                                  .Arg<ffi::AnyBuffer>()  // value
-                                  .Arg<ffi::AnyBuffer>()  // out
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // dlse
-                                  .Arg<ffi::AnyBuffer>()  // q_segment_ids
-                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ids
-                                  .Arg<ffi::AnyBuffer>()  // q_lengths
-                                  .Arg<ffi::AnyBuffer>()  // kv_lengths
-                                  .Arg<ffi::AnyBuffer>()  // q_segment_ranges
-                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ranges
-                                  .Arg<ffi::AnyBuffer>()  // block_order
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Ret<ffi::AnyBuffer>()  // delta workspace
-                                  .Ret<ffi::AnyBuffer>()  // workspace of the sm_90a kernel
-                                  .Attr<float>("scale")
-                                  .Attr<int32_t>("is_causal")
-                                  .Attr<int32_t>("variant")
-                                  .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right")
-                                  .Attr<float>("softcap")
-                                  .Attr<int32_t>("deterministic"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwdTest, bwd_impl<ffi::RemainingArgs>, bwd_binding<true>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 OpExports attention::exports() {  // (declared by cc/module.cc)
   return {"attention",
           {{"jax_tk_attention_fwd", reinterpret_cast<void *>(AttentionFwd)},
-           {"jax_tk_attention_bwd", reinterpret_cast<void *>(AttentionBwd)}},
+           {"jax_tk_attention_bwd", reinterpret_cast<void *>(AttentionBwd)},
+           {"jax_tk_attention_fwd_test", reinterpret_cast<void *>(AttentionFwdTest)},
+           {"jax_tk_attention_bwd_test", reinterpret_cast<void *>(AttentionBwdTest)}},
           {
 #define JAX_TK_CONSTANT(name) {#name, attention::name}
               JAX_TK_CONSTANT(SEGMENT_GRANULE), JAX_TK_CONSTANT(HEAD_DIMS_SM80), JAX_TK_CONSTANT(HEAD_DIMS_SM90),

@@ -1,0 +1,128 @@
+"""The op-agnostic core (jax_tk._core), tried with a toy op that has no kernel: the contract read
+from an op's header, the implementation= dispatch, the FFI call's test target, and the sharding driver
+(on 8 CPU devices, in a subprocess unless this process has them)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from helpers import attention_inputs, have_devices, rel_err, run_in_subprocess
+from jax_tk._core import dispatch, extension, sharding
+from jax_tk._core.ffi import kernel_call
+
+
+# ----------------------------------------------------------------------------------------------
+# The contract
+# ----------------------------------------------------------------------------------------------
+
+
+def test_header_constants_parse():
+    c = extension.header_constants("attention")
+    assert c["SEGMENT_GRANULE"] == 64
+    assert c["HEAD_DIMS_SM80"] == 64 | 128 and c["HEAD_DIMS_SM90"] == 64 | 128 | 256
+    assert all(isinstance(v, int) for v in c.values())
+
+
+def test_contract_is_the_compiled_one():
+    """With the extension, the constants are those the kernels were compiled with, and they equal the
+    header's (a stale build would differ)."""
+    if not extension.has_cuda_kernels():
+        assert extension.contract("attention") == extension.header_constants("attention")
+        return
+    assert extension.contract("attention") == extension.header_constants("attention")
+
+
+def test_missing_op_header():
+    with pytest.raises(FileNotFoundError, match="nope"):
+        extension.header_constants("nope")
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch and the FFI call
+# ----------------------------------------------------------------------------------------------
+
+
+def test_implementation_choices():
+    assert dispatch.use_kernel("toy", "xla", None) is False
+    assert dispatch.use_kernel("toy", None, "head_dim 3") is False
+    with pytest.raises(ValueError, match=r"jax_tk.toy\(implementation='tk'\): unsupported head_dim 3"):
+        dispatch.use_kernel("toy", "tk", "head_dim 3")
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        dispatch.use_kernel("toy", "cuda", None)
+
+
+def test_platform_dispatch_takes_the_reference_on_cpu():
+    x = jnp.arange(4.0)
+    kernel = lambda a: a * 0  # would be the FFI call; CPU never takes it
+    got = jax.jit(lambda a: dispatch.platform_dispatch(True, kernel, lambda a: a + 1, a))(x)
+    np.testing.assert_array_equal(got, x + 1)
+
+
+def _export_text(f, *args):
+    exp = jax.export.export(jax.jit(f), platforms=["cuda"],
+                            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("toy_op"),
+                                             jax.export.DisabledSafetyCheck.custom_call("toy_op_test")])
+    return exp(*args).mlir_module()
+
+
+def test_kernel_call_poisoning_uses_the_test_target():
+    x = jnp.ones((4,), jnp.float32)
+    out = jax.ShapeDtypeStruct((4,), jnp.float32)
+    plain = _export_text(lambda a: kernel_call("toy_op", (out,), (a,), {"k": np.int32(3)}), x)
+    poisoned = _export_text(lambda a: kernel_call("toy_op", (out,), (a,), {"k": np.int32(3)}, out_init=(a,)), x)
+    assert "@toy_op(" in plain and "toy_op_test" not in plain
+    assert "@toy_op_test(" in poisoned and "output_operand_aliases" in poisoned
+
+
+# ----------------------------------------------------------------------------------------------
+# The sharding driver, with a toy op: per (batch entry, head) out = q * mean over s of k (k's head is
+# shared by groups of q's heads), whole over t, s and d.
+# ----------------------------------------------------------------------------------------------
+
+LAYOUT = sharding.Layout(inputs=("b t n d", "b s k d"), outputs=("b t n d", "b s k d"), heads="n", grouped="k")
+
+
+def _toy_local(static, q, k):
+    g = q.shape[2] // k.shape[2]
+    kk = jnp.repeat(k.mean(axis=1, keepdims=True), g, axis=2)
+    # second result: a gradient-like value per grouped head, summed over the heads that share it
+    dk = jnp.broadcast_to(q.sum(axis=(1, 3)).reshape(q.shape[0], 1, k.shape[2], g).sum(-1)[..., None], k.shape)
+    return q * kk * static, dk
+
+
+def test_plan_rules():
+    sizes = {"data": 2, "model": 4}
+    p = sharding.plan(LAYOUT, sizes, P("data", None, "model"), [(4, 8, 8, 16), (4, 8, 4, 16)])
+    assert (p.batch, p.heads, p.split_grouped) == (("data",), ("model",), True)
+    p = sharding.plan(LAYOUT, sizes, P("data", None, "model"), [(4, 8, 8, 16), (4, 8, 2, 16)])
+    assert (p.split_grouped, p.group_share, p.grouped_size) == (False, 2, 2)
+    assert p.spec(LAYOUT, "b s k d") == P("data", None, None, None)
+    assert sharding.plan(LAYOUT, sizes, P(None, "model"), [(4, 8, 8, 16), (4, 8, 8, 16)]) == sharding.Plan()
+    with pytest.raises(ValueError, match="operands for the layout"):
+        sharding.call(LAYOUT, _toy_local, 1.0, jnp.ones((2, 2, 2, 2)))
+
+
+@pytest.mark.skipif(have_devices(), reason="this process has the devices: the tests run here")
+def test_in_subprocess():
+    run_in_subprocess(__file__)
+
+
+@pytest.mark.skipif(not have_devices(), reason="runs in the 8-device subprocess")
+@pytest.mark.parametrize("kh", [4, 2])
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_toy_op_runs_on_shards(kh, axis_type):
+    q, k, _ = attention_inputs(0, 4, 8, 6, 8, kh, 16, jnp.float32)
+    want = _toy_local(2.0, q, k)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type, axis_type))
+    q = jax.device_put(q, NamedSharding(mesh, P("data", None, "model")))
+    k = jax.device_put(k, NamedSharding(mesh, P("data", None, "model" if kh % 4 == 0 else None)))
+    f = jax.jit(lambda q, k: sharding.call(LAYOUT, _toy_local, 2.0, q, k, result_like=(None, 1)))
+    got = f(q, k)
+    text = f.lower(q, k).compile().as_text()
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-6
+    assert "all-gather" not in text
+    assert tuple(got[0].sharding.spec)[:3] == ("data", None, "model")
