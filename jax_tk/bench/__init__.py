@@ -16,8 +16,8 @@ The package is one harness shared by every op and one set of modules per op:
   cudnn_packed, fa3 (FlashAttention-3, ``pip install flash-attn3-jax``), xla, pallas, pallas_triton.
 
 A new op adds ``jax_tk/bench/<op>.py`` (configurations with ``flops``/``label``/``CSV_FIELDS``/
-``csv_row``/``from_row``, a ``harness.OpBench``, a ``cli.Command`` passed to ``cli.register``) and
-its module name to ``cli.OP_MODULES``.
+``csv_row``/``from_row``, a ``harness.OpBench``, a ``cli.Command`` passed to ``cli.register``); the
+command line finds it by itself.
 """
 from jax_tk.bench.attention import COMMAND as _ATTENTION, bench_attention, reference
 from jax_tk.bench.attention_configs import (

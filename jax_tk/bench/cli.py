@@ -1,8 +1,8 @@
 """The command line: ``python -m jax_tk.bench <op> [options]`` and ``python -m jax_tk.bench report``.
 
 Each op registers one ``Command`` (its options, how to run it, how to read its CSVs back and print
-and plot them). Adding an op: write ``jax_tk/bench/<op>.py`` ending in ``register(Command(...))``
-and add its module to ``OP_MODULES`` below (the one registration line).
+and plot them). Adding an op: write ``jax_tk/bench/<op>.py`` ending in ``register(Command(...))``;
+the modules of this package are found and imported when the command line starts (no list to edit).
 
 Options every op shares (``add_common_arguments``): ``--providers``, ``--modes``, ``--dtype``,
 ``--timer``, ``--reps``, ``--no-check``, ``--quick``, ``--out``, ``--csv``, ``--png``.
@@ -19,8 +19,8 @@ from typing import Callable, Sequence
 from jax_tk.bench import output
 from jax_tk.bench.timers import MIN_REPS, TIMERS
 
-# One line per op: the module that registers its subcommand.
-OP_MODULES = ("jax_tk.bench.attention",)
+# The harness's own modules; every other module of the package may register an op's subcommand.
+HARNESS_MODULES = ("cli", "harness", "output", "timers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +50,11 @@ def register(command: Command) -> Command:
 
 
 def load_ops() -> dict[str, Command]:
-    for module in OP_MODULES:
-        importlib.import_module(module)
+    package = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(package)):
+        module, ext = os.path.splitext(name)
+        if ext == ".py" and not module.startswith("_") and module not in HARNESS_MODULES:
+            importlib.import_module(f"jax_tk.bench.{module}")
     return COMMANDS
 
 
