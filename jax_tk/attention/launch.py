@@ -215,12 +215,11 @@ def mask_operands(masks: Masks | None, order=None):
     return tuple(jnp.zeros((0,), jnp.int32) if x is None else x for x in (*ints, *ranges, order))
 
 
-def _attributes(spec, q_len: int, kv_len: int, variant: int) -> dict:
-    """scale, is_causal, variant, window_left/window_right (-1: unbounded; a side that reaches past the
-    sequence is unbounded, which also keeps the attribute in int32) and softcap (0: none)."""
+def _attributes(spec, variant: int) -> dict:
+    """scale, is_causal, variant, window_left/window_right (-1: unbounded; the api clamps each side to
+    its sequence's length, which keeps it in int32, and the handler reads a side that reaches past the
+    sequence as unbounded) and softcap (0: none)."""
     left, right = spec.window if spec.window is not None else (-1, -1)
-    left = -1 if left < 0 or left >= q_len else left
-    right = -1 if right < 0 or right >= kv_len else right
     return dict(scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal), variant=np.int32(variant),
                 window_left=np.int32(left), window_right=np.int32(right),
                 softcap=np.float32(spec.softcap if spec.softcap is not None else 0.0))
@@ -231,8 +230,7 @@ def _call(target, out_types, args, spec, out_init, variant, masks, order, **attr
     if variant == VARIANT_SM80:
         order = None  # (only the Hopper kernels take it)
     operands = (*args, *mask_operands(masks, order))
-    q, k = args[0], args[1]
-    return kernel_call(target, out_types, operands, {**_attributes(spec, q.shape[1], k.shape[1], variant), **attrs},
+    return kernel_call(target, out_types, operands, {**_attributes(spec, variant), **attrs},
                        out_init=out_init)
 
 

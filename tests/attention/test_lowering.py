@@ -5,7 +5,8 @@ Operands: forward q, k, v, then the seven masking operands (q_segment_ids, kv_se
 kv_lengths, then the segment ranges q_segment_ranges [b, ceil(t/64), 2] and kv_segment_ranges, then
 the Hopper kernel's block order: int32, shape (0,) when absent); backward q, k, v, out, lse, dout,
 dlse, then the same seven (the block order of the backward's blocks).
-Attributes: scale, is_causal, variant, window_left, window_right (-1: unbounded), softcap (0: none)."""
+Attributes: scale, is_causal, variant, window_left, window_right (-1: unbounded; at most the sequence's
+length), softcap (0: none)."""
 from __future__ import annotations
 
 import dataclasses
@@ -294,8 +295,9 @@ MASKING_CASES = [
     ("window_int", dict(local_window_size=4), [ABSENT] * 6, (4, 4), 0.0),
     ("window_one_sided_causal", dict(local_window_size=(7, 0), is_causal=True), [ABSENT] * 6, (7, 0), 0.0),
     # a side reaching past the sequence is unbounded (-1): also keeps huge values out of int32
-    ("window_huge_right", dict(local_window_size=(5, 10**12)), [ABSENT] * 6, (5, -1), 0.0),
-    ("window_huge_left", dict(local_window_size=(T_, 2)), [ABSENT] * 6, (-1, 2), 0.0),
+    # a side longer than its sequence is clamped to it (the handler reads >= the length as unbounded)
+    ("window_huge_right", dict(local_window_size=(5, 10**12)), [ABSENT] * 6, (5, S_), 0.0),
+    ("window_huge_left", dict(local_window_size=(T_, 2)), [ABSENT] * 6, (T_, 2), 0.0),
     ("segments", dict(q_segment_ids=_ids((B_, T_)), kv_segment_ids=_ids((B_, S_))),
      [Q_IDS, KV_IDS, ABSENT, ABSENT, *RANGES], (-1, -1), 0.0),
     ("segments_int16", dict(q_segment_ids=_ids((B_, T_), jnp.int16), kv_segment_ids=_ids((B_, S_), jnp.int16)),
