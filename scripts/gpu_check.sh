@@ -31,7 +31,7 @@ if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
 fi
 start=$(date +%s)
 rm -rf "$site"  # pip --target keeps a package already there: always install this tree's build
-CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} JAX_TK_CUDA=ON \
+CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} JAX_TK_CUDA=ON JAX_TK_TEST_KERNELS=ON \
   python3 -m pip install --no-build-isolation --no-deps --target "$site" . >"$out/build.log" 2>&1
 rc=$?
 echo "build rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$out/build.log"

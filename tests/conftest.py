@@ -17,6 +17,13 @@ def _gpu_available() -> bool:
 GPU = _gpu_available()
 
 
+def pytest_configure(config):
+    # Registered here, not only in pyproject.toml, so that the tests also run outside the source tree
+    # (e.g. against an installed wheel).
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU and the compiled kernels (skipped otherwise)")
+    config.addinivalue_line("markers", "slow: long-running")
+
+
 def pytest_collection_modifyitems(config, items):
     if GPU:
         from jax_tk._core import extension

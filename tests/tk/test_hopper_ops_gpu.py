@@ -29,7 +29,7 @@ def _skip_reason():
     if cap != (9, 0):
         return f"sm_90a kernels: needs a compute capability 9.0 GPU (H100/H200), found {cap}"
     if not extension.has_test_kernels():
-        return "jax_tk was built without its test kernels (JAX_TK_TEST_KERNELS=OFF)"
+        return "jax_tk was built without its test kernels (rebuild with JAX_TK_TEST_KERNELS=ON)"
     return None
 
 

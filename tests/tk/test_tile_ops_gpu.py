@@ -8,7 +8,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.gpu
+from jax_tk._core import extension
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not extension.has_test_kernels(),
+                       reason="jax_tk was built without its test kernels (rebuild with JAX_TK_TEST_KERNELS=ON)"),
+]
 
 OPS = dict(
     COPY=0, SHARED_RT=1, GLOBAL_RT=2, EXP=3, EXP2=4, LOG=5, ABS=6, NEG=7, ADD=8, SUB=9, MUL=10, DIV=11,
@@ -25,7 +31,6 @@ def run_op(op, a, b, v, layout, param=0.0):
     import jax
     import jax.numpy as jnp
 
-    from jax_tk._core import extension  # noqa: F401  (registers the targets)
 
     call = jax.ffi.ffi_call(
         "jax_tk_test_tile_op",
