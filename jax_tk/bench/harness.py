@@ -107,7 +107,7 @@ class Result:
     config: Any
     provider: str
     mode: str
-    status: str  # "ok", "error" or "skipped"
+    status: str  # "ok", "error", "skipped" or "wrong" (timed, but its results failed the check)
     time_ms: float = math.nan
     min_ms: float = math.nan
     max_ms: float = math.nan
@@ -166,6 +166,9 @@ def short_error(e: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+MAX_REL_ERR = 2e-2  # a correctness check above this (or NaN) makes the result "wrong", not a timing
+
+
 def rel_err(got, want) -> float:
     """norm(got - want) / norm(want) over lists of arrays, in float32."""
     got = [np.asarray(g, np.float32) for g in got]
@@ -221,6 +224,7 @@ def time_provider(op: OpBench, provider: Provider, cfg, sets, modes, timer, chec
     for mode in modes:
         res = Result(cfg, provider.name, mode, "error", note=provider.note)
         arg_sets = []
+        checked = check and mode != "fwd_bwd" and (op.check_fwd if mode == "fwd" else op.check_bwd) is not None
         try:
             if mode == "fwd":
                 arg_sets = [s[:-1] for s in prepared]
@@ -256,7 +260,8 @@ def time_provider(op: OpBench, provider: Provider, cfg, sets, modes, timer, chec
         finally:
             copies = len(arg_sets)
             del arg_sets
-        res.status = "ok"
+        # A provider whose results fail the check is not reported as a timing of the op.
+        res.status = "ok" if not checked or res.rel_err <= MAX_REL_ERR else "wrong"
         res.time_ms, res.min_ms, res.max_ms = timing.median_ms, timing.min_ms, timing.max_ms
         res.reps, res.calls_per_sample = timing.reps, timing.calls_per_sample
         res.copies = copies

@@ -55,10 +55,13 @@ def test_implementation_choices():
 
 
 def test_platform_dispatch_takes_the_reference_on_cpu():
-    x = jnp.arange(4.0)
-    kernel = lambda a: a * 0  # would be the FFI call; CPU never takes it
-    got = jax.jit(lambda a: dispatch.platform_dispatch(True, kernel, lambda a: a + 1, a))(x)
-    np.testing.assert_array_equal(got, x + 1)
+    cpu = jax.devices("cpu")[0]
+    x = jax.device_put(jnp.arange(4.0), cpu)
+    kernel = lambda a: a * 0  # would be the FFI call; the CPU never takes it
+    with jax.default_device(cpu):
+        got = jax.jit(lambda a: dispatch.platform_dispatch(True, kernel, lambda a: a + 1, a))(x)
+        np.testing.assert_array_equal(got, x + 1)
+        assert dispatch.platform_dispatch(False, kernel, lambda a: a + 1, x) is not None
 
 
 def _export_text(f, *args):
