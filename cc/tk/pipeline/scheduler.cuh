@@ -1,0 +1,60 @@
+// A persistent tile scheduler. A grid of G blocks (about one per SM) works through tiles 0 .. T-1,
+// each block taking its k-th tile as
+//   t_0 = blockIdx.x,   t_k = G + atomicAdd(counter, 1)  (k >= 1; counter = 0 at the launch)
+// so every t < T goes to exactly one block, the next free block takes it (tiles that differ in
+// length balance themselves), and a block stops at its first t >= T (the counter only grows: no
+// tile is left). The counter ends below T + G: launch with T + 2 G < INT_MAX.
+// Within a block one warp, the scheduler, takes the tiles and announces each through a tile_queue of
+// SLOTS slots to the warps that work on them (ring.cuh with one part; the slot also holds the
+// kernel's description of the tile, Tile, whose field t is the tile's number, t >= T: the end). It
+// runs up to SLOTS tiles ahead, so that a tile's loads start while the one before it finishes.
+//   scheduler:  schedule_tiles(q, counter, T, describe)   (describe(slot, t) -> Tile)
+//   workers:    for (int k = 0;; k++) { const ring_pos<SLOTS> at(k); if (!wait_tile(q, at, T)) break;
+//               ... q.tile[at.slot()] ...; arrive_empty(q.ring, at); }
+//               (each worker arrives: init(q.ring, 1, workers))
+#pragma once
+#include "ring.cuh"
+
+namespace tk {
+
+// The announcements: a ring of SLOTS slots and the array of SLOTS Tiles in shared memory that it
+// guards (a view, like ring).
+template <typename Tile, int SLOTS = 2> struct tile_queue {
+  tk::ring<SLOTS> ring;  // (qualified: the member takes the name)
+  Tile (&tile)[SLOTS];
+};
+
+// The k-th tile of this block (the whole warp calls it, lane 0 takes it from the counter). The
+// counter's address is passed by reference, so that a kernel parameter is read where it is used
+// rather than held in a register across the loop (a producer's registers are few).
+__device__ __forceinline__ int next_tile(int *const &counter, int k) {
+  int t = blockIdx.x;
+  if (k > 0 && laneid() == 0) t = gridDim.x + atomicAdd(counter, 1);
+  return __shfl_sync(~0u, t, 0);
+}
+
+// The scheduler warp's loop: for each tile t it takes, describe(slot, t) (the whole warp) returns
+// the Tile to announce, which lane 0 writes into the slot once the workers have freed it. Returns
+// after announcing the end (a Tile with t >= tiles; describe may turn a tile into the end too).
+template <typename Tile, int SLOTS, typename F>
+__device__ __forceinline__ void schedule_tiles(const tile_queue<Tile, SLOTS> &q, int *const &counter, int tiles, F describe) {
+  for (int k = 0;; k++) {
+    const ring_pos<SLOTS> at(k);
+    wait_empty(q.ring, at);
+    const Tile x = describe(at.slot(), next_tile(counter, k));
+    if (laneid() == 0) {
+      q.tile[at.slot()] = x;
+      arrive_full(q.ring, at);
+    }
+    if (x.t >= tiles) return;
+  }
+}
+
+// A worker: waits for the announcement of use `at`; false at the end.
+template <typename Tile, int SLOTS>
+__device__ __forceinline__ bool wait_tile(const tile_queue<Tile, SLOTS> &q, std::type_identity_t<ring_pos<SLOTS>> at, int tiles) {
+  wait_full(q.ring, at);
+  return q.tile[at.slot()].t < tiles;
+}
+
+}  // namespace tk
