@@ -195,19 +195,20 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     if (threadIdx.x != CONSUMERS * 128) return;
     // the loader
     for (int nt = 0, n = 0, nq = 0;; nt++) {  // tiles, key blocks, Q loads so far
-      const ring_pos<2> at(nt);
+      const ring_use<2> at(nt);
       if (!wait_tile(tiles_q, at, tiles)) return;
-      const FwdTile x = read_tile(at.slot());
+      const FwdTile x = read_tile(at.slot);
       const int kvh = x.h / (p.q_heads / p.kv_heads);
       const KeyRule rule = tile_rule<FULL>(p, x);
       if (int j = x.blocks.next(x.range.x); j < x.range.y) {
-        const ring_pos<QS> qa(nq++);
+        const ring_use<QS> qa(nq);
         wait_empty(q_ring, qa);
+        nq++;
         arrive_expect_bytes(q_ring.full(qa), CONSUMERS * sizeof(sm.q[0][0].data));
-        for (int c = 0; c < CONSUMERS; c++) load_async(sm.q[qa.slot()][c], a.q, {x.b, x.q0 + 64 * c, x.h, 0}, q_ring.full(qa));
+        for (int c = 0; c < CONSUMERS; c++) load_async(sm.q[qa.slot][c], a.q, {x.b, x.q0 + 64 * c, x.h, 0}, q_ring.full(qa));
         for (int j_next; j < x.range.y; n++, j = j_next) {
-          const ring_pos<STAGES> kv(n);
-          const int s = kv.slot(), k0 = x.kbase + j * BK;
+          const ring_use<STAGES> kv(n);
+          const int s = kv.slot, k0 = x.kbase + j * BK;
           j_next = x.blocks.next(j + 1);
           wait_empty(k_ring, kv);
           if (FULL && C::LOADER_INFO)  // (released by the arrival)
@@ -236,9 +237,9 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   const bool lane0 = laneid() == 0, leader = threadIdx.x % 128 == 0;
   auto &o_stage = o_stages[wg];  // (stage_o)
   for (int nt = 0, n = 0, nq = 0;; nt++) {  // tiles, key blocks, Q loads so far
-    const ring_pos<2> at(nt);
+    const ring_use<2> at(nt);
     if (!wait_tile(tiles_q, at, tiles)) break;
-    const int slot = at.slot();
+    const int slot = at.slot;
     const FwdTile x = read_tile(slot);
     const KeyRule rule = tile_rule<FULL>(p, x);
     const BlockList &blocks = x.blocks;
@@ -257,9 +258,10 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       store_lse(p, m, l, c, x.b, x.h, qw, x.end);
       continue;
     }
-    const ring_pos<QS> qa(nq++);
+    const ring_use<QS> qa(nq);
     wait_full(q_ring, qa);
-    const auto &q = sm.q[qa.slot()][wg];
+    nq++;
+    const auto &q = sm.q[qa.slot][wg];
 
     // Software pipeline: while the tensor cores compute O += P_{j-1} V_{j-1}, the warps run the
     // softmax of block j. S_j is issued first; wgmma groups complete in order.
@@ -292,7 +294,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warp::copy(pr, s);
 
     for (int j_next; j < end; j = j_next) {
-      const auto prev = kv++;
+      const ring_use<STAGES> prev = kv++;
       wait_full(k_ring, kv);
       if (from_loader) {
         info = sm.info[kv.slot()];
@@ -301,7 +303,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       wait_full(v_ring, prev);
       my_turn();
       warpgroup::mma_ABt(s, q, sm.k[kv.slot()], false);   // S_j = Q K_j^T
-      warpgroup::mma_AB(o, pr, sm.v[prev.slot()], true);  // O += P_{j-1} V_{j-1}
+      warpgroup::mma_AB(o, pr, sm.v[prev.slot], true);  // O += P_{j-1} V_{j-1}
       your_turn();
       if (!from_loader) j_next = blocks.next(j + 1);  // while the products run
       warpgroup::wait<1>();  // S_j is ready

@@ -17,16 +17,24 @@
 
 namespace tk {
 
-// Use n of a ring of STAGES slots, and its slot. Kernels keep the plain count n across their outer
-// loops (often their step counter already) and make positions from it where they use the ring; in
-// a loop that steps one position (++), the slot is carried along, so that a copy made before ++
-// (the previous use, still to be released) keeps its slot instead of having it worked out again.
-template <int STAGES> struct ring_pos {
+// Use n of a ring: its slot and phase parity, worked out where it is made (so that a kernel decides
+// where that arithmetic goes, e.g. before a wait rather than after it). Made from the use count
+// (kernels keep the plain count n across their loops: often it is their step counter already).
+template <int STAGES> struct ring_use {
   static_assert(STAGES >= 1);
+  int slot, phase;
+  __device__ __forceinline__ ring_use(int n) : slot(n % STAGES), phase((n / STAGES) & 1) {}
+  __device__ __forceinline__ ring_use(int s, int ph) : slot(s), phase(ph) {}
+};
+
+// A position that steps through the ring (++): the count and its slot, carried along together, so
+// that the use before a step (still to be released) keeps its slot rather than having it worked out
+// again. It converts to its ring_use where it is used.
+template <int STAGES> struct ring_pos {
   int n, s;
-  __device__ __forceinline__ ring_pos(int uses = 0) : n(uses), s(uses % STAGES) {}
+  __device__ __forceinline__ explicit ring_pos(int uses) : n(uses), s(uses % STAGES) {}
+  __device__ __forceinline__ operator ring_use<STAGES>() const { return {s, (n / STAGES) & 1}; }
   __device__ __forceinline__ int slot() const { return s; }
-  __device__ __forceinline__ int phase() const { return (n / STAGES) & 1; }
   __device__ __forceinline__ ring_pos &operator++() {
     s = ++n % STAGES;
     return *this;
@@ -47,10 +55,9 @@ template <int STAGES> struct ring_pos {
 template <int STAGES_> struct ring {
   static constexpr int STAGES = STAGES_;
   static_assert(STAGES >= 1);
-  using pos = ring_pos<STAGES>;
   semaphore *fulls, *empties;  // [STAGES] each
-  __device__ __forceinline__ semaphore &full(pos at) const { return fulls[at.slot()]; }
-  __device__ __forceinline__ semaphore &empty(pos at) const { return empties[at.slot()]; }
+  __device__ __forceinline__ semaphore &full(ring_use<STAGES> u) const { return fulls[u.slot]; }
+  __device__ __forceinline__ semaphore &empty(ring_use<STAGES> u) const { return empties[u.slot]; }
 };
 
 // One thread: full_arrivals per phase of each full semaphore (plus the TMA bytes announced on it),
@@ -74,18 +81,18 @@ __device__ __forceinline__ void init(const ring<S> &a, const ring<S> &b, int ful
   }
 }
 
-// (The position is not deduced: a use count converts, wait_full(r, n).)
-template <int S> __device__ __forceinline__ void wait_full(const ring<S> &r, std::type_identity_t<ring_pos<S>> at) {
-  wait(r.full(at), at.phase());
+// (The use is not deduced: a use count or a ring_pos converts, wait_full(r, n).)
+template <int S> __device__ __forceinline__ void wait_full(const ring<S> &r, std::type_identity_t<ring_use<S>> u) {
+  wait(r.full(u), u.phase);
 }
-template <int S> __device__ __forceinline__ void wait_empty(const ring<S> &r, std::type_identity_t<ring_pos<S>> at) {
-  wait(r.empty(at), at.phase() ^ 1);
+template <int S> __device__ __forceinline__ void wait_empty(const ring<S> &r, std::type_identity_t<ring_use<S>> u) {
+  wait(r.empty(u), u.phase ^ 1);
 }
-template <int S> __device__ __forceinline__ void arrive_full(const ring<S> &r, std::type_identity_t<ring_pos<S>> at) {
-  arrive(r.full(at));
+template <int S> __device__ __forceinline__ void arrive_full(const ring<S> &r, std::type_identity_t<ring_use<S>> u) {
+  arrive(r.full(u));
 }
-template <int S> __device__ __forceinline__ void arrive_empty(const ring<S> &r, std::type_identity_t<ring_pos<S>> at) {
-  arrive(r.empty(at));
+template <int S> __device__ __forceinline__ void arrive_empty(const ring<S> &r, std::type_identity_t<ring_use<S>> u) {
+  arrive(r.empty(u));
 }
 
 }  // namespace tk

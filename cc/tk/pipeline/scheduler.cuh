@@ -9,8 +9,8 @@
 // kernel's description of the tile, Tile, whose field t is the tile's number, t >= T: the end). It
 // runs up to SLOTS tiles ahead, so that a tile's loads start while the one before it finishes.
 //   scheduler:  schedule_tiles(q, counter, T, describe)   (describe(slot, t) -> Tile)
-//   workers:    for (int k = 0;; k++) { const ring_pos<SLOTS> at(k); if (!wait_tile(q, at, T)) break;
-//               ... q.tile[at.slot()] ...; arrive_empty(q.ring, at); }
+//   workers:    for (int k = 0;; k++) { const ring_use<SLOTS> at(k); if (!wait_tile(q, at, T)) break;
+//               ... q.tile[at.slot] ...; arrive_empty(q.ring, at); }
 //               (each worker arrives: init(q.ring, 1, workers))
 #pragma once
 #include "ring.cuh"
@@ -39,11 +39,11 @@ __device__ __forceinline__ int next_tile(int *const &counter, int k) {
 template <typename Tile, int SLOTS, typename F>
 __device__ __forceinline__ void schedule_tiles(const tile_queue<Tile, SLOTS> &q, int *const &counter, int tiles, F describe) {
   for (int k = 0;; k++) {
-    const ring_pos<SLOTS> at(k);
+    const ring_use<SLOTS> at(k);
     wait_empty(q.ring, at);
-    const Tile x = describe(at.slot(), next_tile(counter, k));
+    const Tile x = describe(at.slot, next_tile(counter, k));
     if (laneid() == 0) {
-      q.tile[at.slot()] = x;
+      q.tile[at.slot] = x;
       arrive_full(q.ring, at);
     }
     if (x.t >= tiles) return;
@@ -52,9 +52,9 @@ __device__ __forceinline__ void schedule_tiles(const tile_queue<Tile, SLOTS> &q,
 
 // A worker: waits for the announcement of use `at`; false at the end.
 template <typename Tile, int SLOTS>
-__device__ __forceinline__ bool wait_tile(const tile_queue<Tile, SLOTS> &q, std::type_identity_t<ring_pos<SLOTS>> at, int tiles) {
+__device__ __forceinline__ bool wait_tile(const tile_queue<Tile, SLOTS> &q, std::type_identity_t<ring_use<SLOTS>> at, int tiles) {
   wait_full(q.ring, at);
-  return q.tile[at.slot()].t < tiles;
+  return q.tile[at.slot].t < tiles;
 }
 
 }  // namespace tk
