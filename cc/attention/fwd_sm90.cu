@@ -173,7 +173,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     R::enter_producer();
     const Params &p = a.p;  // read where used: the producer's registers are few
     if (R::warp() == 1) {  // the scheduler
-      schedule_tiles(tiles_q, p.tile_counter, tiles, [&](int slot, int t) {
+      schedule_tiles(tiles_q, p.tile_counter, tiles, [&](int slot, int &t) {
         if (FULL && p.fwd_tiles && t < tiles && p.fwd_tiles[4 * t] < 0) t = tiles;  // (the list's unused entries come last)
         TileSlot c{t, 0, 0, 0, {}, -1, p.q_len};
         FwdTile x{};  // (the masked kernels need it only with segment ids: see TileSlot)
@@ -202,8 +202,8 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       const KeyRule rule = tile_rule<FULL>(p, x);
       if (int j = x.blocks.next(x.range.x); j < x.range.y) {
         const ring_use<QS> qa(nq);
-        wait_empty(q_ring, qa);
         nq++;
+        wait_empty(q_ring, qa);
         arrive_expect_bytes(q_ring.full(qa), CONSUMERS * sizeof(sm.q[0][0].data));
         for (int c = 0; c < CONSUMERS; c++) load_async(sm.q[qa.slot][c], a.q, {x.b, x.q0 + 64 * c, x.h, 0}, q_ring.full(qa));
         for (int j_next; j < x.range.y; n++, j = j_next) {
@@ -294,7 +294,8 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warp::copy(pr, s);
 
     for (int j_next; j < end; j = j_next) {
-      const ring_use<STAGES> prev = kv++;
+      const ring_use<STAGES> prev = kv;
+      ++kv;
       wait_full(k_ring, kv);
       if (from_loader) {
         info = sm.info[kv.slot()];
