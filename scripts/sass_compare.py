@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import sys
 
-BRANCHES = re.compile(r"^(?:@!?U?P\w+\s+)?(BRA|BRX|BSSY|CALL|JMP|JMX|SSY|PBK|PCNT)\b")
+BRANCHES = re.compile(r"^(?:@!?U?P\w+\s+)?(BRA|BRX|BSSY|CALL|JMP|JMX|SSY|PBK|PCNT|WARPSYNC)\b")  # (address operands)
 LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\*\s*(0x[0-9a-f]{16})\s*\*/")
 ENCODING_HI = re.compile(r"^\s*/\*\s*(0x[0-9a-f]{16})\s*\*/\s*$")
 

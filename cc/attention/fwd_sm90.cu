@@ -173,7 +173,10 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     R::enter_producer();
     const Params &p = a.p;  // read where used: the producer's registers are few
     if (R::warp() == 1) {  // the scheduler
-      schedule_tiles(tiles_q, p.tile_counter, tiles, [&](int slot, int &t) {
+      for (int k = 0;; k++) {  // its k-th tile
+        const ring_use<2> at(k);
+        wait_empty(tile_ring, at);
+        int t = next_tile(p.tile_counter, k);
         if (FULL && p.fwd_tiles && t < tiles && p.fwd_tiles[4 * t] < 0) t = tiles;  // (the list's unused entries come last)
         TileSlot c{t, 0, 0, 0, {}, -1, p.q_len};
         FwdTile x{};  // (the masked kernels need it only with segment ids: see TileSlot)
@@ -183,13 +186,14 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
           x = fwd_tile<FULL, DOCS>(p, c, C::BQ, BK, nullptr);
         }
         if (segments && t < tiles && !x.doc) {
-          write_block_list(lists + slot * list_words, x.range.x, x.range.y, 0, 1,
+          write_block_list(lists + at.slot * list_words, x.range.x, x.range.y, 0, 1,
                            [&](int j) { return segment_test<FULL>(p, x.b, x.q0, C::BQ, j * BK, BK); });
           __syncwarp();
         }
         c.range = x.range;
-        return c;
-      });
+        announce_tile(tiles_q, at, c);
+        if (t >= tiles) return;
+      }
       return;
     }
     if (threadIdx.x != CONSUMERS * 128) return;

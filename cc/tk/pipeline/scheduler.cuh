@@ -8,7 +8,7 @@
 // SLOTS slots to the warps that work on them (ring.cuh with one part; the slot also holds the
 // kernel's description of the tile, Tile, whose field t is the tile's number, t >= T: the end). It
 // runs up to SLOTS tiles ahead, so that a tile's loads start while the one before it finishes.
-//   scheduler:  schedule_tiles(q, counter, T, describe)   (describe(slot, int &t) -> Tile)
+//   scheduler:  schedule_tiles(q, counter, T, ends, describe)   (ends(t) -> bool, describe(slot, t) -> Tile)
 //   workers:    for (int k = 0;; k++) { const ring_use<SLOTS> at(k); if (!wait_tile(q, at, T)) break;
 //               ... q.tile[at.slot] ...; arrive_empty(q.ring, at); }
 //               (each worker arrives: init(q.ring, 1, workers))
@@ -33,22 +33,14 @@ __device__ __forceinline__ int next_tile(int *const &counter, int k) {
   return __shfl_sync(~0u, t, 0);
 }
 
-// The scheduler warp's loop: for each tile t it takes, describe(slot, t) (the whole warp) returns
-// the Tile to announce (with its field t = t), which lane 0 writes into the slot once the workers
-// have freed it. Returns after announcing the end, t >= tiles (describe may set t = tiles to turn a
-// tile into the end).
-template <typename Tile, int SLOTS, typename F>
-__device__ __forceinline__ void schedule_tiles(const tile_queue<Tile, SLOTS> &q, int *const &counter, int tiles, F describe) {
-  for (int k = 0;; k++) {
-    const ring_use<SLOTS> at(k);
-    wait_empty(q.ring, at);
-    int t = next_tile(counter, k);
-    const Tile x = describe(at.slot, t);
-    if (laneid() == 0) {
-      q.tile[at.slot] = x;
-      arrive_full(q.ring, at);
-    }
-    if (t >= tiles) return;
+// The scheduler (the whole warp, converged): announces Tile x in the slot of use `at`, which it has
+// waited to be empty (wait_empty(q.ring, at)).
+template <typename Tile, int SLOTS>
+__device__ __forceinline__ void announce_tile(const tile_queue<Tile, SLOTS> &q, std::type_identity_t<ring_use<SLOTS>> at,
+                                              const Tile &x) {
+  if (laneid() == 0) {
+    q.tile[at.slot] = x;
+    arrive_full(q.ring, at);
   }
 }
 
