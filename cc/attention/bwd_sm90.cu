@@ -204,6 +204,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   int *locks = reinterpret_cast<int *>(p.workspace + C::stats(p, p.batch, 0, 0));  // deterministic turns
   if (wg == R::PRODUCER) {
     R::enter_producer();
+    // (Its warps by block warp number: R::warp(), warpid() % 4, compiles to other producer code.)
     if (C::STAGED && warpid() == CONSUMERS * 4 + 1 && laneid() == 0) {  // the dQ writer
       static_assert(CONSUMERS == 2);
       for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++, advance(g, i)) {

@@ -194,7 +194,6 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
         announce_tile(tiles_q, at, c);
         if (t >= tiles) return;
       }
-      return;
     }
     if (threadIdx.x != CONSUMERS * 128) return;
     // the loader

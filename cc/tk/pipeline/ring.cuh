@@ -3,7 +3,7 @@
 //   full[s]   completes a phase when the slot holds new data (the producer's arrivals, and the
 //             bytes of its TMA loads);
 //   empty[s]  completes a phase when every consumer is done with it.
-// Use n = 0, 1, 2, ... of the ring (ring_pos) takes slot s = n mod STAGES in round r = n / STAGES,
+// Use n = 0, 1, 2, ... of the ring (ring_use) takes slot s = n mod STAGES in round r = n / STAGES,
 // and each semaphore completes one phase per round. mbarrier waits name the parity of the phase:
 //   consumer of use n:  wait(full[s],  r & 1)
 //   producer of use n:  wait(empty[s], (r & 1) ^ 1)   (round r - 1's release)

@@ -1,17 +1,20 @@
-// A persistent tile scheduler. A grid of G blocks (about one per SM) works through tiles 0 .. T-1,
-// each block taking its k-th tile as
+// A persistent tile scheduler. A grid of G <= T blocks (about one per SM) works through tiles
+// 0 .. T-1, each block taking its k-th tile as
 //   t_0 = blockIdx.x,   t_k = G + atomicAdd(counter, 1)  (k >= 1; counter = 0 at the launch)
 // so every t < T goes to exactly one block, the next free block takes it (tiles that differ in
 // length balance themselves), and a block stops at its first t >= T (the counter only grows: no
-// tile is left). The counter ends below T + G: launch with T + 2 G < INT_MAX.
-// Within a block one warp, the scheduler, takes the tiles and announces each through a tile_queue of
-// SLOTS slots to the warps that work on them (ring.cuh with one part; the slot also holds the
-// kernel's description of the tile, Tile, whose field t is the tile's number, t >= T: the end). It
-// runs up to SLOTS tiles ahead, so that a tile's loads start while the one before it finishes.
-//   scheduler:  schedule_tiles(q, counter, T, ends, describe)   (ends(t) -> bool, describe(slot, t) -> Tile)
+// tile is left). Each block overshoots once, so t < T + G: launch with T + 2 G < INT_MAX.
+// Within a block one warp, the scheduler, takes the tiles and announces each through a tile_queue
+// of SLOTS slots (a ring, ring.cuh, whose slots hold the kernel's description of a tile, Tile, with
+// its number in field t; t >= T announces the end) to the warps that work on them. It runs up to
+// SLOTS tiles ahead, so that a tile's loads start while the one before it finishes:
+//   scheduler:  for (int k = 0;; k++) { const ring_use<SLOTS> at(k); wait_empty(q.ring, at);
+//               int t = next_tile(counter, k); ... announce_tile(q, at, x); if (t >= T) return; }
 //   workers:    for (int k = 0;; k++) { const ring_use<SLOTS> at(k); if (!wait_tile(q, at, T)) break;
 //               ... q.tile[at.slot] ...; arrive_empty(q.ring, at); }
-//               (each worker arrives: init(q.ring, 1, workers))
+//   (init(q.ring, 1, workers): the scheduler's lane 0 fills a slot, every worker frees it.)
+// A kernel with one tile per block (a grid of T blocks, t = blockIdx.x, the order chosen by the
+// tile's coordinates) needs none of this.
 #pragma once
 #include "ring.cuh"
 
