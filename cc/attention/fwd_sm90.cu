@@ -283,10 +283,10 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     };
     ring_pos<STAGES> kv(n);  // the key block in S (the one before it is in P)
     wait_full(k_ring, kv);
-    int info = from_loader ? sm.info[kv.slot()] : 0;
+    int info = from_loader ? sm.info[kv.slot] : 0;
     int j = from_loader ? info >> MASK_BITS : blocks.next(first + 1);
     my_turn();
-    warpgroup::mma_ABt(s, q, sm.k[kv.slot()], false);  // S_0 = Q K_0^T
+    warpgroup::mma_ABt(s, q, sm.k[kv.slot], false);  // S_0 = Q K_0^T
     your_turn();
     warpgroup::wait<0>();
     warpgroup::fence_registers(s);
@@ -301,12 +301,12 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       ++kv;
       wait_full(k_ring, kv);
       if (from_loader) {
-        info = sm.info[kv.slot()];
+        info = sm.info[kv.slot];
         j_next = info >> MASK_BITS;
       }
       wait_full(v_ring, prev);
       my_turn();
-      warpgroup::mma_ABt(s, q, sm.k[kv.slot()], false);   // S_j = Q K_j^T
+      warpgroup::mma_ABt(s, q, sm.k[kv.slot], false);   // S_j = Q K_j^T
       warpgroup::mma_AB(o, pr, sm.v[prev.slot], true);  // O += P_{j-1} V_{j-1}
       your_turn();
       if (!from_loader) j_next = blocks.next(j + 1);  // while the products run
@@ -331,7 +331,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     const auto last = kv++;
     wait_full(v_ring, last);
     my_turn();
-    warpgroup::mma_AB(o, pr, sm.v[last.slot()], true);
+    warpgroup::mma_AB(o, pr, sm.v[last.slot], true);
     your_turn();
     warpgroup::wait<0>();
     warpgroup::fence_registers(o);

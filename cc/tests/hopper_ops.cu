@@ -239,8 +239,8 @@ __global__ __launch_bounds__(Ring<T, D>::THREADS, 1) void ring_kernel(const __gr
   ring_pos<R::STAGES> at(0);
   for (int j = 0; j < a.n_tiles; j++, ++at) {
     wait_full(slots, at);
-    warp::load(x, sm.tile[at.slot()], row0, 0);
-    warp::load(w, sm.w[at.slot()] + row0, 16);
+    warp::load(x, sm.tile[at.slot], row0, 0);
+    warp::load(w, sm.w[at.slot] + row0, 16);
     __syncwarp();  // every lane has read the slot before lane 0 frees it
     if (laneid() == 0) arrive_empty(slots, at);
     warp::copy(xf, x);

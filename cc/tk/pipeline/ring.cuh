@@ -31,12 +31,11 @@ template <int STAGES> struct ring_use {
 // that the use before a step (still to be released) keeps its slot rather than having it worked out
 // again. It converts to its ring_use where it is used.
 template <int STAGES> struct ring_pos {
-  int n, s;
-  __device__ __forceinline__ explicit ring_pos(int uses) : n(uses), s(uses % STAGES) {}
-  __device__ __forceinline__ operator ring_use<STAGES>() const { return {s, (n / STAGES) & 1}; }
-  __device__ __forceinline__ int slot() const { return s; }
+  int n, slot;
+  __device__ __forceinline__ explicit ring_pos(int uses) : n(uses), slot(uses % STAGES) {}
+  __device__ __forceinline__ operator ring_use<STAGES>() const { return {slot, (n / STAGES) & 1}; }
   __device__ __forceinline__ ring_pos &operator++() {
-    s = ++n % STAGES;
+    slot = ++n % STAGES;
     return *this;
   }
   __device__ __forceinline__ ring_pos operator++(int) {
