@@ -29,7 +29,8 @@ namespace {
 using namespace tk;
 
 template <typename T, int D> struct BwdH {
-  static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+  using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/24, /*CONSUMER_REGS=*/240>;
+  static constexpr int CONSUMERS = Roles::CONSUMERS, THREADS = Roles::THREADS;
   // SPLIT consumers share each 64 keys and split the columns of dK/dV (SPLIT = 2 at D = 256: 64 x 256
   // fp32 accumulators would not fit one warpgroup's registers; both then compute S^T and dP^T).
   static constexpr int SPLIT = D > 128 ? 2 : 1, KV_COLS = D / SPLIT;
@@ -50,6 +51,9 @@ template <typename T, int D> struct BwdH {
     int2 step[STAGES];  // (SEG) the step's query head g, and its query block i shifted left by MASK_BITS
                         // and the block's mask bits (tile_mask_bits)
     alignas(128) float dq[CONSUMERS][STAGED ? BQ * DQ_COLS : 4];  // each consumer's dQ_i, fragment order
+    // Rings (ring.cuh): the steps' Q, dO and statistics (full, empty); each consumer's dQ tile, one
+    // slot (dq_full[c], dq_empty[c]). kv_full and kv_out complete once: K and V loaded, dK and dV
+    // written to their tiles.
     semaphore kv_full, full[STAGES], empty[STAGES], dq_full[CONSUMERS], dq_empty[CONSUMERS], kv_out;
   };
   struct Args {
@@ -154,6 +158,7 @@ template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET>
 __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const __grid_constant__ typename BwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = BwdH<T, D>;
+  using R = typename C::Roles;
   constexpr int BK = C::BK, BQ = C::BQ, STAGES = C::STAGES, CONSUMERS = C::CONSUMERS;
   static_assert(BQ == BWD_BQ);
   extern __shared__ char smem_raw[];
@@ -185,37 +190,34 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     }
   };
 
+  const ring<STAGES> steps{sm.full, sm.empty};
+  const auto dq_ring = [&](int c) { return ring<1>{&sm.dq_full[c], &sm.dq_empty[c]}; };
   if (threadIdx.x == 0) {
     init(sm.kv_full, 1);
     init(sm.kv_out, CONSUMERS * 128);  // one arrival per consumer thread: dK and dV are in shared memory
-    for (int s = 0; s < STAGES; s++) {
-      init(sm.full[s], 32);                // one arrival per lane of the producer warp
-      init(sm.empty[s], CONSUMERS * 128);  // one arrival per consumer thread
-    }
-    for (int c = 0; c < CONSUMERS; c++) {
-      init(sm.dq_full[c], 128);  // one arrival per thread of consumer c
-      init(sm.dq_empty[c], 1);   // the writer
-    }
+    init(steps, 32, CONSUMERS * 128);  // full: each lane of the producer warp; empty: each consumer thread
+    for (int c = 0; c < CONSUMERS; c++) init(dq_ring(c), 128, 1);  // full: each thread of consumer c; empty: the writer
     fence_barrier_init();
   }
   __syncthreads();
 
   int *locks = reinterpret_cast<int *>(p.workspace + C::stats(p, p.batch, 0, 0));  // deterministic turns
-  if (wg == CONSUMERS) {  // producer
-    warpgroup::decrease_registers<24>();
+  if (wg == R::PRODUCER) {
+    R::enter_producer();
+    // (Its warps by block warp number: R::warp(), warpid() % 4, compiles to other producer code.)
     if (C::STAGED && warpid() == CONSUMERS * 4 + 1 && laneid() == 0) {  // the dQ writer
       static_assert(CONSUMERS == 2);
       for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++, advance(g, i)) {
         const int h = kvh * group + g;
         for (int c = 0; c < CONSUMERS; c++) {  // (deterministic: the consumers have waited for the turn)
-          wait(sm.dq_full[c], it & 1);
+          wait_full(dq_ring(c), it);
           reduce_add_async(p.workspace + C::dq_tile(p, b, h, i, c), sm.dq[c], sizeof(sm.dq[c]));
           bulk_commit();
         }
         bulk_wait_read<1>();  // consumer 0's tile is read: it may store the next one
-        arrive(sm.dq_empty[0]);
+        arrive_empty(dq_ring(0), it);
         bulk_wait_read<0>();
-        arrive(sm.dq_empty[1]);
+        arrive_empty(dq_ring(1), it);
         if (det()) {  // the additions are done: hand the turn on
           bulk_wait<0>();
           __threadfence();
@@ -234,19 +236,20 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     }
     for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++, advance(g, i)) {  // the consumers' steps
       const int h = kvh * group + g;
-      const int s = it % STAGES, phase = (it / STAGES) & 1;
-      wait(sm.empty[s], phase ^ 1);
+      const ring_use<STAGES> at(it);
+      const int s = at.slot;
+      wait_empty(steps, at);
       if (loader) {
         if constexpr (SEG)  // for the consumers (see next_step)
           sm.step[s] = {g, i << MASK_BITS | tile_mask_bits<FULL>(p, rule, qblocks.one_segment(i), i * BQ, BQ, k0, BK)};
-        expect_bytes(sm.full[s], sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
-        load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, sm.full[s]);
-        load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, sm.full[s]);
+        expect_bytes(steps.full(at), sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
+        load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, steps.full(at));
+        load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, steps.full(at));
       }
       // The rows' statistics: 128 floats, one float4 per lane, each lane's stores released by its own
       // arrival (so that every write and read is ordered by a release and an acquire of its own thread).
       reinterpret_cast<float4 *>(sm.stats[s])[laneid()] = reinterpret_cast<const float4 *>(p.workspace + C::stats(p, b, h, i))[laneid()];
-      arrive(sm.full[s]);
+      arrive_full(steps, at);
     }
     if (loader) {  // dK and dV, once the consumers have put them in the tiles of K and V
       wait(sm.kv_out, 0);
@@ -260,7 +263,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
 
   // consumers: warpgroup wg owns keys k0 + row0 .. + 64 (this warp 16 of them from kw) and the
   // columns col0 .. + KV_COLS of their dK and dV
-  warpgroup::increase_registers<240>();
+  R::enter_consumer();
   const int row0 = 64 * (wg / C::SPLIT), col0 = C::KV_COLS * (wg % C::SPLIT);
   const int kw = k0 + row0 + 16 * (warpid() % 4);
   const bool writes_ds = wg % C::SPLIT == 0;  // one of the warpgroups that share the keys
@@ -275,7 +278,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   // would make ptxas serialize them all (C7518).
   auto issue_logits = [&](int step) {
     const int slot = step % STAGES;
-    if (step < n_steps) wait(sm.full[slot], (step / STAGES) & 1);
+    if (step < n_steps) wait_full(steps, step);
     warpgroup::mma_ABt(s, k_rows, sm.q[slot], false);
   };
   if (n_steps > 0) {
@@ -356,13 +359,13 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
         warpgroup::wait<0>();
       }
       warpgroup::fence_registers(dq);
-      if (part == 0) arrive(sm.empty[slot]);  // this thread is done with the slot (Q, dO and the statistics)
+      if (part == 0) arrive_empty(steps, it);  // this thread is done with the slot (Q, dO and the statistics)
       if constexpr (C::STAGED) {  // (one part)
         if (det()) wait_for_turn();  // the writer adds once all threads have arrived
-        wait(sm.dq_empty[wg], (it & 1) ^ 1);   // the writer has read the last step's tile
+        wait_empty(dq_ring(wg), it);  // the writer has read the last step's tile
         warpgroup::store_fragments(sm.dq[wg], dq);
         warpgroup::fence_shared_writes();
-        arrive(sm.dq_full[wg]);
+        arrive_full(dq_ring(wg), it);
       } else {
         if (part == 0 && det()) {
           wait_for_turn();

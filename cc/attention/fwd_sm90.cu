@@ -21,7 +21,8 @@ struct alignas(16) TileSlot {
 };
 
 template <typename T, int D> struct FwdH {
-  static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1), BQ = 64 * CONSUMERS;
+  using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
+  static constexpr int CONSUMERS = Roles::CONSUMERS, THREADS = Roles::THREADS, BQ = 64 * CONSUMERS;
   static constexpr int BK = D <= 128 ? 128 : 64;  // D = 256: O takes 128 registers, K/V tiles 32 KB
   static constexpr int STAGES = D <= 64 ? 4 : 2;
   static constexpr int Q_STAGES = D <= 128 ? 2 : 1;  // the next tile's Q loads during this one (not at D = 256: space)
@@ -37,11 +38,13 @@ template <typename T, int D> struct FwdH {
   struct Shared {
     st<T, 64, D> q[Q_STAGES][CONSUMERS];
     st<T, BK, D> k[STAGES], v[STAGES];
+    // Rings (ring.cuh): Q of a tile (both consumers' rows); K and V of a key block (in step, but V is
+    // freed later); the tiles announced by the scheduler (scheduler.cuh).
     semaphore q_full[Q_STAGES], q_empty[Q_STAGES], k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
     semaphore tile_full[2], tile_empty[2];
-    TileSlot tile[2];  // the tiles announced by the scheduler (t >= tiles: no more)
-    int info[STAGES];   // (LOADER_INFO) the listed key block after the one in the slot, shifted left by
-                        // MASK_BITS, and that one's mask bits (tile_mask_bits)
+    TileSlot tile[2];  // (t >= tiles: no more)
+    int info[STAGES];  // (LOADER_INFO) the listed key block after the one in the slot, shifted left by
+                       // MASK_BITS, and that one's mask bits (tile_mask_bits)
   };
   struct Args {
     Params p;
@@ -132,6 +135,7 @@ template <typename T, int D, bool FULL>
 __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const __grid_constant__ typename FwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = FwdH<T, D>;
+  using R = typename C::Roles;
   constexpr int BK = C::BK, STAGES = C::STAGES, QS = C::Q_STAGES, CONSUMERS = C::CONSUMERS;
   extern __shared__ char smem_raw[];
   auto &sm = align_shared<typename C::Shared>(smem_raw);
@@ -143,7 +147,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   auto *o_stages = reinterpret_cast<typename C::OTile *>(&sm + 1);
   uint32_t *lists = reinterpret_cast<uint32_t *>(o_stages + (stage_o ? CONSUMERS : 0));  // two slots of list_words words
   const int list_words = int(block_list_bytes((p.kv_len + BK - 1) / BK) / 4);
-  auto tile_at = [&](int slot) {
+  auto read_tile = [&](int slot) {
     TileSlot x = sm.tile[slot];
     if constexpr (FULL) {
       if (!segments) x = tile_coords<FULL>(p, x.t, C::BQ);
@@ -152,37 +156,27 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     return FwdTile{x.b, x.h, x.q0, x.range, BlockList{x.range.x, x.range.y, nullptr, 0}, false, 0, p.q_len};
   };
   const int wg = warpgroup::groupid();
+  const ring<QS> q_ring{sm.q_full, sm.q_empty};
+  const ring<STAGES> k_ring{sm.k_full, sm.k_empty}, v_ring{sm.v_full, sm.v_empty};  // (at the same positions)
+  const tile_queue<TileSlot> tiles_q{{sm.tile_full, sm.tile_empty}, sm.tile};
+  const auto &tile_ring = tiles_q.ring;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < QS; s++) {
-      init(sm.q_full[s], 1);
-      init(sm.q_empty[s], CONSUMERS * 4);  // one arrival per consumer warp
-    }
-    for (int s = 0; s < STAGES; s++) {
-      init(sm.k_full[s], 1);
-      init(sm.v_full[s], 1);
-      init(sm.k_empty[s], CONSUMERS * 4);
-      init(sm.v_empty[s], CONSUMERS * 4);
-    }
-    for (int s = 0; s < 2; s++) {
-      init(sm.tile_full[s], 1);
-      init(sm.tile_empty[s], CONSUMERS * 4 + 1);  // the consumer warps and the loading thread
-    }
+  if (threadIdx.x == 0) {  // full: the loader (and its bytes); empty: each consumer warp (and the loader)
+    init(q_ring, 1, CONSUMERS * 4);
+    init(k_ring, v_ring, 1, CONSUMERS * 4);
+    init(tile_ring, 1, CONSUMERS * 4 + 1);
     fence_barrier_init();
   }
   __syncthreads();
 
-  if (wg == CONSUMERS) {  // producer
-    warpgroup::decrease_registers<40>();
+  if (wg == R::PRODUCER) {
+    R::enter_producer();
     const Params &p = a.p;  // read where used: the producer's registers are few
-    const int w = warpid() % 4;
-    if (w == 1) {  // the scheduler
-      for (int n = 0;; n++) {
-        const int slot = n % 2;
-        wait(sm.tile_empty[slot], ((n / 2) & 1) ^ 1);
-        int t = blockIdx.x;
-        if (n > 0 && laneid() == 0) t = gridDim.x + atomicAdd(p.tile_counter, 1);
-        t = __shfl_sync(~0u, t, 0);
+    if (R::warp() == 1) {  // the scheduler
+      for (int k = 0;; k++) {  // its k-th tile
+        const ring_use<2> at(k);
+        wait_empty(tile_ring, at);
+        int t = next_tile(p.tile_counter, k);
         if (FULL && p.fwd_tiles && t < tiles && p.fwd_tiles[4 * t] < 0) t = tiles;  // (the list's unused entries come last)
         TileSlot c{t, 0, 0, 0, {}, -1, p.q_len};
         FwdTile x{};  // (the masked kernels need it only with segment ids: see TileSlot)
@@ -192,51 +186,49 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
           x = fwd_tile<FULL, DOCS>(p, c, C::BQ, BK, nullptr);
         }
         if (segments && t < tiles && !x.doc) {
-          write_block_list(lists + slot * list_words, x.range.x, x.range.y, 0, 1,
+          write_block_list(lists + at.slot * list_words, x.range.x, x.range.y, 0, 1,
                            [&](int j) { return segment_test<FULL>(p, x.b, x.q0, C::BQ, j * BK, BK); });
           __syncwarp();
         }
-        if (laneid() == 0) {
-          c.range = x.range;
-          sm.tile[slot] = c;
-          arrive(sm.tile_full[slot]);
-        }
+        c.range = x.range;
+        announce_tile(tiles_q, at, c);
         if (t >= tiles) return;
       }
     }
     if (threadIdx.x != CONSUMERS * 128) return;
     // the loader
     for (int nt = 0, n = 0, nq = 0;; nt++) {  // tiles, key blocks, Q loads so far
-      const int slot = nt % 2;
-      wait(sm.tile_full[slot], (nt / 2) & 1);
-      if (sm.tile[slot].t >= tiles) return;
-      const FwdTile x = tile_at(slot);
+      const ring_use<2> at(nt);
+      if (!wait_tile(tiles_q, at, tiles)) return;
+      const FwdTile x = read_tile(at.slot);
       const int kvh = x.h / (p.q_heads / p.kv_heads);
       const KeyRule rule = tile_rule<FULL>(p, x);
       if (int j = x.blocks.next(x.range.x); j < x.range.y) {
-        const int qs = nq % QS;
-        wait(sm.q_empty[qs], ((nq++ / QS) & 1) ^ 1);
-        arrive_expect_bytes(sm.q_full[qs], CONSUMERS * sizeof(sm.q[0][0].data));
-        for (int c = 0; c < CONSUMERS; c++) load_async(sm.q[qs][c], a.q, {x.b, x.q0 + 64 * c, x.h, 0}, sm.q_full[qs]);
+        const ring_use<QS> qa(nq);
+        nq++;
+        wait_empty(q_ring, qa);
+        arrive_expect_bytes(q_ring.full(qa), CONSUMERS * sizeof(sm.q[0][0].data));
+        for (int c = 0; c < CONSUMERS; c++) load_async(sm.q[qa.slot][c], a.q, {x.b, x.q0 + 64 * c, x.h, 0}, q_ring.full(qa));
         for (int j_next; j < x.range.y; n++, j = j_next) {
-          const int s = n % STAGES, phase = (n / STAGES) & 1, k0 = x.kbase + j * BK;
+          const ring_use<STAGES> kv(n);
+          const int s = kv.slot, k0 = x.kbase + j * BK;
           j_next = x.blocks.next(j + 1);
-          wait(sm.k_empty[s], phase ^ 1);
+          wait_empty(k_ring, kv);
           if (FULL && C::LOADER_INFO)  // (released by the arrival)
             sm.info[s] = j_next << MASK_BITS | tile_mask_bits<FULL>(p, rule, x.blocks.one_segment(j), x.q0, C::BQ, k0, BK);
-          arrive_expect_bytes(sm.k_full[s], sizeof(sm.k[s].data));
-          load_async(sm.k[s], a.k, {x.b, k0, kvh, 0}, sm.k_full[s]);
-          wait(sm.v_empty[s], phase ^ 1);
-          arrive_expect_bytes(sm.v_full[s], sizeof(sm.v[s].data));
-          load_async(sm.v[s], a.v, {x.b, k0, kvh, 0}, sm.v_full[s]);
+          arrive_expect_bytes(k_ring.full(kv), sizeof(sm.k[s].data));
+          load_async(sm.k[s], a.k, {x.b, k0, kvh, 0}, k_ring.full(kv));
+          wait_empty(v_ring, kv);
+          arrive_expect_bytes(v_ring.full(kv), sizeof(sm.v[s].data));
+          load_async(sm.v[s], a.v, {x.b, k0, kvh, 0}, v_ring.full(kv));
         }
       }
-      arrive(sm.tile_empty[slot]);
+      arrive_empty(tile_ring, at);
     }
   }
 
   // consumers
-  warpgroup::increase_registers<232>();
+  R::enter_consumer();
   static_assert(CONSUMERS == 2);
   // Turns: named barrier 1 + w opens consumer w's turn when the other arrives on it. Consumer 1 opens
   // the first turn, every turn is answered, and consumer 0 takes the answer to the last one at the
@@ -248,10 +240,10 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   const bool lane0 = laneid() == 0, leader = threadIdx.x % 128 == 0;
   auto &o_stage = o_stages[wg];  // (stage_o)
   for (int nt = 0, n = 0, nq = 0;; nt++) {  // tiles, key blocks, Q loads so far
-    const int slot = nt % 2;
-    wait(sm.tile_full[slot], (nt / 2) & 1);
-    if (sm.tile[slot].t >= tiles) break;
-    const FwdTile x = tile_at(slot);
+    const ring_use<2> at(nt);
+    if (!wait_tile(tiles_q, at, tiles)) break;
+    const int slot = at.slot;
+    const FwdTile x = read_tile(slot);
     const KeyRule rule = tile_rule<FULL>(p, x);
     const BlockList &blocks = x.blocks;
     const int end = x.range.y, first = blocks.next(x.range.x);
@@ -264,14 +256,15 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warp::fill_vec(m, NEG_INF);
     warp::fill_vec(l, 0.f);
     if (first == end) {  // these rows see no key: O = 0, lse = -inf
-      if (lane0) arrive(sm.tile_empty[slot]);
+      if (lane0) arrive_empty(tile_ring, at);
       store_output<T>(p, o, l, x.b, x.h, qw, 0, x.end);
       store_lse(p, m, l, c, x.b, x.h, qw, x.end);
       continue;
     }
-    const int qs = nq % QS;
-    wait(sm.q_full[qs], (nq++ / QS) & 1);
-    const auto &q = sm.q[qs][wg];
+    const ring_use<QS> qa(nq);
+    wait_full(q_ring, qa);
+    nq++;
+    const auto &q = sm.q[qa.slot][wg];
 
     // Software pipeline: while the tensor cores compute O += P_{j-1} V_{j-1}, the warps run the
     // softmax of block j. S_j is issued first; wgmma groups complete in order.
@@ -288,62 +281,62 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
                                         : mask_need<FULL>(p, rule, blocks.one_segment(j), qw, 16, k0, BK);
       mask_logits<FULL>(s, p, rule, need, x.b, qw, k0);
     };
-    int st = n % STAGES;
-    wait(sm.k_full[st], (n / STAGES) & 1);
-    int info = from_loader ? sm.info[st] : 0;
+    ring_pos<STAGES> kv(n);  // the key block in S (the one before it is in P)
+    wait_full(k_ring, kv);
+    int info = from_loader ? sm.info[kv.slot] : 0;
     int j = from_loader ? info >> MASK_BITS : blocks.next(first + 1);
     my_turn();
-    warpgroup::mma_ABt(s, q, sm.k[st], false);  // S_0 = Q K_0^T
+    warpgroup::mma_ABt(s, q, sm.k[kv.slot], false);  // S_0 = Q K_0^T
     your_turn();
     warpgroup::wait<0>();
     warpgroup::fence_registers(s);
-    if (lane0) arrive(sm.k_empty[st]);
+    if (lane0) arrive_empty(k_ring, kv);
     cap_logits<FULL>(s, p);
     mask(first, info);
     softmax_step(s, m, l, corr, c);
     warp::copy(pr, s);
 
     for (int j_next; j < end; j = j_next) {
-      const int prev = st;
-      const int prev_phase = (n / STAGES) & 1;
-      st = ++n % STAGES;
-      wait(sm.k_full[st], (n / STAGES) & 1);
+      const ring_use<STAGES> prev = kv;
+      ++kv;
+      wait_full(k_ring, kv);
       if (from_loader) {
-        info = sm.info[st];
+        info = sm.info[kv.slot];
         j_next = info >> MASK_BITS;
       }
-      wait(sm.v_full[prev], prev_phase);
+      wait_full(v_ring, prev);
       my_turn();
-      warpgroup::mma_ABt(s, q, sm.k[st], false);   // S_j = Q K_j^T
-      warpgroup::mma_AB(o, pr, sm.v[prev], true);  // O += P_{j-1} V_{j-1}
+      warpgroup::mma_ABt(s, q, sm.k[kv.slot], false);   // S_j = Q K_j^T
+      warpgroup::mma_AB(o, pr, sm.v[prev.slot], true);  // O += P_{j-1} V_{j-1}
       your_turn();
       if (!from_loader) j_next = blocks.next(j + 1);  // while the products run
       warpgroup::wait<1>();  // S_j is ready
       warpgroup::fence_registers(s);
-      if (lane0) arrive(sm.k_empty[st]);
+      if (lane0) arrive_empty(k_ring, kv);
       cap_logits<FULL>(s, p);
       mask(j, info);
       softmax_step(s, m, l, corr, c);
       warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done
       warpgroup::fence_registers(o);
       warpgroup::fence_registers(pr);
-      if (lane0) arrive(sm.v_empty[prev]);
+      if (lane0) arrive_empty(v_ring, prev);
       warp::mul_row(o, o, corr);
       warp::copy(pr, s);
     }
     const int rows_end = DOCS ? sm.tile[slot].end : p.q_len;  // (see FwdTile)
     if (lane0) {  // done with Q and with the tile's slot and list
-      arrive(sm.q_empty[qs]);
-      arrive(sm.tile_empty[slot]);
+      arrive_empty(q_ring, qa);
+      arrive_empty(tile_ring, at);
     }
-    wait(sm.v_full[st], (n / STAGES) & 1);
+    const auto last = kv++;
+    wait_full(v_ring, last);
     my_turn();
-    warpgroup::mma_AB(o, pr, sm.v[st], true);
+    warpgroup::mma_AB(o, pr, sm.v[last.slot], true);
     your_turn();
-    n++;
     warpgroup::wait<0>();
     warpgroup::fence_registers(o);
-    if (lane0) arrive(sm.v_empty[st]);
+    if (lane0) arrive_empty(v_ring, last);
+    n = kv.n;
     if (stage_o) {
       // O /= l into this consumer's staging tile, then one TMA store (the warps do not wait for
       // global stores); the leader first waits until the last tile's store has read the tile.

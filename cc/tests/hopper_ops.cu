@@ -180,12 +180,13 @@ __global__ void reduce_add_kernel(const __grid_constant__ ReduceAddArgs x) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// 4. Producer/consumer ring: tensor and plain bulk copies through 2 slots with full/empty
-//    semaphores, register reallocation, a named barrier among the consumers
+// 4. Producer/consumer ring (tk/pipeline): tensor and plain bulk copies through 2 slots with
+//    full/empty semaphores, register reallocation (roles), a named barrier among the consumers
 // ------------------------------------------------------------------------------------------------
 
 template <typename T, int D> struct Ring {
-  static constexpr int ROWS = 128, STAGES = 2, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+  using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/24, /*CONSUMER_REGS=*/240>;
+  static constexpr int ROWS = 128, STAGES = 2, CONSUMERS = Roles::CONSUMERS, THREADS = Roles::THREADS;
   struct Shared {
     st<T, ROWS, D> tile[STAGES];
     alignas(16) float w[STAGES][ROWS];  // the tile's row weights
@@ -204,45 +205,44 @@ template <typename T, int D>
 __global__ __launch_bounds__(Ring<T, D>::THREADS, 1) void ring_kernel(const __grid_constant__ typename Ring<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using R = Ring<T, D>;
+  using Roles = typename R::Roles;
   auto &sm = shared_as<typename R::Shared>();
   const int wg = warpgroup::groupid();
+  const ring<R::STAGES> slots{sm.full, sm.empty};
   if (threadIdx.x == 0) {
-    for (int s = 0; s < R::STAGES; s++) {
-      init(sm.full[s], 1);                  // the producer's arrival (+ the bytes of both copies)
-      init(sm.empty[s], R::CONSUMERS * 4);  // one arrival per consumer warp
-    }
+    init(slots, 1, R::CONSUMERS * 4);  // full: the producer's arrival (+ the bytes of both copies); empty: each consumer warp
     fence_barrier_init();
   }
   __syncthreads();
 
-  if (wg == R::CONSUMERS) {  // producer: one thread issues every load; the others leave
-    warpgroup::decrease_registers<24>();
+  if (wg == Roles::PRODUCER) {  // one thread issues every load; the others leave
+    Roles::enter_producer();
     if (threadIdx.x == 128 * R::CONSUMERS) {
       for (int j = 0; j < a.n_tiles; j++) {
-        const int s = j % R::STAGES, phase = (j / R::STAGES) & 1;
-        wait(sm.empty[s], phase ^ 1);  // tile j - STAGES is consumed (passes at once the first time round)
-        arrive_expect_bytes(sm.full[s], sizeof(sm.tile[s].data) + sizeof(sm.w[s]));
-        load_async(sm.tile[s], a.map, {a.b, j * R::ROWS, a.h, 0}, sm.full[s]);  // tensor copy
-        load_async(sm.w[s], a.w + j * R::ROWS, sizeof(sm.w[s]), sm.full[s]);    // plain bulk copy
+        const ring_use<R::STAGES> u(j);
+        wait_empty(slots, u);  // tile j - STAGES is consumed (passes at once the first time round)
+        arrive_expect_bytes(slots.full(u), sizeof(sm.tile[u.slot].data) + sizeof(sm.w[u.slot]));
+        load_async(sm.tile[u.slot], a.map, {a.b, j * R::ROWS, a.h, 0}, slots.full(u));  // tensor copy
+        load_async(sm.w[u.slot], a.w + j * R::ROWS, sizeof(sm.w[u.slot]), slots.full(u));  // plain bulk copy
       }
     }
     return;
   }
 
   // consumers: warpgroup wg adds up rows 64 wg .. 64 wg + 64, this warp 16 of them
-  warpgroup::increase_registers<240>();
+  Roles::enter_consumer();
   const int row0 = 64 * wg + 16 * (warpid() % 4);
   rt_fl<16, D> acc, xf;
   rt<T, 16, D> x;
   col_vec<rt_fl<16, D>> w;
   warp::zero(acc);
-  for (int j = 0; j < a.n_tiles; j++) {
-    const int s = j % R::STAGES, phase = (j / R::STAGES) & 1;
-    wait(sm.full[s], phase);
-    warp::load(x, sm.tile[s], row0, 0);
-    warp::load(w, sm.w[s] + row0, 16);
+  ring_pos<R::STAGES> at(0);
+  for (int j = 0; j < a.n_tiles; j++, ++at) {
+    wait_full(slots, at);
+    warp::load(x, sm.tile[at.slot], row0, 0);
+    warp::load(w, sm.w[at.slot] + row0, 16);
     __syncwarp();  // every lane has read the slot before lane 0 frees it
-    if (laneid() == 0) arrive(sm.empty[s]);
+    if (laneid() == 0) arrive_empty(slots, at);
     warp::copy(xf, x);
     warp::mul_row(xf, xf, w);
     warp::add(acc, acc, xf);

@@ -16,3 +16,6 @@
 #include "ops/warp/reductions.cuh"
 #include "ops/warpgroup/fragments.cuh"
 #include "ops/warpgroup/wgmma.cuh"
+#include "pipeline/ring.cuh"
+#include "pipeline/roles.cuh"
+#include "pipeline/scheduler.cuh"
