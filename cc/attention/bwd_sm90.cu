@@ -35,6 +35,8 @@ template <typename T, int D> struct BwdH {
   // fp32 accumulators would not fit one warpgroup's registers; both then compute S^T and dP^T).
   static constexpr int SPLIT = D > 128 ? 2 : 1, KV_COLS = D / SPLIT;
   static constexpr int BK = 64 * CONSUMERS / SPLIT, BQ = 64, DQ_COLS = D / CONSUMERS;
+  // (Params::block_order's blocks and the workspace's dq tiles, which Python sizes from attention.h)
+  static_assert(BQ == BWD_QUERY_ROWS && BK == (D <= 128 ? BWD_BLOCK_KEYS : BWD_BLOCK_KEYS_D256));
   // Each consumer computes its DQ_COLS columns of dQ_i in parts of at most 64 (registers again).
   static constexpr int DQ_PART = DQ_COLS < 64 ? DQ_COLS : 64, DQ_PARTS = DQ_COLS / DQ_PART;
   // STAGED (D <= 128): each consumer stores its dQ_i tile to shared memory (its registers are free at

@@ -27,6 +27,8 @@ template <typename T, int D> struct FwdH {
   static constexpr int STAGES = D <= 64 ? 4 : 2;
   static constexpr int Q_STAGES = D <= 128 ? 2 : 1;  // the next tile's Q loads during this one (not at D = 256: space)
   static constexpr bool PINGPONG = D <= 128;  // the consumers take turns issuing their products
+  // (the tiles of Params::fwd_tiles, which Python works out from the contract in attention.h)
+  static_assert(BQ == FWD_TILE_ROWS && BK == (D <= 128 ? FWD_TILE_KEYS : FWD_TILE_KEYS_D256));
   // In the masked kernel the loader tells the consumers, with each key block, the next listed one and
   // the masks it needs (see the consumers' loop); at D = 256 they work both out themselves (the other
   // way costs spills there).
