@@ -215,68 +215,54 @@ template <bool TEST> auto bind(auto head, auto tail) {
   else return tail(head());
 }
 
+// The masking operands and the attributes both directions take (see the top of this file).
+auto masking_operands(auto &&b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()   // q_segment_ids
+      .template Arg<ffi::AnyBuffer>()   // kv_segment_ids
+      .template Arg<ffi::AnyBuffer>()   // q_lengths
+      .template Arg<ffi::AnyBuffer>()   // kv_lengths
+      .template Arg<ffi::AnyBuffer>()   // q_segment_ranges
+      .template Arg<ffi::AnyBuffer>()   // kv_segment_ranges
+      .template Arg<ffi::AnyBuffer>();  // the forward's tiles (Params::fwd_tiles) or the backward's block_order
+}
+auto common_attributes(auto &&b) {
+  return std::move(b)
+      .template Attr<float>("scale")
+      .template Attr<int32_t>("is_causal")
+      .template Attr<int32_t>("variant")
+      .template Attr<int32_t>("window_left")
+      .template Attr<int32_t>("window_right")
+      .template Attr<float>("softcap");
+}
+auto qkv(auto &&b) { return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>(); }
+
 template <bool TEST> auto fwd_binding() {
-  auto head = [] {
-    return ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::AnyBuffer>()   // query
-        .Arg<ffi::AnyBuffer>()   // key
-        .Arg<ffi::AnyBuffer>()   // value
-        .Arg<ffi::AnyBuffer>()   // q_segment_ids
-        .Arg<ffi::AnyBuffer>()   // kv_segment_ids
-        .Arg<ffi::AnyBuffer>()   // q_lengths
-        .Arg<ffi::AnyBuffer>()   // kv_lengths
-        .Arg<ffi::AnyBuffer>()   // q_segment_ranges
-        .Arg<ffi::AnyBuffer>()   // kv_segment_ranges
-        .Arg<ffi::AnyBuffer>();  // tiles (Params::fwd_tiles)
-  };
+  auto head = [] { return masking_operands(qkv(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())); };
   auto tail = [](auto &&b) {
-    return std::move(b)
-        .template Ret<ffi::AnyBuffer>()  // out
-        .template Ret<ffi::AnyBuffer>()  // lse
-        .template Ret<ffi::AnyBuffer>()  // tile counter of the sm_90a kernel (scratch)
-        .template Attr<float>("scale")
-        .template Attr<int32_t>("is_causal")
-        .template Attr<int32_t>("variant")
-        .template Attr<int32_t>("window_left")
-        .template Attr<int32_t>("window_right")
-        .template Attr<float>("softcap");
+    return common_attributes(std::move(b)
+                                 .template Ret<ffi::AnyBuffer>()    // out
+                                 .template Ret<ffi::AnyBuffer>()    // lse
+                                 .template Ret<ffi::AnyBuffer>());  // tile counter of the sm_90a kernel (scratch)
   };
   return bind<TEST>(head, tail);
 }
 
 template <bool TEST> auto bwd_binding() {
   auto head = [] {
-    return ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::AnyBuffer>()   // query
-        .Arg<ffi::AnyBuffer>()   // key
-        .Arg<ffi::AnyBuffer>()   // value
-        .Arg<ffi::AnyBuffer>()   // out
-        .Arg<ffi::AnyBuffer>()   // lse
-        .Arg<ffi::AnyBuffer>()   // dout
-        .Arg<ffi::AnyBuffer>()   // dlse
-        .Arg<ffi::AnyBuffer>()   // q_segment_ids
-        .Arg<ffi::AnyBuffer>()   // kv_segment_ids
-        .Arg<ffi::AnyBuffer>()   // q_lengths
-        .Arg<ffi::AnyBuffer>()   // kv_lengths
-        .Arg<ffi::AnyBuffer>()   // q_segment_ranges
-        .Arg<ffi::AnyBuffer>()   // kv_segment_ranges
-        .Arg<ffi::AnyBuffer>();  // block_order
+    return masking_operands(qkv(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                                .Arg<ffi::AnyBuffer>()    // out
+                                .Arg<ffi::AnyBuffer>()    // lse
+                                .Arg<ffi::AnyBuffer>()    // dout
+                                .Arg<ffi::AnyBuffer>());  // dlse
   };
   auto tail = [](auto &&b) {
-    return std::move(b)
-        .template Ret<ffi::AnyBuffer>()  // dq
-        .template Ret<ffi::AnyBuffer>()  // dk
-        .template Ret<ffi::AnyBuffer>()  // dv
-        .template Ret<ffi::AnyBuffer>()  // delta workspace
-        .template Ret<ffi::AnyBuffer>()  // workspace of the sm_90a kernel
-        .template Attr<float>("scale")
-        .template Attr<int32_t>("is_causal")
-        .template Attr<int32_t>("variant")
-        .template Attr<int32_t>("window_left")
-        .template Attr<int32_t>("window_right")
-        .template Attr<float>("softcap")
+    return common_attributes(std::move(b)
+                                 .template Ret<ffi::AnyBuffer>()    // dq
+                                 .template Ret<ffi::AnyBuffer>()    // dk
+                                 .template Ret<ffi::AnyBuffer>()    // dv
+                                 .template Ret<ffi::AnyBuffer>()    // delta workspace
+                                 .template Ret<ffi::AnyBuffer>())   // workspace of the sm_90a kernel
         .template Attr<int32_t>("deterministic");
   };
   return bind<TEST>(head, tail);
