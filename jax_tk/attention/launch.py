@@ -270,13 +270,14 @@ def bwd_kernel(query, key, value, out, lse, dout, dlse, spec, out_init=None, var
         lse_shape(query),  # workspace: delta = rowsum(dout * out) - dlse, fp32
         bwd_workspace_shape(query),  # workspace of the Hopper kernel: fp32 dq accumulator + locks
     )
-    order = None  # (the deterministic mode's turns need each head's key blocks in order)
-    if not spec.deterministic:
-        kv_block, q_block = bwd_order_blocks(query.shape[3])
+    kv_block, q_block = bwd_order_blocks(query.shape[3])
 
-        def order(q_ids, kv_ids, q_ranges, kv_ranges):  # (the ids themselves are not needed)
-            return block_order(q_ranges, kv_ranges, q_block, kv_block, spec.is_causal, False, key.shape[2],
-                               ORDER_GROUP_HEADS)
+    def order(q_ids, kv_ids, q_ranges, kv_ranges):  # (the ids themselves are not needed)
+        return block_order(q_ranges, kv_ranges, q_block, kv_block, spec.is_causal, False, key.shape[2],
+                           ORDER_GROUP_HEADS)
+
+    # (the deterministic mode's turns need each head's key blocks in the kernel's own order)
+    order = None if spec.deterministic else order
     dq, dk, dv, *_ = _call(BWD_TARGET, out_types, (query, key, value, out, lse, dout, dlse), spec, out_init,
                            variant, masks, order, deterministic=np.int32(spec.deterministic))
     return dq, dk, dv

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from jax_tk.bench.harness import ENV_FIELDS, Result, csv_fields
+from jax_tk.bench.harness import ENV_FIELDS, MAX_REL_ERR, Result, csv_fields
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -10,7 +10,7 @@ import pytest
 
 import jax_tk
 from jax_tk.attention import reference
-from helpers import attention_inputs, randn as _randn, rel_err
+from helpers import attention_inputs, rel_err
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TOL = {F32: 1e-5, BF16: 1e-2, F16: 2e-3}

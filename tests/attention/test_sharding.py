@@ -9,9 +9,7 @@ done in this process; so, unless this process already has 8 CPU devices, the sin
 ``test_in_subprocess`` reruns this file in a fresh Python with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and reports its result.
 """
-import os
 import re
-import subprocess
 import sys
 
 import jax

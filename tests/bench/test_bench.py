@@ -2,7 +2,6 @@
 import csv
 import dataclasses
 import math
-import os
 import subprocess
 import sys
 

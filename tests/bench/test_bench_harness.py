@@ -213,3 +213,19 @@ def test_registered_op_runs_through_the_harness(toy_command, tmp_path, capsys):
     results, env = output.read_csv([str(tmp_path / "toy.csv")], MatmulConfig.from_row)
     assert {r.config for r in results} == {MatmulConfig(32, 64, 32), MatmulConfig(64, 64, 32)}
     assert env["platform"] == jax.devices()[0].platform
+
+
+def test_wrong_results_are_not_timings(capsys):
+    """A provider whose results fail the correctness check is reported as "wrong", not as a timing."""
+    def make(name, cfg):
+        if name == "broken":
+            return harness.Provider(name, lambda a, b: (jnp.dot(a, b) * 1.5).astype(a.dtype))
+        return _matmul_provider(name, cfg)
+
+    op = dataclasses.replace(TOY_OP, make_provider=make)
+    results = harness.run(op, [MatmulConfig(32, 64, 32)], ["xla", "broken"], ["fwd"],
+                          timer=harness.WallTimer(**TINY_TIMER), log=None)
+    status = {r.provider: r.status for r in results}
+    assert status == {"xla": "ok", "broken": "wrong"}
+    text = "\n".join(output.format_problems(results))
+    assert "Wrong results" in text and "broken fwd" in text

@@ -1,7 +1,6 @@
 """The op-agnostic core (jax_tk._core), tried with a toy op that has no kernel: the contract read
 from an op's header, the implementation= dispatch, the FFI call's test target, and the sharding driver
 (on 8 CPU devices, in a subprocess unless this process has them)."""
-import functools
 
 import jax
 import jax.numpy as jnp
