@@ -5,6 +5,7 @@
 // poisoned buffers to the outputs through them.
 //
 // Masking operands (after q, k, v in the forward; after q, k, v, o, lse, dout, dlse in the backward):
+// (Every operand and result may have leading vmapped dimensions in front: see Lead.)
 // q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len], q_lengths [batch], kv_lengths
 // [batch], then with segment ids their ranges q_segment_ranges [batch, ceil(q_len / 64), 2] and
 // kv_segment_ranges [batch, ceil(kv_len / 64), 2] (min and max id of every 64 rows, for skipping
@@ -21,24 +22,64 @@ namespace {
 
 using attention::Params;
 
-ffi::Error check_qkv(Params &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer &k, const ffi::AnyBuffer &v) {
+// Under jax.vmap the operands and results come with the mapped dimensions in front (the FFI call's
+// vmap_method "broadcast_all": the same leading dimensions everywhere). The layout stays contiguous,
+// so those dimensions fold into the batch: the whole vmapped call is one launch. Lead holds them (from
+// the query) and the unfolded batch; every other shape is checked as lead + its own dimensions.
+struct Lead {
+  std::vector<int64_t> dims;
+  int64_t count = 1, batch = 0;  // product of dims; the batch of one vmapped entry
+
+  bool matches(const ffi::AnyBuffer &x, std::initializer_list<int64_t> tail) const {
+    auto d = x.dimensions();
+    if (d.size() != dims.size() + tail.size()) return false;
+    for (size_t i = 0; i < dims.size(); i++)
+      if (d[i] != dims[i]) return false;
+    for (size_t i = 0; i < tail.size(); i++)
+      if (d[dims.size() + i] != tail.begin()[i]) return false;
+    return true;
+  }
+  std::string shape(std::initializer_list<int64_t> tail) const {
+    std::string s;
+    for (auto n : dims) s += std::to_string(n) + ", ";
+    for (auto n : tail) s += std::to_string(n) + ", ";
+    return "[" + s.substr(0, s.size() - 2) + "]";
+  }
+};
+
+int64_t elements(const ffi::AnyBuffer &x) {
+  int64_t n = 1;
+  for (auto d : x.dimensions()) n *= d;
+  return n;
+}
+
+// q, k, v into p (p.batch: one vmapped entry's; fold() multiplies it by the leading dimensions).
+ffi::Error check_qkv(Params &p, Lead &lead, const ffi::AnyBuffer &q, const ffi::AnyBuffer &k, const ffi::AnyBuffer &v) {
   if (q.element_type() != k.element_type() || q.element_type() != v.element_type())
     return invalid("query, key and value must have the same dtype");
   if (q.element_type() == ffi::DataType::BF16) p.dtype = attention::DType::bf16;
   else if (q.element_type() == ffi::DataType::F16) p.dtype = attention::DType::fp16;
   else return invalid("attention kernels take bfloat16 or float16 inputs");
-  auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || v.dimensions().size() != 4)
-    return invalid("query, key and value must be rank 4 [batch, seq, heads, head_dim]");
+  auto qa = q.dimensions(), ka = k.dimensions();
+  const size_t r = qa.size();
+  if (r < 4 || ka.size() != r || v.dimensions().size() != r)
+    return invalid("query, key and value must be [..., batch, seq, heads, head_dim], of one rank");
   if (!same_dims(k, v)) return invalid("key and value must have the same shape");
+  lead.dims.assign(qa.begin(), qa.end() - 4);
+  for (size_t i = 0; i + 4 < r; i++) {
+    if (ka[i] != qa[i]) return invalid("query and key/value disagree on their leading (vmapped) dimensions");
+    lead.count *= qa[i];
+  }
+  const int64_t *qd = qa.begin() + (r - 4), *kd = ka.begin() + (r - 4);
   if (qd[0] != kd[0] || qd[3] != kd[3]) return invalid("query and key/value disagree on batch or head_dim");
   if (kd[2] == 0 || qd[2] % kd[2] != 0) return invalid("query heads must be a multiple of key/value heads");
   if (qd[3] <= 0 || qd[3] > 256 || !attention::head_dim_in(int(qd[3]), attention::HEAD_DIMS_SM90))
     return invalid("attention kernels take head_dim 64 or 128 (and 256 on H100/H200)");
-  for (auto d : {qd[0], qd[1], qd[2], kd[1], kd[2]})
+  for (auto d : {lead.count * qd[0], qd[1], qd[2], kd[1], kd[2]})
     if (d <= 0 || d >= (int64_t(1) << 31)) return invalid("attention dimensions must be in [1, 2^31)");
   if (qd[1] * qd[2] * qd[3] >= (int64_t(1) << 31) || kd[1] * kd[2] * kd[3] >= (int64_t(1) << 31))
     return invalid("one batch entry of query or key must have fewer than 2^31 elements");
+  lead.batch = qd[0];
   p.batch = int(qd[0]); p.q_len = int(qd[1]); p.q_heads = int(qd[2]); p.head_dim = int(qd[3]);
   p.kv_len = int(kd[1]); p.kv_heads = int(kd[2]);
   p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data();
@@ -46,63 +87,63 @@ ffi::Error check_qkv(Params &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer &k
   return ffi::Error::Success();
 }
 
-ffi::Error check_rows(const Params &p, const ffi::AnyBuffer &x, const char *name) {
-  auto d = x.dimensions();
-  if (x.element_type() != ffi::DataType::F32 || d.size() != 3 || d[0] != p.batch || d[1] != p.q_heads || d[2] != p.q_len)
-    return invalid(std::string(name) + " must be float32 [batch, q_heads, q_len]");
+// After every shape check: the batch of the whole (vmapped) call.
+void fold(Params &p, const Lead &lead) { p.batch = int(lead.count * lead.batch); }
+
+ffi::Error check_rows(const Params &p, const Lead &lead, const ffi::AnyBuffer &x, const char *name) {
+  if (x.element_type() != ffi::DataType::F32 || !lead.matches(x, {p.batch, p.q_heads, p.q_len}))
+    return invalid(std::string(name) + " must be float32 " + lead.shape({p.batch, p.q_heads, p.q_len}) +
+                   " ([..., batch, q_heads, q_len])");
   return ffi::Error::Success();
 }
 
-// An optional int32 operand: shape (0,) means absent (nullptr), else it must have shape `dims`.
-ffi::Error optional_ints(const ffi::AnyBuffer &x, std::initializer_list<int64_t> dims, const char *name,
-                         const int **out) {
-  auto d = x.dimensions();
+// An optional int32 operand: no elements means absent (nullptr: shape (0,), or that broadcast under
+// vmap), else it must have shape lead + `dims`.
+ffi::Error optional_ints(const Lead &lead, const ffi::AnyBuffer &x, std::initializer_list<int64_t> dims,
+                         const char *name, const int **out) {
   if (x.element_type() != ffi::DataType::S32) return invalid(std::string(name) + " must be int32");
-  if (d.size() == 1 && d[0] == 0) {
-    *out = nullptr;
-    return ffi::Error::Success();
-  }
-  bool ok = d.size() == dims.size();
-  for (size_t i = 0; ok && i < dims.size(); i++) ok = d[i] == dims.begin()[i];
-  if (!ok) {
-    std::string want;
-    for (auto n : dims) want += (want.empty() ? "" : ", ") + std::to_string(n);
-    return invalid(std::string(name) + " must have shape (0,) (absent) or [" + want + "]");
-  }
+  *out = nullptr;
+  if (elements(x) == 0) return ffi::Error::Success();
+  if (!lead.matches(x, dims))
+    return invalid(std::string(name) + " must have shape (0,) (absent) or " + lead.shape(dims));
   *out = static_cast<const int *>(x.untyped_data());
   return ffi::Error::Success();
 }
 
-// The kernels' order operand (Params::fwd_tiles, Params::block_order): `size` ints, with segment ids only.
-ffi::Error check_order(const Params &p, const ffi::AnyBuffer &order, int64_t size, const char *name, const int **out) {
-  if (auto e = optional_ints(order, {size}, name, out); e.failure()) return e;
+// The kernels' order operand (Params::fwd_tiles, Params::block_order): `size` ints per vmapped entry,
+// with segment ids only. Its entries name batch entries of one vmapped entry, so a folded call (more
+// than one) runs in the kernel's own order instead (correct, without the longest-first balance).
+ffi::Error check_order(const Params &p, const Lead &lead, const ffi::AnyBuffer &order, int64_t size,
+                       const char *name, const int **out) {
+  if (auto e = optional_ints(lead, order, {size}, name, out); e.failure()) return e;
   if (*out && !p.q_segment_ids) return invalid(std::string(name) + " must be absent without segment ids");
+  if (lead.count > 1) *out = nullptr;
   return ffi::Error::Success();
 }
 
 // The masking operands and attributes (see the top of this file) into p; q, k, v already decoded.
-ffi::Error check_masking(Params &p, const ffi::AnyBuffer &q_segment_ids, const ffi::AnyBuffer &kv_segment_ids,
+ffi::Error check_masking(Params &p, const Lead &lead, const ffi::AnyBuffer &q_segment_ids, const ffi::AnyBuffer &kv_segment_ids,
                          const ffi::AnyBuffer &q_lengths, const ffi::AnyBuffer &kv_lengths,
                          const ffi::AnyBuffer &q_segment_ranges, const ffi::AnyBuffer &kv_segment_ranges,
                          int32_t window_left, int32_t window_right, float softcap) {
-  if (auto e = optional_ints(q_segment_ids, {p.batch, p.q_len}, "q_segment_ids", &p.q_segment_ids); e.failure())
+  if (auto e = optional_ints(lead, q_segment_ids, {p.batch, p.q_len}, "q_segment_ids", &p.q_segment_ids); e.failure())
     return e;
-  if (auto e = optional_ints(kv_segment_ids, {p.batch, p.kv_len}, "kv_segment_ids", &p.kv_segment_ids); e.failure())
+  if (auto e = optional_ints(lead, kv_segment_ids, {p.batch, p.kv_len}, "kv_segment_ids", &p.kv_segment_ids); e.failure())
     return e;
   if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr))
     return invalid("give both q_segment_ids and kv_segment_ids, or neither");
   const int64_t g = attention::SEGMENT_GRANULE, q_granules = (p.q_len + g - 1) / g, kv_granules = (p.kv_len + g - 1) / g;
-  if (auto e = optional_ints(q_segment_ranges, {p.batch, q_granules, 2}, "q_segment_ranges", &p.q_segment_ranges);
+  if (auto e = optional_ints(lead, q_segment_ranges, {p.batch, q_granules, 2}, "q_segment_ranges", &p.q_segment_ranges);
       e.failure())
     return e;
-  if (auto e = optional_ints(kv_segment_ranges, {p.batch, kv_granules, 2}, "kv_segment_ranges", &p.kv_segment_ranges);
+  if (auto e = optional_ints(lead, kv_segment_ranges, {p.batch, kv_granules, 2}, "kv_segment_ranges", &p.kv_segment_ranges);
       e.failure())
     return e;
   if ((p.q_segment_ranges == nullptr) != (p.q_segment_ids == nullptr) ||
       (p.kv_segment_ranges == nullptr) != (p.kv_segment_ids == nullptr))
     return invalid("segment ranges come with segment ids, and only with them");
-  if (auto e = optional_ints(q_lengths, {p.batch}, "q_lengths", &p.q_lengths); e.failure()) return e;
-  if (auto e = optional_ints(kv_lengths, {p.batch}, "kv_lengths", &p.kv_lengths); e.failure()) return e;
+  if (auto e = optional_ints(lead, q_lengths, {p.batch}, "q_lengths", &p.q_lengths); e.failure()) return e;
+  if (auto e = optional_ints(lead, kv_lengths, {p.batch}, "kv_lengths", &p.kv_lengths); e.failure()) return e;
   if (window_left < -1 || window_right < -1) return invalid("window_left and window_right must be >= -1");
   // A side at least as long as the sequence it reaches over bounds nothing.
   p.window_left = window_left >= p.q_len ? -1 : window_left;
@@ -131,21 +172,22 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> tile_counter, float scale, int32_t is_causal, int32_t variant,
                     int32_t window_left, int32_t window_right, float softcap) {
   Params p{};
-  if (auto e = check_qkv(p, q, k, v); e.failure()) return e;
-  if (auto e = check_masking(p, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, q_segment_ranges,
+  Lead lead;
+  if (auto e = check_qkv(p, lead, q, k, v); e.failure()) return e;
+  if (auto e = check_masking(p, lead, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, q_segment_ranges,
                              kv_segment_ranges, window_left, window_right, softcap);
       e.failure())
     return e;
-  if (auto e = check_order(p, block_order, int64_t(p.batch) * p.q_heads * attention::fwd_tile_cap(p.q_len) * 4, "tiles",
-                          &p.fwd_tiles);
+  if (auto e = check_order(p, lead, block_order, int64_t(p.batch) * p.q_heads * attention::fwd_tile_cap(p.q_len) * 4,
+                           "tiles", &p.fwd_tiles);
       e.failure())
     return e;
   if (!same_type_and_dims(*o, q)) return invalid("output must have the query's shape and dtype");
-  if (auto e = check_rows(p, *lse, "lse"); e.failure()) return e;
-  if (tile_counter->element_type() != ffi::DataType::S32 || tile_counter->dimensions().size() != 1 ||
-      tile_counter->dimensions()[0] != 1)
-    return invalid("tile_counter must be int32 [1]");
+  if (auto e = check_rows(p, lead, *lse, "lse"); e.failure()) return e;
+  if (tile_counter->element_type() != ffi::DataType::S32 || !lead.matches(*tile_counter, {1}))
+    return invalid("tile_counter must be int32 " + lead.shape({1}));  // (the kernel uses its first int)
   if (auto e = check_device(8, 0); e.failure()) return e;
+  fold(p, lead);
   p.scale = scale;
   p.causal = is_causal != 0;
   p.o = o->untyped_data();
@@ -168,13 +210,15 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::Result<ffi::AnyBuffer> workspace, float scale, int32_t is_causal, int32_t variant,
                     int32_t window_left, int32_t window_right, float softcap, int32_t deterministic) {
   Params p{};
-  if (auto e = check_qkv(p, q, k, v); e.failure()) return e;
-  if (auto e = check_masking(p, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, q_segment_ranges,
+  Lead lead;
+  if (auto e = check_qkv(p, lead, q, k, v); e.failure()) return e;
+  if (auto e = check_masking(p, lead, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, q_segment_ranges,
                              kv_segment_ranges, window_left, window_right, softcap);
       e.failure())
     return e;
   const int kv_blocks = (p.kv_len + attention::bwd_order_rows(p.head_dim) - 1) / attention::bwd_order_rows(p.head_dim);
-  if (auto e = check_order(p, block_order, int64_t(p.batch) * p.kv_heads * kv_blocks, "block_order", &p.block_order);
+  if (auto e = check_order(p, lead, block_order, int64_t(p.batch) * p.kv_heads * kv_blocks, "block_order",
+                           &p.block_order);
       e.failure())
     return e;
   if (p.block_order && deterministic) return invalid("block_order cannot be combined with deterministic");
@@ -182,13 +226,15 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
     return invalid("out, dout and dq must have the query's shape and dtype");
   if (!same_type_and_dims(*dk, k) || !same_type_and_dims(*dv, v)) return invalid("dk and dv must match key and value");
   for (auto [x, name] : {std::pair{&lse, "lse"}, {&dlse, "dlse"}})
-    if (auto e = check_rows(p, *x, name); e.failure()) return e;
-  if (auto e = check_rows(p, *delta, "delta workspace"); e.failure()) return e;
-  const size_t words = attention::bwd_sm90_workspace_words(p.batch, p.q_len, p.q_heads, p.head_dim);
-  if (workspace->element_type() != ffi::DataType::F32 || workspace->dimensions().size() != 1 ||
-      size_t(workspace->dimensions()[0]) != words)
-    return invalid("workspace must be float32 [" + std::to_string(words) + "]");
+    if (auto e = check_rows(p, lead, *x, name); e.failure()) return e;
+  if (auto e = check_rows(p, lead, *delta, "delta workspace"); e.failure()) return e;
+  // (the size is linear in the batch: a vmapped entry's words each, one after the other, are the
+  // folded call's workspace)
+  const int64_t words = attention::bwd_sm90_workspace_words(p.batch, p.q_len, p.q_heads, p.head_dim);
+  if (workspace->element_type() != ffi::DataType::F32 || !lead.matches(*workspace, {words}))
+    return invalid("workspace must be float32 " + lead.shape({words}));
   if (auto e = check_device(8, 0); e.failure()) return e;
+  fold(p, lead);
   p.scale = scale;
   p.causal = is_causal != 0;
   p.o = o.untyped_data();

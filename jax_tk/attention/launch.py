@@ -230,8 +230,10 @@ def _call(target, out_types, args, spec, out_init, variant, masks, order, **attr
     if variant == VARIANT_SM80:
         order = None  # (only the Hopper kernels take it)
     operands = (*args, *mask_operands(masks, order))
+    # Under vmap the handlers fold the mapped dimensions (in front of every operand) into the batch:
+    # one launch for the whole vmapped call.
     return kernel_call(target, out_types, operands, {**_attributes(spec, variant), **attrs},
-                       out_init=out_init)
+                       out_init=out_init, vmap_method="broadcast_all")
 
 
 def lse_shape(query):

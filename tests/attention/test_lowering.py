@@ -358,7 +358,8 @@ def test_masking_arrays_are_operands_not_constants():
 
 
 def test_masking_under_vmap_lowers_to_kernel():
-    """vmap over a stack of problems, each with its own segment ids and lengths (sequential loop)."""
+    """vmap over a stack of problems, each with its own segment ids and lengths: one call, the vmapped
+    dimension in front of every operand (the handler folds it into the batch)."""
     e = 3
     q, k, v = _abstract(B_, T_, S_)
     stack = lambda x: jax.ShapeDtypeStruct((e, *x.shape), x.dtype)
@@ -366,8 +367,10 @@ def test_masking_under_vmap_lowers_to_kernel():
         q, k, v, q_segment_ids=qs, kv_segment_ids=ks, key_value_seq_lengths=kl, local_window_size=(2, 3)))
     text = lower_jit(f, *map(stack, (q, k, v, _ids((B_, T_)), _ids((B_, S_)), _ids((B_,)))))
     (call,) = tk_calls(text, FWD_TARGET)
-    assert call.operand_types[3:] == [Q_IDS, KV_IDS, ABSENT, LENS, *RANGES, ORDER_FWD]
+    lead = lambda t: t.replace("tensor<", f"tensor<{e}x")
+    assert call.operand_types[3:] == [lead(x) for x in (Q_IDS, KV_IDS, ABSENT, LENS, *RANGES, ORDER_FWD)]
     assert (call.attr_int("window_left"), call.attr_int("window_right")) == (2, 3)
+    assert "stablehlo.while" not in text
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["fwd", "grad"])
@@ -436,13 +439,25 @@ def test_multi_platform_export_of_grad():
     assert len(tk_calls(text, BWD_TARGET)) == 1
 
 
-def test_vmap_lowers_to_kernel():
-    q, k, v = _abstract(b=1, t=8, s=8, n=4, kh=2, d=64)
-    batched = [jax.ShapeDtypeStruct((3, *x.shape), x.dtype) for x in (q, k, v)]
-    text = lower_jit(jax.vmap(jax_tk.attention), *batched)
-    calls = tk_calls(text, FWD_TARGET)
-    assert len(calls) == 1  # vmap_method="sequential": one call in a loop over the vmapped axis
-    assert calls[0].operand_types[0] == tensor_type((1, 8, 4, 64), BF16)
+@pytest.mark.parametrize("mapped", ["qkv", "q", "kv", "nested"])
+def test_vmap_is_one_launch(mapped):
+    """vmap, forward and backward, for each combination of mapped operands (and nested vmaps): one
+    custom call per direction with the vmapped dimensions in front of its operands, no loop."""
+    q, k, v = _abstract(b=2, t=8, s=8, n=4, kh=2, d=64)
+    stack = lambda x, n=3: jax.ShapeDtypeStruct((n, *x.shape), x.dtype)
+    axes = {"qkv": (0, 0, 0), "q": (0, None, None), "kv": (None, 0, 0), "nested": (0, 0, 0)}[mapped]
+    args = [stack(x) if a == 0 else x for x, a in zip((q, k, v), axes)]
+    loss = lambda q, k, v: jnp.sum(jax_tk.attention(q, k, v, is_causal=True).astype(F32) ** 2)
+    fn = jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2)), in_axes=axes)
+    lead = (3,)
+    if mapped == "nested":
+        fn, args, lead = jax.vmap(fn), [stack(x, 5) for x in args], (5, 3)
+    text = lower_jit(fn, *args)
+    (fwd,), (bwd,) = tk_calls(text, FWD_TARGET), tk_calls(text, BWD_TARGET)
+    assert fwd.operand_types[0] == tensor_type((*lead, 2, 8, 4, 64), BF16)
+    assert fwd.operand_types[1] == tensor_type((*lead, 2, 8, 2, 64), BF16)  # unmapped ones broadcast
+    assert bwd.operand_types[1] == tensor_type((*lead, 2, 8, 2, 64), BF16)
+    assert "stablehlo.while" not in text
 
 
 def test_jit_of_grad_lowering_is_stable():
