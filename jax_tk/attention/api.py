@@ -15,7 +15,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from jax_tk._core import dispatch, sharding
-from jax_tk.attention import launch, reference
+from jax_tk.attention import compat, launch, reference
 from jax_tk.attention.launch import Masks
 
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -200,9 +200,11 @@ def _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids,
     """Validates the masking/soft-cap options; returns them normalized (window as a pair of ints)."""
     b, t, s = query.shape[0], query.shape[1], key.shape[1]
     if local_window_size is not None:
-        window = (local_window_size, local_window_size) if isinstance(local_window_size, int) else local_window_size
+        one_int = isinstance(local_window_size, (int, np.integer)) and not isinstance(local_window_size, bool)
+        window = (local_window_size, local_window_size) if one_int else local_window_size
         if (not isinstance(window, (tuple, list)) or len(window) != 2
-                or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= 0 for w in window)):
+                or not all(isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_)) and w >= 0
+                           for w in window)):
             raise ValueError(
                 "jax_tk.attention: local_window_size must be None, an int >= 0 or a pair (left, right) of "
                 f"ints >= 0, got {local_window_size!r}"
@@ -253,15 +255,43 @@ def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, i
     Returns:
       ``(out, lse)``: ``out`` is ``[batch, q_len, q_heads, head_dim]`` in the input dtype, ``lse`` is
       ``[batch, q_heads, q_len]`` float32 (natural log of the softmax denominator of the scaled
-      logits; ``-inf`` for a row that sees no key). Both are differentiable.
+      logits; ``-inf`` for a row that sees no key); rank-3 inputs give ``[q_len, q_heads, head_dim]``
+      and ``[q_heads, q_len]``. Both are differentiable, except the lse of
+      ``implementation="cudnn"`` (jax.nn's residual: cuDNN's backward ignores its cotangent, so it is
+      returned under ``stop_gradient``; it is also rounded to the input dtype by jax.nn).
     """
     del broadcast_dropout  # (meaningless without dropout)
     _reject_unsupported(bias, mask, dropout_rate, dropout_rng)
-    scale = check_inputs(query, key, value, scale, is_causal, implementation)
+    if compat.unbatched(query, key, value):  # [seq, heads, head_dim]: a batch of one
+        out, lse = attention_with_lse(
+            query[None], key[None], value[None], scale=scale, is_causal=is_causal,
+            local_window_size=local_window_size, q_segment_ids=compat.add_batch(q_segment_ids, 1),
+            kv_segment_ids=compat.add_batch(kv_segment_ids, 1),
+            query_seq_lengths=compat.add_batch(query_seq_lengths, 0),
+            key_value_seq_lengths=compat.add_batch(key_value_seq_lengths, 0), logits_soft_cap=logits_soft_cap,
+            implementation=implementation, deterministic=deterministic)
+        return out[0], lse[0]
+    array_scale = scale if compat.is_array_scale(scale) else None
+    if array_scale is not None:
+        compat.check_array_scale(array_scale)
+    cudnn = isinstance(implementation, str) and implementation == "cudnn"
+    scale = check_inputs(query, key, value, 1.0 if array_scale is not None else scale, is_causal,
+                         "xla" if cudnn else implementation)
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"jax_tk.attention: deterministic must be a bool, got {deterministic!r}")
     window, cap = _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids,
                                  query_seq_lengths, key_value_seq_lengths, logits_soft_cap)
+    # 64-bit ids and lengths become exact int32 ones before anything else reads them.
+    q_segment_ids, kv_segment_ids = compat.segment_ids_int32(q_segment_ids, kv_segment_ids)
+    query_seq_lengths = compat.lengths_int32(query_seq_lengths, query.shape[1])
+    key_value_seq_lengths = compat.lengths_int32(key_value_seq_lengths, key.shape[1])
+    if array_scale is not None:  # logits = (scale * q) k^T: the op runs with scale 1.0
+        query = compat.fold_scale(query, array_scale)
+    if cudnn:
+        return compat.cudnn_attention_with_lse(
+            query, key, value, scale=float(scale), is_causal=bool(is_causal), window=window,
+            q_segment_ids=q_segment_ids, softcap=cap, deterministic=bool(deterministic),
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
     spec = AttentionSpec(float(scale), bool(is_causal), use_kernel(query, key, implementation), window, cap,
                          bool(deterministic))
     masks = Masks(q_segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths)
@@ -271,32 +301,46 @@ def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, i
 
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, local_window_size=None,
               q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None, key_value_seq_lengths=None,
-              logits_soft_cap=None, implementation=None, deterministic=False, dropout_rate=0.0, dropout_rng=None,
-              broadcast_dropout=True):
+              logits_soft_cap=None, implementation=None, deterministic=False, return_residual=False,
+              dropout_rate=0.0, dropout_rng=None, broadcast_dropout=True):
     """Scaled dot-product attention, ``softmax(scale * query @ key^T) @ value``.
 
-    Same layout and meaning as :func:`jax.nn.dot_product_attention`.
+    Same layout and meaning as :func:`jax.nn.dot_product_attention` (README: "Differences from
+    jax.nn.dot_product_attention" lists what differs).
 
     Args:
-      query: ``[batch, q_len, q_heads, head_dim]``, bfloat16, float16 or float32.
-      key, value: ``[batch, kv_len, kv_heads, head_dim]``, same dtype; ``q_heads`` must be a multiple
-        of ``kv_heads`` (grouped-query attention).
-      scale: multiplier of the logits; default ``1/sqrt(head_dim)``.
+      query: ``[batch, q_len, q_heads, head_dim]`` (or ``[q_len, q_heads, head_dim]``), bfloat16,
+        float16 or float32.
+      key, value: ``[batch, kv_len, kv_heads, head_dim]`` (rank 3 with a rank-3 query), same dtype;
+        ``q_heads`` must be a multiple of ``kv_heads`` (grouped-query attention).
+      scale: multiplier of the logits; default ``1/sqrt(head_dim)``. A Python or numpy float is static;
+        a JAX scalar array (traced, e.g. a learned temperature) is differentiable: the op then runs with
+        scale 1.0 on ``scale * query``, computed in float32 and rounded to the query's dtype (one more
+        rounding than a static scale, which is applied to the float32 logits).
       is_causal: query ``i`` attends to keys ``j <= i`` (top-left aligned when ``q_len != kv_len``,
         like ``jax.nn.dot_product_attention``).
       local_window_size: ``(left, right)`` (or one int for both): query ``i`` attends to keys
         ``i - left <= j <= i + right``, as in ``jax.nn.dot_product_attention``.
       q_segment_ids, kv_segment_ids: ``[batch, q_len]`` and ``[batch, kv_len]`` integers (packed
-        sequences): a query attends only to keys of its own segment.
+        sequences; ``[q_len]``, ``[kv_len]`` with rank-3 inputs): a query attends only to keys of its
+        own segment. 64-bit ids are relabelled exactly to int32 (on the device).
       query_seq_lengths, key_value_seq_lengths: ``[batch]`` integers (padded batches): query rows at or
         past their length give 0, keys at or past their length are not attended to.
       logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` (as in Gemma 2).
       implementation: ``None`` (the CUDA kernel where the configuration is supported, the pure-JAX
-        reference otherwise), ``"tk"`` (the kernel, or an error), ``"xla"`` (the reference).
+        reference otherwise), ``"tk"`` (the kernel, or an error), ``"xla"`` (jax_tk's pure-JAX
+        reference: XLA code with jax_tk's semantics, which differ from
+        ``jax.nn.dot_product_attention(implementation="xla")`` for a row that sees no key: 0 here, the
+        mean of the values there), ``"cudnn"`` (``jax.nn.dot_product_attention(...,
+        implementation="cudnn")``, with jax.nn's semantics; segment ids, ``logits_soft_cap`` and
+        ``deterministic=True`` raise ``ValueError`` there).
       deterministic: make the backward give the same bits on every run. The Hopper backward adds
         the query gradient's partial sums with atomics in whatever order blocks finish; with
         ``deterministic=True`` they take turns in a fixed order (somewhat slower). The mma.sync
         backward (pre-Hopper GPUs) and the reference are always deterministic.
+      return_residual: as in jax.nn, also return the log-sum-exp of each query row, ``[batch, q_len,
+        q_heads]`` (``[q_len, q_heads]`` for rank-3 inputs); float32 and differentiable here
+        (``attention_with_lse``'s lse, transposed).
       bias, mask: jax.nn's additive bias and boolean mask: not supported yet, and an error when given
         (never ignored).
       dropout_rate, dropout_rng, broadcast_dropout: flax's attention-dropout arguments; dropout is not
@@ -308,12 +352,16 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     zero gradients (never NaN).
 
     Returns:
-      ``[batch, q_len, q_heads, head_dim]`` in the input dtype.
+      ``[batch, q_len, q_heads, head_dim]`` in the input dtype (the query's shape); with
+      ``return_residual=True``, ``(out, residual)``.
     """
-    return attention_with_lse(
+    if not isinstance(return_residual, (bool, np.bool_)):
+        raise TypeError(f"jax_tk.attention: return_residual must be a bool, got {return_residual!r}")
+    out, lse = attention_with_lse(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap,
         implementation=implementation, deterministic=deterministic, dropout_rate=dropout_rate,
         dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
-    )[0]
+    )
+    return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out

@@ -152,7 +152,7 @@ def test_is_causal_numpy_bool_accepted():
     assert _trace(jax_tk.attention, q, k, v, is_causal=np.bool_(True)).shape == q.shape
 
 
-@pytest.mark.parametrize("implementation", ["cudnn", "TK", "XLA", "", "pallas", 0])
+@pytest.mark.parametrize("implementation", ["CUDNN", "TK", "XLA", "", "pallas", 0])
 def test_unknown_implementation(implementation):
     q, k, v = _abstract_qkv()
     with pytest.raises(ValueError, match=r"implementation"):

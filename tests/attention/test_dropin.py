@@ -1,0 +1,302 @@
+"""CPU tests of what makes jax_tk.attention a drop-in for jax.nn.dot_product_attention: rank-3 inputs,
+implementation="cudnn" (its errors and its mapping onto jax.nn), return_residual, a traced scale, numpy
+integer scalars and 64-bit segment ids/lengths."""
+import functools
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tk
+from helpers import attention_inputs, rel_err
+from jax_tk.attention import compat, reference
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def _qkv(seed, b=2, t=8, s=8, n=4, kh=2, d=16, dtype=F32):
+    return attention_inputs(seed, b, t, s, n, kh, d, dtype)
+
+
+def _close(x, y, tol=1e-5):
+    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=tol, atol=tol)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rank-3 inputs
+# ----------------------------------------------------------------------------------------------
+
+
+def test_rank3_matches_batch_of_one():
+    q, k, v = _qkv(0, b=1, t=7, s=9)
+    ids_q, ids_k = jnp.array([0, 0, 0, 1, 1, 1, 1]), jnp.array([0, 0, 0, 0, 1, 1, 1, 1, 1])
+    opts = dict(is_causal=True, local_window_size=(3, 1))
+    out3, lse3 = jax_tk.attention_with_lse(q[0], k[0], v[0], q_segment_ids=ids_q, kv_segment_ids=ids_k,
+                                           query_seq_lengths=jnp.array(6), key_value_seq_lengths=jnp.array([8]),
+                                           **opts)
+    out4, lse4 = jax_tk.attention_with_lse(q, k, v, q_segment_ids=ids_q[None], kv_segment_ids=ids_k[None],
+                                           query_seq_lengths=jnp.array([6]), key_value_seq_lengths=jnp.array([8]),
+                                           **opts)
+    assert out3.shape == (7, 4, 16) and lse3.shape == (4, 7)
+    _close(out3, out4[0], 0)
+    _close(lse3, lse4[0], 0)
+    res = jax_tk.attention(q[0], k[0], v[0], return_residual=True)[1]
+    assert res.shape == (7, 4)
+
+
+def test_rank3_matches_jax_nn_and_has_gradients():
+    q, k, v = (x[0] for x in _qkv(1, b=1, t=6, s=10))
+    got, res = jax_tk.attention(q, k, v, is_causal=True, return_residual=True)
+    want, want_res = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla", return_residual=True)
+    assert got.shape == want.shape == q.shape and res.shape == want_res.shape == (6, 4)
+    _close(got, want)
+    _close(res, want_res)
+    f = lambda fn: jax.grad(lambda q, k, v: (fn(q, k, v) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(f(jax_tk.attention), f(functools.partial(jax.nn.dot_product_attention, implementation="xla"))):
+        assert g.shape == w.shape and rel_err(g, w) < 1e-5
+
+
+@pytest.mark.parametrize("ranks", [(3, 4, 4), (4, 3, 3), (3, 3, 4), (4, 4, 3)], ids=str)
+def test_mixed_ranks_raise(ranks):
+    shapes = {3: (8, 4, 16), 4: (1, 8, 4, 16)}
+    q, k, v = (jax.ShapeDtypeStruct(shapes[r], BF16) for r in ranks)
+    with pytest.raises(ValueError, match=r"all have rank 4 .* or all rank 3"):
+        jax.eval_shape(jax_tk.attention, q, k, v)
+
+
+# ----------------------------------------------------------------------------------------------
+# implementation="cudnn"
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option,kwargs", [
+    ("segment_ids", dict(q_segment_ids=jnp.zeros((2, 8), jnp.int32), kv_segment_ids=jnp.zeros((2, 8), jnp.int32))),
+    ("logits_soft_cap", dict(logits_soft_cap=30.0)),
+    ("deterministic=True", dict(deterministic=True)),
+])
+@pytest.mark.parametrize("fn", [jax_tk.attention, jax_tk.attention_with_lse], ids=["attention", "with_lse"])
+def test_cudnn_unsupported_options(fn, option, kwargs):
+    q, k, v = _qkv(2, dtype=BF16)
+    with pytest.raises(ValueError, match=rf"implementation='cudnn'.*{option}.*not supported by jax.nn"):
+        fn(q, k, v, implementation="cudnn", **kwargs)
+
+
+def test_cudnn_bias_mask_dropout_still_rejected():
+    q, k, v = _qkv(2, dtype=BF16)
+    with pytest.raises(NotImplementedError, match="mask"):
+        jax_tk.attention(q, k, v, mask=jnp.ones((2, 4, 8, 8), bool), implementation="cudnn")
+
+
+def _fake_cudnn(monkeypatch, calls):
+    """Replaces jax.nn.dot_product_attention by a recorder that runs jax.nn's XLA path instead of cuDNN."""
+    real = jax.nn.dot_product_attention
+
+    def fake(*args, **kwargs):
+        calls.append(kwargs)
+        assert kwargs["implementation"] == "cudnn"
+        return real(*args, **{**kwargs, "implementation": "xla"})
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", fake)
+
+
+def test_cudnn_maps_the_options_onto_jax_nn(monkeypatch):
+    calls = []
+    _fake_cudnn(monkeypatch, calls)
+    q, k, v = _qkv(3, t=8, s=8)
+    lengths = dict(query_seq_lengths=jnp.array([8, 5]), key_value_seq_lengths=np.array([7, 8], np.int64))
+    opts = dict(scale=0.3, is_causal=True, local_window_size=np.int64(3), **lengths)
+    out, lse = jax_tk.attention_with_lse(q, k, v, implementation="cudnn", **opts)
+    (kw,) = calls
+    assert kw["scale"] == 0.3 and kw["is_causal"] is True and kw["local_window_size"] == (3, 3)
+    assert kw["return_residual"] is True
+    assert kw["query_seq_lengths"].dtype == kw["key_value_seq_lengths"].dtype == jnp.int32
+    want_out, want_lse = jax_tk.attention_with_lse(q, k, v, implementation="xla", **opts)
+    assert out.shape == q.shape and lse.shape == (2, 4, 8) and lse.dtype == F32
+    # jax.nn zeroes the padded query rows too; every row sees at least one key here.
+    _close(out, want_out)
+    # Rows past their query length: lse -inf here (they see no key), jax.nn's is finite; compare the others.
+    valid = (jnp.arange(8) < jnp.array([8, 5])[:, None])[:, None, :]
+    assert np.all(np.isneginf(np.asarray(want_lse)[~np.broadcast_to(valid, want_lse.shape)]))
+    _close(jnp.where(valid, lse, 0), jnp.where(valid, want_lse, 0))
+    # The residual through attention(return_residual=True): jax.nn's layout.
+    _, res = jax_tk.attention(q, k, v, implementation="cudnn", return_residual=True, **opts)
+    _close(jnp.where(valid, jnp.swapaxes(res, 1, 2), 0), jnp.where(valid, want_lse, 0))
+    # Rank 3 and a traced scale go through too (the scale folded into the query, jax.nn's scale 1.0).
+    out3 = jax.jit(lambda q, k, v, s: jax_tk.attention(q, k, v, scale=s, implementation="cudnn"))(
+        q[0], k[0], v[0], jnp.float32(0.3))
+    assert calls[-1]["scale"] == 1.0
+    _close(out3, jax_tk.attention(q[0], k[0], v[0], scale=0.3), 1e-5)
+
+
+def test_cudnn_lowering_for_cuda():
+    q = jax.ShapeDtypeStruct((2, 128, 4, 64), BF16)
+    f = functools.partial(jax_tk.attention, is_causal=True, implementation="cudnn")
+    try:
+        text = jax.jit(f).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    except RuntimeError as e:
+        # Without cuDNN (a CPU-only jaxlib), jax.nn refuses to trace its cuDNN path at all: the error
+        # must be jax.nn's, raised from jax's cuDNN module, not one of jax_tk's.
+        assert "cuDNN is not detected" in str(e)
+        frames = [f.filename for f in traceback.extract_tb(e.__traceback__)]
+        assert any("cudnn" in name and "jax" in name for name in frames), frames
+        assert not str(e).startswith("jax_tk")
+        return
+    assert "__cudnn$fmha" in text
+
+
+# ----------------------------------------------------------------------------------------------
+# return_residual
+# ----------------------------------------------------------------------------------------------
+
+
+def test_return_residual_matches_jax_nn():
+    q, k, v = _qkv(4, t=6, s=9)  # every row sees a key (jax.nn gives an empty row the mean of V)
+    out, res = jax_tk.attention(q, k, v, is_causal=True, local_window_size=(2, 1), return_residual=True)
+    want, want_res = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(2, 1),
+                                                   implementation="xla", return_residual=True)
+    assert res.shape == want_res.shape == (2, 6, 4) and res.dtype == F32
+    _close(out, want)
+    _close(res, want_res)
+    _, lse = jax_tk.attention_with_lse(q, k, v, is_causal=True, local_window_size=(2, 1))
+    _close(res, jnp.swapaxes(lse, 1, 2), 0)
+    assert jax_tk.attention(q, k, v, return_residual=False).shape == q.shape
+
+
+@pytest.mark.parametrize("value", [1, "yes", None, jnp.array(True)], ids=repr)
+def test_return_residual_not_bool(value):
+    q, k, v = _qkv(4)
+    with pytest.raises(TypeError, match="return_residual"):
+        jax_tk.attention(q, k, v, return_residual=value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Traced scale
+# ----------------------------------------------------------------------------------------------
+
+
+def test_traced_scale_value_matches_static():
+    q, k, v = _qkv(5, dtype=BF16)
+    for opts in (dict(), dict(is_causal=True, logits_soft_cap=2.0, local_window_size=(2, 3))):
+        want = jax_tk.attention(q, k, v, scale=0.7, **opts)
+        got = jax_tk.attention(q, k, v, scale=jnp.float32(0.7), **opts)
+        got_jit = jax.jit(lambda q, k, v, s: jax_tk.attention(q, k, v, scale=s, **opts))(q, k, v, jnp.float32(0.7))
+        assert got.dtype == BF16 and got.shape == q.shape
+        assert rel_err(got, want) < 2e-2 and rel_err(got_jit, want) < 2e-2
+        _close(got_jit, got, 1e-2)
+
+
+def test_traced_scale_gradient_matches_reference():
+    q, k, v = _qkv(6)
+    opts = dict(is_causal=True, logits_soft_cap=3.0)
+
+    def loss(fn, s):
+        return (fn(s) ** 2).sum()
+
+    ours = lambda s: jax_tk.attention(q, k, v, scale=s, **opts)
+    ref = lambda s: reference.attention(q, k, v, scale=s, local_window_size=None, **opts)
+    for s in (0.25, 1.3):
+        g = jax.jit(jax.grad(functools.partial(loss, ours)))(jnp.float32(s))
+        g_ref = jax.grad(functools.partial(loss, ref))(jnp.float32(s))
+        np.testing.assert_allclose(float(g), float(g_ref), rtol=5e-5)
+    # Gradients with respect to query, key and value still agree with a static scale's.
+    grad_qkv = lambda scale: jax.grad(lambda q, k, v: (jax_tk.attention(q, k, v, scale=scale, **opts) ** 2).sum(),
+                                      argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(grad_qkv(jnp.float32(0.4)), grad_qkv(0.4)):
+        assert rel_err(g, w) < 1e-5
+
+
+@pytest.mark.parametrize("scale", [jnp.ones(2, F32), jnp.int32(2), jnp.ones((1,), BF16)], ids=["vector", "int", "shape1"])
+def test_bad_array_scale(scale):
+    q, k, v = _qkv(7)
+    with pytest.raises(TypeError, match=r"scale must be a scalar of a float dtype"):
+        jax_tk.attention(q, k, v, scale=scale)
+
+
+def test_numpy_scale_keeps_static_path():
+    assert not compat.is_array_scale(np.float32(0.5)) and not compat.is_array_scale(0.5)
+    assert compat.is_array_scale(jnp.float32(0.5))
+
+
+# ----------------------------------------------------------------------------------------------
+# Numpy integer scalars, 64-bit segment ids and lengths
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [np.int64(3), np.int32(3), (np.int64(3), 3), (3, np.int32(3)), [np.int16(3), 3]],
+                         ids=repr)
+def test_numpy_integer_window(window):
+    q, k, v = _qkv(8, t=12, s=12)
+    _close(jax_tk.attention(q, k, v, local_window_size=window), jax_tk.attention(q, k, v, local_window_size=(3, 3)), 0)
+
+
+@pytest.mark.parametrize("window", [np.int64(-1), np.bool_(True), True, 2.0, (np.int64(1),)], ids=repr)
+def test_bad_window(window):
+    q, k, v = _qkv(8)
+    with pytest.raises(ValueError, match="local_window_size"):
+        jax_tk.attention(q, k, v, local_window_size=window)
+
+
+_SMALL_Q = np.array([[0, 0, 1, 1, 2, 2, 2, 3], [5, 5, 5, 5, 6, 6, 7, 7]])
+_SMALL_KV = np.array([[0, 1, 1, 1, 2, 3, 3, 3], [5, 6, 6, 6, 6, 7, 7, 9]])
+
+
+def _big(ids):
+    # 2k -> k and 2k + 1 -> 2**40 + k: distinct, but they collide when truncated to int32
+    # ((2**40 + k) mod 2**32 == k).
+    return (ids // 2 + 2 ** 40 * (ids % 2)).astype(np.int64)
+
+
+def _want(q, k, v):
+    return jax_tk.attention_with_lse(q, k, v, q_segment_ids=jnp.asarray(_SMALL_Q, jnp.int32),
+                                     kv_segment_ids=jnp.asarray(_SMALL_KV, jnp.int32))
+
+
+def test_int64_segment_ids_numpy_without_x64():
+    q, k, v = _qkv(9)
+    got = jax_tk.attention_with_lse(q, k, v, q_segment_ids=_big(_SMALL_Q), kv_segment_ids=_big(_SMALL_KV))
+    for g, w in zip(got, _want(q, k, v)):
+        _close(g, w, 0)
+
+
+def test_int64_segment_ids_with_x64():
+    q, k, v = _qkv(9)
+    want = _want(q, k, v)
+    with jax.enable_x64(True):
+        ids_q, ids_kv = jnp.asarray(_big(_SMALL_Q)), jnp.asarray(_big(_SMALL_KV))
+        assert ids_q.dtype == jnp.int64
+        # the ids truncated to int32 would collide (they are all distinct in 64 bits only)
+        assert len(np.unique(_big(_SMALL_Q).astype(np.int32))) < len(np.unique(_big(_SMALL_Q)))
+        for fn in (jax_tk.attention_with_lse, jax.jit(jax_tk.attention_with_lse)):
+            got = fn(q, k, v, q_segment_ids=ids_q, kv_segment_ids=ids_kv)
+            for g, w in zip(got, want):
+                _close(g, w, 0)
+        # mixed widths (int64 queries, int32 keys) are relabelled jointly
+        got = jax_tk.attention_with_lse(q, k, v, q_segment_ids=jnp.asarray(_SMALL_Q, jnp.int64),
+                                        kv_segment_ids=jnp.asarray(_SMALL_KV, jnp.int32))
+        for g, w in zip(got, want):
+            _close(g, w, 0)
+        # gradients flow with 64-bit ids
+        g = jax.grad(lambda q: jax_tk.attention(q, k, v, q_segment_ids=ids_q, kv_segment_ids=ids_kv).sum())(q)
+        assert g.shape == q.shape and np.all(np.isfinite(np.asarray(g)))
+
+
+def test_dense_rank_is_exact_and_order_preserving():
+    with jax.enable_x64(True):
+        x = jnp.asarray([2 ** 40 + 3, 3, -2 ** 50, 3, 2 ** 40 + 3, 7, 2 ** 62], jnp.int64)
+        r = jax.jit(compat.dense_rank)(x)
+        assert r.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(r), [3, 1, 0, 1, 3, 2, 4])
+
+
+def test_int64_lengths_clamped():
+    q, k, v = _qkv(10)
+    want = jax_tk.attention_with_lse(q, k, v, query_seq_lengths=jnp.array([8, 0]), key_value_seq_lengths=jnp.array([8, 3]))
+    big = dict(query_seq_lengths=np.array([2 ** 40, -2 ** 40]), key_value_seq_lengths=np.array([2 ** 33 + 100, 3]))
+    for g, w in zip(jax_tk.attention_with_lse(q, k, v, **big), want):
+        _close(g, w, 0)
+    with jax.enable_x64(True):
+        big = {name: jnp.asarray(x, jnp.int64) for name, x in big.items()}
+        for g, w in zip(jax.jit(jax_tk.attention_with_lse)(q, k, v, **big), want):
+            _close(g, w, 0)
