@@ -216,3 +216,95 @@ def test_implementation():
         jax_tk.decode.attention(q, k, k, lens, implementation="tk")
     with pytest.raises(ValueError, match="implementation"):
         jax_tk.decode.attention(q, k, k, lens, implementation="cudnn")
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks: each bad argument raises at trace time, naming it
+# ----------------------------------------------------------------------------------------------
+
+_R = np.random.default_rng(6)
+_Q, _K = randn(_R, (2, 4, 4, 16), F32), randn(_R, (2, 32, 2, 16), F32)
+_PAGES, _TABLE = randn(_R, (6, 16, 2, 16), F32), jnp.array([[0, 1], [2, 3]], jnp.int32)
+_LENS = jnp.array([5, 9], jnp.int32)
+
+ATTENTION_ERRORS = [
+    (dict(query=[[1.0]]), TypeError, "query must be an array"),
+    (dict(query=_Q[0]), ValueError, "query must have rank 4"),
+    (dict(query=_Q.astype(jnp.int32)), TypeError, "query must be bfloat16"),
+    (dict(query=_Q[:, :0]), ValueError, "query has an empty dimension"),
+    (dict(key_cache=_K[0]), ValueError, "key_cache must have rank 4"),
+    (dict(value_cache=_K[:, :16]), ValueError, "same shape and dtype"),
+    (dict(key_cache=_K.astype(BF16), value_cache=_K.astype(BF16)), TypeError, "query's dtype"),
+    (dict(key_cache=_K[:1], value_cache=_K[:1]), ValueError, "batch of key_cache/value_cache"),
+    (dict(key_cache=_K[..., :8], value_cache=_K[..., :8], query=_Q[..., :8].astype(F16)), TypeError, "query's dtype"),
+    (dict(key_cache=randn(_R, (2, 32, 2, 8), F32), value_cache=randn(_R, (2, 32, 2, 8), F32)), ValueError, "head_dim"),
+    (dict(key_cache=randn(_R, (2, 32, 3, 16), F32), value_cache=randn(_R, (2, 32, 3, 16), F32)), ValueError,
+     "multiple of the number of key/value heads"),
+    (dict(query=randn(_R, (2, 40, 4, 16), F32)), ValueError, "T_new"),
+    (dict(cache_lengths=jnp.array([1.0, 2.0])), TypeError, "cache_lengths must have an integer dtype"),
+    (dict(cache_lengths=jnp.array([1, 2, 3])), ValueError, "cache_lengths must have shape"),
+    (dict(cache_lengths=5), TypeError, "cache_lengths must be an array"),
+    (dict(key_cache=_PAGES, value_cache=_PAGES, page_table=_TABLE.astype(F32)), TypeError, "page_table must have an integer"),
+    (dict(key_cache=_PAGES, value_cache=_PAGES, page_table=_TABLE[0]), ValueError, "page_table must have rank 2"),
+    (dict(key_cache=_PAGES, value_cache=_PAGES, page_table=_TABLE[:1]), ValueError, "page_table must have shape"),
+    (dict(key_cache=_PAGES, value_cache=_PAGES, page_table=_TABLE[:, :0]), ValueError, "max_pages >= 1"),
+    (dict(key_cache=_PAGES[:, :0], value_cache=_PAGES[:, :0], page_table=_TABLE), ValueError, "empty dimension"),
+    (dict(scale=-1.0), ValueError, "scale must be a positive"),
+    (dict(scale="1"), TypeError, "scale must be a Python float"),
+    (dict(is_causal=1), TypeError, "is_causal must be a bool"),
+    (dict(local_window_size=-1), ValueError, "local_window_size"),
+    (dict(local_window_size=(1, 2, 3)), ValueError, "local_window_size"),
+    (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap must be a positive"),
+    (dict(implementation="pallas"), ValueError, "implementation must be one of"),
+]
+
+
+@pytest.mark.parametrize("bad,error,match", ATTENTION_ERRORS, ids=[e[2] + str(i) for i, e in enumerate(ATTENTION_ERRORS)])
+def test_attention_errors(bad, error, match):
+    args = dict(query=_Q, key_cache=_K, value_cache=_K, cache_lengths=_LENS)
+    args.update(bad)
+    with pytest.raises(error, match=match):
+        jax_tk.decode.attention(args.pop("query"), args.pop("key_cache"), args.pop("value_cache"),
+                                args.pop("cache_lengths"), **args)
+
+
+def test_paged_t_new_not_bounded_by_page_size():
+    """Paged: T_new may exceed one page (the limit is the table's capacity, positions past it drop)."""
+    out = jax_tk.decode.attention(randn(_R, (2, 20, 4, 16), F32), _PAGES, _PAGES, jnp.array([20, 30], jnp.int32),
+                                  page_table=_TABLE)
+    assert np.isfinite(np.asarray(out)).all()
+
+
+_NEW = randn(_R, (2, 3, 2, 16), F32)
+UPDATE_ERRORS = [
+    (dict(cache=[1.0]), TypeError, "must be arrays"),
+    (dict(new=_NEW[0]), ValueError, "new must have rank 4"),
+    (dict(new=_NEW.astype(BF16)), TypeError, "new must have the cache's dtype"),
+    (dict(new=_NEW[..., :8]), ValueError, "kv_heads, head_dim"),
+    (dict(cache=_K[:1]), ValueError, "batch of cache"),
+    (dict(cache=_K[:, :2]), ValueError, "T_new"),
+    (dict(cache_lengths=jnp.array([1.5, 2.5])), TypeError, "cache_lengths must have an integer dtype"),
+    (dict(cache_lengths=jnp.array([1])), ValueError, "cache_lengths must have shape"),
+    (dict(cache=_PAGES, page_table=_TABLE.astype(F32)), TypeError, "page_table must have an integer"),
+    (dict(cache=_PAGES, page_table=_TABLE[:1]), ValueError, "page_table must have shape"),
+]
+
+
+@pytest.mark.parametrize("bad,error,match", UPDATE_ERRORS, ids=[e[2] + str(i) for i, e in enumerate(UPDATE_ERRORS)])
+def test_update_errors(bad, error, match):
+    args = dict(cache=_K, new=_NEW, cache_lengths=_LENS)
+    args.update(bad)
+    with pytest.raises(error, match=match):
+        jax_tk.decode.update_kv_cache(args.pop("cache"), args.pop("new"), args.pop("cache_lengths"), **args)
+
+
+def test_int64_lengths_and_table_under_x64():
+    """64-bit lengths and page tables are taken (as int32 positions) with the same result."""
+    with jax.enable_x64(True):
+        lens64, table64 = jnp.asarray(np.array([5, 9]), jnp.int64), jnp.asarray(np.array([[0, 1], [2, 3]]), jnp.int64)
+        a = jax_tk.decode.attention(_Q, _PAGES, _PAGES, lens64, page_table=table64)
+        c = jax_tk.decode.update_kv_cache(_PAGES, _NEW, lens64, page_table=table64)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(jax_tk.decode.attention(_Q, _PAGES, _PAGES, _LENS,
+                                                                                    page_table=_TABLE)))
+    np.testing.assert_array_equal(np.asarray(c), np.asarray(jax_tk.decode.update_kv_cache(_PAGES, _NEW, _LENS,
+                                                                                         page_table=_TABLE)))
