@@ -3,6 +3,7 @@ from jax_tk._core.extension import has_cuda_kernels
 from jax_tk.attention import attention, attention_with_lse, ring_attention  # (binds jax_tk.attention to the function)
 from jax_tk.attention import ring
 from jax_tk import sharding
+from jax_tk import decode
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_with_lse", "ring_attention", "has_cuda_kernels", "__version__"]

@@ -1,0 +1,261 @@
+"""jax_tk.decode: attention of new tokens over a KV cache (serving), and appending to the cache.
+
+Trace-time checks, the static spec of a call and the dispatch. There is no decode kernel yet: every call
+runs the pure-JAX reference (``reference``); ``implementation="tk"`` says so with an error instead of
+silently running something else.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tk._core import dispatch
+from jax_tk.decode import reference
+
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_OP = "decode.attention"
+_UPDATE = "decode.update_kv_cache"
+
+# Why the kernel cannot run this call; None once the decode kernel exists and takes the configuration.
+KERNEL_UNAVAILABLE = ("the decode kernel is not available yet: jax_tk.decode runs the pure-JAX reference "
+                      "(use implementation=None or 'xla')")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """Static description of one decode-attention call (what the kernel's attributes will be).
+
+    window: ``(left, right)`` ints >= 0 or None; softcap: a positive float or None; page_size: rows per
+    page of a paged cache, None for a contiguous one.
+    """
+
+    scale: float
+    is_causal: bool
+    use_kernel: bool
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    page_size: int | None = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks (trace time)
+# ----------------------------------------------------------------------------------------------
+
+
+def _array(op, name, x, ndim, what):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"jax_tk.{op}: {name} must be an array, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"jax_tk.{op}: {name} must have rank {ndim} {what}, got shape {tuple(x.shape)}")
+
+
+def _float_array(op, name, x, what):
+    _array(op, name, x, 4, what)
+    if not any(x.dtype == d for d in FLOAT_DTYPES):
+        raise TypeError(f"jax_tk.{op}: {name} must be bfloat16, float16 or float32, got {x.dtype}")
+    if any(dim == 0 for dim in x.shape):
+        raise ValueError(f"jax_tk.{op}: {name} has an empty dimension: {tuple(x.shape)}")
+
+
+def _int_array(op, name, x, shape):
+    _array(op, name, x, len(shape), "[" + ", ".join(map(str, shape)) + "]")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"jax_tk.{op}: {name} must have an integer dtype (int32), got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"jax_tk.{op}: {name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def _positive_float(name, value):
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"jax_tk.{_OP}: {name} must be a Python float or None, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"jax_tk.{_OP}: {name} must be a positive finite float, got {value}")
+    return value
+
+
+def _window(local_window_size, capacity):
+    if local_window_size is None:
+        return None
+    is_int = lambda w: isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
+    window = (local_window_size,) * 2 if is_int(local_window_size) else local_window_size
+    if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(is_int(w) and w >= 0 for w in window):
+        raise ValueError(f"jax_tk.{_OP}: local_window_size must be None, an int >= 0 or a pair (left, right) of "
+                         f"ints >= 0, got {local_window_size!r}")
+    # A side longer than the cache bounds nothing: clamp (same meaning; keeps int32 arithmetic safe).
+    return (min(int(window[0]), capacity), min(int(window[1]), capacity))
+
+
+def _check_cache(op, key_cache, value_cache, batch, page_table, names=("key_cache", "value_cache")):
+    """Checks a (key, value) cache pair (or one cache, ``value_cache=None``) and its page table; returns
+    (capacity in positions, page_size or None)."""
+    layout = "[num_pages, page_size, kv_heads, head_dim]" if page_table is not None else \
+        "[batch, max_seq_len, kv_heads, head_dim]"
+    _float_array(op, names[0], key_cache, layout)
+    if value_cache is not None:
+        _float_array(op, names[1], value_cache, layout)
+        if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+            raise ValueError(f"jax_tk.{op}: key_cache and value_cache must have the same shape and dtype, got "
+                             f"{tuple(key_cache.shape)} {key_cache.dtype} and {tuple(value_cache.shape)} "
+                             f"{value_cache.dtype}")
+    name = "/".join(dict.fromkeys(names))
+    if page_table is None:
+        if key_cache.shape[0] != batch:
+            raise ValueError(f"jax_tk.{op}: batch of {name} ({key_cache.shape[0]}) != batch of "
+                             f"query/new ({batch}) (a contiguous cache is [batch, max_seq_len, kv_heads, head_dim]; "
+                             "pass page_table= for a paged one)")
+        return key_cache.shape[1], None
+    _array(op, "page_table", page_table, 2, "[batch, max_pages]")
+    if not jnp.issubdtype(page_table.dtype, jnp.integer):
+        raise TypeError(f"jax_tk.{op}: page_table must have an integer dtype (int32), got {page_table.dtype}")
+    if page_table.shape[0] != batch or page_table.shape[1] == 0:
+        raise ValueError(f"jax_tk.{op}: page_table must have shape [batch={batch}, max_pages >= 1], got "
+                         f"{tuple(page_table.shape)}")
+    page_size = key_cache.shape[1]
+    if page_table.shape[1] * page_size >= 2 ** 31:
+        raise ValueError(f"jax_tk.{op}: max_pages * page_size = {page_table.shape[1] * page_size} positions do "
+                         "not fit int32")
+    return page_table.shape[1] * page_size, page_size
+
+
+def _lengths(op, cache_lengths, batch):
+    _int_array(op, "cache_lengths", cache_lengths, (batch,))
+    # Positions are int32 (as in the kernels); a 64-bit length past int32 is clamped, not wrapped.
+    if jnp.dtype(cache_lengths.dtype).itemsize > 4:
+        cache_lengths = jnp.clip(cache_lengths, 0, 2 ** 31 - 1)
+    return jnp.asarray(cache_lengths).astype(jnp.int32)
+
+
+def _page_table_int32(page_table):
+    # Page numbers are int32 in the kernels; a 64-bit entry past int32 maps to -1 (a slot that is unused).
+    if page_table is None or jnp.dtype(page_table.dtype) == jnp.int32:
+        return page_table
+    if jnp.dtype(page_table.dtype).itemsize > 4:
+        page_table = jnp.where((page_table < 0) | (page_table >= 2 ** 31), -1, page_table)
+    return jnp.asarray(page_table).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# The ops
+# ----------------------------------------------------------------------------------------------
+
+
+def attention(query, key_cache, value_cache, cache_lengths, *, page_table=None, scale=None, is_causal=True,
+              local_window_size=None, logits_soft_cap=None, implementation=None):
+    """Attention of the newest ``T_new`` tokens of each sequence over its KV cache (decoding / serving).
+
+    Semantics follow FlashAttention's ``flash_attn_with_kvcache``; layouts follow
+    ``jax.nn.dot_product_attention``.
+
+    Args:
+      query: ``[batch, T_new, heads, head_dim]``, bfloat16, float16 or float32: the LAST ``T_new``
+        positions of each sequence; row i of sequence b is at position ``p = cache_lengths[b] - T_new + i``.
+      key_cache, value_cache: the cache, already holding the new tokens (``update_kv_cache`` first), same
+        dtype as query. Contiguous: ``[batch, max_seq_len, kv_heads, head_dim]``. Paged (with
+        ``page_table``): ``[num_pages, page_size, kv_heads, head_dim]``. ``heads % kv_heads == 0``.
+      cache_lengths: ``[batch]`` integers (may be traced): keys ``j < cache_lengths[b]`` are valid.
+        Rows of the cache past the length may hold anything (NaN included): they are never read into
+        the result.
+      page_table: ``[batch, max_pages]`` integers: position j of sequence b lives in page
+        ``page_table[b, j // page_size]``, row ``j % page_size``. Entries past a sequence's length are
+        not used (any value).
+      scale: logit multiplier (a Python float), default ``1/sqrt(head_dim)``.
+      is_causal: row i sees keys ``j <= p`` (bottom-right aligned: a single new token sees the whole
+        cache). ``False``: every valid key.
+      local_window_size: ``(left, right)`` (or one int for both): row i sees keys ``p - left <= j <= p + right``.
+      logits_soft_cap: logits become ``cap * tanh(logits / cap)``.
+      implementation: ``None`` or ``"xla"``: the pure-JAX reference (the only path for now, GPU included);
+        ``"tk"``: the decode kernel, which is not available yet (an error).
+
+    A row that sees no key (``cache_lengths[b] == 0``, or ``p < 0`` when ``cache_lengths[b] < T_new``:
+    padding rows before the sequence's start) gives 0, never NaN.
+
+    Returns:
+      ``[batch, T_new, heads, head_dim]`` in the query's dtype.
+    """
+    _float_array(_OP, "query", query, "[batch, T_new, heads, head_dim]")
+    b, t, n, h = query.shape
+    capacity, page_size = _check_cache(_OP, key_cache, value_cache, b, page_table)
+    if key_cache.dtype != query.dtype:
+        raise TypeError(f"jax_tk.{_OP}: key_cache/value_cache must have the query's dtype {query.dtype}, got "
+                        f"{key_cache.dtype}")
+    if key_cache.shape[3] != h:
+        raise ValueError(f"jax_tk.{_OP}: head_dim of key_cache/value_cache ({key_cache.shape[3]}) != head_dim "
+                         f"of query ({h})")
+    kh = key_cache.shape[2]
+    if n % kh != 0:
+        raise ValueError(f"jax_tk.{_OP}: the number of query heads ({n}) must be a multiple of the number of "
+                         f"key/value heads ({kh})")
+    if page_table is None and t > capacity:
+        raise ValueError(f"jax_tk.{_OP}: T_new ({t}) must be <= max_seq_len of the cache ({capacity})")
+    cache_lengths = _lengths(_OP, cache_lengths, b)
+    scale = _positive_float("scale", scale)
+    scale = 1.0 / math.sqrt(h) if scale is None else scale
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"jax_tk.{_OP}: is_causal must be a bool, got {is_causal!r}")
+    window = _window(local_window_size, capacity)
+    softcap = _positive_float("logits_soft_cap", logits_soft_cap)
+    dispatch.check_implementation(_OP, implementation)
+    if implementation == "tk":
+        raise NotImplementedError(f"jax_tk.{_OP}(implementation='tk'): {KERNEL_UNAVAILABLE}")
+    spec = DecodeSpec(scale, bool(is_causal), False, window, softcap, page_size)
+    return _local(spec, query, key_cache, value_cache, cache_lengths, _page_table_int32(page_table))
+
+
+def _local(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_table):
+    """The call on one device's arrays: the reference until the kernel exists (it will plug in here
+    through ``dispatch.platform_dispatch(spec.use_kernel, kernel_fn, reference_fn, ...)``)."""
+    return reference.attention(query, key_cache, value_cache, cache_lengths, scale=spec.scale,
+                               page_table=page_table, is_causal=spec.is_causal,
+                               local_window_size=spec.window, logits_soft_cap=spec.softcap)
+
+
+def update_kv_cache(cache, new, cache_lengths, *, page_table=None):
+    """Writes ``new`` ``[batch, T_new, kv_heads, head_dim]`` into ``cache`` at logical positions
+    ``cache_lengths[b] .. cache_lengths[b] + T_new - 1`` of each sequence b, and returns the cache.
+
+    ``cache_lengths`` are the lengths BEFORE appending (the caller adds ``T_new`` afterwards, then calls
+    ``attention`` with the new lengths). Call it once for the key cache and once for the value cache.
+
+    Contiguous cache ``[batch, max_seq_len, kv_heads, head_dim]``: one scatter. Paged cache
+    ``[num_pages, page_size, kv_heads, head_dim]`` with ``page_table`` ``[batch, max_pages]``: one scatter
+    into the pages the table names. Under ``jax.jit`` with the cache donated (``donate_argnums``), XLA
+    writes in place: only the new rows move.
+
+    Positions past the cache (``>= max_seq_len``, or past ``max_pages * page_size``), negative positions,
+    and rows whose page-table entry is outside ``[0, num_pages)`` are dropped (not written, no error:
+    the sizes are traced). Two sequences whose tables name the same page and row write in an
+    unspecified order.
+    """
+    if not hasattr(cache, "shape") or not hasattr(new, "shape"):
+        raise TypeError(f"jax_tk.{_UPDATE}: cache and new must be arrays, got {type(cache).__name__} and "
+                        f"{type(new).__name__}")
+    _float_array(_UPDATE, "new", new, "[batch, T_new, kv_heads, head_dim]")
+    b, t, kh, h = new.shape
+    capacity, page_size = _check_cache(_UPDATE, cache, None, b, page_table, names=("cache",))
+    if cache.dtype != new.dtype:
+        raise TypeError(f"jax_tk.{_UPDATE}: new must have the cache's dtype {cache.dtype}, got {new.dtype}")
+    if tuple(cache.shape[2:]) != (kh, h):
+        raise ValueError(f"jax_tk.{_UPDATE}: new's [kv_heads, head_dim] {(kh, h)} != the cache's "
+                         f"{tuple(cache.shape[2:])}")
+    if page_table is None and t > capacity:
+        raise ValueError(f"jax_tk.{_UPDATE}: T_new ({t}) must be <= max_seq_len of the cache ({capacity})")
+    pos = reference.query_positions(_lengths(_UPDATE, cache_lengths, b) + t, t)  # [B, T]: len .. len + T - 1
+    inside = (pos >= 0) & (pos < capacity)
+    if page_table is None:
+        # Out-of-range rows are sent to index max_seq_len (explicitly, because negative indices would wrap)
+        # and dropped by the scatter.
+        rows = jnp.where(inside, pos, capacity)
+        return cache.at[jnp.arange(b)[:, None], rows].set(new, mode="drop")
+    page_table = _page_table_int32(page_table)
+    num_pages = cache.shape[0]
+    slot = jnp.where(inside, pos // page_size, 0)
+    page = jnp.take_along_axis(page_table, slot, axis=1)
+    page = jnp.where(inside & (page >= 0) & (page < num_pages), page, num_pages)
+    return cache.at[page, pos % page_size].set(new, mode="drop")

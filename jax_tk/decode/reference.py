@@ -1,0 +1,88 @@
+"""Pure-JAX reference of decode attention over a KV cache (contiguous or paged).
+
+It is the path taken until the decode kernel exists (and, afterwards, on CPU and for configurations the
+kernel cannot take) and the tests' oracle. All arithmetic is float32; the output is cast back to the
+query's dtype. Arguments are assumed checked (``jax_tk.decode.api``).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def gather_pages(cache, page_table):
+    """A paged cache ``[num_pages, page_size, K, H]`` read through ``page_table`` ``[B, max_pages]`` as a
+    contiguous one ``[B, max_pages * page_size, K, H]`` (logical position j of sequence b is row
+    ``j % page_size`` of page ``page_table[b, j // page_size]``).
+
+    Table entries outside ``[0, num_pages)`` (unused slots of a serving engine's table hold anything) are
+    clamped instead of faulting; the rows they give lie past the sequence's length and are masked.
+    """
+    b, max_pages = page_table.shape
+    _, page_size, k, h = cache.shape
+    pages = jnp.take(cache, page_table.reshape(-1), axis=0, mode="clip")
+    return pages.reshape(b, max_pages * page_size, k, h)
+
+
+def query_positions(cache_lengths, t_new: int):
+    """``[B, T_new]`` int32: query row i of sequence b is at position ``cache_lengths[b] - T_new + i``."""
+    return cache_lengths.astype(jnp.int32)[:, None] - t_new + jnp.arange(t_new, dtype=jnp.int32)[None, :]
+
+
+def visibility(cache_lengths, t_new: int, s: int, *, is_causal: bool, local_window_size=None):
+    """Boolean ``[B, T_new, S]``: whether query row i of sequence b sees key j.
+
+    All of: the key is in the cache (``j < cache_lengths[b]``); the query row is a real token
+    (position ``p >= 0``: rows before the start when ``cache_lengths[b] < T_new`` are padding);
+    causal ``j <= p`` (bottom-right aligned); window ``p - left <= j <= p + right``.
+    """
+    p = query_positions(cache_lengths, t_new)[:, :, None]  # [B, T, 1]
+    j = jnp.arange(s, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    mask = (j < cache_lengths.astype(jnp.int32)[:, None, None]) & (p >= 0)
+    if is_causal:
+        mask &= j <= p
+    if local_window_size is not None:
+        left, right = local_window_size
+        mask &= (j >= p - left) & (j <= p + right)
+    return mask
+
+
+def attention(query, key_cache, value_cache, cache_lengths, *, scale: float, page_table=None,
+              is_causal: bool = True, local_window_size=None, logits_soft_cap=None):
+    """Softmax attention of the last ``T_new`` positions of each sequence over its cache, in float32.
+
+    Args:
+      query: ``[B, T_new, N, H]``.
+      key_cache, value_cache: ``[B, S_max, K, H]`` (contiguous), or ``[num_pages, page_size, K, H]`` with
+        ``page_table`` ``[B, max_pages]`` (paged); ``N % K == 0``.
+      cache_lengths: ``[B]`` integers, the number of valid keys of each sequence (new tokens included).
+      scale, is_causal, local_window_size ``(left, right)``, logits_soft_cap: see ``visibility`` and
+        ``jax_tk.decode.attention``.
+    Returns:
+      ``[B, T_new, N, H]`` in ``query.dtype``; a row that sees no key gives 0.
+    """
+    if page_table is not None:
+        key_cache, value_cache = gather_pages(key_cache, page_table), gather_pages(value_cache, page_table)
+    b, t, n, h = query.shape
+    s, kh = key_cache.shape[1], key_cache.shape[2]
+    mask = visibility(cache_lengths, t, s, is_causal=is_causal, local_window_size=local_window_size)
+    # Rows past a sequence's length are whatever the cache held (unwritten memory, NaN, other data): zero
+    # them so that a masked key's 0 probability times its value stays 0 instead of NaN.
+    in_cache = (jnp.arange(s)[None, :] < cache_lengths.astype(jnp.int32)[:, None])[:, :, None, None]
+    k = jnp.where(in_cache, key_cache.astype(jnp.float32), 0.0)
+    v = jnp.where(in_cache, value_cache.astype(jnp.float32), 0.0)
+    # Grouped-query attention without repeating the cache: query heads [K, G] share key/value head k.
+    q = query.astype(jnp.float32).reshape(b, t, kh, n // kh, h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", q, k, precision=jax.lax.Precision.HIGHEST) * scale
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+    # An all-masked row has max -inf: replace it by 0 so that exp gives 0 (not NaN) and the row sums to
+    # 0, which the division below turns into an output of 0.
+    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    unnormalized = jnp.exp(logits - row_max)
+    denom = jnp.sum(unnormalized, axis=-1, keepdims=True)
+    probs = unnormalized / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v, precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(b, t, n, h).astype(query.dtype)
