@@ -5,6 +5,7 @@
 - ``ffi``: builds an ``ffi_call`` from operands and attributes (with the test-only output poisoning).
 - ``dispatch``: the ``implementation=`` choice (kernel, reference, or a clear error) and the
   ``platform_dependent`` branch between them.
+- ``checks``: trace-time checks of options several ops share (positive floats, windows).
 - ``sharding``: runs an op on per-device shards under ``jit`` with sharded inputs (``shard_map`` for
   explicit meshes, ``custom_partitioning`` for auto ones), from the op's description of its operands.
 

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import jax.numpy as jnp
 
-from jax_tk._core import dispatch, sharding
+from jax_tk._core import checks, dispatch, sharding
 from jax_tk.attention import compat, launch, reference
 from jax_tk.attention.launch import Masks
 
@@ -40,21 +40,6 @@ class AttentionSpec:
 # ----------------------------------------------------------------------------------------------
 # Input checks (trace time)
 # ----------------------------------------------------------------------------------------------
-
-
-def _positive_float(name, value):
-    """None, or value as a positive finite float (TypeError for strings, bools and non-numbers)."""
-    if value is None:
-        return None
-    if isinstance(value, (str, bytes, bool, np.bool_)):
-        raise TypeError(f"jax_tk.attention: {name} must be a Python float or None, got {value!r}")
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"jax_tk.attention: {name} must be a Python float or None, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"jax_tk.attention: {name} must be a positive finite float, got {value}")
-    return value
 
 
 def check_inputs(query, key, value, scale, is_causal, implementation):
@@ -94,7 +79,7 @@ def check_inputs(query, key, value, scale, is_causal, implementation):
             f"jax_tk.attention: the number of query heads ({n}) must be a multiple of the number "
             f"of key/value heads ({kh})"
         )
-    scale = _positive_float("scale", scale)
+    scale = checks.positive_float("attention", "scale", scale)
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"jax_tk.attention: is_causal must be a bool, got {is_causal!r}")
     dispatch.check_implementation("attention", implementation)
@@ -199,19 +184,7 @@ def _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids,
                    key_value_seq_lengths, logits_soft_cap):
     """Validates the masking/soft-cap options; returns them normalized (window as a pair of ints)."""
     b, t, s = query.shape[0], query.shape[1], key.shape[1]
-    if local_window_size is not None:
-        one_int = isinstance(local_window_size, (int, np.integer)) and not isinstance(local_window_size, bool)
-        window = (local_window_size, local_window_size) if one_int else local_window_size
-        if (not isinstance(window, (tuple, list)) or len(window) != 2
-                or not all(isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_)) and w >= 0
-                           for w in window)):
-            raise ValueError(
-                "jax_tk.attention: local_window_size must be None, an int >= 0 or a pair (left, right) of "
-                f"ints >= 0, got {local_window_size!r}"
-            )
-        # A side longer than the sequence it reaches over bounds nothing: clamp (same meaning, and the
-        # values stay small enough for int32 index arithmetic in the reference and the kernels).
-        local_window_size = (min(int(window[0]), t), min(int(window[1]), s))
+    local_window_size = checks.window("attention", local_window_size, t, s)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("jax_tk.attention: give both q_segment_ids and kv_segment_ids, or neither")
     for name, x, shape in (("q_segment_ids", q_segment_ids, (b, t)), ("kv_segment_ids", kv_segment_ids, (b, s)),
@@ -225,7 +198,7 @@ def _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids,
             raise TypeError(f"jax_tk.attention: {name} must have an integer dtype (int32), got {x.dtype}")
         if tuple(x.shape) != shape:
             raise ValueError(f"jax_tk.attention: {name} must have shape {shape}, got {tuple(x.shape)}")
-    return local_window_size, _positive_float("logits_soft_cap", logits_soft_cap)
+    return local_window_size, checks.positive_float("attention", "logits_soft_cap", logits_soft_cap)
 
 
 def _reject_unsupported(bias, mask, dropout_rate, dropout_rng):

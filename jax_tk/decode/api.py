@@ -9,11 +9,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk._core import dispatch
+from jax_tk._core import checks, dispatch
 from jax_tk.decode import reference
 
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -67,29 +66,6 @@ def _int_array(op, name, x, shape):
         raise TypeError(f"jax_tk.{op}: {name} must have an integer dtype (int32), got {x.dtype}")
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"jax_tk.{op}: {name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
-
-
-def _positive_float(name, value):
-    if value is None:
-        return None
-    if isinstance(value, (str, bytes, bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-        raise TypeError(f"jax_tk.{_OP}: {name} must be a Python float or None, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"jax_tk.{_OP}: {name} must be a positive finite float, got {value}")
-    return value
-
-
-def _window(local_window_size, capacity):
-    if local_window_size is None:
-        return None
-    is_int = lambda w: isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
-    window = (local_window_size,) * 2 if is_int(local_window_size) else local_window_size
-    if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(is_int(w) and w >= 0 for w in window):
-        raise ValueError(f"jax_tk.{_OP}: local_window_size must be None, an int >= 0 or a pair (left, right) of "
-                         f"ints >= 0, got {local_window_size!r}")
-    # A side longer than the cache bounds nothing: clamp (same meaning; keeps int32 arithmetic safe).
-    return (min(int(window[0]), capacity), min(int(window[1]), capacity))
 
 
 def _check_cache(op, key_cache, value_cache, batch, page_table, names=("key_cache", "value_cache")):
@@ -195,12 +171,12 @@ def attention(query, key_cache, value_cache, cache_lengths, *, page_table=None, 
     if page_table is None and t > capacity:
         raise ValueError(f"jax_tk.{_OP}: T_new ({t}) must be <= max_seq_len of the cache ({capacity})")
     cache_lengths = _lengths(_OP, cache_lengths, b)
-    scale = _positive_float("scale", scale)
+    scale = checks.positive_float(_OP, "scale", scale)
     scale = 1.0 / math.sqrt(h) if scale is None else scale
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"jax_tk.{_OP}: is_causal must be a bool, got {is_causal!r}")
-    window = _window(local_window_size, capacity)
-    softcap = _positive_float("logits_soft_cap", logits_soft_cap)
+    window = checks.window(_OP, local_window_size, capacity, capacity)
+    softcap = checks.positive_float(_OP, "logits_soft_cap", logits_soft_cap)
     dispatch.check_implementation(_OP, implementation)
     if implementation == "tk":
         raise NotImplementedError(f"jax_tk.{_OP}(implementation='tk'): {KERNEL_UNAVAILABLE}")
