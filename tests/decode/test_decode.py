@@ -103,7 +103,10 @@ def test_against_numpy_contiguous_and_paged(seed):
     assert rel_err(out, ref) < TOL[dtype]
     kp, vp, table = to_pages(rng, kc, vc, page_size)
     paged = _decode(q, kp, vp, lens, table, is_causal=causal, window=window, softcap=cap)
-    np.testing.assert_array_equal(np.asarray(paged.astype(F32)), np.asarray(out.astype(F32)))
+    # the same math on the gathered cache: equal up to the order of float32 sums, which XLA on a GPU
+    # may choose differently for the two shapes (seen: 3e-7 absolute in float32)
+    assert rel_err(paged, out) < (1e-5 if dtype == F32 else 1e-2)
+    assert rel_err(paged, ref) < TOL[dtype]
     # rows with no key (length 0, or p < 0) are exactly 0
     for bi, length in enumerate(lengths):
         for i in range(t):
@@ -131,7 +134,7 @@ def test_matches_full_attention_after_update():
     upd_paged = jax.jit(lambda c, x, l, pt: jax_tk.decode.update_kv_cache(c, x, l, page_table=pt))
     kp, vp = upd_paged(kp, new_k, lens, table), upd_paged(vp, new_v, lens, table)
     out_paged = jax_tk.decode.attention(q, kp, vp, lens + t, page_table=table)
-    np.testing.assert_array_equal(np.asarray(out_paged), np.asarray(out))
+    assert rel_err(out_paged, out) < 1e-2  # (up to the order of float32 sums, as above)
     for i in range(b):
         total = old[i] + t
         full_q = jnp.concatenate([randn(rng, (1, total - t, n, h), F32), q[i:i + 1]], axis=1)
