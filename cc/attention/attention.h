@@ -35,11 +35,11 @@ struct Params {
   const int *kv_segment_ranges = nullptr;   //   [batch, ceil(kv_len / 64), 2]: min and max id of each
                                             //   64 rows (SEGMENT_GRANULE), to skip whole blocks
   // With segment ids, the sm_90a backward may take its blocks in an order worked out by the caller
-  // (jax_tk/attention.py: longest first): block_order lists the (batch entry b, key/value head h,
+  // (jax_tk/attention/launch.py: longest first): block_order lists the (batch entry b, key/value head h,
   // block i) triples as (b * kv_heads + h) * blocks + i, a permutation of [0, batch * kv_heads *
   // blocks) (blocks of bwd_order_rows() keys); nullptr: the kernel's own order.
   const int *block_order = nullptr;  // (the backward's; the forward takes fwd_tiles)
-  // With segment ids, the sm_90a forward's tiles in the order it takes them (jax_tk/attention.py,
+  // With segment ids, the sm_90a forward's tiles in the order it takes them (jax_tk/attention/launch.py,
   // _fwd_tiles): fwd_tile_cap(q_len) entries per (batch entry, query head), four ints each:
   // {b * q_heads + h (-1: no more tiles), first query row q0, end, key base}. A tile owns the query
   // rows [q0, min(q0 + 128, end)). With key base -1 it is a tile of the fixed grid (q0 a multiple of
@@ -67,7 +67,7 @@ struct Params {
 };
 
 // Entries of Params::fwd_tiles per (batch entry, query head): room for the fixed grid's 128-row tiles,
-// or for documents' tiles (one more than the grid's per document at most: jax_tk/attention.py takes
+// or for documents' tiles (one more than the grid's per document at most: jax_tk/attention/launch.py takes
 // the grid where they do not fit).
 __host__ __device__ inline int fwd_tile_cap(int q_len) {
   return FWD_TILES_PER_BLOCK * ((q_len + FWD_TILE_ROWS - 1) / FWD_TILE_ROWS);

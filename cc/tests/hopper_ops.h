@@ -1,5 +1,5 @@
 // Unit-test kernels for the Hopper (sm_90a) layer of the tile language: TMA loads, wgmma, bulk
-// reduce-add and an mbarrier producer/consumer ring. One launch per case; tests/test_hopper_ops_gpu.py
+// reduce-add and an mbarrier producer/consumer ring. One launch per case; tests/tk/test_hopper_ops_gpu.py
 // mirrors every case with numpy. The launchers return cudaErrorNoKernelImageForDevice unless the
 // current GPU has compute capability 9.0 (the kernels exist only as sm_90a code).
 #pragma once

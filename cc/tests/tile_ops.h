@@ -5,7 +5,7 @@
 namespace jax_tk::tests {
 
 // What each op id computes is documented next to its case in tile_ops.cu and mirrored by the
-// numpy reference in tests/test_tile_ops_gpu.py.
+// numpy reference in tests/tk/test_tile_ops_gpu.py.
 struct TileOpArgs {
   int op;
   int dtype;   // 0 float32, 1 bfloat16, 2 float16 (a, b element type)

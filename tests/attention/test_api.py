@@ -179,7 +179,7 @@ def test_tk_without_gpu_raises(fn_name):
 def test_tk_unsupported_config_raises_value_error(dtype, d, match):
     # Raised whether or not a GPU is present: the configuration check comes first.
     if d == 256 and extension.cuda_device_capability() == (9, 0):
-        pytest.skip("head_dim 256 has kernels on H100/H200 (test_attention_gpu covers them)")
+        pytest.skip("head_dim 256 has kernels on H100/H200 (test_kernels_gpu covers them)")
     q, k, v = _abstract_qkv(dtype=dtype, d=d)
     with pytest.raises(ValueError, match=r"implementation='tk'.*" + match):
         _trace(jax_tk.attention, q, k, v, implementation="tk")

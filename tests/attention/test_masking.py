@@ -134,7 +134,7 @@ def test_masking_uses_the_kernel():
     f = jax.jit(lambda q, k, v: jax_tk.attention(q, k, v, **kwargs))
     text = f.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert "jax_tk_attention_fwd" in text
-    if jax.default_backend() == "gpu":  # the kernel runs (its results: tests/test_attention_gpu.py)
+    if jax.default_backend() == "gpu":  # the kernel runs (its results: tests/attention/test_kernels_gpu.py)
         out = jax_tk.attention(q, k, v, implementation="tk", **kwargs)
         assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
         return
