@@ -21,6 +21,23 @@ def positive_float(op: str, name: str, value):
     return value
 
 
+def array(op: str, name: str, x, ndim: int, what: str):
+    """``x`` must be an array (TypeError) of rank ``ndim`` (ValueError; ``what`` describes its dims)."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"jax_tk.{op}: {name} must be an array, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"jax_tk.{op}: {name} must have rank {ndim} {what}, got shape {tuple(x.shape)}")
+
+
+def float_array(op: str, name: str, x, ndim: int, what: str, dtypes):
+    """``array``, of one of ``dtypes`` (bfloat16, float16, float32), with no empty dimension."""
+    array(op, name, x, ndim, what)
+    if not any(x.dtype == d for d in dtypes):
+        raise TypeError(f"jax_tk.{op}: {name} must be bfloat16, float16 or float32, got {x.dtype}")
+    if any(dim == 0 for dim in x.shape):
+        raise ValueError(f"jax_tk.{op}: {name} has an empty dimension: {tuple(x.shape)}")
+
+
 def _is_int(w) -> bool:
     return isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
 

@@ -43,21 +43,8 @@ class AttentionSpec:
 
 
 def check_inputs(query, key, value, scale, is_causal, implementation):
-    names = ("query", "key", "value")
-    for name, x in zip(names, (query, key, value)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"jax_tk.attention: {name} must be an array, got {type(x).__name__}")
-        if x.ndim != 4:
-            raise ValueError(
-                f"jax_tk.attention: {name} must have rank 4 [batch, seq, heads, head_dim], "
-                f"got shape {tuple(x.shape)}"
-            )
-        if not any(x.dtype == d for d in FLOAT_DTYPES):
-            raise TypeError(
-                f"jax_tk.attention: {name} must be bfloat16, float16 or float32, got {x.dtype}"
-            )
-        if any(dim == 0 for dim in x.shape):
-            raise ValueError(f"jax_tk.attention: {name} has an empty dimension: {tuple(x.shape)}")
+    for name, x in zip(("query", "key", "value"), (query, key, value)):
+        checks.float_array("attention", name, x, 4, "[batch, seq, heads, head_dim]", FLOAT_DTYPES)
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(
             "jax_tk.attention: query, key and value must have the same dtype, got "

@@ -45,23 +45,12 @@ class DecodeSpec:
 # ----------------------------------------------------------------------------------------------
 
 
-def _array(op, name, x, ndim, what):
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"jax_tk.{op}: {name} must be an array, got {type(x).__name__}")
-    if x.ndim != ndim:
-        raise ValueError(f"jax_tk.{op}: {name} must have rank {ndim} {what}, got shape {tuple(x.shape)}")
-
-
 def _float_array(op, name, x, what):
-    _array(op, name, x, 4, what)
-    if not any(x.dtype == d for d in FLOAT_DTYPES):
-        raise TypeError(f"jax_tk.{op}: {name} must be bfloat16, float16 or float32, got {x.dtype}")
-    if any(dim == 0 for dim in x.shape):
-        raise ValueError(f"jax_tk.{op}: {name} has an empty dimension: {tuple(x.shape)}")
+    checks.float_array(op, name, x, 4, what, FLOAT_DTYPES)
 
 
 def _int_array(op, name, x, shape):
-    _array(op, name, x, len(shape), "[" + ", ".join(map(str, shape)) + "]")
+    checks.array(op, name, x, len(shape), "[" + ", ".join(map(str, shape)) + "]")
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"jax_tk.{op}: {name} must have an integer dtype (int32), got {x.dtype}")
     if tuple(x.shape) != tuple(shape):
@@ -87,7 +76,7 @@ def _check_cache(op, key_cache, value_cache, batch, page_table, names=("key_cach
                              f"query/new ({batch}) (a contiguous cache is [batch, max_seq_len, kv_heads, head_dim]; "
                              "pass page_table= for a paged one)")
         return key_cache.shape[1], None
-    _array(op, "page_table", page_table, 2, "[batch, max_pages]")
+    checks.array(op, "page_table", page_table, 2, "[batch, max_pages]")
     if not jnp.issubdtype(page_table.dtype, jnp.integer):
         raise TypeError(f"jax_tk.{op}: page_table must have an integer dtype (int32), got {page_table.dtype}")
     if page_table.shape[0] != batch or page_table.shape[1] == 0:
