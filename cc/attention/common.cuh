@@ -1,6 +1,6 @@
 // Helpers shared by the attention kernels: dispatch over dtype and head dim, launch with a large
-// dynamic shared-memory budget, the masking rules, the logit transform (scale, soft cap) and the
-// online softmax.
+// dynamic shared-memory budget, the masking rules and the logit transform (scale, soft cap); the
+// online softmax itself is the tile language's (tk/ops/warp/softmax.cuh).
 #pragma once
 #include <climits>
 
@@ -9,9 +9,12 @@
 
 namespace jax_tk::attention {
 
-constexpr float LOG2E = 1.4426950408889634f;
-constexpr float LN2 = 0.6931471805599453f;
-constexpr float NEG_INF = -__builtin_huge_valf();
+using tk::LN2;
+using tk::LOG2E;
+using tk::NEG_INF;
+using tk::warp::normalize_output;
+using tk::warp::softmax_step;
+using tk::warp::tanh_fast;
 
 // Does p use a masking option beyond causal (window, segment ids, lengths, soft cap)?
 inline bool has_options(const Params &p) {
@@ -288,12 +291,6 @@ __device__ __forceinline__ void mask_logits_transposed(RT &s, const Params &p, i
 // Logits: scale, soft cap (cap * tanh(logit / cap), Gemma 2), base-2 units
 // ------------------------------------------------------------------------------------------------
 
-// tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1), absolute error ~1e-7; |x| >= 20 gives +-1 (as in fp32).
-__device__ __forceinline__ float tanh_fast(float x) {
-  x = fminf(fmaxf(x, -20.f), 20.f);
-  return 1.f - __fdividef(2.f, tk::warp::fn::exp2(2.f * LOG2E * x) + 1.f);
-}
-
 // s := the logits in log2 units: scale * s * log2 e, or with a cap cap * tanh(scale * s / cap) * log2 e.
 template <bool FULL, typename RT> __device__ __forceinline__ void scale_logits(RT &s, const Params &p) {
   if (FULL && p.softcap > 0.f) {
@@ -336,30 +333,6 @@ template <bool FULL> __device__ __forceinline__ float logit_factor(const Params 
 }
 template <bool FULL, typename RT> __device__ __forceinline__ void cap_logits(RT &s, const Params &p) {
   if (FULL && p.softcap > 0.f) scale_logits<FULL>(s, p);
-}
-
-// One step of the online softmax over a block of logits s (units of 1 / c, see logit_factor):
-// updates the running row max m (same units) and sum l, sets corr to the factor that rescales what
-// was accumulated before, and s := exp2(c (s - m)).
-template <typename RT, typename V>
-__device__ __forceinline__ void softmax_step(RT &s, V &m, V &l, V &corr, float c) {
-  using namespace tk;
-  V m_new, mc;
-  warp::row_max(m_new, s, m);
-  // c m_new, or 0 for a row that has seen no key yet (all -inf: exp2(-inf) = 0, never NaN)
-  warp::map_vec(mc, m_new, [=](float x) { return x == NEG_INF ? 0.f : x * c; });
-  warp::map_vec(corr, m, mc, [=](float a, float b) { return warp::fn::exp2(a * c - b); });
-  warp::map_row(s, s, mc, [=](float x, float b) { return warp::fn::exp2(x * c - b); });
-  warp::map_vec(l, l, corr, [](float a, float b) { return a * b; });
-  warp::row_sum(l, s, l);
-  m = m_new;
-}
-
-// O /= l (O = 0 for a row that saw no key, l = 0).
-template <typename RT, typename V> __device__ __forceinline__ void normalize_output(RT &o, const V &l) {
-  V inv_l;
-  tk::warp::map_vec(inv_l, l, [](float x) { return x > 0.f ? 1.f / x : 0.f; });
-  tk::warp::mul_row(o, o, inv_l);
 }
 
 // The output O as a global view whose rows end at rows_end (or q_len): stores skip the rows past it.

@@ -254,13 +254,6 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   return cuda_error(attention::bwd_sm80(p, stream), "attention backward");
 }
 
-// The bindings: operands (head), then (test targets only) the remaining operands, then results and
-// attributes (tail). (A Binding cannot be moved into a variable: the chain is built from prvalues.)
-template <bool TEST> auto bind(auto head, auto tail) {
-  if constexpr (TEST) return tail(head().RemainingArgs());
-  else return tail(head());
-}
-
 // The masking operands and the attributes both directions take (see the top of this file).
 auto masking_operands(auto &&b) {
   return std::move(b)

@@ -52,4 +52,13 @@ inline ffi::Error check_device(int major, int minor) {
   return ffi::Error::Success();
 }
 
+// A handler's production and test bindings from one operand list: head() returns the binding up to
+// the operands, tail(binding) adds the results and attributes; the test target (TEST) takes
+// RemainingArgs between them (buffers that tests alias to the outputs to poison them). (A Binding
+// cannot be moved into a variable: the chain is built from prvalues.)
+template <bool TEST> auto bind(auto head, auto tail) {
+  if constexpr (TEST) return tail(head().RemainingArgs());
+  else return tail(head());
+}
+
 }  // namespace jax_tk

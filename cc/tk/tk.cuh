@@ -14,6 +14,7 @@
 #include "ops/warp/memory.cuh"
 #include "ops/warp/mma.cuh"
 #include "ops/warp/reductions.cuh"
+#include "ops/warp/softmax.cuh"
 #include "ops/warpgroup/fragments.cuh"
 #include "ops/warpgroup/wgmma.cuh"
 #include "pipeline/ring.cuh"

@@ -1,8 +1,7 @@
 """jax_tk.decode: attention of new tokens over a KV cache (serving), and appending to the cache.
 
-Trace-time checks, the static spec of a call and the dispatch. There is no decode kernel yet: every call
-runs the pure-JAX reference (``reference``); ``implementation="tk"`` says so with an error instead of
-silently running something else.
+Trace-time checks, the static spec of a call and the dispatch between the decode kernel
+(``cc/decode``, through ``launch``) and the pure-JAX reference (``reference``).
 """
 from __future__ import annotations
 
@@ -13,16 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tk._core import checks, dispatch
-from jax_tk.decode import reference
+from jax_tk.decode import launch, reference
 
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _OP = "decode.attention"
 _UPDATE = "decode.update_kv_cache"
-
-# Why the kernel cannot run this call; None once the decode kernel exists and takes the configuration.
-KERNEL_UNAVAILABLE = ("the decode kernel is not available yet: jax_tk.decode runs the pure-JAX reference "
-                      "(use implementation=None or 'xla')")
-
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
@@ -135,8 +129,9 @@ def attention(query, key_cache, value_cache, cache_lengths, *, page_table=None, 
         cache). ``False``: every valid key.
       local_window_size: ``(left, right)`` (or one int for both): row i sees keys ``p - left <= j <= p + right``.
       logits_soft_cap: logits become ``cap * tanh(logits / cap)``.
-      implementation: ``None`` or ``"xla"``: the pure-JAX reference (the only path for now, GPU included);
-        ``"tk"``: the decode kernel, which is not available yet (an error).
+      implementation: ``None``: the decode kernel on CUDA GPUs where it takes the call (bfloat16/float16,
+        head_dim 64, 128 or 256), the pure-JAX reference elsewhere; ``"tk"``: the kernel or an error;
+        ``"xla"``: the reference.
 
     A row that sees no key (``cache_lengths[b] == 0``, or ``p < 0`` when ``cache_lengths[b] < T_new``:
     padding rows before the sequence's start) gives 0, never NaN.
@@ -166,19 +161,22 @@ def attention(query, key_cache, value_cache, cache_lengths, *, page_table=None, 
         raise TypeError(f"jax_tk.{_OP}: is_causal must be a bool, got {is_causal!r}")
     window = checks.window(_OP, local_window_size, capacity, capacity)
     softcap = checks.positive_float(_OP, "logits_soft_cap", logits_soft_cap)
-    dispatch.check_implementation(_OP, implementation)
-    if implementation == "tk":
-        raise NotImplementedError(f"jax_tk.{_OP}(implementation='tk'): {KERNEL_UNAVAILABLE}")
-    spec = DecodeSpec(scale, bool(is_causal), False, window, softcap, page_size)
+    use = dispatch.use_kernel(_OP, implementation, launch.kernel_unsupported_reason(query))
+    spec = DecodeSpec(scale, bool(is_causal), use, window, softcap, page_size)
     return _local(spec, query, key_cache, value_cache, cache_lengths, _page_table_int32(page_table))
 
 
 def _local(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_table):
-    """The call on one device's arrays: the reference until the kernel exists (it will plug in here
-    through ``dispatch.platform_dispatch(spec.use_kernel, kernel_fn, reference_fn, ...)``)."""
-    return reference.attention(query, key_cache, value_cache, cache_lengths, scale=spec.scale,
-                               page_table=page_table, is_causal=spec.is_causal,
-                               local_window_size=spec.window, logits_soft_cap=spec.softcap)
+    """The call on one device's arrays: the kernel on CUDA where it takes the call, else the reference."""
+    def reference_fn(q, k, v, lengths, table):
+        return reference.attention(q, k, v, lengths, scale=spec.scale, page_table=table, is_causal=spec.is_causal,
+                                   local_window_size=spec.window, logits_soft_cap=spec.softcap)
+
+    def kernel_fn(q, k, v, lengths, table):
+        return launch.kernel(q, k, v, lengths, table, spec)
+
+    return dispatch.platform_dispatch(spec.use_kernel, kernel_fn, reference_fn, query, key_cache, value_cache,
+                                      cache_lengths, page_table)
 
 
 def update_kv_cache(cache, new, cache_lengths, *, page_table=None):

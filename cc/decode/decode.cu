@@ -1,0 +1,321 @@
+// Decode attention ("flash-decoding"): the few newest query rows of each sequence against its long KV
+// cache. The work is reading the cache, so the kernel is built to keep HBM busy:
+//
+// - One thread block owns one KV head of one sequence and TILE_ROWS query rows: the query heads that
+//   share that KV head times the new tokens (row r = token * group + head), so every key and value
+//   is read once per KV head, not once per query head. More rows than TILE_ROWS take more blocks
+//   (neighbours in the grid: their second read of the same keys comes from L2).
+// - The sequence's keys may be split into `splits` parts, one thread block each, when sequences x KV
+//   heads alone would leave SMs idle; the parts' outputs are merged through their log-sum-exp by a
+//   second small kernel (merge_kernel).
+// - Inside a block every warp is an independent flash-decoding worker over its own key blocks
+//   (blocks w, w + WARPS, ... of the part): a private cp.async ring of STAGES blocks of K and V, no
+//   block-wide barrier in the key loop. S = Q K^T and O += P V run on mma.sync; the online softmax
+//   is the tile language's. At the end the warps merge their (max, sum, O) through shared memory.
+// - Keys are gathered row by row, so a paged cache costs one page-table read per key row (cached)
+//   and nothing else; rows past the sequence's length (or in a page outside the pool) are never
+//   read, their zeros make no NaN.
+#include <climits>
+
+#include "decode/decode.h"
+#include "tk/tk.cuh"
+
+namespace jax_tk::decode {
+namespace {
+
+using namespace tk;
+
+template <typename T, int D> struct Config {
+  static constexpr int WARPS = 4, THREADS = 32 * WARPS, ROWS = TILE_ROWS;
+  static constexpr int KEYS = D >= 128 ? 16 : 32;  // keys per warp step: 8 KiB of K and V (16 KiB at D=256)
+  static constexpr int STAGES = 3;
+  static constexpr bool Q_IN_REGISTERS = D <= 128;  // at D=256 the query stays in shared memory
+  using q_tile = st<T, ROWS, D>;
+  using kv_tile = st<T, KEYS, D>;
+  struct Stage {
+    kv_tile k, v;
+  };
+  // What a warp leaves for the merge, in its own stages once its key loop is over.
+  struct Partial {
+    st<float, ROWS, D> o;  // normalized output
+    float lse[ROWS];       // log2 units; -inf for a row that saw no key
+  };
+  struct Shared {
+    q_tile q;
+    Stage stage[WARPS][STAGES];
+    float weight[WARPS][ROWS];  // each warp's share of the merged rows
+    float lse[ROWS];
+  };
+  static_assert(sizeof(Partial) <= sizeof(Stage) * STAGES);
+};
+
+// Element offset of key position j of sequence b, KV head h, in the cache; -1 where there is no valid
+// row (past the length, or a page outside the pool).
+template <int D> __device__ __forceinline__ long long key_row(const Params &p, int b, int h, int j, int length) {
+  if (j >= length) return -1;
+  if (!p.page_table) return ((long long)b * p.capacity + j) * p.kv_heads * D + (long long)h * D;
+  const int page = __ldg(p.page_table + (size_t)b * p.max_pages + j / p.page_size);
+  if (unsigned(page) >= unsigned(p.num_pages)) return -1;
+  return ((long long)page * p.page_size + j % p.page_size) * p.kv_heads * D + (long long)h * D;
+}
+
+// One warp: keys k0 .. k0 + KEYS of K and V into `stage` (zeros for rows without a valid key).
+template <typename C, typename T, int D>
+__device__ __forceinline__ void load_keys(typename C::Stage &stage, const Params &p, int b, int h, int k0, int length) {
+  constexpr int ROW_CHUNKS = D / 8, PER_LANE = C::KEYS * ROW_CHUNKS / 32;  // 16-byte chunks
+  const T *K = static_cast<const T *>(p.k), *V = static_cast<const T *>(p.v);
+#pragma unroll
+  for (int i = 0; i < PER_LANE; i++) {  // consecutive lanes take consecutive chunks of a row
+    const int idx = i * 32 + laneid(), r = idx / ROW_CHUNKS, c = (idx % ROW_CHUNKS) * 8;
+    const long long row = key_row<D>(p, b, h, k0 + r, length);
+    const long long at = row < 0 ? 0 : row + c;
+    cp_async16(&stage.k(r, c), K + at, row >= 0);
+    cp_async16(&stage.v(r, c), V + at, row >= 0);
+  }
+}
+
+// Which keys the query rows of a tile see. Row r of the tile is row r0 + r of the sequence's (q_len x
+// group) rows, (token, head) = divmod(r0 + r, group), at position end - q_len + token.
+struct Rows {
+  int valid;   // keys [0, valid) hold data: the length clamped to [0, capacity]
+  int end;     // the length as given (positions count from it)
+  int group, q_len, r0, rows;
+  __device__ __forceinline__ bool real(int r) const { return r0 + r < rows; }
+  __device__ __forceinline__ int position(int r) const { return end - q_len + (r0 + r) / group; }
+  // The keys [lo, hi) a row at `position` sees (an empty range for a negative position).
+  __device__ __forceinline__ int2 keys(const Params &p, int position) const {
+    if (position < 0) return {0, 0};
+    int lo = p.window_left >= 0 ? max(0, position - p.window_left) : 0, hi = valid;
+    if (p.causal) hi = min(hi, position + 1);
+    if (p.window_right >= 0) hi = min(hi, position + p.window_right + 1);
+    return {lo, max(lo, hi)};
+  }
+  __device__ __forceinline__ int2 row_keys(const Params &p, int r) const { return real(r) ? keys(p, position(r)) : int2{0, 0}; }
+};
+
+template <typename T, int D>
+__global__ __launch_bounds__(Config<T, D>::THREADS) void decode_kernel(const __grid_constant__ Params p) {
+  using C = Config<T, D>;
+  constexpr int ROWS = C::ROWS, KEYS = C::KEYS, STAGES = C::STAGES, WARPS = C::WARPS;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
+
+  const int b = blockIdx.z, h = blockIdx.y, group = p.q_heads / p.kv_heads, rows = group * p.q_len;
+  const int chunks = (rows + ROWS - 1) / ROWS, chunk = blockIdx.x % chunks, part = blockIdx.x / chunks;
+  const int tid = threadIdx.x, w = warpid();
+  const int length = p.lengths[b];
+  const Rows R{min(max(length, 0), p.capacity), length, group, p.q_len, chunk * ROWS, rows};
+  const int first = R.position(0), last = R.position(min(ROWS, rows - R.r0) - 1);  // (real rows)
+
+  // The tile's query rows, (token, head) = divmod(r0 + r, group), zeros past the real rows.
+  const T *Q = static_cast<const T *>(p.q);
+  for (int i = tid; i < ROWS * (D / 8); i += C::THREADS) {
+    const int r = i / (D / 8), c = (i % (D / 8)) * 8, x = R.r0 + r;
+    const size_t at = x < rows ? (((size_t)b * p.q_len + x / group) * p.q_heads + h * group + x % group) * D + c : 0;
+    cp_async16(&sm.q(r, c), Q + at, x < rows);
+  }
+  commit_group();
+
+  // Keys some row of the tile sees: [lo, hi) (lo from the last row's window, hi from the last row's
+  // position), in blocks of KEYS, of which this part takes [j0, j1). Keys in [full_lo, full_hi) are
+  // seen by every real row: blocks inside need no elementwise mask.
+  const int2 last_keys = R.keys(p, last), first_keys = R.keys(p, first);
+  const int lo = first >= 0 ? first_keys.x : 0, hi = last_keys.y;  // (a row at position 0 starts at 0)
+  const int full_lo = last_keys.x, full_hi = first >= 0 ? first_keys.y : INT_MIN;
+  const int blocks0 = lo / KEYS, blocks = hi > lo ? (hi + KEYS - 1) / KEYS - blocks0 : 0;
+  const int per_part = (blocks + p.splits - 1) / p.splits;
+  const int j0 = blocks0 + min(blocks, part * per_part), j1 = blocks0 + min(blocks, (part + 1) * per_part);
+
+  auto &ring = sm.stage[w];
+  auto block_of = [&](int n) { return j0 + w + WARPS * n; };  // this warp's n-th key block
+#pragma unroll
+  for (int n = 0; n < STAGES - 1; n++) {
+    if (block_of(n) < j1) load_keys<C, T, D>(ring[n], p, b, h, block_of(n) * KEYS, R.valid);
+    commit_group();
+  }
+  wait_group<STAGES - 1>();  // the query tile (the oldest group) has landed
+  __syncthreads();
+
+  rt<T, 16, 16> q[C::Q_IN_REGISTERS ? D / 16 : 1];
+  if constexpr (C::Q_IN_REGISTERS)
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) warp::load(q[kk], sm.q, 0, 16 * kk);
+
+  // Each lane's two rows (lane / 4 and lane / 4 + 8): the keys they see, for the elementwise mask.
+  using s_tile = rt_fl<ROWS, KEYS>;
+  rv<int2, ROWS, typename col_vec<s_tile>::layout> row_keys;
+  warp::map_index(row_keys, [&](int r) { return R.row_keys(p, r); });
+  const bool capped = p.softcap > 0.f;
+  const float c = capped ? 1.f : p.scale * LOG2E;  // logits are in units of 1 / c (tk::warp::softmax_step)
+
+  rt_fl<ROWS, 16> o[D / 16];
+  col_vec<s_tile> m, l, corr;
+#pragma unroll
+  for (int n = 0; n < D / 16; n++) warp::zero(o[n]);
+  warp::fill_vec(m, NEG_INF);
+  warp::fill_vec(l, 0.f);
+
+  for (int n = 0; block_of(n) < j1; n++) {
+    const int k0 = block_of(n) * KEYS;
+    if (block_of(n + STAGES - 1) < j1)
+      load_keys<C, T, D>(ring[(n + STAGES - 1) % STAGES], p, b, h, block_of(n + STAGES - 1) * KEYS, R.valid);
+    commit_group();
+    wait_group<STAGES - 1>();
+    __syncwarp();
+    const auto &cur = ring[n % STAGES];
+
+    s_tile s;
+    warp::zero(s);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+      rt<T, KEYS, 16> kt;
+      warp::load(kt, cur.k, 0, 16 * kk);
+      if constexpr (C::Q_IN_REGISTERS) {
+        warp::mma_ABt(s, q[kk], kt, s);
+      } else {
+        rt<T, 16, 16> qk;
+        warp::load(qk, sm.q, 0, 16 * kk);
+        warp::mma_ABt(s, qk, kt, s);
+      }
+    }
+    if (capped) {
+      const float in = p.scale / p.softcap, out = p.softcap * LOG2E;
+      warp::map(s, s, [=](float x) { return out * warp::tanh_fast(x * in); });
+    }
+    if (k0 < full_lo || k0 + KEYS > full_hi) {
+      rv<int, KEYS, typename row_vec<s_tile>::layout> cols;
+      warp::map_index(cols, [&](int x) { return k0 + x; });
+      warp::map_outer(s, s, row_keys, cols, [](float x, int2 r, int j) { return j >= r.x && j < r.y ? x : NEG_INF; });
+    }
+    warp::softmax_step(s, m, l, corr, c);
+
+    rt<T, ROWS, KEYS> pr;
+    warp::copy(pr, s);
+#pragma unroll
+    for (int d = 0; d < D / 16; d++) {
+      rt<T, KEYS, 16, col_l> vt;
+      warp::load(vt, cur.v, 0, 16 * d);
+      warp::mul_row(o[d], o[d], corr);
+      warp::mma_AB(o[d], pr, vt, o[d]);
+    }
+    __syncwarp();  // every lane is done with this stage before it is refilled
+  }
+  wait_group<0>();
+  __syncwarp();
+
+  // The warp's partial result into its own stages: O / l and the rows' log-sum-exp (log2 units).
+  auto &mine = *reinterpret_cast<typename C::Partial *>(&ring);
+#pragma unroll
+  for (int d = 0; d < D / 16; d++) {
+    warp::normalize_output(o[d], l);
+    warp::store(mine.o, o[d], 0, 16 * d);
+  }
+  col_vec<s_tile> lse;
+  warp::map_vec(lse, m, l, [=](float mx, float x) { return x > 0.f ? mx * c + warp::fn::log2(x) : NEG_INF; });
+  warp::store(mine.lse, lse, ROWS);
+  __syncthreads();
+
+  // Merge the warps: row r gets sum_w weight[w][r] O_w with weight = 2^(lse_w - lse) (0 for a warp that
+  // saw nothing), lse the log-sum-exp of the warps' (-inf if none saw a key).
+  auto partial = [&](int x) -> const typename C::Partial & {
+    return *reinterpret_cast<const typename C::Partial *>(&sm.stage[x]);
+  };
+  if (tid < ROWS) {
+    float mx = NEG_INF;
+    for (int x = 0; x < WARPS; x++) mx = fmaxf(mx, partial(x).lse[tid]);
+    float sum = 0.f;
+    for (int x = 0; x < WARPS; x++) {
+      const float e = mx == NEG_INF ? 0.f : warp::fn::exp2(partial(x).lse[tid] - mx);
+      sm.weight[x][tid] = e;
+      sum += e;
+    }
+    for (int x = 0; x < WARPS; x++) sm.weight[x][tid] = sum > 0.f ? sm.weight[x][tid] / sum : 0.f;
+    sm.lse[tid] = sum > 0.f ? mx + warp::fn::log2(sum) : NEG_INF;
+  }
+  __syncthreads();
+
+  // Rows go to the output (one part) or to the workspace (this part's share of a split sequence).
+  const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
+  auto row_index = [&](int r) {  // of the query row, in [batch, q_len, q_heads]
+    const int x = R.r0 + r;
+    return ((size_t)b * p.q_len + x / group) * p.q_heads + h * group + x % group;
+  };
+  if (p.splits > 1 && tid < ROWS && R.real(tid)) p.workspace[part * q_rows + row_index(tid)] = sm.lse[tid];
+  float *ws_o = p.workspace + p.splits * q_rows;
+  for (int i = tid; i < ROWS * D / 2; i += C::THREADS) {
+    const int r = i / (D / 2), d = (i % (D / 2)) * 2;
+    if (!R.real(r)) continue;
+    float2 v{0.f, 0.f};
+#pragma unroll
+    for (int x = 0; x < WARPS; x++) {
+      const float wgt = sm.weight[x][r];
+      v.x += wgt * partial(x).o(r, d);
+      v.y += wgt * partial(x).o(r, d + 1);
+    }
+    if (p.splits > 1)
+      *reinterpret_cast<float2 *>(ws_o + ((size_t)part * q_rows + row_index(r)) * D + d) = v;
+    else
+      *reinterpret_cast<packed<T> *>(static_cast<T *>(p.o) + row_index(r) * D + d) = from_float2<packed<T>>(v);
+  }
+}
+
+// out = sum_s 2^(lse_s - lse) O_s over the parts s of every query row (one warp a row); 0 for a row
+// that no part saw a key of.
+template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel(const __grid_constant__ Params p) {
+  const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
+  const size_t row = (size_t)blockIdx.x * 4 + warpid();
+  if (row >= q_rows) return;
+  const float *lse = p.workspace + row, *o = p.workspace + p.splits * q_rows + row * D;
+  float mx = NEG_INF;
+  for (int s = 0; s < p.splits; s++) mx = fmaxf(mx, lse[s * q_rows]);
+  float acc[D / 32] = {}, sum = 0.f;
+  if (mx != NEG_INF)
+    for (int s = 0; s < p.splits; s++) {
+      const float e = warp::fn::exp2(lse[s * q_rows] - mx);
+      if (e == 0.f) continue;  // (a part that saw nothing has O = 0, but skip its reads)
+      sum += e;
+#pragma unroll
+      for (int i = 0; i < D / 32; i++) acc[i] += e * o[s * q_rows * D + i * 32 + laneid()];
+    }
+  T *out = static_cast<T *>(p.o) + row * D;
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+  for (int i = 0; i < D / 32; i++) out[i * 32 + laneid()] = convert<T>(acc[i] * inv);
+}
+
+template <typename Kernel> cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Params &p) {
+  if (smem > 48 * 1024) {
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)); e != cudaSuccess)
+      return e;
+  }
+  kernel<<<grid, block, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t stream) {
+  using C = Config<T, D>;
+  const int rows = p.q_heads / p.kv_heads * p.q_len, chunks = (rows + C::ROWS - 1) / C::ROWS;
+  const dim3 grid(chunks * p.splits, p.kv_heads, p.batch);
+  if (cudaError_t e = launch(decode_kernel<T, D>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p); e != cudaSuccess)
+    return e;
+  if (p.splits == 1) return cudaSuccess;
+  const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
+  return launch(merge_kernel<T, D>, dim3(unsigned((q_rows + 3) / 4)), dim3(128), 0, stream, p);
+}
+
+template <typename T> cudaError_t by_dim(const Params &p, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return run<T, 64>(p, stream);
+    case 128: return run<T, 128>(p, stream);
+    case 256: return run<T, 256>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t decode(const Params &p, cudaStream_t stream) {
+  return p.dtype == DType::bf16 ? by_dim<bf16>(p, stream) : by_dim<half>(p, stream);
+}
+
+}  // namespace jax_tk::decode

@@ -1,0 +1,51 @@
+// Parameters of the decode-attention kernels, shared by the FFI handler and the kernels, and the
+// contract with Python (jax_tk/decode/launch.py): every number both sides must agree on is a
+// `constexpr int NAME = value;` line here.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+namespace jax_tk::decode {
+
+enum class DType { bf16, fp16 };
+
+constexpr int HEAD_DIMS = 64 | 128 | 256;  // head dims of the kernel (a set of powers of 2), every GPU
+constexpr int TILE_ROWS = 16;     // query rows per thread block: (query heads of one KV head) x (new tokens)
+constexpr int MAX_SPLITS = 128;   // parts a sequence's cache may be split into (the split-KV grid)
+constexpr int SPLIT_MIN_KEYS = 512;  // ... each covering at least this many positions of the capacity
+constexpr int TARGET_BLOCKS = 264;   // thread blocks the split count aims for (two per SM of an H100)
+
+struct Params {
+  DType dtype;
+  int batch, q_len, q_heads, kv_heads, head_dim;  // q, out: [batch, q_len, q_heads, head_dim]
+  // The cache: contiguous [batch, capacity, kv_heads, head_dim] (page_table == nullptr), or paged
+  // [num_pages, page_size, kv_heads, head_dim] with page_table [batch, max_pages] (capacity = max_pages
+  // * page_size): position j of sequence b is row j % page_size of page page_table[b, j / page_size].
+  int capacity;
+  const int *page_table = nullptr;
+  int page_size = 0, num_pages = 0, max_pages = 0;
+  const int *lengths;  // [batch]: positions j < lengths[b] are valid (clamped to [0, capacity])
+  // Query row i of sequence b is at position lengths[b] - q_len + i (a negative one sees nothing) and
+  // sees key j iff j < length, j <= position (causal), position - left <= j <= position + right.
+  float scale;
+  bool causal;
+  int window_left = -1, window_right = -1;  // -1: unbounded on that side
+  float softcap = 0.f;                      // logits := cap * tanh(logits / cap) (after scaling); 0: none
+  const void *q, *k, *v;
+  void *o;
+  int splits = 1;  // parts of each sequence's keys, merged through their log-sum-exp (splits > 1)
+  float *workspace;  // splits > 1: workspace_words() floats, see there
+};
+
+// Workspace of a split call, in 4-byte words: each part's log-sum-exp (log2 units) of every query row,
+// [splits, batch, q_len, q_heads], then its normalized output, [splits, batch, q_len, q_heads, head_dim].
+__host__ __device__ inline size_t workspace_words(int splits, int batch, int q_len, int q_heads, int head_dim) {
+  return splits > 1 ? size_t(splits) * batch * q_len * q_heads * (head_dim + 1) : 0;
+}
+inline bool head_dim_supported(int head_dim) { return (head_dim & (head_dim - 1)) == 0 && (head_dim & HEAD_DIMS) != 0; }
+
+// The kernel (mma.sync and cp.async: sm_80 and newer), and the merge of the parts when splits > 1.
+cudaError_t decode(const Params &p, cudaStream_t stream);
+
+}  // namespace jax_tk::decode

@@ -1,0 +1,137 @@
+// XLA FFI handler of decode attention: decode buffers and attributes into Params, check what the
+// kernel can take, launch on XLA's stream. No allocation and no host synchronization (the lengths
+// stay on the device; the split count is an attribute): CUDA-graph compatible.
+//
+// Operands: query [batch, q_len, q_heads, head_dim]; key_cache and value_cache, contiguous [batch,
+// capacity, kv_heads, head_dim] or paged [num_pages, page_size, kv_heads, head_dim]; lengths int32
+// [batch]; page_table int32 [batch, max_pages] (paged) or shape (0,) (contiguous). Results: out (the
+// query's shape and dtype) and the workspace, float32 [max(workspace_words(), 1)]. Attributes:
+// scale, is_causal, window_left, window_right (-1: unbounded), softcap (0: none), splits.
+#include "decode/decode.h"
+#include "ffi/common.h"
+
+namespace jax_tk {
+namespace {
+
+using decode::Params;
+
+ffi::Error check_cache(Params &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer &k, const ffi::AnyBuffer &v,
+                       const ffi::AnyBuffer &page_table) {
+  if (!same_type_and_dims(k, v) || k.element_type() != q.element_type())
+    return invalid("key_cache and value_cache must have one shape, and the query's dtype");
+  auto kd = k.dimensions();
+  if (kd.size() != 4 || kd[3] != p.head_dim || kd[2] <= 0 || p.q_heads % kd[2] != 0)
+    return invalid("the caches must be [..., kv_heads, head_dim] with the query's head_dim and q_heads a multiple of kv_heads");
+  p.kv_heads = int(kd[2]);
+  if (page_table.element_type() != ffi::DataType::S32) return invalid("page_table must be int32");
+  auto pd = page_table.dimensions();
+  if (pd.size() == 1 && pd[0] == 0) {  // contiguous
+    if (kd[0] != p.batch) return invalid("a contiguous cache must be [batch, max_seq_len, kv_heads, head_dim]");
+    p.capacity = int(kd[1]);
+  } else {
+    if (pd.size() != 2 || pd[0] != p.batch || pd[1] <= 0) return invalid("page_table must be int32 [batch, max_pages]");
+    if (kd[1] <= 0 || pd[1] * kd[1] >= (int64_t(1) << 31)) return invalid("max_pages * page_size must be in [1, 2^31)");
+    p.page_table = static_cast<const int *>(page_table.untyped_data());
+    p.num_pages = int(kd[0]);
+    p.page_size = int(kd[1]);
+    p.max_pages = int(pd[1]);
+    p.capacity = p.max_pages * p.page_size;
+  }
+  for (auto d : kd)
+    if (d >= (int64_t(1) << 31)) return invalid("cache dimensions must be below 2^31");
+  if (p.capacity <= 0) return invalid("the cache must hold at least one position");
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  if (!aligned16(p.k) || !aligned16(p.v)) return invalid("the caches must be 16-byte aligned");
+  return ffi::Error::Success();
+}
+
+// Extra... is empty in the production target; the test target takes ffi::RemainingArgs there (buffers
+// that tests alias to the outputs to poison them), ignored here.
+template <typename... Extra>
+ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer lengths,
+                       ffi::AnyBuffer page_table, Extra..., ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> workspace,
+                       float scale, int32_t is_causal, int32_t window_left, int32_t window_right, float softcap,
+                       int32_t splits) {
+  Params p{};
+  if (q.element_type() == ffi::DataType::BF16) p.dtype = decode::DType::bf16;
+  else if (q.element_type() == ffi::DataType::F16) p.dtype = decode::DType::fp16;
+  else return invalid("the decode kernel takes bfloat16 or float16");
+  auto qd = q.dimensions();
+  if (qd.size() != 4) return invalid("query must be [batch, q_len, q_heads, head_dim]");
+  for (auto d : qd)
+    if (d <= 0 || d >= (int64_t(1) << 31)) return invalid("query dimensions must be in [1, 2^31)");
+  p.batch = int(qd[0]); p.q_len = int(qd[1]); p.q_heads = int(qd[2]); p.head_dim = int(qd[3]);
+  if (!decode::head_dim_supported(p.head_dim)) return invalid("the decode kernel takes head_dim 64, 128 or 256");
+  if (auto e = check_cache(p, q, k, v, page_table); e.failure()) return e;
+  if (lengths.element_type() != ffi::DataType::S32 || lengths.dimensions().size() != 1 || lengths.dimensions()[0] != p.batch)
+    return invalid("lengths must be int32 [batch]");
+  if (!same_type_and_dims(*o, q)) return invalid("out must have the query's shape and dtype");
+  if (splits < 1 || splits > decode::MAX_SPLITS) return invalid("splits must be in [1, MAX_SPLITS]");
+  const size_t words = decode::workspace_words(splits, p.batch, p.q_len, p.q_heads, p.head_dim);
+  auto wd = workspace->dimensions();
+  if (workspace->element_type() != ffi::DataType::F32 || wd.size() != 1 || size_t(wd[0]) < std::max<size_t>(words, 1))
+    return invalid("workspace must be float32 [max(workspace_words, 1)]");
+  if (window_left < -1 || window_right < -1) return invalid("window_left and window_right must be >= -1");
+  if (!(softcap >= 0.f) || softcap == __builtin_huge_valf()) return invalid("softcap must be finite and >= 0");
+  if (auto e = check_device(8, 0); e.failure()) return e;
+  p.lengths = static_cast<const int *>(lengths.untyped_data());
+  p.scale = scale;
+  p.causal = is_causal != 0;
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.softcap = softcap;
+  p.splits = splits;
+  p.q = q.untyped_data();
+  p.o = o->untyped_data();
+  p.workspace = static_cast<float *>(workspace->untyped_data());
+  if (!aligned16(p.q) || !aligned16(p.o)) return invalid("query and out must be 16-byte aligned");
+  return cuda_error(decode::decode(p, stream), "decode attention");
+}
+
+template <bool TEST> auto binding() {
+  auto head = [] {
+    return ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()   // query
+        .Arg<ffi::AnyBuffer>()   // key_cache
+        .Arg<ffi::AnyBuffer>()   // value_cache
+        .Arg<ffi::AnyBuffer>()   // lengths
+        .Arg<ffi::AnyBuffer>();  // page_table
+  };
+  auto tail = [](auto &&b) {
+    return std::move(b)
+        .template Ret<ffi::AnyBuffer>()  // out
+        .template Ret<ffi::AnyBuffer>()  // workspace
+        .template Attr<float>("scale")
+        .template Attr<int32_t>("is_causal")
+        .template Attr<int32_t>("window_left")
+        .template Attr<int32_t>("window_right")
+        .template Attr<float>("softcap")
+        .template Attr<int32_t>("splits");
+  };
+  return bind<TEST>(head, tail);
+}
+
+}  // namespace
+
+namespace decode {
+OpExports exports();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Decode, decode_impl<>, binding<false>(), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeTest, decode_impl<ffi::RemainingArgs>, binding<true>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+OpExports decode::exports() {  // (declared by cc/module.cc)
+  return {"decode",
+          {{"jax_tk_decode", reinterpret_cast<void *>(Decode)}, {"jax_tk_decode_test", reinterpret_cast<void *>(DecodeTest)}},
+          {
+#define JAX_TK_CONSTANT(name) {#name, decode::name}
+              JAX_TK_CONSTANT(HEAD_DIMS), JAX_TK_CONSTANT(TILE_ROWS), JAX_TK_CONSTANT(MAX_SPLITS),
+              JAX_TK_CONSTANT(SPLIT_MIN_KEYS), JAX_TK_CONSTANT(TARGET_BLOCKS),
+#undef JAX_TK_CONSTANT
+          }};
+}
+
+}  // namespace jax_tk

@@ -1,0 +1,45 @@
+// The online softmax on register tiles (FlashAttention's running row max and sum), in base 2, and the
+// fast tanh of soft-capped logits: what every attention-like kernel computes per block of logits.
+#pragma once
+#include "reductions.cuh"
+
+namespace tk {
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+constexpr float NEG_INF = -__builtin_huge_valf();
+
+}  // namespace tk
+
+namespace tk::warp {
+
+// tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1), absolute error ~1e-7; |x| >= 20 gives +-1 (as in fp32).
+__device__ __forceinline__ float tanh_fast(float x) {
+  x = fminf(fmaxf(x, -20.f), 20.f);
+  return 1.f - __fdividef(2.f, fn::exp2(2.f * LOG2E * x) + 1.f);
+}
+
+// One step of the online softmax over a block of logits s (units of 1 / c: s * c is in log2 units):
+// updates the running row max m (same units) and sum l, sets corr to the factor that rescales what
+// was accumulated before, and s := exp2(c (s - m)).
+template <typename RT, typename V>
+__device__ __forceinline__ void softmax_step(RT &s, V &m, V &l, V &corr, float c) {
+  V m_new, mc;
+  row_max(m_new, s, m);
+  // c m_new, or 0 for a row that has seen no key yet (all -inf: exp2(-inf) = 0, never NaN)
+  map_vec(mc, m_new, [=](float x) { return x == NEG_INF ? 0.f : x * c; });
+  map_vec(corr, m, mc, [=](float a, float b) { return fn::exp2(a * c - b); });
+  map_row(s, s, mc, [=](float x, float b) { return fn::exp2(x * c - b); });
+  map_vec(l, l, corr, [](float a, float b) { return a * b; });
+  row_sum(l, s, l);
+  m = m_new;
+}
+
+// O /= l (O = 0 for a row that saw no key, l = 0).
+template <typename RT, typename V> __device__ __forceinline__ void normalize_output(RT &o, const V &l) {
+  V inv_l;
+  map_vec(inv_l, l, [](float x) { return x > 0.f ? 1.f / x : 0.f; });
+  mul_row(o, o, inv_l);
+}
+
+}  // namespace tk::warp

@@ -1,0 +1,121 @@
+"""The decode kernel on the GPU against the float32 reference: contiguous and paged caches (pages
+shuffled, stray NaN pages), ragged lengths in one batch (0, shorter than T_new, odd), page sizes
+16/64/256, T_new 1-16, GQA ratios 1-16, windows, soft cap, head dims 64/128/256, bf16 and fp16, split
+counts 1 to many. The cache past each length is NaN, and the output and workspace are poisoned with
+NaN before the kernel runs: every element must be written, and nothing unread may leak in."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tk
+from helpers import nan, randn, rel_err
+from jax_tk.decode import launch, reference
+from jax_tk.decode.api import DecodeSpec
+from test_decode import poison_past, to_pages
+
+pytestmark = pytest.mark.gpu
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+TOL = {BF16: 1.2e-2, F16: 3e-3}
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "parts"))
+def kernel(q, k, v, lengths, table, *, spec, parts):
+    b, t, n, h = q.shape
+    words = max(launch.workspace_words(parts, b, t, n, h), 1)
+    return launch.kernel(q, k, v, lengths, table, spec, out_init=(nan(q.shape, q.dtype), nan((words,), F32)),
+                         parts=parts)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def want(q, k, v, lengths, table, *, spec):
+    return reference.attention(q.astype(F32), k.astype(F32), v.astype(F32), lengths, scale=spec.scale, page_table=table,
+                               is_causal=spec.is_causal, local_window_size=spec.window, logits_soft_cap=spec.softcap)
+
+
+def check(seed, b, t, n, kh, h, lengths, dtype, *, page_size=None, causal=True, window=None, softcap=None,
+          parts=(1, 3, None)):
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths)
+    unit = page_size or 1
+    s = unit * ((int(lengths.max()) + unit) // unit)
+    q, k, v = randn(rng, (b, t, n, h), dtype), randn(rng, (b, s, kh, h), dtype), randn(rng, (b, s, kh, h), dtype)
+    k, v = poison_past(k, lengths), poison_past(v, lengths)
+    table = None
+    if page_size:
+        k, v, table = to_pages(rng, k, v, page_size)
+    lens = jnp.asarray(lengths, jnp.int32)
+    spec = DecodeSpec(1 / np.sqrt(h), causal, True, window, softcap, page_size)
+    ref = np.asarray(want(q, k, v, lens, table, spec=spec))
+    for p in parts:
+        p = launch.splits(b, t, n, kh, s) if p is None else p
+        out = np.asarray(kernel(q, k, v, lens, table, spec=spec, parts=p).astype(F32))
+        assert np.isfinite(out).all(), f"splits={p}: {np.isnan(out).sum()} NaN (unwritten or leaked)"
+        err = rel_err(out, ref)
+        assert err < TOL[dtype], f"splits={p}: rel err {err:.3g}"
+        for bi, length in enumerate(lengths):  # rows that see no key are exactly 0
+            for i in range(t):
+                if length - t + i < 0:
+                    assert not out[bi, i].any(), f"row {bi},{i} (p < 0) not 0"
+
+
+# (B, T_new, N, K, H, lengths): GQA ratios 1, 4, 8, 16; T_new 1..16; odd and ragged lengths with 0 and < T_new
+SHAPES = [
+    (3, 1, 32, 8, 128, (0, 1, 3001)),
+    (2, 1, 8, 8, 64, (517, 33)),
+    (2, 4, 32, 8, 128, (2, 1999)),
+    (2, 4, 64, 8, 128, (4097, 100)),
+    (1, 16, 16, 1, 128, (1234,)),
+    (2, 3, 6, 3, 256, (255, 7)),
+    (4, 2, 4, 4, 64, (0, 1, 64, 65)),
+    (1, 7, 16, 2, 128, (8191,)),
+]
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])))
+def test_contiguous(shape, dtype):
+    check(0, *shape, dtype)
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("shape", SHAPES[:5], ids=lambda s: "x".join(map(str, s[:5])))
+def test_paged(shape, page_size):
+    check(1, *shape, BF16, page_size=page_size)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(causal=False), dict(window=(100, 0)), dict(window=(37, 5)), dict(causal=False, window=(64, 64)),
+    dict(softcap=30.0), dict(softcap=5.0, window=(200, 0), page_size=16),
+], ids=str)
+@pytest.mark.parametrize("h", [64, 128, 256])
+def test_options(opts, h):
+    check(2, 3, 4, 16, 4, h, (0, 700, 2053), BF16, **opts)
+
+
+def test_many_splits_short_lengths():
+    # more parts than key blocks: most parts see nothing and must still be merged correctly
+    check(3, 2, 1, 8, 2, 128, (20, 5), BF16, parts=(1, 7, 64))
+
+
+def test_public_api_in_a_jitted_scan():
+    """jax_tk.decode.attention(implementation="tk") inside a lax.scan decoding loop, against the reference."""
+    rng = np.random.default_rng(4)
+    b, n, kh, h, s, steps = 2, 16, 4, 128, 1024, 5
+    kc, vc = randn(rng, (b, s, kh, h), BF16), randn(rng, (b, s, kh, h), BF16)
+    qs, nk = randn(rng, (steps, b, 1, n, h), BF16), randn(rng, (steps, b, 1, kh, h), BF16)
+
+    def run(impl):
+        def step(carry, x):
+            kc, vc, lens = carry
+            q, new = x
+            kc = jax_tk.decode.update_kv_cache(kc, new, lens)
+            vc = jax_tk.decode.update_kv_cache(vc, new, lens)
+            lens = lens + 1
+            return (kc, vc, lens), jax_tk.decode.attention(q, kc, vc, lens, implementation=impl)
+        return jax.jit(lambda kc, vc, lens: jax.lax.scan(step, (kc, vc, lens), (qs, nk))[1])(
+            kc, vc, jnp.array([300, 777], jnp.int32))
+
+    assert rel_err(run("tk"), run("xla")) < TOL[BF16]
