@@ -10,11 +10,11 @@
 //   second small kernel (merge_kernel).
 // - Inside a block every warp is an independent flash-decoding worker over its own key blocks
 //   (blocks w, w + WARPS, ... of the part): a private cp.async ring of STAGES blocks of K and V, no
-//   block-wide barrier in the key loop. S = Q K^T and O += P V run on mma.sync; the online softmax
+//   block-wide barrier in the key loop (a ring per warp, not tk/pipeline's block-wide one). S = Q K^T and O += P V run on mma.sync; the online softmax
 //   is the tile language's. At the end the warps merge their (max, sum, O) through shared memory.
-// - Keys are gathered row by row, so a paged cache costs one page-table read per key row (cached)
-//   and nothing else; rows past the sequence's length (or in a page outside the pool) are never
-//   read, their zeros make no NaN.
+// - Keys are gathered row by row, so a paged cache costs one page-table read per key row (cached,
+//   and issued a step ahead) and nothing else; rows past the sequence's length (or in a page outside
+//   the pool) are never read, their zeros make no NaN.
 #include <climits>
 
 #include "decode/decode.h"
@@ -25,10 +25,13 @@ namespace {
 
 using namespace tk;
 
+// Many short warps beat few deep ones: a warp's step is a chain of dependent mma, shuffles and exp2
+// that only more warps overlap, while two stages already keep enough bytes in flight. One block per SM
+// (TARGET_BLOCKS counts on it).
 template <typename T, int D> struct Config {
-  static constexpr int WARPS = 4, THREADS = 32 * WARPS, ROWS = TILE_ROWS;
+  static constexpr int WARPS = D <= 128 ? 8 : 4, THREADS = 32 * WARPS, ROWS = TILE_ROWS;
   static constexpr int KEYS = D >= 128 ? 16 : 32;  // keys per warp step: 8 KiB of K and V (16 KiB at D=256)
-  static constexpr int STAGES = 3;
+  static constexpr int STAGES = D <= 128 ? 2 : 3;
   static constexpr bool Q_IN_REGISTERS = D <= 128;  // at D=256 the query stays in shared memory
   using q_tile = st<T, ROWS, D>;
   using kv_tile = st<T, KEYS, D>;
@@ -49,30 +52,50 @@ template <typename T, int D> struct Config {
   static_assert(sizeof(Partial) <= sizeof(Stage) * STAGES);
 };
 
-// Element offset of key position j of sequence b, KV head h, in the cache; -1 where there is no valid
-// row (past the length, or a page outside the pool).
-template <int D> __device__ __forceinline__ long long key_row(const Params &p, int b, int h, int j, int length) {
-  if (j >= length) return -1;
-  if (!p.page_table) return ((long long)b * p.capacity + j) * p.kv_heads * D + (long long)h * D;
-  const int page = __ldg(p.page_table + (size_t)b * p.max_pages + j / p.page_size);
+// The cache row (of the cache seen as [rows, kv_heads, head_dim]) of key position j of sequence b; -1
+// where there is no valid row (past the length, or a page outside the pool).
+__device__ __forceinline__ int cache_row(const Params &p, int b, int j, int valid) {
+  if (j >= valid) return -1;
+  if (!p.page_table) return b * p.capacity + j;
+  const int slot = p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size;
+  const int page = __ldg(p.page_table + (size_t)b * p.max_pages + slot);
   if (unsigned(page) >= unsigned(p.num_pages)) return -1;
-  return ((long long)page * p.page_size + j % p.page_size) * p.kv_heads * D + (long long)h * D;
+  return page * p.page_size + (p.page_shift >= 0 ? j & (p.page_size - 1) : j % p.page_size);
 }
 
-// One warp: keys k0 .. k0 + KEYS of K and V into `stage` (zeros for rows without a valid key).
-template <typename C, typename T, int D>
-__device__ __forceinline__ void load_keys(typename C::Stage &stage, const Params &p, int b, int h, int k0, int length) {
-  constexpr int ROW_CHUNKS = D / 8, PER_LANE = C::KEYS * ROW_CHUNKS / 32;  // 16-byte chunks
-  const T *K = static_cast<const T *>(p.k), *V = static_cast<const T *>(p.v);
+// One warp's share of loading a block of KEYS keys (K and V): lane l takes the 16-byte chunks l, l + 32,
+// ... of the block (consecutive lanes, consecutive chunks of a row). find() works out their cache rows
+// (the page-table reads of a paged cache) one step before load() issues the copies, so that the
+// table's latency is not on the path of the loads.
+template <typename C, typename T, int D> struct KeyRows {
+  static constexpr int ROW_CHUNKS = D / 8, PER_LANE = C::KEYS * ROW_CHUNKS / 32;
+  int row[PER_LANE];
+
+  __device__ __forceinline__ void find(const Params &p, int b, int k0, int valid) {
+    if (p.page_table && p.page_size % C::KEYS == 0) {  // the block lies in one page: one table read
+      const int first = cache_row(p, b, k0, valid);
 #pragma unroll
-  for (int i = 0; i < PER_LANE; i++) {  // consecutive lanes take consecutive chunks of a row
-    const int idx = i * 32 + laneid(), r = idx / ROW_CHUNKS, c = (idx % ROW_CHUNKS) * 8;
-    const long long row = key_row<D>(p, b, h, k0 + r, length);
-    const long long at = row < 0 ? 0 : row + c;
-    cp_async16(&stage.k(r, c), K + at, row >= 0);
-    cp_async16(&stage.v(r, c), V + at, row >= 0);
+      for (int i = 0; i < PER_LANE; i++) {
+        const int key = (i * 32 + laneid()) / ROW_CHUNKS;
+        row[i] = first >= 0 && k0 + key < valid ? first + key : -1;
+      }
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) row[i] = cache_row(p, b, k0 + (i * 32 + laneid()) / ROW_CHUNKS, valid);
   }
-}
+  // Zeros for rows without a valid key.
+  __device__ __forceinline__ void load(typename C::Stage &stage, const Params &p, int h) const {
+    const T *K = static_cast<const T *>(p.k), *V = static_cast<const T *>(p.v);
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+      const int idx = i * 32 + laneid(), r = idx / ROW_CHUNKS, c = (idx % ROW_CHUNKS) * 8;
+      const long long at = row[i] < 0 ? 0 : ((long long)row[i] * p.kv_heads + h) * D + c;
+      cp_async16(&stage.k(r, c), K + at, row[i] >= 0);
+      cp_async16(&stage.v(r, c), V + at, row[i] >= 0);
+    }
+  }
+};
 
 // Which keys the query rows of a tile see. Row r of the tile is row r0 + r of the sequence's (q_len x
 // group) rows, (token, head) = divmod(r0 + r, group), at position end - q_len + token.
@@ -93,9 +116,8 @@ struct Rows {
   __device__ __forceinline__ int2 row_keys(const Params &p, int r) const { return real(r) ? keys(p, position(r)) : int2{0, 0}; }
 };
 
-template <typename T, int D>
-__global__ __launch_bounds__(Config<T, D>::THREADS) void decode_kernel(const __grid_constant__ Params p) {
-  using C = Config<T, D>;
+template <typename T, int D, typename C>
+__global__ __launch_bounds__(C::THREADS, 1) void decode_kernel(const __grid_constant__ Params p) {
   constexpr int ROWS = C::ROWS, KEYS = C::KEYS, STAGES = C::STAGES, WARPS = C::WARPS;
   extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
@@ -128,11 +150,16 @@ __global__ __launch_bounds__(Config<T, D>::THREADS) void decode_kernel(const __g
 
   auto &ring = sm.stage[w];
   auto block_of = [&](int n) { return j0 + w + WARPS * n; };  // this warp's n-th key block
+  KeyRows<C, T, D> next;  // the rows of the next block to load
 #pragma unroll
   for (int n = 0; n < STAGES - 1; n++) {
-    if (block_of(n) < j1) load_keys<C, T, D>(ring[n], p, b, h, block_of(n) * KEYS, R.valid);
+    if (block_of(n) < j1) {
+      next.find(p, b, block_of(n) * KEYS, R.valid);
+      next.load(ring[n], p, h);
+    }
     commit_group();
   }
+  if (block_of(STAGES - 1) < j1) next.find(p, b, block_of(STAGES - 1) * KEYS, R.valid);
   wait_group<STAGES - 1>();  // the query tile (the oldest group) has landed
   __syncthreads();
 
@@ -157,9 +184,9 @@ __global__ __launch_bounds__(Config<T, D>::THREADS) void decode_kernel(const __g
 
   for (int n = 0; block_of(n) < j1; n++) {
     const int k0 = block_of(n) * KEYS;
-    if (block_of(n + STAGES - 1) < j1)
-      load_keys<C, T, D>(ring[(n + STAGES - 1) % STAGES], p, b, h, block_of(n + STAGES - 1) * KEYS, R.valid);
+    if (block_of(n + STAGES - 1) < j1) next.load(ring[(n + STAGES - 1) % STAGES], p, h);
     commit_group();
+    if (block_of(n + STAGES) < j1) next.find(p, b, block_of(n + STAGES) * KEYS, R.valid);
     wait_group<STAGES - 1>();
     __syncwarp();
     const auto &cur = ring[n % STAGES];
@@ -260,27 +287,47 @@ __global__ __launch_bounds__(Config<T, D>::THREADS) void decode_kernel(const __g
 }
 
 // out = sum_s 2^(lse_s - lse) O_s over the parts s of every query row (one warp a row); 0 for a row
-// that no part saw a key of.
+// that no part saw a key of. Lane l reads the lse of parts l, l + 32, ... (all at once: a loop of
+// dependent loads would cost a memory latency per part), and the parts' outputs stream in unrolled.
 template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel(const __grid_constant__ Params p) {
+  constexpr int PER_LANE = (MAX_SPLITS + 31) / 32;
   const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
   const size_t row = (size_t)blockIdx.x * 4 + warpid();
   if (row >= q_rows) return;
+  const int lane = laneid();
   const float *lse = p.workspace + row, *o = p.workspace + p.splits * q_rows + row * D;
-  float mx = NEG_INF;
-  for (int s = 0; s < p.splits; s++) mx = fmaxf(mx, lse[s * q_rows]);
-  float acc[D / 32] = {}, sum = 0.f;
-  if (mx != NEG_INF)
-    for (int s = 0; s < p.splits; s++) {
-      const float e = warp::fn::exp2(lse[s * q_rows] - mx);
-      if (e == 0.f) continue;  // (a part that saw nothing has O = 0, but skip its reads)
-      sum += e;
+  float x[PER_LANE], mx = NEG_INF;
 #pragma unroll
-      for (int i = 0; i < D / 32; i++) acc[i] += e * o[s * q_rows * D + i * 32 + laneid()];
+  for (int i = 0; i < PER_LANE; i++) {
+    const int s = lane + 32 * i;
+    x[i] = s < p.splits ? lse[s * q_rows] : NEG_INF;
+    mx = fmaxf(mx, x[i]);
+  }
+  // (across the lanes of a quad, then across the quads: all 32 lanes)
+  mx = warp::across_lanes<warp::op::max, ortho_l>(warp::across_lanes<warp::op::max, align_l>(mx));
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < PER_LANE; i++) {
+    x[i] = mx == NEG_INF ? 0.f : warp::fn::exp2(x[i] - mx);  // the part's weight
+    sum += x[i];
+  }
+  sum = warp::across_lanes<warp::op::sum, ortho_l>(warp::across_lanes<warp::op::sum, align_l>(sum));
+  float acc[D / 32] = {};
+#pragma unroll
+  for (int i = 0; i < PER_LANE; i++) {
+    if (32 * i >= p.splits) break;
+#pragma unroll 4
+    for (int l = 0; l < 32 && 32 * i + l < p.splits; l++) {
+      const float e = __shfl_sync(~0u, x[i], l);
+      const float *part = o + (size_t)(32 * i + l) * q_rows * D;
+#pragma unroll
+      for (int k = 0; k < D / 32; k++) acc[k] += e * part[k * 32 + lane];
     }
+  }
   T *out = static_cast<T *>(p.o) + row * D;
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
 #pragma unroll
-  for (int i = 0; i < D / 32; i++) out[i * 32 + laneid()] = convert<T>(acc[i] * inv);
+  for (int k = 0; k < D / 32; k++) out[k * 32 + lane] = convert<T>(acc[k] * inv);
 }
 
 template <typename Kernel> cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Params &p) {
@@ -292,11 +339,10 @@ template <typename Kernel> cudaError_t launch(Kernel kernel, dim3 grid, dim3 blo
   return cudaGetLastError();
 }
 
-template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t stream) {
-  using C = Config<T, D>;
+template <typename T, int D, typename C = Config<T, D>> cudaError_t run(const Params &p, cudaStream_t stream) {
   const int rows = p.q_heads / p.kv_heads * p.q_len, chunks = (rows + C::ROWS - 1) / C::ROWS;
   const dim3 grid(chunks * p.splits, p.kv_heads, p.batch);
-  if (cudaError_t e = launch(decode_kernel<T, D>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p); e != cudaSuccess)
+  if (cudaError_t e = launch(decode_kernel<T, D, C>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p); e != cudaSuccess)
     return e;
   if (p.splits == 1) return cudaSuccess;
   const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;

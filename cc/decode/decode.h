@@ -14,7 +14,7 @@ constexpr int HEAD_DIMS = 64 | 128 | 256;  // head dims of the kernel (a set of 
 constexpr int TILE_ROWS = 16;     // query rows per thread block: (query heads of one KV head) x (new tokens)
 constexpr int MAX_SPLITS = 128;   // parts a sequence's cache may be split into (the split-KV grid)
 constexpr int SPLIT_MIN_KEYS = 512;  // ... each covering at least this many positions of the capacity
-constexpr int TARGET_BLOCKS = 264;   // thread blocks the split count aims for (two per SM of an H100)
+constexpr int TARGET_BLOCKS = 132;   // thread blocks the split count aims for (one per SM of an H100/H200)
 
 struct Params {
   DType dtype;
@@ -22,9 +22,10 @@ struct Params {
   // The cache: contiguous [batch, capacity, kv_heads, head_dim] (page_table == nullptr), or paged
   // [num_pages, page_size, kv_heads, head_dim] with page_table [batch, max_pages] (capacity = max_pages
   // * page_size): position j of sequence b is row j % page_size of page page_table[b, j / page_size].
-  int capacity;
+  int capacity;  // (batch * capacity, or num_pages * page_size, rows: below 2^31)
   const int *page_table = nullptr;
   int page_size = 0, num_pages = 0, max_pages = 0;
+  int page_shift = -1;  // log2(page_size) when it is a power of 2, else -1
   const int *lengths;  // [batch]: positions j < lengths[b] are valid (clamped to [0, capacity])
   // Query row i of sequence b is at position lengths[b] - q_len + i (a negative one sees nothing) and
   // sees key j iff j < length, j <= position (causal), position - left <= j <= position + right.

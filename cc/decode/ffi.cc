@@ -28,6 +28,7 @@ ffi::Error check_cache(Params &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer 
   if (pd.size() == 1 && pd[0] == 0) {  // contiguous
     if (kd[0] != p.batch) return invalid("a contiguous cache must be [batch, max_seq_len, kv_heads, head_dim]");
     p.capacity = int(kd[1]);
+    if (kd[0] * kd[1] >= (int64_t(1) << 31)) return invalid("batch * max_seq_len must be below 2^31");
   } else {
     if (pd.size() != 2 || pd[0] != p.batch || pd[1] <= 0) return invalid("page_table must be int32 [batch, max_pages]");
     if (kd[1] <= 0 || pd[1] * kd[1] >= (int64_t(1) << 31)) return invalid("max_pages * page_size must be in [1, 2^31)");
@@ -36,6 +37,9 @@ ffi::Error check_cache(Params &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer 
     p.page_size = int(kd[1]);
     p.max_pages = int(pd[1]);
     p.capacity = p.max_pages * p.page_size;
+    if (kd[0] * kd[1] >= (int64_t(1) << 31)) return invalid("num_pages * page_size must be below 2^31");
+    if ((p.page_size & (p.page_size - 1)) == 0)
+      for (p.page_shift = 0; (1 << p.page_shift) < p.page_size;) p.page_shift++;
   }
   for (auto d : kd)
     if (d >= (int64_t(1) << 31)) return invalid("cache dimensions must be below 2^31");
