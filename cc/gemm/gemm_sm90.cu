@@ -56,18 +56,18 @@ template <typename T, typename TO, int KIND> struct Sm90 {
   };
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
   static_assert(smem <= 232448, "more shared memory than an H100 block may have");
+
+  // Zero the rows [valid, TK) of a panel (rows of 128 bytes) of a step's tile: 128 threads, thread i.
+  __device__ __forceinline__ static void zero_rows(void *panel, int valid, int i) {
+    uint4 *q = reinterpret_cast<uint4 *>(static_cast<char *>(panel) + valid * 128);
+    for (int c = i; c < (TK - valid) * 8; c += 128) q[c] = make_uint4(0, 0, 0, 0);
+  }
 };
 
 // Steps along the contraction of tile x.
 template <int KIND, int TK> __device__ __forceinline__ int steps(const Params &p, const TileSlot &x) {
   if constexpr (KIND == CONTRACT) return (x.r1 - x.r0 + TK - 1) / TK;
   else return x.group >= 0 ? (p.k + TK - 1) / TK : 0;
-}
-
-// Zero the rows [valid, rows) of a panel (128-byte rows): 128 threads, thread i.
-__device__ __forceinline__ void zero_rows(void *panel, int valid, int rows, int i) {
-  uint4 *q = reinterpret_cast<uint4 *>(static_cast<char *>(panel) + valid * 128);
-  for (int c = i; c < (rows - valid) * 8; c += 128) q[c] = make_uint4(0, 0, 0, 0);
 }
 
 template <typename T, typename TO, int KIND>
@@ -154,9 +154,9 @@ __global__ __launch_bounds__(Sm90<T, TO, KIND>::THREADS, 1) void ragged_sm90_ker
       if constexpr (KIND == CONTRACT) {
         const int valid = x.r1 - (x.r0 + j * TK);  // rows of this step in the group (>= 1)
         if (valid < TK) {
-          zero_rows(sm.a[s].panel(wg), valid, TK, tid);
-          zero_rows(sm.b[s].panel(2 * wg), valid, TK, tid);
-          zero_rows(sm.b[s].panel(2 * wg + 1), valid, TK, tid);
+          C::zero_rows(sm.a[s].panel(wg), valid, tid);
+          C::zero_rows(sm.b[s].panel(2 * wg), valid, tid);
+          C::zero_rows(sm.b[s].panel(2 * wg + 1), valid, tid);
           warpgroup::fence_shared_writes();
           sync_named(1, 128 * CONSUMERS);
         }
