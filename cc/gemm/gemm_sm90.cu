@@ -142,7 +142,9 @@ __global__ __launch_bounds__(Sm90<T, TO, KIND>::THREADS, 1) void ragged_sm90_ker
     if (lane0) arrive_empty(tile_ring, at);
     const int count = steps<KIND, TK>(p, x);
     const int row0 = x.m0 + 64 * wg;  // this consumer's first row of out (of out[group] in CONTRACT)
-    // (a consumer whose rows are all past the group's end or past k computes nothing, stores nothing)
+    // A consumer whose rows are all past the group's end (or past k) stores nothing. (It computes
+    // its products all the same: skipping them, in a branch of its own or per step, costs spills
+    // and serialized wgmmas in every tile; such rows come only at a group's end.)
     const bool active = KIND == CONTRACT ? row0 < p.k : row0 < x.r1;
     rt_fl<16, TN> acc;
     // Step j (ring position u) into acc, after making its slot ready: in CONTRACT, at the group's
@@ -161,7 +163,6 @@ __global__ __launch_bounds__(Sm90<T, TO, KIND>::THREADS, 1) void ragged_sm90_ker
           sync_named(1, 128 * CONSUMERS);
         }
       }
-      if (!active) return;
       if constexpr (KIND == CONTRACT) warpgroup::mma_AtB(acc, window<TK, 64>(sm.a[s], 0, 64 * wg), sm.b[s], accumulate);
       else if constexpr (KIND == RAGGED) warpgroup::mma_AB(acc, window<64, TK>(sm.a[s], 64 * wg, 0), sm.b[s], accumulate);
       else warpgroup::mma_ABt(acc, window<64, TK>(sm.a[s], 64 * wg, 0), sm.b[s], accumulate);
