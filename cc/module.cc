@@ -7,7 +7,7 @@
 namespace nb = nanobind;
 
 // The ops: one entry each. cc/<op>/ffi.cc defines jax_tk::<op>::exports().
-#define JAX_TK_OPS(op) op(attention) op(decode)
+#define JAX_TK_OPS(op) op(attention) op(decode) op(gemm)
 
 #define JAX_TK_DECLARE(name) \
   namespace jax_tk::name {   \

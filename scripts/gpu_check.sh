@@ -28,6 +28,10 @@ if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
     --expt-relaxed-constexpr -lineinfo -Icc cc/tests/standalone/attention_sanitize.cu cc/attention/*.cu \
     -o "$out/attention_sanitize" >"$out/sanitizer_build.log" 2>&1 &
   sanitizer_build=$!
+  nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
+    --expt-relaxed-constexpr -lineinfo -Icc cc/tests/standalone/gemm_sanitize.cu cc/gemm/*.cu \
+    -o "$out/gemm_sanitize" >"$out/sanitizer_build_gemm.log" 2>&1 &
+  sanitizer_build_gemm=$!
 fi
 start=$(date +%s)
 rm -rf "$site"  # pip --target keeps a package already there: always install this tree's build
@@ -66,10 +70,14 @@ if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
   # compute-sanitizer on a standalone driver of the kernels (no JAX in the process: memcheck on a
   # JAX process crashed), small odd shapes, every variant, one cudaMalloc per buffer.
   wait "$sanitizer_build" || echo "sanitizer driver build failed" | tee -a "$out/sanitizer.log"
+  wait "$sanitizer_build_gemm" || echo "gemm sanitizer driver build failed" | tee -a "$out/sanitizer.log"
   for tool in memcheck racecheck synccheck; do
     timeout "${JAX_TK_SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool $tool --error-exitcode 3 "$out/attention_sanitize" >"$out/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool rc=$?" | tee -a "$out/sanitizer.log"
     grep -E "(ERROR|RACECHECK) SUMMARY" "$out/sanitizer_$tool.log" | tail -2 | tee -a "$out/sanitizer.log"
+    timeout "${JAX_TK_SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool $tool --error-exitcode 3 "$out/gemm_sanitize" >"$out/sanitizer_gemm_$tool.log" 2>&1
+    echo "compute-sanitizer $tool (gemm) rc=$?" | tee -a "$out/sanitizer.log"
+    grep -E "(ERROR|RACECHECK) SUMMARY|FAIL" "$out/sanitizer_gemm_$tool.log" | tail -4 | tee -a "$out/sanitizer.log"
   done
 fi
 

@@ -67,6 +67,7 @@ __global__ void tma_load_kernel(const __grid_constant__ typename TmaLoad<T, ROWS
   X(ABT, 64, 128, 128, 128, 64, 128)  /* A: rows 64.. of 128 (D = 128) */             \
   X(ABT, 64, 64, 64, 128, 64, 128)    /* A and B: columns 64.. of 128 (K window) */   \
   X(ABT, 64, 64, 64, 64, 128, 64)     /* B: rows 64.. of 128 */                       \
+  X(ABT, 256, 64, 128, 64, 256, 64)   /* N = 256, A: rows 64.. of 128 (grouped GEMM) */ \
   X(ATB, 64, 64, 64, 64, 64, 64)                                                      \
   X(ATB, 128, 64, 64, 64, 64, 128)                                                    \
   X(ATB, 64, 128, 128, 64, 128, 64)                                                   \
@@ -75,6 +76,7 @@ __global__ void tma_load_kernel(const __grid_constant__ typename TmaLoad<T, ROWS
   X(ATB, 32, 128, 128, 64, 128, 64)   /* B: columns 32.. of 64 (dQ columns, D = 64) */   \
   X(ATB, 64, 64, 64, 128, 64, 64)     /* A: columns 64.. of 128 */                    \
   X(ATB, 64, 64, 128, 64, 128, 64)    /* A and B: rows 64.. of 128 (K window) */      \
+  X(ATB, 256, 64, 64, 128, 64, 256)   /* N = 256, A: columns 64.. of 128 (grouped GEMM) */ \
   X(AB_SHARED, 64, 64, 64, 64, 64, 64)                                                \
   X(AB_SHARED, 128, 64, 64, 64, 64, 128)                                              \
   X(AB_SHARED, 64, 128, 64, 128, 128, 64)                                             \
@@ -83,6 +85,7 @@ __global__ void tma_load_kernel(const __grid_constant__ typename TmaLoad<T, ROWS
   X(AB_SHARED, 128, 64, 128, 64, 64, 128)  /* A: rows 64.. of 128 (dS^T, D = 128) */  \
   X(AB_SHARED, 64, 64, 64, 128, 128, 128)  /* A: columns 64..; B: rows and columns 64.. */ \
   X(AB_SHARED, 32, 64, 64, 64, 64, 64)     /* B: columns 32.. of 64 */                \
+  X(AB_SHARED, 256, 64, 128, 64, 64, 256) /* N = 256, A: rows 64.. of 128 (grouped GEMM) */ \
   X(AB_REGS, 64, 64, 64, 64, 64, 64)                                                  \
   X(AB_REGS, 128, 64, 64, 64, 64, 128)                                                \
   X(AB_REGS, 64, 128, 64, 128, 128, 64)                                               \

@@ -37,15 +37,17 @@ template <typename T> constexpr CUtensorMapDataType tma_dtype() {
   else return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
 }
 
-// Returns false if the driver refuses (alignment, sizes).
+// Returns false if the driver refuses (alignment, sizes). Boxes are as wide as the tensor where it is
+// narrower than 128 bytes, unless full_width: then always 128 bytes (a tile may be wider than the
+// tensor; its columns past the end arrive as zeros, and the box's bytes are still the tile's).
 template <typename T, int ROWS>
-inline bool make_tma_map(tma_map<T, ROWS> &m, const void *ptr, int b, int s, int h, int d) {
+inline bool make_tma_map(tma_map<T, ROWS> &m, const void *ptr, int b, int s, int h, int d, bool full_width = false) {
   encode_fn encode = tensor_map_encoder();
   if (!encode) return false;
   constexpr int box_cols = 128 / sizeof(T);
   cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(h), cuuint64_t(s), cuuint64_t(b)};
   cuuint64_t strides[3] = {cuuint64_t(d) * sizeof(T), cuuint64_t(h) * d * sizeof(T), cuuint64_t(s) * h * d * sizeof(T)};
-  cuuint32_t box[4] = {cuuint32_t(d < box_cols ? d : box_cols), 1, cuuint32_t(ROWS), 1};
+  cuuint32_t box[4] = {cuuint32_t(d < box_cols && !full_width ? d : box_cols), 1, cuuint32_t(ROWS), 1};
   cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   CUresult r = encode(&m.map, tma_dtype<T>(), 4, const_cast<void *>(ptr), dims, strides, box, elem_strides,
                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

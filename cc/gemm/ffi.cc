@@ -1,0 +1,142 @@
+// XLA FFI handler of the grouped GEMM (the contract is at the top of cc/gemm/gemm.h): decode the
+// buffers and attributes into Params, reject what the kernels cannot take, launch on XLA's stream.
+// No allocation; calls with an empty output return at once, calls whose output is all zeros (k = 0,
+// no groups, no rows to contract) clear it with a memset.
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "ffi/common.h"
+#include "gemm/gemm.h"
+
+namespace jax_tk {
+namespace {
+
+using gemm::Params;
+
+// JAX_TK_GEMM_VARIANT=sm80: the mma.sync kernels on every GPU (to test them on Hopper).
+bool use_sm90() {
+  const char *v = std::getenv("JAX_TK_GEMM_VARIANT");
+  if (v && std::strcmp(v, "sm80") == 0) return false;
+  int dev = 0, major = 0, minor = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  return major == 9 && minor == 0;  // sm_90a code runs on 9.0 only
+}
+
+std::string dims_of(const ffi::AnyBuffer &x) {
+  std::string s;
+  for (auto d : x.dimensions()) s += std::to_string(d) + ", ";
+  return "[" + s.substr(0, s.size() >= 2 ? s.size() - 2 : 0) + "]";
+}
+
+bool dims_are(const ffi::AnyBuffer &x, std::initializer_list<int64_t> want) {
+  auto d = x.dimensions();
+  if (d.size() != want.size()) return false;
+  for (size_t i = 0; i < want.size(); i++)
+    if (d[i] != want.begin()[i]) return false;
+  return true;
+}
+
+// Extra... is empty in the production target; the test target takes ffi::RemainingArgs there (the
+// buffers that tests alias to the output to poison it), ignored here.
+template <typename... Extra>
+ffi::Error ragged_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer group_sizes, Extra...,
+                       ffi::Result<ffi::AnyBuffer> out, int32_t mode, int32_t b_transposed) {
+  Params p{};
+  if (a.element_type() != b.element_type()) return invalid("gemm: a and b must have the same dtype");
+  if (a.element_type() == ffi::DataType::BF16) p.dtype = gemm::DType::bf16;
+  else if (a.element_type() == ffi::DataType::F16) p.dtype = gemm::DType::fp16;
+  else return invalid("gemm: a and b must be bfloat16 or float16");
+  if (out->element_type() == ffi::DataType::F32) p.out_f32 = true;
+  else if (out->element_type() != a.element_type()) return invalid("gemm: out must have the inputs' dtype or be float32");
+  if (mode != gemm::MODE_RAGGED && mode != gemm::MODE_CONTRACT) return invalid("gemm: mode must be 0 (ragged) or 1 (contract)");
+  if (b_transposed != 0 && (b_transposed != 1 || mode != gemm::MODE_RAGGED))
+    return invalid("gemm: b_transposed must be 0, or 1 in mode 0");
+  p.mode = mode;
+  p.b_transposed = b_transposed != 0;
+  if (group_sizes.element_type() != ffi::DataType::S32 || group_sizes.dimensions().size() != 1)
+    return invalid("gemm: group_sizes must be a one-dimensional int32 array");
+  if (a.dimensions().size() != 2) return invalid("gemm: a must be [m, k], got " + dims_of(a));
+  const int64_t m = a.dimensions()[0], k = a.dimensions()[1], g = group_sizes.dimensions()[0];
+  int64_t n = 0;
+  if (mode == gemm::MODE_RAGGED) {
+    auto bd = b.dimensions();
+    if (bd.size() != 3 || bd[0] != g || bd[p.b_transposed ? 2 : 1] != k)
+      return invalid("gemm: b must be " + std::string(p.b_transposed ? "[g, n, k]" : "[g, k, n]") + " with a [m, k] = " +
+                     dims_of(a) + " and g = " + std::to_string(g) + " groups, got " + dims_of(b));
+    n = bd[p.b_transposed ? 1 : 2];
+    if (!dims_are(*out, {m, n})) return invalid("gemm: out must be [m, n] = [" + std::to_string(m) + ", " + std::to_string(n) + "]");
+  } else {
+    if (b.dimensions().size() != 2 || b.dimensions()[0] != m)
+      return invalid("gemm: in mode 1, b must be [m, n] with a [m, k] = " + dims_of(a) + ", got " + dims_of(b));
+    n = b.dimensions()[1];
+    if (!dims_are(*out, {g, k, n}))
+      return invalid("gemm: in mode 1, out must be [g, k, n] = [" + std::to_string(g) + ", " + std::to_string(k) + ", " +
+                     std::to_string(n) + "]");
+  }
+  for (auto d : {m, k, n, g})
+    if (d >= INT_MAX) return invalid("gemm: every dimension must be below 2^31");
+  if (k % gemm::DIM_MULTIPLE != 0 || n % gemm::DIM_MULTIPLE != 0)
+    return invalid("gemm: k and n must be multiples of " + std::to_string(gemm::DIM_MULTIPLE) + ", got k = " +
+                   std::to_string(k) + ", n = " + std::to_string(n));
+  p.m = int(m); p.k = int(k); p.n = int(n); p.groups = int(g);
+  p.a = a.untyped_data(); p.b = b.untyped_data(); p.out = out->untyped_data();
+  p.group_sizes = static_cast<const int *>(group_sizes.untyped_data());
+  if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.out)) return invalid("gemm: a, b and out must be 16-byte aligned");
+  if (gemm::tile_bound(p, gemm::SM80_TILE_M, gemm::SM80_TILE_N) >= INT_MAX / 2 ||
+      gemm::tile_bound(p, gemm::SM90_TILE_M, gemm::SM90_TILE_N) >= INT_MAX / 2)
+    return invalid("gemm: too many output tiles (more than 2^30)");
+  if (auto e = check_device(8, 0); e.failure()) return e;
+
+  const size_t out_bytes = size_t(out->element_count()) * (p.out_f32 ? 4 : 2);
+  if (out_bytes == 0) return ffi::Error::Success();
+  if (k == 0 || g == 0 || m == 0)  // (mode 0: k = 0 or no groups; mode 1: no rows) out is all zeros
+    return cuda_error(cudaMemsetAsync(p.out, 0, out_bytes, stream), "gemm: clearing out");
+  if (use_sm90()) return cuda_error(gemm::ragged_sm90(p, stream), "gemm (sm_90a)");
+  return cuda_error(gemm::ragged_sm80(p, stream), "gemm");
+}
+
+// The bindings: operands, then (test target only) the remaining operands, then result and attributes.
+// (A Binding cannot be moved into a variable: the chain is built from prvalues.)
+template <bool TEST> auto ragged_binding() {
+  auto head = [] {
+    return ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()   // a
+        .Arg<ffi::AnyBuffer>()   // b
+        .Arg<ffi::AnyBuffer>();  // group_sizes
+  };
+  auto tail = [](auto &&x) {
+    return std::move(x).template Ret<ffi::AnyBuffer>().template Attr<int32_t>("mode").template Attr<int32_t>("b_transposed");
+  };
+  if constexpr (TEST) return tail(head().RemainingArgs());
+  else return tail(head());
+}
+
+}  // namespace
+
+namespace gemm {
+OpExports exports();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRagged, ragged_impl<>, ragged_binding<false>(), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRaggedTest, ragged_impl<ffi::RemainingArgs>, ragged_binding<true>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+OpExports gemm::exports() {  // (declared by cc/module.cc)
+  return {"gemm",
+          {{"jax_tk_gemm_ragged", reinterpret_cast<void *>(GemmRagged)},
+           {"jax_tk_gemm_ragged_test", reinterpret_cast<void *>(GemmRaggedTest)}},
+          {
+#define JAX_TK_CONSTANT(name) {#name, gemm::name}
+              JAX_TK_CONSTANT(MODE_RAGGED), JAX_TK_CONSTANT(MODE_CONTRACT), JAX_TK_CONSTANT(DIM_MULTIPLE),
+              JAX_TK_CONSTANT(SM90_TILE_M), JAX_TK_CONSTANT(SM90_TILE_N), JAX_TK_CONSTANT(SM90_TILE_K),
+              JAX_TK_CONSTANT(SM80_TILE_M), JAX_TK_CONSTANT(SM80_TILE_N), JAX_TK_CONSTANT(SM80_TILE_K),
+#undef JAX_TK_CONSTANT
+          }};
+}
+
+}  // namespace jax_tk

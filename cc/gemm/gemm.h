@@ -1,0 +1,67 @@
+// Grouped (ragged) and dense GEMM: the contract between the FFI handler (cc/gemm/ffi.cc), its
+// kernels and Python (jax_tk/gemm/).
+//
+// FFI targets "jax_tk_gemm_ragged" and "jax_tk_gemm_ragged_test" (the same handler plus trailing
+// operands that it ignores: tests alias poisoned buffers to the output through them).
+//   operands  a, b, group_sizes (int32 [g]);  one result: out;  int32 attributes mode, b_transposed.
+//   mode MODE_RAGGED (jax.lax.ragged_dot):
+//     a [m, k]; b [g, k, n] (b_transposed = 0) or b [g, n, k] (b_transposed = 1); out [m, n].
+//     Group i owns the rows [off_i, off_i + size_i) of a and out, off = exclusive cumsum of the
+//     sizes, worked out on the device by the kernels: negative sizes count as 0 and every range is
+//     clipped to [0, m). out rows of group i are a[rows_i] @ b[i] (or @ b[i]^T); rows at or past
+//     the sum of the sizes are 0. Dense matmul is g = 1, group_sizes = [m].
+//   mode MODE_CONTRACT (the gradient of ragged_dot with respect to b):
+//     a [m, k], b [m, n] (rows grouped as above), b_transposed = 0; out [g, k, n] with
+//     out[i] = a[rows_i]^T @ b[rows_i] (zeros for an empty group).
+//   Dtypes: a and b both bfloat16 or both float16; out the same dtype or float32 (the result
+//   buffer's dtype decides); fp32 accumulation. k and n must be multiples of DIM_MULTIPLE (the
+//   tensor copies need 16-byte row strides); m is free. Zero-sized dimensions are allowed.
+//   Every array is contiguous, row-major, 16-byte aligned. No workspace: the kernels walk the
+//   groups themselves (no tile counter, no host synchronization).
+// Environment: JAX_TK_GEMM_VARIANT=sm80 makes the handler run the mma.sync kernels on every GPU
+// (tests use it to check those kernels on Hopper); read at each call.
+#pragma once
+#include <cuda_runtime.h>
+
+namespace jax_tk::gemm {
+
+// The contract with Python: `constexpr int NAME = value;` lines, read through the extension (or
+// from this file's text where the extension was not built).
+constexpr int MODE_RAGGED = 0;     // attribute mode: out [m, n] = a @ b[group of the row]
+constexpr int MODE_CONTRACT = 1;   // attribute mode: out [g, k, n] = a[rows_i]^T @ b[rows_i]
+constexpr int DIM_MULTIPLE = 8;    // k and n must be multiples of this
+constexpr int SM90_TILE_M = 128;   // output tile of the sm_90a kernel (rows of out, or of out[i] in
+constexpr int SM90_TILE_N = 256;   //   MODE_CONTRACT) ...
+constexpr int SM90_TILE_K = 64;    // ... and its steps along the contraction
+constexpr int SM80_TILE_M = 128;   // output tile of the mma.sync kernel
+constexpr int SM80_TILE_N = 128;
+constexpr int SM80_TILE_K = 32;
+
+enum class DType { bf16, fp16 };
+
+struct Params {
+  DType dtype;       // of a and b
+  bool out_f32;      // out is float32 (else a's dtype)
+  int mode;          // MODE_RAGGED or MODE_CONTRACT
+  bool b_transposed; // MODE_RAGGED: b is [g, n, k]
+  int m, k, n, groups;
+  const void *a, *b;
+  const int *group_sizes;  // [groups], on the device
+  void *out;
+};
+
+// An upper bound on the output tiles of a call with tiles of tm x tn (what the persistent grids are
+// sized from; the kernels find the exact count on the device): in MODE_RAGGED each group adds at
+// most one partial row block, plus the block of rows past the groups' sum.
+inline long long tile_bound(const Params &p, int tm, int tn) {
+  const long long nt = (p.n + tn - 1) / tn;
+  if (p.mode == MODE_CONTRACT) return (long long)p.groups * ((p.k + tm - 1) / tm) * nt;
+  return ((p.m + tm - 1) / tm + (long long)p.groups + 1) * nt;
+}
+
+// The kernels. Both take any Params the handler accepts (m, k, n, groups >= 1) and return the
+// launch error, if any.
+cudaError_t ragged_sm80(const Params &p, cudaStream_t stream);  // mma.sync, cp.async (sm_80 and newer)
+cudaError_t ragged_sm90(const Params &p, cudaStream_t stream);  // TMA, wgmma, warp-specialized (sm_90a)
+
+}  // namespace jax_tk::gemm

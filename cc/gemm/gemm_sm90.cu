@@ -1,0 +1,272 @@
+// Grouped GEMM for Hopper (sm_90a): TMA, mbarriers, wgmma and warp specialization, in a persistent
+// kernel that walks the tiles of every group in one launch.
+//
+// Output tiles of 128 x 256 (two consumer warpgroups of 64 rows), steps of 64 along the
+// contraction through a ring of 4 stages. Per block, 3 warpgroups:
+//   producer: warp 1 schedules: block b takes tiles b, b + G, b + 2G, ... (G blocks, about one per
+//     SM; common.cuh orders them), finds each tile's group by walking the group sizes (GroupWalk),
+//     and announces it in one of two slots; warp 0 (one thread) streams each tile's steps of a and
+//     b into the ring with TMA (128-byte swizzled tiles), each slot guarded by a "full" semaphore
+//     (bytes landed) and an "empty" one (every consumer warp is done with it);
+//   two consumers: the products with wgmma (both operands from shared memory, fp32 accumulators in
+//     registers, one product in flight while the next step is awaited), then the tile's rows out
+//     through shared memory, 128 bytes of columns at a time, double-buffered, with a TMA store each
+//     (a tile that runs past its group's last row, into the next group's rows, is stored by the
+//     threads instead, row by row).
+// The kinds (KIND): RAGGED, out[rows_i] = a[rows_i] @ b[i] (b [g, k, n]: B tiles N-major); RAGGED_BT,
+// the same with b [g, n, k] (B tiles K-major); CONTRACT, out[i] = a[rows_i]^T @ b[rows_i] (A tiles
+// M-major: the contraction runs down the rows). A tile row block starts at its group's first row, so
+// the TMA loads read rows of the next group only at a group's end: RAGGED ignores their results
+// (they are not stored), CONTRACT zeroes those rows of its last step in shared memory before the
+// products (whole 128-byte rows: the swizzle stays inside a row). Rows and columns past the arrays'
+// ends arrive from TMA as zeros and are not stored.
+#include <algorithm>
+#include <climits>
+
+#include "gemm/common.cuh"
+
+namespace jax_tk::gemm {
+namespace {
+
+using namespace tk;
+
+enum Kind { RAGGED = 0, RAGGED_BT = 1, CONTRACT = 2 };
+
+template <typename T, typename TO, int KIND> struct Sm90 {
+  using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
+  static constexpr int CONSUMERS = Roles::CONSUMERS, THREADS = Roles::THREADS;
+  static constexpr int TM = SM90_TILE_M, TN = SM90_TILE_N, TK = SM90_TILE_K, STAGES = 4;
+  static_assert(TM == 64 * CONSUMERS);
+  using ATile = std::conditional_t<KIND == CONTRACT, st<T, TK, TM>, st<T, TM, TK>>;
+  using BTile = std::conditional_t<KIND == RAGGED_BT, st<T, TN, TK>, st<T, TK, TN>>;
+  static constexpr int OUT_COLS = 128 / int(sizeof(TO));  // columns of a staged piece of out
+  using OTile = st<TO, 64, OUT_COLS>;
+  struct Shared {
+    ATile a[STAGES];
+    BTile b[STAGES];
+    OTile out[CONSUMERS][2];
+    semaphore full[STAGES], empty[STAGES], tile_full[2], tile_empty[2];
+    TileSlot tile[2];  // (t == INT_MAX: no more)
+  };
+  struct Args {
+    Params p;
+    tma_map<T, ATile::rows> a;
+    tma_map<T, BTile::rows> b;
+    tma_map<TO, 64> out;
+  };
+  static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
+  static_assert(smem <= 232448, "more shared memory than an H100 block may have");
+
+  // Zero the rows [valid, TK) of a panel (rows of 128 bytes) of a step's tile: 128 threads, thread i.
+  __device__ __forceinline__ static void zero_rows(void *panel, int valid, int i) {
+    uint4 *q = reinterpret_cast<uint4 *>(static_cast<char *>(panel) + valid * 128);
+    for (int c = i; c < (TK - valid) * 8; c += 128) q[c] = make_uint4(0, 0, 0, 0);
+  }
+};
+
+// Steps along the contraction of tile x.
+template <int KIND, int TK> __device__ __forceinline__ int steps(const Params &p, const TileSlot &x) {
+  if constexpr (KIND == CONTRACT) return (x.r1 - x.r0 + TK - 1) / TK;
+  else return x.group >= 0 ? (p.k + TK - 1) / TK : 0;
+}
+
+template <typename T, typename TO, int KIND>
+__global__ __launch_bounds__(Sm90<T, TO, KIND>::THREADS, 1) void ragged_sm90_kernel(const __grid_constant__ typename Sm90<T, TO, KIND>::Args a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = Sm90<T, TO, KIND>;
+  using R = typename C::Roles;
+  constexpr int TM = C::TM, TN = C::TN, TK = C::TK, STAGES = C::STAGES, CONSUMERS = C::CONSUMERS;
+  extern __shared__ char smem_raw[];
+  auto &sm = align_shared<typename C::Shared>(smem_raw);
+  const int wg = warpgroup::groupid();
+  const ring<STAGES> slots{sm.full, sm.empty};
+  const tile_queue<TileSlot> tiles_q{{sm.tile_full, sm.tile_empty}, sm.tile};
+  const auto &tile_ring = tiles_q.ring;
+
+  if (threadIdx.x == 0) {  // full: the loader (and its bytes); empty: each consumer warp (and the loader)
+    init(slots, 1, CONSUMERS * 4);
+    init(tile_ring, 1, CONSUMERS * 4 + 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == R::PRODUCER) {
+    R::enter_producer();
+    if (R::warp() == 1) {  // the scheduler
+      GroupWalk<TM, TN> walk;
+      for (int k = 0;; k++) {
+        const ring_use<2> at(k);
+        wait_empty(tile_ring, at);
+        const long long t = blockIdx.x + (long long)k * gridDim.x;
+        const TileSlot x = t < INT_MAX ? walk.find(a.p, int(t)) : TileSlot{INT_MAX, 0, 0, 0, 0, 0};
+        announce_tile(tiles_q, at, x);
+        if (x.t == INT_MAX) return;
+      }
+    }
+    if (threadIdx.x != CONSUMERS * 128) return;
+    // the loader
+    for (int nt = 0, n = 0;; nt++) {  // tiles, ring uses so far
+      const ring_use<2> at(nt);
+      if (!wait_tile(tiles_q, at, INT_MAX)) return;
+      const TileSlot x = sm.tile[at.slot];
+      arrive_empty(tile_ring, at);
+      const int count = steps<KIND, TK>(a.p, x);
+      for (int j = 0; j < count; j++, n++) {
+        const ring_use<STAGES> u(n);
+        const int s = u.slot, k0 = j * TK;
+        wait_empty(slots, u);
+        arrive_expect_bytes(slots.full(u), sizeof(sm.a[s].data) + sizeof(sm.b[s].data));
+        if constexpr (KIND == CONTRACT) {
+          load_async(sm.a[s], a.a, {0, x.r0 + k0, 0, x.m0}, slots.full(u));
+          load_async(sm.b[s], a.b, {0, x.r0 + k0, 0, x.n0}, slots.full(u));
+        } else {
+          load_async(sm.a[s], a.a, {0, x.m0, 0, k0}, slots.full(u));
+          if constexpr (KIND == RAGGED) load_async(sm.b[s], a.b, {x.group, k0, 0, x.n0}, slots.full(u));
+          else load_async(sm.b[s], a.b, {x.group, x.n0, 0, k0}, slots.full(u));
+        }
+      }
+    }
+  }
+
+  // consumers
+  R::enter_consumer();
+  const Params &p = a.p;
+  const bool lane0 = laneid() == 0, leader = threadIdx.x % 128 == 0;
+  const int w = warpid() % 4, tid = threadIdx.x % 128;
+  int n = 0, staged = 0;  // ring uses, pieces of out staged so far
+  for (int nt = 0;; nt++) {
+    const ring_use<2> at(nt);
+    if (!wait_tile(tiles_q, at, INT_MAX)) break;
+    const TileSlot x = sm.tile[at.slot];
+    __syncwarp();
+    if (lane0) arrive_empty(tile_ring, at);
+    const int count = steps<KIND, TK>(p, x);
+    const int row0 = x.m0 + 64 * wg;  // this consumer's first row of out (of out[group] in CONTRACT)
+    // A consumer whose rows are all past the group's end (or past k) stores nothing. (It computes
+    // its products all the same: skipping them, in a branch of its own or per step, costs spills
+    // and serialized wgmmas in every tile; such rows come only at a group's end.)
+    const bool active = KIND == CONTRACT ? row0 < p.k : row0 < x.r1;
+    rt_fl<16, TN> acc;
+    // Step j (ring position u) into acc, after making its slot ready: in CONTRACT, at the group's
+    // last step, zero the next group's rows of both operands (each consumer its panel of A and half
+    // of B's panels: both read all of B, hence the barrier).
+    auto step = [&](int j, ring_pos<STAGES> u, bool accumulate) {
+      wait_full(slots, u);
+      const int s = u.slot;
+      if constexpr (KIND == CONTRACT) {
+        const int valid = x.r1 - (x.r0 + j * TK);  // rows of this step in the group (>= 1)
+        if (valid < TK) {
+          C::zero_rows(sm.a[s].panel(wg), valid, tid);
+          C::zero_rows(sm.b[s].panel(2 * wg), valid, tid);
+          C::zero_rows(sm.b[s].panel(2 * wg + 1), valid, tid);
+          warpgroup::fence_shared_writes();
+          sync_named(1, 128 * CONSUMERS);
+        }
+      }
+      if constexpr (KIND == CONTRACT) warpgroup::mma_AtB(acc, window<TK, 64>(sm.a[s], 0, 64 * wg), sm.b[s], accumulate);
+      else if constexpr (KIND == RAGGED) warpgroup::mma_AB(acc, window<64, TK>(sm.a[s], 64 * wg, 0), sm.b[s], accumulate);
+      else warpgroup::mma_ABt(acc, window<64, TK>(sm.a[s], 64 * wg, 0), sm.b[s], accumulate);
+    };
+    ring_pos<STAGES> pos(n);
+    if (count == 0) {
+      warp::zero(acc);
+    } else {  // one product in flight while the next step is awaited
+      step(0, pos, false);
+      for (int j = 1; j < count; j++) {
+        const ring_pos<STAGES> prev = pos;
+        ++pos;
+        step(j, pos, true);
+        warpgroup::wait<1>();  // the step before is done: free its slot
+        if (lane0) arrive_empty(slots, prev);
+      }
+      warpgroup::wait<0>();
+      warpgroup::fence_registers(acc);
+      if (lane0) arrive_empty(slots, pos);
+      ++pos;
+    }
+    n = pos.n;
+    if (!active) continue;
+
+    // Out: 128 bytes of columns at a time through this consumer's two staging tiles. The leader
+    // first waits until the TMA store that last read the tile has read it (at most one store, the
+    // other tile's, stays in flight); a tile stored by the threads needs every store done.
+    constexpr int COLS = C::OUT_COLS;
+    const bool by_rows = KIND != CONTRACT && row0 + 64 > x.r1 && x.r1 < p.m;  // the next group's rows follow
+#pragma unroll
+    for (int c = 0; c < TN / COLS; c++) {
+      const int col0 = x.n0 + c * COLS;
+      if (col0 >= p.n) break;
+      auto &stage = sm.out[wg][staged & 1];
+      staged++;
+      if (leader) {
+        if (by_rows) bulk_wait_read<0>();
+        else bulk_wait_read<1>();
+      }
+      sync_named(2 + wg, 128);
+#pragma unroll
+      for (int jj = 0; jj < COLS / 16; jj++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+          const int r = 16 * w + laneid() / 4 + 8 * (q % 2), col = 16 * jj + 2 * (laneid() % 4) + 8 * (q / 2);
+          *reinterpret_cast<packed<TO> *>(&stage(r, col)) = from_float2<packed<TO>>(acc.tiles[0][c * (COLS / 16) + jj].data[q]);
+        }
+      warpgroup::fence_shared_writes();
+      sync_named(2 + wg, 128);
+      if (!by_rows) {
+        if (leader) {
+          store_async(a.out, stage, {KIND == CONTRACT ? x.group : 0, row0, 0, col0});
+          bulk_commit();
+        }
+      } else {
+        constexpr int CHUNK = 16 / int(sizeof(TO));
+        TO *out = static_cast<TO *>(p.out);
+        const int rows = x.r1 - row0, cols = p.n - col0;
+        for (int i = tid; i < 64 * 8; i += 128) {
+          const int r = i / 8, cc = (i % 8) * CHUNK;
+          if (r < rows && cc < cols)
+            *reinterpret_cast<uint4 *>(out + size_t(row0 + r) * p.n + col0 + cc) = *reinterpret_cast<const uint4 *>(&stage(r, cc));
+        }
+      }
+    }
+  }
+  if (leader) bulk_wait<0>();  // the last stores are done with shared memory (and global memory)
+#endif
+}
+
+template <typename T, typename TO, int KIND> cudaError_t launch(const Params &p, cudaStream_t stream) {
+  using C = Sm90<T, TO, KIND>;
+  typename C::Args a{p, {}, {}, {}};
+  const bool ok = KIND == CONTRACT
+                      ? make_tma_map(a.a, p.a, 1, p.m, 1, p.k, true) && make_tma_map(a.b, p.b, 1, p.m, 1, p.n, true) &&
+                            make_tma_map(a.out, p.out, p.groups, p.k, 1, p.n, true)
+                      : make_tma_map(a.a, p.a, 1, p.m, 1, p.k, true) &&
+                            (KIND == RAGGED ? make_tma_map(a.b, p.b, p.groups, p.k, 1, p.n, true)
+                                            : make_tma_map(a.b, p.b, p.groups, p.n, 1, p.k, true)) &&
+                            make_tma_map(a.out, p.out, 1, p.m, 1, p.n, true);
+  if (!ok) return cudaErrorInvalidValue;
+  int dev = 0, sms = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess) return e;
+  const long long tiles = tile_bound(p, C::TM, C::TN);
+  if (tiles + 2LL * sms >= INT_MAX) return cudaErrorInvalidValue;
+  auto kernel = ragged_sm90_kernel<T, TO, KIND>;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::smem));
+  if (e != cudaSuccess) return e;
+  kernel<<<unsigned(std::min<long long>(tiles, sms)), C::THREADS, C::smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T, typename TO> cudaError_t launch_kind(const Params &p, cudaStream_t stream) {
+  if (p.mode == MODE_CONTRACT) return launch<T, TO, CONTRACT>(p, stream);
+  return p.b_transposed ? launch<T, TO, RAGGED_BT>(p, stream) : launch<T, TO, RAGGED>(p, stream);
+}
+
+}  // namespace
+
+cudaError_t ragged_sm90(const Params &p, cudaStream_t stream) {
+  if (p.dtype == DType::bf16) return p.out_f32 ? launch_kind<bf16, float>(p, stream) : launch_kind<bf16, bf16>(p, stream);
+  return p.out_f32 ? launch_kind<half, float>(p, stream) : launch_kind<half, half>(p, stream);
+}
+
+}  // namespace jax_tk::gemm

@@ -1,0 +1,205 @@
+"""GPU tests of the grouped GEMM kernels (cc/gemm/), called through their FFI target directly,
+against a float64 numpy reference of the same (rounded) inputs.
+
+The target's contract is at the top of cc/gemm/gemm.h. The output is poisoned with NaN before each
+run (the ``_test`` target, whose trailing operand is aliased to the output), so an element the kernel
+forgets to write shows up as NaN; the rows of ``a`` (and ``b`` in mode 1) past the groups' sum hold
+inf, so a kernel that lets them into a product shows NaN/inf too. ``JAX_TK_GEMM_VARIANT=sm80`` runs
+the mma.sync kernels on Hopper as well.
+"""
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+from jax_tk._core import extension
+from jax_tk._core.ffi import kernel_call
+
+TARGET = "jax_tk_gemm_ragged"
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+RAGGED, RAGGED_BT, CONTRACT = "ragged", "ragged_bt", "contract"
+
+
+def contract():
+    return extension.contract("gemm")
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "out_dtype", "out_shape"))
+def kernel(a, b, sizes, *, kind, out_dtype, out_shape):
+    c = contract()
+    mode = c["MODE_CONTRACT"] if kind == CONTRACT else c["MODE_RAGGED"]
+    out_init = (jnp.full(out_shape, jnp.nan, out_dtype),)
+    (out,) = kernel_call(TARGET, (jax.ShapeDtypeStruct(out_shape, out_dtype),), (a, b, sizes),
+                         {"mode": np.int32(mode), "b_transposed": np.int32(kind == RAGGED_BT)}, out_init=out_init)
+    return out
+
+
+def group_rows(sizes, m):
+    """[(start, end)] of each group: exclusive cumsum, negative sizes as 0, clipped to [0, m)."""
+    rows, off = [], 0
+    for s in sizes:
+        s = min(max(int(s), 0), m - off)
+        rows.append((off, off + s))
+        off += s
+    return rows
+
+
+def reference(a, b, sizes, kind):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    m, k = a.shape
+    rows = group_rows(sizes, m)
+    if kind == CONTRACT:
+        out = np.zeros((len(sizes), k, b.shape[1]))
+        for i, (r0, r1) in enumerate(rows):
+            out[i] = a[r0:r1].T @ b[r0:r1]
+        return out
+    out = np.zeros((m, b.shape[1] if kind == RAGGED_BT else b.shape[2]))
+    for i, (r0, r1) in enumerate(rows):
+        out[r0:r1] = a[r0:r1] @ (b[i].T if kind == RAGGED_BT else b[i])
+    return out
+
+
+def make_inputs(seed, m, k, n, sizes, kind, dtype):
+    """Fresh normal a and b (never zeros or ones); the rows past the groups' sum are inf."""
+    rng = np.random.default_rng(seed)
+    g = len(sizes)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    if kind == CONTRACT:
+        b = rng.standard_normal((m, n), dtype=np.float32)
+    else:
+        b = rng.standard_normal((g, n, k) if kind == RAGGED_BT else (g, k, n), dtype=np.float32)
+    total = group_rows(sizes, m)[-1][1] if g else 0
+    a[total:] = np.inf
+    if kind == CONTRACT:
+        b[total:] = -np.inf
+    np_dtype = jnp.dtype(dtype)
+    return a.astype(np_dtype), b.astype(np_dtype), np.asarray(sizes, np.int32)
+
+
+def check(m, k, n, sizes, kind, dtype=BF16, out_dtype=None, seed=None):
+    out_dtype = out_dtype or dtype
+    g = len(sizes)
+    seed = zlib.crc32(repr((m, k, n, tuple(sizes), kind, jnp.dtype(dtype).name)).encode()) if seed is None else seed
+    a, b, gs = make_inputs(seed, m, k, n, sizes, kind, dtype)
+    out_shape = (g, k, n) if kind == CONTRACT else (m, n)
+    got = np.asarray(kernel(a, b, gs, kind=kind, out_dtype=out_dtype, out_shape=out_shape)).astype(np.float64)
+    want = reference(a, b, sizes, kind)
+    assert got.shape == want.shape
+    bad = ~np.isfinite(got)
+    assert not bad.any(), f"{bad.sum()} of {got.size} outputs are NaN/inf (first at {np.argwhere(bad)[0]})"
+    # What must be exactly zero is: rows past the groups' sum (ragged), empty groups (contract).
+    zero = np.zeros(want.shape, bool)
+    if kind == CONTRACT:
+        for i, (r0, r1) in enumerate(group_rows(sizes, m)):
+            zero[i] = r0 == r1
+    else:
+        zero[group_rows(sizes, m)[-1][1] if g else 0:] = True
+    assert np.all(got[zero] == 0), f"{np.sum(got[zero] != 0)} outputs that must be 0 are not"
+    tol = 1e-4 if out_dtype == F32 else 1e-2
+    err = helpers.rel_err(got, want)
+    assert err < tol, f"relative error {err:.3g} >= {tol}"
+    return got
+
+
+@pytest.fixture(params=["auto", "sm80"])
+def variant(request, monkeypatch):
+    """The kernels the handler picks for this GPU, or the mma.sync ones (read at each call)."""
+    if request.param == "sm80":
+        monkeypatch.setenv("JAX_TK_GEMM_VARIANT", "sm80")
+    else:
+        monkeypatch.delenv("JAX_TK_GEMM_VARIANT", raising=False)
+    return request.param
+
+
+def _sizes(seed, g, m, zeros=0.3, fill=1.0):
+    """g random group sizes (some zero) summing to about fill * m (never more than m)."""
+    rng = np.random.default_rng(seed)
+    w = rng.random(g) * (rng.random(g) > zeros)
+    if w.sum() == 0:
+        w[0] = 1
+    s = np.floor(w / w.sum() * fill * m).astype(int)
+    return [int(x) for x in s]
+
+
+# (m, k, n, group sizes): odd sizes (multiples of 8 for k and n), empty groups, one group, many groups,
+# sums below m, negative sizes and sums past m (clipped), tiles that cut through group boundaries.
+CASES = [
+    (1, 8, 8, [1]),
+    (300, 72, 136, [300]),                      # dense, one group, odd
+    (257, 64, 256, [0, 100, 0, 157]),           # empty groups
+    (130, 8, 264, [65, 65]),                    # a boundary inside a tile, k < one step
+    (1000, 200, 392, _sizes(1, 7, 1000, fill=0.8)),   # sum < m
+    (777, 96, 40, [-5, 300, 0, 600, 100]),      # negative size, sum past m (clipped)
+    (4099, 136, 520, _sizes(2, 256, 4099)),     # 256 groups, many empty
+    (2048, 1024, 1536, [2048]),                 # dense, many steps
+    (3000, 512, 768, _sizes(3, 8, 3000, zeros=0.0, fill=0.95)),  # MoE-like
+    (64, 8, 8, [0, 0, 0]),                      # every group empty: all zeros
+]
+
+
+def _case_id(c):
+    m, k, n, s = c
+    return f"m{m}_k{k}_n{n}_g{len(s)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [RAGGED, RAGGED_BT, CONTRACT])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_kernels_vs_reference(case, kind, variant):
+    m, k, n, sizes = case
+    i = CASES.index(case)
+    dtype = (BF16, F16)[i % 2]
+    out_dtype = (None, F32)[(i // 2) % 2]
+    check(m, k, n, sizes, kind, dtype, out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [None, F32], ids=["same", "f32"])
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("kind", [RAGGED, RAGGED_BT, CONTRACT])
+def test_dtypes(kind, dtype, out_dtype, variant):
+    check(520, 264, 392, [100, 0, 333, 7], kind, dtype, out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [RAGGED, CONTRACT])
+def test_deterministic(kind, variant):
+    """No atomics: the same bits every run."""
+    a = check(1000, 256, 512, _sizes(4, 16, 1000), kind)
+    b = check(1000, 256, 512, _sizes(4, 16, 1000), kind)
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+def test_hopper_matches_sm80(monkeypatch):
+    """The two kernels agree closely (both fp32 accumulation; the order of sums differs)."""
+    sizes = _sizes(5, 12, 3000, fill=0.9)
+    monkeypatch.delenv("JAX_TK_GEMM_VARIANT", raising=False)
+    x = check(3000, 320, 640, sizes, RAGGED, out_dtype=F32)
+    monkeypatch.setenv("JAX_TK_GEMM_VARIANT", "sm80")
+    y = check(3000, 320, 640, sizes, RAGGED, out_dtype=F32)
+    assert helpers.rel_err(x, y) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,kind,match", [
+    (64, 12, 16, RAGGED, "multiples of 8"),
+    (64, 16, 12, CONTRACT, "multiples of 8"),
+])
+def test_rejects_unsupported(m, k, n, kind, match):
+    a, b, gs = make_inputs(0, m, k, n, [m], kind, BF16)
+    out_shape = (1, k, n) if kind == CONTRACT else (m, n)
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(kernel(a, b, gs, kind=kind, out_dtype=BF16, out_shape=out_shape))
+
+
+def test_contract_constants():
+    """The header's contract (what Python reads without the extension) has what the tests use."""
+    c = extension.header_constants("gemm")
+    assert c["MODE_RAGGED"] == 0 and c["MODE_CONTRACT"] == 1 and c["DIM_MULTIPLE"] == 8
+    if extension.has_cuda_kernels():
+        assert contract() == c
