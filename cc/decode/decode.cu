@@ -116,6 +116,13 @@ struct Rows {
   __device__ __forceinline__ int2 row_keys(const Params &p, int r) const { return real(r) ? keys(p, position(r)) : int2{0, 0}; }
 };
 
+// The log-sum-exp (natural log; -inf: no key) of query row `row` of [batch, q_len, q_heads] into
+// Params::lse, which is [batch, q_heads, q_len] (the attention kernels' layout).
+__device__ __forceinline__ void store_lse(const Params &p, size_t row, float lse2) {
+  const int head = row % p.q_heads, token = (row / p.q_heads) % p.q_len, b = row / ((size_t)p.q_heads * p.q_len);
+  p.lse[((size_t)b * p.q_heads + head) * p.q_len + token] = lse2 == NEG_INF ? NEG_INF : lse2 * LN2;
+}
+
 template <typename T, int D, typename C>
 __global__ __launch_bounds__(C::THREADS, 1) void decode_kernel(const __grid_constant__ Params p) {
   constexpr int ROWS = C::ROWS, KEYS = C::KEYS, STAGES = C::STAGES, WARPS = C::WARPS;
@@ -267,7 +274,10 @@ __global__ __launch_bounds__(C::THREADS, 1) void decode_kernel(const __grid_cons
     const int x = R.r0 + r;
     return ((size_t)b * p.q_len + x / group) * p.q_heads + h * group + x % group;
   };
-  if (p.splits > 1 && tid < ROWS && R.real(tid)) p.workspace[part * q_rows + row_index(tid)] = sm.lse[tid];
+  if (tid < ROWS && R.real(tid)) {
+    if (p.splits > 1) p.workspace[part * q_rows + row_index(tid)] = sm.lse[tid];
+    else store_lse(p, row_index(tid), sm.lse[tid]);
+  }
   float *ws_o = p.workspace + p.splits * q_rows;
   for (int i = tid; i < ROWS * D / 2; i += C::THREADS) {
     const int r = i / (D / 2), d = (i % (D / 2)) * 2;
@@ -326,6 +336,7 @@ template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel
   }
   T *out = static_cast<T *>(p.o) + row * D;
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  if (lane == 0) store_lse(p, row, sum > 0.f ? mx + warp::fn::log2(sum) : NEG_INF);
 #pragma unroll
   for (int k = 0; k < D / 32; k++) out[k * 32 + lane] = convert<T>(acc[k] * inv);
 }

@@ -35,6 +35,7 @@ struct Params {
   float softcap = 0.f;                      // logits := cap * tanh(logits / cap) (after scaling); 0: none
   const void *q, *k, *v;
   void *o;
+  float *lse;  // [batch, q_heads, q_len]: each row's log-sum-exp (natural log; -inf where it sees no key)
   int splits = 1;  // parts of each sequence's keys, merged through their log-sum-exp (splits > 1)
   float *workspace;  // splits > 1: workspace_words() floats, see there
 };

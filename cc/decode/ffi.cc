@@ -5,7 +5,8 @@
 // Operands: query [batch, q_len, q_heads, head_dim]; key_cache and value_cache, contiguous [batch,
 // capacity, kv_heads, head_dim] or paged [num_pages, page_size, kv_heads, head_dim]; lengths int32
 // [batch]; page_table int32 [batch, max_pages] (paged) or shape (0,) (contiguous). Results: out (the
-// query's shape and dtype) and the workspace, float32 [max(workspace_words(), 1)]. Attributes:
+// query's shape and dtype), lse float32 [batch, q_heads, q_len] and the workspace, float32
+// [max(workspace_words(), 1)]. Attributes:
 // scale, is_causal, window_left, window_right (-1: unbounded), softcap (0: none), splits.
 #include "decode/decode.h"
 #include "ffi/common.h"
@@ -54,7 +55,8 @@ ffi::Error check_cache(Params &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer 
 // that tests alias to the outputs to poison them), ignored here.
 template <typename... Extra>
 ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer lengths,
-                       ffi::AnyBuffer page_table, Extra..., ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> workspace,
+                       ffi::AnyBuffer page_table, Extra..., ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                       ffi::Result<ffi::AnyBuffer> workspace,
                        float scale, int32_t is_causal, int32_t window_left, int32_t window_right, float softcap,
                        int32_t splits) {
   Params p{};
@@ -71,6 +73,9 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   if (lengths.element_type() != ffi::DataType::S32 || lengths.dimensions().size() != 1 || lengths.dimensions()[0] != p.batch)
     return invalid("lengths must be int32 [batch]");
   if (!same_type_and_dims(*o, q)) return invalid("out must have the query's shape and dtype");
+  auto ld = lse->dimensions();
+  if (lse->element_type() != ffi::DataType::F32 || ld.size() != 3 || ld[0] != p.batch || ld[1] != p.q_heads || ld[2] != p.q_len)
+    return invalid("lse must be float32 [batch, q_heads, q_len]");
   if (splits < 1 || splits > decode::MAX_SPLITS) return invalid("splits must be in [1, MAX_SPLITS]");
   const size_t words = decode::workspace_words(splits, p.batch, p.q_len, p.q_heads, p.head_dim);
   auto wd = workspace->dimensions();
@@ -88,6 +93,7 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   p.splits = splits;
   p.q = q.untyped_data();
   p.o = o->untyped_data();
+  p.lse = static_cast<float *>(lse->untyped_data());
   p.workspace = static_cast<float *>(workspace->untyped_data());
   if (!aligned16(p.q) || !aligned16(p.o)) return invalid("query and out must be 16-byte aligned");
   return cuda_error(decode::decode(p, stream), "decode attention");
@@ -106,6 +112,7 @@ template <bool TEST> auto binding() {
   auto tail = [](auto &&b) {
     return std::move(b)
         .template Ret<ffi::AnyBuffer>()  // out
+        .template Ret<ffi::AnyBuffer>()  // lse
         .template Ret<ffi::AnyBuffer>()  // workspace
         .template Attr<float>("scale")
         .template Attr<int32_t>("is_causal")

@@ -46,18 +46,20 @@ def workspace_words(parts: int, batch: int, t_new: int, heads: int, head_dim: in
     return parts * batch * t_new * heads * (head_dim + 1) if parts > 1 else 0
 
 
-def kernel(query, key_cache, value_cache, cache_lengths, page_table, spec, out_init=None, parts=None):
-    """The decode kernel's output. ``page_table`` None: a contiguous cache. ``parts`` overrides the
-    split count (tests); ``out_init`` (tests): buffers aliased to (out, workspace)."""
+def kernel(query, key_cache, value_cache, cache_lengths, page_table, spec, out_init=None, parts=None,
+           with_lse=False):
+    """The decode kernel's output (and with ``with_lse`` its log-sum-exp ``[batch, heads, T_new]``, float32,
+    -inf for a row that sees no key). ``page_table`` None: a contiguous cache. ``parts`` overrides the
+    split count (tests); ``out_init`` (tests): buffers aliased to (out, lse, workspace)."""
     b, t, n, h = query.shape
     capacity = key_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
     parts = splits(b, t, n, key_cache.shape[2], capacity) if parts is None else parts
-    out_types = (jax.ShapeDtypeStruct(query.shape, query.dtype),
+    out_types = (jax.ShapeDtypeStruct(query.shape, query.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32),
                  jax.ShapeDtypeStruct((max(workspace_words(parts, b, t, n, h), 1),), jnp.float32))
     table = page_table if page_table is not None else jnp.zeros((0,), jnp.int32)
     left, right = spec.window if spec.window is not None else (-1, -1)
     attributes = dict(scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal), window_left=np.int32(left),
                       window_right=np.int32(right), softcap=np.float32(spec.softcap or 0.0), splits=np.int32(parts))
-    out, _ = kernel_call(TARGET, out_types, (query, key_cache, value_cache, cache_lengths, table), attributes,
-                         out_init=out_init)
-    return out
+    out, lse, _ = kernel_call(TARGET, out_types, (query, key_cache, value_cache, cache_lengths, table), attributes,
+                              out_init=out_init)
+    return (out, lse) if with_lse else out

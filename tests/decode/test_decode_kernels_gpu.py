@@ -25,14 +25,26 @@ TOL = {BF16: 1.2e-2, F16: 3e-3}
 def kernel(q, k, v, lengths, table, *, spec, parts):
     b, t, n, h = q.shape
     words = max(launch.workspace_words(parts, b, t, n, h), 1)
-    return launch.kernel(q, k, v, lengths, table, spec, out_init=(nan(q.shape, q.dtype), nan((words,), F32)),
-                         parts=parts)
+    out_init = (nan(q.shape, q.dtype), nan((b, n, t), F32), nan((words,), F32))
+    return launch.kernel(q, k, v, lengths, table, spec, out_init=out_init, parts=parts, with_lse=True)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def want(q, k, v, lengths, table, *, spec):
-    return reference.attention(q.astype(F32), k.astype(F32), v.astype(F32), lengths, scale=spec.scale, page_table=table,
-                               is_causal=spec.is_causal, local_window_size=spec.window, logits_soft_cap=spec.softcap)
+    """(out, lse [B, N, T]) in float32."""
+    q, k, v = (x.astype(F32) for x in (q, k, v))
+    out = reference.attention(q, k, v, lengths, scale=spec.scale, page_table=table, is_causal=spec.is_causal,
+                              local_window_size=spec.window, logits_soft_cap=spec.softcap)
+    if table is not None:
+        k = reference.gather_pages(k, table)
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    logits = jnp.einsum("btkgh,bskh->bkgts", q.reshape(b, t, kh, n // kh, h), jnp.nan_to_num(k)) * spec.scale
+    if spec.softcap is not None:
+        logits = spec.softcap * jnp.tanh(logits / spec.softcap)
+    mask = reference.visibility(lengths, t, k.shape[1], is_causal=spec.is_causal, local_window_size=spec.window)
+    lse = jax.nn.logsumexp(jnp.where(mask[:, None, None], logits, -jnp.inf), axis=-1)  # [B, K, G, T]
+    return out, lse.reshape(b, n, t)
 
 
 def check(seed, b, t, n, kh, h, lengths, dtype, *, page_size=None, causal=True, window=None, softcap=None,
@@ -48,13 +60,17 @@ def check(seed, b, t, n, kh, h, lengths, dtype, *, page_size=None, causal=True, 
         k, v, table = to_pages(rng, k, v, page_size)
     lens = jnp.asarray(lengths, jnp.int32)
     spec = DecodeSpec(1 / np.sqrt(h), causal, True, window, softcap, page_size)
-    ref = np.asarray(want(q, k, v, lens, table, spec=spec))
+    ref, ref_lse = (np.asarray(x) for x in want(q, k, v, lens, table, spec=spec))
     for p in parts:
         p = launch.splits(b, t, n, kh, s) if p is None else p
-        out = np.asarray(kernel(q, k, v, lens, table, spec=spec, parts=p).astype(F32))
+        out, lse = kernel(q, k, v, lens, table, spec=spec, parts=p)
+        out, lse = np.asarray(out.astype(F32)), np.asarray(lse)
         assert np.isfinite(out).all(), f"splits={p}: {np.isnan(out).sum()} NaN (unwritten or leaked)"
         err = rel_err(out, ref)
         assert err < TOL[dtype], f"splits={p}: rel err {err:.3g}"
+        empty = np.isneginf(ref_lse)
+        assert np.array_equal(np.isneginf(lse), empty) and not np.isnan(lse).any(), f"splits={p}: lse -inf/NaN"
+        assert np.abs(lse[~empty] - ref_lse[~empty]).max(initial=0) < 2e-2, f"splits={p}: lse"
         for bi, length in enumerate(lengths):  # rows that see no key are exactly 0
             for i in range(t):
                 if length - t + i < 0:
@@ -119,3 +135,22 @@ def test_public_api_in_a_jitted_scan():
             kc, vc, jnp.array([300, 777], jnp.int32))
 
     assert rel_err(run("tk"), run("xla")) < TOL[BF16]
+
+
+@pytest.mark.parametrize("t", [1, 5, 16])
+def test_attention_takes_the_decode_kernel_for_short_queries(t):
+    """jax_tk.attention (no causal mask) with a few queries over many keys runs the decode kernel forward
+    (one custom call of it in the program) and the attention backward with its lse: values and grads."""
+    rng = np.random.default_rng(t)
+    q, k, v = randn(rng, (2, t, 16, 128), BF16), randn(rng, (2, 1500, 4, 128), BF16), randn(rng, (2, 1500, 4, 128), BF16)
+    dout = randn(rng, (2, t, 16, 128), F32)
+
+    def loss(impl):
+        return lambda q, k, v: jnp.sum(jax_tk.attention(q, k, v, implementation=impl, logits_soft_cap=20.0).astype(F32) * dout)
+
+    assert "jax_tk_decode" in jax.jit(jax.grad(loss("tk"), argnums=(0, 1, 2))).lower(q, k, v).as_text()
+    got = jax.jit(jax.value_and_grad(loss("tk"), argnums=(0, 1, 2)))(q, k, v)
+    ref = jax.jit(jax.value_and_grad(loss("xla"), argnums=(0, 1, 2)))(*(x.astype(F32) for x in (q, k, v)))
+    assert abs(float(got[0]) - float(ref[0])) <= 2e-2 * max(1.0, abs(float(ref[0])))
+    for name, g, r in zip("qkv", got[1], ref[1]):
+        assert rel_err(g.astype(F32), r) < 2e-2, name
