@@ -313,12 +313,8 @@ namespace attention {
 OpExports exports();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwd, fwd_impl<>, fwd_binding<false>(), {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, bwd_impl<>, bwd_binding<false>(), {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwdTest, fwd_impl<ffi::RemainingArgs>, fwd_binding<true>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwdTest, bwd_impl<ffi::RemainingArgs>, bwd_binding<true>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_TK_DEFINE_HANDLERS(AttentionFwd, fwd_impl, fwd_binding);
+JAX_TK_DEFINE_HANDLERS(AttentionBwd, bwd_impl, bwd_binding);
 
 OpExports attention::exports() {  // (declared by cc/module.cc)
   return {"attention",

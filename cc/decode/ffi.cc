@@ -130,9 +130,7 @@ namespace decode {
 OpExports exports();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Decode, decode_impl<>, binding<false>(), {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeTest, decode_impl<ffi::RemainingArgs>, binding<true>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_TK_DEFINE_HANDLERS(Decode, decode_impl, binding);
 
 OpExports decode::exports() {  // (declared by cc/module.cc)
   return {"decode",

@@ -61,4 +61,12 @@ template <bool TEST> auto bind(auto head, auto tail) {
   else return tail(head());
 }
 
+// The two handler symbols of one handler template IMPL<Extra...> and binding BINDING<TEST>(): NAME, the
+// production target, and NAME##Test, the test target (Extra = RemainingArgs, see bind). Both are
+// CUDA-graph compatible: handlers allocate nothing and never synchronize with the host.
+#define JAX_TK_DEFINE_HANDLERS(NAME, IMPL, BINDING)                                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, IMPL<>, BINDING<false>(), {::xla::ffi::Traits::kCmdBufferCompatible}); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME##Test, IMPL<::xla::ffi::RemainingArgs>, BINDING<true>(),           \
+                                {::xla::ffi::Traits::kCmdBufferCompatible})
+
 }  // namespace jax_tk

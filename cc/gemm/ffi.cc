@@ -122,9 +122,7 @@ namespace gemm {
 OpExports exports();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRagged, ragged_impl<>, ragged_binding<false>(), {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRaggedTest, ragged_impl<ffi::RemainingArgs>, ragged_binding<true>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+JAX_TK_DEFINE_HANDLERS(GemmRagged, ragged_impl, ragged_binding);
 
 OpExports gemm::exports() {  // (declared by cc/module.cc)
   return {"gemm",
