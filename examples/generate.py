@@ -283,7 +283,8 @@ def prompts(batch: int, length: int, seed: int) -> np.ndarray:
 
 
 def main(argv=None):
-    """Runs every implementation; returns {attention: result dict} (plus "check": (ok, message))."""
+    """Runs every implementation; returns {attention: result dict} (plus "check": (ok, message), not ok
+    when an implementation failed to run or disagreed)."""
     args = parse_args(argv)
     params, config, source = load_model(args)
     backend = jax.default_backend()
@@ -293,14 +294,19 @@ def main(argv=None):
           f"prompt {args.prompt_len}, new {args.new_tokens}, {args.loop} loop, "
           f"{'paged cache (pages of %d)' % page_size if page_size else 'contiguous cache'} for tk, "
           f"temperature {args.temperature}")
-    results = {}
+    results, failed = {}, []
     for attention in args.attention:
         if attention == "cudnn" and backend != "gpu":
             print("cudnn: skipped (cuDNN needs a GPU)")
             continue
-        r = generate(params, config, prompt, args.new_tokens, attention=attention,
-                     page_size=page_size if attention == "tk" else None, temperature=args.temperature,
-                     seed=args.seed, loop=args.loop)
+        try:
+            r = generate(params, config, prompt, args.new_tokens, attention=attention,
+                         page_size=page_size if attention == "tk" else None, temperature=args.temperature,
+                         seed=args.seed, loop=args.loop)
+        except Exception as e:  # noqa: BLE001 - report it and time the others
+            print(f"{attention:>6}: FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            failed.append(attention)
+            continue
         results[attention] = r
         print(f"{attention:>6}: prefill {r['prefill_s'] * 1e3:8.2f} ms, decode {r['tokens_per_s']:12,.0f} tokens/s "
               f"({args.batch} x {args.new_tokens} tokens in {r['decode_s']:.3f} s)")
@@ -312,6 +318,9 @@ def main(argv=None):
         print("-" * 68)
     if not args.no_check and len(results) > 1:
         results["check"] = check(params, config, prompt, args, results)
+    if failed:
+        earlier = results.get("check", (True, ""))[1]
+        results["check"] = (False, "\n".join(filter(None, [earlier, f"failed to run: {', '.join(failed)}"])))
     return results
 
 
