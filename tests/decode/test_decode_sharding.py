@@ -269,3 +269,38 @@ def test_sharded_decoding_loop_donated(kind, paged):
     for g, w in zip(got[:3], want[:3]):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert rel_err(got[3], want[3]) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# The CUDA lowering (without a GPU): the kernel runs on the local shards
+# ----------------------------------------------------------------------------------------------
+
+
+@needs_devices
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_cuda_lowering_runs_kernel_on_local_shards(paged):
+    mesh = _mesh(AxisType.Explicit)
+    b, t, n, kh, h, s, page = 8, 1, 8, 4, 128, 256, 16
+    bf16 = jnp.bfloat16
+    sds = lambda shape, spec, dt=bf16: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+    split = P("data", None, "model")
+    q = sds((b, t, n, h), split)
+    lens = sds((b,), P("data"), jnp.int32)
+    if paged:
+        cache = sds((b * s // page, page, kh, h), P(None, None, "model"))
+        table = sds((b, s // page), P("data"), jnp.int32)
+        args = (q, cache, cache, lens, table)
+        local_cache = f"tensor<{b * s // page}x{page}x{kh // 4}x{h}xbf16>"
+    else:
+        cache = sds((b, s, kh, h), split)
+        args = (q, cache, cache, lens)
+        local_cache = f"tensor<{b // 2}x{s}x{kh // 4}x{h}xbf16>"
+    fn = jax.jit(lambda q, k, v, l, tb=None: jax_tk.decode.attention(q, k, v, l, page_table=tb))
+    check = [jax.export.DisabledSafetyCheck.custom_call("jax_tk_decode")]
+    text = jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args).mlir_module()
+    assert "sdy.manual_computation" in text
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call @jax_tk_decode" in line]
+    assert calls
+    for line in calls:
+        assert f"tensor<{b // 2}x{t}x{n // 4}x{h}xbf16>" in line and local_cache in line, line
+        assert f"tensor<{b}x{t}x{n}x{h}xbf16>" not in line, line
