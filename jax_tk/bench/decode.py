@@ -331,8 +331,12 @@ def plot(results: Sequence[Result], path: str, env: dict) -> list[str]:
     if plt is None or not ok:
         return []
     panels = sorted({(c.heads, c.kv_heads, c.head_dim, c.new_tokens, c.page_size) for c in (r.config for r in ok)})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, key in zip(axes[0], panels):
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, panels):
         rows = [r for r in ok if (r.config.heads, r.config.kv_heads, r.config.head_dim, r.config.new_tokens,
                                   r.config.page_size) == key]
         for (prov, b) in sorted({(r.provider, r.config.batch) for r in rows}):

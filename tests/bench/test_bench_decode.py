@@ -82,7 +82,7 @@ def _run(configs, providers, **kw):
     return decode.bench_decode(configs, providers, timer=harness.WallTimer(**TINY_TIMER), log=None, **kw)
 
 
-def test_tiny_run_cpu():
+def test_tiny_run_cpu(tmp_path):
     configs = [C(2, 64, 4, 2, 32), C(2, 64, 4, 2, 32, new_tokens=4), C(2, 64, 4, 2, 32, page_size=16)]
     results = _run(configs, ["jax_tk", "xla", "cudnn"])
     by = {(r.config, r.provider): r for r in results}
@@ -95,6 +95,9 @@ def test_tiny_run_cpu():
     assert by[(configs[2], "xla")].status == "skipped" and "unsupported" in by[(configs[2], "xla")].note
     table = decode.format_table(results)
     assert "vs peer" in table and "of ceil" in table and "unsupported" in table
+    if output.pyplot() is not None:
+        paths = decode.plot(results, str(tmp_path / "decode.png"), {"gpu": "cpu"})
+        assert paths and (tmp_path / "decode.png").stat().st_size > 1000
 
 
 def test_wrong_provider_is_not_a_timing(monkeypatch):
