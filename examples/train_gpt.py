@@ -12,7 +12,7 @@ compare speed and loss.
 
 It writes into ``--out`` (default ``runs/gpt``): ``loss.png`` (the loss curve), ``ckpt.npz`` (the
 parameters, the optimizer state and the step) and ``summary.json``; at the end it prints a sample of
-generated text.
+generated text (``examples/generate.py`` samples with a KV cache, from a checkpoint of this script).
 
 The module has no side effects on import, so that tests can use ``init_params``, ``loss_fn``,
 ``train_step`` and ``main(argv)``.
@@ -129,17 +129,36 @@ def _layer_norm(x, scale, bias, eps=1e-5):
     return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
 
 
-def _block(x, p, config: Config, attention: str):
+def block_qkv(x, p, config: Config):
+    """A block's attention inputs: q, k, v [batch, seq, heads, head_dim] of the residual stream x."""
     dt = config.compute_dtype
     B, T, D = x.shape
     h = _layer_norm(x, p["ln1_scale"], p["ln1_bias"]).astype(dt)
     qkv = h @ p["qkv_w"].astype(dt) + p["qkv_b"].astype(dt)
-    q, k, v = (t.reshape(B, T, config.heads, config.head_dim) for t in jnp.split(qkv, 3, axis=-1))
-    a = attend(q, k, v, attention).reshape(B, T, D)
+    return tuple(t.reshape(B, T, config.heads, config.head_dim) for t in jnp.split(qkv, 3, axis=-1))
+
+
+def block_out(x, a, p, config: Config):
+    """The rest of a block after attention: a [batch, seq, heads, head_dim] -> the new residual stream.
+    (examples/generate.py runs blocks as block_qkv, attention over a KV cache, block_out.)"""
+    dt = config.compute_dtype
+    a = a.reshape(x.shape)
     x = x + (a @ p["proj_w"].astype(dt) + p["proj_b"].astype(dt)).astype(jnp.float32)
     h = _layer_norm(x, p["ln2_scale"], p["ln2_bias"]).astype(dt)
     h = jax.nn.gelu(h @ p["fc_w"].astype(dt) + p["fc_b"].astype(dt))
     return x + (h @ p["out_w"].astype(dt) + p["out_b"].astype(dt)).astype(jnp.float32)
+
+
+def _block(x, p, config: Config, attention: str):
+    q, k, v = block_qkv(x, p, config)
+    return block_out(x, attend(q, k, v, attention), p, config)
+
+
+def logits_of(params, x, config: Config):
+    """float32 logits [..., vocab] of the final residual stream x (final layer norm, tied embedding)."""
+    x = _layer_norm(x, params["lnf_scale"], params["lnf_bias"])
+    dt = config.compute_dtype
+    return (x.astype(dt) @ params["wte"].astype(dt).T).astype(jnp.float32)
 
 
 def forward(params, tokens, config: Config, attention: str = "tk"):
@@ -147,9 +166,7 @@ def forward(params, tokens, config: Config, attention: str = "tk"):
     T = tokens.shape[1]
     x = params["wte"][tokens] + params["wpe"][:T]
     x, _ = jax.lax.scan(lambda x, p: (_block(x, p, config, attention), None), x, params["blocks"])
-    x = _layer_norm(x, params["lnf_scale"], params["lnf_bias"])
-    dt = config.compute_dtype
-    return (x.astype(dt) @ params["wte"].astype(dt).T).astype(jnp.float32)
+    return logits_of(params, x, config)
 
 
 def loss_fn(params, inputs, targets, config: Config, attention: str = "tk"):

@@ -54,6 +54,16 @@ N_DEVICES = 8
 CHILD_ENV = "JAX_TK_MULTIDEVICE_CHILD"
 
 
+# The child imports the jax_tk this process imported: an editable install's import redirect (a
+# meta-path finder) would otherwise send a checkout's tests (e.g. a git worktree's) to the installed tree.
+_CHILD = (
+    "import sys; "
+    "sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != 'ScikitBuildRedirectingFinder']; "
+    f"sys.path.insert(0, {str(pathlib.Path(__import__('jax_tk').__file__).resolve().parents[1])!r}); "
+    "import pytest; sys.argv[0] = 'pytest'; sys.exit(pytest.main(sys.argv[1:]))"
+)
+
+
 def have_devices() -> bool:
     return jax.default_backend() == "cpu" and jax.device_count() >= N_DEVICES
 
@@ -66,7 +76,7 @@ def run_in_subprocess(path):
     env["JAX_PLATFORMS"] = "cpu"
     env[CHILD_ENV] = "1"
     safe_path = ["-P"] if getattr(sys.flags, "safe_path", False) else []  # as this process was run
-    cmd = [sys.executable, *safe_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)]
+    cmd = [sys.executable, *safe_path, "-c", _CHILD, "-q", "-p", "no:cacheprovider", str(path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     tail = "\n".join(proc.stdout.splitlines()[-60:])
     print(tail)

@@ -1,6 +1,7 @@
 """Benchmarks: jax_tk against its peers, in one process, with one timer.
 
     python -m jax_tk.bench attention [--quick] [--features] [--providers jax_tk,cudnn,fa3,...] ...
+    python -m jax_tk.bench decode [--quick] [--full] [--batch 8,64 --cache 8k ...]
     python -m jax_tk.bench report a.csv b.csv [--png merged.png]    # merge earlier runs, no GPU
     python -m jax_tk.bench attention --help
 
@@ -13,7 +14,10 @@ The package is one harness shared by every op and one set of modules per op:
 - ``cli``: the subcommand registry, shared options, ``report``, ``main``;
 - ``attention`` (+ ``attention_configs``, ``attention_providers``, ``attention_report``): the
   attention sweep and feature rows, FLOP counting, the providers jax_tk, jax_tk_auto, cudnn,
-  cudnn_packed, fa3 (FlashAttention-3, ``pip install flash-attn3-jax``), xla, pallas, pallas_triton.
+  cudnn_packed, fa3 (FlashAttention-3, ``pip install flash-attn3-jax``), xla, pallas, pallas_triton;
+- ``decode`` (+ ``decode_providers``): decode attention over a KV cache (contiguous and paged), in TB/s of
+  cache read beside a read-bandwidth ceiling measured in the same run; providers jax_tk, cudnn, fa3
+  (``flash_mha_with_kvcache``, the fastest of num_splits 1/4/16), xla.
 
 A new op adds ``jax_tk/bench/<op>.py`` (configurations with ``flops``/``label``/``CSV_FIELDS``/
 ``csv_row``/``from_row``, a ``harness.OpBench``, a ``cli.Command`` passed to ``cli.register``); the

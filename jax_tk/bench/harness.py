@@ -67,7 +67,9 @@ class Provider:
     against the reference with it; other ops ignore it). ``fallback(reason)``: another Provider to
     try when every mode failed. ``scratch_bytes``: bytes of the large intermediates it materializes
     (XLA's [B, H, T, S] attention logits), described by ``scratch_what``; ``run`` skips the provider
-    where they exceed ``max_scratch_bytes`` (``--xla-max-gb``).
+    where they exceed ``max_scratch_bytes`` (``--xla-max-gb``). ``variants``: settings of one
+    implementation to choose from (e.g. FlashAttention's number of KV splits): each is timed, and the
+    fastest correct one is reported, its note naming it (``fn`` is then not timed).
     """
 
     name: str
@@ -78,6 +80,7 @@ class Provider:
     note: str = ""
     scratch_bytes: int = 0
     scratch_what: str = "scratch"
+    variants: tuple["Provider", ...] = ()
 
     @property
     def materializes_logits(self) -> bool:
@@ -89,7 +92,8 @@ class OpBench:
     """What an op gives the harness.
 
     ``make_provider(name, cfg) -> Provider`` (raises Skip/Unavailable where it does not apply);
-    ``make_inputs(cfg, copies) -> [(*args, dout), ...]`` random inputs (never zeros) and cotangent;
+    ``make_inputs(cfg, copies) -> [(*args, dout), ...]`` random inputs (never zeros) and cotangent
+    (raises Skip where the configuration cannot be run here, e.g. does not fit in memory);
     ``input_bytes(cfg)``: bytes of one such set; ``check_fwd(cfg, provider, args, out)`` and
     ``check_bwd(cfg, provider, args, dout, grads)`` -> relative error against a reference;
     ``on_result(result, by_key)``: a hook on every result (e.g. the ratio to a baseline row)."""
@@ -286,6 +290,22 @@ def _time_with_fallback(op, provider, cfg, sets, modes, timer, check) -> list[Re
     return out
 
 
+def _time_best_variant(op, provider, cfg, sets, modes, timer, check) -> list[Result]:
+    """Per mode, the fastest ok result over ``provider.variants`` (else the first variant's failure)."""
+    if not provider.variants:
+        return _time_with_fallback(op, provider, cfg, sets, modes, timer, check)
+    tried = [_time_with_fallback(op, v, cfg, sets, modes, timer, check) for v in provider.variants]
+    best = []
+    for k, mode in enumerate(modes):
+        ok = [rs[k] for rs in tried if rs[k].status == "ok"]
+        r = min(ok, key=lambda r: r.time_ms) if ok else tried[0][k]
+        r.provider = provider.name
+        if ok:
+            r.note = "; ".join(filter(None, [r.note, f"fastest of {len(tried)} variants ({len(ok)} ran)"]))
+        best.append(r)
+    return best
+
+
 def log_line(r: Result) -> str:
     t = f"{r.time_ms:9.4f} ms {fmt_tflops(r.tflops):>7} TFLOP/s" if r.status == "ok" else r.status
     err = f" err={r.rel_err:.1e}" if not math.isnan(r.rel_err) else ""
@@ -324,6 +344,10 @@ def run(op: OpBench, configs: Sequence, providers: Sequence[str], modes: Sequenc
             log(f"{cfg.label()} {getattr(cfg, 'dtype', '')}  (t={time.perf_counter() - t_start:.0f} s)")
         try:
             sets = op.make_inputs(cfg, copies_for(op.input_bytes(cfg)))
+        except Skip as e:  # e.g. the inputs do not fit in memory
+            for name in providers:
+                emit_all(cfg, name, "skipped", str(e))
+            continue
         except Exception as e:  # noqa: BLE001
             for name in providers:
                 emit_all(cfg, name, "error", f"inputs: {short_error(e)}")
@@ -342,7 +366,7 @@ def run(op: OpBench, configs: Sequence, providers: Sequence[str], modes: Sequenc
                     provider.note, f"{provider.scratch_what} = {provider.scratch_bytes / 1e9:.1f} GB > "
                                    f"{max_scratch_bytes / 1e9:.0f} GB"])))
                 continue
-            for r in _time_with_fallback(op, provider, cfg, sets, modes, timer, check):
+            for r in _time_best_variant(op, provider, cfg, sets, modes, timer, check):
                 emit(r)
         del sets
     if log is not None:

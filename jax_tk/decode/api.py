@@ -1,7 +1,9 @@
 """jax_tk.decode: attention of new tokens over a KV cache (serving), and appending to the cache.
 
-Trace-time checks, the static spec of a call and the dispatch between the decode kernel
-(``cc/decode``, through ``launch``) and the pure-JAX reference (``reference``).
+Trace-time checks, the static spec of a call, the dispatch between the decode kernel (``cc/decode``,
+through ``launch``) and the pure-JAX reference (``reference``), and the partitioning (under ``jit`` with
+sharded inputs both ops run on each device's shards, split over batch and key/value heads; see the
+layouts at the end of this module).
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk._core import checks, dispatch
+from jax_tk._core import checks, dispatch, sharding
 from jax_tk.decode import launch, reference
 
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -136,6 +138,13 @@ def attention(query, key_cache, value_cache, cache_lengths, *, page_table=None, 
     A row that sees no key (``cache_lengths[b] == 0``, or ``p < 0`` when ``cache_lengths[b] < T_new``:
     padding rows before the sequence's start) gives 0, never NaN.
 
+    Several devices: inside ``shard_map`` it runs on the local shards as given (a paged cache may then
+    be a pool per shard, its page numbers local). Under ``jit`` with sharded inputs it runs on each
+    device's shards without gathering the cache: split over batch and heads as the query is (shard the
+    caches, lengths and page table the same way: batch, and the key/value heads of the query's heads).
+    A paged pool has no batch dimension: it is split over key/value heads only and replicated over the
+    batch axes (a pool split over its pages would be gathered).
+
     Returns:
       ``[batch, T_new, heads, head_dim]`` in the query's dtype.
     """
@@ -163,7 +172,9 @@ def attention(query, key_cache, value_cache, cache_lengths, *, page_table=None, 
     softcap = checks.positive_float(_OP, "logits_soft_cap", logits_soft_cap)
     use = dispatch.use_kernel(_OP, implementation, launch.kernel_unsupported_reason(query))
     spec = DecodeSpec(scale, bool(is_causal), use, window, softcap, page_size)
-    return _local(spec, query, key_cache, value_cache, cache_lengths, _page_table_int32(page_table))
+    layout = _ATTENTION_LAYOUT if page_table is None else _PAGED_ATTENTION_LAYOUT
+    return sharding.call(layout, _local_results, spec, query, key_cache, value_cache, cache_lengths,
+                         _page_table_int32(page_table))[0]
 
 
 def _local(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_table):
@@ -195,13 +206,17 @@ def update_kv_cache(cache, new, cache_lengths, *, page_table=None):
     and rows whose page-table entry is outside ``[0, num_pages)`` are dropped (not written, no error:
     the sizes are traced). Two sequences whose tables name the same page and row write in an
     unspecified order.
+
+    Under ``jit`` with sharded inputs each device writes its own shard of the cache: a contiguous cache
+    split over batch and key/value heads; a paged pool split over key/value heads and replicated over
+    the batch axes, each replica getting every sequence's new rows (``new`` is gathered, the pool never).
     """
     if not hasattr(cache, "shape") or not hasattr(new, "shape"):
         raise TypeError(f"jax_tk.{_UPDATE}: cache and new must be arrays, got {type(cache).__name__} and "
                         f"{type(new).__name__}")
     _float_array(_UPDATE, "new", new, "[batch, T_new, kv_heads, head_dim]")
     b, t, kh, h = new.shape
-    capacity, page_size = _check_cache(_UPDATE, cache, None, b, page_table, names=("cache",))
+    capacity, _ = _check_cache(_UPDATE, cache, None, b, page_table, names=("cache",))
     if cache.dtype != new.dtype:
         raise TypeError(f"jax_tk.{_UPDATE}: new must have the cache's dtype {cache.dtype}, got {new.dtype}")
     if tuple(cache.shape[2:]) != (kh, h):
@@ -209,16 +224,56 @@ def update_kv_cache(cache, new, cache_lengths, *, page_table=None):
                          f"{tuple(cache.shape[2:])}")
     if page_table is None and t > capacity:
         raise ValueError(f"jax_tk.{_UPDATE}: T_new ({t}) must be <= max_seq_len of the cache ({capacity})")
-    pos = reference.query_positions(_lengths(_UPDATE, cache_lengths, b) + t, t)  # [B, T]: len .. len + T - 1
+    layout = _UPDATE_LAYOUT if page_table is None else _PAGED_UPDATE_LAYOUT
+    return sharding.call(layout, _update_local, None, cache, new, _lengths(_UPDATE, cache_lengths, b),
+                         _page_table_int32(page_table))[0]
+
+
+def _update_local(static, cache, new, cache_lengths, page_table):
+    """update_kv_cache on one device's arrays (checked; lengths and table int32): one scatter."""
+    del static
+    b, t = new.shape[:2]
+    capacity = cache.shape[1] if page_table is None else page_table.shape[1] * cache.shape[1]
+    pos = reference.query_positions(cache_lengths + t, t)  # [B, T]: len .. len + T - 1
     inside = (pos >= 0) & (pos < capacity)
     if page_table is None:
         # Out-of-range rows are sent to index max_seq_len (explicitly, because negative indices would wrap)
         # and dropped by the scatter.
         rows = jnp.where(inside, pos, capacity)
-        return cache.at[jnp.arange(b)[:, None], rows].set(new, mode="drop")
-    page_table = _page_table_int32(page_table)
-    num_pages = cache.shape[0]
+        return (cache.at[jnp.arange(b)[:, None], rows].set(new, mode="drop"),)
+    page_size, num_pages = cache.shape[1], cache.shape[0]
     slot = jnp.where(inside, pos // page_size, 0)
     page = jnp.take_along_axis(page_table, slot, axis=1)
     page = jnp.where(inside & (page >= 0) & (page < num_pages), page, num_pages)
-    return cache.at[page, pos % page_size].set(new, mode="drop")
+    return (cache.at[page, pos % page_size].set(new, mode="drop"),)
+
+
+# ----------------------------------------------------------------------------------------------
+# Partitioning (jax_tk._core.sharding): under jit with sharded inputs each device runs the op on its
+# shards, without gathering the caches.
+#
+# Labels: batch "b" and query heads "n" split, key/value heads "k" split with them (grouped-query:
+# each device keeps the key/value heads of its query heads; with more head shards than key/value
+# heads, a head is replicated over the devices that share it), T_new "t", cache rows "s", head_dim "d"
+# and the page table's slots "m" whole. The query's sharding decides the split (shard it like the
+# caches: batch and heads).
+#
+# A paged cache "p r k d" has no batch dimension: a page may belong to any sequence, so the pool is
+# split over key/value heads only and is whole (replicated) over the batch axes, where the page table
+# and lengths are split. A pool sharded over its pages would be gathered; to give each batch shard a
+# pool of its own (page numbers local to the shard), call the op inside shard_map, where it runs on
+# whatever it is given. update_kv_cache of a paged pool leads with the pool, so the batch is not split
+# there: every device writes every sequence's new rows into its replica of the pool (the new tokens,
+# [batch, T_new, kv_heads, head_dim], are gathered; the pool never is), which keeps the replicas equal.
+# ----------------------------------------------------------------------------------------------
+
+_ATTENTION_LAYOUT = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", "b", "b m"), outputs=("b t n d",),
+                                    heads="n", grouped="k")
+_PAGED_ATTENTION_LAYOUT = sharding.Layout(inputs=("b t n d", "p r k d", "p r k d", "b", "b m"),
+                                          outputs=("b t n d",), heads="n", grouped="k")
+_UPDATE_LAYOUT = sharding.Layout(inputs=("b s k d", "b t k d", "b", "b m"), outputs=("b s k d",), heads="k")
+_PAGED_UPDATE_LAYOUT = sharding.Layout(inputs=("p r k d", "b t k d", "b", "b m"), outputs=("p r k d",), heads="k")
+
+
+def _local_results(spec: DecodeSpec, *args):
+    return (_local(spec, *args),)

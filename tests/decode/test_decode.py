@@ -176,9 +176,11 @@ def test_update_kv_cache_donated():
     np.testing.assert_array_equal(np.asarray(out.astype(F32)), want)
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_scan_decoding_loop(paged):
-    """A jitted lax.scan of decode steps: cache and traced lengths carried, one new token per step."""
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("kind", ["scan", "while_loop"])
+def test_decoding_loop_donated(kind, paged):
+    """A jitted lax.scan / lax.while_loop of decode steps: caches (donated) and traced lengths carried,
+    one new token per step."""
     rng = np.random.default_rng(4)
     b, n, kh, h, s, steps, page_size = 2, 4, 2, 32, 32, 5, 16
     start = np.array([3, 11])
@@ -191,22 +193,40 @@ def test_scan_decoding_loop(paged):
     if paged:
         kc, vc, table = to_pages(rng, kc, vc, page_size)
 
-    @jax.jit
-    def run(kc, vc, lens, qs, new_k, new_v):
-        def step(carry, xs):
-            kc, vc, lens = carry
-            q, nk, nv = xs
-            kc = jax_tk.decode.update_kv_cache(kc, nk, lens, page_table=table)
-            vc = jax_tk.decode.update_kv_cache(vc, nv, lens, page_table=table)
-            lens = lens + 1
-            return (kc, vc, lens), jax_tk.decode.attention(q, kc, vc, lens, page_table=table)
-        return jax.lax.scan(step, (kc, vc, lens), (qs, new_k, new_v))
+    def step(kc, vc, lens, q, nk, nv, table):
+        kc = jax_tk.decode.update_kv_cache(kc, nk, lens, page_table=table)
+        vc = jax_tk.decode.update_kv_cache(vc, nv, lens, page_table=table)
+        lens = lens + 1
+        return kc, vc, lens, jax_tk.decode.attention(q, kc, vc, lens, page_table=table)
 
-    (_, _, lens), outs = run(kc, vc, jnp.asarray(start, jnp.int32), qs, new_k, new_v)
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def run(kc, vc, lens, qs, new_k, new_v, table):
+        if kind == "scan":
+            def body(carry, xs):
+                *carry, out = step(*carry, *xs, table)
+                return tuple(carry), out
+            (kc, vc, lens), outs = jax.lax.scan(body, (kc, vc, lens), (qs, new_k, new_v))
+            return kc, vc, lens, outs
+
+        def body(c):
+            i, kc, vc, lens, outs = c
+            kc, vc, lens, out = step(kc, vc, lens, qs[i], new_k[i], new_v[i], table)
+            return i + 1, kc, vc, lens, outs.at[i].set(out)
+        _, kc, vc, lens, outs = jax.lax.while_loop(lambda c: c[0] < qs.shape[0], body,
+                                                    (0, kc, vc, lens, jnp.zeros_like(qs)))
+        return kc, vc, lens, outs
+
+    kc_in, vc_in = kc, vc
+    kc, vc, lens, outs = run(kc, vc, jnp.asarray(start, jnp.int32), qs, new_k, new_v, table)
+    assert kc_in.is_deleted() and vc_in.is_deleted()  # donated: XLA reused their buffers
     np.testing.assert_array_equal(np.asarray(lens), start + steps)
     for j in range(steps):
         ref = numpy_decode(qs[j], seq_k, seq_v, start + j + 1, 1 / np.sqrt(h))
         assert rel_err(outs[j], ref) < 1e-5
+    # the cache holds the sequences up to their new lengths
+    full_k = kc if not paged else jax_tk.decode.reference.gather_pages(kc, table)
+    for i in range(b):
+        np.testing.assert_array_equal(np.asarray(full_k[i, :start[i] + steps]), np.asarray(seq_k[i, :start[i] + steps]))
 
 
 def test_implementation():

@@ -1,0 +1,442 @@
+"""Decode-attention benchmark: jax_tk.decode against cuDNN, FlashAttention-3 and XLA, in bytes of cache read.
+
+Command line::
+
+    python -m jax_tk.bench decode                 # the default set (a few minutes on an H100)
+    python -m jax_tk.bench decode --quick         # tiny shapes (seconds, CPU too)
+    python -m jax_tk.bench decode --batch 8,64 --cache 8k,32k --heads 32/8 --d 128 --new 1,4 \\
+        --layout contiguous,paged16,paged64       # the product of the lists given
+    python -m jax_tk.bench decode --full          # every combination below (long)
+
+A configuration: batch B in {1, 8, 32, 64, 128}, cache length S in {2k, 8k, 32k, 128k} (every sequence
+holds S valid positions: the cache is full), query/key-value heads 32/8 or 64/8, head_dim 128 or 256,
+T_new in {1, 4} new tokens per sequence (causal, bottom-right aligned), bf16; the cache contiguous
+``[B, S, K, H]`` or paged (pages of 16 or 64 rows, ``[B*S/page, page, K, H]``, the page table a random
+permutation so that a sequence's pages are scattered over the pool). Configurations whose inputs do not
+fit in ``--max-gb`` (default 60% of the GPU's memory) are skipped.
+
+The default set (``--full`` for the whole product): the grid B x S at 32/8 heads, head_dim 128,
+T_new 1, contiguous; and at (B, S) = (8, 32k) and (64, 8k) one row for each other setting: 64/8 heads,
+head_dim 256, T_new 4, paged 16, paged 64.
+
+Providers (``decode_providers``): ``jax_tk`` (the decode kernel; the pure-JAX reference without a GPU),
+``cudnn`` and ``xla`` (``jax.nn.dot_product_attention`` on the contiguous cache with
+``key_value_seq_lengths``; paged rows are "unsupported"), ``fa3`` (``flash_mha_with_kvcache``, the
+fastest of num_splits 1/4/16). Timing as for every op (``harness``, ``timers``): jitted calls, inputs
+larger than L2, warm-up, median of ``--reps`` samples; each output is checked on batch 0 and key/value
+head 0 against the float32 reference.
+
+What is counted: bytes = ``2*B*S*K*H*itemsize`` (the valid keys and values, each read once) plus the
+query and the output (``2*B*T_new*N*H*itemsize``); TB/s = bytes / time. The ceiling is measured in the
+same run: ``jnp.sum`` over a ``--ceiling-gb`` bf16 array (4 GiB on a GPU) in float32, bytes / time; the
+table gives each row's time and TB/s per provider, jax_tk's speed-up over the faster of cudnn and fa3
+(their time / jax_tk's: > 1 is faster), and jax_tk's TB/s as a fraction of the ceiling.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tk.bench import cli, harness, output
+from jax_tk.bench.decode_providers import PEERS, PROVIDERS, default_providers, make_provider
+from jax_tk.bench.harness import Result, Skip
+from jax_tk.bench.timers import WORKING_SET_BYTES, make_timer
+
+DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp16": jnp.float16, "float16": jnp.float16}
+LAYOUTS = {"contiguous": 0, "paged16": 16, "paged64": 64}
+
+BATCHES = (1, 8, 32, 64, 128)
+CACHES = (2048, 8192, 32768, 131072)
+HEADS = ((32, 8), (64, 8))
+HEAD_DIMS = (128, 256)
+NEW_TOKENS = (1, 4)
+# Where the default set varies one setting at a time: (batch, cache length).
+VARIATION_POINTS = ((8, 32768), (64, 8192))
+
+QUICK = dict(batches=(1, 3), caches=(128, 512), heads=((4, 2),), head_dims=(64,), new_tokens=(1,),
+             layouts=("contiguous",))
+QUICK_POINTS = ((3, 256),)
+CPU_MAX_BYTES = 4e9
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """One benchmarked problem. ``page_size`` 0: contiguous cache. ``ceiling_tbs``: the read bandwidth
+    measured in the run (not part of the configuration's identity)."""
+
+    batch: int
+    cache_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    new_tokens: int = 1
+    page_size: int = 0
+    dtype: str = "bf16"
+    ceiling_tbs: float = dataclasses.field(default=math.nan, compare=False)
+
+    def __post_init__(self):
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.page_size and self.cache_len % self.page_size:
+            raise ValueError(f"cache_len {self.cache_len} is not a multiple of page_size {self.page_size}")
+        if self.new_tokens > self.cache_len:
+            raise ValueError("new_tokens > cache_len")
+
+    @property
+    def jnp_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return jnp.dtype(self.jnp_dtype).itemsize
+
+    @property
+    def shape_q(self):
+        return (self.batch, self.new_tokens, self.heads, self.head_dim)
+
+    @property
+    def shape_cache(self):
+        if self.page_size:
+            return (self.batch * self.cache_len // self.page_size, self.page_size, self.kv_heads, self.head_dim)
+        return (self.batch, self.cache_len, self.kv_heads, self.head_dim)
+
+    @property
+    def layout(self) -> str:
+        return f"paged{self.page_size}" if self.page_size else "contiguous"
+
+    def cache_bytes(self) -> int:
+        """The valid keys and values (every sequence is full)."""
+        return 2 * self.batch * self.cache_len * self.kv_heads * self.head_dim * self.itemsize
+
+    def bytes(self) -> int:
+        """What a decode step must move: the valid cache, the query and the output."""
+        return self.cache_bytes() + 2 * math.prod(self.shape_q) * self.itemsize
+
+    def visible(self) -> int:
+        """(query row, key) pairs per head and sequence: row i sees S - T_new + i + 1 keys."""
+        t, s = self.new_tokens, self.cache_len
+        return t * s - t * (t - 1) // 2
+
+    def flops(self, mode: str = "fwd") -> float:
+        return 4.0 * self.batch * self.heads * self.head_dim * self.visible()
+
+    def logits_bytes(self) -> int:
+        return self.batch * self.heads * self.new_tokens * self.cache_len * 4
+
+    def label(self) -> str:
+        return (f"B={self.batch} S={self.cache_len} H={self.heads}/{self.kv_heads}kv D={self.head_dim} "
+                f"T_new={self.new_tokens} {self.layout}")
+
+    CSV_FIELDS = ("dtype", "batch", "cache_len", "heads", "kv_heads", "head_dim", "new_tokens", "page_size",
+                  "bytes", "ceiling_tbs")
+
+    def csv_row(self) -> dict:
+        return {"dtype": self.dtype, "batch": self.batch, "cache_len": self.cache_len, "heads": self.heads,
+                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "new_tokens": self.new_tokens,
+                "page_size": self.page_size, "bytes": self.bytes(),
+                "ceiling_tbs": harness.fmt_num(self.ceiling_tbs, 4)}
+
+    @classmethod
+    def from_row(cls, row: dict) -> "DecodeConfig":
+        ceiling = row.get("ceiling_tbs") or ""
+        return cls(int(row["batch"]), int(row["cache_len"]), int(row["heads"]), int(row["kv_heads"]),
+                   int(row["head_dim"]), int(row["new_tokens"]), int(row["page_size"] or 0), row["dtype"],
+                   ceiling_tbs=float(ceiling) if ceiling else math.nan)
+
+
+def tbs(r: Result) -> float:
+    """TB/s of a timed result: the configuration's bytes over its median time."""
+    if r.status != "ok" or not r.time_ms > 0:
+        return math.nan
+    return r.config.bytes() / (r.time_ms * 1e-3) / 1e12
+
+
+# ----------------------------------------------------------------------------------------------
+# Configurations
+# ----------------------------------------------------------------------------------------------
+
+
+def product_configs(batches, caches, heads, head_dims, new_tokens, layouts, dtype="bf16") -> list[DecodeConfig]:
+    return [DecodeConfig(b, s, n, k, d, t, LAYOUTS[lay], dtype)
+            for lay in layouts for (n, k) in heads for d in head_dims for t in new_tokens
+            for b in batches for s in caches]
+
+
+def default_configs(quick: bool = False, dtype: str = "bf16") -> list[DecodeConfig]:
+    """The grid B x S (first heads, head_dim, T_new, contiguous), then at each variation point one row
+    per other setting (the other heads, head dims, T_new and layouts)."""
+    q = QUICK if quick else dict(batches=BATCHES, caches=CACHES, heads=HEADS, head_dims=HEAD_DIMS,
+                                 new_tokens=NEW_TOKENS, layouts=tuple(LAYOUTS))
+    points = QUICK_POINTS if quick else VARIATION_POINTS
+    (n, k), d, t = q["heads"][0], q["head_dims"][0], q["new_tokens"][0]
+    configs = product_configs(q["batches"], q["caches"], [(n, k)], [d], [t], ["contiguous"], dtype)
+    for b, s in points:
+        variations = [DecodeConfig(b, s, n2, k2, d, t, 0, dtype) for n2, k2 in q["heads"][1:]]
+        variations += [DecodeConfig(b, s, n, k, d2, t, 0, dtype) for d2 in q["head_dims"][1:]]
+        variations += [DecodeConfig(b, s, n, k, d, t2, 0, dtype) for t2 in q["new_tokens"][1:]]
+        variations += [DecodeConfig(b, s, n, k, d, t, LAYOUTS[lay], dtype) for lay in q["layouts"][1:]]
+        configs += [c for c in variations if c not in configs]
+    if quick:  # the quick set still goes through T_new > 1 and a paged cache
+        b, s = points[0]
+        configs += [DecodeConfig(b, s, n, k, d, 4, 0, dtype), DecodeConfig(b, s, n, k, d, 1, 16, dtype)]
+    return configs
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs, the correctness check, the ceiling
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _normal_rows(key, shape, dtype):
+    """Standard normal ``shape`` generated one leading row at a time (no whole-array temporaries)."""
+    keys = jax.random.split(key, shape[0])
+    return jax.lax.map(lambda k: jax.random.normal(k, shape[1:], dtype), keys)
+
+
+def input_bytes(cfg: DecodeConfig) -> int:
+    return cfg.cache_bytes() + math.prod(cfg.shape_q) * cfg.itemsize
+
+
+def make_inputs(cfg: DecodeConfig, copies: int, max_bytes: float = math.inf, seed: int = 0) -> list[tuple]:
+    """``copies`` sets of (query, key_cache, value_cache, lengths, page_table or None, None), standard
+    normal (never zeros); one set when a set alone is larger than the timers' working set (no L2 reuse is
+    possible). Raises Skip when they would not fit in ``max_bytes``."""
+    set_bytes = input_bytes(cfg)
+    copies = 1 if set_bytes >= WORKING_SET_BYTES else copies
+    if set_bytes * copies > max_bytes:
+        raise Skip(f"inputs {set_bytes * copies / 1e9:.1f} GB > --max-gb {max_bytes / 1e9:.1f} GB")
+    lengths = jnp.full((cfg.batch,), cfg.cache_len, jnp.int32)
+    table = None
+    if cfg.page_size:
+        pages = cfg.cache_len // cfg.page_size
+        perm = np.random.default_rng(seed).permutation(cfg.batch * pages).astype(np.int32)
+        table = jnp.asarray(perm.reshape(cfg.batch, pages))
+    sets = []
+    for i in range(copies):
+        keys = jax.random.split(jax.random.key(seed + i), 3)
+        cache_rows = (cfg.batch, cfg.cache_len, cfg.kv_heads, cfg.head_dim)
+        k, v = (_normal_rows(key, cache_rows, cfg.jnp_dtype).reshape(cfg.shape_cache) for key in keys[1:])
+        q = _normal_rows(keys[0], cfg.shape_q, cfg.jnp_dtype)
+        sets.append((q, k, v, lengths, table, None))
+    jax.block_until_ready(sets)
+    return sets
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "g"))
+def _reference0(q, k, v, lengths, table, *, scale, g):
+    """The float32 reference on sequence 0 and key/value head 0 (with its g query heads)."""
+    from jax_tk.decode import reference
+
+    if table is not None:
+        k, v = reference.gather_pages(k, table[:1]), reference.gather_pages(v, table[:1])
+    return reference.attention(q[:1, :, :g], k[:1, :, :1], v[:1, :, :1], lengths[:1], scale=scale, is_causal=True)
+
+
+def check_fwd(cfg: DecodeConfig, provider, inputs, out) -> float:
+    g = cfg.heads // cfg.kv_heads
+    q, k, v, lengths, table = inputs
+    ref = _reference0(q, k, v, lengths, table, scale=provider.scale, g=g)
+    return harness.rel_err([out[:1, :, :g]], [ref])
+
+
+def read_ceiling(timer, nbytes: int, dtype=jnp.bfloat16) -> float:
+    """TB/s of ``jnp.sum`` (float32 accumulation) over a random ``nbytes`` array: the read bandwidth
+    this device reaches in a plain XLA reduction."""
+    n = nbytes // jnp.dtype(dtype).itemsize
+    rows = max(1, n // 2**20)
+    x = _normal_rows(jax.random.key(123), (rows, n // rows), dtype)
+    timing = timer.measure(jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), [(x,)])
+    return x.size * x.dtype.itemsize / (timing.median_ms * 1e-3) / 1e12
+
+
+def bench_decode(configs: Sequence[DecodeConfig], providers: Sequence[str], *, timer=None, check: bool = True,
+                 max_bytes: float = math.inf, xla_max_bytes: float = 20e9,
+                 on_result: Callable[[Result], None] | None = None,
+                 log: Callable[[str], None] | None = print) -> list[Result]:
+    """Times every provider on every configuration (mode ``fwd``), one configuration at a time."""
+    op = harness.OpBench(make_provider=make_provider,
+                         make_inputs=functools.partial(make_inputs, max_bytes=max_bytes),
+                         input_bytes=input_bytes, check_fwd=check_fwd)
+    return harness.run(op, configs, providers, ("fwd",), timer=timer, check=check,
+                       max_scratch_bytes=xla_max_bytes, on_result=on_result, log=log)
+
+
+# ----------------------------------------------------------------------------------------------
+# Table and plot
+# ----------------------------------------------------------------------------------------------
+
+
+def _cell(r: Result) -> str:
+    t = tbs(r)
+    return f"{r.time_ms * 1e3:.1f} ({t:.3g})" if t == t else "-"
+
+
+def _speedup(by_key, cfg) -> str:
+    tk = by_key.get((cfg, "jax_tk", "fwd"))
+    peers = [by_key.get((cfg, p, "fwd")) for p in PEERS]
+    peers = [r.time_ms for r in peers if r is not None and r.status == "ok"]
+    if tk is None or tk.status != "ok" or not peers:
+        return "-"
+    return f"{min(peers) / tk.time_ms:.2f}x"
+
+
+def _of_ceiling(by_key, cfg) -> str:
+    tk = by_key.get((cfg, "jax_tk", "fwd"))
+    if tk is None or tk.status != "ok" or not cfg.ceiling_tbs > 0:
+        return "-"
+    return f"{tbs(tk) / cfg.ceiling_tbs:.0%}"
+
+
+_COLUMNS = (
+    ("B", 4, lambda c, m: c.batch), ("S", 7, lambda c, m: c.cache_len),
+    ("N/K", 6, lambda c, m: f"{c.heads}/{c.kv_heads}"), ("D", 4, lambda c, m: c.head_dim),
+    ("T", 2, lambda c, m: c.new_tokens), ("layout", 10, lambda c, m: c.layout),
+    ("MB", 8, lambda c, m: f"{c.bytes() / 1e6:.4g}"),
+)
+
+
+def format_table(results: Sequence[Result], providers: Sequence[str] | None = None) -> str:
+    """One row per configuration: ``µs (TB/s)`` per provider, jax_tk's speed-up over the faster of
+    cudnn/fa3, and jax_tk's TB/s as a fraction of the measured read ceiling."""
+    if not results:
+        return "(no results)"
+    providers = providers or list(dict.fromkeys(r.provider for r in results))
+    by_key = {(r.config, r.provider, r.mode): r for r in results}
+    configs = list(dict.fromkeys(r.config for r in results))
+    ceilings = sorted({c.ceiling_tbs for c in configs if c.ceiling_tbs == c.ceiling_tbs})
+    title = ("decode attention, µs (TB/s of cache + query + output); read ceiling "
+             + (", ".join(f"{x:.3g}" for x in ceilings) or "not measured") + " TB/s")
+    lines = output.format_grid(title, _COLUMNS, configs, providers, "fwd", by_key, _cell, " µs (TB/s)", 18)
+    # the two ratio columns after the grid's rows
+    lines[1] += " vs peer | of ceil"
+    lines[2] = "-" * len(lines[1])
+    for i, cfg in enumerate(configs):
+        lines[3 + i] += f" {_speedup(by_key, cfg):>7} | {_of_ceiling(by_key, cfg):>7}"
+    lines += output.format_problems(results)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def plot(results: Sequence[Result], path: str, env: dict) -> list[str]:
+    """TB/s against cache length, one panel per (batch, heads, head_dim, T_new, layout) group of rows,
+    the ceiling as a dashed line."""
+    plt = output.pyplot()
+    ok = [r for r in results if r.status == "ok"]
+    if plt is None or not ok:
+        return []
+    panels = sorted({(c.heads, c.kv_heads, c.head_dim, c.new_tokens, c.page_size) for c in (r.config for r in ok)})
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, panels):
+        rows = [r for r in ok if (r.config.heads, r.config.kv_heads, r.config.head_dim, r.config.new_tokens,
+                                  r.config.page_size) == key]
+        for (prov, b) in sorted({(r.provider, r.config.batch) for r in rows}):
+            pts = sorted((r.config.cache_len, tbs(r)) for r in rows if r.provider == prov and r.config.batch == b)
+            ax.plot(*zip(*pts), "o-", ms=3, label=f"{prov} B={b}")
+        ceil = [r.config.ceiling_tbs for r in rows if r.config.ceiling_tbs == r.config.ceiling_tbs]
+        if ceil:
+            ax.axhline(max(ceil), ls="--", color="k", lw=0.8, label="read ceiling")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("cache length")
+        ax.set_ylabel("TB/s")
+        ax.set_title(f"N/K={key[0]}/{key[1]} D={key[2]} T_new={key[3]} "
+                     + (f"paged{key[4]}" if key[4] else "contiguous"), fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    output.save_figure(plt, fig, path, output.suptitle("decode attention", env))
+    return [path]
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+
+def heads_list(text: str) -> list[tuple[int, int]]:
+    """'32/8,64/8' -> [(32, 8), (64, 8)]."""
+    out = []
+    for part in text.replace(" ", ",").split(","):
+        if part:
+            n, _, k = part.partition("/")
+            out.append((int(n), int(k or n)))
+    return out
+
+
+def add_arguments(a) -> None:
+    a.add_argument("--batch", type=cli.int_list, default=None, help=f"batch sizes (grid: {BATCHES})")
+    a.add_argument("--cache", type=cli.int_list, default=None, help=f"cache lengths, 'k' = 1024 (grid: {CACHES})")
+    a.add_argument("--heads", type=heads_list, default=None, help="query/key-value heads, e.g. 32/8,64/8")
+    a.add_argument("--d", type=cli.int_list, default=None, help=f"head dims ({HEAD_DIMS})")
+    a.add_argument("--new", type=cli.int_list, default=None, help=f"new tokens per sequence ({NEW_TOKENS})")
+    a.add_argument("--layout", type=cli.str_list(tuple(LAYOUTS)), default=None, help=f"from {','.join(LAYOUTS)}")
+    a.add_argument("--full", action="store_true", help="the whole product of the lists (long)")
+    a.add_argument("--max-gb", type=float, default=None,
+                   help="skip configurations whose inputs exceed this (default 60%% of the GPU's memory; 4 on CPU)")
+    a.add_argument("--xla-max-gb", type=float, default=20.0, help="skip xla where its float32 logits exceed this")
+    a.add_argument("--ceiling-gb", type=float, default=None, help="GiB of the read-ceiling array (default 4 on a GPU, 1/16 otherwise)")
+    cli.add_common_arguments(a, op="decode", providers=PROVIDERS, default_providers=",".join(PROVIDERS),
+                             modes=("fwd",), default_modes=("fwd",), dtypes=DTYPES,
+                             quick_help="tiny shapes (runs on CPU in seconds)")
+
+
+def _device_bytes() -> float | None:
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend has them
+        stats = {}
+    return stats.get("bytes_limit")
+
+
+def configs_from(args) -> list[DecodeConfig]:
+    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(args.dtype, args.dtype)
+    lists = (args.batch, args.cache, args.heads, args.d, args.new, args.layout)
+    if not args.full and all(x is None for x in lists):
+        return default_configs(args.quick, dtype)
+    q = QUICK if args.quick else None
+    if args.full:
+        default = (BATCHES, CACHES, HEADS, HEAD_DIMS, NEW_TOKENS, tuple(LAYOUTS)) if q is None else \
+            (q["batches"], q["caches"], q["heads"], q["head_dims"], (1, 4), ("contiguous", "paged16"))
+    else:  # lists not given: the grid's setting
+        default = (BATCHES, CACHES, HEADS[:1], HEAD_DIMS[:1], NEW_TOKENS[:1], ("contiguous",)) if q is None else \
+            (q["batches"], q["caches"], q["heads"], q["head_dims"], q["new_tokens"], q["layouts"])
+    chosen = [given if given is not None else d for given, d in zip(lists, default)]
+    return product_configs(*chosen, dtype=dtype)
+
+
+def run_decode(args) -> int:
+    providers = args.providers or default_providers()
+    reps = cli.reps_from(args)
+    timer = make_timer(args.timer, reps, quick=args.quick)
+    gpu = harness.has_gpu()
+    device = _device_bytes()
+    max_bytes = args.max_gb * 1e9 if args.max_gb is not None else (0.6 * device if device else CPU_MAX_BYTES)
+    if args.ceiling_gb is not None:
+        ceiling_bytes = int(args.ceiling_gb * 2**30)
+    else:
+        ceiling_bytes = 4 * 2**30 if gpu and not args.quick else 2**26
+    ceiling = read_ceiling(timer, ceiling_bytes)
+    configs = [dataclasses.replace(c, ceiling_tbs=ceiling) for c in configs_from(args)]
+    csv_path, png_path = cli.output_paths(args, "decode")
+    env = output.environment(timer.name)
+    header = [f"# jax_tk decode benchmark: {output.env_header(env)}",
+              f"# providers={','.join(providers)} configurations={len(configs)} reps={reps} "
+              f"max inputs {max_bytes / 1e9:.3g} GB; bytes = 2*B*S*K*H*itemsize (valid K and V) + query + output",
+              f"# read ceiling: jnp.sum over {ceiling_bytes / 2**30:.3g} GiB bf16: {ceiling:.3g} TB/s"]
+    bench = functools.partial(bench_decode, configs, providers, timer=timer, check=not args.no_check,
+                              max_bytes=max_bytes, xla_max_bytes=args.xla_max_gb * 1e9)
+    return cli.run_and_write(COMMAND, env=env, header=header, csv_path=csv_path, png_path=png_path,
+                             providers=providers, bench=bench)
+
+
+COMMAND = cli.register(cli.Command(
+    "decode", "decode attention over a KV cache (bytes of cache read)", add_arguments, run_decode,
+    config_type=DecodeConfig, format_table=format_table, plot=plot))

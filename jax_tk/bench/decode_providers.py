@@ -1,0 +1,133 @@
+"""Decode-attention providers: jax_tk and its peers, each as a ``harness.Provider`` for one configuration.
+
+Every provider's ``fn(query, key_cache, value_cache, lengths, page_table)`` attends ``query`` ``[B, T_new,
+N, H]`` (the last T_new positions of each sequence) over a cache holding ``lengths[b]`` valid positions
+(contiguous ``[B, S, K, H]``, or a pool of pages with ``page_table`` ``[B, S / page_size]``), causal
+bottom-right aligned for T_new > 1 (a new token sees itself and everything before it).
+
+- ``jax_tk``: ``jax_tk.decode.attention(implementation="tk")``, the decode kernel (an error where the
+  kernel refuses the call); without a CUDA device ``implementation=None``, the pure-JAX reference.
+- ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on the contiguous cache with
+  ``key_value_seq_lengths=lengths`` (cuDNN's padding mask). T_new = 1 needs no other mask. For
+  T_new > 1 jax.nn's ``is_causal`` is top-left aligned (query i sees keys j <= i), which is wrong for
+  decoding, and it has no bottom-right option, so the bottom-right causal mask goes in as a boolean
+  ``mask`` [B, 1, T_new, S] built from the lengths inside the timed call (cuDNN adds it as a bias: it
+  reads T_new*S extra numbers per sequence, against 2*K*H per position of the cache: under 1%).
+  ``jax.nn`` has no paged cache: paged rows are skipped ("unsupported"), not timed on a gathered copy.
+- ``xla``: the same call with ``implementation="xla"`` (it materializes [B, N, T_new, S] logits).
+- ``fa3``: ``flash_attn3_jax.flash_mha_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+  page_table=..., is_causal=T_new > 1, num_splits=n)`` (FlashAttention-3's causal mask is bottom-right
+  aligned to ``cache_seqlens``; its page table is int32 ``[B, max_pages]`` into a pool ``[num_pages,
+  page_size, K, H]``, as ours). Timed with ``num_splits`` 1, 4 and 16 (KV split into that many parts
+  combined afterwards); the fastest is reported. The PyPI wheel (0.2.3) is built for Hopper and
+  head_dim 128 only (``JAX_TK_FA3_HEAD_DIMS`` for a source build with more).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_tk.bench.attention_providers import fa3_head_dims
+from jax_tk.bench.harness import Provider, Skip, Unavailable, cuda_capability, has_gpu, short_error
+
+PROVIDERS = ("jax_tk", "cudnn", "fa3", "xla")
+PEERS = ("cudnn", "fa3")  # the ratio column compares jax_tk with the faster of these
+FA3_SPLITS = (1, 4, 16)
+LOGITS = "float32 [B, N, T_new, S] logits"
+
+
+def default_providers() -> list[str]:
+    return list(PROVIDERS)
+
+
+def bottom_right_mask(lengths, t_new: int, s: int):
+    """Boolean ``[B, 1, T_new, S]``: query row i of sequence b (position ``lengths[b] - T_new + i``) sees
+    key j iff ``j <= lengths[b] - T_new + i`` (which also keeps j < lengths[b])."""
+    pos = lengths[:, None] - t_new + jnp.arange(t_new, dtype=lengths.dtype)[None, :]
+    return (jnp.arange(s, dtype=lengths.dtype)[None, None, :] <= pos[:, :, None])[:, None]
+
+
+def _jax_tk_provider(cfg, scale: float) -> Provider:
+    import jax_tk
+
+    gpu = has_gpu()
+    impl = "tk" if gpu else None
+
+    def fn(q, k, v, lengths, page_table):
+        return jax_tk.decode.attention(q, k, v, lengths, page_table=page_table, scale=scale, is_causal=True,
+                                       implementation=impl)
+
+    if gpu:
+        return Provider("jax_tk", fn, scale, note="implementation='tk'")
+    return Provider("jax_tk", fn, scale, note="no GPU: implementation=None (pure-JAX reference)",
+                    scratch_bytes=cfg.logits_bytes(), scratch_what=LOGITS)
+
+
+def _jax_nn_provider(name: str, cfg, scale: float) -> Provider:
+    if cfg.page_size:
+        raise Skip("unsupported: jax.nn.dot_product_attention has no paged KV cache")
+    if name == "cudnn" and not has_gpu():
+        raise Unavailable("cuDNN needs a CUDA GPU")
+    t, s = cfg.new_tokens, cfg.cache_len
+    base = functools.partial(jax.nn.dot_product_attention, scale=scale, implementation=name)
+    if t == 1:
+        def fn(q, k, v, lengths, page_table):
+            del page_table
+            return base(q, k, v, key_value_seq_lengths=lengths)
+
+        note = "key_value_seq_lengths"
+    else:
+        def fn(q, k, v, lengths, page_table):
+            del page_table
+            return base(q, k, v, mask=bottom_right_mask(lengths, t, s), key_value_seq_lengths=lengths)
+
+        note = "key_value_seq_lengths + bottom-right causal mask [B,1,T,S] (jax.nn's is_causal is top-left)"
+    p = Provider(name, fn, scale, note=note)
+    if name == "xla":
+        p = dataclasses.replace(p, scratch_bytes=cfg.logits_bytes(), scratch_what=LOGITS)
+    return p
+
+
+def _fa3_provider(cfg, scale: float) -> Provider:
+    try:
+        import flash_attn3_jax as fa3
+    except Exception as e:  # noqa: BLE001 - ImportError, or its CUDA library does not load
+        raise Unavailable(f"flash_attn3_jax does not import (pip install flash-attn3-jax): "
+                          f"{short_error(e, 160)}") from None
+    cc = cuda_capability()
+    if cc is None:
+        raise Unavailable("flash_attn3_jax needs a CUDA GPU (Hopper)")
+    if cc and not cc.startswith("9"):
+        raise Skip(f"FlashAttention-3's kernels are built for sm90 (Hopper), this GPU is sm{cc}")
+    if cfg.head_dim not in fa3_head_dims():
+        raise Skip(f"head_dim {cfg.head_dim}: the flash_attn3_jax build has {fa3_head_dims()} "
+                   "(JAX_TK_FA3_HEAD_DIMS for a source build)")
+    if cfg.jnp_dtype not in (jnp.bfloat16, jnp.float16):
+        raise Skip(f"dtype {cfg.dtype}: FlashAttention-3 takes bf16 or fp16")
+
+    def variant(splits):
+        def fn(q, k, v, lengths, page_table):
+            return fa3.flash_mha_with_kvcache(q, k, v, cache_seqlens=lengths, page_table=page_table,
+                                              softmax_scale=float(scale), is_causal=cfg.new_tokens > 1,
+                                              num_splits=splits)
+
+        return Provider("fa3", fn, scale, note=f"flash_mha_with_kvcache num_splits={splits}")
+
+    variants = tuple(variant(n) for n in FA3_SPLITS)
+    return Provider("fa3", variants[0].fn, scale, variants=variants,
+                    note=f"flash_mha_with_kvcache, fastest of num_splits {'/'.join(map(str, FA3_SPLITS))}")
+
+
+def make_provider(name: str, cfg) -> Provider:
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    if name == "jax_tk":
+        return _jax_tk_provider(cfg, scale)
+    if name in ("cudnn", "xla"):
+        return _jax_nn_provider(name, cfg, scale)
+    if name == "fa3":
+        return _fa3_provider(cfg, scale)
+    raise ValueError(f"unknown provider {name!r}; choose from {PROVIDERS}")

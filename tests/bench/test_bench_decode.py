@@ -1,0 +1,179 @@
+"""The decode benchmark (python -m jax_tk.bench decode): configurations and byte counts, the providers'
+masks and wiring (FlashAttention-3 through a stand-in module), inputs that do not fit, and tiny runs
+through the harness and the command line on CPU."""
+import importlib.machinery
+import math
+import sys
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tk
+from jax_tk.bench import cli, decode, decode_providers, harness, output
+
+TINY_TIMER = dict(reps=20, batch_ms=1, warmup_ms=1)
+C = decode.DecodeConfig
+
+
+def test_bytes_and_flops():
+    c = C(batch=8, cache_len=4096, heads=32, kv_heads=8, head_dim=128, new_tokens=1)
+    assert c.cache_bytes() == 2 * 8 * 4096 * 8 * 128 * 2
+    assert c.bytes() == c.cache_bytes() + 2 * 8 * 1 * 32 * 128 * 2
+    assert c.flops() == 4 * 8 * 32 * 128 * 4096
+    # T_new = 4, bottom-right causal: rows see S-3, S-2, S-1, S keys
+    c4 = C(2, 100, 4, 2, 64, new_tokens=4)
+    assert c4.visible() == 97 + 98 + 99 + 100
+    r = harness.Result(c, "xla", "fwd", "ok", time_ms=2.0)
+    assert math.isclose(decode.tbs(r), c.bytes() / 2e-3 / 1e12)
+    assert math.isnan(decode.tbs(harness.Result(c, "xla", "fwd", "error")))
+    paged = C(4, 1024, 8, 2, 64, page_size=16)
+    assert paged.shape_cache == (4 * 1024 // 16, 16, 2, 64) and paged.layout == "paged16"
+    assert paged.cache_bytes() == C(4, 1024, 8, 2, 64).cache_bytes()
+    with pytest.raises(ValueError):
+        C(1, 100, 8, 2, 64, page_size=16)
+    with pytest.raises(ValueError):
+        C(1, 128, 6, 4, 64)
+
+
+def test_csv_round_trip():
+    c = C(3, 2048, 64, 8, 256, 4, 64, "bf16", ceiling_tbs=3.1)
+    back = C.from_row({k: str(v) for k, v in c.csv_row().items()})
+    assert back == c and back.ceiling_tbs == 3.1
+    assert C(1, 64, 2, 2, 64, ceiling_tbs=1.0) == C(1, 64, 2, 2, 64)  # the ceiling is not identity
+
+
+def test_default_configs():
+    configs = decode.default_configs()
+    assert len(set(configs)) == len(configs)
+    grid = [c for c in configs if (c.heads, c.kv_heads, c.head_dim, c.new_tokens, c.page_size) == (32, 8, 128, 1, 0)]
+    assert {(c.batch, c.cache_len) for c in grid} == {(b, s) for b in decode.BATCHES for s in decode.CACHES}
+    others = [c for c in configs if c not in grid]
+    assert {(c.batch, c.cache_len) for c in others} == set(decode.VARIATION_POINTS)
+    # every setting of the issue appears: 64/8 heads, head_dim 256, T_new 4, pages of 16 and 64
+    assert {c.heads for c in others} == {32, 64} and {c.head_dim for c in others} == {128, 256}
+    assert {c.new_tokens for c in others} == {1, 4} and {c.page_size for c in others} == {0, 16, 64}
+    quick = decode.default_configs(quick=True)
+    assert max(c.bytes() for c in quick) < 2e6 and {c.page_size for c in quick} == {0, 16}
+
+
+def test_cli_configs():
+    p = cli.build_parser()
+    args = p.parse_args(["decode", "--batch", "2,4", "--cache", "1k", "--heads", "8/2", "--layout", "paged16"])
+    configs = decode.configs_from(args)
+    assert [(c.batch, c.cache_len, c.heads, c.kv_heads, c.page_size) for c in configs] == \
+        [(2, 1024, 8, 2, 16), (4, 1024, 8, 2, 16)]
+    assert all(c.head_dim == 128 and c.new_tokens == 1 for c in configs)
+    full = decode.configs_from(p.parse_args(["decode", "--full"]))
+    assert len(full) == 5 * 4 * 2 * 2 * 2 * 3
+    assert decode.configs_from(p.parse_args(["decode"])) == decode.default_configs()
+    assert decode.heads_list("32/8,64/8,16") == [(32, 8), (64, 8), (16, 16)]
+
+
+def test_bottom_right_mask_is_the_decode_visibility():
+    lengths = jnp.array([0, 2, 5, 9], jnp.int32)
+    mask = decode_providers.bottom_right_mask(lengths, 4, 9)
+    want = jax_tk.decode.reference.visibility(lengths, 4, 9, is_causal=True)
+    np.testing.assert_array_equal(np.asarray(mask[:, 0]), np.asarray(want))
+
+
+def _run(configs, providers, **kw):
+    return decode.bench_decode(configs, providers, timer=harness.WallTimer(**TINY_TIMER), log=None, **kw)
+
+
+def test_tiny_run_cpu(tmp_path):
+    configs = [C(2, 64, 4, 2, 32), C(2, 64, 4, 2, 32, new_tokens=4), C(2, 64, 4, 2, 32, page_size=16)]
+    results = _run(configs, ["jax_tk", "xla", "cudnn"])
+    by = {(r.config, r.provider): r for r in results}
+    for c in configs:
+        assert by[(c, "jax_tk")].status == "ok" and by[(c, "jax_tk")].rel_err < 1e-2
+        assert by[(c, "cudnn")].status == "skipped"
+    # xla: checked against the float32 reference, T_new = 4 through the bottom-right mask
+    for c in configs[:2]:
+        assert by[(c, "xla")].status == "ok" and by[(c, "xla")].rel_err < 1e-2
+    assert by[(configs[2], "xla")].status == "skipped" and "unsupported" in by[(configs[2], "xla")].note
+    table = decode.format_table(results)
+    assert "vs peer" in table and "of ceil" in table and "unsupported" in table
+    if output.pyplot() is not None:
+        paths = decode.plot(results, str(tmp_path / "decode.png"), {"gpu": "cpu"})
+        assert paths and (tmp_path / "decode.png").stat().st_size > 1000
+
+
+def test_wrong_provider_is_not_a_timing(monkeypatch):
+    """A provider whose output is off (here: the mask one position short) is reported "wrong"."""
+    real = decode_providers.bottom_right_mask
+    monkeypatch.setattr(decode_providers, "bottom_right_mask", lambda lengths, t, s: real(lengths - 1, t, s))
+    r = _run([C(2, 64, 4, 2, 32, new_tokens=4)], ["xla"])[0]
+    assert r.status == "wrong" and r.rel_err > 2e-2
+
+
+def test_inputs_that_do_not_fit_are_skipped():
+    c = C(2, 64, 4, 2, 32)
+    results = _run([c], ["jax_tk", "xla"], max_bytes=1000)
+    assert [r.status for r in results] == ["skipped", "skipped"]
+    assert "--max-gb" in results[0].note
+    sets = decode.make_inputs(c, 3)
+    assert len(sets) == 3 and sets[0][4] is None and sets[0][5] is None
+    q, k = np.asarray(sets[0][0].astype(jnp.float32)), np.asarray(sets[0][1].astype(jnp.float32))
+    assert q.std() > 0.5 and k.std() > 0.5 and not np.array_equal(q, np.asarray(sets[1][0].astype(jnp.float32)))
+    paged = decode.make_inputs(C(2, 64, 4, 2, 32, page_size=16), 1)[0]
+    assert paged[1].shape == (8, 16, 2, 32)
+    assert sorted(np.asarray(paged[4]).reshape(-1).tolist()) == list(range(8))
+
+
+def _fake_fa3(calls):
+    """A stand-in for flash_attn3_jax.flash_mha_with_kvcache with its signature, computing with jax_tk's
+    reference; num_splits 4 is made slow so that the fastest variant is not simply the first."""
+    def flash_mha_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
+                               cache_leftpad=None, page_table=None, rotary_cos=None, rotary_sin=None,
+                               softmax_scale=None, is_causal=False, window_size=(-1, -1), num_splits=1,
+                               return_softmax_lse=False):
+        assert type(softmax_scale) is float and k is None and page_table is None or page_table.dtype == jnp.int32
+        calls.append((num_splits, is_causal, page_table is not None))
+        out = jax_tk.decode.reference.attention(q, k_cache, v_cache, cache_seqlens, scale=softmax_scale,
+                                                page_table=page_table, is_causal=is_causal)
+        if num_splits == 4:  # a few ms of matrix products that depend on the output (not folded away)
+            x = jnp.broadcast_to(out.reshape(-1)[:1].astype(jnp.float32), (512, 512)) + jnp.eye(512)
+            for _ in range(4):
+                x = x @ x / 512
+            out = out + (0 * x[0, 0]).astype(out.dtype)
+        return out
+
+    mod = types.ModuleType("flash_attn3_jax")
+    mod.__spec__ = importlib.machinery.ModuleSpec("flash_attn3_jax", None)
+    mod.flash_mha_with_kvcache = flash_mha_with_kvcache
+    return mod
+
+
+def test_fa3_best_of_num_splits_with_a_stand_in(monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_attn3_jax", _fake_fa3(calls))
+    monkeypatch.setattr(decode_providers, "cuda_capability", lambda: "9.0")
+    configs = [C(2, 64, 4, 2, 128, new_tokens=4), C(2, 64, 4, 2, 128, page_size=16), C(2, 64, 4, 2, 256)]
+    results = _run(configs, ["fa3"])
+    assert [r.status for r in results] == ["ok", "ok", "skipped"]
+    assert "head_dim 256" in results[2].note
+    assert {c[0] for c in calls} == {1, 4, 16}
+    assert (1, True, False) in calls and (16, False, True) in calls  # causal for T_new > 1; the page table
+    for r in results[:2]:
+        assert r.provider == "fa3" and "fastest of 3 variants" in r.note and r.rel_err < 1e-2
+        assert "num_splits=4" not in r.note
+
+
+def test_fa3_unavailable(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn3_jax", None)
+    r = _run([C(1, 64, 2, 2, 128)], ["fa3"])[0]
+    assert r.status == "skipped" and r.note.startswith("unavailable:")
+
+
+def test_command_line_quick(tmp_path, capsys):
+    rc = cli.main(["decode", "--quick", "--batch", "2", "--cache", "64", "--new", "1,4", "--providers",
+                   "jax_tk,xla", "--out", str(tmp_path), "--png", "none"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "read ceiling: jnp.sum over" in out and "vs peer" in out
+    results, _ = output.read_csv([str(tmp_path / "decode.csv")], C.from_row)
+    assert len(results) == 4 and all(r.status == "ok" for r in results)
+    assert all(r.config.ceiling_tbs > 0 for r in results)
+    assert cli.detect_op(str(tmp_path / "decode.csv")).name == "decode"

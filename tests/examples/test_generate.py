@@ -1,0 +1,97 @@
+"""CPU tests of examples/generate.py: KV-cache generation of the example GPT (contiguous and paged
+caches, scan and while_loop) gives the logits of the plain forward over the whole sequence, sampling
+works, and the command line compares implementations (and notices a wrong one)."""
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import _train_gpt
+
+pytest.importorskip("optax")
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples", "generate.py")
+TINY = ["--layers", "2", "--width", "64", "--heads", "2", "--seq", "64", "--dtype", "float32", "--batch", "3",
+        "--prompt-len", "8", "--new-tokens", "12"]
+
+
+def load_generate():
+    _train_gpt.load_example()  # the model module, as the example imports it
+    if "generate_example" in sys.modules:
+        return sys.modules["generate_example"]
+    spec = importlib.util.spec_from_file_location("generate_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["generate_example"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("paged,loop", [(False, "scan"), (True, "scan"), (True, "while")],
+                         ids=["contiguous-scan", "paged-scan", "paged-while"])
+def test_cached_generation_matches_full_forward(paged, loop):
+    import jax
+
+    g = load_generate()
+    m = _train_gpt.load_example()
+    config = m.Config(layers=2, width=64, heads=2, seq=64)
+    params = m.init_params(jax.random.key(1), config)
+    prompt = g.prompts(3, 8, seed=1)
+    r = g.generate(params, config, prompt, 10, attention="tk", page_size=8 if paged else None, loop=loop,
+                   timed=False)
+    tokens, logits = r["tokens"], r["logits"]
+    assert tokens.shape == (3, 10) and logits.shape == (3, 10, 256)
+    # logits[:, i] is the distribution of token i: the plain forward's at the last position before it
+    full = np.concatenate([prompt, tokens], axis=1)
+    want = np.asarray(jax.jit(m.forward, static_argnums=(2, 3))(params, full, config, "reference"))
+    want = want[:, prompt.shape[1] - 1:-1]
+    assert g.rel_err(logits, want) < 1e-5
+    np.testing.assert_array_equal(tokens, want.argmax(-1))  # greedy
+
+
+def test_sampling_with_temperature():
+    import jax
+
+    g = load_generate()
+    m = _train_gpt.load_example()
+    config = m.Config(layers=1, width=32, heads=2, seq=32)
+    params = m.init_params(jax.random.key(2), config)
+    prompt = g.prompts(2, 4, seed=0)
+    a = g.generate(params, config, prompt, 16, temperature=1.0, seed=0, timed=False)["tokens"]
+    b = g.generate(params, config, prompt, 16, temperature=1.0, seed=1, timed=False)["tokens"]
+    again = g.generate(params, config, prompt, 16, temperature=1.0, seed=0, timed=False)["tokens"]
+    assert a.min() >= 0 and a.max() < 256
+    np.testing.assert_array_equal(a, again)
+    assert not np.array_equal(a, b)
+    with pytest.raises(ValueError, match="context"):
+        g.generate(params, config, prompt, 40, timed=False)
+
+
+def test_command_line(capsys):
+    g = load_generate()
+    out = g.main(TINY + ["--paged", "--page-size", "8"])
+    printed = capsys.readouterr().out
+    assert set(out) == {"tk", "xla", "check"} and out["check"][0], out["check"]
+    assert "cudnn: skipped" in printed and "tokens/s" in printed and "check xla vs tk: ok" in printed
+    assert out["tk"]["tokens_per_s"] > 0
+
+
+def test_compare_notices_wrong_logits_and_tokens():
+    g = load_generate()
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, 5, 256)).astype(np.float32) * 3
+    base = dict(tokens=logits.argmax(-1), logits=logits)
+    assert g.compare(base, base, base, 1e-4)[0]
+    off = dict(tokens=base["tokens"], logits=logits * 1.01)
+    assert not g.compare(base, off, base, 1e-4)[0]
+    flipped = dict(tokens=base["tokens"].copy(), logits=logits)
+    flipped["tokens"][1, 2] = (flipped["tokens"][1, 2] + 1) % 256  # a clear winner lost: wrong
+    ok, msg = g.compare(base, base, flipped, 1e-4)
+    assert not ok and "sequence 1 step 2" in msg
+    tie = logits.copy()
+    second = np.argsort(tie[1, 2])[-2]
+    tie[1, 2, second] = tie[1, 2].max() - 1e-6  # a near-tie: either token is acceptable
+    flipped["tokens"][1, 2] = second
+    base_tie = dict(tokens=tie.argmax(-1), logits=tie)
+    assert g.compare(base_tie, base_tie, flipped, 1e-4)[0]
