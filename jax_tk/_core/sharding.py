@@ -50,6 +50,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_tk._core import dispatch
+
 __all__ = ["Layout", "Plan", "plan", "call", "set_auto_partitioning"]
 
 _AUTO_PARTITIONING = True
@@ -177,7 +179,8 @@ def _local(layout: Layout, local_fn: Callable, static, p: Plan, present: tuple[i
                 full[i] = jax.lax.dynamic_slice_in_dim(full[i], idx, 1, axis=g)
     outs = tuple(local_fn(static, *full))
     if layout.summed:
-        outs = tuple(_sum_parts(layout, p, o, labels) if k in layout.summed else o
+        tracked = any(dispatch.vma(x) for x in args)
+        outs = tuple(_sum_parts(layout, p, o, labels, tracked) if k in layout.summed else o
                      for k, (o, labels) in enumerate(zip(outs, layout.outputs)))
     if not sliced:
         return outs
@@ -192,10 +195,15 @@ def _local(layout: Layout, local_fn: Callable, static, p: Plan, present: tuple[i
     return tuple(place(o, labels) for o, labels in zip(outs, layout.outputs))
 
 
-def _sum_parts(layout: Layout, p: Plan, o, labels: str):
-    """An output of ``Layout.summed``: summed over the axes that split a label it lacks."""
+def _sum_parts(layout: Layout, p: Plan, o, labels: str, tracked: bool):
+    """An output of ``Layout.summed``: summed over the axes that split a label it lacks. Where the
+    manual axes' types are tracked (shard_map with check_vma) and autodiff inside ``local_fn`` already
+    summed it (the transpose of the implicit broadcast of an operand invariant over an axis is a psum),
+    the output is invariant over that axis: only the axes it still varies over are summed."""
     names = labels.split()
     axes = (p.batch if layout.batch not in names else ()) + (p.heads if layout.heads and layout.heads not in names else ())
+    if tracked:
+        axes = tuple(a for a in axes if a in dispatch.vma(o))
     return jax.lax.psum(o, axes) if axes else o
 
 

@@ -101,6 +101,8 @@ def _bwd_reference(query, key, value, out, lse, dout, dlse, spec: AttentionSpec,
     if bias is None:
         _, vjp = jax.vjp(f, query, key, value)
     else:
+        # dbias per device, like the kernels' (sharding sums it over the devices that share the bias)
+        bias = dispatch.vary_as(bias, query)
         _, vjp = jax.vjp(lambda q, k, v, b: f(q, k, v, bias=b), query, key, value, bias)
     return vjp((dout, dlse))
 
@@ -194,7 +196,7 @@ def _attention_bwd(spec, residuals, cotangents):
     query, key, value, out, lse, masks, bias = residuals
     dout, dlse = cotangents
     grads = bwd(spec, query, key, value, out, lse, dout, dlse, masks, bias)
-    return (*grads[:3], None, grads[3] if bias is not None else None)
+    return (*grads[:3], None, dispatch.sum_as(grads[3], bias) if bias is not None else None)
 
 
 attention_vjp.defvjp(_attention_fwd, _attention_bwd)
