@@ -145,9 +145,8 @@ def _check_dense_dtype(name, x):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             hint = " (a boolean mask goes in mask=)" if x.dtype == jnp.bool_ else ""
             raise TypeError(f"jax_tk.attention: bias must have a float dtype, got {x.dtype}{hint}")
-    elif x.dtype != jnp.bool_:
-        raise TypeError(f"jax_tk.attention: mask must be boolean (True: the query attends to the key), got "
-                        f"{x.dtype}; an additive mask goes in bias=")
+    elif not (x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.integer) or jnp.issubdtype(x.dtype, jnp.floating)):
+        raise TypeError(f"jax_tk.attention: mask must be boolean (True: the query attends to the key), got {x.dtype}")
 
 
 def dense_4d(name: str, x, full: tuple[int, int, int, int]):
@@ -168,6 +167,8 @@ def dense_4d(name: str, x, full: tuple[int, int, int, int]):
             f"jax_tk.attention: {name} of shape {tuple(x.shape)} does not broadcast to [batch, heads, q_len, kv_len] "
             f"= {full}: each dim must be 1 or that size (heads: the query heads)")
     x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    if name == "mask" and x.dtype != jnp.bool_:
+        x = x != 0  # Flax's masks are 0/1 floats: as in Flax, any value but 0 attends
     return x.reshape(shape) if x.ndim < 4 else x
 
 

@@ -193,17 +193,28 @@ def test_vmap_over_bias_and_mask():
 @pytest.mark.parametrize("name,x,error,match", [
     ("bias", jnp.ones((B, N, T, S), bool), TypeError, r"bias must have a float dtype.*mask="),
     ("bias", jnp.ones((B, N, T, S), jnp.int32), TypeError, r"bias must have a float dtype"),
-    ("mask", jnp.ones((B, N, T, S), F32), TypeError, r"mask must be boolean.*bias="),
+    ("mask", jnp.ones((B, N, T, S), jnp.complex64), TypeError, r"mask must be boolean"),
     ("bias", jnp.ones((1, B, N, T, S), F32), ValueError, r"bias must have rank <= 4"),
     ("mask", jnp.ones((B, N, T, S + 1), bool), ValueError, r"mask of shape .* does not broadcast .* \(2, 4, 6, 9\)"),
     ("bias", jnp.ones((B, KH, T, S), F32), ValueError, r"bias of shape .*\(heads: the query heads\)"),
     ("bias", jnp.ones((3, 1, T, S), F32), ValueError, r"bias of shape \(3, 1, 6, 9\) does not broadcast"),
     ("mask", [[True]], TypeError, r"mask must be an array"),
-], ids=["bool_bias", "int_bias", "float_mask", "rank5", "kv_len", "kv_heads", "batch", "list"])
+], ids=["bool_bias", "int_bias", "complex_mask", "rank5", "kv_len", "kv_heads", "batch", "list"])
 def test_bad_bias_mask(name, x, error, match):
     q, k, v = _qkv(8)
     with pytest.raises(error, match=match):
         jax_tk.attention(q, k, v, **{name: x})
+
+
+def test_numeric_mask_is_read_as_flax_does():
+    # Flax's masks are 0/1 floats (nn.make_attention_mask): any value but 0 attends.
+    rng = np.random.default_rng(8)
+    q, k, v = _qkv(8)
+    mask = _mask(rng, (B, 1, T, S))
+    want = jax_tk.attention(q, k, v, mask=mask)
+    for dtype in (F32, BF16, jnp.int32, jnp.int8):
+        np.testing.assert_array_equal(np.asarray(jax_tk.attention(q, k, v, mask=mask.astype(dtype))), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(jax_tk.attention(q, k, v, mask=mask * 2.5)), np.asarray(want))
 
 
 def test_rank3_bias_batch_must_be_one():
