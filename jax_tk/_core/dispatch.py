@@ -92,10 +92,10 @@ def vary_like(fn: Callable, *args):
     ``shard_map(check_vma=True)`` the kernel branch of ``platform_dependent`` would not type like the
     reference branch; this fixes that (a type-level cast, no data movement)."""
     outs = fn(*args)
-    vma = frozenset().union(*(vma(a) for a in jax.tree.leaves(args)))
-    if not vma:
+    axes = frozenset().union(*(vma(a) for a in jax.tree.leaves(args)))
+    if not axes:
         return outs
-    fix = lambda o: _pcast_varying(o, tuple(sorted(vma - vma(o)))) if vma - vma(o) else o
+    fix = lambda o: _pcast_varying(o, tuple(sorted(axes - vma(o)))) if axes - vma(o) else o
     return type(outs)(fix(o) for o in outs) if isinstance(outs, (tuple, list)) else fix(outs)
 
 
