@@ -81,3 +81,15 @@ def run_in_subprocess(path):
     tail = "\n".join(proc.stdout.splitlines()[-60:])
     print(tail)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{tail}\n{proc.stderr[-3000:]}"
+
+
+def seen_rows(t, s, mask=None, **visibility):
+    """[batch or 1, t, heads or 1]: whether each query row sees at least one key under the masking
+    options of ``jax_tk.attention.reference.visibility`` and a rank-4 boolean ``mask`` (jax.nn gives a
+    row that sees none the mean of V, jax_tk 0: comparisons with jax.nn leave those rows out)."""
+    from jax_tk.attention import reference
+
+    vis = reference.visibility(t, s, **visibility)[:, None]  # [b, 1, t, s]
+    if mask is not None:
+        vis = vis & mask
+    return jnp.swapaxes(vis.any(axis=-1), 1, 2)

@@ -69,7 +69,7 @@ def platform_dispatch(use_kernel: bool, kernel_fn: Callable, reference_fn: Calla
     return jax.lax.platform_dependent(*args, cuda=functools.partial(vary_like, kernel_fn), default=reference_fn)
 
 
-def _vma(x) -> frozenset:
+def vma(x) -> frozenset:
     """The manual mesh axes over which ``x`` varies (``aval.manual_axis_type.varying`` in JAX >= 0.10,
     ``aval.vma`` before)."""
     aval = jax.typeof(x)
@@ -92,8 +92,24 @@ def vary_like(fn: Callable, *args):
     ``shard_map(check_vma=True)`` the kernel branch of ``platform_dependent`` would not type like the
     reference branch; this fixes that (a type-level cast, no data movement)."""
     outs = fn(*args)
-    vma = frozenset().union(*(_vma(a) for a in jax.tree.leaves(args)))
-    if not vma:
+    axes = frozenset().union(*(vma(a) for a in jax.tree.leaves(args)))
+    if not axes:
         return outs
-    fix = lambda o: _pcast_varying(o, tuple(sorted(vma - _vma(o)))) if vma - _vma(o) else o
+    fix = lambda o: _pcast_varying(o, tuple(sorted(axes - vma(o)))) if axes - vma(o) else o
     return type(outs)(fix(o) for o in outs) if isinstance(outs, (tuple, list)) else fix(outs)
+
+
+def vary_as(x, like):
+    """``x`` typed as varying over every manual mesh axis ``like`` varies over (a type-level cast). The
+    gradient with respect to the result is then per device, as a kernel gives it, instead of summed by
+    autodiff over the axes ``x`` is invariant over."""
+    missing = vma(like) - vma(x)
+    return _pcast_varying(x, tuple(sorted(missing))) if missing else x
+
+
+def sum_as(cotangent, primal):
+    """``cotangent`` summed over the manual mesh axes it varies over and ``primal`` does not: the
+    gradient of an operand shared by those devices (e.g. a bias replicated inside ``shard_map``) is the
+    sum of their parts, and a custom_vjp's cotangent must have its primal's type."""
+    extra = vma(cotangent) - vma(primal)
+    return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent

@@ -50,6 +50,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_tk._core import dispatch
+
 __all__ = ["Layout", "Plan", "plan", "call", "set_auto_partitioning"]
 
 _AUTO_PARTITIONING = True
@@ -71,13 +73,17 @@ class Layout:
 
     batch: the label that may be split over any mesh axes; heads: the label split over the axes that
     split the heads of the leading operand (None: no head dimension); grouped: the label of heads
-    shared by groups of ``heads`` (None: none). Every other label stays whole on each device."""
+    shared by groups of ``heads`` (None: none). Every other label stays whole on each device.
+    summed: the indices of the outputs that each device computes a part of, to be summed over the
+    axes that split the batch or heads label when the output lacks that label (e.g. the gradient of
+    an operand broadcast over batch or heads, whose size-1 dim has a label of its own)."""
 
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     batch: str = "b"
     heads: str | None = None
     grouped: str | None = None
+    summed: tuple[int, ...] = ()
 
     def dim(self, labels: str, label) -> int | None:
         names = labels.split()
@@ -123,9 +129,12 @@ def _spec_entries(spec, ndim) -> tuple:
     return entries + (None,) * (ndim - len(entries))
 
 
-def plan(layout: Layout, axis_sizes: Mapping[str, int], lead_spec: Sequence, shapes: Sequence[Sequence[int]]) -> Plan:
+def plan(layout: Layout, axis_sizes: Mapping[str, int], lead_spec: Sequence, shapes: Sequence[Sequence[int]],
+         present: Sequence[int] | None = None) -> Plan:
     """The plan for a leading operand sharded as ``lead_spec`` over a mesh with ``axis_sizes``;
-    ``shapes`` are the operands' shapes (in ``layout.inputs`` order)."""
+    ``shapes`` are the operands' shapes: of ``layout.inputs[i]`` for each ``i`` of ``present``
+    (default: all of them, in order)."""
+    labels = [layout.inputs[i] for i in present] if present is not None else list(layout.inputs)
     lead, lead_shape = layout.inputs[0], shapes[0]
     lead_spec = _spec_entries(lead_spec, len(lead_shape))
     size = lambda axes: math.prod(axis_sizes[a] for a in axes)
@@ -140,7 +149,7 @@ def plan(layout: Layout, axis_sizes: Mapping[str, int], lead_spec: Sequence, sha
     m = size(heads)
     if m == 1 or lead_shape[h] % m:
         return Plan(batch=batch)
-    grouped = [s[layout.dim(l, layout.grouped)] for l, s in zip(layout.inputs, shapes)
+    grouped = [s[layout.dim(l, layout.grouped)] for l, s in zip(labels, shapes)
                if layout.grouped and layout.dim(l, layout.grouped) is not None]
     if not grouped or grouped[0] % m == 0:
         return Plan(batch=batch, heads=heads)
@@ -169,6 +178,10 @@ def _local(layout: Layout, local_fn: Callable, static, p: Plan, present: tuple[i
             if g is not None:
                 full[i] = jax.lax.dynamic_slice_in_dim(full[i], idx, 1, axis=g)
     outs = tuple(local_fn(static, *full))
+    if layout.summed:
+        tracked = any(dispatch.vma(x) for x in args)
+        outs = tuple(_sum_parts(layout, p, o, labels, tracked) if k in layout.summed else o
+                     for k, (o, labels) in enumerate(zip(outs, layout.outputs)))
     if not sliced:
         return outs
 
@@ -180,6 +193,18 @@ def _local(layout: Layout, local_fn: Callable, static, p: Plan, present: tuple[i
         return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(whole, o, idx, axis=g), p.heads)
 
     return tuple(place(o, labels) for o, labels in zip(outs, layout.outputs))
+
+
+def _sum_parts(layout: Layout, p: Plan, o, labels: str, tracked: bool):
+    """An output of ``Layout.summed``: summed over the axes that split a label it lacks. Where the
+    manual axes' types are tracked (shard_map with check_vma) and autodiff inside ``local_fn`` already
+    summed it (the transpose of the implicit broadcast of an operand invariant over an axis is a psum),
+    the output is invariant over that axis: only the axes it still varies over are summed."""
+    names = labels.split()
+    axes = (p.batch if layout.batch not in names else ()) + (p.heads if layout.heads and layout.heads not in names else ())
+    if tracked:
+        axes = tuple(a for a in axes if a in dispatch.vma(o))
+    return jax.lax.psum(o, axes) if axes else o
 
 
 def _sharding_of(x):
@@ -228,7 +253,7 @@ def _caller_spec(layout: Layout, labels: str, lead_labels: str, lead_spec, own_s
 def _explicit_call(layout, local_fn, static, mesh, explicit_axes, args, present, n_inputs, result_like):
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     caller_specs = {i: _spec_entries(_sharding_of(a).spec, a.ndim) for i, a in zip(present, args)}
-    p = plan(layout, sizes, caller_specs[0], [a.shape for a in args])
+    p = plan(layout, sizes, caller_specs[0], [a.shape for a in args], present)
     in_specs = tuple(p.spec(layout, layout.inputs[i]) for i in present)
     out_specs = tuple(p.spec(layout, labels) for labels in layout.outputs)
     args = [_reshard(a, mesh, s) for a, s in zip(args, in_specs)]
@@ -264,7 +289,7 @@ def _auto_op(layout: Layout, local_fn: Callable, static, present: tuple[int, ...
         lead = arg_shapes[0]
         if mesh.empty or not isinstance(lead.sharding, NamedSharding):
             return Plan()
-        return plan(layout, dict(mesh.shape), lead.sharding.spec, [a.shape for a in arg_shapes])
+        return plan(layout, dict(mesh.shape), lead.sharding.spec, [a.shape for a in arg_shapes], present)
 
     def shardings(mesh, p, labels):
         return tuple(NamedSharding(mesh, p.spec(layout, l)) for l in labels)

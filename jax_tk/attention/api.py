@@ -73,8 +73,9 @@ def check_inputs(query, key, value, scale, is_causal, implementation):
     return 1.0 / math.sqrt(d) if scale is None else scale
 
 
-def use_kernel(query, key, implementation) -> bool:
-    return dispatch.use_kernel("attention", implementation, launch.kernel_unsupported_reason(query, key))
+def use_kernel(query, key, implementation, bias=None, mask=None) -> bool:
+    return dispatch.use_kernel("attention", implementation,
+                               launch.kernel_unsupported_reason(query, key, bias=bias, mask=mask))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,81 +88,115 @@ def _reference_options(spec: AttentionSpec, masks: Masks | None) -> dict:
     return dict(scale=spec.scale, is_causal=spec.is_causal, local_window_size=spec.window,
                 q_segment_ids=masks.q_segment_ids, kv_segment_ids=masks.kv_segment_ids,
                 query_seq_lengths=masks.q_lengths, key_value_seq_lengths=masks.kv_lengths,
-                logits_soft_cap=spec.softcap)
+                logits_soft_cap=spec.softcap, mask=masks.mask)
 
 
-def _fwd_reference(query, key, value, spec: AttentionSpec, masks=None):
-    return reference.attention_with_lse(query, key, value, **_reference_options(spec, masks))
+def _fwd_reference(query, key, value, spec: AttentionSpec, masks=None, bias=None):
+    return reference.attention_with_lse(query, key, value, bias=bias, **_reference_options(spec, masks))
 
 
-def _bwd_reference(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, masks=None):
+def _bwd_reference(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, masks=None, bias=None):
     del out, lse
     f = functools.partial(reference.attention_with_lse, **_reference_options(spec, masks))
-    _, vjp = jax.vjp(f, query, key, value)
+    if bias is None:
+        _, vjp = jax.vjp(f, query, key, value)
+    else:
+        # dbias per device, like the kernels' (sharding sums it over the devices that share the bias)
+        bias = dispatch.vary_as(bias, query)
+        _, vjp = jax.vjp(lambda q, k, v, b: f(q, k, v, bias=b), query, key, value, bias)
     return vjp((dout, dlse))
 
 
 # The arrays of the op for the partitioning (jax_tk._core.sharding): batch "b" and query heads "n"
 # split, key/value heads "k" grouped (GQA), rows "t", keys "s" and head_dim "d" whole. The masking
-# arrays (Masks, flat, None where absent) follow the operands.
+# arrays (Masks, flat, None where absent) and the bias follow the operands; the mask's and the bias's
+# broadcast dims have labels of their own (compat.dense_labels), which stay whole, and the bias's
+# gradient is summed over the devices that split a dim it is broadcast over.
 _MASK_LABELS = ("b t", "b s", "b", "b")
-FWD_LAYOUT = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", *_MASK_LABELS),
-                             outputs=("b t n d", "b n t"), heads="n", grouped="k")
-BWD_LAYOUT = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", "b t n d", "b n t", "b t n d", "b n t",
-                                     *_MASK_LABELS),
-                             outputs=("b t n d", "b s k d", "b s k d"), heads="n", grouped="k")
 
 
-def fwd_local(spec: AttentionSpec, query, key, value, *masks):
-    """The forward on one device's shards: the kernel on CUDA, the reference elsewhere."""
-    masks = Masks(*masks) if any(m is not None for m in masks) else None
+@functools.lru_cache(maxsize=None)
+def layouts(mask_labels: str = "b n t s", bias_labels: str | None = None):
+    """(forward, backward) layouts; with ``bias_labels``, the backward also returns dbias."""
+    extra = (*_MASK_LABELS, mask_labels, bias_labels or "b n t s")
+    fwd = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", *extra), outputs=("b t n d", "b n t"),
+                          heads="n", grouped="k")
+    grads = ("b t n d", "b s k d", "b s k d") + ((bias_labels,) if bias_labels else ())
+    bwd = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", "b t n d", "b n t", "b t n d", "b n t", *extra),
+                          outputs=grads, heads="n", grouped="k", summed=(3,) if bias_labels else ())
+    return fwd, bwd
+
+
+FWD_LAYOUT, BWD_LAYOUT = layouts()
+
+
+def fwd_local(spec: AttentionSpec, query, key, value, *rest):
+    """The forward on one device's shards: the kernel on CUDA, the reference elsewhere. ``rest``: the
+    five entries of Masks, then the bias."""
+    masks, bias = _masks(rest[:5]), rest[5]
     return dispatch.platform_dispatch(
         spec.use_kernel,
-        lambda q, k, v, m: launch.fwd_kernel(q, k, v, spec, masks=m),
-        lambda q, k, v, m: _fwd_reference(q, k, v, spec, m),
-        query, key, value, masks)
+        lambda q, k, v, m, b: launch.fwd_kernel(q, k, v, spec, masks=m, bias=b),
+        lambda q, k, v, m, b: _fwd_reference(q, k, v, spec, m, b),
+        query, key, value, masks, bias)
 
 
-def bwd_local(spec: AttentionSpec, query, key, value, out, lse, dout, dlse, *masks):
-    """The backward on one device's shards."""
-    masks = Masks(*masks) if any(m is not None for m in masks) else None
+def bwd_local(spec: AttentionSpec, query, key, value, out, lse, dout, dlse, *rest):
+    """The backward on one device's shards: (dq, dk, dv), and dbias with a bias."""
+    masks, bias = _masks(rest[:5]), rest[5]
     return dispatch.platform_dispatch(
         spec.use_kernel,
-        lambda *a: launch.bwd_kernel(*a[:7], spec, masks=a[7]),
-        lambda *a: _bwd_reference(*a[:7], spec, a[7]),
-        query, key, value, out, lse, dout, dlse, masks)
+        lambda *a: launch.bwd_kernel(*a[:7], spec, masks=a[7], bias=a[8]),
+        lambda *a: _bwd_reference(*a[:7], spec, a[7], a[8]),
+        query, key, value, out, lse, dout, dlse, masks, bias)
 
 
-def fwd(spec: AttentionSpec, query, key, value, masks=None):
+def _masks(entries):
+    return Masks(*entries) if any(m is not None for m in entries) else None
+
+
+def _dense_layouts(query, key, masks, bias):
+    full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+    mask = None if masks is None else masks.mask
+    return layouts(compat.dense_labels(mask.shape, full) if mask is not None else "b n t s",
+                   compat.dense_labels(bias.shape, full) if bias is not None else None)
+
+
+def fwd(spec: AttentionSpec, query, key, value, masks=None, bias=None):
     """(out, lse), partitioned over batch and heads under jit with sharded inputs."""
-    return sharding.call(FWD_LAYOUT, fwd_local, spec, query, key, value, *(masks or Masks()))
+    layout, _ = _dense_layouts(query, key, masks, bias)
+    return sharding.call(layout, fwd_local, spec, query, key, value, *(masks or Masks()), bias)
 
 
-def bwd(spec: AttentionSpec, query, key, value, out, lse, dout, dlse, masks=None):
-    """(dq, dk, dv), partitioned like :func:`fwd` (each gradient sharded like its input)."""
-    return sharding.call(BWD_LAYOUT, bwd_local, spec, query, key, value, out, lse, dout, dlse, *(masks or Masks()),
-                         result_like=(0, 1, 2))
+def bwd(spec: AttentionSpec, query, key, value, out, lse, dout, dlse, masks=None, bias=None):
+    """(dq, dk, dv) and with a bias dbias, partitioned like :func:`fwd` (each gradient sharded like
+    its input)."""
+    _, layout = _dense_layouts(query, key, masks, bias)
+    like = (0, 1, 2) + ((len(layout.inputs) - 1,) if bias is not None else ())
+    return sharding.call(layout, bwd_local, spec, query, key, value, out, lse, dout, dlse, *(masks or Masks()), bias,
+                         result_like=like)
 
 
-# masks (segment ids, lengths: integer arrays) is an input of the custom_vjp like query/key/value, so
-# that it may be traced; its cotangent is None (not differentiable).
+# masks (segment ids, lengths: integer arrays; the boolean mask) is an input of the custom_vjp like
+# query/key/value, so that it may be traced; its cotangent is None (not differentiable). The bias is
+# differentiable: its cotangent has its own (broadcast) shape.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def attention_vjp(query, key, value, spec: AttentionSpec, masks=None):
-    return fwd(spec, query, key, value, masks)
+def attention_vjp(query, key, value, spec: AttentionSpec, masks=None, bias=None):
+    return fwd(spec, query, key, value, masks, bias)
 
 
-def _attention_fwd(query, key, value, spec, masks=None):
-    out, lse = attention_vjp(query, key, value, spec, masks)
-    return (out, lse), (query, key, value, out, lse, masks)
+def _attention_fwd(query, key, value, spec, masks=None, bias=None):
+    out, lse = attention_vjp(query, key, value, spec, masks, bias)
+    return (out, lse), (query, key, value, out, lse, masks, bias)
 
 
 def _attention_bwd(spec, residuals, cotangents):
     # The log-sum-exp's cotangent enters as dS = P * (dP - (rowsum(dO * O) - dlse)), so the kernel
     # takes it as one more input and both outputs stay differentiable at no extra cost.
-    query, key, value, out, lse, masks = residuals
+    query, key, value, out, lse, masks, bias = residuals
     dout, dlse = cotangents
-    dq, dk, dv = bwd(spec, query, key, value, out, lse, dout, dlse, masks)
-    return dq, dk, dv, None
+    grads = bwd(spec, query, key, value, out, lse, dout, dlse, masks, bias)
+    return (*grads[:3], None, dispatch.sum_as(grads[3], bias) if bias is not None else None)
 
 
 attention_vjp.defvjp(_attention_fwd, _attention_bwd)
@@ -188,28 +223,11 @@ def _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids,
     return local_window_size, checks.positive_float("attention", "logits_soft_cap", logits_soft_cap)
 
 
-def _reject_unsupported(bias, mask, dropout_rate, dropout_rng):
-    """bias, mask and dropout are in the signature so that no framework can pass them and have them
-    dropped silently (flax passes ``mask=`` and dropout keywords to an ``attention_fn`` only when it
-    accepts them); until the kernels take them, setting any of them is an error."""
-    for name, x in (("bias", bias), ("mask", mask)):
-        if x is not None:
-            raise NotImplementedError(
-                f"jax_tk.attention: {name}= is not supported yet. Express the masking with is_causal, "
-                "local_window_size, q_segment_ids/kv_segment_ids or query_seq_lengths/key_value_seq_lengths, "
-                "or use jax.nn.dot_product_attention."
-            )
-    if dropout_rng is not None and dropout_rate != 0:
-        raise NotImplementedError(
-            f"jax_tk.attention: attention dropout (dropout_rate={dropout_rate!r}) is not supported; set the "
-            "attention dropout rate to 0 or use jax.nn.dot_product_attention."
-        )
-
-
 def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                        local_window_size=None, q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None,
                        key_value_seq_lengths=None, logits_soft_cap=None, implementation=None,
-                       deterministic=False, dropout_rate=0.0, dropout_rng=None, broadcast_dropout=True):
+                       deterministic_backward=None, deterministic=None, dropout_rate=None, dropout_rng=None,
+                       broadcast_dropout=True):
     """Like :func:`attention`, and also returns the float32 log-sum-exp of each query row.
 
     Returns:
@@ -221,15 +239,18 @@ def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, i
       returned under ``stop_gradient``; it is also rounded to the input dtype by jax.nn).
     """
     del broadcast_dropout  # (meaningless without dropout)
-    _reject_unsupported(bias, mask, dropout_rate, dropout_rng)
+    reproducible = compat.reproducible_backward(deterministic, deterministic_backward, dropout_rate, dropout_rng)
+    compat.check_dropout(dropout_rate, dropout_rng, deterministic)
     if compat.unbatched(query, key, value):  # [seq, heads, head_dim]: a batch of one
+        full = (1, query.shape[1], query.shape[0], key.shape[0])
         out, lse = attention_with_lse(
-            query[None], key[None], value[None], scale=scale, is_causal=is_causal,
+            query[None], key[None], value[None], compat.dense_4d("bias", bias, full),
+            compat.dense_4d("mask", mask, full), scale=scale, is_causal=is_causal,
             local_window_size=local_window_size, q_segment_ids=compat.add_batch(q_segment_ids, 1),
             kv_segment_ids=compat.add_batch(kv_segment_ids, 1),
             query_seq_lengths=compat.add_batch(query_seq_lengths, 0),
             key_value_seq_lengths=compat.add_batch(key_value_seq_lengths, 0), logits_soft_cap=logits_soft_cap,
-            implementation=implementation, deterministic=deterministic)
+            implementation=implementation, deterministic_backward=reproducible)
         return out[0], lse[0]
     array_scale = scale if compat.is_array_scale(scale) else None
     if array_scale is not None:
@@ -237,8 +258,8 @@ def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, i
     cudnn = isinstance(implementation, str) and implementation == "cudnn"
     scale = check_inputs(query, key, value, 1.0 if array_scale is not None else scale, is_causal,
                          "xla" if cudnn else implementation)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"jax_tk.attention: deterministic must be a bool, got {deterministic!r}")
+    full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+    bias, mask = compat.dense_4d("bias", bias, full), compat.dense_4d("mask", mask, full)
     window, cap = _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids,
                                  query_seq_lengths, key_value_seq_lengths, logits_soft_cap)
     # 64-bit ids and lengths become exact int32 ones before anything else reads them.
@@ -249,30 +270,41 @@ def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, i
         query = compat.fold_scale(query, array_scale)
     if cudnn:
         return compat.cudnn_attention_with_lse(
-            query, key, value, scale=float(scale), is_causal=bool(is_causal), window=window,
-            q_segment_ids=q_segment_ids, softcap=cap, deterministic=bool(deterministic),
+            query, key, value, bias, mask, scale=float(scale), is_causal=bool(is_causal), window=window,
+            q_segment_ids=q_segment_ids, softcap=cap, deterministic=reproducible,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
-    spec = AttentionSpec(float(scale), bool(is_causal), use_kernel(query, key, implementation), window, cap,
-                         bool(deterministic))
-    masks = Masks(q_segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths)
+    spec = AttentionSpec(float(scale), bool(is_causal), use_kernel(query, key, implementation, bias, mask), window,
+                         cap, reproducible)
+    masks = Masks(q_segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths, mask)
     masks = None if all(x is None for x in masks) else masks
-    return attention_vjp(query, key, value, spec, masks)
+    return attention_vjp(query, key, value, spec, masks, bias)
 
 
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, local_window_size=None,
               q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None, key_value_seq_lengths=None,
-              logits_soft_cap=None, implementation=None, deterministic=False, return_residual=False,
-              dropout_rate=0.0, dropout_rng=None, broadcast_dropout=True):
-    """Scaled dot-product attention, ``softmax(scale * query @ key^T) @ value``.
+              logits_soft_cap=None, implementation=None, deterministic_backward=None, return_residual=False,
+              deterministic=None, dropout_rate=None, dropout_rng=None, broadcast_dropout=True, dtype=None,
+              precision=None, module=None, qk_attn_weights_einsum=None, attn_weights_value_einsum=None):
+    """Scaled dot-product attention, ``softmax(scale * query @ key^T + bias) @ value``.
 
     Same layout and meaning as :func:`jax.nn.dot_product_attention` (README: "Differences from
-    jax.nn.dot_product_attention" lists what differs).
+    jax.nn.dot_product_attention" lists what differs), and usable as the ``attention_fn`` of Flax's
+    ``linen.MultiHeadDotProductAttention`` and ``nnx.MultiHeadAttention``.
 
     Args:
       query: ``[batch, q_len, q_heads, head_dim]`` (or ``[q_len, q_heads, head_dim]``), bfloat16,
         float16 or float32.
       key, value: ``[batch, kv_len, kv_heads, head_dim]`` (rank 3 with a rank-3 query), same dtype;
         ``q_heads`` must be a multiple of ``kv_heads`` (grouped-query attention).
+      bias: additive bias of the logits, as in jax.nn: a float array broadcastable to ``[batch, q_heads,
+        q_len, kv_len]`` (rank <= 4, leading dims added; each dim 1 or full size; ``[q_heads, q_len,
+        kv_len]`` for rank-3 inputs), added after the scale and the soft cap, before the masking.
+        Differentiable (its gradient is summed over the dims it is broadcast over). A ``-inf`` entry
+        hides the key like the mask does.
+      mask: boolean, broadcastable like ``bias``: False hides the key from the query row. Combines
+        with every other masking option. Until the kernels take ``bias``/``mask``, a call with either
+        runs the pure-JAX reference (``implementation=None``; ``"tk"`` raises), which forms the
+        ``[batch, heads, q_len, kv_len]`` logits: the slow path.
       scale: multiplier of the logits; default ``1/sqrt(head_dim)``. A Python or numpy float is static;
         a JAX scalar array (traced, e.g. a learned temperature) is differentiable: the op then runs with
         scale 1.0 on ``scale * query``, computed in float32 and rounded to the query's dtype (one more
@@ -286,30 +318,36 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         own segment. 64-bit ids are relabelled exactly to int32 (on the device).
       query_seq_lengths, key_value_seq_lengths: ``[batch]`` integers (padded batches): query rows at or
         past their length give 0, keys at or past their length are not attended to.
-      logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` (as in Gemma 2).
+      logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)`` (as in Gemma 2), before the
+        bias is added.
       implementation: ``None`` (the CUDA kernel where the configuration is supported, the pure-JAX
         reference otherwise), ``"tk"`` (the kernel, or an error), ``"xla"`` (jax_tk's pure-JAX
         reference: XLA code with jax_tk's semantics, which differ from
         ``jax.nn.dot_product_attention(implementation="xla")`` for a row that sees no key: 0 here, the
         mean of the values there), ``"cudnn"`` (``jax.nn.dot_product_attention(...,
         implementation="cudnn")``, with jax.nn's semantics; segment ids, ``logits_soft_cap`` and
-        ``deterministic=True`` raise ``ValueError`` there).
-      deterministic: make the backward give the same bits on every run. The Hopper backward adds
-        the query gradient's partial sums with atomics in whatever order blocks finish; with
-        ``deterministic=True`` they take turns in a fixed order (somewhat slower). The mma.sync
-        backward (pre-Hopper GPUs) and the reference are always deterministic.
+        ``deterministic_backward=True`` raise ``ValueError`` there).
+      deterministic_backward: make the backward give the same bits on every run. The Hopper backward
+        adds the query gradient's partial sums with atomics in whatever order blocks finish; with
+        ``True`` they take turns in a fixed order (somewhat slower). The mma.sync backward (pre-Hopper
+        GPUs) and the reference are always deterministic.
       return_residual: as in jax.nn, also return the log-sum-exp of each query row, ``[batch, q_len,
         q_heads]`` (``[q_len, q_heads]`` for rank-3 inputs); float32 and differentiable here
         (``attention_with_lse``'s lse, transposed).
-      bias, mask: jax.nn's additive bias and boolean mask: not supported yet, and an error when given
-        (never ignored).
-      dropout_rate, dropout_rng, broadcast_dropout: flax's attention-dropout arguments; dropout is not
-        supported, so ``dropout_rate > 0`` with a ``dropout_rng`` (dropout active) is an error.
+      deterministic, dropout_rate, dropout_rng, broadcast_dropout: Flax's attention-dropout arguments.
+        Dropout is not implemented: an active one (``dropout_rate > 0`` and not ``deterministic``) raises
+        ``NotImplementedError``, never ignored. ``deterministic=True`` given with no dropout argument
+        keeps its former jax_tk meaning, ``deterministic_backward=True`` (with a DeprecationWarning).
+      dtype, precision, module, qk_attn_weights_einsum, attn_weights_value_einsum: the other keywords
+        Flax passes to an ``attention_fn``. ``dtype`` casts query, key and value to it; ``precision`` is
+        ignored (products accumulate in float32, and the float32 reference computes them at full
+        precision); ``module`` (``sow_weights=True``) and custom einsums raise ``NotImplementedError``:
+        jax_tk never forms the attention weights.
 
     The masking options combine (a query sees a key only if every rule allows it), also with
     ``is_causal``, cross attention and grouped-query attention, and the kernels take all of them
-    (forward and backward). A query row that sees no key at all gives 0, log-sum-exp ``-inf`` and
-    zero gradients (never NaN).
+    except ``mask`` (forward and backward). A query row that sees no key at all gives 0, log-sum-exp
+    ``-inf`` and zero gradients (never NaN).
 
     Returns:
       ``[batch, q_len, q_heads, head_dim]`` in the input dtype (the query's shape); with
@@ -317,11 +355,14 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     """
     if not isinstance(return_residual, (bool, np.bool_)):
         raise TypeError(f"jax_tk.attention: return_residual must be a bool, got {return_residual!r}")
+    del precision  # (see the docstring)
+    query, key, value = compat.flax_options(query, key, value, dtype, module, qk_attn_weights_einsum,
+                                            attn_weights_value_einsum)
     out, lse = attention_with_lse(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap,
-        implementation=implementation, deterministic=deterministic, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
+        implementation=implementation, deterministic_backward=deterministic_backward, deterministic=deterministic,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
     )
     return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out

@@ -1,6 +1,7 @@
-"""Drop-in helpers of jax_tk.attention (what makes it take what jax.nn.dot_product_attention takes):
-rank-3 inputs, a traced ``scale``, 64-bit segment ids and lengths, and the ``implementation="cudnn"``
-passthrough to ``jax.nn.dot_product_attention``."""
+"""Drop-in helpers of jax_tk.attention (what makes it take what jax.nn.dot_product_attention and
+Flax's ``attention_fn`` take): rank-3 inputs, a traced ``scale``, 64-bit segment ids and lengths, the
+``implementation="cudnn"`` passthrough to ``jax.nn.dot_product_attention``, ``bias``/``mask`` shapes,
+and Flax's keywords."""
 from __future__ import annotations
 
 import jax
@@ -113,21 +114,122 @@ def lengths_int32(lengths, seq_len: int):
 # ----------------------------------------------------------------------------------------------
 
 
-def cudnn_attention_with_lse(query, key, value, *, scale, is_causal, window, q_segment_ids, softcap,
+def cudnn_attention_with_lse(query, key, value, bias, mask, *, scale, is_causal, window, q_segment_ids, softcap,
                              deterministic, query_seq_lengths, key_value_seq_lengths):
     """``jax.nn.dot_product_attention(..., implementation="cudnn", return_residual=True)`` on rank-4
-    inputs; returns ``(out, lse)`` with lse ``[batch, heads, q_len]`` float32 (jax.nn's residual is the
-    natural-log log-sum-exp of the scaled logits, ``[batch, q_len, heads]`` in the input dtype; cuDNN's
-    backward ignores its cotangent, so it is returned under stop_gradient)."""
+    inputs (``bias``/``mask`` rank 4 or None); returns ``(out, lse)`` with lse ``[batch, heads, q_len]``
+    float32 (jax.nn's residual is the natural-log log-sum-exp of the scaled logits, ``[batch, q_len,
+    heads]`` in the input dtype; cuDNN's backward ignores its cotangent, so it is returned under
+    stop_gradient)."""
     for name, unsupported in (("q_segment_ids/kv_segment_ids", q_segment_ids is not None),
-                              ("logits_soft_cap", softcap is not None), ("deterministic=True", deterministic)):
+                              ("logits_soft_cap", softcap is not None), ("deterministic_backward=True", deterministic)):
         if unsupported:
             raise ValueError(f"jax_tk.attention(implementation='cudnn'): {name} is not supported by "
                              "jax.nn.dot_product_attention; use implementation=None, 'tk' or 'xla'")
     lengths = [None if x is None else jnp.asarray(x).astype(jnp.int32)
                for x in (query_seq_lengths, key_value_seq_lengths)]
     out, residual = jax.nn.dot_product_attention(
-        query, key, value, scale=scale, is_causal=is_causal, query_seq_lengths=lengths[0],
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=lengths[0],
         key_value_seq_lengths=lengths[1], local_window_size=window, implementation="cudnn", return_residual=True)
     lse = jax.lax.stop_gradient(jnp.swapaxes(residual, 1, 2).astype(jnp.float32))
     return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# bias and mask (jax.nn's): rank 4 after adding leading dims, each dim 1 or [batch, heads, q_len, kv_len]
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_dense_dtype(name, x):
+    if name == "bias":
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            hint = " (a boolean mask goes in mask=)" if x.dtype == jnp.bool_ else ""
+            raise TypeError(f"jax_tk.attention: bias must have a float dtype, got {x.dtype}{hint}")
+    elif not (x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.integer) or jnp.issubdtype(x.dtype, jnp.floating)):
+        raise TypeError(f"jax_tk.attention: mask must be boolean (True: the query attends to the key), got {x.dtype}")
+
+
+def dense_4d(name: str, x, full: tuple[int, int, int, int]):
+    """``bias`` or ``mask`` checked and given rank 4: as in jax.nn, a rank below 4 gets leading dims of
+    1, and each dim is 1 (broadcast) or that of ``full`` = (batch, q_heads, q_len, kv_len) (batch 1
+    for rank-3 inputs)."""
+    if x is None:
+        return None
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"jax_tk.attention: {name} must be an array, got {type(x).__name__}")
+    _check_dense_dtype(name, x)
+    if x.ndim > 4:
+        raise ValueError(f"jax_tk.attention: {name} must have rank <= 4, broadcastable to [batch, heads, q_len, "
+                         f"kv_len], got shape {tuple(x.shape)}")
+    shape = (1,) * (4 - x.ndim) + tuple(x.shape)
+    if any(d not in (1, f) for d, f in zip(shape, full)):
+        raise ValueError(
+            f"jax_tk.attention: {name} of shape {tuple(x.shape)} does not broadcast to [batch, heads, q_len, kv_len] "
+            f"= {full}: each dim must be 1 or that size (heads: the query heads)")
+    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    if name == "mask" and x.dtype != jnp.bool_:
+        x = x != 0  # Flax's masks are 0/1 floats: as in Flax, any value but 0 attends
+    return x.reshape(shape) if x.ndim < 4 else x
+
+
+def dense_labels(shape, full) -> str:
+    """The sharding labels of a rank-4 bias or mask: "b n t s", with a broadcast dim (1 where the full
+    size is larger) named apart ("b1", ...) so that it stays whole (replicated) on every device."""
+    return " ".join(l if d == f else l + "1" for l, d, f in zip("bnts", shape, full))
+
+
+# ----------------------------------------------------------------------------------------------
+# Flax's attention_fn keywords: dropout, deterministic, dtype, precision, module, custom einsums
+# ----------------------------------------------------------------------------------------------
+
+
+def reproducible_backward(deterministic, deterministic_backward, dropout_rate, dropout_rng) -> bool:
+    """Resolves ``deterministic`` (Flax's flag: True = no dropout) and ``deterministic_backward`` (the
+    same bits from every backward run). ``deterministic=True`` with no dropout argument at all is
+    read as its former meaning in jax_tk, a reproducible backward (with a DeprecationWarning): no
+    Flax module calls that way (they always pass ``dropout_rate``), and without dropout Flax's
+    meaning of it is void."""
+    for name, x in (("deterministic", deterministic), ("deterministic_backward", deterministic_backward)):
+        if x is not None and not isinstance(x, (bool, np.bool_)):
+            raise TypeError(f"jax_tk.attention: {name} must be a bool, got {x!r}")
+    legacy = bool(deterministic) and dropout_rate is None and dropout_rng is None
+    if legacy and deterministic_backward is None:
+        import warnings
+
+        warnings.warn("jax_tk.attention: deterministic=True now has Flax's meaning (no dropout); for a "
+                      "reproducible backward pass deterministic_backward=True", DeprecationWarning, stacklevel=4)
+        return True
+    return bool(deterministic_backward)
+
+
+def check_dropout(dropout_rate, dropout_rng, deterministic):
+    """Dropout is active (as in Flax) when ``dropout_rate > 0`` and not ``deterministic``; jax_tk does
+    not implement it, so an active one is an error, never ignored."""
+    if dropout_rate is None:
+        return
+    if isinstance(dropout_rate, (bool, np.bool_)) or not isinstance(dropout_rate, (int, float, np.number)):
+        raise TypeError(f"jax_tk.attention: dropout_rate must be a Python float, got {dropout_rate!r}")
+    if not 0 <= float(dropout_rate) < 1:
+        raise ValueError(f"jax_tk.attention: dropout_rate must be in [0, 1), got {dropout_rate}")
+    if dropout_rate > 0 and not deterministic:
+        raise NotImplementedError(
+            f"jax_tk.attention: attention dropout (dropout_rate={dropout_rate!r} with deterministic=False) is not "
+            "supported; set the attention dropout rate to 0, run with deterministic=True (inference), or use "
+            "Flax's or jax.nn's attention")
+    del dropout_rng
+
+
+def flax_options(query, key, value, dtype, module, qk_attn_weights_einsum, attn_weights_value_einsum):
+    """Flax's other ``attention_fn`` keywords: ``dtype`` casts query, key and value (Flax's
+    promote_dtype with an explicit dtype); ``module`` (Flax's ``sow_weights``) and custom einsums
+    (e.g. quantized ones) need the attention weights, which jax_tk never forms: errors."""
+    if module is not None:
+        raise NotImplementedError("jax_tk.attention: module= (Flax's sow_weights) needs the attention weights, "
+                                  "which jax_tk never forms; call the Flax module with sow_weights=False")
+    for name, x in (("qk_attn_weights_einsum", qk_attn_weights_einsum),
+                    ("attn_weights_value_einsum", attn_weights_value_einsum)):
+        if x is not None:
+            raise NotImplementedError(f"jax_tk.attention: {name} (a custom einsum, e.g. quantized) is not supported")
+    if dtype is None:
+        return query, key, value
+    return tuple(x.astype(dtype) for x in (query, key, value))

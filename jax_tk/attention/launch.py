@@ -39,9 +39,15 @@ def _head_dims(mask: int) -> tuple[int, ...]:
     return tuple(1 << i for i in range(mask.bit_length()) if mask >> i & 1)
 
 
-def kernel_unsupported_reason(query, key) -> str | None:
+def kernel_unsupported_reason(query, key, bias=None, mask=None) -> str | None:
     """Why the CUDA kernels cannot take this configuration, or None if they can."""
     del key
+    given = [name for name, x in (("bias", bias), ("mask", mask)) if x is not None]
+    if given:
+        # The kernels' side of bias/mask: fwd_kernel/bwd_kernel pass them (with mask_block_summary's
+        # per-block summary of the mask) as more operands, and the backward returns dbias.
+        return (f"{' and '.join(given)} (the kernels do not take them yet; implementation=None runs the pure-JAX "
+                "reference, which forms the [batch, heads, q_len, kv_len] logits)")
     if not any(query.dtype == d for d in KERNEL_DTYPES):
         return f"dtype {query.dtype} (the kernel takes bfloat16 and float16)"
     c, d = contract(), query.shape[-1]
@@ -58,12 +64,57 @@ def kernel_unsupported_reason(query, key) -> str | None:
 class Masks(NamedTuple):
     """The array-valued masking options of one call (None where not given): ``q_segment_ids``
     ``[batch, q_len]``, ``kv_segment_ids`` ``[batch, kv_len]``, ``q_lengths`` and ``kv_lengths``
-    ``[batch]``, integers."""
+    ``[batch]``, integers; ``mask``, boolean, rank 4, each dim 1 or ``[batch, heads, q_len, kv_len]``."""
 
     q_segment_ids: jax.Array | None = None
     kv_segment_ids: jax.Array | None = None
     q_lengths: jax.Array | None = None
     kv_lengths: jax.Array | None = None
+    mask: jax.Array | None = None
+
+
+# ----------------------------------------------------------------------------------------------
+# The per-block summary of a boolean mask
+# ----------------------------------------------------------------------------------------------
+
+# mask_block_summary's codes: every (query, key) pair of the block hidden, every one visible, or both.
+BLOCK_EMPTY, BLOCK_FULL, BLOCK_MIXED = 0, 1, 2
+
+
+def _blocks_reduce(x, axis, n, block, op, pad):
+    """``op`` (jnp.any / jnp.all) over blocks of ``block`` along ``axis`` (of full size ``n``; a size of
+    1 is broadcast: each block sees that one value), padding the last block with ``pad`` (neutral)."""
+    blocks = -(-n // block)
+    if x.shape[axis] == 1:
+        return jnp.repeat(x, blocks, axis=axis) if blocks > 1 else x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, blocks * block - n)
+    x = jnp.pad(x, widths, constant_values=pad)
+    x = x.reshape(x.shape[:axis] + (blocks, block) + x.shape[axis + 1:])
+    return op(x, axis=axis + 1)
+
+
+def mask_block_summary(mask, q_len: int, kv_len: int, rows: int, keys: int):
+    """int8 ``[mask batch, mask heads, ceil(q_len / rows), ceil(kv_len / keys)]`` for a boolean mask of
+    rank 4 (dims 1 or ``[batch, heads, q_len, kv_len]``; the size-1 batch/heads dims stay 1): for each
+    block of ``rows`` queries and ``keys`` keys, BLOCK_EMPTY where the mask hides every pair (the kernel
+    skips the block), BLOCK_FULL where it shows every one (no elementwise mask needed there), else
+    BLOCK_MIXED. Pairs past the ends of the sequences (the last blocks' padding) do not count."""
+    any_ = _blocks_reduce(_blocks_reduce(mask, 2, q_len, rows, jnp.any, False), 3, kv_len, keys, jnp.any, False)
+    all_ = _blocks_reduce(_blocks_reduce(mask, 2, q_len, rows, jnp.all, True), 3, kv_len, keys, jnp.all, True)
+    return jnp.where(~any_, BLOCK_EMPTY, jnp.where(all_, BLOCK_FULL, BLOCK_MIXED)).astype(jnp.int8)
+
+
+def fwd_mask_summary(mask, q_len, kv_len, head_dim):
+    """:func:`mask_block_summary` for the sm_90a forward's tiles (FWD_TILE_ROWS x its key block)."""
+    rows, keys = fwd_order_blocks(head_dim)
+    return mask_block_summary(mask, q_len, kv_len, rows, keys)
+
+
+def bwd_mask_summary(mask, q_len, kv_len, head_dim):
+    """:func:`mask_block_summary` for the sm_90a backward's blocks (BWD_QUERY_ROWS x its key block)."""
+    keys, rows = bwd_order_blocks(head_dim)
+    return mask_block_summary(mask, q_len, kv_len, rows, keys)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,7 +260,9 @@ def mask_operands(masks: Masks | None, order=None):
     int32 arrays, or int32 arrays of shape (0,) where an option is absent (the handler decodes those as
     "none")."""
     masks = Masks() if masks is None else masks
-    ints = [None if x is None else jnp.asarray(x).astype(jnp.int32) for x in masks]
+    if masks.mask is not None:
+        raise NotImplementedError("jax_tk.attention: the kernels do not take mask= yet")
+    ints = [None if x is None else jnp.asarray(x).astype(jnp.int32) for x in masks[:4]]
     ranges = [None if x is None else segment_ranges(x) for x in ints[:2]]
     order = None if ranges[0] is None or order is None else order(*ints[:2], *ranges)
     return tuple(jnp.zeros((0,), jnp.int32) if x is None else x for x in (*ints, *ranges, order))
@@ -250,6 +303,11 @@ def bwd_workspace_shape(query):
     return jax.ShapeDtypeStruct((b * n * -(-t // r) * (r * d + 2 * r + 1),), jnp.float32)
 
 
+def _no_bias(bias):
+    if bias is not None:
+        raise NotImplementedError("jax_tk.attention: the kernels do not take bias= yet")
+
+
 # Short queries against long keys (decoding through the plain API): the decode kernel reads each key
 # once per KV head and splits the keys over the SMs, where the forward's 128-row tiles would be mostly
 # padding. It takes the calls whose masking it means the same way: no causal mask and no window (the
@@ -276,10 +334,11 @@ def _decode_fwd(query, key, value, spec):
                                 with_lse=True)
 
 
-def fwd_kernel(query, key, value, spec, out_init=None, variant=None, masks=None):
+def fwd_kernel(query, key, value, spec, out_init=None, variant=None, masks=None, bias=None):
     """(out, lse) of the forward kernel (the decode kernel for short queries, see takes_decode, unless a
     test asks for a variant or poisons the outputs). ``out_init`` (tests): buffers aliased to (out, lse,
     scratch)."""
+    _no_bias(bias)
     if out_init is None and variant is None and takes_decode(query, key, spec, masks):
         return _decode_fwd(query, key, value, spec)
     out_types = (
@@ -293,8 +352,10 @@ def fwd_kernel(query, key, value, spec, out_init=None, variant=None, masks=None)
     return out, lse
 
 
-def bwd_kernel(query, key, value, out, lse, dout, dlse, spec, out_init=None, variant=None, masks=None):
-    """(dq, dk, dv) of the backward kernel, given the forward's out and lse and the cotangents."""
+def bwd_kernel(query, key, value, out, lse, dout, dlse, spec, out_init=None, variant=None, masks=None, bias=None):
+    """(dq, dk, dv) of the backward kernel, given the forward's out and lse and the cotangents (with a
+    bias, the kernels will also return its gradient: ``(dq, dk, dv, dbias)``)."""
+    _no_bias(bias)
     out_types = (
         jax.ShapeDtypeStruct(query.shape, query.dtype),
         jax.ShapeDtypeStruct(key.shape, key.dtype),

@@ -19,7 +19,8 @@ def visibility(t, s, *, is_causal=False, local_window_size=None, q_segment_ids=N
     """Boolean mask of which key each query row may see, [1 or batch, t, s] (True = visible).
 
     The rules combine (all must hold): causal (j <= i), window ``(left, right)`` (i - left <= j <=
-    i + right), same segment, i < query length, j < key length.
+    i + right), same segment, i < query length, j < key length. (A boolean ``mask`` of
+    :func:`attention_with_lse` is combined with this one there.)
     """
     qi = jnp.arange(t)[:, None]
     kj = jnp.arange(s)[None, :]
@@ -40,7 +41,7 @@ def visibility(t, s, *, is_causal=False, local_window_size=None, q_segment_ids=N
 
 def attention_with_lse(query, key, value, *, scale: float, is_causal: bool, local_window_size=None,
                        q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None,
-                       key_value_seq_lengths=None, logits_soft_cap=None):
+                       key_value_seq_lengths=None, logits_soft_cap=None, bias=None, mask=None):
     """Softmax attention in float32.
 
     Args:
@@ -48,7 +49,11 @@ def attention_with_lse(query, key, value, *, scale: float, is_causal: bool, loca
       scale: logit multiplier. is_causal, local_window_size, q_segment_ids [B, T],
         kv_segment_ids [B, S], query_seq_lengths [B], key_value_seq_lengths [B]: which keys each
         query row sees (see ``visibility``). logits_soft_cap: logits become cap * tanh(logits / cap)
-        (after scaling, before masking).
+        (after scaling, before the bias and the masking).
+      bias: additive logits bias, rank 4, broadcastable to [B, N, T, S] (query heads), added after
+        the soft cap (any float dtype; computed in float32, its gradient in its own dtype and shape).
+      mask: boolean, rank 4, broadcastable to [B, N, T, S]: False hides the key from the query row,
+        combined with the rules of ``visibility``.
     Returns:
       out: [B, T, N, D] in query.dtype; lse: [B, N, T] float32, the natural-log log-sum-exp of each
       query row's visible logits. A row that sees no key gets out = 0 and lse = -inf, and zero
@@ -62,12 +67,17 @@ def attention_with_lse(query, key, value, *, scale: float, is_causal: bool, loca
     logits = jnp.einsum("btnd,bsnd->bnts", q, k, precision=jax.lax.Precision.HIGHEST) * scale
     if logits_soft_cap is not None:
         logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
-    mask = visibility(t, s, is_causal=is_causal, local_window_size=local_window_size,
-                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
+    if bias is not None:  # after the cap: it bounds the content logits, not a position bias or an additive mask
+        logits = logits + bias.astype(jnp.float32)
+    visible = visibility(t, s, is_causal=is_causal, local_window_size=local_window_size,
+                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)[:, None]
+    if mask is not None:
+        visible = visible & mask
     # Masked logits are -inf before the exp, and the row max of an empty row is replaced by 0, so no
-    # branch that jnp.where discards produces inf or NaN (their gradients would leak through).
-    logits = jnp.where(mask[:, None], logits, -jnp.inf)
+    # branch that jnp.where discards produces inf or NaN (their gradients would leak through). A bias
+    # of -inf acts like a mask (a row of them sees no key).
+    logits = jnp.where(visible, logits, -jnp.inf)
     row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     unnormalized = jnp.exp(logits - row_max)

@@ -325,33 +325,85 @@ def test_vmap_on_axis_1():
         assert _rel_err(out[:, i], _tk_attention(qn[:, i], kn[:, i], vn[:, i])) < 1e-5
 
 
-# bias, mask and dropout are accepted by name (jax.nn's positional order for bias and mask) so that
-# a framework that passes them only to functions that accept them (flax) cannot have them dropped:
-# until the kernels take them, setting one is an error, never ignored.
+# bias and mask take jax.nn's positional places after value.
 @pytest.mark.parametrize("fn_name", sorted(FUNCTIONS))
-@pytest.mark.parametrize("arg", ["bias", "mask"])
-@pytest.mark.parametrize("positional", [False, True])
-def test_bias_and_mask_raise(fn_name, arg, positional):
+def test_bias_and_mask_positional(fn_name):
     q, k, v = _qkv(0)
-    x = jnp.ones((2, 4, 8, 8), bool) if arg == "mask" else jnp.zeros((2, 4, 8, 8), F32)
-    args = (q, k, v, None, x) if arg == "mask" else (q, k, v, x)
-    with pytest.raises(NotImplementedError, match=arg):
-        if positional:
-            FUNCTIONS[fn_name](*args)
-        else:
-            FUNCTIONS[fn_name](q, k, v, **{arg: x})
+    rng = np.random.default_rng(0)
+    bias = jnp.asarray(rng.standard_normal((1, 4, 8, 8)), F32)
+    mask = jnp.asarray(rng.random((2, 1, 8, 8)) > 0.3).at[..., 0].set(True)
+    fn = FUNCTIONS[fn_name]
+    by_name = fn(q, k, v, bias=bias, mask=mask)
+    for got, want in zip(jax.tree.leaves(fn(q, k, v, bias, mask)), jax.tree.leaves(by_name)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    plain = jax.tree.leaves(fn(q, k, v))
+    assert not np.allclose(np.asarray(plain[0]), np.asarray(jax.tree.leaves(by_name)[0]))
 
 
 def test_bias_and_mask_none_are_the_plain_call():
     q, k, v = _qkv(1)
     want = jax_tk.attention(q, k, v, is_causal=True)
-    got = jax_tk.attention(q, k, v, None, None, is_causal=True, dropout_rate=0.1, dropout_rng=None)
+    got = jax_tk.attention(q, k, v, None, None, is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0),
+                           deterministic=True)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-def test_active_dropout_raises():
+# Dropout is Flax's (active when dropout_rate > 0 and not deterministic); jax_tk does not implement it,
+# so an active one raises, with or without a key, never ignored.
+@pytest.mark.parametrize("kwargs", [dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+                                    dict(dropout_rate=0.1, dropout_rng=jax.random.key(0), deterministic=False),
+                                    dict(dropout_rate=0.5), dict(dropout_rate=0.1, deterministic=False)], ids=str)
+@pytest.mark.parametrize("fn_name", sorted(FUNCTIONS))
+def test_active_dropout_raises(fn_name, kwargs):
     q, k, v = _qkv(2)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        jax_tk.attention(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0))
-    # a rate of 0 with a key is no dropout
-    jax_tk.attention(q, k, v, dropout_rate=0.0, dropout_rng=jax.random.key(0))
+    with pytest.raises(NotImplementedError, match=r"dropout_rate=0\.\d with deterministic=False"):
+        FUNCTIONS[fn_name](q, k, v, **kwargs)
+
+
+def test_inactive_dropout_runs():
+    q, k, v = _qkv(2)
+    want = np.asarray(jax_tk.attention(q, k, v))
+    for kwargs in (dict(dropout_rate=0.0, dropout_rng=jax.random.key(0)), dict(dropout_rate=0.0, deterministic=False),
+                   dict(dropout_rate=0.3, deterministic=True, dropout_rng=jax.random.key(1)),
+                   dict(dropout_rate=0.3, deterministic=True)):
+        np.testing.assert_array_equal(np.asarray(jax_tk.attention(q, k, v, **kwargs)), want)
+
+
+@pytest.mark.parametrize("kwargs,error", [(dict(dropout_rate=1.0, deterministic=True), ValueError),
+                                          (dict(dropout_rate=-0.1), ValueError),
+                                          (dict(dropout_rate="0.1"), TypeError),
+                                          (dict(dropout_rate=True), TypeError),
+                                          (dict(deterministic=1), TypeError),
+                                          (dict(deterministic_backward="yes"), TypeError)], ids=str)
+def test_bad_dropout_arguments(kwargs, error):
+    q, k, v = _qkv(2)
+    with pytest.raises(error, match=next(iter(kwargs))):
+        jax_tk.attention(q, k, v, **kwargs)
+
+
+def test_deterministic_true_without_dropout_arguments_keeps_its_former_meaning():
+    """deterministic=True with no dropout argument is read as deterministic_backward=True, with a
+    DeprecationWarning; with a dropout argument (as Flax always passes) it is Flax's flag only."""
+    from jax_tk.attention import api
+
+    q, k, v = _qkv(3)
+    seen = []
+    real = api.attention_vjp
+
+    def spy(q, k, v, spec, *rest):
+        seen.append(spec.deterministic)
+        return real(q, k, v, spec, *rest)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(api, "attention_vjp", spy)
+        with pytest.warns(DeprecationWarning, match="deterministic_backward=True"):
+            jax_tk.attention(q, k, v, deterministic=True)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            jax_tk.attention(q, k, v, deterministic=True, dropout_rate=0.0)
+            jax_tk.attention(q, k, v, deterministic=True, deterministic_backward=False)
+            jax_tk.attention(q, k, v, deterministic_backward=True)
+            jax_tk.attention(q, k, v, deterministic=False)
+    assert seen == [True, False, False, True, False]

@@ -74,7 +74,7 @@ def test_mixed_ranks_raise(ranks):
 @pytest.mark.parametrize("option,kwargs", [
     ("segment_ids", dict(q_segment_ids=jnp.zeros((2, 8), jnp.int32), kv_segment_ids=jnp.zeros((2, 8), jnp.int32))),
     ("logits_soft_cap", dict(logits_soft_cap=30.0)),
-    ("deterministic=True", dict(deterministic=True)),
+    ("deterministic_backward=True", dict(deterministic_backward=True)),
 ])
 @pytest.mark.parametrize("fn", [jax_tk.attention, jax_tk.attention_with_lse], ids=["attention", "with_lse"])
 def test_cudnn_unsupported_options(fn, option, kwargs):
@@ -83,10 +83,10 @@ def test_cudnn_unsupported_options(fn, option, kwargs):
         fn(q, k, v, implementation="cudnn", **kwargs)
 
 
-def test_cudnn_bias_mask_dropout_still_rejected():
+def test_cudnn_active_dropout_rejected():
     q, k, v = _qkv(2, dtype=BF16)
-    with pytest.raises(NotImplementedError, match="mask"):
-        jax_tk.attention(q, k, v, mask=jnp.ones((2, 4, 8, 8), bool), implementation="cudnn")
+    with pytest.raises(NotImplementedError, match="dropout"):
+        jax_tk.attention(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0), implementation="cudnn")
 
 
 def _fake_cudnn(monkeypatch, calls):

@@ -427,7 +427,7 @@ def test_backward_is_deterministic(is_causal, variant):
     # Same through the public API.
     if variant == VARIANT_SM80:
         return
-    attn = functools.partial(jax_tk.attention, is_causal=is_causal, deterministic=True)
+    attn = functools.partial(jax_tk.attention, is_causal=is_causal, deterministic_backward=True)
     grad = jax.jit(jax.grad(_loss(attn, dout), argnums=(0, 1, 2)))
     g1, g2 = grad(q, k, v), grad(q, k, v)
     for name, x, y in zip(("dq", "dk", "dv"), g1, g2):

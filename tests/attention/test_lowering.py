@@ -235,7 +235,7 @@ def test_grad_contains_backward_call(lower, dtype, is_causal):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_deterministic_attribute(lower, deterministic):
-    fn = _grad_fn(jax_tk.attention, is_causal=True, deterministic=deterministic)
+    fn = _grad_fn(jax_tk.attention, is_causal=True, deterministic_backward=deterministic)
     (bwd,) = tk_calls(lower(fn, *_abstract(t=130)), BWD_TARGET)
     assert bwd.attr_int("deterministic") == int(deterministic)
     assert bwd.result_types[-1] == tensor_type((2 * 4 * 3 * (64 * 64 + 2 * 64 + 1),), F32)
@@ -243,8 +243,8 @@ def test_deterministic_attribute(lower, deterministic):
 
 def test_deterministic_must_be_bool():
     q, k, v = (jnp.zeros(x.shape, x.dtype) for x in _abstract())
-    with pytest.raises(TypeError, match="deterministic must be a bool"):
-        jax_tk.attention(q, k, v, deterministic=1)
+    with pytest.raises(TypeError, match="deterministic_backward must be a bool"):
+        jax_tk.attention(q, k, v, deterministic_backward=1)
 
 
 def test_grad_of_attention_with_lse_contains_backward_call(lower):
@@ -533,7 +533,7 @@ def test_block_order_operand(lower, deterministic):
     need each head's key blocks in order); the mma.sync variant gets none."""
     ids_q, ids_kv = _ids((B_, T_)), _ids((B_, S_))
     fn = lambda q, k, v, qs, ks: jnp.sum(jax_tk.attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks,
-                                                          deterministic=deterministic).astype(F32))
+                                                          deterministic_backward=deterministic).astype(F32))
     text = lower(jax.grad(fn, argnums=(0, 1, 2)), *_abstract(B_, T_, S_), ids_q, ids_kv)
     (fwd,) = tk_calls(text, FWD_TARGET)
     (bwd,) = tk_calls(text, BWD_TARGET)

@@ -194,6 +194,65 @@ class TestSharding:
         want_grads = jax.jit(jax.grad(_masked_loss(ref), argnums=(0, 1, 2)))(q, k, v, do, dl, *masks)
         _check_close(grad(*args, *margs), want_grads, BF16, ("dq", "dk", "dv"))
 
+    @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+    @pytest.mark.parametrize("bias_dims,mask_dims,kh", [("1nts", "b1ts", 8), ("b1ts", "bnts", 2), ("bnts", "11ts", 4)],
+                             ids=["bias_b1", "bias_n1_gqa_shared", "full_bias"])
+    def test_jit_sharded_with_bias_and_mask(self, axis_type, bias_dims, mask_dims, kh):
+        # bias/mask split like the query where they have its dims; their broadcast (size-1) dims stay
+        # whole, and the bias gradient is summed over the devices that split the dims it is broadcast
+        # over (an all-reduce).
+        mesh = _mesh(axis_type)
+        b, t, n, d = 8, 16, 8, 32
+        q, k, v, do, dl = _qkv(10, b, t, n, kh, d, F32)
+        rng = np.random.default_rng(11)
+        full = dict(b=b, n=n, t=t, s=t)
+        shape = lambda dims: tuple(full[c] if c in full else 1 for c in dims)
+        bias = jnp.asarray(rng.standard_normal(shape(bias_dims)), F32)
+        mask = jnp.asarray(rng.random(shape(mask_dims)) > 0.3).at[..., 0].set(True)
+        spec = lambda dims: P(*("data" if c == "b" else "model" if c == "n" else None for c in dims))
+        q_spec = P("data", None, "model")
+        kv_spec = q_spec if kh % 4 == 0 else P("data")
+        args = [_put(x, mesh, s) for x, s in zip((q, k, v, do, dl), (q_spec, kv_spec, kv_spec, q_spec, P("data", "model")))]
+        dense = [_put(bias, mesh, spec(bias_dims)), _put(mask, mesh, spec(mask_dims))]
+
+        def loss(fn):
+            def f(q, k, v, do, dl, bias, mask):
+                out, lse = fn(q, k, v, bias, mask, is_causal=True)
+                return jnp.sum(out * do) + jnp.sum(lse * dl)
+            return f
+
+        ref = lambda q, k, v, bias, mask, is_causal: _ref_fn(q, k, v, is_causal, bias=bias, mask=mask)
+        grad = jax.jit(jax.grad(loss(jax_tk.attention_with_lse), argnums=(0, 1, 2, 5)))
+        fwd = jax.jit(lambda q, k, v, bias, mask: jax_tk.attention_with_lse(q, k, v, bias, mask, is_causal=True))
+        assert not _collectives(fwd.lower(*args[:3], *dense).compile().as_text())
+        assert _collectives(grad.lower(*args, *dense).compile().as_text()) <= {"all-reduce"}
+        lowered = fwd.lower(*args[:3], *dense).as_text()
+        assert ("CustomSPMDPartitioning" in lowered) == (axis_type == AxisType.Auto)
+        want = jax.jit(lambda *a: ref(*a, True))(q, k, v, bias, mask)
+        _check_close(fwd(*args[:3], *dense), want, F32, ("out", "lse"))
+        got = grad(*args, *dense)
+        want = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2, 5)))(q, k, v, do, dl, bias, mask)
+        _check_close(got, want, F32, ("dq", "dk", "dv", "dbias"))
+        assert got[3].shape == bias.shape
+
+    def test_shard_map_with_replicated_bias(self):
+        # Inside a user's shard_map, a bias replicated over the mesh gets the sum of the devices' parts
+        # of its gradient (a custom_vjp cotangent has its primal's type).
+        mesh = _mesh(AxisType.Explicit)
+        q, k, v, do, _ = _qkv(12, 4, 8, 8, 4, 16, F32)
+        rng = np.random.default_rng(13)
+        bias = jnp.asarray(rng.standard_normal((1, 1, 8, 8)), F32)
+        mask = jnp.asarray(rng.random((4, 1, 8, 8)) > 0.3).at[..., 0].set(True)
+        spec = P("data", None, "model")
+        smap = jax.shard_map(lambda q, k, v, b, m: jax_tk.attention(q, k, v, b, m), mesh=mesh,
+                             in_specs=(spec, spec, spec, P(), P("data")), out_specs=spec)
+        loss = lambda fn: lambda q, k, v, b, m: jnp.sum(fn(q, k, v, b, m) * do)
+        args = [_put(x, mesh, spec) for x in (q, k, v)] + [_put(bias, mesh, P()), _put(mask, mesh, P("data"))]
+        got = jax.jit(jax.grad(loss(smap), argnums=(0, 1, 2, 3)))(*args)
+        ref = lambda q, k, v, b, m: _ref_fn(q, k, v, False, bias=b, mask=m)[0]
+        want = jax.grad(loss(ref), argnums=(0, 1, 2, 3))(q, k, v, bias, mask)
+        _check_close(got, want, F32, ("dq", "dk", "dv", "dbias"))
+
     def test_shard_map_with_masking(self):
         mesh = _mesh(AxisType.Explicit)
         b, t = 4, 16
