@@ -71,7 +71,7 @@ def test_linen_matches_flax(kind):
     (want, want_g), (got, got_g) = run(_linen()), run(_linen(jax_tk.attention))
     assert rel_err(got, want) < TOL
     for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
-        assert rel_err(g, r) < TOL
+        assert _grad_close(g, r)
 
 
 def test_linen_cross_attention_with_key_padding():
@@ -155,6 +155,12 @@ def _nnx(attention_fn=None, seed=0, **kwargs):
 
 
 @pytest.mark.parametrize("kind", ["causal", "padding", "causal_padding", "is_causal"])
+def _grad_close(g, r):
+    """Within TOL relatively, or (a gradient that is 0 analytically, e.g. the key projection's bias: the
+    softmax ignores a shift of all logits) within float32 rounding noise absolutely."""
+    return rel_err(g, r) < TOL or float(np.max(np.abs(np.asarray(g) - np.asarray(r)))) < 1e-6
+
+
 def test_nnx_matches_flax(kind):
     x = _inputs(9)
     mask = None if kind == "is_causal" else _masks(kind)
@@ -172,7 +178,7 @@ def test_nnx_matches_flax(kind):
     want_leaves, got_leaves = jax.tree.leaves(nnx.state(want_g[0])), jax.tree.leaves(nnx.state(got_g[0]))
     assert len(got_leaves) == len(want_leaves) > 0
     for g, r in zip(got_leaves + [got_g[1]], want_leaves + [want_g[1]]):
-        assert rel_err(g, r) < TOL
+        assert _grad_close(g, r)
 
 
 def test_nnx_decode():

@@ -225,7 +225,7 @@ def _loop(kind, steps):
             k, v, lens, out = step(k, v, lens, qs[i], nks[i], nvs[i], table)
             return i + 1, k, v, lens, jax.lax.dynamic_update_index_in_dim(outs, out, i, 0)
 
-        outs = jnp.zeros_like(qs)
+        outs = qs * 0  # (zeros with qs's sharding: jnp.zeros_like drops an explicit sharding in some JAX versions)
         _, k, v, lens, outs = jax.lax.while_loop(cond, body, (0, k, v, lens, outs))
         return k, v, lens, outs
 

