@@ -4,6 +4,8 @@ from jax_tk.attention import attention, attention_with_lse, ring_attention  # (b
 from jax_tk.attention import ring
 from jax_tk import sharding
 from jax_tk import decode
+from jax_tk.gemm import matmul, ragged_dot
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_with_lse", "ring_attention", "has_cuda_kernels", "__version__"]
+__all__ = ["attention", "attention_with_lse", "matmul", "ragged_dot", "ring_attention", "has_cuda_kernels",
+           "__version__"]

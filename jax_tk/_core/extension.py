@@ -47,6 +47,12 @@ def has_cuda_kernels() -> bool:
     return _tk is not None
 
 
+def has_target(name: str) -> bool:
+    """True when the built extension registered the FFI target ``name`` (an extension built before an
+    op's kernels existed lacks their targets)."""
+    return name in _registered
+
+
 def has_test_kernels() -> bool:
     """True when the tile-language unit-test kernels were built."""
     return _tk_tests is not None

@@ -38,6 +38,10 @@ share its labels, so types are preserved.
 
 Operands may be None (optional arrays, e.g. masks): they take no part in the partitioning and reach
 the per-shard function as None.
+
+For ops whose rows are split unevenly among their own groups (the grouped GEMM's rows, sorted by
+group), ``Layout(batch_offset=True)`` gives the per-shard function the index of its first batch entry
+(``batch_start=``, 0 when nothing is split), so that it can work out which part of each group it holds.
 """
 from __future__ import annotations
 
@@ -76,7 +80,9 @@ class Layout:
     shared by groups of ``heads`` (None: none). Every other label stays whole on each device.
     summed: the indices of the outputs that each device computes a part of, to be summed over the
     axes that split the batch or heads label when the output lacks that label (e.g. the gradient of
-    an operand broadcast over batch or heads, whose size-1 dim has a label of its own)."""
+    an operand broadcast over batch or heads, whose size-1 dim has a label of its own).
+    batch_offset: the per-shard function takes ``batch_start=`` (the global index of its first batch
+    entry along the leading operand's batch dimension)."""
 
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
@@ -84,6 +90,7 @@ class Layout:
     heads: str | None = None
     grouped: str | None = None
     summed: tuple[int, ...] = ()
+    batch_offset: bool = False
 
     def dim(self, labels: str, label) -> int | None:
         names = labels.split()
@@ -177,7 +184,11 @@ def _local(layout: Layout, local_fn: Callable, static, p: Plan, present: tuple[i
             g = layout.dim(layout.inputs[i], layout.grouped)
             if g is not None:
                 full[i] = jax.lax.dynamic_slice_in_dim(full[i], idx, 1, axis=g)
-    outs = tuple(local_fn(static, *full))
+    kwargs = {}
+    if layout.batch_offset:
+        b = layout.dim(layout.inputs[0], layout.batch)
+        kwargs["batch_start"] = jax.lax.axis_index(p.batch) * full[0].shape[b] if p.batch and b is not None else 0
+    outs = tuple(local_fn(static, *full, **kwargs))
     if layout.summed:
         tracked = any(dispatch.vma(x) for x in args)
         outs = tuple(_sum_parts(layout, p, o, labels, tracked) if k in layout.summed else o
@@ -369,7 +380,8 @@ def call(layout: Layout, local_fn: Callable, static, *args, result_like: Sequenc
     explicit = [a for a, t in types.items() if t == jax.sharding.AxisType.Explicit]
     manual = [a for a, t in types.items() if t == jax.sharding.AxisType.Manual]
     if not explicit and (manual or not _AUTO_PARTITIONING or not _multi_device()):
-        return tuple(local_fn(static, *args))  # local shards (shard_map, pmap), or nothing to partition
+        # local shards (shard_map, pmap), or nothing to partition
+        return tuple(local_fn(static, *args, **({"batch_start": 0} if layout.batch_offset else {})))
     present = tuple(i for i, a in enumerate(args) if a is not None)
     given = tuple(args[i] for i in present)
     result_like = tuple(result_like) if result_like is not None else (None,) * len(layout.outputs)

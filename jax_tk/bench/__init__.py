@@ -15,6 +15,8 @@ The package is one harness shared by every op and one set of modules per op:
 - ``attention`` (+ ``attention_configs``, ``attention_providers``, ``attention_report``): the
   attention sweep and feature rows, FLOP counting, the providers jax_tk, jax_tk_auto, cudnn,
   cudnn_packed, fa3 (FlashAttention-3, ``pip install flash-attn3-jax``), xla, pallas, pallas_triton;
+- ``ragged_dot`` and ``matmul`` (+ ``_gemm``, what they share): the grouped GEMM against
+  ``jax.lax.ragged_dot`` and a dense GEMM of the same FLOPs, and the dense GEMM against XLA's dot;
 - ``decode`` (+ ``decode_providers``): decode attention over a KV cache (contiguous and paged), in TB/s of
   cache read beside a read-bandwidth ceiling measured in the same run; providers jax_tk, cudnn, fa3
   (``flash_mha_with_kvcache``, the fastest of num_splits 1/4/16), xla.

@@ -125,3 +125,34 @@ def test_toy_op_runs_on_shards(kh, axis_type):
         assert rel_err(g, w) < 1e-6
     assert "all-gather" not in text
     assert tuple(got[0].sharding.spec)[:3] == ("data", None, "model")
+
+
+# A toy op over rows split unevenly: out[r] = x[r] * (global row index r), and w = the sum over all rows
+# of x (a "weight gradient": a result summed over the batch's devices).
+ROWS = sharding.Layout(inputs=("b d",), outputs=("b d", "d"), summed=(1,), batch_offset=True)
+
+
+def _rows_local(static, x, *, batch_start):
+    r = batch_start + jnp.arange(x.shape[0], dtype=jnp.int32)
+    return x * r[:, None].astype(x.dtype) * static, x.sum(axis=0)
+
+
+def test_rows_toy_op_unpartitioned():
+    x = jnp.arange(12.0).reshape(6, 2)
+    out, w = sharding.call(ROWS, _rows_local, 1.0, x)
+    np.testing.assert_array_equal(out, x * jnp.arange(6.0)[:, None])
+    np.testing.assert_array_equal(w, x.sum(0))
+
+
+@pytest.mark.skipif(not have_devices(), reason="runs in the 8-device subprocess")
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_rows_toy_op_batch_offset_and_summed(axis_type):
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 3)), jnp.float32)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type, axis_type))
+    xs = jax.device_put(x, NamedSharding(mesh, P(("data", "model"))))
+    f = jax.jit(lambda x: sharding.call(ROWS, _rows_local, 2.0, x))
+    out, w = f(xs)
+    np.testing.assert_allclose(out, 2.0 * x * jnp.arange(16.0)[:, None], rtol=1e-6)
+    np.testing.assert_allclose(w, x.sum(0), rtol=1e-5)
+    text = f.lower(xs).compile().as_text()
+    assert "all-gather" not in text and "all-reduce" in text

@@ -1,0 +1,240 @@
+"""What the grouped GEMM (``ragged_dot``) and dense GEMM (``matmul``) benchmarks share: the
+configuration, random inputs, group sizes, correctness checks on a slice, the table and the plot.
+
+FLOPs are counted the standard way: ``2*m*k*n`` for the forward (m = rows in groups), twice that
+for the backward alone (two GEMMs: d lhs and d rhs), three times for forward + backward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tk.bench import output
+from jax_tk.bench.harness import Result, fmt_tflops
+
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+MODES = ("fwd", "bwd", "fwd_bwd")
+DEFAULT_MODES = ("fwd", "fwd_bwd")
+MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.0, "fwd_bwd": 3.0}
+DISTRIBUTIONS = ("uniform", "dirichlet")
+DIRICHLET_ALPHA = 0.5  # skewed: a few groups get most rows, some nearly none
+CHECK_ROWS = 256  # the correctness check looks at the first rows (and a few columns of d rhs)
+CHECK_COLS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One problem: ``m`` rows of k in ``groups`` groups (sizes drawn by ``dist``: "uniform",
+    "dirichlet", or "dense" for a plain GEMM), times [k, n] per group."""
+
+    name: str
+    m: int
+    k: int
+    n: int
+    groups: int = 1
+    dist: str = "dense"
+    dtype: str = "bf16"
+    seed: int = 0
+
+    def flops(self, mode: str) -> float:
+        if mode not in MODE_FLOP_FACTOR:
+            raise ValueError(f"unknown mode {mode!r}")
+        return 2.0 * self.m * self.k * self.n * MODE_FLOP_FACTOR[mode]
+
+    def label(self) -> str:
+        grouped = f" g={self.groups} {self.dist}" if self.dist != "dense" else ""
+        return f"{self.name} {self.m}x{self.k}->{self.n}{grouped}"
+
+    @property
+    def jnp_dtype(self):
+        return DTYPES[self.dtype]
+
+    def group_sizes(self) -> np.ndarray:
+        return group_sizes(self.m, self.groups, self.dist, self.seed)
+
+    CSV_FIELDS = ("name", "dtype", "m", "k", "n", "groups", "dist", "seed")
+
+    def csv_row(self) -> dict:
+        return {f: getattr(self, f) for f in self.CSV_FIELDS}
+
+    @classmethod
+    def from_row(cls, row: dict) -> "GemmConfig":
+        ints = ("m", "k", "n", "groups", "seed")
+        return cls(**{f: int(row[f]) if f in ints else row[f] for f in cls.CSV_FIELDS if row.get(f, "") != ""})
+
+
+def group_sizes(m: int, groups: int, dist: str, seed: int = 0) -> np.ndarray:
+    """int32 [groups] summing to m: equal (the remainder spread over the first groups), or drawn from
+    a Dirichlet(DIRICHLET_ALPHA) share per group (numpy, ``seed``), or [m] for "dense"."""
+    if dist == "dense":
+        return np.array([m], np.int32)
+    if dist == "uniform":
+        sizes = np.full(groups, m // groups, np.int64)
+        sizes[: m % groups] += 1
+    elif dist == "dirichlet":
+        rng = np.random.default_rng(seed)
+        sizes = rng.multinomial(m, rng.dirichlet(np.full(groups, DIRICHLET_ALPHA)))
+    else:
+        raise ValueError(f"unknown group size distribution {dist!r}: choose from {DISTRIBUTIONS}")
+    return sizes.astype(np.int32)
+
+
+def input_bytes(cfg: GemmConfig) -> int:
+    item = jnp.dtype(cfg.jnp_dtype).itemsize
+    return item * (cfg.m * cfg.k + cfg.groups * cfg.k * cfg.n + cfg.m * cfg.n)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def random_normal(key, shape, dtype):
+    """Standard normal ``shape`` in ``dtype``, one draw per leading index (no single draw reaches
+    2**31 elements, which the largest rhs, 256 x 7168 x 2048, would)."""
+    keys = jax.random.split(key, shape[0])
+    return jax.vmap(lambda k: jax.random.normal(k, shape[1:], dtype))(keys)
+
+
+def make_inputs(cfg: GemmConfig, copies: int):
+    """``copies`` sets of (lhs [m, k], rhs [g, k, n], group_sizes [g] int32, dout [m, n]): standard
+    normal in the benchmark dtype (never zeros), the group sizes of the configuration."""
+    sizes = jnp.asarray(cfg.group_sizes())
+    sets = []
+    for i in range(copies):
+        k = jax.random.split(jax.random.key(cfg.seed * 1000 + i), 3)
+        sets.append((random_normal(k[0], (cfg.m, cfg.k), cfg.jnp_dtype),
+                     random_normal(k[1], (cfg.groups, cfg.k, cfg.n), cfg.jnp_dtype), sizes,
+                     random_normal(k[2], (cfg.m, cfg.n), cfg.jnp_dtype)))
+        jax.block_until_ready(sets[-1])
+    return sets
+
+
+# ----------------------------------------------------------------------------------------------
+# Correctness checks: the first CHECK_ROWS rows of out and d lhs, and CHECK_COLS columns of one
+# group's d rhs, against float32 products (the groups are sliced so that the check stays cheap)
+# ----------------------------------------------------------------------------------------------
+
+
+def _f32_dot(a, b):
+    return jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def _head_groups(sizes: np.ndarray, rows: int):
+    """The groups of the first ``rows`` rows: [(group, start, end)] with end <= rows."""
+    out, start = [], 0
+    for i, s in enumerate(sizes):
+        end = min(start + int(s), rows)
+        if end > start:
+            out.append((i, start, end))
+        start += int(s)
+        if start >= rows:
+            break
+    return out
+
+
+def _rel(got, want) -> float:
+    num = float(jnp.sqrt(sum(jnp.sum((g.astype(jnp.float32) - w) ** 2) for g, w in zip(got, want))))
+    den = float(jnp.sqrt(sum(jnp.sum(w ** 2) for w in want)))
+    return num / den if den > 0 else math.inf
+
+
+def check_fwd(cfg: GemmConfig, lhs, rhs, out) -> float:
+    """rhs: [g, k, n] (grouped) or [k, n] (dense)."""
+    sizes = cfg.group_sizes() if rhs.ndim == 3 else np.array([cfg.m])
+    r = min(cfg.m, CHECK_ROWS)
+    got, want = [], []
+    for i, s, e in _head_groups(sizes, r):
+        got.append(out[s:e])
+        want.append(_f32_dot(lhs[s:e], rhs[i] if rhs.ndim == 3 else rhs))
+    return _rel(got, want)
+
+
+def check_bwd(cfg: GemmConfig, lhs, rhs, dout, dlhs, drhs) -> float:
+    sizes = cfg.group_sizes() if rhs.ndim == 3 else np.array([cfg.m])
+    r = min(cfg.m, CHECK_ROWS)
+    got, want = [], []
+    for i, s, e in _head_groups(sizes, r):
+        got.append(dlhs[s:e])
+        want.append(_f32_dot(dout[s:e], (rhs[i] if rhs.ndim == 3 else rhs).T))
+    nonempty = [i for i in range(len(sizes)) if sizes[i] > 0]
+    j = min(nonempty, key=lambda i: sizes[i])  # the smallest group that has rows: the cheapest to check
+    s = int(np.sum(sizes[:j]))
+    e = s + int(sizes[j])
+    got.append((drhs[j] if rhs.ndim == 3 else drhs)[:, :CHECK_COLS])
+    want.append(_f32_dot(lhs[s:e].T, dout[s:e, :CHECK_COLS]))
+    return _rel(got, want)
+
+
+# ----------------------------------------------------------------------------------------------
+# Table and plot
+# ----------------------------------------------------------------------------------------------
+
+
+_COLUMNS = (
+    ("shape", 12, lambda c, m: c.name), ("m", 7, lambda c, m: c.m), ("k", 6, lambda c, m: c.k),
+    ("n", 6, lambda c, m: c.n), ("g", 4, lambda c, m: c.groups if c.dist != "dense" else "-"),
+    ("sizes", 9, lambda c, m: c.dist),
+)
+
+
+def format_table(results: Sequence[Result], providers: Sequence[str], baselines: Sequence[str]) -> str:
+    """Per mode: one row per configuration, ``ms (TFLOP/s)`` per provider, then jax_tk's TFLOP/s as a
+    multiple of each provider's in ``baselines`` (their time / jax_tk's time)."""
+    if not results:
+        return "(no results)"
+    by_key = {(r.config, r.provider, r.mode): r for r in results}
+    configs = list(dict.fromkeys(r.config for r in results))
+    present = [b for b in baselines if b in providers and "jax_tk" in providers]
+    lines = []
+    for mode in dict.fromkeys(r.mode for r in results):
+        title = f"== {mode}: time per call in ms (TFLOP/s)"
+        if present:
+            title += "; tk/X = X's time / jax_tk's time (> 1: jax_tk is faster)"
+        ratios = " ".join(f"{'tk/' + b:>10}" for b in present)
+
+        def ratio(cfg, m):
+            cells = []
+            for b in present:
+                tk, other = by_key.get((cfg, "jax_tk", m)), by_key.get((cfg, b, m))
+                ok = tk is not None and other is not None and tk.status == other.status == "ok"
+                cells.append(f"{other.time_ms / tk.time_ms:.2f}x" if ok else "-")
+            return " ".join(f"{c:>10}" for c in cells)
+
+        lines += output.format_grid(title + " ==", _COLUMNS, configs, providers, mode, by_key,
+                                    lambda r: f"{r.time_ms:.3f} ({fmt_tflops(r.tflops)})", " ms (TF/s)", 22,
+                                    extra=(ratios, len(ratios), ratio) if present else None)
+    lines += output.format_problems(results)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def plot(results: Sequence[Result], path: str, env: dict, op: str) -> list[str]:
+    """Bars of TFLOP/s per configuration and provider, one panel per mode."""
+    plt = output.pyplot()
+    ok = [r for r in results if r.status == "ok"]
+    if plt is None or not ok:
+        return []
+    configs = list(dict.fromkeys(r.config for r in results))
+    modes = list(dict.fromkeys(r.mode for r in results))
+    providers = list(dict.fromkeys(r.provider for r in ok))
+    by_key = {(r.config, r.provider, r.mode): r for r in ok}
+    fig, axes = plt.subplots(len(modes), 1, figsize=(max(6.0, 1.1 * len(configs) * max(len(providers), 2) / 2 + 2),
+                                                      3.8 * len(modes)), squeeze=False)
+    width = 0.8 / len(providers)
+    for j, mode in enumerate(modes):
+        ax = axes[j][0]
+        for k, p in enumerate(providers):
+            xs = [i - 0.4 + (k + 0.5) * width for i, c in enumerate(configs) if (c, p, mode) in by_key]
+            ys = [by_key[(c, p, mode)].tflops for c in configs if (c, p, mode) in by_key]
+            ax.bar(xs, ys, width, color=f"C{k % 10}", label=p)
+        ax.set_xticks(range(len(configs)))
+        ax.set_xticklabels([c.label().replace(" ", "\n", 1) for c in configs], fontsize=7)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(mode, fontsize=9)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    output.save_figure(plt, fig, path, output.suptitle(op, env), fontsize=9)
+    return [path]

@@ -1,0 +1,140 @@
+"""Grouped GEMM (mixture of experts) benchmark: jax_tk.ragged_dot against jax.lax.ragged_dot, with the
+dense GEMM of the same FLOPs as the ceiling.
+
+    python -m jax_tk.bench ragged_dot                         # every shape, uniform and skewed sizes
+    python -m jax_tk.bench ragged_dot --shapes mixtral,qwen --dist dirichlet --modes fwd
+    python -m jax_tk.bench ragged_dot --quick                 # tiny shapes (seconds, CPU too)
+
+Shapes (bf16; ``m`` rows of ``k`` times one ``[k, n]`` matrix per expert):
+
+- ``mixtral``: 16384 x 4096 -> 14336, 8 experts (Mixtral-8x7B's up projection, 8k tokens top-2)
+- ``qwen``: 16384 x 2048 -> 1408, 64 experts (Qwen-MoE-like)
+- ``deepseek``: 32768 x 7168 -> 2048, 64 experts (DeepSeek-like)
+- ``deepseek-v3``: 256 experts, top-8 routing of 16k tokens: m = 16384 * 8 = 131072, k = 7168, n = 2048
+
+Group sizes (``--dist``): ``uniform`` (m / g each) and ``dirichlet`` (shares drawn from a Dirichlet
+with alpha 0.5, numpy seed 0: a few experts get most tokens, some almost none). Group sizes are passed
+as a traced int32 array to every provider.
+
+Providers: ``jax_tk`` (``jax_tk.ragged_dot``; on a GPU with ``implementation="tk"``, skipped with the
+reason where the kernel does not take the shape), ``lax`` (``jax.lax.ragged_dot``), ``dense`` (XLA's
+``[m, k] @ [k, n]``: the same FLOPs without groups, the ceiling). Modes: ``fwd``; ``bwd`` (the
+backward alone: d lhs and d rhs, 2x the forward's FLOPs); ``fwd_bwd`` (3x). FLOPs ``2*m*k*n`` per
+GEMM. The table gives ms and TFLOP/s per provider and jax_tk's speed over ``lax`` and ``dense``.
+Timing and outputs as for every op (``jax_tk.bench.harness``, ``timers``): CSV and PNG in ``--out``.
+Each timed result is checked on its first 256 rows (and 64 columns of one group's d rhs) against
+float32 products.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+import jax_tk
+from jax_tk.bench import _gemm, cli, harness, output
+from jax_tk.bench._gemm import DEFAULT_MODES, DISTRIBUTIONS, DTYPES, MODES, GemmConfig
+from jax_tk.bench.harness import Provider, Result, Skip, Unavailable
+from jax_tk.bench.timers import make_timer
+
+SHAPES = {  # name: (m, k, n, groups)
+    "mixtral": (16384, 4096, 14336, 8),
+    "qwen": (16384, 2048, 1408, 64),
+    "deepseek": (32768, 7168, 2048, 64),
+    "deepseek-v3": (16384 * 8, 7168, 2048, 256),
+}
+QUICK_SHAPES = {"tiny": (256, 64, 128, 4), "tiny-many": (384, 32, 64, 32)}
+PROVIDERS = ("jax_tk", "lax", "dense")
+BASELINES = ("lax", "dense")
+
+
+def configs(shapes: dict, names: Sequence[str], dists: Sequence[str], dtype: str = "bf16") -> list[GemmConfig]:
+    return [GemmConfig(name, *shapes[name], dist=dist, dtype=dtype) for name in names for dist in dists]
+
+
+def make_provider(name: str, cfg: GemmConfig) -> Provider:
+    if name == "jax_tk":
+        note, impl = "", None
+        if harness.has_gpu():
+            from jax_tk.gemm import launch
+
+            impl = "tk"
+            reason = launch.kernel_unsupported_reason(cfg.jnp_dtype, cfg.k, cfg.n, cfg.groups, cfg.m)
+            if reason is not None:
+                raise Skip(f"the kernel does not take {reason}")
+            if not jax_tk.has_cuda_kernels():
+                raise Unavailable("jax_tk was built without its CUDA kernels")
+        else:
+            note = "the float32 reference (no GPU)"
+        return Provider(name, lambda lhs, rhs, sizes: jax_tk.ragged_dot(lhs, rhs, sizes, implementation=impl),
+                        note=note)
+    if name == "lax":
+        return Provider(name, lambda lhs, rhs, sizes: jax.lax.ragged_dot(lhs, rhs, sizes))
+    if name == "dense":
+        return Provider(name, lambda a, b: jnp.dot(a, b), prepare=lambda lhs, rhs, sizes, dout: (lhs, rhs[0], dout),
+                        note="dense [m, k] @ [k, n]: the same FLOPs")
+    raise ValueError(f"unknown provider {name!r}: choose from {PROVIDERS}")
+
+
+def _check_fwd(cfg, provider, args, out) -> float:
+    return _gemm.check_fwd(cfg, args[0], args[1], out)
+
+
+def _check_bwd(cfg, provider, args, dout, grads) -> float:
+    return _gemm.check_bwd(cfg, args[0], args[1], dout, grads[0], grads[1])
+
+
+OP = harness.OpBench(make_provider=make_provider, make_inputs=_gemm.make_inputs, input_bytes=_gemm.input_bytes,
+                     check_fwd=_check_fwd, check_bwd=_check_bwd)
+
+
+def bench_ragged_dot(configs: Sequence[GemmConfig], providers: Sequence[str] = PROVIDERS,
+                     modes: Sequence[str] = DEFAULT_MODES, *, timer=None, check: bool = True,
+                     on_result: Callable[[Result], None] | None = None,
+                     log: Callable[[str], None] | None = print) -> list[Result]:
+    return harness.run(OP, configs, providers, modes, timer=timer, check=check, on_result=on_result, log=log)
+
+
+def format_table(results, providers=None) -> str:
+    providers = providers or list(dict.fromkeys(r.provider for r in results))
+    return _gemm.format_table(results, providers, BASELINES)
+
+
+def plot(results, path, env):
+    return _gemm.plot(results, path, env, "ragged_dot")
+
+
+def add_arguments(a) -> None:
+    a.add_argument("--shapes", type=cli.str_list(tuple(SHAPES)), default=None,
+                   help=f"from {','.join(SHAPES)} (default all)")
+    a.add_argument("--dist", type=cli.str_list(DISTRIBUTIONS), default=None,
+                   help="group sizes: uniform, dirichlet (default both)")
+    cli.add_common_arguments(a, op="ragged_dot", providers=PROVIDERS, default_providers=",".join(PROVIDERS),
+                             modes=MODES, default_modes=DEFAULT_MODES, dtypes=tuple(DTYPES),
+                             quick_help=f"tiny shapes {QUICK_SHAPES} (runs on CPU in seconds)")
+
+
+def run_ragged_dot(args) -> int:
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    names = list(shapes) if args.quick or not args.shapes else args.shapes
+    dists = args.dist or list(DISTRIBUTIONS)
+    providers = args.providers or list(PROVIDERS)
+    modes = args.modes or list(DEFAULT_MODES)
+    reps = cli.reps_from(args)
+    csv_path, png_path = cli.output_paths(args, "ragged_dot")
+    timer = make_timer(args.timer, reps, quick=args.quick)
+    env = output.environment(timer.name)
+    header = [f"# jax_tk ragged_dot benchmark: {output.env_header(env)}",
+              f"# providers={','.join(providers)} modes={','.join(modes)} dtype={args.dtype} reps={reps}; "
+              "FLOPs 2*m*k*n per GEMM (fwd 1, bwd 2, fwd_bwd 3 GEMMs); dense = XLA's [m,k]@[k,n], the ceiling"]
+    bench = functools.partial(bench_ragged_dot, configs(shapes, names, dists, args.dtype), providers, modes,
+                              timer=timer, check=not args.no_check)
+    return cli.run_and_write(COMMAND, env=env, header=header, csv_path=csv_path, png_path=png_path,
+                             providers=providers, bench=bench)
+
+
+COMMAND = cli.register(cli.Command(
+    "ragged_dot", "grouped GEMM (mixture of experts) forward and backward", add_arguments, run_ragged_dot,
+    config_type=GemmConfig, format_table=format_table, plot=plot))

@@ -1,0 +1,198 @@
+"""The grouped GEMM kernel's operands and attributes, and how its calls are batched under ``vmap``.
+
+One FFI target, ``jax_tk_gemm_ragged``, takes ``a``, ``b`` and ``group_sizes`` (int32 ``[g]``) and
+two int attributes:
+
+- ``mode=MODE_RAGGED`` (0, rows grouped): a ``[m, k]``, b ``[g, k, n]`` (``b_transposed=0``) or ``[g, n, k]``
+  (``b_transposed=1``); out ``[m, n]``: group i owns rows ``[off_i, off_i + size_i)`` (``off`` the
+  exclusive cumulative sum); rows past the sum give 0.
+- ``mode=MODE_CONTRACT`` (1, ragged contracting dimension): a ``[m, k]``, b ``[m, n]``; out ``[g, k, n]``,
+  ``out_i = a[rows_i]^T b[rows_i]``; an empty group gives 0.
+
+a and b are both bfloat16 or both float16; out is that dtype or float32 (the kernel reads the result
+buffer's dtype). The numbers the kernel and this file share (``MODE_RAGGED``, ``MODE_CONTRACT``,
+``DIM_MULTIPLE``, and ``MAX_GROUPS`` where the kernel bounds the groups) come from ``cc/gemm/gemm.h``
+through ``jax_tk._core.extension.contract``.
+
+The api hands this layer group sizes that are >= 0 and sum to at most the rows (``api`` clips them),
+which the batching rules below rely on.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tk._core import extension
+from jax_tk._core.ffi import kernel_call
+
+TARGET = "jax_tk_gemm_ragged"
+KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+MAX_ROWS = 2**31 - 1  # row indices are int32 in the kernel
+
+
+def contract() -> dict[str, int]:
+    return extension.contract("gemm")
+
+
+def max_groups() -> int | None:
+    """The most groups one launch takes, None where the kernel sets no bound."""
+    return contract().get("MAX_GROUPS")
+
+
+def _fits(groups: int) -> bool:
+    most = max_groups()
+    return most is None or groups <= most
+
+
+def kernel_unsupported_reason(dtype, k: int, n: int, groups: int, rows: int) -> str | None:
+    """Why the kernel cannot take a call with inputs of ``dtype``, contracting size ``k``, output
+    columns ``n`` (the same condition holds for the backward's calls), ``groups`` groups and ``rows``
+    rows; None if it can."""
+    if extension.has_cuda_kernels() and not extension.has_target(TARGET):
+        return ("grouped GEMM: this build of jax_tk has no grouped GEMM kernel (it was built from a tree "
+                "without cc/gemm; reinstall)")
+    if not any(jnp.dtype(dtype) == d for d in KERNEL_DTYPES):
+        return f"dtype {jnp.dtype(dtype)} (the kernel takes bfloat16 and float16)"
+    c = contract()
+    mult = c["DIM_MULTIPLE"]
+    if k % mult or n % mult:
+        return f"sizes k={k}, n={n} (the kernel takes multiples of {mult})"
+    if not _fits(groups):
+        return f"{groups} groups (the kernel takes at most {max_groups()})"
+    if rows > MAX_ROWS:
+        return f"{rows} rows (the kernel takes at most {MAX_ROWS})"
+    return None
+
+
+def _raw_call(mode: int, a, b, group_sizes, out_shape, out_dtype, b_transposed: bool, out_init=None):
+    """One launch of the kernel (``out_init``, tests only: a buffer aliased to the output)."""
+    out_types = (jax.ShapeDtypeStruct(tuple(out_shape), jnp.dtype(out_dtype)),)
+    attributes = dict(mode=np.int32(mode), b_transposed=np.int32(bool(b_transposed)))
+    (out,) = kernel_call(TARGET, out_types, (a, b, group_sizes.astype(jnp.int32)), attributes,
+                         out_init=None if out_init is None else (out_init,))
+    return out
+
+
+def _rows_call(a, b, group_sizes, out_dtype, b_transposed, out_init=None):
+    n = b.shape[1] if b_transposed else b.shape[2]
+    return _raw_call(contract()["MODE_RAGGED"], a, b, group_sizes, (a.shape[0], n), out_dtype, b_transposed, out_init)
+
+
+def _contracting_call(a, b, group_sizes, out_dtype, out_init=None):
+    shape = (group_sizes.shape[0], a.shape[1], b.shape[1])
+    return _raw_call(contract()["MODE_CONTRACT"], a, b, group_sizes, shape, out_dtype, False, out_init)
+
+
+# ----------------------------------------------------------------------------------------------
+# Batching: a vmapped call becomes one launch with the batch folded into the groups
+# ----------------------------------------------------------------------------------------------
+
+
+def _broadcast(x, batched: bool, size: int):
+    return x if batched else jnp.broadcast_to(x, (size, *x.shape))
+
+
+def _loop(fn, in_batched, args):
+    """``fn`` over the mapped axis, one launch per entry (where folding does not apply)."""
+    mapped = [a for a, b in zip(args, in_batched) if b]
+
+    def one(xs):
+        it = iter(xs)
+        return fn(*(next(it) if b else a for a, b in zip(args, in_batched)))
+
+    return jax.lax.map(one, mapped)
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_fn(out_dtype: str, b_transposed: bool):
+    @jax.custom_batching.custom_vmap
+    def fn(a, b, group_sizes):
+        return _rows_call(a, b, group_sizes, out_dtype, b_transposed)
+
+    @fn.def_vmap
+    def rule(axis_size, in_batched, a, b, group_sizes):
+        a_batched, b_batched, s_batched = in_batched
+        g = b.shape[1] if b_batched else b.shape[0]
+        a = _broadcast(a, a_batched, axis_size)
+        sizes = _broadcast(group_sizes, s_batched, axis_size).astype(jnp.int32)
+        e, m, k = a.shape
+        if not b_batched:
+            # One b for every entry: the entries' rows sorted by group (stable: by entry within a
+            # group) are one call with the summed sizes; the rows past each entry's groups go last,
+            # past the sum, and give 0. The sort costs a gather of a and a scatter of the result.
+            order = jnp.argsort(_row_groups(sizes, m).reshape(-1), stable=True)
+            out = fn(a.reshape(e * m, k)[order], b, sizes.sum(axis=0))
+            return jnp.zeros_like(out).at[order].set(out).reshape(e, m, -1), True
+        if not _fits(axis_size * g):
+            return _loop(fn, (True, True, True), (a, b, sizes)), True
+        # Entry i's rows become rows [i*m, (i+1)*m) and its groups groups [i*g, (i+1)*g) of one call:
+        # its last group is stretched to the end of its rows so that the next entry starts at
+        # (i+1)*m, and the rows past its own groups are zeroed afterwards.
+        total = sizes.sum(axis=1)
+        stretched = sizes.at[:, -1].add(m - total)
+        out = fn(a.reshape(e * m, k), b.reshape(e * g, *b.shape[2:]), stretched.reshape(-1))
+        out = out.reshape(e, m, -1)
+        inside = jnp.arange(m, dtype=jnp.int32)[None, :] < total[:, None]
+        return jnp.where(inside[..., None], out, jnp.zeros((), out.dtype)), True
+
+    return fn
+
+
+def _row_groups(sizes, m: int):
+    """[e, m] int32: the group of each row of each entry (g past the entry's groups), from sizes
+    [e, g] (>= 0, summing to at most m): a 1 where each group (and the rest after the last) starts,
+    summed along the rows. O(e * (m + g))."""
+    e, g = sizes.shape
+    ends = jnp.cumsum(sizes, axis=1)
+    starts = jnp.concatenate([ends - sizes, ends[:, -1:]], axis=1)  # g + 1 starts, the rest's last
+    marks = jnp.zeros((e, m + 1), jnp.int32).at[jnp.arange(e)[:, None], starts].add(1)
+    return jnp.cumsum(marks[:, :m], axis=1) - 1
+
+
+@functools.lru_cache(maxsize=None)
+def _contracting_fn(out_dtype: str):
+    @jax.custom_batching.custom_vmap
+    def fn(a, b, group_sizes):
+        return _contracting_call(a, b, group_sizes, out_dtype)
+
+    @fn.def_vmap
+    def rule(axis_size, in_batched, a, b, group_sizes):
+        # Entry i's rows become rows [i*m, (i+1)*m) of one call, its groups g of its g + 1: one more
+        # group takes the rows past its own groups (so that the next entry starts at (i+1)*m), and its
+        # result is dropped.
+        a_batched, b_batched, s_batched = in_batched
+        g = group_sizes.shape[-1]
+        if not _fits(axis_size * (g + 1)):
+            return _loop(fn, in_batched, (a, b, group_sizes)), True
+        a = _broadcast(a, a_batched, axis_size)
+        b = _broadcast(b, b_batched, axis_size)
+        sizes = _broadcast(group_sizes, s_batched, axis_size).astype(jnp.int32)
+        e, m, k = a.shape
+        rest = m - sizes.sum(axis=1, keepdims=True)
+        folded = jnp.concatenate([sizes, rest], axis=1).reshape(-1)
+        out = fn(a.reshape(e * m, k), b.reshape(e * m, b.shape[-1]), folded)
+        return out.reshape(e, g + 1, *out.shape[1:])[:, :g], True
+
+    return fn
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel calls the api makes
+# ----------------------------------------------------------------------------------------------
+
+
+def ragged_dot(a, b, group_sizes, *, out_dtype, b_transposed=False, out_init=None):
+    """Mode 0: ``out[r] = a[r] @ b[group(r)]`` (``b[group(r)]^T`` with ``b_transposed``), [m, n]."""
+    if out_init is not None:  # (tests: no vmap)
+        return _rows_call(a, b, group_sizes, out_dtype, b_transposed, out_init)
+    return _rows_fn(jnp.dtype(out_dtype).name, bool(b_transposed))(a, b, group_sizes)
+
+
+def ragged_contracting(a, b, group_sizes, *, out_dtype, out_init=None):
+    """Mode 1: ``out[i] = a[rows_i]^T @ b[rows_i]``, [g, k, n]."""
+    if out_init is not None:
+        return _contracting_call(a, b, group_sizes, out_dtype, out_init)
+    return _contracting_fn(jnp.dtype(out_dtype).name)(a, b, group_sizes)

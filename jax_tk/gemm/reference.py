@@ -1,0 +1,51 @@
+"""The pure-JAX reference of the grouped GEMM: float32 inside, the CPU path and the tests' oracle.
+
+Rows ``[off_i, off_i + size_i)`` of the left operand belong to group ``i`` (``off`` the exclusive
+cumulative sum of the sizes); rows past the last group belong to none. The reference spreads each
+row over a one-hot group axis and does one dense contraction, so it costs ``groups`` times the
+FLOPs of the grouped product: fine for tests and small CPU runs, not a fast path.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def row_groups(group_sizes, rows: int):
+    """[rows] int32: the group of each row (``len(group_sizes)`` for rows past the last group).
+    Negative sizes count as 0."""
+    ends = jnp.cumsum(jnp.maximum(jnp.asarray(group_sizes).astype(jnp.int32), 0))
+    # (a comparison with every group end: O(rows * groups), like the one-hot product that follows)
+    return jnp.sum(jnp.arange(rows, dtype=jnp.int32)[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
+
+
+def _one_hot_rows(group_sizes, rows: int, groups: int):
+    """[rows, groups] float32: 1 where the row belongs to the group."""
+    return (row_groups(group_sizes, rows)[:, None] == jnp.arange(groups, dtype=jnp.int32)).astype(jnp.float32)
+
+
+def ragged_dot(lhs, rhs, group_sizes, *, out_dtype=None, rhs_transposed=False):
+    """``out[r] = lhs[r] @ rhs[group(r)]`` (0 for rows past the last group).
+
+    lhs ``[m, k]``, rhs ``[g, k, n]`` (``[g, n, k]`` with ``rhs_transposed``), group_sizes ``[g]``
+    integers; out ``[m, n]`` in ``out_dtype`` (default lhs's dtype), computed in float32."""
+    m, g = lhs.shape[0], rhs.shape[0]
+    one_hot = _one_hot_rows(group_sizes, m, g)
+    spread = one_hot[:, :, None] * lhs.astype(jnp.float32)[:, None, :]  # [m, g, k]
+    spec = "mgk,gnk->mn" if rhs_transposed else "mgk,gkn->mn"
+    out = jnp.einsum(spec, spread, rhs.astype(jnp.float32), precision=_HIGHEST)
+    return out.astype(out_dtype or lhs.dtype)
+
+
+def ragged_contracting(lhs, rhs, group_sizes, *, out_dtype=None):
+    """``out[i] = lhs[rows_i]^T @ rhs[rows_i]`` for each group i (0 for an empty group).
+
+    lhs ``[m, k]``, rhs ``[m, n]``, group_sizes ``[g]``; out ``[g, k, n]`` in ``out_dtype`` (default
+    lhs's dtype), computed in float32."""
+    m, g = lhs.shape[0], group_sizes.shape[0]
+    one_hot = _one_hot_rows(group_sizes, m, g)
+    spread = one_hot[:, :, None] * lhs.astype(jnp.float32)[:, None, :]  # [m, g, k]
+    out = jnp.einsum("mgk,mn->gkn", spread, rhs.astype(jnp.float32), precision=_HIGHEST)
+    return out.astype(out_dtype or lhs.dtype)
