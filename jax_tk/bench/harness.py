@@ -9,7 +9,8 @@ process, with the same timer and the same method for each mode:
 - ``bwd``: the backward pass alone: the forward runs once, untimed, through ``jax.vjp``; the timed
   program is the jitted VJP function applied to the output cotangent (it reads the saved residuals
   and writes the gradients);
-- ``fwd_bwd``: forward and backward in one jitted program, ``jax.vjp(fn, *args)[1](dout)``.
+- ``fwd_bwd``: forward and backward in one jitted program, ``jax.vjp(fn, *args)``: the output and
+  the gradients for ``dout``.
 
 A provider that fails gets its error recorded and the run goes on; one that does not apply to a
 configuration raises ``Skip`` (recorded as skipped), and one whose package is missing raises
@@ -251,7 +252,13 @@ def time_provider(op: OpBench, provider: Provider, cfg, sets, modes, timer, chec
                                                bwd(*arg_sets[0]))
             elif mode == "fwd_bwd":
                 arg_sets = prepared
-                step = jax.jit(lambda *a: jax.vjp(provider.fn, *a[:-1])[1](a[-1]))
+                # The forward's output is returned too: for an op linear in its inputs (a GEMM) the
+                # gradients do not need it, and XLA would drop the forward from the timed program.
+                def step(*a):
+                    out, vjp_fn = jax.vjp(provider.fn, *a[:-1])
+                    return out, vjp_fn(a[-1])
+
+                step = jax.jit(step)
                 timing = timer.measure(step, arg_sets)
             else:
                 raise ValueError(f"unknown mode {mode!r}")

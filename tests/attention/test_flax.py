@@ -154,13 +154,13 @@ def _nnx(attention_fn=None, seed=0, **kwargs):
     return nnx.MultiHeadAttention(**opts)
 
 
-@pytest.mark.parametrize("kind", ["causal", "padding", "causal_padding", "is_causal"])
 def _grad_close(g, r):
     """Within TOL relatively, or (a gradient that is 0 analytically, e.g. the key projection's bias: the
     softmax ignores a shift of all logits) within float32 rounding noise absolutely."""
     return rel_err(g, r) < TOL or float(np.max(np.abs(np.asarray(g) - np.asarray(r)))) < 1e-6
 
 
+@pytest.mark.parametrize("kind", ["causal", "padding", "causal_padding", "is_causal"])
 def test_nnx_matches_flax(kind):
     x = _inputs(9)
     mask = None if kind == "is_causal" else _masks(kind)

