@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk.bench import output
+from jax_tk.bench import harness, output
 from jax_tk.bench.harness import Result, fmt_tflops
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -238,3 +238,12 @@ def plot(results: Sequence[Result], path: str, env: dict, op: str) -> list[str]:
         ax.legend(fontsize=8)
     output.save_figure(plt, fig, path, output.suptitle(op, env), fontsize=9)
     return [path]
+
+
+def op_bench(make_provider) -> harness.OpBench:
+    """The harness's description of a GEMM benchmark (ragged_dot, matmul): inputs, bytes and the float32
+    checks are shared; ``make_provider`` differs."""
+    return harness.OpBench(
+        make_provider=make_provider, make_inputs=make_inputs, input_bytes=input_bytes,
+        check_fwd=lambda cfg, provider, args, out: check_fwd(cfg, args[0], args[1], out),
+        check_bwd=lambda cfg, provider, args, dout, grads: check_bwd(cfg, args[0], args[1], dout, grads[0], grads[1]))

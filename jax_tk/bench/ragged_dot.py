@@ -78,16 +78,7 @@ def make_provider(name: str, cfg: GemmConfig) -> Provider:
     raise ValueError(f"unknown provider {name!r}: choose from {PROVIDERS}")
 
 
-def _check_fwd(cfg, provider, args, out) -> float:
-    return _gemm.check_fwd(cfg, args[0], args[1], out)
-
-
-def _check_bwd(cfg, provider, args, dout, grads) -> float:
-    return _gemm.check_bwd(cfg, args[0], args[1], dout, grads[0], grads[1])
-
-
-OP = harness.OpBench(make_provider=make_provider, make_inputs=_gemm.make_inputs, input_bytes=_gemm.input_bytes,
-                     check_fwd=_check_fwd, check_bwd=_check_bwd)
+OP = _gemm.op_bench(make_provider)
 
 
 def bench_ragged_dot(configs: Sequence[GemmConfig], providers: Sequence[str] = PROVIDERS,
