@@ -217,20 +217,15 @@ def fa3_head_dims() -> tuple[int, ...]:
     return tuple(int(x) for x in env.replace(" ", ",").split(",") if x) or FA3_HEAD_DIMS
 
 
-def _fa3_provider(cfg: AttentionConfig, scale: float) -> Provider:
-    """FlashAttention-3 (``flash-attn3-jax``): ``flash_mha(q, k, v, softmax_scale, is_causal,
-    window_size)`` on ``[B, T, H, D]`` (grouped KV when key/value have fewer heads; the window as
-    ``(left, right)``, -1 = unbounded), its own custom_vjp for the backward. Packed documents go
-    through ``flash_mha_varlen`` on the rows flattened to ``[B*T, H, D]`` with ``cu_seqlens`` = the
-    documents' offsets (FA3's ragged layout, which skips the blocks between documents). Unavailable
-    without the package or a CUDA GPU; skipped off Hopper, for head dims it was not built for and
-    dtypes other than bf16/fp16."""
+def import_fa3(cfg, cc):
+    """The ``flash_attn3_jax`` module for a configuration (its ``head_dim``, ``dtype``, ``jnp_dtype``) on a
+    GPU of compute capability ``cc`` (``cuda_capability()``); Unavailable without the package or a CUDA
+    GPU, Skip off Hopper and for head dims and dtypes the build does not take."""
     try:
         import flash_attn3_jax as fa3
     except Exception as e:  # noqa: BLE001 - ImportError, or its CUDA library does not load
         raise Unavailable(f"flash_attn3_jax does not import (pip install flash-attn3-jax): "
                           f"{short_error(e, 160)}") from None
-    cc = cuda_capability()
     if cc is None:
         raise Unavailable("flash_attn3_jax needs a CUDA GPU (Hopper)")
     if cc and not cc.startswith("9"):
@@ -240,6 +235,18 @@ def _fa3_provider(cfg: AttentionConfig, scale: float) -> Provider:
                    "(JAX_TK_FA3_HEAD_DIMS for a source build)")
     if cfg.jnp_dtype not in (jnp.bfloat16, jnp.float16):
         raise Skip(f"dtype {cfg.dtype}: FlashAttention-3 takes bf16 or fp16")
+    return fa3
+
+
+def _fa3_provider(cfg: AttentionConfig, scale: float) -> Provider:
+    """FlashAttention-3 (``flash-attn3-jax``): ``flash_mha(q, k, v, softmax_scale, is_causal,
+    window_size)`` on ``[B, T, H, D]`` (grouped KV when key/value have fewer heads; the window as
+    ``(left, right)``, -1 = unbounded), its own custom_vjp for the backward. Packed documents go
+    through ``flash_mha_varlen`` on the rows flattened to ``[B*T, H, D]`` with ``cu_seqlens`` = the
+    documents' offsets (FA3's ragged layout, which skips the blocks between documents). Unavailable
+    without the package or a CUDA GPU; skipped off Hopper, for head dims it was not built for and
+    dtypes other than bf16/fp16."""
+    fa3 = import_fa3(cfg, cuda_capability())
     kw = dict(softmax_scale=float(scale), is_causal=cfg.causal,
               window_size=(-1, -1) if cfg.window is None else tuple(cfg.window))
     if not cfg.documents:

@@ -31,8 +31,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_tk.bench.attention_providers import fa3_head_dims
-from jax_tk.bench.harness import Provider, Skip, Unavailable, cuda_capability, has_gpu, short_error
+from jax_tk.bench.attention_providers import import_fa3
+from jax_tk.bench.harness import Provider, Skip, Unavailable, cuda_capability, has_gpu
 
 PROVIDERS = ("jax_tk", "cudnn", "fa3", "xla")
 PEERS = ("cudnn", "fa3")  # the ratio column compares jax_tk with the faster of these
@@ -93,21 +93,7 @@ def _jax_nn_provider(name: str, cfg, scale: float) -> Provider:
 
 
 def _fa3_provider(cfg, scale: float) -> Provider:
-    try:
-        import flash_attn3_jax as fa3
-    except Exception as e:  # noqa: BLE001 - ImportError, or its CUDA library does not load
-        raise Unavailable(f"flash_attn3_jax does not import (pip install flash-attn3-jax): "
-                          f"{short_error(e, 160)}") from None
-    cc = cuda_capability()
-    if cc is None:
-        raise Unavailable("flash_attn3_jax needs a CUDA GPU (Hopper)")
-    if cc and not cc.startswith("9"):
-        raise Skip(f"FlashAttention-3's kernels are built for sm90 (Hopper), this GPU is sm{cc}")
-    if cfg.head_dim not in fa3_head_dims():
-        raise Skip(f"head_dim {cfg.head_dim}: the flash_attn3_jax build has {fa3_head_dims()} "
-                   "(JAX_TK_FA3_HEAD_DIMS for a source build)")
-    if cfg.jnp_dtype not in (jnp.bfloat16, jnp.float16):
-        raise Skip(f"dtype {cfg.dtype}: FlashAttention-3 takes bf16 or fp16")
+    fa3 = import_fa3(cfg, cuda_capability())
 
     def variant(splits):
         def fn(q, k, v, lengths, page_table):
