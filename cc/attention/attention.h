@@ -2,6 +2,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 namespace jax_tk::attention {
 
 enum class DType { bf16, fp16 };
@@ -20,6 +22,11 @@ constexpr int FWD_TILES_PER_BLOCK = 2;   // Params::fwd_tiles entries per FWD_TI
 constexpr int BWD_BLOCK_KEYS = 128;      // sm_90a backward: keys per block (Params::block_order), head_dim <= 128
 constexpr int BWD_BLOCK_KEYS_D256 = 64;  // ... head_dim 256
 constexpr int BWD_QUERY_ROWS = 64;       // ... query rows per step, and per dq tile of the workspace
+constexpr int MASK_BLOCK_ROWS = 128;     // the boolean mask's block summary (Params::mask_blocks): query rows
+constexpr int MASK_BLOCK_KEYS = 128;     // ... and keys per block (every kernel's blocks lie inside one)
+constexpr int MASK_EMPTY = 0;           // ... its codes: no pair of the block visible,
+constexpr int MASK_FULL = 1;            //   every pair visible,
+constexpr int MASK_MIXED = 2;           //   some
 
 struct Params {
   DType dtype;
@@ -48,6 +55,16 @@ struct Params {
   // keys [key base, end) (its document), in blocks counted from key base, with no segment test.
   // nullptr: the kernel's own order of the fixed grid.
   const int *fwd_tiles = nullptr;
+  // A boolean mask (jax.nn's mask=): query i of (b, h) sees key j only if bit j % 32 of word j / 32 of
+  // row mask_index(b, h) * q_len + i of mask_bits is set (mask_words(kv_len) words a row). Its batch and heads
+  // dims may be 1 (broadcast): mask_batch is 1 or the batch of one vmapped entry (mask_entry_batch;
+  // under vmap the entries follow each other, see mask_index), mask_heads 1 or q_heads. mask_blocks
+  // [.., ceil(q_len / MASK_BLOCK_ROWS), ceil(kv_len / MASK_BLOCK_KEYS)] (int8, indexed like the rows)
+  // says for each block whether the mask hides all its pairs (MASK_EMPTY: the kernels skip it), shows
+  // them all (MASK_FULL: no elementwise test) or some. nullptr: no mask.
+  const uint32_t *mask_bits = nullptr;
+  const int8_t *mask_blocks = nullptr;
+  int mask_batch = 1, mask_heads = 1, mask_entry_batch = 1;
   const int *q_lengths = nullptr;           // [batch]: i < q_lengths[b]; nullptr: none
   const int *kv_lengths = nullptr;          // [batch]: j < kv_lengths[b]; nullptr: none
   float softcap = 0.f;                      // logits := cap * tanh(logits / cap) (after scaling); 0: none
@@ -71,6 +88,17 @@ struct Params {
 // the grid where they do not fit).
 __host__ __device__ inline int fwd_tile_cap(int q_len) {
   return FWD_TILES_PER_BLOCK * ((q_len + FWD_TILE_ROWS - 1) / FWD_TILE_ROWS);
+}
+// The (batch, head) entry of Params::mask_bits and mask_blocks that batch entry b (of the folded batch)
+// and query head h read.
+__host__ __device__ inline size_t mask_index(const Params &p, int b, int h) {
+  const int entry = b / p.mask_entry_batch, mb = p.mask_batch > 1 ? b % p.mask_entry_batch : 0;
+  return (size_t(entry) * p.mask_batch + mb) * p.mask_heads + (p.mask_heads > 1 ? h : 0);
+}
+// Words per row of Params::mask_bits: whole blocks of MASK_BLOCK_KEYS keys, so that no key block of a
+// kernel reads past its row.
+__host__ __device__ inline int mask_words(int kv_len) {
+  return (kv_len + MASK_BLOCK_KEYS - 1) / MASK_BLOCK_KEYS * (MASK_BLOCK_KEYS / 32);
 }
 // The rows of a block of Params::block_order: the backward's key blocks.
 inline int bwd_order_rows(int head_dim) { return head_dim <= 128 ? BWD_BLOCK_KEYS : BWD_BLOCK_KEYS_D256; }

@@ -39,15 +39,16 @@ __device__ __forceinline__ size_t row_index(const Params &p, int b, int h, int t
 // ------------------------------------------------------------------------------------------------
 template <typename T, int D> struct DQ {
   static constexpr int WARPS = 4, THREADS = 32 * WARPS, BQ = 16 * WARPS, BK = 64;
+  static_assert(MASK_BLOCK_ROWS % BQ == 0 && MASK_BLOCK_KEYS % BK == 0);  // (mask_code)
   struct Shared {
     st<T, BQ, D> q, dout;
     st<T, BK, D> k[2], v[2];
   };
 };
 
-template <typename T, int D, bool FULL>
+template <typename T, int D, bool FULL, bool MASK>
 __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_constant__ Params p) {
-  using C = DQ<T, D>;
+    using C = DQ<T, D>;
   constexpr int BQ = C::BQ, BK = C::BK, NT = C::THREADS;
   extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
@@ -58,7 +59,7 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
   // Key blocks to visit: in [first, end), minus the ones of other segments (next).
   const int2 range = kv_block_range<FULL>(p, b, q0, BQ, BK);
   const int end = range.y;
-  auto next = [&](int j) { return next_kv_block<FULL>(p, b, q0, BQ, j, end, BK); };
+  auto next = [&](int j) { return next_kv_block<FULL, MASK>(p, b, h, q0, BQ, j, end, BK); };
   const int first = next(range.x);
 
   load_async<NT>(sm.q, g.Q, {b, q0, h, 0}, tid);
@@ -124,7 +125,7 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
     // P = exp2(S * scale * log2 e - lse2), 0 where masked; dS = P * (dP - delta) (times the cap's
     // derivative).
     scale_logits<FULL>(s, dcap, p);
-    mask_logits<FULL>(s, p, b, qw, k0);
+    mask_logits<FULL, MASK>(s, p, b, h, qw, k0);
     warp::map_row(s, s, lse2, [](float x, float l) { return warp::fn::exp2(x - l); });
     warp::sub_row(dp, dp, delta);
     warp::mul(s, s, dp);
@@ -154,6 +155,7 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
 template <typename T, int D> struct DKV {
   static constexpr int WARPS = 4, THREADS = 32 * WARPS, BKV = 16 * WARPS;
   static constexpr int BQ = D <= 64 ? 64 : 32;  // query rows per step (register budget)
+  static_assert(MASK_BLOCK_ROWS % BQ == 0 && MASK_BLOCK_KEYS % BKV == 0);  // (mask_code)
   struct Shared {
     st<T, BKV, D> k, v;
     st<T, BQ, D> q[2], dout[2];
@@ -161,9 +163,9 @@ template <typename T, int D> struct DKV {
   };
 };
 
-template <typename T, int D, bool FULL>
+template <typename T, int D, bool FULL, bool MASK>
 __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_constant__ Params p) {
-  using C = DKV<T, D>;
+    using C = DKV<T, D>;
   constexpr int BQ = C::BQ, BKV = C::BKV, NT = C::THREADS;
   extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
@@ -190,9 +192,11 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
 
   load_async<NT>(sm.k, g.K, {b, k0, kvh, 0}, tid);
   load_async<NT>(sm.v, g.V, {b, k0, kvh, 0}, tid);
-  // Steps whose query block has no key's segment are skipped.
+  // Steps whose query block has no key's segment, or whose mask block is empty, are skipped.
   auto next = [&](int step) {
-    while (step < n_steps && !segments_meet<FULL>(p, b, (qb_first + step % qb_count) * BQ, BQ, k0, BKV)) step++;
+    while (step < n_steps &&
+           !pair_test<FULL, MASK>(p, b, kvh * group + step / qb_count, (qb_first + step % qb_count) * BQ, BQ, k0, BKV).meet)
+      step++;
     return step;
   };
   const int first = next(0);
@@ -234,7 +238,7 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
     warp::load(lse2, &sm.lse2[buf][0], BQ);
     warp::load(delta, &sm.delta[buf][0], BQ);
     scale_logits<FULL>(s, dcap, p);
-    mask_logits_transposed<FULL>(s, p, b, kw, q0);
+    mask_logits_transposed<FULL, MASK>(s, p, b, kvh * group + step / qb_count, kw, q0);
     warp::map_col(s, s, lse2, [](float x, float l) { return warp::fn::exp2(x - l); });
     warp::copy(pt, s);
 
@@ -271,14 +275,14 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
 }  // namespace
 
 cudaError_t bwd_sm80(const Params &p, cudaStream_t stream) {
-  return dispatch<64, 128>(p, [&]<typename T, int D, bool FULL>() {
+  return dispatch<64, 128>(p, [&]<typename T, int D, bool FULL, bool MASK>() {
     using A = DQ<T, D>;
     using B = DKV<T, D>;
     dim3 grid_q((p.q_len + A::BQ - 1) / A::BQ, p.q_heads, p.batch);
-    cudaError_t e = launch(dq_kernel<T, D, FULL>, grid_q, dim3(A::THREADS), sizeof(typename A::Shared), stream, p);
+    cudaError_t e = launch(dq_kernel<T, D, FULL, MASK>, grid_q, dim3(A::THREADS), sizeof(typename A::Shared), stream, p);
     if (e != cudaSuccess) return e;
     dim3 grid_kv((p.kv_len + B::BKV - 1) / B::BKV, p.kv_heads, p.batch);
-    return launch(dkdv_kernel<T, D, FULL>, grid_kv, dim3(B::THREADS), sizeof(typename B::Shared), stream, p);
+    return launch(dkdv_kernel<T, D, FULL, MASK>, grid_kv, dim3(B::THREADS), sizeof(typename B::Shared), stream, p);
   });
 }
 

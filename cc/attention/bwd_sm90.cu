@@ -37,6 +37,7 @@ template <typename T, int D> struct BwdH {
   static constexpr int BK = 64 * CONSUMERS / SPLIT, BQ = 64, DQ_COLS = D / CONSUMERS;
   // (Params::block_order's blocks and the workspace's dq tiles, which Python sizes from attention.h)
   static_assert(BQ == BWD_QUERY_ROWS && BK == (D <= 128 ? BWD_BLOCK_KEYS : BWD_BLOCK_KEYS_D256));
+  static_assert(MASK_BLOCK_ROWS % BQ == 0 && MASK_BLOCK_KEYS % BK == 0);  // (mask_code)
   // Each consumer computes its DQ_COLS columns of dQ_i in parts of at most 64 (registers again).
   static constexpr int DQ_PART = DQ_COLS < 64 ? DQ_COLS : 64, DQ_PARTS = DQ_COLS / DQ_PART;
   // STAGED (D <= 128): each consumer stores its dQ_i tile to shared memory (its registers are free at
@@ -78,10 +79,24 @@ template <typename T, int D> struct BwdH {
 
 constexpr int BWD_BQ = 64;  // query rows per step of the main kernel and per lock of the workspace
 
-// Does key block j (of BK keys) contribute to query block i of batch entry b?
-template <bool FULL> __device__ __forceinline__ bool sees(const Params &p, int b, int i, int j, int BK) {
+// The per-pair tests of query block i and key block j (of BK keys) of batch entry b for the query
+// heads of key/value head kvh, which one block of the kernel visits together: `meet` if some pair may
+// be visible to some head; `one` from the segment ids alone (the mask's part differs between heads:
+// the producer works it out for each step).
+template <bool FULL, bool MASK> __device__ __forceinline__ SegmentTest group_test(const Params &p, int b, int kvh, int i, int j, int BK) {
+  SegmentTest x = segment_test<FULL>(p, b, i * BWD_BQ, BWD_BQ, j * BK, BK);
+  if (MASK && p.mask_blocks) {
+    const int group = p.q_heads / p.kv_heads, heads = p.mask_heads > 1 ? group : 1;
+    bool any = false;
+    for (int g = 0; g < heads && !any; g++) any = mask_code<FULL, MASK>(p, b, kvh * group + g, i * BWD_BQ, j * BK) != MASK_EMPTY;
+    x.meet = x.meet && any;
+  }
+  return x;
+}
+// Does key block j (of BK keys) contribute to query block i of batch entry b (for the heads of kvh)?
+template <bool FULL, bool MASK> __device__ __forceinline__ bool sees(const Params &p, int b, int kvh, int i, int j, int BK) {
   int2 r = kv_block_range<FULL>(p, b, i * BWD_BQ, BWD_BQ, BK);
-  return j >= r.x && j < r.y && segments_meet<FULL>(p, b, i * BWD_BQ, BWD_BQ, j * BK, BK);
+  return j >= r.x && j < r.y && group_test<FULL, MASK>(p, b, kvh, i, j, BK).meet;
 }
 // The order in which the blocks (key block j of key/value head kvh of batch entry b) are launched:
 // key block by key block within groups of `pairs` (batch entry, head) pairs, group after group. With
@@ -113,21 +128,21 @@ __device__ __forceinline__ int3 block_coords(const Params &p, int pairs, int t, 
 }
 
 // How many key blocks before j contribute to query block i (the deterministic order's turn).
-template <bool FULL> __device__ __forceinline__ int blocks_before(const Params &p, int b, int i, int j, int BK) {
+template <bool FULL, bool MASK> __device__ __forceinline__ int blocks_before(const Params &p, int b, int kvh, int i, int j, int BK) {
   int n = 0;
-  for (int jj = kv_block_range<FULL>(p, b, i * BWD_BQ, BWD_BQ, BK).x; jj < j; jj++) n += sees<FULL>(p, b, i, jj, BK);
+  for (int jj = kv_block_range<FULL>(p, b, i * BWD_BQ, BWD_BQ, BK).x; jj < j; jj++) n += sees<FULL, MASK>(p, b, kvh, i, jj, BK);
   return n;
 }
 
 // P^T from S^T (rows: keys kw.., columns: queries q0..) and the columns' lse (log2 units).
-template <bool FULL, bool CAP, typename RT, typename V>
-__device__ __forceinline__ void probabilities(RT &s, const Params &p, const KeyRule &rule, MaskNeed need, int b, int q0,
-                                              int kw, const V &lse) {
+template <bool FULL, bool MASK, bool CAP, typename RT, typename V>
+__device__ __forceinline__ void probabilities(RT &s, const Params &p, const KeyRule &rule, MaskNeed need, int b, int h,
+                                              int q0, int kw, const V &lse) {
   cap_logits<CAP>(s, p);  // in units of 1 / c (logit_factor)
   const float c = logit_factor<CAP>(p);
   // Masked entries -inf, then exp2(-inf) = 0. (One exp2 map after the conditional mask: two maps in
   // the two branches would make ptxas serialize the wgmmas, C7520.)
-  mask_logits_transposed<FULL>(s, p, rule, need, b, kw, q0);
+  mask_logits_transposed<FULL, MASK>(s, p, rule, need, b, h, kw, q0);
   warp::map_col(s, s, lse, [=](float x, float l) { return warp::fn::exp2(x * c - l); });
 }
 
@@ -148,15 +163,16 @@ __device__ __forceinline__ int load_acquire(const int *x) {
   return v;
 }
 
-// The masked kernels (FULL) come in four: SEG and CAP say whether segment ids and a soft cap may be
-// given (otherwise they are known to be absent): windows and lengths alone (neither), segment ids
-// without a cap (SEG), and any options with a cap (both); DET, the deterministic mode (any options:
+// The masked kernels (FULL) come in four: SEG and CAP say whether per-pair tests (segment ids, a
+// boolean mask) and a soft cap may be given (otherwise they are known to be absent): windows and
+// lengths alone (neither), per-pair tests without a cap (SEG), and any options with a cap (both); DET, the deterministic mode (any options:
 // SEG and CAP). Leaving out the code of the segment test and of the cap takes branches out of the
 // loop (the window rows ran 10% faster without them and without the block list), and leaving out the
 // deterministic turns' code keeps ptxas from spilling in the loop (14-18 LDL/STL per step). The plain
 // kernel (FULL = false) tests Params::deterministic at run time: DET does not apply to it (with the
-// turns' code compiled out it spilled instead, and ran 2-4% slower).
-template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET>
+// turns' code compiled out it spilled instead, and ran 2-4% slower). MASK: the boolean mask's code
+// (the mask's helpers), in the kernels for any options only.
+template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool MASK>
 __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const __grid_constant__ typename BwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = BwdH<T, D>;
@@ -179,7 +195,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   const int2 qr = q_block_range<FULL>(p, b, k0, BK, BQ);
   const BlockList qblocks = list_blocks(reinterpret_cast<uint32_t *>(&sm + 1), qr.x, qr.y, SEG, [&](int i) {
     const int2 r = kv_block_range<FULL>(p, b, i * BQ, BQ, BK);
-    const SegmentTest x = segment_test<FULL>(p, b, i * BQ, BQ, k0, BK);
+    const SegmentTest x = group_test<FULL, MASK>(p, b, kvh, i, j, BK);
     return SegmentTest{x.meet && j >= r.x && j < r.y, x.one};  // (takes part: sees)
   });
   const KeyRule rule = key_rule<FULL>(p, b);
@@ -243,7 +259,8 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       wait_empty(steps, at);
       if (loader) {
         if constexpr (SEG)  // for the consumers (see next_step)
-          sm.step[s] = {g, i << MASK_BITS | tile_mask_bits<FULL>(p, rule, qblocks.one_segment(i), i * BQ, BQ, k0, BK)};
+          sm.step[s] = {g, i << MASK_BITS | tile_mask_bits<FULL, MASK>(p, rule, qblocks.uniform(i) && mask_code<FULL, MASK>(p, b, h, i * BQ, k0) == MASK_FULL,
+                                                                 i * BQ, BQ, k0, BK)};
         expect_bytes(steps.full(at), sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
         load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, steps.full(at));
         load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, steps.full(at));
@@ -318,9 +335,9 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
     warpgroup::fence_registers(s);
     warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
-    const MaskNeed need = SEG ? warp_mask_need(mask_bits, rule, q0, BQ, kw, 16) : mask_need<FULL>(p, rule, true, q0, BQ, kw, 16);
+    const MaskNeed need = SEG ? warp_mask_need(mask_bits, rule, q0, BQ, kw, 16) : mask_need<FULL, MASK>(p, rule, true, q0, BQ, kw, 16);
     if constexpr (SEG) warp::load(lse, stats, BQ);
-    probabilities<FULL, CAP>(s, p, rule, need, b, q0, kw, lse);
+    probabilities<FULL, MASK, CAP>(s, p, rule, need, b, h, q0, kw, lse);
     warp::copy(p16, s);
     warp::load(delta, stats + BQ, BQ);  // (before the dV product's shared-memory reads queue ahead of it)
     warpgroup::mma_AB(dv, p16, window<BQ, C::KV_COLS>(sm.dout[slot], 0, col0), true);  // dV += P^T dO   [dP, dV]
@@ -346,7 +363,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     int *lock = locks + (size_t(b) * p.q_heads + h) * n_qblocks + i;
     const auto wait_for_turn = [&] {
       if (leader)
-        while (load_acquire(lock) < CONSUMERS * blocks_before<FULL>(p, b, i, j, BK)) __nanosleep(32);
+        while (load_acquire(lock) < CONSUMERS * blocks_before<FULL, MASK>(p, b, kvh, i, j, BK)) __nanosleep(32);
     };
     float *dq_tile = p.workspace + C::dq_tile(p, b, h, i, wg);
 #pragma unroll
@@ -493,7 +510,7 @@ bool bwd_sm90_supported(const Params &p) {
 }
 
 cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
-  return dispatch<64, 128, 256>(p, [&]<typename T, int D, bool FULL>() {
+  return dispatch<64, 128, 256>(p, [&]<typename T, int D, bool FULL, bool MASK>() {
     using C = BwdH<T, D>;
     const size_t rows = size_t(p.batch) * p.q_len * p.q_heads;
     bwd_prep_kernel<T, D><<<unsigned((rows + PREP_ROWS<D> - 1) / PREP_ROWS<D>), 256, 0, stream>>>(p);
@@ -508,13 +525,17 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
         !make_tma_map(a.dk, p.dk, p.batch, p.kv_len, p.kv_heads, D) ||
         !make_tma_map(a.dv, p.dv, p.batch, p.kv_len, p.kv_heads, D))
       return cudaErrorInvalidValue;
-    // The kernel's DET, CAP and SEG (the deterministic masked kernel takes any options).
-    const bool det = FULL && p.deterministic, cap = det || (FULL && p.softcap > 0.f), seg = cap || (FULL && p.q_segment_ids);
-    auto kernel = bwd_sm90_kernel<T, D, FULL, false, false, false>;
-    if constexpr (FULL)
-      kernel = det   ? bwd_sm90_kernel<T, D, true, true, true, true>
-               : cap ? bwd_sm90_kernel<T, D, true, true, true, false>
-               : seg ? bwd_sm90_kernel<T, D, true, true, false, false>
+    // The kernel's DET, CAP, SEG and MASK (the deterministic masked kernel takes any options but the
+    // mask; with a mask, the kernels for any options, deterministic or not).
+    const bool det = FULL && p.deterministic, cap = det || MASK || (FULL && p.softcap > 0.f);
+    const bool seg = cap || (FULL && p.q_segment_ids);
+    auto kernel = bwd_sm90_kernel<T, D, FULL, false, false, false, false>;
+    if constexpr (MASK)
+      kernel = det ? bwd_sm90_kernel<T, D, true, true, true, true, true> : bwd_sm90_kernel<T, D, true, true, true, false, true>;
+    else if constexpr (FULL)
+      kernel = det   ? bwd_sm90_kernel<T, D, true, true, true, true, false>
+               : cap ? bwd_sm90_kernel<T, D, true, true, true, false, false>
+               : seg ? bwd_sm90_kernel<T, D, true, true, false, false, false>
                      : kernel;
     const size_t smem = C::smem + (seg ? block_list_bytes((p.q_len + C::BQ - 1) / C::BQ) : 0);
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));

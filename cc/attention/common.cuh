@@ -16,24 +16,28 @@ using tk::warp::normalize_output;
 using tk::warp::softmax_step;
 using tk::warp::tanh_fast;
 
-// Does p use a masking option beyond causal (window, segment ids, lengths, soft cap)?
+// Does p use a masking option beyond causal (window, segment ids, a boolean mask, lengths, soft cap)?
 inline bool has_options(const Params &p) {
-  return p.window_left >= 0 || p.window_right >= 0 || p.q_segment_ids || p.q_lengths || p.kv_lengths ||
+  return p.window_left >= 0 || p.window_right >= 0 || p.q_segment_ids || p.mask_bits || p.q_lengths || p.kv_lengths ||
          p.softcap > 0.f;
 }
 
-// f.template operator()<T, D, FULL>() for the runtime dtype and head dim (one of DIMS). The kernels
-// are compiled twice: FULL = false knows only the causal mask and the sequence ends (plain attention
-// pays nothing for the options), FULL = true applies every option of Params (the Hopper backward
-// splits FULL further by option, see bwd_sm90_kernel).
+// f.template operator()<T, D, FULL, MASK>() for the runtime dtype and head dim (one of DIMS). The
+// kernels are compiled three times: FULL = false knows only the causal mask and the sequence ends
+// (plain attention pays nothing for the options), FULL = true applies every option of Params but the
+// boolean mask, and FULL = MASK = true every option. (The mask's helpers below take MASK: without it
+// the instances for windows, lengths and segment ids compile as if the mask did not exist; its tests
+// cost registers in their loops. The Hopper backward splits FULL further by option, see
+// bwd_sm90_kernel.)
 template <int... DIMS, typename F> cudaError_t dispatch(const Params &p, F f) {
-  auto by_dim = [&]<typename T, bool FULL>() -> cudaError_t {
+  auto by_dim = [&]<typename T, bool FULL, bool MASK>() -> cudaError_t {
     cudaError_t e = cudaErrorInvalidValue;
-    ((p.head_dim == DIMS ? (e = f.template operator()<T, DIMS, FULL>(), true) : false) || ...);
+    ((p.head_dim == DIMS ? (e = f.template operator()<T, DIMS, FULL, MASK>(), true) : false) || ...);
     return e;
   };
   auto by_options = [&]<typename T>() -> cudaError_t {
-    return has_options(p) ? by_dim.template operator()<T, true>() : by_dim.template operator()<T, false>();
+    if (p.mask_bits) return by_dim.template operator()<T, true, true>();
+    return has_options(p) ? by_dim.template operator()<T, true, false>() : by_dim.template operator()<T, false, false>();
   };
   return p.dtype == DType::bf16 ? by_options.template operator()<tk::bf16>() : by_options.template operator()<tk::half>();
 }
@@ -141,25 +145,43 @@ template <bool FULL> __device__ __forceinline__ SegmentTest segment_test(const P
 template <bool FULL> __device__ __forceinline__ bool segments_meet(const Params &p, int b, int q0, int rows, int k0, int cols) {
   return segment_test<FULL>(p, b, q0, rows, k0, cols).meet;
 }
-template <bool FULL> __device__ __forceinline__ bool in_one_segment(const Params &p, int b, int q0, int rows, int k0, int cols) {
-  return segment_test<FULL>(p, b, q0, rows, k0, cols).one;
+
+// The boolean mask's code (MASK_EMPTY, MASK_FULL, MASK_MIXED) for query rows [q0, q0 + rows) of head h
+// and keys [k0, k0 + cols), a block inside one block of Params::mask_blocks (every kernel's blocks
+// divide MASK_BLOCK_ROWS x MASK_BLOCK_KEYS); MASK_FULL without a mask.
+template <bool FULL, bool MASK> __device__ __forceinline__ int mask_code(const Params &p, int b, int h, int q0, int k0) {
+  if (!MASK || !p.mask_blocks) return MASK_FULL;
+  const int qb = (p.q_len + MASK_BLOCK_ROWS - 1) / MASK_BLOCK_ROWS, kb = (p.kv_len + MASK_BLOCK_KEYS - 1) / MASK_BLOCK_KEYS;
+  return p.mask_blocks[(mask_index(p, b, h) * qb + q0 / MASK_BLOCK_ROWS) * kb + k0 / MASK_BLOCK_KEYS];
+}
+// The per-pair tests of a block (segment ids and the boolean mask) for head h: `meet`, some pair may
+// be visible (else the block is skipped); `one`, no pair needs an elementwise test of either.
+template <bool FULL, bool MASK> __device__ __forceinline__ SegmentTest pair_test(const Params &p, int b, int h, int q0, int rows, int k0, int cols) {
+  SegmentTest x = segment_test<FULL>(p, b, q0, rows, k0, cols);
+  if (MASK && p.mask_blocks && q0 < p.q_len && k0 < p.kv_len) {
+    const int code = mask_code<FULL, MASK>(p, b, h, q0, k0);
+    x = {x.meet && code != MASK_EMPTY, x.one && code == MASK_FULL};
+  }
+  return x;
 }
 
-// The next key block in [j, end) (blocks of BK) that query rows [q0, q0 + rows) may see (end if
-// none): kv_block_range bounds the blocks, segments_meet skips the ones between.
-template <bool FULL> __device__ __forceinline__ int next_kv_block(const Params &p, int b, int q0, int rows, int j, int end, int BK) {
-  while (j < end && !segments_meet<FULL>(p, b, q0, rows, j * BK, BK)) j++;
+// The next key block in [j, end) (blocks of BK) that query rows [q0, q0 + rows) of head h may see
+// (end if none): kv_block_range bounds the blocks, pair_test skips the ones between.
+template <bool FULL, bool MASK>
+__device__ __forceinline__ int next_kv_block(const Params &p, int b, int h, int q0, int rows, int j, int end, int BK) {
+  while (j < end && !pair_test<FULL, MASK>(p, b, h, q0, rows, j * BK, BK).meet) j++;
   return j;
 }
 
 // The blocks [first, end) a thread block visits, minus those that a test rules out, and for each
-// whether it lies in one segment. Both tests read the segment id ranges (an L2 round trip per block:
-// serially, one stall per step), so the whole thread block evaluates them once, in parallel, into
-// two bit lists in shared memory (list_blocks); with bits == nullptr every block of the range is
-// visited and none needs a segment test.
+// whether it is uniform: in one segment and, with a boolean mask, all visible (no per-pair test).
+// Both tests read memory (the segment id ranges, the mask's block summary: an L2 round trip per
+// block, serially one stall per step), so the whole thread block evaluates them once, in parallel,
+// into two bit lists in shared memory (list_blocks); with bits == nullptr every block of the range is
+// visited and none needs a per-pair test.
 struct BlockList {
   int first, end;
-  const uint32_t *bits;  // [0, words): takes part; [words, 2 words): in one segment
+  const uint32_t *bits;  // [0, words): takes part; [words, 2 words): uniform
   int words;
   __device__ __forceinline__ int next(int j) const {  // the first listed block >= j (end if none)
     if (!bits) return j;
@@ -171,7 +193,7 @@ struct BlockList {
     }
     return end;
   }
-  __device__ __forceinline__ bool one_segment(int j) const {
+  __device__ __forceinline__ bool uniform(int j) const {
     if (!bits) return true;
     const int i = j - first;
     return (bits[words + i / 32] >> (i % 32)) & 1;
@@ -186,8 +208,8 @@ struct BlockList {
 // Shared memory for the lists of a range of `blocks` blocks.
 __host__ __device__ constexpr size_t block_list_bytes(int blocks) { return 8 * size_t((blocks + 31) / 32); }
 // Writes the lists of the blocks j of [first, end) as bits, by warps `warp`, `warp` + `warps`, ...
-// (32 blocks each): test(j) gives whether j takes part (meet) and lies in one segment (one), as a
-// SegmentTest. The list is {first, end, bits, (n + 31) / 32}.
+// (32 blocks each): test(j) gives whether j takes part (meet) and is uniform (one), as a SegmentTest.
+// The list is {first, end, bits, (n + 31) / 32}.
 template <typename F> __device__ __forceinline__ void write_block_list(uint32_t *bits, int first, int end, int warp, int warps, F test) {
   const int n = max(end - first, 0), words = (n + 31) / 32;
   for (int w = warp; w < words; w += warps) {
@@ -226,6 +248,17 @@ template <bool TRANSPOSED, typename RT> __device__ __forceinline__ void mask_seg
   tk::warp::map_outer(s, s, row_ids, col_ids, [](float x, int r, int c) { return r == c ? x : NEG_INF; });
 }
 
+// s := -inf where the boolean mask (Params::mask_bits) hides key k0 + j from query q0 + i of head h;
+// (i, j) as in mask_segments. Rows and keys past the ends are left to the KeyRule.
+template <bool TRANSPOSED, typename RT>
+__device__ __forceinline__ void mask_pairs(RT &s, const Params &p, int b, int h, int q0, int k0) {
+  const int n = mask_words(p.kv_len), q_last = p.q_len - 1;
+  const uint32_t *rows = p.mask_bits + mask_index(p, b, h) * p.q_len * n;
+  auto words = [=](int r) { return rows + size_t(min(q0 + r, q_last)) * n; };  // (query row q0 + r)
+  if constexpr (TRANSPOSED) tk::warp::keep_bits_by_col(s, s, words, k0, NEG_INF);
+  else tk::warp::keep_bits(s, s, words, k0, NEG_INF);
+}
+
 // s := -inf where the rule hides key k0 + j from query q0 + i; (i, j) as in mask_segments.
 template <bool TRANSPOSED, typename RT> __device__ __forceinline__ void mask_rule(RT &s, const KeyRule &rule, int q0, int k0) {
   tk::warp::map_indexed(s, s, [&](int r, int c, float x) {
@@ -234,57 +267,59 @@ template <bool TRANSPOSED, typename RT> __device__ __forceinline__ void mask_rul
 }
 
 // Which elementwise masks a tile of logits (query rows q0 + [0, rows), keys k0 + [0, cols)) needs:
-// the rule where the tile cuts through it, the segment test where the tile is not known to lie in
-// one segment (one_segment). Only those tiles pay for the elementwise work.
+// the rule where the tile cuts through it, the per-pair tests (segment ids, the boolean mask) where
+// the tile is not known to pass them all (`one`, pair_test's). Only those tiles pay for the
+// elementwise work.
 struct MaskNeed {
-  bool rule, segments;
+  bool rule, pairs;
 };
-template <bool FULL>
-__device__ __forceinline__ MaskNeed mask_need(const Params &p, const KeyRule &rule, bool one_segment, int q0, int rows, int k0,
-                                              int cols) {
-  return {rule.partial(q0, rows, k0, cols), FULL && p.q_segment_ids && !one_segment};
+template <bool FULL, bool MASK>
+__device__ __forceinline__ MaskNeed mask_need(const Params &p, const KeyRule &rule, bool one, int q0, int rows, int k0, int cols) {
+  return {rule.partial(q0, rows, k0, cols), FULL && (p.q_segment_ids || (MASK && p.mask_bits)) && !one};
 }
 
 // A block's masks as a producer works them out for the consumers of a whole tile (rows: theirs
 // together), in the two low bits of an int (MASK_BITS) that also carries something else: bit 1, the
-// tile cuts through the rule (each warp then tests its own rows: warp_mask_need); bit 0, the segment
-// test. In the common blocks the consumers then pay one shared-memory load and no test (working the
+// tile cuts through the rule (each warp then tests its own rows: warp_mask_need); bit 0, the per-pair
+// tests. In the common blocks the consumers then pay one shared-memory load and no test (working the
 // tests out per block and warp cost the masked forward and backward about 4%).
 constexpr int MASK_BITS = 2;
-template <bool FULL>
-__device__ __forceinline__ int tile_mask_bits(const Params &p, const KeyRule &rule, bool one_segment, int q0, int rows, int k0,
-                                              int cols) {
-  const MaskNeed need = mask_need<FULL>(p, rule, one_segment, q0, rows, k0, cols);
-  return (need.rule ? 2 : 0) | (need.segments ? 1 : 0);
+template <bool FULL, bool MASK>
+__device__ __forceinline__ int tile_mask_bits(const Params &p, const KeyRule &rule, bool one, int q0, int rows, int k0, int cols) {
+  const MaskNeed need = mask_need<FULL, MASK>(p, rule, one, q0, rows, k0, cols);
+  return (need.rule ? 2 : 0) | (need.pairs ? 1 : 0);
 }
 __device__ __forceinline__ MaskNeed warp_mask_need(int bits, const KeyRule &rule, int q0, int rows, int k0, int cols) {
   return {(bits & 2) && rule.partial(q0, rows, k0, cols), (bits & 1) != 0};
 }
 
-// s := -inf where query qw + r does not see key k0 + c (s: rows are queries, columns keys), as far as
-// `need` says.
-template <bool FULL, typename RT>
-__device__ __forceinline__ void mask_logits(RT &s, const Params &p, const KeyRule &rule, MaskNeed need, int b, int qw, int k0) {
+// s := -inf where query qw + r of head h does not see key k0 + c (s: rows are queries, columns
+// keys), as far as `need` says.
+template <bool FULL, bool MASK, typename RT>
+__device__ __forceinline__ void mask_logits(RT &s, const Params &p, const KeyRule &rule, MaskNeed need, int b, int h, int qw, int k0) {
   if (need.rule) mask_rule<false>(s, rule, qw, k0);
-  if (FULL && need.segments) mask_segments<false>(s, p, b, qw, k0);
+  if (FULL && need.pairs && (!MASK || p.q_segment_ids)) mask_segments<false>(s, p, b, qw, k0);  // (need.pairs: ids or mask)
+  if (MASK && need.pairs && p.mask_bits) mask_pairs<false>(s, p, b, h, qw, k0);
 }
 // The same for a transposed tile s^T (rows are keys kw.., columns queries q0..).
-template <bool FULL, typename RT>
-__device__ __forceinline__ void mask_logits_transposed(RT &s, const Params &p, const KeyRule &rule, MaskNeed need, int b, int kw, int q0) {
+template <bool FULL, bool MASK, typename RT>
+__device__ __forceinline__ void mask_logits_transposed(RT &s, const Params &p, const KeyRule &rule, MaskNeed need, int b, int h,
+                                                       int kw, int q0) {
   if (need.rule) mask_rule<true>(s, rule, q0, kw);
-  if (FULL && need.segments) mask_segments<true>(s, p, b, q0, kw);
+  if (FULL && need.pairs && (!MASK || p.q_segment_ids)) mask_segments<true>(s, p, b, q0, kw);
+  if (MASK && need.pairs && p.mask_bits) mask_pairs<true>(s, p, b, h, q0, kw);
 }
 // Both, working out the rule and the masks needed on the spot.
-template <bool FULL, typename RT> __device__ __forceinline__ void mask_logits(RT &s, const Params &p, int b, int qw, int k0) {
+template <bool FULL, bool MASK, typename RT> __device__ __forceinline__ void mask_logits(RT &s, const Params &p, int b, int h, int qw, int k0) {
   const KeyRule rule = key_rule<FULL>(p, b);
-  const bool one = in_one_segment<FULL>(p, b, qw, RT::rows, k0, RT::cols);
-  mask_logits<FULL>(s, p, rule, mask_need<FULL>(p, rule, one, qw, RT::rows, k0, RT::cols), b, qw, k0);
+  const bool one = pair_test<FULL, MASK>(p, b, h, qw, RT::rows, k0, RT::cols).one;
+  mask_logits<FULL, MASK>(s, p, rule, mask_need<FULL, MASK>(p, rule, one, qw, RT::rows, k0, RT::cols), b, h, qw, k0);
 }
-template <bool FULL, typename RT>
-__device__ __forceinline__ void mask_logits_transposed(RT &s, const Params &p, int b, int kw, int q0) {
+template <bool FULL, bool MASK, typename RT>
+__device__ __forceinline__ void mask_logits_transposed(RT &s, const Params &p, int b, int h, int kw, int q0) {
   const KeyRule rule = key_rule<FULL>(p, b);
-  const bool one = in_one_segment<FULL>(p, b, q0, RT::cols, kw, RT::rows);
-  mask_logits_transposed<FULL>(s, p, rule, mask_need<FULL>(p, rule, one, q0, RT::cols, kw, RT::rows), b, kw, q0);
+  const bool one = pair_test<FULL, MASK>(p, b, h, q0, RT::cols, kw, RT::rows).one;
+  mask_logits_transposed<FULL, MASK>(s, p, rule, mask_need<FULL, MASK>(p, rule, one, q0, RT::cols, kw, RT::rows), b, h, kw, q0);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -12,7 +12,10 @@
 // blocks), then with segment ids optionally the sm_90a forward's tiles (Params::fwd_tiles: [batch *
 // q_heads * fwd_tile_cap(q_len) * 4]) or the backward's order of its blocks (Params::block_order:
 // [batch * kv_heads * ceil(kv_len / bwd_order_rows)]; a permutation); jax_tk/attention/launch.py works them
-// out. All int32; an absent option is an int32 array of shape (0,). Attributes
+// out. All int32; an absent option is an int32 array of shape (0,). Then a boolean mask, as
+// Params::mask_bits (uint32 [mask batch, mask heads, q_len, mask_words(kv_len)], the batch 1 or batch,
+// the heads 1 or q_heads) and Params::mask_blocks (int8 [mask batch, mask heads, ceil(q_len /
+// MASK_BLOCK_ROWS), ceil(kv_len / MASK_BLOCK_KEYS)]), both of shape (0,) without one. Attributes
 // window_left, window_right (-1: unbounded) and softcap (0: none).
 #include "ffi/common.h"
 #include "attention/attention.h"
@@ -153,6 +156,29 @@ ffi::Error check_masking(Params &p, const Lead &lead, const ffi::AnyBuffer &q_se
   return ffi::Error::Success();
 }
 
+// The boolean mask's operands (see the top of this file) into p; call before fold().
+ffi::Error check_mask(Params &p, const Lead &lead, const ffi::AnyBuffer &bits, const ffi::AnyBuffer &blocks) {
+  if (bits.element_type() != ffi::DataType::U32 || blocks.element_type() != ffi::DataType::S8)
+    return invalid("mask_bits must be uint32 and mask_blocks int8");
+  if (elements(bits) == 0 && elements(blocks) == 0) return ffi::Error::Success();
+  auto d = bits.dimensions();
+  const size_t n = lead.dims.size();
+  const int64_t mb = d.size() == n + 4 ? d[n] : -1, mh = d.size() == n + 4 ? d[n + 1] : -1;
+  const int64_t rows = attention::MASK_BLOCK_ROWS, keys = attention::MASK_BLOCK_KEYS;
+  if ((mb != 1 && mb != p.batch) || (mh != 1 && mh != p.q_heads) ||
+      !lead.matches(bits, {mb, mh, p.q_len, attention::mask_words(p.kv_len)}))
+    return invalid("mask_bits must be uint32 " + lead.shape({p.batch, p.q_heads, p.q_len, attention::mask_words(p.kv_len)}) +
+                   " (batch and heads may be 1)");
+  if (!lead.matches(blocks, {mb, mh, (p.q_len + rows - 1) / rows, (p.kv_len + keys - 1) / keys}))
+    return invalid("mask_blocks must be int8 " + lead.shape({mb, mh, (p.q_len + rows - 1) / rows, (p.kv_len + keys - 1) / keys}));
+  p.mask_bits = static_cast<const uint32_t *>(bits.untyped_data());
+  p.mask_blocks = static_cast<const int8_t *>(blocks.untyped_data());
+  p.mask_batch = int(mb);
+  p.mask_heads = int(mh);
+  p.mask_entry_batch = p.batch;
+  return ffi::Error::Success();
+}
+
 // variant: 0 = the fastest kernel for the device, 1 = the mma.sync (sm_80) kernels everywhere.
 bool use_sm90(int32_t variant) {
   int dev = 0, major = 0, minor = 0;
@@ -168,7 +194,8 @@ template <typename... Extra>
 ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_lengths,
                     ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges,
-                    ffi::AnyBuffer block_order, Extra..., ffi::Result<ffi::AnyBuffer> o,
+                    ffi::AnyBuffer block_order, ffi::AnyBuffer mask_bits, ffi::AnyBuffer mask_blocks, Extra...,
+                    ffi::Result<ffi::AnyBuffer> o,
                     ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> tile_counter, float scale, int32_t is_causal, int32_t variant,
                     int32_t window_left, int32_t window_right, float softcap) {
   Params p{};
@@ -182,6 +209,7 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                            "tiles", &p.fwd_tiles);
       e.failure())
     return e;
+  if (auto e = check_mask(p, lead, mask_bits, mask_blocks); e.failure()) return e;
   if (!same_type_and_dims(*o, q)) return invalid("output must have the query's shape and dtype");
   if (auto e = check_rows(p, lead, *lse, "lse"); e.failure()) return e;
   if (tile_counter->element_type() != ffi::DataType::S32 || !lead.matches(*tile_counter, {1}))
@@ -205,7 +233,7 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_segment_ids,
                     ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                     ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges, ffi::AnyBuffer block_order,
-                    Extra..., ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                    ffi::AnyBuffer mask_bits, ffi::AnyBuffer mask_blocks, Extra..., ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                     ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
                     ffi::Result<ffi::AnyBuffer> workspace, float scale, int32_t is_causal, int32_t variant,
                     int32_t window_left, int32_t window_right, float softcap, int32_t deterministic) {
@@ -222,6 +250,7 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
       e.failure())
     return e;
   if (p.block_order && deterministic) return invalid("block_order cannot be combined with deterministic");
+  if (auto e = check_mask(p, lead, mask_bits, mask_blocks); e.failure()) return e;
   if (!same_type_and_dims(o, q) || !same_type_and_dims(dout, q) || !same_type_and_dims(*dq, q))
     return invalid("out, dout and dq must have the query's shape and dtype");
   if (!same_type_and_dims(*dk, k) || !same_type_and_dims(*dv, v)) return invalid("dk and dv must match key and value");
@@ -263,7 +292,9 @@ auto masking_operands(auto &&b) {
       .template Arg<ffi::AnyBuffer>()   // kv_lengths
       .template Arg<ffi::AnyBuffer>()   // q_segment_ranges
       .template Arg<ffi::AnyBuffer>()   // kv_segment_ranges
-      .template Arg<ffi::AnyBuffer>();  // the forward's tiles (Params::fwd_tiles) or the backward's block_order
+      .template Arg<ffi::AnyBuffer>()   // the forward's tiles (Params::fwd_tiles) or the backward's block_order
+      .template Arg<ffi::AnyBuffer>()   // mask_bits
+      .template Arg<ffi::AnyBuffer>();  // mask_blocks
 }
 auto common_attributes(auto &&b) {
   return std::move(b)
@@ -328,6 +359,8 @@ OpExports attention::exports() {  // (declared by cc/module.cc)
               JAX_TK_CONSTANT(FWD_TILE_ROWS), JAX_TK_CONSTANT(FWD_TILE_KEYS), JAX_TK_CONSTANT(FWD_TILE_KEYS_D256),
               JAX_TK_CONSTANT(FWD_DOCS_MAX_HEAD_DIM), JAX_TK_CONSTANT(FWD_TILES_PER_BLOCK),
               JAX_TK_CONSTANT(BWD_BLOCK_KEYS), JAX_TK_CONSTANT(BWD_BLOCK_KEYS_D256), JAX_TK_CONSTANT(BWD_QUERY_ROWS),
+              JAX_TK_CONSTANT(MASK_BLOCK_ROWS), JAX_TK_CONSTANT(MASK_BLOCK_KEYS), JAX_TK_CONSTANT(MASK_EMPTY),
+              JAX_TK_CONSTANT(MASK_FULL), JAX_TK_CONSTANT(MASK_MIXED),
 #undef JAX_TK_CONSTANT
           }};
 }

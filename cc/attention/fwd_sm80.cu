@@ -13,6 +13,7 @@ using namespace tk;
 
 template <typename T, int D> struct Fwd {
   static constexpr int WARPS = 4, THREADS = 32 * WARPS, BQ = 16 * WARPS, BK = 64;
+  static_assert(MASK_BLOCK_ROWS % BQ == 0 && MASK_BLOCK_KEYS % BK == 0);  // (mask_code)
   using q_tile = st<T, BQ, D>;
   using kv_tile = st<T, BK, D>;
   struct Shared {
@@ -21,9 +22,9 @@ template <typename T, int D> struct Fwd {
   };
 };
 
-template <typename T, int D, bool FULL>
+template <typename T, int D, bool FULL, bool MASK>
 __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_constant__ Params p) {
-  using C = Fwd<T, D>;
+    using C = Fwd<T, D>;
   constexpr int BQ = C::BQ, BK = C::BK, NT = C::THREADS;
   extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
@@ -38,7 +39,7 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
   // Key blocks to visit: in [first, end), minus the ones of other segments (next).
   const int2 range = kv_block_range<FULL>(p, b, q0, BQ, BK);
   const int end = range.y;
-  auto next = [&](int j) { return next_kv_block<FULL>(p, b, q0, BQ, j, end, BK); };
+  auto next = [&](int j) { return next_kv_block<FULL, MASK>(p, b, h, q0, BQ, j, end, BK); };
   const int first = next(range.x);
 
   load_async<NT>(sm.q, Q, {b, q0, h, 0}, tid);
@@ -83,7 +84,7 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
       warp::mma_ABt(s, q[kk], kt, s);
     }
     cap_logits<FULL>(s, p);
-    mask_logits<FULL>(s, p, b, qw, k0);
+    mask_logits<FULL, MASK>(s, p, b, h, qw, k0);
     softmax_step(s, m, l, corr, logit_factor<FULL>(p));
 
     // O = O * corr + P V.
@@ -107,10 +108,10 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
 }  // namespace
 
 cudaError_t fwd_sm80(const Params &p, cudaStream_t stream) {
-  return dispatch<64, 128>(p, [&]<typename T, int D, bool FULL>() {
+  return dispatch<64, 128>(p, [&]<typename T, int D, bool FULL, bool MASK>() {
     using C = Fwd<T, D>;
     dim3 grid((p.q_len + C::BQ - 1) / C::BQ, p.q_heads, p.batch);
-    return launch(fwd_kernel<T, D, FULL>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p);
+    return launch(fwd_kernel<T, D, FULL, MASK>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p);
   });
 }
 

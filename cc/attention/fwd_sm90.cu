@@ -29,6 +29,7 @@ template <typename T, int D> struct FwdH {
   static constexpr bool PINGPONG = D <= 128;  // the consumers take turns issuing their products
   // (the tiles of Params::fwd_tiles, which Python works out from the contract in attention.h)
   static_assert(BQ == FWD_TILE_ROWS && BK == (D <= 128 ? FWD_TILE_KEYS : FWD_TILE_KEYS_D256));
+  static_assert(MASK_BLOCK_ROWS % BQ == 0 && MASK_BLOCK_KEYS % BK == 0);  // (mask_code)
   // In the masked kernel the loader tells the consumers, with each key block, the next listed one and
   // the masks it needs (see the consumers' loop); at D = 256 they work both out themselves (the other
   // way costs spills there).
@@ -60,7 +61,7 @@ template <typename T, int D> struct FwdH {
   // lists of the two announced tiles. Where both do not fit (D = 128: keys past 256k with segment
   // ids), the consumers store O themselves.
   static size_t lists_bytes(const Params &p, bool full) {
-    return full && p.q_segment_ids ? 2 * block_list_bytes((p.kv_len + BK - 1) / BK) : 0;
+    return full && (p.q_segment_ids || p.mask_blocks) ? 2 * block_list_bytes((p.kv_len + BK - 1) / BK) : 0;
   }
   static bool stages_o(const Params &p, bool full, size_t max_smem) {
     return D <= 128 && smem + CONSUMERS * sizeof(OTile) + lists_bytes(p, full) <= max_smem;
@@ -104,7 +105,8 @@ __device__ __forceinline__ FwdTile fwd_tile(const Params &p, const TileSlot &c, 
   } else {
     x.range = kv_block_range<FULL>(p, x.b, x.q0, BQ, BK);
   }
-  x.blocks = FULL && p.q_segment_ids && !x.doc ? block_list(list, x.range.x, x.range.y) : BlockList{x.range.x, x.range.y, nullptr, 0};
+  x.blocks = FULL && (p.q_segment_ids || p.mask_blocks) && !x.doc ? block_list(list, x.range.x, x.range.y)
+                                                                  : BlockList{x.range.x, x.range.y, nullptr, 0};
   return x;
 }
 // The position rules of a tile's rows: a document's tile's rows see its document's keys only.
@@ -133,7 +135,7 @@ template <bool FULL> __device__ __forceinline__ KeyRule tile_rule(const Params &
 // setmaxnreg moves registers from the producer to the consumers. A tile whose rows see no key loads
 // nothing and stores O = 0, lse = -inf. Only the tiles that cut through a rule or a segment
 // boundary are masked elementwise (KeyRule, BlockList::one_segment).
-template <typename T, int D, bool FULL>
+template <typename T, int D, bool FULL, bool MASK>
 __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const __grid_constant__ typename FwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = FwdH<T, D>;
@@ -143,7 +145,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   auto &sm = align_shared<typename C::Shared>(smem_raw);
   const Params p = a.p;  // a copy: the fields it uses stay in registers (no reloads after each memory clobber)
   const int tiles = FULL && p.fwd_tiles ? fwd_tile_cap(p.q_len) * p.q_heads * p.batch : (p.q_len + C::BQ - 1) / C::BQ * p.q_heads * p.batch;
-  const bool segments = FULL && p.q_segment_ids != nullptr;
+  const bool listed = FULL && (p.q_segment_ids || p.mask_blocks);  // (see fwd_tile)
   const bool stage_o = D <= 128 && (!FULL || a.stage_o);  // (always in plain attention: see fwd_sm90)
   constexpr bool DOCS = FULL && C::DOCS;
   auto *o_stages = reinterpret_cast<typename C::OTile *>(&sm + 1);
@@ -152,7 +154,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   auto read_tile = [&](int slot) {
     TileSlot x = sm.tile[slot];
     if constexpr (FULL) {
-      if (!segments) x = tile_coords<FULL>(p, x.t, C::BQ);
+      if (!listed) x = tile_coords<FULL>(p, x.t, C::BQ);
       return fwd_tile<FULL, DOCS>(p, x, C::BQ, BK, lists + slot * list_words);
     }
     return FwdTile{x.b, x.h, x.q0, x.range, BlockList{x.range.x, x.range.y, nullptr, 0}, false, 0, p.q_len};
@@ -182,14 +184,14 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
         if (FULL && p.fwd_tiles && t < tiles && p.fwd_tiles[4 * t] < 0) t = tiles;  // (the list's unused entries come last)
         TileSlot c{t, 0, 0, 0, {}, -1, p.q_len};
         FwdTile x{};  // (the masked kernels need it only with segment ids: see TileSlot)
-        if (!FULL || (segments && t < tiles)) {
+        if (!FULL || (listed && t < tiles)) {
           c = tile_coords<FULL>(p, min(t, tiles - 1), C::BQ);
           c.t = t;
           x = fwd_tile<FULL, DOCS>(p, c, C::BQ, BK, nullptr);
         }
-        if (segments && t < tiles && !x.doc) {
+        if (listed && t < tiles && !x.doc) {
           write_block_list(lists + at.slot * list_words, x.range.x, x.range.y, 0, 1,
-                           [&](int j) { return segment_test<FULL>(p, x.b, x.q0, C::BQ, j * BK, BK); });
+                           [&](int j) { return pair_test<FULL, MASK>(p, x.b, x.h, x.q0, C::BQ, j * BK, BK); });
           __syncwarp();
         }
         c.range = x.range;
@@ -217,7 +219,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
           j_next = x.blocks.next(j + 1);
           wait_empty(k_ring, kv);
           if (FULL && C::LOADER_INFO)  // (released by the arrival)
-            sm.info[s] = j_next << MASK_BITS | tile_mask_bits<FULL>(p, rule, x.blocks.one_segment(j), x.q0, C::BQ, k0, BK);
+            sm.info[s] = j_next << MASK_BITS | tile_mask_bits<FULL, MASK>(p, rule, x.blocks.uniform(j), x.q0, C::BQ, k0, BK);
           arrive_expect_bytes(k_ring.full(kv), sizeof(sm.k[s].data));
           load_async(sm.k[s], a.k, {x.b, k0, kvh, 0}, k_ring.full(kv));
           wait_empty(v_ring, kv);
@@ -280,8 +282,8 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       if (from_loader && (info & ((1 << MASK_BITS) - 1)) == 0) return;  // most blocks
       const int k0 = (DOCS ? max(sm.tile[slot].kbase, 0) : 0) + j * BK;
       const MaskNeed need = from_loader ? warp_mask_need(info, rule, qw, 16, k0, BK)
-                                        : mask_need<FULL>(p, rule, blocks.one_segment(j), qw, 16, k0, BK);
-      mask_logits<FULL>(s, p, rule, need, x.b, qw, k0);
+                                        : mask_need<FULL, MASK>(p, rule, blocks.uniform(j), qw, 16, k0, BK);
+      mask_logits<FULL, MASK>(s, p, rule, need, x.b, x.h, qw, k0);
     };
     ring_pos<STAGES> kv(n);  // the key block in S (the one before it is in P)
     wait_full(k_ring, kv);
@@ -372,7 +374,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
 bool fwd_sm90_supported(const Params &p) { return p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256; }
 
 cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
-  return dispatch<64, 128, 256>(p, [&]<typename T, int D, bool FULL>() {
+  return dispatch<64, 128, 256>(p, [&]<typename T, int D, bool FULL, bool MASK>() {
     using C = FwdH<T, D>;
     typename C::Args a{p, {}, {}, {}, {}, false};
     if (!make_tma_map(a.q, p.q, p.batch, p.q_len, p.q_heads, D) ||
@@ -391,7 +393,7 @@ cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
     a.stage_o = C::stages_o(p, FULL, size_t(max_smem));
     if (!FULL && D <= 128 && !a.stage_o) return cudaErrorInvalidConfiguration;
     if (listed + 2 * sms >= INT_MAX || p.tile_counter == nullptr) return cudaErrorInvalidValue;
-    auto kernel = fwd_sm90_kernel<T, D, FULL>;
+    auto kernel = fwd_sm90_kernel<T, D, FULL, MASK>;
     const size_t smem = C::smem + C::extra_bytes(p, FULL, a.stage_o);
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e == cudaSuccess) e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);

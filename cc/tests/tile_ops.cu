@@ -24,6 +24,8 @@ enum Op {
   FILL = 34, ZERO = 35,                                          // out = param / 0
   CAST = 36,                                                     // out = float(T(float(a)) via rt<float>)
   SHARED_ST = 37,  // out = a (register -> shared store alone, read back element by element)
+  KEEP_BITS = 38,         // keep a[r, c] where bit param + c of row r is set (v's words: (param + C) / 32 a row), else -inf
+  KEEP_BITS_BY_COL = 39,  // keep a[r, c] where bit param + r of column c is set ((param + R) / 32 words a column), else -inf
 };
 
 template <typename T, typename L, int R, int C>
@@ -106,6 +108,16 @@ __device__ void run(const TileOpArgs &x, st<T, R, C> &sa, st<T, R, C> &sb) {
     case TRIL: { rt<float, R, C, L> f; warp::copy(f, a); warp::tril(f, f, int(p), -INFINITY); warp::store(OUT, f, {}); return; }
     case TRIU: { rt<float, R, C, L> f; warp::copy(f, a); warp::triu(f, f, int(p), -INFINITY); warp::store(OUT, f, {}); return; }
     case BOUNDS: warp::bounds(r, a, R - 5, C - 7, 7.f); break;
+    case KEEP_BITS: case KEEP_BITS_BY_COL: {
+      rt<float, R, C, L> f;
+      warp::copy(f, a);
+      const uint32_t *words = reinterpret_cast<const uint32_t *>(x.v);  // (v's 64 floats as bits)
+      const int off = int(p), n = (off + (x.op == KEEP_BITS ? C : R) + 31) / 32;
+      if (x.op == KEEP_BITS) warp::keep_bits(f, f, [=](int row) { return words + row * n; }, off, -INFINITY);
+      else warp::keep_bits_by_col(f, f, [=](int col) { return words + col * n; }, off, -INFINITY);
+      warp::store(OUT, f, {});
+      return;
+    }
     case FILL: warp::fill(r, p); break;
     case ZERO: warp::copy(r, a); warp::zero(r); break;
     case CAST: { rt<float, R, C, L> f; warp::copy(f, a); warp::copy(r, f); break; }

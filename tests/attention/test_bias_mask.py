@@ -1,7 +1,7 @@
 """CPU tests of jax_tk.attention's bias= and mask= (jax.nn's): values and gradients against
 jax.nn.dot_product_attention, broadcast shapes, the order with the soft cap, the checks, the routing
-(the kernels do not take them yet), vmap, implementation="cudnn", and the per-block mask summary the
-kernels will consume."""
+(the kernels do not take them yet), vmap, implementation="cudnn", and the kernels' mask operands (the
+bits and the per-block summary)."""
 import functools
 import itertools
 
@@ -241,13 +241,59 @@ def test_kernel_routing(name):
     assert "jax_tk_attention_fwd" in text
 
 
-def test_launch_refuses_bias_and_mask():
+def test_launch_refuses_bias():
     q, k, v = _qkv(9, d=64, dtype=BF16)
     spec = api.AttentionSpec(0.1, False, True)
     with pytest.raises(NotImplementedError, match="bias"):
         launch.fwd_kernel(q, k, v, spec, bias=jnp.zeros((1, 1, T, S), F32))
-    with pytest.raises(NotImplementedError, match="mask"):
-        launch.mask_operands(launch.Masks(mask=jnp.ones((1, 1, T, S), bool)))
+
+
+def test_mask_routes_to_the_kernels_only_once_they_take_it(monkeypatch):
+    q, k = _qkv(9, d=64, dtype=BF16)[:2]
+    mask = jnp.ones((1, 1, T, S), bool)
+    assert "mask" in launch.kernel_unsupported_reason(q, k, mask=mask)
+    monkeypatch.setattr(launch, "KERNELS_TAKE_MASK", True)
+    assert launch.kernel_unsupported_reason(q, k, mask=mask) is None
+    assert "bias" in launch.kernel_unsupported_reason(q, k, bias=jnp.zeros((1, 1, T, S), F32), mask=mask)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 37, 200), (1, 3, 37, 200), (2, 1, 1, 129), (1, 1, 5, 1), (1, 1, 4, 256)], ids=str)
+def test_mask_bits(shape):
+    """Params::mask_bits: bit j % 32 of word j // 32 of a row is key j's mask, the rows padded with zeros
+    to whole blocks of MASK_BLOCK_KEYS keys; size-1 rows and keys broadcast."""
+    t, s = 37 if shape[2] == 1 else shape[2], 70 if shape[3] == 1 else shape[3]
+    m = np.random.default_rng(sum(shape)).random(shape) > 0.4
+    bits = np.asarray(jax.jit(launch.mask_bits, static_argnums=(1, 2))(jnp.asarray(m), t, s))
+    keys = launch.contract()["MASK_BLOCK_KEYS"]
+    words = -(-s // keys) * keys // 32
+    assert bits.dtype == np.uint32 and bits.shape == (*shape[:2], t, words)
+    unpacked = (bits[..., :, None] >> np.arange(32, dtype=np.uint32)) & 1  # [.., words, 32]
+    unpacked = unpacked.reshape(*bits.shape[:3], 32 * words).astype(bool)
+    np.testing.assert_array_equal(unpacked[..., :s], np.broadcast_to(m, (*shape[:2], t, s)))
+    assert not unpacked[..., s:].any()
+
+
+def test_mask_operands():
+    """The kernels' masking operands with a mask: the ints absent (shape (0,)), then the bits and the
+    summary; without one, uint32 and int8 of shape (0,)."""
+    t, s = 130, 70
+    mask = jnp.asarray(np.random.default_rng(3).random((2, 1, t, s)) > 0.5)
+    ops = launch.mask_operands(launch.Masks(mask=mask), t, s)
+    assert len(ops) == 9 and all(x.shape == (0,) and x.dtype == jnp.int32 for x in ops[:7])
+    np.testing.assert_array_equal(ops[7], launch.mask_bits(mask, t, s))
+    np.testing.assert_array_equal(ops[8], launch.mask_summary(mask, t, s))
+    ops = launch.mask_operands(None, t, s)
+    assert ops[7].dtype == jnp.uint32 and ops[8].dtype == jnp.int8 and ops[7].shape == ops[8].shape == (0,)
+
+
+def test_documents_tiles_are_left_out_with_a_mask():
+    """A document's tiles start inside the mask's blocks: with a mask the forward gets the fixed grid."""
+    ids = jnp.asarray(np.repeat(np.arange(4), 100)[None], jnp.int32)
+    ranges = launch.segment_ranges(ids)
+    tiles = lambda documents: np.asarray(launch.fwd_tiles(ids, ids, ranges, ranges, True, 2, 4, 64, documents)).reshape(-1, 4)
+    assert (tiles(True)[:, 3] >= 0).any()
+    grid = tiles(False)
+    assert (grid[:, 3] == -1).all() and (grid[grid[:, 0] >= 0, 1] % launch.contract()["FWD_TILE_ROWS"] == 0).all()
 
 
 def test_cudnn_passes_bias_and_mask(monkeypatch):
@@ -302,10 +348,15 @@ def test_mask_block_summary(t, s, rows, keys, shape):
 
 def test_mask_summary_uses_the_contract_blocks():
     c = launch.contract()
-    t, s = 2 * c["FWD_TILE_ROWS"] + 5, 3 * c["FWD_TILE_KEYS"] - 1
-    mask = jnp.ones((1, 1, t, s), bool).at[..., c["FWD_TILE_ROWS"]:, :].set(False).at[..., -1, 0].set(True)
-    got = np.asarray(launch.fwd_mask_summary(mask, t, s, head_dim=64))
+    rows, keys = c["MASK_BLOCK_ROWS"], c["MASK_BLOCK_KEYS"]
+    assert (c["MASK_EMPTY"], c["MASK_FULL"], c["MASK_MIXED"]) == (launch.BLOCK_EMPTY, launch.BLOCK_FULL, launch.BLOCK_MIXED)
+    # every kernel block lies inside one summary block
+    for head_dim in (64, 128, 256):
+        q_rows, k_rows = launch.fwd_order_blocks(head_dim)
+        b_keys, b_rows = launch.bwd_order_blocks(head_dim)
+        assert rows % q_rows == 0 and keys % k_rows == 0 and rows % b_rows == 0 and keys % b_keys == 0
+    t, s = 2 * rows + 5, 3 * keys - 1
+    mask = jnp.ones((1, 1, t, s), bool).at[..., rows:, :].set(False).at[..., -1, 0].set(True)
+    got = np.asarray(launch.mask_summary(mask, t, s))
     assert got.shape == (1, 1, 3, 3)
     np.testing.assert_array_equal(got[0, 0], [[1, 1, 1], [0, 0, 0], [2, 0, 0]])
-    keys, rows = launch.bwd_order_blocks(64)
-    assert launch.bwd_mask_summary(mask, t, s, 64).shape == (1, 1, -(-t // rows), -(-s // keys))

@@ -84,7 +84,7 @@ def kernel_fwd_bwd(q, k, v, dout, dlse, masks=None, *, scale, is_causal, variant
                    softcap=None, deterministic=False):
     """The forward and backward kernels, called directly, with every output (workspaces included)
     poisoned with NaN. variant: VARIANT_AUTO (the fastest kernels for this GPU) or VARIANT_SM80 (the
-    mma.sync ones). masks: None or a Masks (segment ids, lengths); window: (left, right) or None;
+    mma.sync ones). masks: None or a Masks (segment ids, lengths, a boolean mask); window: (left, right) or None;
     softcap: float or None; deterministic: the backward's ordered mode."""
     spec = AttentionSpec(scale, is_causal, True, window, softcap, deterministic)
     b, t, n, _ = q.shape
@@ -106,7 +106,8 @@ def reference_fwd_bwd(q, k, v, dout, dlse, masks=None, *, scale, is_causal, wind
     m = Masks() if masks is None else masks
     f = functools.partial(reference.attention_with_lse, scale=scale, is_causal=is_causal, local_window_size=window,
                           q_segment_ids=m.q_segment_ids, kv_segment_ids=m.kv_segment_ids,
-                          query_seq_lengths=m.q_lengths, key_value_seq_lengths=m.kv_lengths, logits_soft_cap=softcap)
+                          query_seq_lengths=m.q_lengths, key_value_seq_lengths=m.kv_lengths, logits_soft_cap=softcap,
+                          mask=m.mask)
     (out, lse), vjp = jax.vjp(f, q, k, v)
     # A row that sees no key has lse = -inf; its cotangent must not matter (the kernels ignore it).
     dq, dk, dv = vjp((dout, jnp.where(jnp.isneginf(lse), 0.0, dlse.astype(F32))))

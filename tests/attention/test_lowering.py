@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jax_tk
-from jax_tk.attention import reference
+from jax_tk.attention import launch, reference
 from jax_tk.attention.launch import BWD_TARGET, FWD_TARGET
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -113,16 +113,18 @@ def assert_no_tk_calls(text: str):
 
 
 def tensor_type(shape, dtype):
-    return "tensor<" + "x".join(str(d) for d in shape) + "x" + {BF16: "bf16", F16: "f16", F32: "f32", I32: "i32"}[dtype] + ">"
+    names = {BF16: "bf16", F16: "f16", F32: "f32", I32: "i32", U32: "ui32", I8: "i8"}
+    return "tensor<" + "x".join(str(d) for d in shape) + "x" + names[dtype] + ">"
 
 
-I32 = jnp.int32
-NO_MASKS = [tensor_type((0,), I32)] * 7  # the seven masking operands when no option is given
+I32, U32, I8 = jnp.int32, jnp.uint32, jnp.int8
+NO_MASK = [tensor_type((0,), U32), tensor_type((0,), I8)]  # the boolean mask's two operands, absent
+NO_MASKS = [tensor_type((0,), I32)] * 7 + NO_MASK  # the nine masking operands when no option is given
 TILE_COUNTER = tensor_type((1,), I32)  # the forward's third result: scratch for the Hopper kernel's tile counter
 
 
 def assert_no_masking(call):
-    assert call.operand_types[-7:] == NO_MASKS
+    assert call.operand_types[-9:] == NO_MASKS
     assert (call.attr_int("window_left"), call.attr_int("window_right")) == (-1, -1)
     assert call.attr_float("softcap") == 0.0
 
@@ -171,7 +173,7 @@ def test_forward_custom_call(lower, dtype, is_causal, scale):
     text = lower(functools.partial(jax_tk.attention, scale=scale, is_causal=is_causal), *args)
     (call,) = tk_calls(text, FWD_TARGET)
     assert tk_calls(text, BWD_TARGET) == []
-    assert len(call.operands) == 10
+    assert len(call.operands) == 12
     assert call.operand_types == [tensor_type((b, t, n, d), dtype)] + [tensor_type((b, s, kh, d), dtype)] * 2 + NO_MASKS
     assert call.result_types == [tensor_type((b, t, n, d), dtype), tensor_type((b, n, t), F32), TILE_COUNTER]
     expected_scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -219,7 +221,7 @@ def test_grad_contains_backward_call(lower, dtype, is_causal):
     (fwd,) = tk_calls(text, FWD_TARGET)
     (bwd,) = tk_calls(text, BWD_TARGET)
     # q, k, v, out, lse, dout, dlse, and the seven (absent) masking operands
-    assert len(bwd.operands) == 14
+    assert len(bwd.operands) == 16
     q_t, kv_t, lse_t = tensor_type((b, t, n, d), dtype), tensor_type((b, s, kh, d), dtype), tensor_type((b, n, t), F32)
     assert bwd.operand_types == [q_t, kv_t, kv_t, q_t, lse_t, q_t, lse_t] + NO_MASKS
     # dq, dk, dv, and the fp32 workspaces: delta, and the Hopper kernel's: a 64 x d dq accumulator
@@ -255,7 +257,7 @@ def test_grad_of_attention_with_lse_contains_backward_call(lower):
     text = lower(jax.grad(loss, argnums=(0, 1, 2)), *_abstract())
     assert len(tk_calls(text, FWD_TARGET)) == 1
     (bwd,) = tk_calls(text, BWD_TARGET)
-    assert len(bwd.operands) == 14
+    assert len(bwd.operands) == 16
     assert bwd.attr_int("is_causal") == 1
     assert np.float32(bwd.attr_float("scale")) == np.float32(0.125)
 
@@ -338,8 +340,9 @@ def test_masking_options_lower_to_kernels(lower, case):
     q_t, kv_t, lse_t = tensor_type(q.shape, BF16), tensor_type(k.shape, BF16), tensor_type((B_, 4, T_), F32)
     segments = mask_types[0] != ABSENT
     for call in (fwd_only, fwd):
-        assert call.operand_types == [q_t, kv_t, kv_t] + mask_types + [ORDER_FWD if segments else ABSENT]
-    assert bwd.operand_types == [q_t, kv_t, kv_t, q_t, lse_t, q_t, lse_t] + mask_types + [ORDER_BWD if segments else ABSENT]
+        assert call.operand_types == [q_t, kv_t, kv_t] + mask_types + [ORDER_FWD if segments else ABSENT] + NO_MASK
+    assert bwd.operand_types == ([q_t, kv_t, kv_t, q_t, lse_t, q_t, lse_t] + mask_types + [ORDER_BWD if segments else ABSENT]
+                                 + NO_MASK)
     for call in (fwd_only, fwd, bwd):
         assert (call.attr_int("window_left"), call.attr_int("window_right")) == window
         assert np.float32(call.attr_float("softcap")) == np.float32(softcap)
@@ -368,7 +371,7 @@ def test_masking_under_vmap_lowers_to_kernel():
     text = lower_jit(f, *map(stack, (q, k, v, _ids((B_, T_)), _ids((B_, S_)), _ids((B_,)))))
     (call,) = tk_calls(text, FWD_TARGET)
     lead = lambda t: t.replace("tensor<", f"tensor<{e}x")
-    assert call.operand_types[3:] == [lead(x) for x in (Q_IDS, KV_IDS, ABSENT, LENS, *RANGES, ORDER_FWD)]
+    assert call.operand_types[3:] == [lead(x) for x in (Q_IDS, KV_IDS, ABSENT, LENS, *RANGES, ORDER_FWD, *NO_MASK)]
     assert (call.attr_int("window_left"), call.attr_int("window_right")) == (2, 3)
     assert "stablehlo.while" not in text
 
@@ -527,6 +530,25 @@ def test_block_order_is_longest_first(causal, d, forward):
     assert len(set(work.tolist())) > 2  # (the case has blocks of different work)
 
 
+@pytest.mark.parametrize("mask_shape", [(B_, 4, T_, S_), (1, 1, T_, S_), (B_, 1, 1, S_)], ids=str)
+def test_boolean_mask_lowers_to_kernels(lower, monkeypatch, mask_shape):
+    """A boolean mask reaches the kernels (once they take it) as its bits, uint32 [mask batch, mask
+    heads, T, words of whole 128-key blocks], and its block summary, int8 [.., 128-row blocks, 128-key
+    blocks]; with segment ids the forward's tiles are the fixed grid's (no documents' tiles)."""
+    monkeypatch.setattr(launch, "KERNELS_TAKE_MASK", True)
+    mask = jax.ShapeDtypeStruct(mask_shape, jnp.bool_)
+    ids_q, ids_kv = _ids((B_, T_)), _ids((B_, S_))
+    fn = lambda q, k, v, m, qs, ks: jnp.sum(jax_tk.attention(q, k, v, mask=m, q_segment_ids=qs,
+                                                             kv_segment_ids=ks).astype(F32))
+    text = lower(jax.grad(fn, argnums=(0, 1, 2)), *_abstract(B_, T_, S_), mask, ids_q, ids_kv)
+    (fwd,) = tk_calls(text, FWD_TARGET)
+    (bwd,) = tk_calls(text, BWD_TARGET)
+    bits = tensor_type((*mask_shape[:2], T_, 4), U32)
+    summary = tensor_type((*mask_shape[:2], 1, 1), I8)
+    assert fwd.operand_types[-3:] == [ORDER_FWD, bits, summary]
+    assert bwd.operand_types[-3:] == [ORDER_BWD, bits, summary]
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_block_order_operand(lower, deterministic):
     """With segment ids, both kernels get a block order, except the deterministic backward (its turns
@@ -537,15 +559,15 @@ def test_block_order_operand(lower, deterministic):
     text = lower(jax.grad(fn, argnums=(0, 1, 2)), *_abstract(B_, T_, S_), ids_q, ids_kv)
     (fwd,) = tk_calls(text, FWD_TARGET)
     (bwd,) = tk_calls(text, BWD_TARGET)
-    assert fwd.operand_types[-1] == ORDER_FWD
-    assert bwd.operand_types[-1] == (ABSENT if deterministic else ORDER_BWD)
+    assert fwd.operand_types[-3] == ORDER_FWD  # (then the mask's two)
+    assert bwd.operand_types[-3] == (ABSENT if deterministic else ORDER_BWD)
 
 
 def test_no_block_order_for_the_mma_sync_kernels(monkeypatch):
     monkeypatch.setenv("JAX_TK_ATTENTION_KERNELS", "sm80")
     fn = lambda q, k, v, qs, ks: jax_tk.attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks)
     (fwd,) = tk_calls(lower_jit(fn, *_abstract(B_, T_, S_), _ids((B_, T_)), _ids((B_, S_))), FWD_TARGET)
-    assert fwd.operand_types[-1] == ABSENT
+    assert fwd.operand_types[-3] == ABSENT
 
 
 def test_block_order_traces_without_constants():

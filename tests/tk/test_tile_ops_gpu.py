@@ -21,7 +21,7 @@ OPS = dict(
     MAX=12, MIN=13, ADD_SCALAR=14, ROW_MAX=15, ROW_SUM=16, COL_MAX=17, COL_SUM=18, ADD_ROW=19,
     SUB_ROW=20, MUL_ROW=21, DIV_ROW=22, ADD_COL=23, SUB_COL=24, MUL_COL=25, DIV_COL=26, TRIL=27,
     TRIU=28, BOUNDS=29, MMA_AB=30, MMA_ABT=31, MMA_ATB=32, MMA_ATBT=33, FILL=34, ZERO=35, CAST=36,
-    SHARED_ST=37,
+    SHARED_ST=37, KEEP_BITS=38, KEEP_BITS_BY_COL=39,
 )
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 RTOL = {"float32": 2e-6, "bfloat16": 8e-3, "float16": 1e-3}
@@ -160,3 +160,23 @@ def test_mma(op, dtype):
     B = B.T if op in ("MMA_ABT", "MMA_ATBT") else B
     want = A @ B + v[0]
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", [0, 1], ids=["row", "col"])
+@pytest.mark.parametrize("op,shape,offset", [("KEEP_BITS", (32, 64), 0), ("KEEP_BITS", (32, 32), 8),
+                                             ("KEEP_BITS", (32, 32), 24), ("KEEP_BITS_BY_COL", (32, 32), 0),
+                                             ("KEEP_BITS_BY_COL", (32, 32), 16), ("KEEP_BITS_BY_COL", (32, 32), 32)])
+def test_keep_bits(op, shape, offset, layout):
+    """keep_bits / keep_bits_by_col: a bit matrix of 32-bit words (the bits of v), read from a bit
+    offset (a multiple of 8), against numpy."""
+    a, b, _ = inputs("bfloat16", shape, seed=7 + offset)
+    words = np.random.default_rng(offset).integers(0, 2**32, 64, dtype=np.uint64).astype(np.uint32)
+    out, _ = run_op(op, a, b, words.view(np.float32), layout, param=float(offset))
+    rows, cols = shape
+    along, across = (cols, rows) if op == "KEEP_BITS" else (rows, cols)
+    n = (offset + along + 31) // 32  # words per row (per column)
+    bits = (words[: across * n].reshape(across, n, 1) >> np.arange(32, dtype=np.uint32)) & 1
+    bits = bits.reshape(across, 32 * n)[:, offset:offset + along].astype(bool)  # [row, col] or [col, row]
+    keep = bits if op == "KEEP_BITS" else bits.T
+    want = np.where(keep, a.astype(np.float32), -np.inf)
+    np.testing.assert_array_equal(out, want)

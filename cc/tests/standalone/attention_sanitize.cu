@@ -28,8 +28,39 @@ int *device_ints(const std::vector<int> &host) {
 // batch entry with no query rows, the other with only half of its keys) and a soft cap, all at once;
 // SEGMENTS = the segment ids and lengths alone; WINDOW = the window and lengths alone (each option
 // set takes its own Hopper backward kernel); DOCUMENTS = the same sorted segment ids for queries and
-// keys (t == s) and lengths, the forward taking one document's tiles (Params::fwd_tiles).
-enum Mask { NONE, ALL, SEGMENTS, WINDOW, DOCUMENTS };
+// keys (t == s) and lengths, the forward taking one document's tiles (Params::fwd_tiles); BOOLEAN =
+// ALL and a boolean mask per head (Params::mask_bits and mask_blocks, broadcast over the batch) whose
+// blocks are empty, full and mixed.
+enum Mask { NONE, ALL, SEGMENTS, WINDOW, DOCUMENTS, BOOLEAN };
+
+// The boolean mask of BOOLEAN as the kernels read it: [1, n, t, mask_words(s)] words and the int8 block
+// summary (what jax_tk/attention/launch.py computes).
+std::vector<int *> boolean_mask(Params &p, std::mt19937 &rng) {
+  const int t = p.q_len, s = p.kv_len, n = p.q_heads, words = mask_words(s);
+  const int qb = (t + MASK_BLOCK_ROWS - 1) / MASK_BLOCK_ROWS, kb = (s + MASK_BLOCK_KEYS - 1) / MASK_BLOCK_KEYS;
+  std::vector<int> bits(size_t(n) * t * words, 0), blocks(size_t(n) * qb * kb, 0), seen(blocks.size() * 2, 0);
+  for (int h = 0; h < n; h++)
+    for (int i = 0; i < t; i++)
+      for (int j = 0; j < s; j++) {
+        const int block = (h * qb + i / MASK_BLOCK_ROWS) * kb + j / MASK_BLOCK_KEYS;
+        // block kinds by head: head 0 all visible, head 1 hidden from key 128 on, others random
+        const bool on = h == 0 || (h == 1 ? j < 128 : rng() % 3 != 0);
+        if (on) bits[(size_t(h) * t + i) * words + j / 32] |= int(1u << (j % 32));
+        seen[2 * block + on] = 1;
+      }
+  for (size_t e = 0; e < blocks.size(); e++)
+    blocks[e] = seen[2 * e + 1] ? (seen[2 * e] ? MASK_MIXED : MASK_FULL) : MASK_EMPTY;
+  std::vector<int8_t> codes(blocks.begin(), blocks.end());
+  int8_t *codes_d;
+  CHECK(cudaMalloc(&codes_d, codes.size()));
+  CHECK(cudaMemcpy(codes_d, codes.data(), codes.size(), cudaMemcpyHostToDevice));
+  int *bits_d = device_ints(bits);
+  p.mask_bits = reinterpret_cast<const uint32_t *>(bits_d);
+  p.mask_blocks = codes_d;
+  p.mask_batch = 1; p.mask_heads = n; p.mask_entry_batch = p.batch;
+  return {bits_d, reinterpret_cast<int *>(codes_d)};
+}
+
 int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mask masked = NONE,
         bool deterministic = false) {
   std::mt19937 rng(b * 1000 + t + s + d);
@@ -89,7 +120,7 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
       p.q_segment_ranges = ints[4]; p.kv_segment_ranges = ints[5];
     }
     if (masked != SEGMENTS && masked != DOCUMENTS) p.window_left = 40, p.window_right = 7;
-    if (masked == ALL) p.softcap = 5.f;
+    if (masked == ALL || masked == BOOLEAN) p.softcap = 5.f;
     if (masked == SEGMENTS || masked == DOCUMENTS) {  // tiles and blocks in orders of their own
       // the forward's tiles (Params::fwd_tiles): with SEGMENTS the fixed grid's in reverse, with
       // DOCUMENTS each segment's, from its start
@@ -115,6 +146,7 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
   }
   const bool ordered = ints.size() > 6;
   p.fwd_tiles = ordered ? ints[6] : nullptr;
+  std::vector<int *> mask = masked == BOOLEAN ? boolean_mask(p, rng) : std::vector<int *>{};
   CHECK(hopper ? fwd_sm90(p, 0) : fwd_sm80(p, 0));
   p.block_order = ordered && !deterministic ? ints[7] : nullptr;
   CHECK(hopper ? bwd_sm90(p, 0) : bwd_sm80(p, 0));
@@ -122,7 +154,8 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
   const void *buffers[] = {p.q, p.k, p.v, p.dout, p.dlse, o, dq, dk, dv, lse, delta, workspace, tile_counter};
   for (const void *x : buffers) CHECK(cudaFree(const_cast<void *>(x)));
   for (int *x : ints) CHECK(cudaFree(x));
-  const char *masks[] = {"", " masked", " segments", " window", " documents"};
+  for (int *x : mask) CHECK(cudaFree(x));
+  const char *masks[] = {"", " masked", " segments", " window", " documents", " boolean mask"};
   std::printf("ok b=%d t=%d s=%d n=%d kh=%d d=%d causal=%d %s%s%s\n", b, t, s, n, kh, d, causal,
               hopper ? "sm90" : "sm80", masks[masked], deterministic ? " deterministic" : "");
   return 0;
@@ -138,7 +171,11 @@ int main() {
       run(1, 70, 50, 2, 1, 64, causal, hopper);
       run(2, 33, 130, 4, 2, 128, causal, hopper);
       run(2, 150, 90, 4, 2, 64, causal, hopper, ALL);
+      run(2, 150, 200, 4, 2, 64, causal, hopper, BOOLEAN);
+      run(1, 70, 130, 4, 2, 128, causal, hopper, BOOLEAN);
       if (hopper) {
+        run(2, 150, 200, 4, 2, 128, causal, hopper, BOOLEAN, true);
+        run(1, 70, 130, 4, 2, 256, causal, hopper, BOOLEAN);
         run(1, 130, 200, 4, 2, 64, causal, hopper, NONE, true);
         run(1, 70, 130, 2, 1, 256, causal, hopper, ALL);
         run(1, 70, 130, 2, 1, 256, causal, hopper, ALL, true);

@@ -22,4 +22,39 @@ __device__ __forceinline__ void bounds(D &dst, const S &src, int n_rows, int n_c
   map_indexed(dst, src, [=](int r, int c, float x) { return (r < n_rows && c < n_cols) ? x : fill; });
 }
 
+// Bit masks: a row-major bit matrix, each row a run of 32-bit words (bit k of a row is bit k % 32 of
+// its word k / 32). keep_bits keeps (r, c) where bit c0 + c of row r is set, else fill; words(r)
+// points at row r's words, c0 % 8 == 0. A lane's elements of one 8-column group of a row share a
+// word (the group's first column is known at compile time), so it loads a word per row and group.
+template <RegisterTile D, RegisterTile S, typename W>
+__device__ __forceinline__ void keep_bits(D &dst, const S &src, W words, int c0, float fill) {
+  using L = typename S::layout;
+#pragma unroll
+  for (int i = 0; i < D::height; i++)
+#pragma unroll
+    for (int j = 0; j < D::width; j++)
+#pragma unroll
+      for (int e = 0; e < 8; e++) {
+        const int c = S::col_of(j, e), group = j * TILE + (piece_col<L>(0, e) & ~7);
+        const uint32_t w = __ldg(words(S::row_of(i, e)) + (c0 + group) / 32);
+        dst.set(i, j, e, (w >> ((c0 + c) % 32)) & 1u ? src.get(i, j, e) : fill);
+      }
+}
+// The same with the bits running down the columns: keeps (r, c) where bit r0 + r of column c's
+// words (words(c)) is set; r0 % 8 == 0.
+template <RegisterTile D, RegisterTile S, typename W>
+__device__ __forceinline__ void keep_bits_by_col(D &dst, const S &src, W words, int r0, float fill) {
+  using L = typename S::layout;
+#pragma unroll
+  for (int i = 0; i < D::height; i++)
+#pragma unroll
+    for (int j = 0; j < D::width; j++)
+#pragma unroll
+      for (int e = 0; e < 8; e++) {
+        const int r = S::row_of(i, e), group = i * TILE + (piece_row<L>(0, e) & ~7);
+        const uint32_t w = __ldg(words(S::col_of(j, e)) + (r0 + group) / 32);
+        dst.set(i, j, e, (w >> ((r0 + r) % 32)) & 1u ? src.get(i, j, e) : fill);
+      }
+}
+
 }  // namespace tk::warp

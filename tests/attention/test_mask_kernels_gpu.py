@@ -1,0 +1,166 @@
+"""GPU tests of the attention kernels' boolean mask (jax.nn's ``mask=``; skipped without a GPU).
+
+The kernels read the mask as bits (``launch.mask_bits``) and skip the blocks its per-block summary
+(``launch.mask_summary``) marks empty; these tests compare them with the float32 reference over masks
+whose blocks are empty, full and mixed, broadcast over batch, heads, rows or keys, alone and with every
+other masking option, both kernel families, outputs poisoned (``check_kernels``)."""
+import math
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tk
+from helpers import rel_err
+from jax_tk._core import extension
+from jax_tk.attention import launch
+from jax_tk.attention.launch import VARIANT_AUTO, VARIANT_SM80, Masks
+from test_kernels_gpu import BF16, F16, F32, check_kernels, make_inputs, make_masks
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _kernels_take_mask(monkeypatch):
+    monkeypatch.setattr(launch, "KERNELS_TAKE_MASK", True)
+
+
+def make_mask(seed, shape, kind):
+    """A boolean mask of ``shape`` (rank 4, dims 1 or full): "random" (about 70% visible: every block
+    mixed), "blocks" (random 128 x 128 regions hidden or shown whole, or mixed: the summary's three
+    codes), "documents" (block-diagonal: 5 packed documents of random lengths), "rows" (some query
+    rows see no key at all)."""
+    rng = np.random.default_rng(seed)
+    b, n, t, s = shape
+    if kind == "random":
+        m = rng.random(shape) > 0.3
+    elif kind == "blocks":
+        cell = 128  # (the summary's blocks)
+        coarse = rng.integers(0, 3, (b, n, -(-t // cell), -(-s // cell)))  # 0 hidden, 1 shown, 2 random
+        m = np.repeat(np.repeat(coarse, cell, axis=2), cell, axis=3)[:, :, :t, :s]
+        m = np.where(m == 2, rng.random(shape) > 0.5, m == 1)
+    elif kind == "documents":
+        cuts = np.sort(rng.choice(np.arange(1, max(t, s)), 4, replace=False))
+        qd = np.searchsorted(cuts, np.arange(t) * max(t, s) // max(t, 1), side="right")
+        kd = np.searchsorted(cuts, np.arange(s) * max(t, s) // max(s, 1), side="right")
+        m = np.broadcast_to(qd[:, None] == kd[None, :], shape)
+    elif kind == "rows":
+        m = rng.random(shape) > 0.5
+        m[..., :: max(t // 5, 1) if t > 1 else 2, :] = False
+    else:
+        raise ValueError(kind)
+    return jnp.asarray(np.ascontiguousarray(m))
+
+
+# (id, (b, t, s, n, kh, d, dtype), mask shape (0: that dim of the call, 1: broadcast), mask kind,
+#  is_causal, window, segments, q_lengths, kv_lengths, softcap)
+CASES = [
+    ("random", (2, 200, 130, 4, 2, 64, BF16), (0, 0, 0, 0), "random", False, None, None, None, None, None),
+    ("blocks_causal", (2, 333, 400, 4, 2, 128, BF16), (0, 0, 0, 0), "blocks", True, None, None, None, None, None),
+    ("blocks_broadcast_batch_heads", (2, 300, 300, 8, 2, 64, F16), (1, 1, 0, 0), "blocks", False, None, None, None, None,
+     None),
+    ("per_head_gqa", (1, 260, 700, 8, 2, 128, BF16), (1, 0, 0, 0), "blocks", False, None, None, None, None, None),
+    ("per_batch", (3, 130, 129, 4, 4, 64, BF16), (0, 1, 0, 0), "blocks", True, None, None, None, None, None),
+    ("key_padding", (2, 200, 300, 4, 2, 128, F16), (0, 1, 1, 0), "random", False, None, None, None, None, None),
+    ("query_rows", (2, 200, 300, 4, 2, 64, BF16), (0, 1, 0, 1), "random", False, None, None, None, None, None),
+    ("documents", (1, 1000, 1000, 4, 2, 128, BF16), (1, 1, 0, 0), "documents", False, None, None, None, None, None),
+    ("documents_causal", (2, 1000, 1000, 4, 2, 64, BF16), (1, 1, 0, 0), "documents", True, None, None, None, None, None),
+    ("empty_rows", (2, 150, 260, 4, 2, 64, BF16), (0, 0, 0, 0), "rows", False, None, None, None, None, None),
+    ("one_query", (2, 1, 1000, 8, 2, 128, BF16), (0, 0, 0, 0), "blocks", False, None, None, None, None, None),
+    ("one_key", (1, 100, 1, 4, 4, 64, F16), (0, 0, 0, 0), "random", False, None, None, None, None, None),
+    ("with_window", (1, 500, 500, 4, 2, 128, BF16), (0, 1, 0, 0), "blocks", True, (100, 0), None, None, None, None),
+    ("with_segments", (2, 333, 333, 4, 2, 64, BF16), (1, 1, 0, 0), "blocks", False, None, "documents", None, None, None),
+    ("with_lengths", (2, 200, 300, 4, 2, 128, BF16), (0, 0, 0, 0), "random", False, None, None, [200, 77], [300, 1],
+     None),
+    ("with_softcap", (1, 333, 257, 8, 2, 64, F16), (0, 0, 0, 0), "blocks", True, None, None, None, None, 8.0),
+    ("everything", (2, 333, 1000, 8, 2, 64, BF16), (0, 0, 0, 0), "blocks", True, (100, 3), "packed", [300, 333],
+     [333, 640], 8.0),
+]
+
+
+def _call_shape(b, t, s, n, mask_dims):
+    return tuple(full if keep == 0 else 1 for full, keep in zip((b, n, t, s), mask_dims))
+
+
+def _run(case, variant, deterministic=False, d=None):
+    name, (b, t, s, n, kh, d0, dtype), dims, kind, is_causal, window, segments, q_lengths, kv_lengths, softcap = case
+    d = d or d0
+    seed = zlib.crc32((name + str(d)).encode())
+    q, k, v, dout = make_inputs(seed, b, t, s, n, kh, d, dtype, q_mult=2.0 if softcap else 1.0)
+    dlse = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((b, n, t), dtype=np.float32))
+    masks = make_masks(seed + 2, b, t, s, segments, q_lengths, kv_lengths)
+    masks = masks._replace(mask=make_mask(seed + 3, _call_shape(b, t, s, n, dims), kind))
+    got, want = check_kernels(q, k, v, dout, dlse, masks, scale=1.0 / math.sqrt(d), is_causal=is_causal,
+                              variant=variant, window=window, softcap=softcap, deterministic=deterministic)
+    empty = np.isneginf(np.asarray(want[1]))  # rows that see no key: out and dq exactly 0
+    if empty.any():
+        rows = np.transpose(empty, (0, 2, 1))
+        assert not np.asarray(got[0], np.float32)[rows].any(), "out of a row that sees no key is not 0"
+        assert not np.asarray(got[2], np.float32)[rows].any(), "dq of a row that sees no key is not 0"
+
+
+@pytest.mark.parametrize("variant", [VARIANT_AUTO, VARIANT_SM80], ids=["auto", "sm80"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_mask_kernels_vs_reference(case, variant):
+    _run(case, variant)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("per_head_gqa", "documents_causal", "everything")],
+                         ids=lambda c: c[0])
+def test_mask_deterministic_backward(case):
+    _run(case, VARIANT_AUTO, deterministic=True)
+
+
+def _hopper():
+    return extension.cuda_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("blocks_causal", "per_head_gqa", "everything")],
+                         ids=lambda c: c[0])
+def test_mask_head_dim_256(case):
+    if not _hopper():
+        pytest.skip("head_dim 256 runs on H100/H200 only")
+    _run(case, VARIANT_AUTO, d=256)
+
+
+def test_mask_bits_past_the_keys_are_ignored(monkeypatch):
+    """The bits of a row's padding past kv_len are never read as keys: set them all."""
+    b, t, s, n, kh, d = 1, 130, 70, 4, 2, 64
+    q, k, v, dout = make_inputs(5, b, t, s, n, kh, d, BF16)
+    mask = make_mask(6, (1, 1, t, s), "random")
+    bits = launch.mask_bits(mask, t, s)
+    width = 32 * bits.shape[-1]
+    padding = jnp.broadcast_to(jnp.arange(width) >= s, (1, 1, t, width))
+    padded = bits | launch.mask_bits(padding, t, width)
+    assert (padded != bits).any()
+    monkeypatch.setattr(launch, "mask_bits", lambda *a: padded)
+    dlse = jnp.asarray(np.random.default_rng(7).standard_normal((b, n, t), dtype=np.float32))
+    check_kernels(q, k, v, dout, dlse, Masks(mask=mask), scale=0.125, is_causal=False)
+
+
+def test_public_api_with_mask_values_and_grads():
+    """jax_tk.attention(mask=...) on the kernels (implementation="tk"), under jit and grad, against
+    jax.nn.dot_product_attention's XLA path; and vmapped (the vmapped entries fold into the kernels'
+    batch, the mask's broadcast dims with them)."""
+    b, t, s, n, kh, d = 2, 300, 200, 8, 2, 64
+    q, k, v, _ = make_inputs(11, b, t, s, n, kh, d, BF16)
+    mask = make_mask(12, (b, 1, t, s), "blocks")
+    mask = mask.at[..., 0].set(True)  # no empty rows: jax.nn gives them the mean of V, jax_tk 0
+    f32 = lambda *a: [x.astype(F32) for x in a]
+    ours = lambda q, k, v, m: jax_tk.attention(q, k, v, mask=m, is_causal=True, implementation="tk")
+    theirs = lambda q, k, v, m: jax.nn.dot_product_attention(*f32(q, k, v), mask=m, is_causal=True, implementation="xla")
+    assert "jax_tk_attention_fwd" in jax.jit(ours).lower(q, k, v, mask).as_text()
+    w = jnp.asarray(np.random.default_rng(13).standard_normal((b, t, n, d)), F32)
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, mask).astype(F32) * w)
+    assert rel_err(jax.jit(ours)(q, k, v, mask), theirs(q, k, v, mask)) < 1e-2
+    got, want = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(q, k, v), jax.grad(loss(theirs), argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(got, want):
+        assert rel_err(g, r) < 1e-2
+    # vmap over a leading axis of 3: q and the mask mapped, k and v shared
+    qs = jnp.stack([q, q * 0.5, -q])
+    masks = jnp.stack([mask, ~mask | mask[..., :1], mask])
+    got = jax.jit(jax.vmap(ours, in_axes=(0, None, None, 0)))(qs, k, v, masks)
+    for i in range(3):
+        assert rel_err(got[i], theirs(qs[i], k, v, masks[i])) < 1e-2
