@@ -16,7 +16,7 @@ installed (``pip install flash-attn3-jax``; Hopper, head_dim 128). Every provide
 goes on; one that does not apply to it (``cudnn_packed`` without documents, Pallas with a window, FA3
 at head_dim 64) is recorded as skipped, and one whose package is missing as skipped, "unavailable".
 
-Feature rows (``--features [gqa,window,documents]``, issue #4). They replace the sweep in that run;
+Feature rows (``--features [gqa,window,documents,mask,bias]``). They replace the sweep in that run;
 they are not part of the default run (14 configurations x 5 providers at 16k tokens: compiling and
 autotuning alone take minutes). bf16, D = 128, B*T = 16k tokens:
 
@@ -28,6 +28,10 @@ autotuning alone take minutes). bf16, D = 128, B*T = 16k tokens:
   ``q_segment_ids = kv_segment_ids``, B = 1, H = 16, causal and not. jax_tk takes the segment ids;
   ``cudnn`` and ``xla`` get the equivalent dense ``mask``; ``cudnn_packed`` the document offsets,
   ``fa3`` (with ``--providers``) ``cu_seqlens``.
+- ``mask``: the same documents, and (causal only) the causal mask alone, given to every provider as
+  one dense boolean ``mask`` ``[B, 1, T, S]`` made inside the timed call (jax_tk too).
+- ``bias``: a random bf16 bias ``[1, H, T, S]`` (an input of the timed call; the backward returns its
+  gradient), T = S = 4k, B = 4, H = 16, causal and not: jax_tk, cuDNN and XLA.
 
 FLOPs of these rows count only the visible (query, key) pairs of the mask ("useful FLOPs"): forward
 ``4*B*H*D*visible``, backward 2.5x; ``visible`` is counted on the host in O(T) per document
@@ -98,55 +102,63 @@ def reference():
 # ----------------------------------------------------------------------------------------------
 
 
+def _input_shapes(cfg: AttentionConfig) -> list[tuple]:
+    """(q, k, v, [bias,] dout)."""
+    return [cfg.shape_q, cfg.shape_kv, cfg.shape_kv] + ([cfg.bias_shape] if cfg.bias else []) + [cfg.shape_q]
+
+
 def _input_bytes(cfg: AttentionConfig) -> int:
-    return 2 * math.prod(cfg.shape_q) * 2 + 2 * math.prod(cfg.shape_kv) * 2
+    return sum(math.prod(s) for s in _input_shapes(cfg)) * 2
 
 
 def _random_inputs(cfg: AttentionConfig, copies: int, seed: int = 0):
-    """``copies`` sets of (q, k, v, dout), standard normal in the benchmark dtype (never zeros)."""
-    return harness.random_normal_sets([cfg.shape_q, cfg.shape_kv, cfg.shape_kv, cfg.shape_q],
-                                      cfg.jnp_dtype, copies, seed)
+    """``copies`` sets of (q, k, v, [bias,] dout), standard normal in the benchmark dtype (never zeros)."""
+    return harness.random_normal_sets(_input_shapes(cfg), cfg.jnp_dtype, copies, seed)
 
 
 def _slice0(x, heads: int = 1):
     return x[0:1, :, 0:heads, :]
 
 
-def _reference(q, k, v, seg, scale, causal, window):
-    return reference().attention(q, k, v, scale=scale, is_causal=causal, local_window_size=window,
+def _reference(q, k, v, bias, seg, scale, causal, window):
+    return reference().attention(q, k, v, bias=bias, scale=scale, is_causal=causal, local_window_size=window,
                                  q_segment_ids=seg, kv_segment_ids=seg)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "window"))
-def _reference_fwd(q, k, v, seg, *, scale, causal, window):
-    return _reference(q, k, v, seg, scale, causal, window)
+def _reference_fwd(q, k, v, bias, seg, *, scale, causal, window):
+    return _reference(q, k, v, bias, seg, scale, causal, window)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "window"))
-def _reference_bwd(q, k, v, seg, dout, *, scale, causal, window):
-    f = lambda q, k, v: _reference(q, k, v, seg, scale, causal, window)
+def _reference_bwd(q, k, v, bias, seg, dout, *, scale, causal, window):
+    f = lambda q, k, v: _reference(q, k, v, bias, seg, scale, causal, window)
     return jax.vjp(f, q, k, v)[1](dout)
 
 
-def _check_args(cfg: AttentionConfig):
-    """The check looks at batch 0, key/value head 0 and the query heads that share it."""
+def _check_args(cfg: AttentionConfig, inputs):
+    """The check looks at batch 0, key/value head 0 and the query heads that share it (q, k, v and the
+    bias sliced so; the mask of ``as_mask`` rows is the same causal flag and segment ids)."""
+    g = cfg.heads // cfg.kv_heads
     seg = cfg.segment_ids()
     seg = None if seg is None else jnp.asarray(seg[0:1])
-    return cfg.heads // cfg.kv_heads, seg, dict(causal=cfg.causal, window=cfg.window)
+    bias = inputs[3][:, 0:g] if cfg.bias else None
+    return g, (_slice0(inputs[0], g), _slice0(inputs[1]), _slice0(inputs[2]), bias, seg), dict(
+        causal=cfg.causal, window=cfg.window)
 
 
 def _check_fwd(cfg: AttentionConfig, provider: Provider, inputs, out) -> float:
-    g, seg, kw = _check_args(cfg)
-    q, k, v = _slice0(inputs[0], g), _slice0(inputs[1]), _slice0(inputs[2])
-    ref = _reference_fwd(q, k, v, seg, scale=provider.scale, **kw)
+    g, args, kw = _check_args(cfg, inputs)
+    ref = _reference_fwd(*args, scale=provider.scale, **kw)
     return harness.rel_err([_slice0(out, g)], [ref])
 
 
 def _check_bwd(cfg: AttentionConfig, provider: Provider, inputs, dout, grads) -> float:
-    g, seg, kw = _check_args(cfg)
-    q, k, v = _slice0(inputs[0], g), _slice0(inputs[1]), _slice0(inputs[2])
-    ref = _reference_bwd(q, k, v, seg, _slice0(dout, g), scale=provider.scale, **kw)
-    dq, dk, dv = grads
+    """dq, dk, dv (on bias rows the bias's gradient, summed over the batch, is not checked here; the
+    GPU tests check it)."""
+    g, args, kw = _check_args(cfg, inputs)
+    ref = _reference_bwd(*args, _slice0(dout, g), scale=provider.scale, **kw)
+    dq, dk, dv = grads[:3]
     return harness.rel_err([_slice0(dq, g), _slice0(dk), _slice0(dv)], ref)
 
 

@@ -2,7 +2,8 @@
 
 FLOPs are counted the standard way (FlashAttention's benchmarks): forward ``4*B*H*T*S*D``, halved
 when causal; backward 2.5x forward; forward+backward 3.5x. Feature rows (grouped KV, sliding window,
-packed documents) count only the (query, key) pairs their mask leaves visible ("useful FLOPs"),
+packed documents, masks given as a dense boolean mask, an additive bias) count only the (query, key)
+pairs their mask leaves visible ("useful FLOPs"),
 counted on the host in O(T) per document (``visible_pairs``); each is compared with a plain row of
 about the same useful FLOPs (``plain_baseline``).
 """
@@ -16,7 +17,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-FEATURES = ("gqa", "window", "documents")
+FEATURES = ("gqa", "window", "documents", "mask", "bias")
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp16": jnp.float16, "float16": jnp.float16}
 
@@ -144,6 +145,8 @@ class AttentionConfig:
     window: tuple[int, int] | None = None  # local_window_size (left, right)
     documents: int = 0  # > 0: packed documents of random lengths (q_segment_ids = kv_segment_ids)
     doc_seed: int = 0
+    as_mask: bool = False  # the causal mask and the documents go to every provider as a dense boolean mask
+    bias: bool = False  # every provider takes a random additive bias [1, heads, q_len, kv_len]
 
     def __post_init__(self):
         if self.kv_heads is None:
@@ -154,6 +157,8 @@ class AttentionConfig:
             object.__setattr__(self, "window", (int(self.window[0]), int(self.window[1])))
         if self.documents and self.q_len != self.kv_len:
             raise ValueError("packed documents need q_len == kv_len")
+        if self.as_mask and (self.window is not None or not (self.causal or self.documents)):
+            raise ValueError("as_mask gives the causal mask and the documents as a mask: no window, one of them")
 
     @property
     def shape_q(self):
@@ -194,6 +199,10 @@ class AttentionConfig:
             raise ValueError(f"mode must be one of {tuple(MODE_FLOP_FACTOR)}, got {mode!r}")
         return 4.0 * self.heads * self.head_dim * self.visible() * MODE_FLOP_FACTOR[mode]
 
+    @property
+    def bias_shape(self):
+        return (1, self.heads, self.q_len, self.kv_len)
+
     def logits_bytes(self) -> int:
         """Bytes of one float32 [B, H, T, S] logits array (what XLA's attention materializes)."""
         return self.q_len * self.kv_len * self.batch * self.heads * 4
@@ -204,6 +213,10 @@ class AttentionConfig:
             parts.append(f"window={self.window[0]}:{self.window[1]}")
         if self.documents:
             parts.append(f"{self.documents} docs (seed {self.doc_seed})")
+        if self.as_mask:
+            parts.append("as a mask")
+        if self.bias:
+            parts.append("+ bias")
         return " ".join(parts)
 
     def label(self) -> str:
@@ -214,7 +227,7 @@ class AttentionConfig:
 
     # The CSV columns (harness.csv_fields puts them between the environment and the measurement).
     CSV_FIELDS = ("dtype", "batch", "q_len", "kv_len", "heads", "head_dim", "causal",
-                  "feature", "kv_heads", "window", "documents", "doc_seed")
+                  "feature", "kv_heads", "window", "documents", "doc_seed", "as_mask", "bias")
 
     def csv_row(self) -> dict:
         return {
@@ -223,6 +236,7 @@ class AttentionConfig:
             "feature": self.feature, "kv_heads": self.kv_heads,
             "window": "" if self.window is None else f"{self.window[0]}:{self.window[1]}",
             "documents": self.documents or "", "doc_seed": self.doc_seed if self.documents else "",
+            "as_mask": self.as_mask or "", "bias": self.bias or "",
         }
 
     @classmethod
@@ -236,7 +250,8 @@ class AttentionConfig:
                    feature=row.get("feature") or "",
                    kv_heads=int(row["kv_heads"]) if row.get("kv_heads") else None,
                    window=window, documents=int(row.get("documents") or 0),
-                   doc_seed=int(row.get("doc_seed") or 0))
+                   doc_seed=int(row.get("doc_seed") or 0), as_mask=row.get("as_mask") == "True",
+                   bias=row.get("bias") == "True")
 
 
 @functools.lru_cache(maxsize=None)
@@ -277,15 +292,16 @@ class FeatureSizes:
     head_dim: int = 128
     gqa_heads: tuple[int, int] = (32, 8)  # query heads, key/value heads
     gqa_seq_lens: tuple[int, ...] = (4096, 16384)
-    heads: int = 16  # window and documents rows
+    heads: int = 16  # window, documents, mask and bias rows
     window: tuple[int, int] = (4096, 0)
     documents: int = 8
     doc_seed: int = 0
+    bias_seq_len: int = 4096  # bias rows: T = S (B = tokens // T; the bias is [1, heads, T, S])
 
 
 FEATURE_SIZES = FeatureSizes()
 QUICK_FEATURE_SIZES = FeatureSizes(tokens=QUICK_TOKENS, head_dim=64, gqa_heads=(4, 2),
-                                   gqa_seq_lens=(128, 256), heads=2, window=(64, 0), documents=8)
+                                   gqa_seq_lens=(128, 256), heads=2, window=(64, 0), documents=8, bias_seq_len=128)
 
 
 def _align_for(t: float) -> int:
@@ -323,6 +339,10 @@ def feature_configs(features: Sequence[str] = FEATURES, causals: Sequence[bool] 
     - ``window``: causal with ``local_window_size = sizes.window`` = (4096, 0), T = tokens, B = 1;
     - ``documents``: ``sizes.documents`` = 8 packed documents of random lengths (seed
       ``sizes.doc_seed``) per row of T = tokens, B = 1, q_segment_ids = kv_segment_ids, causal and not.
+    - ``mask``: the same documents given to every provider as a dense boolean mask (``as_mask``),
+      causal and not, and the causal mask alone as a mask (causal only);
+    - ``bias``: an additive bias ``[1, H, T, S]``, T = S = ``sizes.bias_seq_len``, B = tokens // T,
+      causal and not.
     """
     bad = [f for f in features if f not in FEATURES]
     if bad:
@@ -343,10 +363,17 @@ def feature_configs(features: Sequence[str] = FEATURES, causals: Sequence[bool] 
                         continue
                     rows.append(AttentionConfig(1, sizes.tokens, sizes.tokens, sizes.heads, d, True, dtype,
                                                 feature="window", window=sizes.window))
-                else:
+                elif feature in ("documents", "mask"):
                     rows.append(AttentionConfig(1, sizes.tokens, sizes.tokens, sizes.heads, d, causal, dtype,
-                                                feature="documents", documents=sizes.documents,
-                                                doc_seed=sizes.doc_seed))
+                                                feature=feature, documents=sizes.documents,
+                                                doc_seed=sizes.doc_seed, as_mask=feature == "mask"))
+                    if feature == "mask" and causal:
+                        rows.append(AttentionConfig(1, sizes.tokens, sizes.tokens, sizes.heads, d, True, dtype,
+                                                    feature="mask", as_mask=True))
+                else:
+                    t = sizes.bias_seq_len
+                    rows.append(AttentionConfig(max(1, sizes.tokens // t), t, t, sizes.heads, d, causal, dtype,
+                                                feature="bias", bias=True))
     if not baselines:
         return rows
     out: list[AttentionConfig] = []

@@ -28,7 +28,10 @@
   ``jax.experimental.pallas.ops.gpu.attention.mha``.
 
 Every provider takes ``(q, k, v)`` as ``[B, T, H, D]`` and ``[B, S, Hkv, D]`` (grouped KV passed with
-its fewer heads) and is timed by the same harness in the same way.
+its fewer heads), and on bias rows ``(q, k, v, bias)`` with ``bias`` ``[1, H, T, S]``, and is timed by
+the same harness in the same way. On rows with ``as_mask`` every provider that takes a mask (jax_tk,
+cuDNN, XLA) gets the causal mask and the documents as one dense boolean mask ``[B, 1, T, S]``, built
+inside the timed call (``dense_mask``); the others are skipped there.
 """
 from __future__ import annotations
 
@@ -69,15 +72,45 @@ def _logits(p: Provider, cfg: AttentionConfig) -> Provider:
 
 
 def _tk_mask_kwargs(cfg: AttentionConfig) -> dict:
-    """jax_tk.attention's masking options for a configuration (segment ids as device constants)."""
+    """jax_tk.attention's masking options for a configuration (segment ids as device constants; none
+    on ``as_mask`` rows, whose masking is the dense mask)."""
     kw = {}
     if cfg.window is not None:
         kw["local_window_size"] = cfg.window
     seg = cfg.segment_ids()
-    if seg is not None:
+    if seg is not None and not cfg.as_mask:
         ids = jnp.asarray(seg)
         kw["q_segment_ids"] = kw["kv_segment_ids"] = ids
     return kw
+
+
+def dense_mask(cfg: AttentionConfig):
+    """A function making the row's dense boolean mask ``[B, 1, T, S]`` inside the caller's program, as a
+    user of ``mask=`` would: the documents' (same segment id, the ids a device constant) and, on
+    ``as_mask`` rows, the causal mask too; None where the row has neither to give."""
+    seg = cfg.segment_ids()
+    causal = cfg.as_mask and cfg.causal
+    if seg is None and not causal:
+        return None
+    ids = None if seg is None else jnp.asarray(seg)
+
+    def make():
+        m = jnp.ones((cfg.batch, 1, cfg.q_len, cfg.kv_len), bool)
+        if ids is not None:
+            m &= (ids[:, :, None] == ids[:, None, :])[:, None]
+        if causal:
+            m &= jnp.arange(cfg.q_len)[:, None] >= jnp.arange(cfg.kv_len)[None, :]
+        return m
+
+    return make
+
+
+def _with_mask_and_bias(cfg: AttentionConfig, base, mask):
+    """``base(q, k, v, bias=None, mask=None)`` as the provider's ``fn``: taking the bias on bias rows,
+    making the mask in the call where ``mask`` (dense_mask) is given."""
+    if cfg.bias:
+        return (lambda q, k, v, bias: base(q, k, v, bias, mask())) if mask else base
+    return (lambda q, k, v: base(q, k, v, None, mask())) if mask else base
 
 
 def _jax_tk_provider(cfg: AttentionConfig, scale: float, auto: bool = False) -> Provider:
@@ -90,7 +123,9 @@ def _jax_tk_provider(cfg: AttentionConfig, scale: float, auto: bool = False) -> 
     impl = "tk" if gpu and not auto else None
     name = "jax_tk_auto" if auto else "jax_tk"
     kw = _tk_mask_kwargs(cfg)
-    fn = functools.partial(jax_tk.attention, scale=scale, is_causal=cfg.causal, implementation=impl, **kw)
+    causal = cfg.causal and not cfg.as_mask
+    fn = _with_mask_and_bias(cfg, functools.partial(jax_tk.attention, scale=scale, is_causal=causal,
+                                                    implementation=impl, **kw), dense_mask(cfg) if cfg.as_mask else None)
     if not gpu:
         return _logits(Provider(name, fn, scale, note="no GPU: implementation=None (pure-JAX reference)"),
                        cfg)
@@ -98,9 +133,11 @@ def _jax_tk_provider(cfg: AttentionConfig, scale: float, auto: bool = False) -> 
         return Provider(name, fn, scale)
     # implementation=None: find out (at trace time, nothing runs) whether the kernel takes this call;
     # if not, this provider times the reference, which holds [B, H, T, S] float32 logits like XLA.
-    probe = functools.partial(jax_tk.attention, scale=scale, is_causal=cfg.causal, implementation="tk", **kw)
+    probe = _with_mask_and_bias(cfg, functools.partial(jax_tk.attention, scale=scale, is_causal=causal,
+                                                       implementation="tk", **kw), dense_mask(cfg) if cfg.as_mask else None)
     shapes = [jax.ShapeDtypeStruct(cfg.shape_q, cfg.jnp_dtype)] + 2 * [
-        jax.ShapeDtypeStruct(cfg.shape_kv, cfg.jnp_dtype)]
+        jax.ShapeDtypeStruct(cfg.shape_kv, cfg.jnp_dtype)] + ([jax.ShapeDtypeStruct(cfg.bias_shape, cfg.jnp_dtype)]
+                                                             if cfg.bias else [])
     try:
         jax.eval_shape(probe, *shapes)
     except Exception as e:  # noqa: BLE001 - the kernel refused: the reference runs
@@ -117,22 +154,13 @@ def _jax_nn_provider(name: str, cfg: AttentionConfig, scale: float) -> Provider:
     segment ids as a user of this API would; cuDNN turns it into an additive bias and computes every
     block (no skipping), XLA applies it to its materialized logits."""
     kw = {}
-    note = ""
     if cfg.window is not None:
         kw["local_window_size"] = cfg.window
-    base = functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=cfg.causal,
+    base = functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=cfg.causal and not cfg.as_mask,
                              implementation=name, **kw)
-    seg = cfg.segment_ids()
-    if seg is None:
-        return Provider(name, base, scale)
-    ids = jnp.asarray(seg)
-
-    def fn(q, k, v):
-        mask = (ids[:, :, None] == ids[:, None, :])[:, None]
-        return base(q, k, v, mask=mask)
-
-    note = "documents as a dense [B,1,T,S] mask (jax.nn has no segment ids)"
-    return Provider(name, fn, scale, note=note)
+    mask = dense_mask(cfg)
+    note = "documents as a dense [B,1,T,S] mask (jax.nn has no segment ids)" if mask and not cfg.as_mask else ""
+    return Provider(name, _with_mask_and_bias(cfg, base, mask), scale, note=note)
 
 
 def _cudnn_packed_provider(cfg: AttentionConfig, scale: float, padding: bool = False, why: str = "") -> Provider:
@@ -271,6 +299,8 @@ def make_provider(name: str, cfg: AttentionConfig) -> Provider:
         raise Skip("no sliding-window option")
     if name in ("pallas", "pallas_triton") and cfg.documents:
         raise Skip("no segment-id option")
+    if name in ("pallas", "pallas_triton", "cudnn_packed", "fa3") and (cfg.as_mask or cfg.bias):
+        raise Skip("no mask option" if cfg.as_mask else "no bias option")
     if name == "jax_tk":
         return _jax_tk_provider(cfg, scale)
     if name == "jax_tk_auto":

@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from helpers import REPO
@@ -281,6 +282,38 @@ def test_feature_configs_default():
             assert (base.batch, base.q_len, base.kv_len) == (c.batch, c.q_len, c.kv_len)
 
 
+def test_mask_and_bias_feature_rows():
+    """mask: the documents (causal and not) and the causal mask alone, as a dense mask; bias: [1, H, T, S]
+    at T = 4k, B = 4; their FLOPs are those of the same masking given the usual way."""
+    rows = bench.feature_configs(["mask", "bias"], baselines=False)
+    masks = [c for c in rows if c.feature == "mask"]
+    assert sorted((c.causal, c.documents) for c in masks) == [(False, 8), (True, 0), (True, 8)]
+    assert all(c.as_mask and (c.batch, c.q_len, c.heads) == (1, 16384, 16) for c in masks)
+    docs = bench.AttentionConfig(1, 16384, 16384, 16, 128, True, feature="documents", documents=8)
+    assert [c for c in masks if c.documents and c.causal][0].flops("fwd") == docs.flops("fwd")
+    biases = [c for c in rows if c.feature == "bias"]
+    assert sorted(c.causal for c in biases) == [False, True]
+    assert all(c.bias and (c.batch, c.q_len, c.kv_len) == (4, 4096, 4096) and c.bias_shape == (1, 16, 4096, 4096)
+               for c in biases)
+    for c in masks + biases:
+        assert bench.AttentionConfig.from_row({k: str(v) for k, v in c.csv_row().items()}) == c
+        for name in ("fa3", "pallas", "cudnn_packed"):
+            with pytest.raises(bench._Skip):
+                bench.make_provider(name, c)
+    with pytest.raises(ValueError, match="as_mask"):
+        bench.AttentionConfig(1, 128, 128, 2, 64, False, as_mask=True)
+
+
+def test_dense_mask_is_the_rows_masking():
+    from jax_tk.bench.attention_providers import dense_mask
+
+    c = bench.AttentionConfig(1, 200, 200, 2, 64, True, feature="mask", documents=3, as_mask=True)
+    ids = c.segment_ids()[0]
+    want = (ids[:, None] == ids[None, :]) & np.tri(200, dtype=bool)
+    np.testing.assert_array_equal(np.asarray(dense_mask(c)())[0, 0], want)
+    assert dense_mask(bench.AttentionConfig(1, 64, 64, 2, 64, True)) is None
+
+
 def test_feature_configs_filters():
     only = bench.feature_configs(["window"], [False])
     assert only == []  # the window row is causal only
@@ -388,8 +421,10 @@ def test_features_quick_run_cpu(tmp_path, capsys):
     csv_path, png_path = tmp_path / "attention_features.csv", tmp_path / "attention_features.png"
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
-    # gqa, window, documents (causal) and a plain baseline each, x providers x 2 modes.
-    assert len(rows) == 6 * len(providers) * 2
+    # gqa, window, documents, mask (documents and causal as a mask), bias (causal), and their plain
+    # baselines (4: documents and mask share one, the causal mask and the bias another), x providers
+    # x 2 modes.
+    assert len(rows) == 10 * len(providers) * 2
     assert {r["feature"] for r in rows} == {"plain", *bench.FEATURES}
     for r in rows:
         if r["provider"] == "cudnn_packed":
@@ -404,6 +439,9 @@ def test_features_quick_run_cpu(tmp_path, capsys):
     assert win["window"] == "64:0"
     assert [r for r in rows if r["feature"] == "gqa"][0]["kv_heads"] == "2"
     assert [r for r in rows if r["feature"] == "documents"][0]["documents"] == "8"
+    masks = [r for r in rows if r["feature"] == "mask"]
+    assert {r["as_mask"] for r in masks} == {"True"} and {r["documents"] for r in masks} == {"8", ""}
+    assert {r["bias"] for r in rows if r["feature"] == "bias"} == {"True"}
     try:
         import matplotlib  # noqa: F401
     except ImportError:
