@@ -23,7 +23,8 @@ constexpr int BWD_BLOCK_KEYS = 128;      // sm_90a backward: keys per block (Par
 constexpr int BWD_BLOCK_KEYS_D256 = 64;  // ... head_dim 256
 constexpr int BWD_QUERY_ROWS = 64;       // ... query rows per step, and per dq tile of the workspace
 constexpr int MASK_BLOCK_ROWS = 128;     // the boolean mask's block summary (Params::mask_blocks): query rows
-constexpr int MASK_BLOCK_KEYS = 128;     // ... and keys per block (every kernel's blocks lie inside one)
+constexpr int MASK_BLOCK_KEYS = 128;     // ... and keys per block (every kernel's blocks lie inside one; the bias
+                                         // is padded to whole blocks)
 constexpr int MASK_EMPTY = 0;           // ... its codes: no pair of the block visible,
 constexpr int MASK_FULL = 1;            //   every pair visible,
 constexpr int MASK_MIXED = 2;           //   some
@@ -55,16 +56,25 @@ struct Params {
   // keys [key base, end) (its document), in blocks counted from key base, with no segment test.
   // nullptr: the kernel's own order of the fixed grid.
   const int *fwd_tiles = nullptr;
-  // A boolean mask (jax.nn's mask=): query i of (b, h) sees key j only if bit j % 32 of word j / 32 of
-  // row mask_index(b, h) * q_len + i of mask_bits is set (mask_words(kv_len) words a row). Its batch and heads
-  // dims may be 1 (broadcast): mask_batch is 1 or the batch of one vmapped entry (mask_entry_batch;
-  // under vmap the entries follow each other, see mask_index), mask_heads 1 or q_heads. mask_blocks
+  // The dense [q_len, kv_len] operands, jax.nn's mask= and bias=: one matrix per (batch entry, query
+  // head), or broadcast over either (their batch 1 or the batch of one vmapped entry, entry_batch:
+  // under vmap the entries follow each other; their heads 1 or q_heads; see dense_index).
+  // The boolean mask: query i of (b, h) sees key j only if bit j % 32 of word j / 32 of row
+  // dense_index(b, h) * q_len + i of mask_bits is set (mask_words(kv_len) words a row). mask_blocks
   // [.., ceil(q_len / MASK_BLOCK_ROWS), ceil(kv_len / MASK_BLOCK_KEYS)] (int8, indexed like the rows)
   // says for each block whether the mask hides all its pairs (MASK_EMPTY: the kernels skip it), shows
   // them all (MASK_FULL: no elementwise test) or some. nullptr: no mask.
   const uint32_t *mask_bits = nullptr;
   const int8_t *mask_blocks = nullptr;
-  int mask_batch = 1, mask_heads = 1, mask_entry_batch = 1;
+  int mask_batch = 1, mask_heads = 1, entry_batch = 1;
+  // The bias, added to the logits (after the scale): a [padded_rows(q_len), padded_keys(kv_len)] matrix
+  // of the inputs' dtype at dense_index(b, h) (zero padding: no tile reads past it). The backward
+  // writes the logits' gradient, the bias's gradient before any sum over broadcast dims, to dbias
+  // [batch, q_heads, padded_rows, padded_keys] (of the inputs' dtype; the handler zeroes it first:
+  // the blocks no query sees are not written). nullptr: no bias.
+  const void *bias = nullptr;
+  void *dbias = nullptr;
+  int bias_batch = 1, bias_heads = 1;
   const int *q_lengths = nullptr;           // [batch]: i < q_lengths[b]; nullptr: none
   const int *kv_lengths = nullptr;          // [batch]: j < kv_lengths[b]; nullptr: none
   float softcap = 0.f;                      // logits := cap * tanh(logits / cap) (after scaling); 0: none
@@ -89,12 +99,15 @@ struct Params {
 __host__ __device__ inline int fwd_tile_cap(int q_len) {
   return FWD_TILES_PER_BLOCK * ((q_len + FWD_TILE_ROWS - 1) / FWD_TILE_ROWS);
 }
-// The (batch, head) entry of Params::mask_bits and mask_blocks that batch entry b (of the folded batch)
-// and query head h read.
-__host__ __device__ inline size_t mask_index(const Params &p, int b, int h) {
-  const int entry = b / p.mask_entry_batch, mb = p.mask_batch > 1 ? b % p.mask_entry_batch : 0;
-  return (size_t(entry) * p.mask_batch + mb) * p.mask_heads + (p.mask_heads > 1 ? h : 0);
+// The (batch, head) entry of a dense operand with `batch` and `heads` entries (Params::mask_bits and
+// mask_blocks, Params::bias) that batch entry b (of the folded batch) and query head h read.
+__host__ __device__ inline size_t dense_index(const Params &p, int b, int h, int batch, int heads) {
+  const int entry = b / p.entry_batch, mb = batch > 1 ? b % p.entry_batch : 0;
+  return (size_t(entry) * batch + mb) * heads + (heads > 1 ? h : 0);
 }
+// The bias's rows and columns: whole blocks of MASK_BLOCK_ROWS x MASK_BLOCK_KEYS.
+__host__ __device__ inline int padded_rows(int q_len) { return (q_len + MASK_BLOCK_ROWS - 1) / MASK_BLOCK_ROWS * MASK_BLOCK_ROWS; }
+__host__ __device__ inline int padded_keys(int kv_len) { return (kv_len + MASK_BLOCK_KEYS - 1) / MASK_BLOCK_KEYS * MASK_BLOCK_KEYS; }
 // Words per row of Params::mask_bits: whole blocks of MASK_BLOCK_KEYS keys, so that no key block of a
 // kernel reads past its row.
 __host__ __device__ inline int mask_words(int kv_len) {

@@ -46,7 +46,7 @@ template <typename T, int D> struct DQ {
   };
 };
 
-template <typename T, int D, bool FULL, bool MASK>
+template <typename T, int D, bool FULL, bool DENSE>
 __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_constant__ Params p) {
     using C = DQ<T, D>;
   constexpr int BQ = C::BQ, BK = C::BK, NT = C::THREADS;
@@ -59,7 +59,7 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
   // Key blocks to visit: in [first, end), minus the ones of other segments (next).
   const int2 range = kv_block_range<FULL>(p, b, q0, BQ, BK);
   const int end = range.y;
-  auto next = [&](int j) { return next_kv_block<FULL, MASK>(p, b, h, q0, BQ, j, end, BK); };
+  auto next = [&](int j) { return next_kv_block<FULL, DENSE>(p, b, h, q0, BQ, j, end, BK); };
   const int first = next(range.x);
 
   load_async<NT>(sm.q, g.Q, {b, q0, h, 0}, tid);
@@ -125,10 +125,12 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
     // P = exp2(S * scale * log2 e - lse2), 0 where masked; dS = P * (dP - delta) (times the cap's
     // derivative).
     scale_logits<FULL>(s, dcap, p);
-    mask_logits<FULL, MASK>(s, p, b, h, qw, k0);
+    if (DENSE && p.bias) add_bias<T, false>(s, p, b, h, qw, k0);
+    mask_logits<FULL, DENSE>(s, p, b, h, qw, k0);
     warp::map_row(s, s, lse2, [](float x, float l) { return warp::fn::exp2(x - l); });
     warp::sub_row(dp, dp, delta);
     warp::mul(s, s, dp);
+    if (DENSE && p.bias) store_dbias<T, false>(s, p, b, h, qw, k0);  // (this kernel's: dkdv_kernel sees the same dS; no soft cap with a bias)
     softcap_backward<FULL>(s, dcap, p);
     warp::copy(ds, s);
 
@@ -163,7 +165,7 @@ template <typename T, int D> struct DKV {
   };
 };
 
-template <typename T, int D, bool FULL, bool MASK>
+template <typename T, int D, bool FULL, bool DENSE>
 __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_constant__ Params p) {
     using C = DKV<T, D>;
   constexpr int BQ = C::BQ, BKV = C::BKV, NT = C::THREADS;
@@ -195,7 +197,7 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
   // Steps whose query block has no key's segment, or whose mask block is empty, are skipped.
   auto next = [&](int step) {
     while (step < n_steps &&
-           !pair_test<FULL, MASK>(p, b, kvh * group + step / qb_count, (qb_first + step % qb_count) * BQ, BQ, k0, BKV).meet)
+           !pair_test<FULL, DENSE>(p, b, kvh * group + step / qb_count, (qb_first + step % qb_count) * BQ, BQ, k0, BKV).meet)
       step++;
     return step;
   };
@@ -214,7 +216,8 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
   row_vec<rt_fl<16, BQ>> lse2, delta;
 
   for (int n = 0, step = first; step < n_steps; n++) {
-    const int buf = n % 2, q0 = (qb_first + step % qb_count) * BQ, step_next = next(step + 1);
+    const int buf = n % 2, h = kvh * group + step / qb_count, q0 = (qb_first + step % qb_count) * BQ;
+    const int step_next = next(step + 1);
     if (step_next < n_steps) prefetch(step_next, buf ^ 1);
     commit_group();
     wait_group<1>();
@@ -238,7 +241,8 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
     warp::load(lse2, &sm.lse2[buf][0], BQ);
     warp::load(delta, &sm.delta[buf][0], BQ);
     scale_logits<FULL>(s, dcap, p);
-    mask_logits_transposed<FULL, MASK>(s, p, b, kvh * group + step / qb_count, kw, q0);
+    if (DENSE && p.bias) add_bias<T, true>(s, p, b, h, q0, kw);
+    mask_logits_transposed<FULL, DENSE>(s, p, b, h, kw, q0);
     warp::map_col(s, s, lse2, [](float x, float l) { return warp::fn::exp2(x - l); });
     warp::copy(pt, s);
 
@@ -275,14 +279,14 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
 }  // namespace
 
 cudaError_t bwd_sm80(const Params &p, cudaStream_t stream) {
-  return dispatch<64, 128>(p, [&]<typename T, int D, bool FULL, bool MASK>() {
+  return dispatch<64, 128>(p, [&]<typename T, int D, bool FULL, bool DENSE>() {
     using A = DQ<T, D>;
     using B = DKV<T, D>;
     dim3 grid_q((p.q_len + A::BQ - 1) / A::BQ, p.q_heads, p.batch);
-    cudaError_t e = launch(dq_kernel<T, D, FULL, MASK>, grid_q, dim3(A::THREADS), sizeof(typename A::Shared), stream, p);
+    cudaError_t e = launch(dq_kernel<T, D, FULL, DENSE>, grid_q, dim3(A::THREADS), sizeof(typename A::Shared), stream, p);
     if (e != cudaSuccess) return e;
     dim3 grid_kv((p.kv_len + B::BKV - 1) / B::BKV, p.kv_heads, p.batch);
-    return launch(dkdv_kernel<T, D, FULL, MASK>, grid_kv, dim3(B::THREADS), sizeof(typename B::Shared), stream, p);
+    return launch(dkdv_kernel<T, D, FULL, DENSE>, grid_kv, dim3(B::THREADS), sizeof(typename B::Shared), stream, p);
   });
 }
 

@@ -83,20 +83,20 @@ constexpr int BWD_BQ = 64;  // query rows per step of the main kernel and per lo
 // heads of key/value head kvh, which one block of the kernel visits together: `meet` if some pair may
 // be visible to some head; `one` from the segment ids alone (the mask's part differs between heads:
 // the producer works it out for each step).
-template <bool FULL, bool MASK> __device__ __forceinline__ SegmentTest group_test(const Params &p, int b, int kvh, int i, int j, int BK) {
+template <bool FULL, bool DENSE> __device__ __forceinline__ SegmentTest group_test(const Params &p, int b, int kvh, int i, int j, int BK) {
   SegmentTest x = segment_test<FULL>(p, b, i * BWD_BQ, BWD_BQ, j * BK, BK);
-  if (MASK && p.mask_blocks) {
+  if (DENSE && p.mask_blocks) {
     const int group = p.q_heads / p.kv_heads, heads = p.mask_heads > 1 ? group : 1;
     bool any = false;
-    for (int g = 0; g < heads && !any; g++) any = mask_code<FULL, MASK>(p, b, kvh * group + g, i * BWD_BQ, j * BK) != MASK_EMPTY;
+    for (int g = 0; g < heads && !any; g++) any = mask_code<FULL, DENSE>(p, b, kvh * group + g, i * BWD_BQ, j * BK) != MASK_EMPTY;
     x.meet = x.meet && any;
   }
   return x;
 }
 // Does key block j (of BK keys) contribute to query block i of batch entry b (for the heads of kvh)?
-template <bool FULL, bool MASK> __device__ __forceinline__ bool sees(const Params &p, int b, int kvh, int i, int j, int BK) {
+template <bool FULL, bool DENSE> __device__ __forceinline__ bool sees(const Params &p, int b, int kvh, int i, int j, int BK) {
   int2 r = kv_block_range<FULL>(p, b, i * BWD_BQ, BWD_BQ, BK);
-  return j >= r.x && j < r.y && group_test<FULL, MASK>(p, b, kvh, i, j, BK).meet;
+  return j >= r.x && j < r.y && group_test<FULL, DENSE>(p, b, kvh, i, j, BK).meet;
 }
 // The order in which the blocks (key block j of key/value head kvh of batch entry b) are launched:
 // key block by key block within groups of `pairs` (batch entry, head) pairs, group after group. With
@@ -128,21 +128,22 @@ __device__ __forceinline__ int3 block_coords(const Params &p, int pairs, int t, 
 }
 
 // How many key blocks before j contribute to query block i (the deterministic order's turn).
-template <bool FULL, bool MASK> __device__ __forceinline__ int blocks_before(const Params &p, int b, int kvh, int i, int j, int BK) {
+template <bool FULL, bool DENSE> __device__ __forceinline__ int blocks_before(const Params &p, int b, int kvh, int i, int j, int BK) {
   int n = 0;
-  for (int jj = kv_block_range<FULL>(p, b, i * BWD_BQ, BWD_BQ, BK).x; jj < j; jj++) n += sees<FULL, MASK>(p, b, kvh, i, jj, BK);
+  for (int jj = kv_block_range<FULL>(p, b, i * BWD_BQ, BWD_BQ, BK).x; jj < j; jj++) n += sees<FULL, DENSE>(p, b, kvh, i, jj, BK);
   return n;
 }
 
 // P^T from S^T (rows: keys kw.., columns: queries q0..) and the columns' lse (log2 units).
-template <bool FULL, bool MASK, bool CAP, typename RT, typename V>
+template <typename T, bool FULL, bool DENSE, bool CAP, typename RT, typename V>
 __device__ __forceinline__ void probabilities(RT &s, const Params &p, const KeyRule &rule, MaskNeed need, int b, int h,
                                               int q0, int kw, const V &lse) {
-  cap_logits<CAP>(s, p);  // in units of 1 / c (logit_factor)
-  const float c = logit_factor<CAP>(p);
+  cap_logits<CAP, DENSE>(s, p);  // in units of 1 / c (logit_factor)
+  if (DENSE && p.bias) add_bias<T, true>(s, p, b, h, q0, kw);
+  const float c = logit_factor<CAP, DENSE>(p);
   // Masked entries -inf, then exp2(-inf) = 0. (One exp2 map after the conditional mask: two maps in
   // the two branches would make ptxas serialize the wgmmas, C7520.)
-  mask_logits_transposed<FULL, MASK>(s, p, rule, need, b, h, kw, q0);
+  mask_logits_transposed<FULL, DENSE>(s, p, rule, need, b, h, kw, q0);
   warp::map_col(s, s, lse, [=](float x, float l) { return warp::fn::exp2(x * c - l); });
 }
 
@@ -170,9 +171,9 @@ __device__ __forceinline__ int load_acquire(const int *x) {
 // loop (the window rows ran 10% faster without them and without the block list), and leaving out the
 // deterministic turns' code keeps ptxas from spilling in the loop (14-18 LDL/STL per step). The plain
 // kernel (FULL = false) tests Params::deterministic at run time: DET does not apply to it (with the
-// turns' code compiled out it spilled instead, and ran 2-4% slower). MASK: the boolean mask's code
+// turns' code compiled out it spilled instead, and ran 2-4% slower). DENSE: the boolean mask's code
 // (the mask's helpers), in the kernels for any options only.
-template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool MASK>
+template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE>
 __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const __grid_constant__ typename BwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = BwdH<T, D>;
@@ -195,7 +196,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   const int2 qr = q_block_range<FULL>(p, b, k0, BK, BQ);
   const BlockList qblocks = list_blocks(reinterpret_cast<uint32_t *>(&sm + 1), qr.x, qr.y, SEG, [&](int i) {
     const int2 r = kv_block_range<FULL>(p, b, i * BQ, BQ, BK);
-    const SegmentTest x = group_test<FULL, MASK>(p, b, kvh, i, j, BK);
+    const SegmentTest x = group_test<FULL, DENSE>(p, b, kvh, i, j, BK);
     return SegmentTest{x.meet && j >= r.x && j < r.y, x.one};  // (takes part: sees)
   });
   const KeyRule rule = key_rule<FULL>(p, b);
@@ -259,7 +260,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       wait_empty(steps, at);
       if (loader) {
         if constexpr (SEG)  // for the consumers (see next_step)
-          sm.step[s] = {g, i << MASK_BITS | tile_mask_bits<FULL, MASK>(p, rule, qblocks.uniform(i) && mask_code<FULL, MASK>(p, b, h, i * BQ, k0) == MASK_FULL,
+          sm.step[s] = {g, i << MASK_BITS | tile_mask_bits<FULL, DENSE>(p, rule, qblocks.uniform(i) && mask_code<FULL, DENSE>(p, b, h, i * BQ, k0) == MASK_FULL,
                                                                  i * BQ, BQ, k0, BK)};
         expect_bytes(steps.full(at), sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
         load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, steps.full(at));
@@ -335,9 +336,9 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
     warpgroup::fence_registers(s);
     warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
-    const MaskNeed need = SEG ? warp_mask_need(mask_bits, rule, q0, BQ, kw, 16) : mask_need<FULL, MASK>(p, rule, true, q0, BQ, kw, 16);
+    const MaskNeed need = SEG ? warp_mask_need(mask_bits, rule, q0, BQ, kw, 16) : mask_need<FULL, DENSE>(p, rule, true, q0, BQ, kw, 16);
     if constexpr (SEG) warp::load(lse, stats, BQ);
-    probabilities<FULL, MASK, CAP>(s, p, rule, need, b, h, q0, kw, lse);
+    probabilities<T, FULL, DENSE, CAP>(s, p, rule, need, b, h, q0, kw, lse);
     warp::copy(p16, s);
     warp::load(delta, stats + BQ, BQ);  // (before the dV product's shared-memory reads queue ahead of it)
     warpgroup::mma_AB(dv, p16, window<BQ, C::KV_COLS>(sm.dout[slot], 0, col0), true);  // dV += P^T dO   [dP, dV]
@@ -345,6 +346,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     warpgroup::fence_registers(dp);
     warp::map_col(dp, dp, delta, [](float x, float d) { return x - d; });
     warp::mul(dp, dp, s);  // dS^T = P^T (dP^T - delta)
+    if (DENSE && p.bias && writes_ds) store_dbias<T, true>(dp, p, b, h, q0, kw);  // (no soft cap with a bias)
     if (CAP && p.softcap > 0.f) {  // w.r.t. the logits before the cap
       softcap_derivative(s, p, stats);
       warp::mul(dp, dp, s);
@@ -363,7 +365,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     int *lock = locks + (size_t(b) * p.q_heads + h) * n_qblocks + i;
     const auto wait_for_turn = [&] {
       if (leader)
-        while (load_acquire(lock) < CONSUMERS * blocks_before<FULL, MASK>(p, b, kvh, i, j, BK)) __nanosleep(32);
+        while (load_acquire(lock) < CONSUMERS * blocks_before<FULL, DENSE>(p, b, kvh, i, j, BK)) __nanosleep(32);
     };
     float *dq_tile = p.workspace + C::dq_tile(p, b, h, i, wg);
 #pragma unroll
@@ -510,7 +512,7 @@ bool bwd_sm90_supported(const Params &p) {
 }
 
 cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
-  return dispatch<64, 128, 256>(p, [&]<typename T, int D, bool FULL, bool MASK>() {
+  return dispatch<64, 128, 256>(p, [&]<typename T, int D, bool FULL, bool DENSE>() {
     using C = BwdH<T, D>;
     const size_t rows = size_t(p.batch) * p.q_len * p.q_heads;
     bwd_prep_kernel<T, D><<<unsigned((rows + PREP_ROWS<D> - 1) / PREP_ROWS<D>), 256, 0, stream>>>(p);
@@ -525,12 +527,12 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
         !make_tma_map(a.dk, p.dk, p.batch, p.kv_len, p.kv_heads, D) ||
         !make_tma_map(a.dv, p.dv, p.batch, p.kv_len, p.kv_heads, D))
       return cudaErrorInvalidValue;
-    // The kernel's DET, CAP, SEG and MASK (the deterministic masked kernel takes any options but the
+    // The kernel's DET, CAP, SEG and DENSE (the deterministic masked kernel takes any options but the
     // mask; with a mask, the kernels for any options, deterministic or not).
-    const bool det = FULL && p.deterministic, cap = det || MASK || (FULL && p.softcap > 0.f);
+    const bool det = FULL && p.deterministic, cap = det || DENSE || (FULL && p.softcap > 0.f);
     const bool seg = cap || (FULL && p.q_segment_ids);
     auto kernel = bwd_sm90_kernel<T, D, FULL, false, false, false, false>;
-    if constexpr (MASK)
+    if constexpr (DENSE)
       kernel = det ? bwd_sm90_kernel<T, D, true, true, true, true, true> : bwd_sm90_kernel<T, D, true, true, true, false, true>;
     else if constexpr (FULL)
       kernel = det   ? bwd_sm90_kernel<T, D, true, true, true, true, false>

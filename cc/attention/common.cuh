@@ -16,27 +16,27 @@ using tk::warp::normalize_output;
 using tk::warp::softmax_step;
 using tk::warp::tanh_fast;
 
-// Does p use a masking option beyond causal (window, segment ids, a boolean mask, lengths, soft cap)?
+// Does p use an option beyond causal (window, segment ids, a boolean mask, a bias, lengths, soft cap)?
 inline bool has_options(const Params &p) {
-  return p.window_left >= 0 || p.window_right >= 0 || p.q_segment_ids || p.mask_bits || p.q_lengths || p.kv_lengths ||
-         p.softcap > 0.f;
+  return p.window_left >= 0 || p.window_right >= 0 || p.q_segment_ids || p.mask_bits || p.bias || p.q_lengths ||
+         p.kv_lengths || p.softcap > 0.f;
 }
 
-// f.template operator()<T, D, FULL, MASK>() for the runtime dtype and head dim (one of DIMS). The
+// f.template operator()<T, D, FULL, DENSE>() for the runtime dtype and head dim (one of DIMS). The
 // kernels are compiled three times: FULL = false knows only the causal mask and the sequence ends
 // (plain attention pays nothing for the options), FULL = true applies every option of Params but the
-// boolean mask, and FULL = MASK = true every option. (The mask's helpers below take MASK: without it
-// the instances for windows, lengths and segment ids compile as if the mask did not exist; its tests
-// cost registers in their loops. The Hopper backward splits FULL further by option, see
+// boolean mask and the bias (the dense [q_len, kv_len] operands), and FULL = DENSE = true every
+// option. (The dense operands' helpers below take DENSE: without it the instances for windows, lengths
+// and segment ids compile as if those did not exist; their code costs registers in the loops. The Hopper backward splits FULL further by option, see
 // bwd_sm90_kernel.)
 template <int... DIMS, typename F> cudaError_t dispatch(const Params &p, F f) {
-  auto by_dim = [&]<typename T, bool FULL, bool MASK>() -> cudaError_t {
+  auto by_dim = [&]<typename T, bool FULL, bool DENSE>() -> cudaError_t {
     cudaError_t e = cudaErrorInvalidValue;
-    ((p.head_dim == DIMS ? (e = f.template operator()<T, DIMS, FULL, MASK>(), true) : false) || ...);
+    ((p.head_dim == DIMS ? (e = f.template operator()<T, DIMS, FULL, DENSE>(), true) : false) || ...);
     return e;
   };
   auto by_options = [&]<typename T>() -> cudaError_t {
-    if (p.mask_bits) return by_dim.template operator()<T, true, true>();
+    if (p.mask_bits || p.bias) return by_dim.template operator()<T, true, true>();
     return has_options(p) ? by_dim.template operator()<T, true, false>() : by_dim.template operator()<T, false, false>();
   };
   return p.dtype == DType::bf16 ? by_options.template operator()<tk::bf16>() : by_options.template operator()<tk::half>();
@@ -149,17 +149,17 @@ template <bool FULL> __device__ __forceinline__ bool segments_meet(const Params 
 // The boolean mask's code (MASK_EMPTY, MASK_FULL, MASK_MIXED) for query rows [q0, q0 + rows) of head h
 // and keys [k0, k0 + cols), a block inside one block of Params::mask_blocks (every kernel's blocks
 // divide MASK_BLOCK_ROWS x MASK_BLOCK_KEYS); MASK_FULL without a mask.
-template <bool FULL, bool MASK> __device__ __forceinline__ int mask_code(const Params &p, int b, int h, int q0, int k0) {
-  if (!MASK || !p.mask_blocks) return MASK_FULL;
+template <bool FULL, bool DENSE> __device__ __forceinline__ int mask_code(const Params &p, int b, int h, int q0, int k0) {
+  if (!DENSE || !p.mask_blocks) return MASK_FULL;
   const int qb = (p.q_len + MASK_BLOCK_ROWS - 1) / MASK_BLOCK_ROWS, kb = (p.kv_len + MASK_BLOCK_KEYS - 1) / MASK_BLOCK_KEYS;
-  return p.mask_blocks[(mask_index(p, b, h) * qb + q0 / MASK_BLOCK_ROWS) * kb + k0 / MASK_BLOCK_KEYS];
+  return p.mask_blocks[(dense_index(p, b, h, p.mask_batch, p.mask_heads) * qb + q0 / MASK_BLOCK_ROWS) * kb + k0 / MASK_BLOCK_KEYS];
 }
 // The per-pair tests of a block (segment ids and the boolean mask) for head h: `meet`, some pair may
 // be visible (else the block is skipped); `one`, no pair needs an elementwise test of either.
-template <bool FULL, bool MASK> __device__ __forceinline__ SegmentTest pair_test(const Params &p, int b, int h, int q0, int rows, int k0, int cols) {
+template <bool FULL, bool DENSE> __device__ __forceinline__ SegmentTest pair_test(const Params &p, int b, int h, int q0, int rows, int k0, int cols) {
   SegmentTest x = segment_test<FULL>(p, b, q0, rows, k0, cols);
-  if (MASK && p.mask_blocks && q0 < p.q_len && k0 < p.kv_len) {
-    const int code = mask_code<FULL, MASK>(p, b, h, q0, k0);
+  if (DENSE && p.mask_blocks && q0 < p.q_len && k0 < p.kv_len) {
+    const int code = mask_code<FULL, DENSE>(p, b, h, q0, k0);
     x = {x.meet && code != MASK_EMPTY, x.one && code == MASK_FULL};
   }
   return x;
@@ -167,9 +167,9 @@ template <bool FULL, bool MASK> __device__ __forceinline__ SegmentTest pair_test
 
 // The next key block in [j, end) (blocks of BK) that query rows [q0, q0 + rows) of head h may see
 // (end if none): kv_block_range bounds the blocks, pair_test skips the ones between.
-template <bool FULL, bool MASK>
+template <bool FULL, bool DENSE>
 __device__ __forceinline__ int next_kv_block(const Params &p, int b, int h, int q0, int rows, int j, int end, int BK) {
-  while (j < end && !pair_test<FULL, MASK>(p, b, h, q0, rows, j * BK, BK).meet) j++;
+  while (j < end && !pair_test<FULL, DENSE>(p, b, h, q0, rows, j * BK, BK).meet) j++;
   return j;
 }
 
@@ -253,7 +253,7 @@ template <bool TRANSPOSED, typename RT> __device__ __forceinline__ void mask_seg
 template <bool TRANSPOSED, typename RT>
 __device__ __forceinline__ void mask_pairs(RT &s, const Params &p, int b, int h, int q0, int k0) {
   const int n = mask_words(p.kv_len), q_last = p.q_len - 1;
-  const uint32_t *rows = p.mask_bits + mask_index(p, b, h) * p.q_len * n;
+  const uint32_t *rows = p.mask_bits + dense_index(p, b, h, p.mask_batch, p.mask_heads) * p.q_len * n;
   auto words = [=](int r) { return rows + size_t(min(q0 + r, q_last)) * n; };  // (query row q0 + r)
   if constexpr (TRANSPOSED) tk::warp::keep_bits_by_col(s, s, words, k0, NEG_INF);
   else tk::warp::keep_bits(s, s, words, k0, NEG_INF);
@@ -273,9 +273,9 @@ template <bool TRANSPOSED, typename RT> __device__ __forceinline__ void mask_rul
 struct MaskNeed {
   bool rule, pairs;
 };
-template <bool FULL, bool MASK>
+template <bool FULL, bool DENSE>
 __device__ __forceinline__ MaskNeed mask_need(const Params &p, const KeyRule &rule, bool one, int q0, int rows, int k0, int cols) {
-  return {rule.partial(q0, rows, k0, cols), FULL && (p.q_segment_ids || (MASK && p.mask_bits)) && !one};
+  return {rule.partial(q0, rows, k0, cols), FULL && (p.q_segment_ids || (DENSE && p.mask_bits)) && !one};
 }
 
 // A block's masks as a producer works them out for the consumers of a whole tile (rows: theirs
@@ -284,9 +284,9 @@ __device__ __forceinline__ MaskNeed mask_need(const Params &p, const KeyRule &ru
 // tests. In the common blocks the consumers then pay one shared-memory load and no test (working the
 // tests out per block and warp cost the masked forward and backward about 4%).
 constexpr int MASK_BITS = 2;
-template <bool FULL, bool MASK>
+template <bool FULL, bool DENSE>
 __device__ __forceinline__ int tile_mask_bits(const Params &p, const KeyRule &rule, bool one, int q0, int rows, int k0, int cols) {
-  const MaskNeed need = mask_need<FULL, MASK>(p, rule, one, q0, rows, k0, cols);
+  const MaskNeed need = mask_need<FULL, DENSE>(p, rule, one, q0, rows, k0, cols);
   return (need.rule ? 2 : 0) | (need.pairs ? 1 : 0);
 }
 __device__ __forceinline__ MaskNeed warp_mask_need(int bits, const KeyRule &rule, int q0, int rows, int k0, int cols) {
@@ -295,31 +295,31 @@ __device__ __forceinline__ MaskNeed warp_mask_need(int bits, const KeyRule &rule
 
 // s := -inf where query qw + r of head h does not see key k0 + c (s: rows are queries, columns
 // keys), as far as `need` says.
-template <bool FULL, bool MASK, typename RT>
+template <bool FULL, bool DENSE, typename RT>
 __device__ __forceinline__ void mask_logits(RT &s, const Params &p, const KeyRule &rule, MaskNeed need, int b, int h, int qw, int k0) {
   if (need.rule) mask_rule<false>(s, rule, qw, k0);
-  if (FULL && need.pairs && (!MASK || p.q_segment_ids)) mask_segments<false>(s, p, b, qw, k0);  // (need.pairs: ids or mask)
-  if (MASK && need.pairs && p.mask_bits) mask_pairs<false>(s, p, b, h, qw, k0);
+  if (FULL && need.pairs && (!DENSE || p.q_segment_ids)) mask_segments<false>(s, p, b, qw, k0);  // (need.pairs: ids or mask)
+  if (DENSE && need.pairs && p.mask_bits) mask_pairs<false>(s, p, b, h, qw, k0);
 }
 // The same for a transposed tile s^T (rows are keys kw.., columns queries q0..).
-template <bool FULL, bool MASK, typename RT>
+template <bool FULL, bool DENSE, typename RT>
 __device__ __forceinline__ void mask_logits_transposed(RT &s, const Params &p, const KeyRule &rule, MaskNeed need, int b, int h,
                                                        int kw, int q0) {
   if (need.rule) mask_rule<true>(s, rule, q0, kw);
-  if (FULL && need.pairs && (!MASK || p.q_segment_ids)) mask_segments<true>(s, p, b, q0, kw);
-  if (MASK && need.pairs && p.mask_bits) mask_pairs<true>(s, p, b, h, q0, kw);
+  if (FULL && need.pairs && (!DENSE || p.q_segment_ids)) mask_segments<true>(s, p, b, q0, kw);
+  if (DENSE && need.pairs && p.mask_bits) mask_pairs<true>(s, p, b, h, q0, kw);
 }
 // Both, working out the rule and the masks needed on the spot.
-template <bool FULL, bool MASK, typename RT> __device__ __forceinline__ void mask_logits(RT &s, const Params &p, int b, int h, int qw, int k0) {
+template <bool FULL, bool DENSE, typename RT> __device__ __forceinline__ void mask_logits(RT &s, const Params &p, int b, int h, int qw, int k0) {
   const KeyRule rule = key_rule<FULL>(p, b);
-  const bool one = pair_test<FULL, MASK>(p, b, h, qw, RT::rows, k0, RT::cols).one;
-  mask_logits<FULL, MASK>(s, p, rule, mask_need<FULL, MASK>(p, rule, one, qw, RT::rows, k0, RT::cols), b, h, qw, k0);
+  const bool one = pair_test<FULL, DENSE>(p, b, h, qw, RT::rows, k0, RT::cols).one;
+  mask_logits<FULL, DENSE>(s, p, rule, mask_need<FULL, DENSE>(p, rule, one, qw, RT::rows, k0, RT::cols), b, h, qw, k0);
 }
-template <bool FULL, bool MASK, typename RT>
+template <bool FULL, bool DENSE, typename RT>
 __device__ __forceinline__ void mask_logits_transposed(RT &s, const Params &p, int b, int h, int kw, int q0) {
   const KeyRule rule = key_rule<FULL>(p, b);
-  const bool one = pair_test<FULL, MASK>(p, b, h, q0, RT::cols, kw, RT::rows).one;
-  mask_logits_transposed<FULL, MASK>(s, p, rule, mask_need<FULL, MASK>(p, rule, one, q0, RT::cols, kw, RT::rows), b, h, kw, q0);
+  const bool one = pair_test<FULL, DENSE>(p, b, h, q0, RT::cols, kw, RT::rows).one;
+  mask_logits_transposed<FULL, DENSE>(s, p, rule, mask_need<FULL, DENSE>(p, rule, one, q0, RT::cols, kw, RT::rows), b, h, kw, q0);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -359,15 +359,42 @@ __device__ __forceinline__ void softcap_backward(RT &ds, const DT &dcap, const P
 // gets +inf, so that its P is 0 (not exp2(-inf + inf) = NaN) and its gradients are 0.
 __device__ __forceinline__ float lse_to_log2(float lse) { return lse == NEG_INF ? -NEG_INF : lse * LOG2E; }
 
-// The softmax takes the logits in units of 1 / logit_factor: with a soft cap they are capped first
-// (cap_logits), in log2 units (factor 1); otherwise they stay raw and the softmax applies the factor
-// scale * log2 e inside its exp2 (one fused multiply-add per logit). (scale > 0: the row max of the
-// raw logits is that of the scaled ones.)
-template <bool FULL> __device__ __forceinline__ float logit_factor(const Params &p) {
-  return FULL && p.softcap > 0.f ? 1.f : p.scale * LOG2E;
+// The softmax takes the logits in units of 1 / logit_factor: with a soft cap or a bias they are
+// brought to log2 units first (cap_logits; then the bias is added: add_bias), factor 1; otherwise
+// they stay raw and the softmax applies the factor scale * log2 e inside its exp2 (one fused
+// multiply-add per logit). (scale > 0: the row max of the raw logits is that of the scaled ones.)
+template <bool FULL, bool DENSE> __device__ __forceinline__ bool log2_logits(const Params &p) {
+  return (FULL && p.softcap > 0.f) || (DENSE && p.bias);
 }
-template <bool FULL, typename RT> __device__ __forceinline__ void cap_logits(RT &s, const Params &p) {
-  if (FULL && p.softcap > 0.f) scale_logits<FULL>(s, p);
+template <bool FULL, bool DENSE> __device__ __forceinline__ float logit_factor(const Params &p) {
+  return log2_logits<FULL, DENSE>(p) ? 1.f : p.scale * LOG2E;
+}
+template <bool FULL, bool DENSE, typename RT> __device__ __forceinline__ void cap_logits(RT &s, const Params &p) {
+  if (log2_logits<FULL, DENSE>(p)) scale_logits<FULL>(s, p);
+}
+
+// The bias of batch entry b and query head h as a global view of its padded matrix (Params::bias):
+// rows queries and columns keys, or TRANSPOSED rows keys and columns queries; GRAD: the view of its
+// gradient (Params::dbias, a matrix per batch entry and query head).
+template <typename T, bool TRANSPOSED, bool GRAD = false>
+__device__ __forceinline__ auto bias_view(const Params &p, int b, int h) {
+  using E = std::conditional_t<GRAD, T, const T>;
+  const int rows = padded_rows(p.q_len), keys = padded_keys(p.kv_len);
+  const size_t at = GRAD ? size_t(b) * p.q_heads + h : dense_index(p, b, h, p.bias_batch, p.bias_heads);
+  E *base = static_cast<E *>(GRAD ? p.dbias : const_cast<void *>(p.bias)) + at * rows * keys;
+  if constexpr (TRANSPOSED) return tk::gl<E>{base, {1, keys, 1, rows}, {0, 1, 0, keys}};
+  else return tk::gl<E>{base, {1, rows, 1, keys}, {0, keys, 0, 1}};
+}
+// s += bias (in log2 units) at query rows q0.. and keys k0.. (TRANSPOSED: s^T, its rows keys k0..).
+template <typename T, bool TRANSPOSED, typename RT>
+__device__ __forceinline__ void add_bias(RT &s, const Params &p, int b, int h, int q0, int k0) {
+  tk::warp::add_from(s, bias_view<T, TRANSPOSED>(p, b, h), TRANSPOSED ? tk::coord{0, k0, 0, q0} : tk::coord{0, q0, 0, k0},
+                     LOG2E);
+}
+// The bias's gradient: dS (w.r.t. the logits) at query rows q0.. and keys k0.. (TRANSPOSED: dS^T).
+template <typename T, bool TRANSPOSED, typename RT>
+__device__ __forceinline__ void store_dbias(const RT &ds, const Params &p, int b, int h, int q0, int k0) {
+  tk::warp::store(bias_view<T, TRANSPOSED, true>(p, b, h), ds, TRANSPOSED ? tk::coord{0, k0, 0, q0} : tk::coord{0, q0, 0, k0});
 }
 
 // The output O as a global view whose rows end at rows_end (or q_len): stores skip the rows past it.

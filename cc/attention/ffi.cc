@@ -15,7 +15,10 @@
 // out. All int32; an absent option is an int32 array of shape (0,). Then a boolean mask, as
 // Params::mask_bits (uint32 [mask batch, mask heads, q_len, mask_words(kv_len)], the batch 1 or batch,
 // the heads 1 or q_heads) and Params::mask_blocks (int8 [mask batch, mask heads, ceil(q_len /
-// MASK_BLOCK_ROWS), ceil(kv_len / MASK_BLOCK_KEYS)]), both of shape (0,) without one. Attributes
+// MASK_BLOCK_ROWS), ceil(kv_len / MASK_BLOCK_KEYS)]), both of shape (0,) without one; then a bias, as
+// Params::bias ([bias batch, bias heads, padded_rows(q_len), padded_keys(kv_len)] of the inputs' dtype,
+// the batch 1 or batch, the heads 1 or q_heads; shape (0,) without one), whose gradient the backward
+// returns as its last result (dbias, Params::dbias; shape (0,) without a bias). Attributes
 // window_left, window_right (-1: unbounded) and softcap (0: none).
 #include "ffi/common.h"
 #include "attention/attention.h"
@@ -83,6 +86,7 @@ ffi::Error check_qkv(Params &p, Lead &lead, const ffi::AnyBuffer &q, const ffi::
   if (qd[1] * qd[2] * qd[3] >= (int64_t(1) << 31) || kd[1] * kd[2] * kd[3] >= (int64_t(1) << 31))
     return invalid("one batch entry of query or key must have fewer than 2^31 elements");
   lead.batch = qd[0];
+  p.entry_batch = int(qd[0]);  // (fold() multiplies p.batch, not this)
   p.batch = int(qd[0]); p.q_len = int(qd[1]); p.q_heads = int(qd[2]); p.head_dim = int(qd[3]);
   p.kv_len = int(kd[1]); p.kv_heads = int(kd[2]);
   p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data();
@@ -175,7 +179,25 @@ ffi::Error check_mask(Params &p, const Lead &lead, const ffi::AnyBuffer &bits, c
   p.mask_blocks = static_cast<const int8_t *>(blocks.untyped_data());
   p.mask_batch = int(mb);
   p.mask_heads = int(mh);
-  p.mask_entry_batch = p.batch;
+  return ffi::Error::Success();
+}
+
+// The bias operand (see the top of this file) into p; call after check_masking (softcap), before fold().
+ffi::Error check_bias(Params &p, const Lead &lead, const ffi::AnyBuffer &q, const ffi::AnyBuffer &bias) {
+  if (elements(bias) == 0) return ffi::Error::Success();
+  auto d = bias.dimensions();
+  const size_t n = lead.dims.size();
+  const int64_t bb = d.size() == n + 4 ? d[n] : -1, bh = d.size() == n + 4 ? d[n + 1] : -1;
+  const int64_t rows = attention::padded_rows(p.q_len), keys = attention::padded_keys(p.kv_len);
+  if (bias.element_type() != q.element_type() || (bb != 1 && bb != p.batch) || (bh != 1 && bh != p.q_heads) ||
+      !lead.matches(bias, {bb, bh, rows, keys}))
+    return invalid("bias must have the inputs' dtype and shape " + lead.shape({p.batch, p.q_heads, rows, keys}) +
+                   " (batch and heads may be 1; rows and keys padded to whole blocks of 128)");
+  if (p.softcap > 0.f) return invalid("the kernels do not combine a bias with softcap");
+  if (!aligned16(bias.untyped_data())) return invalid("bias must be 16-byte aligned");
+  p.bias = bias.untyped_data();
+  p.bias_batch = int(bb);
+  p.bias_heads = int(bh);
   return ffi::Error::Success();
 }
 
@@ -194,8 +216,8 @@ template <typename... Extra>
 ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_lengths,
                     ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges,
-                    ffi::AnyBuffer block_order, ffi::AnyBuffer mask_bits, ffi::AnyBuffer mask_blocks, Extra...,
-                    ffi::Result<ffi::AnyBuffer> o,
+                    ffi::AnyBuffer block_order, ffi::AnyBuffer mask_bits, ffi::AnyBuffer mask_blocks, ffi::AnyBuffer bias,
+                    Extra..., ffi::Result<ffi::AnyBuffer> o,
                     ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> tile_counter, float scale, int32_t is_causal, int32_t variant,
                     int32_t window_left, int32_t window_right, float softcap) {
   Params p{};
@@ -210,6 +232,7 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
       e.failure())
     return e;
   if (auto e = check_mask(p, lead, mask_bits, mask_blocks); e.failure()) return e;
+  if (auto e = check_bias(p, lead, q, bias); e.failure()) return e;
   if (!same_type_and_dims(*o, q)) return invalid("output must have the query's shape and dtype");
   if (auto e = check_rows(p, lead, *lse, "lse"); e.failure()) return e;
   if (tile_counter->element_type() != ffi::DataType::S32 || !lead.matches(*tile_counter, {1}))
@@ -233,9 +256,10 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_segment_ids,
                     ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                     ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges, ffi::AnyBuffer block_order,
-                    ffi::AnyBuffer mask_bits, ffi::AnyBuffer mask_blocks, Extra..., ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                    ffi::AnyBuffer mask_bits, ffi::AnyBuffer mask_blocks, ffi::AnyBuffer bias, Extra...,
+                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                     ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
-                    ffi::Result<ffi::AnyBuffer> workspace, float scale, int32_t is_causal, int32_t variant,
+                    ffi::Result<ffi::AnyBuffer> workspace, ffi::Result<ffi::AnyBuffer> dbias, float scale, int32_t is_causal, int32_t variant,
                     int32_t window_left, int32_t window_right, float softcap, int32_t deterministic) {
   Params p{};
   Lead lead;
@@ -251,6 +275,12 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
     return e;
   if (p.block_order && deterministic) return invalid("block_order cannot be combined with deterministic");
   if (auto e = check_mask(p, lead, mask_bits, mask_blocks); e.failure()) return e;
+  if (auto e = check_bias(p, lead, q, bias); e.failure()) return e;
+  const int64_t bias_rows = attention::padded_rows(p.q_len), bias_keys = attention::padded_keys(p.kv_len);
+  if (p.bias ? dbias->element_type() != q.element_type() || !lead.matches(*dbias, {p.batch, p.q_heads, bias_rows, bias_keys})
+             : elements(*dbias) != 0)
+    return invalid(p.bias ? "dbias must have the inputs' dtype and shape " + lead.shape({p.batch, p.q_heads, bias_rows, bias_keys})
+                          : std::string("dbias must have no elements without a bias"));
   if (!same_type_and_dims(o, q) || !same_type_and_dims(dout, q) || !same_type_and_dims(*dq, q))
     return invalid("out, dout and dq must have the query's shape and dtype");
   if (!same_type_and_dims(*dk, k) || !same_type_and_dims(*dv, v)) return invalid("dk and dv must match key and value");
@@ -276,6 +306,11 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   p.delta = static_cast<float *>(delta->untyped_data());
   p.workspace = static_cast<float *>(workspace->untyped_data());
   p.deterministic = deterministic != 0;
+  if (p.bias) {  // (the blocks that no query sees are not written)
+    p.dbias = dbias->untyped_data();
+    const size_t bytes = size_t(p.batch) * p.q_heads * bias_rows * bias_keys * 2;
+    if (auto e = cuda_error(cudaMemsetAsync(p.dbias, 0, bytes, stream), "dbias"); e.failure()) return e;
+  }
   if (use_sm90(variant) && attention::bwd_sm90_supported(p))
     return cuda_error(attention::bwd_sm90(p, stream), "attention backward (sm_90a)");
   if (!attention::head_dim_in(p.head_dim, attention::HEAD_DIMS_SM80))
@@ -294,7 +329,8 @@ auto masking_operands(auto &&b) {
       .template Arg<ffi::AnyBuffer>()   // kv_segment_ranges
       .template Arg<ffi::AnyBuffer>()   // the forward's tiles (Params::fwd_tiles) or the backward's block_order
       .template Arg<ffi::AnyBuffer>()   // mask_bits
-      .template Arg<ffi::AnyBuffer>();  // mask_blocks
+      .template Arg<ffi::AnyBuffer>()   // mask_blocks
+      .template Arg<ffi::AnyBuffer>();  // bias
 }
 auto common_attributes(auto &&b) {
   return std::move(b)
@@ -332,7 +368,8 @@ template <bool TEST> auto bwd_binding() {
                                  .template Ret<ffi::AnyBuffer>()    // dk
                                  .template Ret<ffi::AnyBuffer>()    // dv
                                  .template Ret<ffi::AnyBuffer>()    // delta workspace
-                                 .template Ret<ffi::AnyBuffer>())   // workspace of the sm_90a kernel
+                                 .template Ret<ffi::AnyBuffer>()    // workspace of the sm_90a kernel
+                                 .template Ret<ffi::AnyBuffer>())   // dbias
         .template Attr<int32_t>("deterministic");
   };
   return bind<TEST>(head, tail);

@@ -22,7 +22,7 @@ template <typename T, int D> struct Fwd {
   };
 };
 
-template <typename T, int D, bool FULL, bool MASK>
+template <typename T, int D, bool FULL, bool DENSE>
 __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_constant__ Params p) {
     using C = Fwd<T, D>;
   constexpr int BQ = C::BQ, BK = C::BK, NT = C::THREADS;
@@ -39,7 +39,7 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
   // Key blocks to visit: in [first, end), minus the ones of other segments (next).
   const int2 range = kv_block_range<FULL>(p, b, q0, BQ, BK);
   const int end = range.y;
-  auto next = [&](int j) { return next_kv_block<FULL, MASK>(p, b, h, q0, BQ, j, end, BK); };
+  auto next = [&](int j) { return next_kv_block<FULL, DENSE>(p, b, h, q0, BQ, j, end, BK); };
   const int first = next(range.x);
 
   load_async<NT>(sm.q, Q, {b, q0, h, 0}, tid);
@@ -83,9 +83,10 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
       warp::load(kt, sm.k[buf], 0, 16 * kk);
       warp::mma_ABt(s, q[kk], kt, s);
     }
-    cap_logits<FULL>(s, p);
-    mask_logits<FULL, MASK>(s, p, b, h, qw, k0);
-    softmax_step(s, m, l, corr, logit_factor<FULL>(p));
+    cap_logits<FULL, DENSE>(s, p);
+    if (DENSE && p.bias) add_bias<T, false>(s, p, b, h, qw, k0);
+    mask_logits<FULL, DENSE>(s, p, b, h, qw, k0);
+    softmax_step(s, m, l, corr, logit_factor<FULL, DENSE>(p));
 
     // O = O * corr + P V.
     warp::copy(pr, s);
@@ -102,16 +103,16 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
 
 #pragma unroll
   for (int n = 0; n < D / 16; n++) store_output<T>(p, o[n], l, b, h, qw, 16 * n);
-  store_lse(p, m, l, logit_factor<FULL>(p), b, h, qw);
+  store_lse(p, m, l, logit_factor<FULL, DENSE>(p), b, h, qw);
 }
 
 }  // namespace
 
 cudaError_t fwd_sm80(const Params &p, cudaStream_t stream) {
-  return dispatch<64, 128>(p, [&]<typename T, int D, bool FULL, bool MASK>() {
+  return dispatch<64, 128>(p, [&]<typename T, int D, bool FULL, bool DENSE>() {
     using C = Fwd<T, D>;
     dim3 grid((p.q_len + C::BQ - 1) / C::BQ, p.q_heads, p.batch);
-    return launch(fwd_kernel<T, D, FULL, MASK>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p);
+    return launch(fwd_kernel<T, D, FULL, DENSE>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p);
   });
 }
 

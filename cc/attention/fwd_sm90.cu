@@ -135,7 +135,7 @@ template <bool FULL> __device__ __forceinline__ KeyRule tile_rule(const Params &
 // setmaxnreg moves registers from the producer to the consumers. A tile whose rows see no key loads
 // nothing and stores O = 0, lse = -inf. Only the tiles that cut through a rule or a segment
 // boundary are masked elementwise (KeyRule, BlockList::one_segment).
-template <typename T, int D, bool FULL, bool MASK>
+template <typename T, int D, bool FULL, bool DENSE>
 __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const __grid_constant__ typename FwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = FwdH<T, D>;
@@ -191,7 +191,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
         }
         if (listed && t < tiles && !x.doc) {
           write_block_list(lists + at.slot * list_words, x.range.x, x.range.y, 0, 1,
-                           [&](int j) { return pair_test<FULL, MASK>(p, x.b, x.h, x.q0, C::BQ, j * BK, BK); });
+                           [&](int j) { return pair_test<FULL, DENSE>(p, x.b, x.h, x.q0, C::BQ, j * BK, BK); });
           __syncwarp();
         }
         c.range = x.range;
@@ -219,7 +219,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
           j_next = x.blocks.next(j + 1);
           wait_empty(k_ring, kv);
           if (FULL && C::LOADER_INFO)  // (released by the arrival)
-            sm.info[s] = j_next << MASK_BITS | tile_mask_bits<FULL, MASK>(p, rule, x.blocks.uniform(j), x.q0, C::BQ, k0, BK);
+            sm.info[s] = j_next << MASK_BITS | tile_mask_bits<FULL, DENSE>(p, rule, x.blocks.uniform(j), x.q0, C::BQ, k0, BK);
           arrive_expect_bytes(k_ring.full(kv), sizeof(sm.k[s].data));
           load_async(sm.k[s], a.k, {x.b, k0, kvh, 0}, k_ring.full(kv));
           wait_empty(v_ring, kv);
@@ -240,7 +240,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   auto my_turn = [&] { if constexpr (C::PINGPONG) sync_named(1 + wg, 256); };
   auto your_turn = [&] { if constexpr (C::PINGPONG) arrive_named(2 - wg, 256); };
   if (wg == 1) your_turn();
-  const float c = logit_factor<FULL>(p);
+  const float c = logit_factor<FULL, DENSE>(p);
   const bool lane0 = laneid() == 0, leader = threadIdx.x % 128 == 0;
   auto &o_stage = o_stages[wg];  // (stage_o)
   for (int nt = 0, n = 0, nq = 0;; nt++) {  // tiles, key blocks, Q loads so far
@@ -278,12 +278,15 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     constexpr bool from_loader = FULL && C::LOADER_INFO;
     // (A document's tile counts its key blocks from its document's start: the base is read from the
     // slot where a block needs a mask, not held in a register through the loop.)
+    // The bias (in log2 units, after cap_logits) first: the masks then hide what they hide.
     auto mask = [&](int j, int info) {
+      if constexpr (DENSE)
+        if (p.bias) add_bias<T, false>(s, p, x.b, x.h, qw, j * BK);  // (no documents' tiles with dense operands)
       if (from_loader && (info & ((1 << MASK_BITS) - 1)) == 0) return;  // most blocks
       const int k0 = (DOCS ? max(sm.tile[slot].kbase, 0) : 0) + j * BK;
       const MaskNeed need = from_loader ? warp_mask_need(info, rule, qw, 16, k0, BK)
-                                        : mask_need<FULL, MASK>(p, rule, blocks.uniform(j), qw, 16, k0, BK);
-      mask_logits<FULL, MASK>(s, p, rule, need, x.b, x.h, qw, k0);
+                                        : mask_need<FULL, DENSE>(p, rule, blocks.uniform(j), qw, 16, k0, BK);
+      mask_logits<FULL, DENSE>(s, p, rule, need, x.b, x.h, qw, k0);
     };
     ring_pos<STAGES> kv(n);  // the key block in S (the one before it is in P)
     wait_full(k_ring, kv);
@@ -295,7 +298,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warpgroup::wait<0>();
     warpgroup::fence_registers(s);
     if (lane0) arrive_empty(k_ring, kv);
-    cap_logits<FULL>(s, p);
+    cap_logits<FULL, DENSE>(s, p);
     mask(first, info);
     softmax_step(s, m, l, corr, c);
     warp::copy(pr, s);
@@ -317,7 +320,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       warpgroup::wait<1>();  // S_j is ready
       warpgroup::fence_registers(s);
       if (lane0) arrive_empty(k_ring, kv);
-      cap_logits<FULL>(s, p);
+      cap_logits<FULL, DENSE>(s, p);
       mask(j, info);
       softmax_step(s, m, l, corr, c);
       warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done
@@ -374,7 +377,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
 bool fwd_sm90_supported(const Params &p) { return p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256; }
 
 cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
-  return dispatch<64, 128, 256>(p, [&]<typename T, int D, bool FULL, bool MASK>() {
+  return dispatch<64, 128, 256>(p, [&]<typename T, int D, bool FULL, bool DENSE>() {
     using C = FwdH<T, D>;
     typename C::Args a{p, {}, {}, {}, {}, false};
     if (!make_tma_map(a.q, p.q, p.batch, p.q_len, p.q_heads, D) ||
@@ -393,7 +396,7 @@ cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
     a.stage_o = C::stages_o(p, FULL, size_t(max_smem));
     if (!FULL && D <= 128 && !a.stage_o) return cudaErrorInvalidConfiguration;
     if (listed + 2 * sms >= INT_MAX || p.tile_counter == nullptr) return cudaErrorInvalidValue;
-    auto kernel = fwd_sm90_kernel<T, D, FULL, MASK>;
+    auto kernel = fwd_sm90_kernel<T, D, FULL, DENSE>;
     const size_t smem = C::smem + C::extra_bytes(p, FULL, a.stage_o);
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e == cudaSuccess) e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);

@@ -73,9 +73,9 @@ def check_inputs(query, key, value, scale, is_causal, implementation):
     return 1.0 / math.sqrt(d) if scale is None else scale
 
 
-def use_kernel(query, key, implementation, bias=None, mask=None) -> bool:
+def use_kernel(query, key, implementation, bias=None, mask=None, softcap=None) -> bool:
     return dispatch.use_kernel("attention", implementation,
-                               launch.kernel_unsupported_reason(query, key, bias=bias, mask=mask))
+                               launch.kernel_unsupported_reason(query, key, bias=bias, mask=mask, softcap=softcap))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,8 +273,8 @@ def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, i
             query, key, value, bias, mask, scale=float(scale), is_causal=bool(is_causal), window=window,
             q_segment_ids=q_segment_ids, softcap=cap, deterministic=reproducible,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
-    spec = AttentionSpec(float(scale), bool(is_causal), use_kernel(query, key, implementation, bias, mask), window,
-                         cap, reproducible)
+    spec = AttentionSpec(float(scale), bool(is_causal), use_kernel(query, key, implementation, bias, mask, cap),
+                         window, cap, reproducible)
     masks = Masks(q_segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths, mask)
     masks = None if all(x is None for x in masks) else masks
     return attention_vjp(query, key, value, spec, masks, bias)

@@ -39,18 +39,23 @@ def _head_dims(mask: int) -> tuple[int, ...]:
     return tuple(1 << i for i in range(mask.bit_length()) if mask >> i & 1)
 
 
-# The kernels' side of mask= (mask_operands) is new and has not yet passed the GPU test suite: until it
-# has, calls with a mask run the reference (the GPU tests of the kernels' mask path turn this on).
+# The kernels' side of mask= and bias= (mask_operands, bias_operand) is new and has not yet passed the
+# GPU test suite: until it has, calls with either run the reference (the GPU tests of the kernels'
+# mask and bias turn these on).
 KERNELS_TAKE_MASK = False
+KERNELS_TAKE_BIAS = False
 
 
-def kernel_unsupported_reason(query, key, bias=None, mask=None) -> str | None:
+def kernel_unsupported_reason(query, key, bias=None, mask=None, softcap=None) -> str | None:
     """Why the CUDA kernels cannot take this configuration, or None if they can."""
     del key
-    given = [name for name, x in (("bias", bias), ("mask", None if KERNELS_TAKE_MASK else mask)) if x is not None]
+    given = [name for name, x, ok in (("bias", bias, KERNELS_TAKE_BIAS), ("mask", mask, KERNELS_TAKE_MASK))
+             if x is not None and not ok]
     if given:
         return (f"{' and '.join(given)} (the kernels do not take them yet; implementation=None runs the pure-JAX "
                 "reference, which forms the [batch, heads, q_len, kv_len] logits)")
+    if bias is not None and softcap:
+        return "bias with logits_soft_cap (the kernels do not combine them; the pure-JAX reference does)"
     if not any(query.dtype == d for d in KERNEL_DTYPES):
         return f"dtype {query.dtype} (the kernel takes bfloat16 and float16)"
     c, d = contract(), query.shape[-1]
@@ -291,11 +296,12 @@ def _attributes(spec, variant: int) -> dict:
                 softcap=np.float32(spec.softcap if spec.softcap is not None else 0.0))
 
 
-def _call(target, out_types, args, spec, out_init, variant, masks, order, **attrs):
+def _call(target, out_types, args, spec, out_init, variant, masks, order, bias, **attrs):
     variant = default_variant() if variant is None else variant
     if variant == VARIANT_SM80:
         order = None  # (only the Hopper kernels take it)
-    operands = (*args, *mask_operands(masks, args[0].shape[1], args[1].shape[1], order))
+    q, k = args[0], args[1]
+    operands = (*args, *mask_operands(masks, q.shape[1], k.shape[1], order), bias_operand(bias, q, k))
     # Under vmap the handlers fold the mapped dimensions (in front of every operand) into the batch:
     # one launch for the whole vmapped call.
     return kernel_call(target, out_types, operands, {**_attributes(spec, variant), **attrs},
@@ -316,9 +322,31 @@ def bwd_workspace_shape(query):
     return jax.ShapeDtypeStruct((b * n * -(-t // r) * (r * d + 2 * r + 1),), jnp.float32)
 
 
-def _no_bias(bias):
-    if bias is not None:
-        raise NotImplementedError("jax_tk.attention: the kernels do not take bias= yet")
+def bias_operand(bias, query, key):
+    """The kernels' bias (``Params::bias``): ``bias`` (rank 4, each dim 1 or full) broadcast over rows
+    and keys, in the query's dtype, padded with zeros to whole blocks of MASK_BLOCK_ROWS x
+    MASK_BLOCK_KEYS (``padded_rows``, ``padded_keys``): ``[bias batch, bias heads, T', S']``; shape (0,)
+    without a bias."""
+    if bias is None:
+        return jnp.zeros((0,), query.dtype)
+    t, s = query.shape[1], key.shape[1]
+    rows, keys = padded_rows_keys(t, s)
+    b = jnp.broadcast_to(bias.astype(query.dtype), (*bias.shape[:2], t, s))
+    return jnp.pad(b, ((0, 0), (0, 0), (0, rows - t), (0, keys - s)))
+
+
+def padded_rows_keys(q_len: int, kv_len: int) -> tuple[int, int]:
+    """attention.h's ``padded_rows`` and ``padded_keys``: whole blocks of MASK_BLOCK_ROWS x MASK_BLOCK_KEYS."""
+    c = contract()
+    return -(-q_len // c["MASK_BLOCK_ROWS"]) * c["MASK_BLOCK_ROWS"], -(-kv_len // c["MASK_BLOCK_KEYS"]) * c["MASK_BLOCK_KEYS"]
+
+
+def dbias_from_kernel(dbias, bias, query, key):
+    """The bias's gradient from the kernel's ``dbias`` (the logits' gradient, ``[B, H, T', S']``): its
+    rows and keys, summed over the dims the bias is broadcast over, in the bias's dtype and shape."""
+    d = dbias[:, :, :query.shape[1], :key.shape[1]].astype(jnp.float32)
+    axes = tuple(i for i in range(4) if bias.shape[i] == 1 and d.shape[i] != 1)
+    return d.sum(axis=axes, keepdims=True).astype(bias.dtype)
 
 
 # Short queries against long keys (decoding through the plain API): the decode kernel reads each key
@@ -351,8 +379,7 @@ def fwd_kernel(query, key, value, spec, out_init=None, variant=None, masks=None,
     """(out, lse) of the forward kernel (the decode kernel for short queries, see takes_decode, unless a
     test asks for a variant or poisons the outputs). ``out_init`` (tests): buffers aliased to (out, lse,
     scratch)."""
-    _no_bias(bias)
-    if out_init is None and variant is None and takes_decode(query, key, spec, masks):
+    if out_init is None and variant is None and bias is None and takes_decode(query, key, spec, masks):
         return _decode_fwd(query, key, value, spec)
     out_types = (
         jax.ShapeDtypeStruct(query.shape, query.dtype),
@@ -362,20 +389,22 @@ def fwd_kernel(query, key, value, spec, out_init=None, variant=None, masks=None,
     # (a document's tiles are not aligned to the mask's blocks: with a mask, the fixed grid's)
     order = functools.partial(fwd_tiles, causal=spec.is_causal, heads=query.shape[2], group=ORDER_GROUP_HEADS,
                               head_dim=query.shape[3], documents=masks is None or masks.mask is None)
-    out, lse, _ = _call(FWD_TARGET, out_types, (query, key, value), spec, out_init, variant, masks, order)
+    out, lse, _ = _call(FWD_TARGET, out_types, (query, key, value), spec, out_init, variant, masks, order, bias)
     return out, lse
 
 
 def bwd_kernel(query, key, value, out, lse, dout, dlse, spec, out_init=None, variant=None, masks=None, bias=None):
     """(dq, dk, dv) of the backward kernel, given the forward's out and lse and the cotangents (with a
-    bias, the kernels will also return its gradient: ``(dq, dk, dv, dbias)``)."""
-    _no_bias(bias)
+    bias, also its gradient: ``(dq, dk, dv, dbias)``)."""
+    b, t, n, _ = query.shape
+    dbias_shape = (0,) if bias is None else (b, n, *padded_rows_keys(t, key.shape[1]))
     out_types = (
         jax.ShapeDtypeStruct(query.shape, query.dtype),
         jax.ShapeDtypeStruct(key.shape, key.dtype),
         jax.ShapeDtypeStruct(value.shape, value.dtype),
         lse_shape(query),  # workspace: delta = rowsum(dout * out) - dlse, fp32
         bwd_workspace_shape(query),  # workspace of the Hopper kernel: fp32 dq accumulator + locks
+        jax.ShapeDtypeStruct(dbias_shape, query.dtype),  # the logits' gradient (with a bias)
     )
     kv_block, q_block = bwd_order_blocks(query.shape[3])
 
@@ -385,6 +414,6 @@ def bwd_kernel(query, key, value, out, lse, dout, dlse, spec, out_init=None, var
 
     # (the deterministic mode's turns need each head's key blocks in the kernel's own order)
     order = None if spec.deterministic else order
-    dq, dk, dv, *_ = _call(BWD_TARGET, out_types, (query, key, value, out, lse, dout, dlse), spec, out_init,
-                           variant, masks, order, deterministic=np.int32(spec.deterministic))
-    return dq, dk, dv
+    dq, dk, dv, _, _, dbias = _call(BWD_TARGET, out_types, (query, key, value, out, lse, dout, dlse), spec, out_init,
+                                    variant, masks, order, bias, deterministic=np.int32(spec.deterministic))
+    return (dq, dk, dv) if bias is None else (dq, dk, dv, dbias_from_kernel(dbias, bias, query, key))

@@ -241,20 +241,39 @@ def test_kernel_routing(name):
     assert "jax_tk_attention_fwd" in text
 
 
-def test_launch_refuses_bias():
-    q, k, v = _qkv(9, d=64, dtype=BF16)
-    spec = api.AttentionSpec(0.1, False, True)
-    with pytest.raises(NotImplementedError, match="bias"):
-        launch.fwd_kernel(q, k, v, spec, bias=jnp.zeros((1, 1, T, S), F32))
-
-
-def test_mask_routes_to_the_kernels_only_once_they_take_it(monkeypatch):
+def test_mask_and_bias_route_to_the_kernels_only_once_they_take_them(monkeypatch):
     q, k = _qkv(9, d=64, dtype=BF16)[:2]
-    mask = jnp.ones((1, 1, T, S), bool)
+    mask, bias = jnp.ones((1, 1, T, S), bool), jnp.ones((1, 1, T, S), F32)
     assert "mask" in launch.kernel_unsupported_reason(q, k, mask=mask)
+    assert "bias" in launch.kernel_unsupported_reason(q, k, bias=bias)
     monkeypatch.setattr(launch, "KERNELS_TAKE_MASK", True)
     assert launch.kernel_unsupported_reason(q, k, mask=mask) is None
-    assert "bias" in launch.kernel_unsupported_reason(q, k, bias=jnp.zeros((1, 1, T, S), F32), mask=mask)
+    assert "bias" in launch.kernel_unsupported_reason(q, k, bias=bias, mask=mask)
+    monkeypatch.setattr(launch, "KERNELS_TAKE_BIAS", True)
+    assert launch.kernel_unsupported_reason(q, k, bias=bias, mask=mask) is None
+    assert "soft_cap" in launch.kernel_unsupported_reason(q, k, bias=bias, softcap=5.0)
+
+
+@pytest.mark.parametrize("shape", [(B, N, T, S), (1, 1, T, S), (B, 1, 1, S), (1, N, T, 1)], ids=str)
+def test_bias_operand_and_its_gradient(shape):
+    """The kernels' bias: broadcast over rows and keys, the query's dtype, zero-padded to whole 128 x 128
+    blocks; the gradient from the kernels' [B, H, T', S'] logits' gradient: cut to T x S and summed over
+    the bias's broadcast dims, in its dtype."""
+    rng = np.random.default_rng(sum(shape))
+    q, k = _qkv(3, dtype=BF16)[:2]
+    bias = jnp.asarray(rng.standard_normal(shape), F32)
+    op = np.asarray(launch.bias_operand(bias, q, k), np.float32)
+    assert op.shape == (*shape[:2], 128, 128) and launch.bias_operand(bias, q, k).dtype == BF16
+    np.testing.assert_array_equal(op[..., :T, :S], np.broadcast_to(np.asarray(bias.astype(BF16), np.float32),
+                                                                    (*shape[:2], T, S)))
+    assert not op[..., T:, :].any() and not op[..., S:].any()
+    dlogits = rng.standard_normal((B, N, 128, 128)).astype(np.float32)
+    got = launch.dbias_from_kernel(jnp.asarray(dlogits, BF16), bias, q, k)
+    want = np.asarray(jnp.asarray(dlogits, BF16), np.float32)[..., :T, :S]
+    want = want.sum(axis=tuple(i for i in range(4) if shape[i] == 1), keepdims=True)
+    assert got.dtype == F32 and got.shape == shape
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    assert launch.bias_operand(None, q, k).shape == (0,)
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 37, 200), (1, 3, 37, 200), (2, 1, 1, 129), (1, 1, 5, 1), (1, 1, 4, 256)], ids=str)

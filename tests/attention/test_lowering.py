@@ -118,13 +118,18 @@ def tensor_type(shape, dtype):
 
 
 I32, U32, I8 = jnp.int32, jnp.uint32, jnp.int8
-NO_MASK = [tensor_type((0,), U32), tensor_type((0,), I8)]  # the boolean mask's two operands, absent
-NO_MASKS = [tensor_type((0,), I32)] * 7 + NO_MASK  # the nine masking operands when no option is given
+NO_BIAS = tensor_type((0,), BF16)  # the bias operand, absent (of the inputs' dtype)
+NO_MASK = [tensor_type((0,), U32), tensor_type((0,), I8), NO_BIAS]  # the boolean mask's two operands and the bias
+NO_MASKS = [tensor_type((0,), I32)] * 7 + NO_MASK  # the ten masking operands when no option is given
+
+
+def no_masks(dtype):
+    return NO_MASKS[:-1] + [tensor_type((0,), dtype)]
 TILE_COUNTER = tensor_type((1,), I32)  # the forward's third result: scratch for the Hopper kernel's tile counter
 
 
 def assert_no_masking(call):
-    assert call.operand_types[-9:] == NO_MASKS
+    assert call.operand_types[-10:-1] == NO_MASKS[:-1]
     assert (call.attr_int("window_left"), call.attr_int("window_right")) == (-1, -1)
     assert call.attr_float("softcap") == 0.0
 
@@ -173,8 +178,8 @@ def test_forward_custom_call(lower, dtype, is_causal, scale):
     text = lower(functools.partial(jax_tk.attention, scale=scale, is_causal=is_causal), *args)
     (call,) = tk_calls(text, FWD_TARGET)
     assert tk_calls(text, BWD_TARGET) == []
-    assert len(call.operands) == 12
-    assert call.operand_types == [tensor_type((b, t, n, d), dtype)] + [tensor_type((b, s, kh, d), dtype)] * 2 + NO_MASKS
+    assert len(call.operands) == 13
+    assert call.operand_types == [tensor_type((b, t, n, d), dtype)] + [tensor_type((b, s, kh, d), dtype)] * 2 + no_masks(dtype)
     assert call.result_types == [tensor_type((b, t, n, d), dtype), tensor_type((b, n, t), F32), TILE_COUNTER]
     expected_scale = 1.0 / math.sqrt(d) if scale is None else scale
     assert np.float32(call.attr_float("scale")) == np.float32(expected_scale)
@@ -220,14 +225,14 @@ def test_grad_contains_backward_call(lower, dtype, is_causal):
     text = lower(_grad_fn(jax_tk.attention, scale=0.2, is_causal=is_causal), *_abstract(b, t, s, n, kh, d, dtype))
     (fwd,) = tk_calls(text, FWD_TARGET)
     (bwd,) = tk_calls(text, BWD_TARGET)
-    # q, k, v, out, lse, dout, dlse, and the seven (absent) masking operands
-    assert len(bwd.operands) == 16
+    # q, k, v, out, lse, dout, dlse, and the ten (absent) masking operands
+    assert len(bwd.operands) == 17
     q_t, kv_t, lse_t = tensor_type((b, t, n, d), dtype), tensor_type((b, s, kh, d), dtype), tensor_type((b, n, t), F32)
-    assert bwd.operand_types == [q_t, kv_t, kv_t, q_t, lse_t, q_t, lse_t] + NO_MASKS
+    assert bwd.operand_types == [q_t, kv_t, kv_t, q_t, lse_t, q_t, lse_t] + no_masks(dtype)
     # dq, dk, dv, and the fp32 workspaces: delta, and the Hopper kernel's: a 64 x d dq accumulator
     # and a lock per (batch, head, 64-row query block)
     ws_t = tensor_type((b * n * -(-t // 64) * (64 * d + 2 * 64 + 1),), F32)
-    assert bwd.result_types == [q_t, kv_t, kv_t, lse_t, ws_t]
+    assert bwd.result_types == [q_t, kv_t, kv_t, lse_t, ws_t, tensor_type((0,), dtype)]  # (dbias: none without a bias)
     for call in (fwd, bwd):
         assert np.float32(call.attr_float("scale")) == np.float32(0.2)
         assert call.attr_int("is_causal") == int(is_causal)
@@ -240,7 +245,7 @@ def test_deterministic_attribute(lower, deterministic):
     fn = _grad_fn(jax_tk.attention, is_causal=True, deterministic_backward=deterministic)
     (bwd,) = tk_calls(lower(fn, *_abstract(t=130)), BWD_TARGET)
     assert bwd.attr_int("deterministic") == int(deterministic)
-    assert bwd.result_types[-1] == tensor_type((2 * 4 * 3 * (64 * 64 + 2 * 64 + 1),), F32)
+    assert bwd.result_types[-2] == tensor_type((2 * 4 * 3 * (64 * 64 + 2 * 64 + 1),), F32)
 
 
 def test_deterministic_must_be_bool():
@@ -257,7 +262,7 @@ def test_grad_of_attention_with_lse_contains_backward_call(lower):
     text = lower(jax.grad(loss, argnums=(0, 1, 2)), *_abstract())
     assert len(tk_calls(text, FWD_TARGET)) == 1
     (bwd,) = tk_calls(text, BWD_TARGET)
-    assert len(bwd.operands) == 16
+    assert len(bwd.operands) == 17
     assert bwd.attr_int("is_causal") == 1
     assert np.float32(bwd.attr_float("scale")) == np.float32(0.125)
 
@@ -545,8 +550,27 @@ def test_boolean_mask_lowers_to_kernels(lower, monkeypatch, mask_shape):
     (bwd,) = tk_calls(text, BWD_TARGET)
     bits = tensor_type((*mask_shape[:2], T_, 4), U32)
     summary = tensor_type((*mask_shape[:2], 1, 1), I8)
-    assert fwd.operand_types[-3:] == [ORDER_FWD, bits, summary]
-    assert bwd.operand_types[-3:] == [ORDER_BWD, bits, summary]
+    assert fwd.operand_types[-4:] == [ORDER_FWD, bits, summary, NO_BIAS]
+    assert bwd.operand_types[-4:] == [ORDER_BWD, bits, summary, NO_BIAS]
+
+
+@pytest.mark.parametrize("bias_shape", [(B_, 4, T_, S_), (1, 1, T_, S_), (1, 4, 1, S_)], ids=str)
+def test_bias_lowers_to_kernels(lower, monkeypatch, bias_shape):
+    """A bias reaches the kernels (once they take it) in the inputs' dtype, broadcast over rows and keys
+    and padded to whole 128 x 128 blocks, [bias batch, bias heads, 128, 128]; the backward returns the
+    logits' gradient [B, H, 128, 128], summed in XLA to the bias's shape. With a soft cap the
+    reference runs."""
+    monkeypatch.setattr(launch, "KERNELS_TAKE_BIAS", True)
+    bias = jax.ShapeDtypeStruct(bias_shape, F32)
+    fn = lambda q, k, v, b: jnp.sum(jax_tk.attention(q, k, v, b).astype(F32))
+    text = lower(jax.grad(fn, argnums=(0, 1, 2, 3)), *_abstract(B_, T_, S_), bias)
+    (fwd,) = tk_calls(text, FWD_TARGET)
+    (bwd,) = tk_calls(text, BWD_TARGET)
+    padded = tensor_type((*bias_shape[:2], 128, 128), BF16)
+    assert fwd.operand_types[-1] == padded and bwd.operand_types[-1] == padded
+    assert bwd.result_types[-1] == tensor_type((B_, 4, 128, 128), BF16)
+    capped = lambda q, k, v, b: jnp.sum(jax_tk.attention(q, k, v, b, logits_soft_cap=5.0).astype(F32))
+    assert tk_calls(lower(jax.grad(capped, argnums=(0, 1, 2, 3)), *_abstract(B_, T_, S_), bias)) == []
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -559,15 +583,15 @@ def test_block_order_operand(lower, deterministic):
     text = lower(jax.grad(fn, argnums=(0, 1, 2)), *_abstract(B_, T_, S_), ids_q, ids_kv)
     (fwd,) = tk_calls(text, FWD_TARGET)
     (bwd,) = tk_calls(text, BWD_TARGET)
-    assert fwd.operand_types[-3] == ORDER_FWD  # (then the mask's two)
-    assert bwd.operand_types[-3] == (ABSENT if deterministic else ORDER_BWD)
+    assert fwd.operand_types[-4] == ORDER_FWD  # (then the mask's two and the bias)
+    assert bwd.operand_types[-4] == (ABSENT if deterministic else ORDER_BWD)
 
 
 def test_no_block_order_for_the_mma_sync_kernels(monkeypatch):
     monkeypatch.setenv("JAX_TK_ATTENTION_KERNELS", "sm80")
     fn = lambda q, k, v, qs, ks: jax_tk.attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks)
     (fwd,) = tk_calls(lower_jit(fn, *_abstract(B_, T_, S_), _ids((B_, T_)), _ids((B_, S_))), FWD_TARGET)
-    assert fwd.operand_types[-3] == ABSENT
+    assert fwd.operand_types[-4] == ABSENT
 
 
 def test_block_order_traces_without_constants():

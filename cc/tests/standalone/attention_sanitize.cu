@@ -28,12 +28,13 @@ int *device_ints(const std::vector<int> &host) {
 // batch entry with no query rows, the other with only half of its keys) and a soft cap, all at once;
 // SEGMENTS = the segment ids and lengths alone; WINDOW = the window and lengths alone (each option
 // set takes its own Hopper backward kernel); DOCUMENTS = the same sorted segment ids for queries and
-// keys (t == s) and lengths, the forward taking one document's tiles (Params::fwd_tiles); BOOLEAN =
-// ALL and a boolean mask per head (Params::mask_bits and mask_blocks, broadcast over the batch) whose
-// blocks are empty, full and mixed.
-enum Mask { NONE, ALL, SEGMENTS, WINDOW, DOCUMENTS, BOOLEAN };
+// keys (t == s) and lengths, the forward taking one document's tiles (Params::fwd_tiles); DENSE = ALL
+// but the soft cap, and the dense operands: a boolean mask per head (Params::mask_bits and
+// mask_blocks, broadcast over the batch) whose blocks are empty, full and mixed, and a bias per batch
+// entry (broadcast over the heads) with its gradient.
+enum Mask { NONE, ALL, SEGMENTS, WINDOW, DOCUMENTS, DENSE };
 
-// The boolean mask of BOOLEAN as the kernels read it: [1, n, t, mask_words(s)] words and the int8 block
+// The boolean mask of DENSE as the kernels read it: [1, n, t, mask_words(s)] words and the int8 block
 // summary (what jax_tk/attention/launch.py computes).
 std::vector<int *> boolean_mask(Params &p, std::mt19937 &rng) {
   const int t = p.q_len, s = p.kv_len, n = p.q_heads, words = mask_words(s);
@@ -57,7 +58,7 @@ std::vector<int *> boolean_mask(Params &p, std::mt19937 &rng) {
   int *bits_d = device_ints(bits);
   p.mask_bits = reinterpret_cast<const uint32_t *>(bits_d);
   p.mask_blocks = codes_d;
-  p.mask_batch = 1; p.mask_heads = n; p.mask_entry_batch = p.batch;
+  p.mask_batch = 1; p.mask_heads = n; p.entry_batch = p.batch;
   return {bits_d, reinterpret_cast<int *>(codes_d)};
 }
 
@@ -120,7 +121,7 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
       p.q_segment_ranges = ints[4]; p.kv_segment_ranges = ints[5];
     }
     if (masked != SEGMENTS && masked != DOCUMENTS) p.window_left = 40, p.window_right = 7;
-    if (masked == ALL || masked == BOOLEAN) p.softcap = 5.f;
+    if (masked == ALL) p.softcap = 5.f;
     if (masked == SEGMENTS || masked == DOCUMENTS) {  // tiles and blocks in orders of their own
       // the forward's tiles (Params::fwd_tiles): with SEGMENTS the fixed grid's in reverse, with
       // DOCUMENTS each segment's, from its start
@@ -146,7 +147,16 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
   }
   const bool ordered = ints.size() > 6;
   p.fwd_tiles = ordered ? ints[6] : nullptr;
-  std::vector<int *> mask = masked == BOOLEAN ? boolean_mask(p, rng) : std::vector<int *>{};
+  std::vector<int *> mask = masked == DENSE ? boolean_mask(p, rng) : std::vector<int *>{};
+  void *dbias = nullptr;
+  if (masked == DENSE) {  // [b, 1, padded rows, padded keys] and its gradient [b, n, ...]
+    const size_t matrix = size_t(padded_rows(t)) * padded_keys(s);
+    p.bias = device_random<__nv_bfloat16>(b * matrix, rng);
+    p.bias_batch = b; p.bias_heads = 1;
+    CHECK(cudaMalloc(&dbias, size_t(b) * n * matrix * 2));
+    CHECK(cudaMemset(dbias, 0, size_t(b) * n * matrix * 2));
+    p.dbias = dbias;
+  }
   CHECK(hopper ? fwd_sm90(p, 0) : fwd_sm80(p, 0));
   p.block_order = ordered && !deterministic ? ints[7] : nullptr;
   CHECK(hopper ? bwd_sm90(p, 0) : bwd_sm80(p, 0));
@@ -155,7 +165,11 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
   for (const void *x : buffers) CHECK(cudaFree(const_cast<void *>(x)));
   for (int *x : ints) CHECK(cudaFree(x));
   for (int *x : mask) CHECK(cudaFree(x));
-  const char *masks[] = {"", " masked", " segments", " window", " documents", " boolean mask"};
+  if (dbias) {
+    CHECK(cudaFree(dbias));
+    CHECK(cudaFree(const_cast<void *>(p.bias)));
+  }
+  const char *masks[] = {"", " masked", " segments", " window", " documents", " mask and bias"};
   std::printf("ok b=%d t=%d s=%d n=%d kh=%d d=%d causal=%d %s%s%s\n", b, t, s, n, kh, d, causal,
               hopper ? "sm90" : "sm80", masks[masked], deterministic ? " deterministic" : "");
   return 0;
@@ -171,11 +185,11 @@ int main() {
       run(1, 70, 50, 2, 1, 64, causal, hopper);
       run(2, 33, 130, 4, 2, 128, causal, hopper);
       run(2, 150, 90, 4, 2, 64, causal, hopper, ALL);
-      run(2, 150, 200, 4, 2, 64, causal, hopper, BOOLEAN);
-      run(1, 70, 130, 4, 2, 128, causal, hopper, BOOLEAN);
+      run(2, 150, 200, 4, 2, 64, causal, hopper, DENSE);
+      run(1, 70, 130, 4, 2, 128, causal, hopper, DENSE);
       if (hopper) {
-        run(2, 150, 200, 4, 2, 128, causal, hopper, BOOLEAN, true);
-        run(1, 70, 130, 4, 2, 256, causal, hopper, BOOLEAN);
+        run(2, 150, 200, 4, 2, 128, causal, hopper, DENSE, true);
+        run(1, 70, 130, 4, 2, 256, causal, hopper, DENSE);
         run(1, 130, 200, 4, 2, 64, causal, hopper, NONE, true);
         run(1, 70, 130, 2, 1, 256, causal, hopper, ALL);
         run(1, 70, 130, 2, 1, 256, causal, hopper, ALL, true);

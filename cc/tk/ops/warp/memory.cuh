@@ -116,12 +116,31 @@ __device__ __forceinline__ void load(RT &dst, const gl<T> &src, coord o) {
   });
 }
 
+// dst += f * src (a global view at o), pair by pair (one load where the pair is contiguous in
+// memory); rows at or past src.seq() add nothing.
+template <RegisterTile RT, typename T>
+__device__ __forceinline__ void add_from(RT &dst, const gl<T> &src, coord o, float f) {
+  using U = std::remove_const_t<T>;
+  for_each_pair<RT>([&](int i, int j, int k, int r, int c) {
+    int r2 = pair_along_row<RT> ? r : r + 1, c2 = pair_along_row<RT> ? c + 1 : c;
+    float2 v{0.f, 0.f};
+    if (pair_along_row<RT> && is_16bit<U> && src.strides[3] == 1) {
+      if (o.s + r < src.seq()) v = to_float2(*reinterpret_cast<const packed<U> *>(src.at(o.b, o.s + r, o.h, o.d + c)));
+    } else {
+      if (o.s + r < src.seq()) v.x = convert<float>(*src.at(o.b, o.s + r, o.h, o.d + c));
+      if (o.s + r2 < src.seq()) v.y = convert<float>(*src.at(o.b, o.s + r2, o.h, o.d + c2));
+    }
+    const float2 d = to_float2(dst.tiles[i][j].data[k]);
+    dst.tiles[i][j].data[k] = from_float2<packed<typename RT::dtype>>(float2{d.x + f * v.x, d.y + f * v.y});
+  });
+}
+
 // Register tile -> global view; rows at or past dst.seq() are not written.
 template <typename T, RegisterTile RT>
 __device__ __forceinline__ void store(const gl<T> &dst, const RT &src, coord o) {
   for_each_pair<RT>([&](int i, int j, int k, int r, int c) {
     float2 v = to_float2(src.tiles[i][j].data[k]);
-    if constexpr (pair_along_row<RT> && is_16bit<T>) {
+    if (pair_along_row<RT> && is_16bit<T> && dst.strides[3] == 1) {  // the pair is contiguous: one store
       if (o.s + r < dst.seq())
         *reinterpret_cast<packed<T> *>(dst.at(o.b, o.s + r, o.h, o.d + c)) = from_float2<packed<T>>(v);
     } else {

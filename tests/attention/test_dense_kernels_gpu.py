@@ -1,9 +1,13 @@
-"""GPU tests of the attention kernels' boolean mask (jax.nn's ``mask=``; skipped without a GPU).
+"""GPU tests of the attention kernels' dense operands, jax.nn's ``mask=`` and ``bias=`` (skipped without
+a GPU).
 
 The kernels read the mask as bits (``launch.mask_bits``) and skip the blocks its per-block summary
 (``launch.mask_summary``) marks empty; these tests compare them with the float32 reference over masks
 whose blocks are empty, full and mixed, broadcast over batch, heads, rows or keys, alone and with every
-other masking option, both kernel families, outputs poisoned (``check_kernels``)."""
+other masking option, both kernel families, outputs poisoned (``check_kernels``). The bias (padded,
+in the inputs' dtype: ``launch.bias_operand``) and its gradient (``launch.dbias_from_kernel``) are
+compared the same way, with each broadcast shape and with the other options."""
+import functools
 import math
 import zlib
 
@@ -15,16 +19,19 @@ import pytest
 import jax_tk
 from helpers import rel_err
 from jax_tk._core import extension
-from jax_tk.attention import launch
-from jax_tk.attention.launch import VARIANT_AUTO, VARIANT_SM80, Masks
-from test_kernels_gpu import BF16, F16, F32, check_kernels, make_inputs, make_masks
+from jax_tk.attention import launch, reference
+from jax_tk.attention.api import AttentionSpec
+from jax_tk.attention.launch import VARIANT_AUTO, VARIANT_SM80, Masks, bwd_kernel, bwd_workspace_shape, fwd_kernel
+from test_kernels_gpu import (BF16, F16, F32, assert_close, assert_lse_close, check_kernels, make_inputs,
+                              make_masks)
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
-def _kernels_take_mask(monkeypatch):
+def _kernels_take_mask_and_bias(monkeypatch):
     monkeypatch.setattr(launch, "KERNELS_TAKE_MASK", True)
+    monkeypatch.setattr(launch, "KERNELS_TAKE_BIAS", True)
 
 
 def make_mask(seed, shape, kind):
@@ -164,3 +171,115 @@ def test_public_api_with_mask_values_and_grads():
     got = jax.jit(jax.vmap(ours, in_axes=(0, None, None, 0)))(qs, k, v, masks)
     for i in range(3):
         assert rel_err(got[i], theirs(qs[i], k, v, masks[i])) < 1e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# The bias
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "variant", "window", "deterministic"))
+def kernel_with_bias(q, k, v, bias, dout, dlse, masks, *, scale, is_causal, variant, window, deterministic=False):
+    """The forward and backward kernels with a bias, every output poisoned; (out, lse, dq, dk, dv, dbias)."""
+    spec = AttentionSpec(scale, is_causal, True, window, None, deterministic)
+    b, t, n, _ = q.shape
+    nan = lambda shape, dtype: jnp.full(shape, jnp.nan, dtype)
+    out, lse = fwd_kernel(q, k, v, spec, out_init=(nan(q.shape, q.dtype), nan((b, n, t), F32)), variant=variant,
+                          masks=masks, bias=bias)
+    grads = bwd_kernel(q, k, v, out, lse, dout, dlse, spec, variant=variant, masks=masks, bias=bias,
+                       out_init=(nan(q.shape, q.dtype), nan(k.shape, k.dtype), nan(v.shape, v.dtype),
+                                 nan((b, n, t), F32), nan(bwd_workspace_shape(q).shape, F32)))
+    return (out, lse, *grads)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "window"))
+def reference_with_bias(q, k, v, bias, dout, dlse, masks, *, scale, is_causal, window):
+    """jax_tk's float32 reference from the same inputs (the bias rounded to the inputs' dtype, as the
+    kernels read it); gradients of (q, k, v, bias) from jax.vjp with (dout, dlse)."""
+    m = Masks() if masks is None else masks
+    f = functools.partial(reference.attention_with_lse, scale=scale, is_causal=is_causal, local_window_size=window,
+                          q_segment_ids=m.q_segment_ids, kv_segment_ids=m.kv_segment_ids,
+                          query_seq_lengths=m.q_lengths, key_value_seq_lengths=m.kv_lengths, mask=m.mask)
+    bias = bias.astype(q.dtype).astype(F32)
+    (out, lse), vjp = jax.vjp(lambda q, k, v, b: f(q, k, v, bias=b), *(x.astype(F32) for x in (q, k, v)), bias)
+    return (out, lse, *vjp((dout.astype(F32), jnp.where(jnp.isneginf(lse), 0.0, dlse))))
+
+
+# (id, (b, t, s, n, kh, d, dtype), bias shape (0: that dim of the call, 1: broadcast), is_causal,
+#  window, segments, q_lengths, kv_lengths, mask kind or None)
+BIAS_CASES = [
+    ("full", (2, 200, 130, 4, 2, 64, BF16), (0, 0, 0, 0), False, None, None, None, None, None),
+    ("causal", (2, 333, 400, 8, 2, 128, BF16), (0, 0, 0, 0), True, None, None, None, None, None),
+    ("shared", (2, 300, 300, 4, 2, 64, F16), (1, 1, 0, 0), True, None, None, None, None, None),
+    ("per_head", (3, 130, 257, 4, 4, 128, BF16), (1, 0, 0, 0), False, None, None, None, None, None),
+    ("per_batch", (2, 129, 130, 4, 2, 64, BF16), (0, 1, 0, 0), False, None, None, None, None, None),
+    ("keys_only", (2, 200, 300, 4, 2, 128, F16), (0, 1, 1, 0), False, None, None, None, None, None),
+    # (a bias constant along the keys has a zero gradient, which bf16 rounding cannot match relatively)
+    ("keys_shared", (2, 200, 300, 4, 2, 64, BF16), (1, 1, 1, 0), True, None, None, None, None, None),
+    ("one_query", (2, 1, 700, 8, 2, 128, BF16), (0, 0, 0, 0), False, None, None, None, None, None),
+    ("with_mask", (2, 333, 400, 4, 2, 64, BF16), (1, 0, 0, 0), False, None, None, None, None, "blocks"),
+    ("everything", (2, 333, 1000, 8, 2, 64, BF16), (0, 0, 0, 0), True, (100, 3), "packed", [300, 333], [333, 640],
+     "random"),
+]
+
+
+def _bias_run(case, variant, deterministic=False, d=None):
+    name, (b, t, s, n, kh, d0, dtype), dims, is_causal, window, segments, q_lengths, kv_lengths, mask_kind = case
+    d = d or d0
+    seed = zlib.crc32(("bias" + name + str(d)).encode())
+    q, k, v, dout = make_inputs(seed, b, t, s, n, kh, d, dtype)
+    rng = np.random.default_rng(seed + 1)
+    dlse = jnp.asarray(rng.standard_normal((b, n, t), dtype=np.float32))
+    bias = jnp.asarray(2.0 * rng.standard_normal(_call_shape(b, t, s, n, dims)), F32)
+    masks = make_masks(seed + 2, b, t, s, segments, q_lengths, kv_lengths)
+    if mask_kind:
+        masks = masks._replace(mask=make_mask(seed + 3, (b, n, t, s), mask_kind))
+    opts = dict(scale=1.0 / math.sqrt(d), is_causal=is_causal, window=window)
+    got = kernel_with_bias(q, k, v, bias, dout, dlse, masks, variant=variant, deterministic=deterministic, **opts)
+    want = reference_with_bias(q, k, v, bias, dout, dlse, masks, **opts)
+    assert got[5].shape == bias.shape and got[5].dtype == bias.dtype
+    for name_, x, r in zip(("out", "dq", "dk", "dv", "dbias"), (got[0], *got[2:]), (want[0], *want[2:])):
+        assert_close(name_, x, r)
+    assert_lse_close(got[1], want[1])
+
+
+@pytest.mark.parametrize("variant", [VARIANT_AUTO, VARIANT_SM80], ids=["auto", "sm80"])
+@pytest.mark.parametrize("case", BIAS_CASES, ids=[c[0] for c in BIAS_CASES])
+def test_bias_kernels_vs_reference(case, variant):
+    _bias_run(case, variant)
+
+
+@pytest.mark.parametrize("case", [c for c in BIAS_CASES if c[0] in ("causal", "everything")], ids=lambda c: c[0])
+def test_bias_deterministic_backward(case):
+    _bias_run(case, VARIANT_AUTO, deterministic=True)
+
+
+@pytest.mark.parametrize("case", [c for c in BIAS_CASES if c[0] in ("causal", "with_mask")], ids=lambda c: c[0])
+def test_bias_head_dim_256(case):
+    if not _hopper():
+        pytest.skip("head_dim 256 runs on H100/H200 only")
+    _bias_run(case, VARIANT_AUTO, d=256)
+
+
+def test_public_api_with_bias_values_and_grads():
+    """jax_tk.attention(bias) on the kernels under jit and grad (the bias's gradient too) against
+    jax.nn.dot_product_attention's XLA path, and vmapped."""
+    b, t, s, n, kh, d = 2, 300, 200, 8, 2, 64
+    q, k, v, _ = make_inputs(21, b, t, s, n, kh, d, BF16)
+    bias = jnp.asarray(np.random.default_rng(22).standard_normal((1, n, t, s)), BF16)
+    f32 = lambda *a: [x.astype(F32) for x in a]
+    ours = lambda q, k, v, bias: jax_tk.attention(q, k, v, bias, is_causal=True, implementation="tk")
+    theirs = lambda q, k, v, bias: jax.nn.dot_product_attention(*f32(q, k, v, bias), is_causal=True, implementation="xla")
+    assert "jax_tk_attention_bwd" in jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a).astype(F32)))).lower(
+        q, k, v, bias).as_text()
+    w = jnp.asarray(np.random.default_rng(23).standard_normal((b, t, n, d)), F32)
+    loss = lambda f: lambda *a: jnp.sum(f(*a).astype(F32) * w)
+    assert rel_err(jax.jit(ours)(q, k, v, bias), theirs(q, k, v, bias)) < 1e-2
+    got = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    want = jax.grad(loss(theirs), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    for g, r in zip(got, want):
+        assert rel_err(g, r) < 1e-2
+    biases = jnp.stack([bias, -bias, 0.5 * bias])
+    got = jax.jit(jax.vmap(ours, in_axes=(None, None, None, 0)))(q, k, v, biases)
+    for i in range(3):
+        assert rel_err(got[i], theirs(q, k, v, biases[i])) < 1e-2
