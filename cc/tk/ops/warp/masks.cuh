@@ -23,11 +23,13 @@ __device__ __forceinline__ void bounds(D &dst, const S &src, int n_rows, int n_c
 }
 
 // Bit masks: a row-major bit matrix, each row a run of 32-bit words (bit k of a row is bit k % 32 of
-// its word k / 32). keep_bits keeps (r, c) where bit c0 + c of row r is set, else fill; words(r)
-// points at row r's words, c0 % 8 == 0. A lane's elements of one 8-column group of a row share a
-// word (the group's first column is known at compile time), so it loads a word per row and group.
-template <RegisterTile D, RegisterTile S, typename W>
-__device__ __forceinline__ void keep_bits(D &dst, const S &src, W words, int c0, float fill) {
+// its word k / 32). keep_bits keeps (r, c) where bit off + c of row r is set, else fill; words(r)
+// points at row r's words, off % 8 == 0. keep_bits_by_col is the same with the bits running down the
+// columns: it keeps (r, c) where bit off + r of column c's words (words(c)) is set. A lane's elements
+// of one 8-wide group share a word (the group's start is known at compile time), so it loads a word
+// per row (column) and group.
+template <bool BY_COL, RegisterTile D, RegisterTile S, typename W>
+__device__ __forceinline__ void keep_bits_along(D &dst, const S &src, W words, int off, float fill) {
   using L = typename S::layout;
 #pragma unroll
   for (int i = 0; i < D::height; i++)
@@ -35,26 +37,20 @@ __device__ __forceinline__ void keep_bits(D &dst, const S &src, W words, int c0,
     for (int j = 0; j < D::width; j++)
 #pragma unroll
       for (int e = 0; e < 8; e++) {
-        const int c = S::col_of(j, e), group = j * TILE + (piece_col<L>(0, e) & ~7);
-        const uint32_t w = __ldg(words(S::row_of(i, e)) + (c0 + group) / 32);
-        dst.set(i, j, e, (w >> ((c0 + c) % 32)) & 1u ? src.get(i, j, e) : fill);
+        const int r = S::row_of(i, e), c = S::col_of(j, e);
+        const int bit = BY_COL ? r : c;  // (the group: i or j, and the element's place in the piece at lane 0)
+        const int group = BY_COL ? i * TILE + (piece_row<L>(0, e) & ~7) : j * TILE + (piece_col<L>(0, e) & ~7);
+        const uint32_t w = __ldg(words(BY_COL ? c : r) + (off + group) / 32);
+        dst.set(i, j, e, (w >> ((off + bit) % 32)) & 1u ? src.get(i, j, e) : fill);
       }
 }
-// The same with the bits running down the columns: keeps (r, c) where bit r0 + r of column c's
-// words (words(c)) is set; r0 % 8 == 0.
 template <RegisterTile D, RegisterTile S, typename W>
-__device__ __forceinline__ void keep_bits_by_col(D &dst, const S &src, W words, int r0, float fill) {
-  using L = typename S::layout;
-#pragma unroll
-  for (int i = 0; i < D::height; i++)
-#pragma unroll
-    for (int j = 0; j < D::width; j++)
-#pragma unroll
-      for (int e = 0; e < 8; e++) {
-        const int r = S::row_of(i, e), group = i * TILE + (piece_row<L>(0, e) & ~7);
-        const uint32_t w = __ldg(words(S::col_of(j, e)) + (r0 + group) / 32);
-        dst.set(i, j, e, (w >> ((r0 + r) % 32)) & 1u ? src.get(i, j, e) : fill);
-      }
+__device__ __forceinline__ void keep_bits(D &dst, const S &src, W words, int off, float fill) {
+  keep_bits_along<false>(dst, src, words, off, fill);
+}
+template <RegisterTile D, RegisterTile S, typename W>
+__device__ __forceinline__ void keep_bits_by_col(D &dst, const S &src, W words, int off, float fill) {
+  keep_bits_along<true>(dst, src, words, off, fill);
 }
 
 }  // namespace tk::warp
