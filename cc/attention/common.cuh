@@ -27,8 +27,8 @@ inline bool has_options(const Params &p) {
 // (plain attention pays nothing for the options), FULL = true applies every option of Params but the
 // boolean mask and the bias (the dense [q_len, kv_len] operands), and FULL = DENSE = true every
 // option. (The dense operands' helpers below take DENSE: without it the instances for windows, lengths
-// and segment ids compile as if those did not exist; their code costs registers in the loops. The Hopper backward splits FULL further by option, see
-// bwd_sm90_kernel.)
+// and segment ids compile as if those did not exist; their code costs registers in the loops. The
+// Hopper backward splits FULL further by option, see bwd_sm90_kernel.)
 template <int... DIMS, typename F> cudaError_t dispatch(const Params &p, F f) {
   auto by_dim = [&]<typename T, bool FULL, bool DENSE>() -> cudaError_t {
     cudaError_t e = cudaErrorInvalidValue;
