@@ -166,13 +166,14 @@ __device__ __forceinline__ int load_acquire(const int *x) {
 
 // The masked kernels (FULL) come in four: SEG and CAP say whether per-pair tests (segment ids, a
 // boolean mask) and a soft cap may be given (otherwise they are known to be absent): windows and
-// lengths alone (neither), per-pair tests without a cap (SEG), and any options with a cap (both); DET, the deterministic mode (any options:
+// lengths alone (neither), per-pair tests without a cap (SEG), and any options with a cap (both);
+// DET, the deterministic mode (any options:
 // SEG and CAP). Leaving out the code of the segment test and of the cap takes branches out of the
 // loop (the window rows ran 10% faster without them and without the block list), and leaving out the
 // deterministic turns' code keeps ptxas from spilling in the loop (14-18 LDL/STL per step). The plain
 // kernel (FULL = false) tests Params::deterministic at run time: DET does not apply to it (with the
-// turns' code compiled out it spilled instead, and ran 2-4% slower). DENSE: the boolean mask's code
-// (the mask's helpers), in the kernels for any options only.
+// turns' code compiled out it spilled instead, and ran 2-4% slower). DENSE: the code of the dense
+// operands, the boolean mask and the bias (see dispatch), in the kernels for any options only.
 template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE>
 __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const __grid_constant__ typename BwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -259,9 +260,10 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       const int s = at.slot;
       wait_empty(steps, at);
       if (loader) {
-        if constexpr (SEG)  // for the consumers (see next_step)
-          sm.step[s] = {g, i << MASK_BITS | tile_mask_bits<FULL, DENSE>(p, rule, qblocks.uniform(i) && mask_code<FULL, DENSE>(p, b, h, i * BQ, k0) == MASK_FULL,
-                                                                 i * BQ, BQ, k0, BK)};
+        if constexpr (SEG) {  // for the consumers (see next_step); the mask's block is this head's own
+          const bool uniform = qblocks.uniform(i) && mask_code<FULL, DENSE>(p, b, h, i * BQ, k0) == MASK_FULL;
+          sm.step[s] = {g, i << MASK_BITS | tile_mask_bits<FULL, DENSE>(p, rule, uniform, i * BQ, BQ, k0, BK)};
+        }
         expect_bytes(steps.full(at), sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
         load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, steps.full(at));
         load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, steps.full(at));
@@ -528,7 +530,7 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
         !make_tma_map(a.dv, p.dv, p.batch, p.kv_len, p.kv_heads, D))
       return cudaErrorInvalidValue;
     // The kernel's DET, CAP, SEG and DENSE (the deterministic masked kernel takes any options but the
-    // mask; with a mask, the kernels for any options, deterministic or not).
+    // dense operands; with a mask or a bias, the kernels for any options, deterministic or not).
     const bool det = FULL && p.deterministic, cap = det || DENSE || (FULL && p.softcap > 0.f);
     const bool seg = cap || (FULL && p.q_segment_ids);
     auto kernel = bwd_sm90_kernel<T, D, FULL, false, false, false, false>;
