@@ -288,6 +288,31 @@ class TestSharding:
             assert f"tensor<{b // 2}x{t}xi32>" in line and f"tensor<{b // 2}xi32>" in line, line
             assert f"tensor<{b}x{t}xi32>" not in line, line
 
+    def test_cuda_lowering_with_bias_and_mask_takes_local_shards(self, monkeypatch):
+        # Once the kernels take bias= and mask=: each device's kernels get its shards of them (the
+        # mask's bits and block summary, the padded bias) and return its part of the bias's gradient.
+        from jax_tk.attention import launch
+
+        monkeypatch.setattr(launch, "KERNELS_TAKE_MASK", True)
+        monkeypatch.setattr(launch, "KERNELS_TAKE_BIAS", True)
+        mesh = _mesh(AxisType.Explicit)
+        b, t, n, kh, d = 4, 32, 8, 4, 64
+        sds = lambda shape, spec, dt=BF16: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+        spec = P("data", None, "model")
+        qs, ks = sds((b, t, n, d), spec), sds((b, t, kh, d), spec)
+        bias, mask = sds((1, n, t, t), P(None, "model"), F32), sds((b, 1, t, t), P("data"), jnp.bool_)
+        loss = lambda q, k, v, bias, mask: jnp.sum(jax_tk.attention(q, k, v, bias, mask, is_causal=True).astype(F32))
+        checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in
+                  ("jax_tk_attention_fwd", "jax_tk_attention_bwd")]
+        text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=["cuda"],
+                                 disabled_checks=checks)(qs, ks, ks, bias, mask).mlir_module()
+        calls = [l for l in text.splitlines() if "stablehlo.custom_call @jax_tk_attention" in l]
+        assert len(calls) == 2
+        for line in calls:  # local shards: half the batch, a quarter of the heads; T, S padded to 128
+            assert f"tensor<{b // 2}x1x{t}x4xui32>" in line and f"tensor<{b // 2}x1x1x1xi8>" in line, line
+            assert f"tensor<1x{n // 4}x128x128xbf16>" in line, line
+        assert f"-> (tensor<{b // 2}x{t}x{n // 4}x{d}xbf16>" in calls[1] and f"tensor<{b // 2}x{n // 4}x128x128xbf16>)" in calls[1]
+
     @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
     def test_float32_reference_path(self, axis_type):
         # float32 never takes the kernel (no platform_dependent): same partitioning, tight tolerance.
