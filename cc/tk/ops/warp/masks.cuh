@@ -24,24 +24,20 @@ __device__ __forceinline__ void bounds(D &dst, const S &src, int n_rows, int n_c
 
 // Bit masks: a row-major bit matrix, each row a run of 32-bit words (bit k of a row is bit k % 32 of
 // its word k / 32). keep_bits keeps (r, c) where bit off + c of row r is set, else fill; words(r)
-// points at row r's words, off % 8 == 0. keep_bits_by_col is the same with the bits running down the
-// columns: it keeps (r, c) where bit off + r of column c's words (words(c)) is set. A lane's elements
-// of one 8-wide group share a word (the group's start is known at compile time), so it loads a word
-// per row (column) and group.
+// points at row r's words, off % 16 == 0. keep_bits_by_col is the same with the bits running down the
+// columns: it keeps (r, c) where bit off + r of column c's words (words(c)) is set. The 16 bits of a
+// 16 x 16 piece's row (column) lie in one word, so a lane loads one word per row (column) and piece.
 template <bool BY_COL, RegisterTile D, RegisterTile S, typename W>
 __device__ __forceinline__ void keep_bits_along(D &dst, const S &src, W words, int off, float fill) {
-  using L = typename S::layout;
 #pragma unroll
   for (int i = 0; i < D::height; i++)
 #pragma unroll
     for (int j = 0; j < D::width; j++)
 #pragma unroll
       for (int e = 0; e < 8; e++) {
-        const int r = S::row_of(i, e), c = S::col_of(j, e);
-        const int bit = BY_COL ? r : c;  // (the group: i or j, and the element's place in the piece at lane 0)
-        const int group = BY_COL ? i * TILE + (piece_row<L>(0, e) & ~7) : j * TILE + (piece_col<L>(0, e) & ~7);
-        const uint32_t w = __ldg(words(BY_COL ? c : r) + (off + group) / 32);
-        dst.set(i, j, e, (w >> ((off + bit) % 32)) & 1u ? src.get(i, j, e) : fill);
+        const int r = S::row_of(i, e), c = S::col_of(j, e), bit = off + (BY_COL ? r : c);
+        const uint32_t w = __ldg(words(BY_COL ? c : r) + (off + TILE * (BY_COL ? i : j)) / 32);
+        dst.set(i, j, e, (w >> (bit % 32)) & 1u ? src.get(i, j, e) : fill);
       }
 }
 template <RegisterTile D, RegisterTile S, typename W>
