@@ -48,7 +48,7 @@ template <typename T, int D> struct DQ {
 
 template <typename T, int D, bool FULL, bool DENSE>
 __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_constant__ Params p) {
-    using C = DQ<T, D>;
+  using C = DQ<T, D>;
   constexpr int BQ = C::BQ, BK = C::BK, NT = C::THREADS;
   extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
@@ -167,7 +167,7 @@ template <typename T, int D> struct DKV {
 
 template <typename T, int D, bool FULL, bool DENSE>
 __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_constant__ Params p) {
-    using C = DKV<T, D>;
+  using C = DKV<T, D>;
   constexpr int BQ = C::BQ, BKV = C::BKV, NT = C::THREADS;
   extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);

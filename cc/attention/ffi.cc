@@ -160,44 +160,45 @@ ffi::Error check_masking(Params &p, const Lead &lead, const ffi::AnyBuffer &q_se
   return ffi::Error::Success();
 }
 
+// A dense operand's batch and heads dims (1 or the call's; see Params::dense_index): `x` must be lead
+// + [batch, heads, rows, cols]; false if not.
+bool dense_dims(const Params &p, const Lead &lead, const ffi::AnyBuffer &x, int64_t rows, int64_t cols, int *batch,
+                int *heads) {
+  auto d = x.dimensions();
+  const size_t n = lead.dims.size();
+  const int64_t b = d.size() == n + 4 ? d[n] : -1, h = d.size() == n + 4 ? d[n + 1] : -1;
+  *batch = int(b);
+  *heads = int(h);
+  return (b == 1 || b == p.batch) && (h == 1 || h == p.q_heads) && lead.matches(x, {b, h, rows, cols});
+}
+
 // The boolean mask's operands (see the top of this file) into p; call before fold().
 ffi::Error check_mask(Params &p, const Lead &lead, const ffi::AnyBuffer &bits, const ffi::AnyBuffer &blocks) {
   if (bits.element_type() != ffi::DataType::U32 || blocks.element_type() != ffi::DataType::S8)
     return invalid("mask_bits must be uint32 and mask_blocks int8");
   if (elements(bits) == 0 && elements(blocks) == 0) return ffi::Error::Success();
-  auto d = bits.dimensions();
-  const size_t n = lead.dims.size();
-  const int64_t mb = d.size() == n + 4 ? d[n] : -1, mh = d.size() == n + 4 ? d[n + 1] : -1;
-  const int64_t rows = attention::MASK_BLOCK_ROWS, keys = attention::MASK_BLOCK_KEYS;
-  if ((mb != 1 && mb != p.batch) || (mh != 1 && mh != p.q_heads) ||
-      !lead.matches(bits, {mb, mh, p.q_len, attention::mask_words(p.kv_len)}))
-    return invalid("mask_bits must be uint32 " + lead.shape({p.batch, p.q_heads, p.q_len, attention::mask_words(p.kv_len)}) +
-                   " (batch and heads may be 1)");
-  if (!lead.matches(blocks, {mb, mh, (p.q_len + rows - 1) / rows, (p.kv_len + keys - 1) / keys}))
-    return invalid("mask_blocks must be int8 " + lead.shape({mb, mh, (p.q_len + rows - 1) / rows, (p.kv_len + keys - 1) / keys}));
+  const int64_t words = attention::mask_words(p.kv_len);
+  const int64_t qb = (p.q_len + attention::MASK_BLOCK_ROWS - 1) / attention::MASK_BLOCK_ROWS;
+  const int64_t kb = (p.kv_len + attention::MASK_BLOCK_KEYS - 1) / attention::MASK_BLOCK_KEYS;
+  if (!dense_dims(p, lead, bits, p.q_len, words, &p.mask_batch, &p.mask_heads))
+    return invalid("mask_bits must be uint32 " + lead.shape({p.batch, p.q_heads, p.q_len, words}) + " (batch and heads may be 1)");
+  if (!lead.matches(blocks, {p.mask_batch, p.mask_heads, qb, kb}))
+    return invalid("mask_blocks must be int8 " + lead.shape({p.mask_batch, p.mask_heads, qb, kb}));
   p.mask_bits = static_cast<const uint32_t *>(bits.untyped_data());
   p.mask_blocks = static_cast<const int8_t *>(blocks.untyped_data());
-  p.mask_batch = int(mb);
-  p.mask_heads = int(mh);
   return ffi::Error::Success();
 }
 
 // The bias operand (see the top of this file) into p; call after check_masking (softcap), before fold().
 ffi::Error check_bias(Params &p, const Lead &lead, const ffi::AnyBuffer &q, const ffi::AnyBuffer &bias) {
   if (elements(bias) == 0) return ffi::Error::Success();
-  auto d = bias.dimensions();
-  const size_t n = lead.dims.size();
-  const int64_t bb = d.size() == n + 4 ? d[n] : -1, bh = d.size() == n + 4 ? d[n + 1] : -1;
   const int64_t rows = attention::padded_rows(p.q_len), keys = attention::padded_keys(p.kv_len);
-  if (bias.element_type() != q.element_type() || (bb != 1 && bb != p.batch) || (bh != 1 && bh != p.q_heads) ||
-      !lead.matches(bias, {bb, bh, rows, keys}))
+  if (bias.element_type() != q.element_type() || !dense_dims(p, lead, bias, rows, keys, &p.bias_batch, &p.bias_heads))
     return invalid("bias must have the inputs' dtype and shape " + lead.shape({p.batch, p.q_heads, rows, keys}) +
                    " (batch and heads may be 1; rows and keys padded to whole blocks of 128)");
   if (p.softcap > 0.f) return invalid("the kernels do not combine a bias with softcap");
   if (!aligned16(bias.untyped_data())) return invalid("bias must be 16-byte aligned");
   p.bias = bias.untyped_data();
-  p.bias_batch = int(bb);
-  p.bias_heads = int(bh);
   return ffi::Error::Success();
 }
 

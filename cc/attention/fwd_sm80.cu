@@ -24,7 +24,7 @@ template <typename T, int D> struct Fwd {
 
 template <typename T, int D, bool FULL, bool DENSE>
 __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_constant__ Params p) {
-    using C = Fwd<T, D>;
+  using C = Fwd<T, D>;
   constexpr int BQ = C::BQ, BK = C::BK, NT = C::THREADS;
   extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);

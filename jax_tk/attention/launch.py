@@ -125,8 +125,7 @@ def mask_bits(mask, q_len, kv_len):
     """uint32 ``[mask batch, mask heads, q_len, words]`` (``Params::mask_bits``): bit ``j % 32`` of word
     ``j // 32`` of a row is the mask of key j, the row padded with zeros to whole blocks of
     MASK_BLOCK_KEYS keys (attention.h's ``mask_words``)."""
-    keys = contract()["MASK_BLOCK_KEYS"]
-    words = -(-kv_len // keys) * (keys // 32)
+    words = padded_rows_keys(q_len, kv_len)[1] // 32
     m = jnp.broadcast_to(mask, (*mask.shape[:2], q_len, kv_len))
     m = jnp.pad(m, ((0, 0), (0, 0), (0, 0), (0, 32 * words - kv_len))).reshape(*m.shape[:3], words, 32)
     return jnp.sum(m.astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)

@@ -7,7 +7,6 @@ whose blocks are empty, full and mixed, broadcast over batch, heads, rows or key
 other masking option, both kernel families, outputs poisoned (``check_kernels``). The bias (padded,
 in the inputs' dtype: ``launch.bias_operand``) and its gradient (``launch.dbias_from_kernel``) are
 compared the same way, with each broadcast shape and with the other options."""
-import functools
 import math
 import zlib
 
@@ -19,11 +18,10 @@ import pytest
 import jax_tk
 from helpers import rel_err
 from jax_tk._core import extension
-from jax_tk.attention import launch, reference
-from jax_tk.attention.api import AttentionSpec
-from jax_tk.attention.launch import VARIANT_AUTO, VARIANT_SM80, Masks, bwd_kernel, bwd_workspace_shape, fwd_kernel
-from test_kernels_gpu import (BF16, F16, F32, assert_close, assert_lse_close, check_kernels, make_inputs,
-                              make_masks)
+from jax_tk.attention import launch
+from jax_tk.attention.launch import VARIANT_AUTO, VARIANT_SM80, Masks
+from test_kernels_gpu import (BF16, F16, F32, assert_close, assert_lse_close, check_kernels, kernel_fwd_bwd, make_inputs,
+                              make_masks, reference_fwd_bwd)
 
 pytestmark = pytest.mark.gpu
 
@@ -178,33 +176,6 @@ def test_public_api_with_mask_values_and_grads():
 # ----------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "variant", "window", "deterministic"))
-def kernel_with_bias(q, k, v, bias, dout, dlse, masks, *, scale, is_causal, variant, window, deterministic=False):
-    """The forward and backward kernels with a bias, every output poisoned; (out, lse, dq, dk, dv, dbias)."""
-    spec = AttentionSpec(scale, is_causal, True, window, None, deterministic)
-    b, t, n, _ = q.shape
-    nan = lambda shape, dtype: jnp.full(shape, jnp.nan, dtype)
-    out, lse = fwd_kernel(q, k, v, spec, out_init=(nan(q.shape, q.dtype), nan((b, n, t), F32)), variant=variant,
-                          masks=masks, bias=bias)
-    grads = bwd_kernel(q, k, v, out, lse, dout, dlse, spec, variant=variant, masks=masks, bias=bias,
-                       out_init=(nan(q.shape, q.dtype), nan(k.shape, k.dtype), nan(v.shape, v.dtype),
-                                 nan((b, n, t), F32), nan(bwd_workspace_shape(q).shape, F32)))
-    return (out, lse, *grads)
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "window"))
-def reference_with_bias(q, k, v, bias, dout, dlse, masks, *, scale, is_causal, window):
-    """jax_tk's float32 reference from the same inputs (the bias rounded to the inputs' dtype, as the
-    kernels read it); gradients of (q, k, v, bias) from jax.vjp with (dout, dlse)."""
-    m = Masks() if masks is None else masks
-    f = functools.partial(reference.attention_with_lse, scale=scale, is_causal=is_causal, local_window_size=window,
-                          q_segment_ids=m.q_segment_ids, kv_segment_ids=m.kv_segment_ids,
-                          query_seq_lengths=m.q_lengths, key_value_seq_lengths=m.kv_lengths, mask=m.mask)
-    bias = bias.astype(q.dtype).astype(F32)
-    (out, lse), vjp = jax.vjp(lambda q, k, v, b: f(q, k, v, bias=b), *(x.astype(F32) for x in (q, k, v)), bias)
-    return (out, lse, *vjp((dout.astype(F32), jnp.where(jnp.isneginf(lse), 0.0, dlse))))
-
-
 # (id, (b, t, s, n, kh, d, dtype), bias shape (0: that dim of the call, 1: broadcast), is_causal,
 #  window, segments, q_lengths, kv_lengths, mask kind or None)
 BIAS_CASES = [
@@ -235,8 +206,8 @@ def _bias_run(case, variant, deterministic=False, d=None):
     if mask_kind:
         masks = masks._replace(mask=make_mask(seed + 3, (b, n, t, s), mask_kind))
     opts = dict(scale=1.0 / math.sqrt(d), is_causal=is_causal, window=window)
-    got = kernel_with_bias(q, k, v, bias, dout, dlse, masks, variant=variant, deterministic=deterministic, **opts)
-    want = reference_with_bias(q, k, v, bias, dout, dlse, masks, **opts)
+    got = kernel_fwd_bwd(q, k, v, dout, dlse, masks, bias, variant=variant, deterministic=deterministic, **opts)
+    want = reference_fwd_bwd(q, k, v, dout, dlse, masks, bias, **opts)
     assert got[5].shape == bias.shape and got[5].dtype == bias.dtype
     for name_, x, r in zip(("out", "dq", "dk", "dv", "dbias"), (got[0], *got[2:]), (want[0], *want[2:])):
         assert_close(name_, x, r)

@@ -80,38 +80,43 @@ _nan = helpers.nan
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "is_causal", "variant", "window", "softcap", "deterministic"))
-def kernel_fwd_bwd(q, k, v, dout, dlse, masks=None, *, scale, is_causal, variant=VARIANT_AUTO, window=None,
+def kernel_fwd_bwd(q, k, v, dout, dlse, masks=None, bias=None, *, scale, is_causal, variant=VARIANT_AUTO, window=None,
                    softcap=None, deterministic=False):
     """The forward and backward kernels, called directly, with every output (workspaces included)
-    poisoned with NaN. variant: VARIANT_AUTO (the fastest kernels for this GPU) or VARIANT_SM80 (the
-    mma.sync ones). masks: None or a Masks (segment ids, lengths, a boolean mask); window: (left, right) or None;
-    softcap: float or None; deterministic: the backward's ordered mode."""
+    poisoned with NaN: (out, lse, dq, dk, dv), and dbias with a bias. variant: VARIANT_AUTO (the fastest
+    kernels for this GPU) or VARIANT_SM80 (the mma.sync ones). masks: None or a Masks (segment ids,
+    lengths, a boolean mask); bias: None or an additive bias; window: (left, right) or None; softcap:
+    float or None; deterministic: the backward's ordered mode."""
     spec = AttentionSpec(scale, is_causal, True, window, softcap, deterministic)
     b, t, n, _ = q.shape
     out, lse = fwd_kernel(q, k, v, spec, out_init=(_nan(q.shape, q.dtype), _nan((b, n, t), F32)), variant=variant,
-                           masks=masks)
-    dq, dk, dv = bwd_kernel(
+                          masks=masks, bias=bias)
+    grads = bwd_kernel(
         q, k, v, out, lse, dout, dlse, spec,
         out_init=(_nan(q.shape, q.dtype), _nan(k.shape, k.dtype), _nan(v.shape, v.dtype), _nan((b, n, t), F32),
                   _nan(bwd_workspace_shape(q).shape, F32)),
-        variant=variant, masks=masks,
+        variant=variant, masks=masks, bias=bias,
     )
-    return out, lse, dq, dk, dv
+    return (out, lse, *grads)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "is_causal", "window", "softcap"))
-def reference_fwd_bwd(q, k, v, dout, dlse, masks=None, *, scale, is_causal, window=None, softcap=None):
-    """jax_tk.reference in float32 from the same inputs; gradients from jax.vjp with (dout, dlse)."""
+def reference_fwd_bwd(q, k, v, dout, dlse, masks=None, bias=None, *, scale, is_causal, window=None, softcap=None):
+    """jax_tk.reference in float32 from the same inputs (a bias rounded to the inputs' dtype, as the
+    kernels read it); gradients of (q, k, v[, bias]) from jax.vjp with (dout, dlse)."""
+    dtype = q.dtype
     q, k, v, dout = (x.astype(F32) for x in (q, k, v, dout))
     m = Masks() if masks is None else masks
     f = functools.partial(reference.attention_with_lse, scale=scale, is_causal=is_causal, local_window_size=window,
                           q_segment_ids=m.q_segment_ids, kv_segment_ids=m.kv_segment_ids,
                           query_seq_lengths=m.q_lengths, key_value_seq_lengths=m.kv_lengths, logits_soft_cap=softcap,
                           mask=m.mask)
-    (out, lse), vjp = jax.vjp(f, q, k, v)
+    if bias is None:
+        (out, lse), vjp = jax.vjp(f, q, k, v)
+    else:
+        (out, lse), vjp = jax.vjp(lambda q, k, v, b: f(q, k, v, bias=b), q, k, v, bias.astype(dtype).astype(F32))
     # A row that sees no key has lse = -inf; its cotangent must not matter (the kernels ignore it).
-    dq, dk, dv = vjp((dout, jnp.where(jnp.isneginf(lse), 0.0, dlse.astype(F32))))
-    return out, lse, dq, dk, dv
+    return (out, lse, *vjp((dout, jnp.where(jnp.isneginf(lse), 0.0, dlse.astype(F32)))))
 
 
 def check_kernels(q, k, v, dout, dlse, masks=None, *, scale, is_causal, variant=VARIANT_AUTO, window=None,

@@ -104,15 +104,22 @@ __device__ __forceinline__ void store(ST &dst, const RT &src, int row0 = 0, int 
   });
 }
 
+// The pair of register tile RT at (r, c) (for_each_pair) from global view src at o, element by element;
+// rows at or past src.seq() read as zero.
+template <RegisterTile RT, typename T>
+__device__ __forceinline__ float2 load_pair(const gl<T> &src, coord o, int r, int c) {
+  int r2 = pair_along_row<RT> ? r : r + 1, c2 = pair_along_row<RT> ? c + 1 : c;
+  float2 v{0.f, 0.f};
+  if (o.s + r < src.seq()) v.x = convert<float>(*src.at(o.b, o.s + r, o.h, o.d + c));
+  if (o.s + r2 < src.seq()) v.y = convert<float>(*src.at(o.b, o.s + r2, o.h, o.d + c2));
+  return v;
+}
+
 // Global view -> register tile; rows at or past src.seq() read as zero.
 template <RegisterTile RT, typename T>
 __device__ __forceinline__ void load(RT &dst, const gl<T> &src, coord o) {
   for_each_pair<RT>([&](int i, int j, int k, int r, int c) {
-    int r2 = pair_along_row<RT> ? r : r + 1, c2 = pair_along_row<RT> ? c + 1 : c;
-    float2 v{0.f, 0.f};
-    if (o.s + r < src.seq()) v.x = convert<float>(*src.at(o.b, o.s + r, o.h, o.d + c));
-    if (o.s + r2 < src.seq()) v.y = convert<float>(*src.at(o.b, o.s + r2, o.h, o.d + c2));
-    dst.tiles[i][j].data[k] = from_float2<packed<typename RT::dtype>>(v);
+    dst.tiles[i][j].data[k] = from_float2<packed<typename RT::dtype>>(load_pair<RT>(src, o, r, c));
   });
 }
 
@@ -122,13 +129,11 @@ template <RegisterTile RT, typename T>
 __device__ __forceinline__ void add_from(RT &dst, const gl<T> &src, coord o, float f) {
   using U = std::remove_const_t<T>;
   for_each_pair<RT>([&](int i, int j, int k, int r, int c) {
-    int r2 = pair_along_row<RT> ? r : r + 1, c2 = pair_along_row<RT> ? c + 1 : c;
     float2 v{0.f, 0.f};
     if (pair_along_row<RT> && is_16bit<U> && src.strides[3] == 1) {
       if (o.s + r < src.seq()) v = to_float2(*reinterpret_cast<const packed<U> *>(src.at(o.b, o.s + r, o.h, o.d + c)));
     } else {
-      if (o.s + r < src.seq()) v.x = convert<float>(*src.at(o.b, o.s + r, o.h, o.d + c));
-      if (o.s + r2 < src.seq()) v.y = convert<float>(*src.at(o.b, o.s + r2, o.h, o.d + c2));
+      v = load_pair<RT>(src, o, r, c);
     }
     const float2 d = to_float2(dst.tiles[i][j].data[k]);
     dst.tiles[i][j].data[k] = from_float2<packed<typename RT::dtype>>(float2{d.x + f * v.x, d.y + f * v.y});
