@@ -2,12 +2,13 @@
 ncu or nsys, e.g. through scripts/ncu_profile.sh, which profiles its kernels.
 
     python scripts/ncu_probe.py [--impl tk|cudnn|xla] [--shape B T H D] [--kv-heads N] [--causal]
-                                [--window LEFT] [--documents N] [--bwd] [--calls N]
+                                [--window LEFT] [--documents N] [--bias] [--bwd] [--calls N]
 
 --impl tk (default): jax_tk.attention(implementation="tk"); xla: jax_tk.attention's pure-JAX reference
 (runs on CPU too); cudnn: jax.nn.dot_product_attention(implementation="cudnn").
 --documents N: N packed documents of random lengths per row (the benchmark's, seed 0) as segment ids
 (jax_tk only), so that the XLA ops preparing the kernels' tiles show too.
+--bias adds a random bias [1, H, T, T] (its gradient too with --bwd).
 --calls N runs the call N times after the first (compiling) one, e.g. to skip it with ncu's
 --launch-skip or to profile a warm call.
 """
@@ -28,7 +29,8 @@ def main():
     a.add_argument("--causal", action="store_true")
     a.add_argument("--window", type=int, default=None, help="local_window_size=(LEFT, 0)")
     a.add_argument("--documents", type=int, default=None, help="packed documents per row (segment ids)")
-    a.add_argument("--bwd", action="store_true", help="the gradient with respect to q, k and v")
+    a.add_argument("--bias", action="store_true", help="an additive bias [1, H, T, T]")
+    a.add_argument("--bwd", action="store_true", help="the gradient with respect to q, k and v (and the bias)")
     a.add_argument("--calls", type=int, default=0, help="calls after the first")
     a.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     args = a.parse_args()
@@ -46,22 +48,23 @@ def main():
             a.error("--documents: jax.nn.dot_product_attention has no segment ids")
         ids = jnp.asarray(segment_ids_from_lengths(document_lengths(T, args.documents, 0, B)))
     window = None if args.window is None else (args.window, 0)
+    bias = jax.random.normal(jax.random.PRNGKey(1), (1, H, T, T), dtype) if args.bias else None
 
     if args.impl == "cudnn":
-        def attn(q, k, v, ids):
-            return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", is_causal=args.causal,
+        def attn(q, k, v, ids, bias):
+            return jax.nn.dot_product_attention(q, k, v, bias, implementation="cudnn", is_causal=args.causal,
                                                 local_window_size=window)
     else:
-        def attn(q, k, v, ids):
-            return jax_tk.attention(q, k, v, implementation=args.impl, is_causal=args.causal,
+        def attn(q, k, v, ids, bias):
+            return jax_tk.attention(q, k, v, bias, implementation=args.impl, is_causal=args.causal,
                                     local_window_size=window, q_segment_ids=ids, kv_segment_ids=ids)
     if args.bwd:
-        f = jax.jit(jax.grad(lambda q, k, v, ids: attn(q, k, v, ids).astype(jnp.float32).sum(),
-                             argnums=(0, 1, 2)))
+        f = jax.jit(jax.grad(lambda q, k, v, ids, bias: attn(q, k, v, ids, bias).astype(jnp.float32).sum(),
+                             argnums=(0, 1, 2) + ((4,) if args.bias else ())))
     else:
         f = jax.jit(attn)
     for _ in range(1 + args.calls):
-        jax.block_until_ready(f(q, k, v, ids))
+        jax.block_until_ready(f(q, k, v, ids, bias))
     print(f"{args.impl} {'bwd' if args.bwd else 'fwd'} B={B} T={T} H={H}/{KH} D={D} done", flush=True)
 
 

@@ -135,11 +135,12 @@ template <bool FULL, bool DENSE> __device__ __forceinline__ int blocks_before(co
 }
 
 // P^T from S^T (rows: keys kw.., columns: queries q0..) and the columns' lse (log2 units).
-template <typename T, bool FULL, bool DENSE, bool CAP, typename RT, typename V>
+// (DENSE: bias, the bias^T of these rows and columns.)
+template <bool FULL, bool DENSE, bool CAP, typename RT, typename V, typename BT>
 __device__ __forceinline__ void probabilities(RT &s, const Params &p, const KeyRule &rule, MaskNeed need, int b, int h,
-                                              int q0, int kw, const V &lse) {
+                                              int q0, int kw, const V &lse, const BT &bias) {
   cap_logits<CAP, DENSE>(s, p);  // in units of 1 / c (logit_factor)
-  if (DENSE && p.bias) add_bias<T, true>(s, p, b, h, q0, kw);
+  if (DENSE && p.bias) add_bias(s, bias);
   const float c = logit_factor<CAP, DENSE>(p);
   // Masked entries -inf, then exp2(-inf) = 0. (One exp2 map after the conditional mask: two maps in
   // the two branches would make ptxas serialize the wgmmas, C7520.)
@@ -303,6 +304,12 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     if (step < n_steps) wait_full(steps, step);
     warpgroup::mma_ABt(s, k_rows, sm.q[slot], false);
   };
+  // The bias^T of a step (DENSE), loaded as its S^T is issued (at the end of the step before), so
+  // that the loads land while the dQ product and additions run.
+  rt<T, 16, BQ> bias;
+  auto load_step_bias = [&](int step, int g, int i) {
+    if (DENSE && p.bias && step < n_steps) load_bias<T, true>(bias, p, b, kvh * group + g, i * BQ, kw);
+  };
   if (n_steps > 0) {
     wait(sm.kv_full, 0);
     issue_logits(0);
@@ -322,6 +329,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       advance(g, i);
     }
   };
+  load_step_bias(0, 0, qblocks.next(qr.x));
   for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++, next_step(it, g, i)) {
     const int h = kvh * group + g;
     const int q0 = i * BQ, slot = it % STAGES;
@@ -340,7 +348,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
     const MaskNeed need = SEG ? warp_mask_need(mask_bits, rule, q0, BQ, kw, 16) : mask_need<FULL, DENSE>(p, rule, true, q0, BQ, kw, 16);
     if constexpr (SEG) warp::load(lse, stats, BQ);
-    probabilities<T, FULL, DENSE, CAP>(s, p, rule, need, b, h, q0, kw, lse);
+    probabilities<FULL, DENSE, CAP>(s, p, rule, need, b, h, q0, kw, lse, bias);
     warp::copy(p16, s);
     warp::load(delta, stats + BQ, BQ);  // (before the dV product's shared-memory reads queue ahead of it)
     warpgroup::mma_AB(dv, p16, window<BQ, C::KV_COLS>(sm.dout[slot], 0, col0), true);  // dV += P^T dO   [dP, dV]
@@ -377,6 +385,11 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       warpgroup::mma_AtB(dq, ds_tile, window<BK, C::DQ_PART>(sm.k, 0, c0), false);  // [dV, dK, dQ]
       if (part == C::DQ_PARTS - 1) {
         issue_logits(it + 1);  // [dV, dK, dQ, S']
+        if constexpr (DENSE) {
+          int g1 = g, i1 = i;
+          next_step(it + 1, g1, i1);
+          load_step_bias(it + 1, g1, i1);
+        }
         warpgroup::wait<1>();  // [S']
       } else {
         warpgroup::wait<0>();

@@ -385,11 +385,23 @@ __device__ __forceinline__ auto bias_view(const Params &p, int b, int h) {
   if constexpr (TRANSPOSED) return tk::gl<E>{base, {1, keys, 1, rows}, {0, 1, 0, keys}};
   else return tk::gl<E>{base, {1, rows, 1, keys}, {0, keys, 0, 1}};
 }
-// s += bias (in log2 units) at query rows q0.. and keys k0.. (TRANSPOSED: s^T, its rows keys k0..).
+// The bias at query rows q0.. and keys k0.. (TRANSPOSED: rows keys k0.., columns queries q0..) into a
+// register tile of the inputs' dtype, loaded ahead of its use (add_bias) where the kernel has the
+// registers, so that the loads' latency hides behind the products in flight.
+template <typename T, bool TRANSPOSED, typename BT>
+__device__ __forceinline__ void load_bias(BT &bt, const Params &p, int b, int h, int q0, int k0) {
+  tk::warp::load(bt, bias_view<T, TRANSPOSED>(p, b, h), TRANSPOSED ? tk::coord{0, k0, 0, q0} : tk::coord{0, q0, 0, k0});
+}
+// s += bias (in log2 units).
+template <typename RT, typename BT> __device__ __forceinline__ void add_bias(RT &s, const BT &bt) {
+  tk::warp::map(s, s, bt, [](float x, float y) { return x + LOG2E * y; });
+}
+// Both at once (the bias tile's registers live only here).
 template <typename T, bool TRANSPOSED, typename RT>
 __device__ __forceinline__ void add_bias(RT &s, const Params &p, int b, int h, int q0, int k0) {
-  tk::warp::add_from(s, bias_view<T, TRANSPOSED>(p, b, h), TRANSPOSED ? tk::coord{0, k0, 0, q0} : tk::coord{0, q0, 0, k0},
-                     LOG2E);
+  tk::rt<T, RT::rows, RT::cols, typename RT::layout> bt;
+  load_bias<T, TRANSPOSED>(bt, p, b, h, q0, k0);
+  add_bias(s, bt);
 }
 // The bias's gradient: dS (w.r.t. the logits) at query rows q0.. and keys k0.. (TRANSPOSED: dS^T).
 template <typename T, bool TRANSPOSED, typename RT>

@@ -278,10 +278,16 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     constexpr bool from_loader = FULL && C::LOADER_INFO;
     // (A document's tile counts its key blocks from its document's start: the base is read from the
     // slot where a block needs a mask, not held in a register through the loop.)
-    // The bias (in log2 units, after cap_logits) first: the masks then hide what they hide.
+    // The bias (in log2 units, after cap_logits) first: the masks then hide what they hide. Block j's
+    // bias is loaded before its products are issued (no documents' tiles with dense operands).
+    rt<T, 16, BK> bias;
+    auto load_block_bias = [&](int j) {
+      if constexpr (DENSE)
+        if (p.bias) load_bias<T, false>(bias, p, x.b, x.h, qw, j * BK);
+    };
     auto mask = [&](int j, int info) {
       if constexpr (DENSE)
-        if (p.bias) add_bias<T, false>(s, p, x.b, x.h, qw, j * BK);  // (no documents' tiles with dense operands)
+        if (p.bias) add_bias(s, bias);
       if (from_loader && (info & ((1 << MASK_BITS) - 1)) == 0) return;  // most blocks
       const int k0 = (DOCS ? max(sm.tile[slot].kbase, 0) : 0) + j * BK;
       const MaskNeed need = from_loader ? warp_mask_need(info, rule, qw, 16, k0, BK)
@@ -289,6 +295,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       mask_logits<FULL, DENSE>(s, p, rule, need, x.b, x.h, qw, k0);
     };
     ring_pos<STAGES> kv(n);  // the key block in S (the one before it is in P)
+    load_block_bias(first);
     wait_full(k_ring, kv);
     int info = from_loader ? sm.info[kv.slot] : 0;
     int j = from_loader ? info >> MASK_BITS : blocks.next(first + 1);
@@ -304,6 +311,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warp::copy(pr, s);
 
     for (int j_next; j < end; j = j_next) {
+      load_block_bias(j);
       const ring_use<STAGES> prev = kv;
       ++kv;
       wait_full(k_ring, kv);

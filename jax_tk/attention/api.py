@@ -73,9 +73,9 @@ def check_inputs(query, key, value, scale, is_causal, implementation):
     return 1.0 / math.sqrt(d) if scale is None else scale
 
 
-def use_kernel(query, key, implementation, bias=None, mask=None, softcap=None) -> bool:
+def use_kernel(query, key, implementation, bias=None, softcap=None) -> bool:
     return dispatch.use_kernel("attention", implementation,
-                               launch.kernel_unsupported_reason(query, key, bias=bias, mask=mask, softcap=softcap))
+                               launch.kernel_unsupported_reason(query, key, bias=bias, softcap=softcap))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,7 +273,7 @@ def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, i
             query, key, value, bias, mask, scale=float(scale), is_causal=bool(is_causal), window=window,
             q_segment_ids=q_segment_ids, softcap=cap, deterministic=reproducible,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
-    spec = AttentionSpec(float(scale), bool(is_causal), use_kernel(query, key, implementation, bias, mask, cap),
+    spec = AttentionSpec(float(scale), bool(is_causal), use_kernel(query, key, implementation, bias, cap),
                          window, cap, reproducible)
     masks = Masks(q_segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths, mask)
     masks = None if all(x is None for x in masks) else masks
@@ -302,9 +302,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         Differentiable (its gradient is summed over the dims it is broadcast over). A ``-inf`` entry
         hides the key like the mask does.
       mask: boolean, broadcastable like ``bias``: False hides the key from the query row. Combines
-        with every other masking option. Until the kernels take ``bias``/``mask``, a call with either
-        runs the pure-JAX reference (``implementation=None``; ``"tk"`` raises), which forms the
-        ``[batch, heads, q_len, kv_len]`` logits: the slow path.
+        with every other masking option. The kernels read it as bits and skip the 128 x 128 blocks it
+        hides whole; the bias in the inputs' dtype (with ``logits_soft_cap``, the reference runs).
       scale: multiplier of the logits; default ``1/sqrt(head_dim)``. A Python or numpy float is static;
         a JAX scalar array (traced, e.g. a learned temperature) is differentiable: the op then runs with
         scale 1.0 on ``scale * query``, computed in float32 and rounded to the query's dtype (one more

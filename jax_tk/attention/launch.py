@@ -39,21 +39,9 @@ def _head_dims(mask: int) -> tuple[int, ...]:
     return tuple(1 << i for i in range(mask.bit_length()) if mask >> i & 1)
 
 
-# The kernels' side of mask= and bias= (mask_operands, bias_operand) is new and has not yet passed the
-# GPU test suite: until it has, calls with either run the reference (the GPU tests of the kernels'
-# mask and bias turn these on).
-KERNELS_TAKE_MASK = False
-KERNELS_TAKE_BIAS = False
-
-
-def kernel_unsupported_reason(query, key, bias=None, mask=None, softcap=None) -> str | None:
+def kernel_unsupported_reason(query, key, bias=None, softcap=None) -> str | None:
     """Why the CUDA kernels cannot take this configuration, or None if they can."""
     del key
-    given = [name for name, x, ok in (("bias", bias, KERNELS_TAKE_BIAS), ("mask", mask, KERNELS_TAKE_MASK))
-             if x is not None and not ok]
-    if given:
-        return (f"{' and '.join(given)} (the kernels do not take them yet; implementation=None runs the pure-JAX "
-                "reference, which forms the [batch, heads, q_len, kv_len] logits)")
     if bias is not None and softcap:
         return "bias with logits_soft_cap (the kernels do not combine them; the pure-JAX reference does)"
     if not any(query.dtype == d for d in KERNEL_DTYPES):

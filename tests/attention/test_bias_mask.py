@@ -225,33 +225,26 @@ def test_rank3_bias_batch_must_be_one():
 
 @pytest.mark.parametrize("name", ["bias", "mask"])
 def test_kernel_routing(name):
+    # The kernels take bias= and mask=: implementation=None lowers for CUDA to jax_tk's kernel calls,
+    # forward and backward, with no reference logits.
     x = jnp.ones((1, 1, T, S), F32 if name == "bias" else bool)
     q, k, v = _qkv(9, d=64, dtype=BF16)
-    reason = launch.kernel_unsupported_reason(q, k, **{name: x})
-    assert name in reason and "reference" in reason
-    assert launch.kernel_unsupported_reason(q, k) is None  # otherwise the kernels take this call
-    with pytest.raises(ValueError, match=rf"implementation='tk'.*{name}.*do not take them yet"):
-        jax_tk.attention(q, k, v, **{name: x}, implementation="tk")
-    # implementation=None lowers for CUDA without a jax_tk kernel call (the reference: the slow path).
+    assert launch.kernel_unsupported_reason(q, k, **({"bias": x} if name == "bias" else {})) is None
     f = lambda q, k, v, x: jax_tk.attention(q, k, v, **{name: x})
     text = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(F32)))).trace(q, k, v, x).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert "jax_tk_attention" not in text
-    text = jax.jit(lambda q, k, v: jax_tk.attention(q, k, v)).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
-    assert "jax_tk_attention_fwd" in text
+    assert "jax_tk_attention_fwd" in text and "jax_tk_attention_bwd" in text
 
 
-def test_mask_and_bias_route_to_the_kernels_only_once_they_take_them(monkeypatch):
-    q, k = _qkv(9, d=64, dtype=BF16)[:2]
-    mask, bias = jnp.ones((1, 1, T, S), bool), jnp.ones((1, 1, T, S), F32)
-    assert "mask" in launch.kernel_unsupported_reason(q, k, mask=mask)
-    assert "bias" in launch.kernel_unsupported_reason(q, k, bias=bias)
-    monkeypatch.setattr(launch, "KERNELS_TAKE_MASK", True)
-    assert launch.kernel_unsupported_reason(q, k, mask=mask) is None
-    assert "bias" in launch.kernel_unsupported_reason(q, k, bias=bias, mask=mask)
-    monkeypatch.setattr(launch, "KERNELS_TAKE_BIAS", True)
-    assert launch.kernel_unsupported_reason(q, k, bias=bias, mask=mask) is None
+def test_bias_with_soft_cap_runs_the_reference():
+    q, k, v = _qkv(9, d=64, dtype=BF16)
+    bias = jnp.ones((1, 1, T, S), F32)
     assert "soft_cap" in launch.kernel_unsupported_reason(q, k, bias=bias, softcap=5.0)
+    with pytest.raises(ValueError, match=r"implementation='tk'.*bias with logits_soft_cap"):
+        jax_tk.attention(q, k, v, bias, logits_soft_cap=5.0, implementation="tk")
+    text = jax.jit(lambda q, k, v: jax_tk.attention(q, k, v, bias, logits_soft_cap=5.0)).trace(q, k, v).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "jax_tk_attention" not in text
 
 
 @pytest.mark.parametrize("shape", [(B, N, T, S), (1, 1, T, S), (B, 1, 1, S), (1, N, T, 1)], ids=str)

@@ -102,9 +102,9 @@ def kernel_fwd_bwd(q, k, v, dout, dlse, masks=None, bias=None, *, scale, is_caus
 
 @functools.partial(jax.jit, static_argnames=("scale", "is_causal", "window", "softcap"))
 def reference_fwd_bwd(q, k, v, dout, dlse, masks=None, bias=None, *, scale, is_causal, window=None, softcap=None):
-    """jax_tk.reference in float32 from the same inputs (a bias rounded to the inputs' dtype, as the
-    kernels read it); gradients of (q, k, v[, bias]) from jax.vjp with (dout, dlse)."""
-    dtype = q.dtype
+    """jax_tk.reference in float32 from the same inputs; gradients of (q, k, v[, bias]) from jax.vjp with
+    (dout, dlse). The kernels read a bias in the inputs' dtype: give one whose values are exact in it
+    (rounded on the host; XLA may drop a float32 -> bf16 -> float32 round trip)."""
     q, k, v, dout = (x.astype(F32) for x in (q, k, v, dout))
     m = Masks() if masks is None else masks
     f = functools.partial(reference.attention_with_lse, scale=scale, is_causal=is_causal, local_window_size=window,
@@ -114,7 +114,7 @@ def reference_fwd_bwd(q, k, v, dout, dlse, masks=None, bias=None, *, scale, is_c
     if bias is None:
         (out, lse), vjp = jax.vjp(f, q, k, v)
     else:
-        (out, lse), vjp = jax.vjp(lambda q, k, v, b: f(q, k, v, bias=b), q, k, v, bias.astype(dtype).astype(F32))
+        (out, lse), vjp = jax.vjp(lambda q, k, v, b: f(q, k, v, bias=b), q, k, v, bias.astype(F32))
     # A row that sees no key has lse = -inf; its cotangent must not matter (the kernels ignore it).
     return (out, lse, *vjp((dout, jnp.where(jnp.isneginf(lse), 0.0, dlse.astype(F32)))))
 

@@ -536,11 +536,9 @@ def test_block_order_is_longest_first(causal, d, forward):
 
 
 @pytest.mark.parametrize("mask_shape", [(B_, 4, T_, S_), (1, 1, T_, S_), (B_, 1, 1, S_)], ids=str)
-def test_boolean_mask_lowers_to_kernels(lower, monkeypatch, mask_shape):
-    """A boolean mask reaches the kernels (once they take it) as its bits, uint32 [mask batch, mask
-    heads, T, words of whole 128-key blocks], and its block summary, int8 [.., 128-row blocks, 128-key
-    blocks]; with segment ids the forward's tiles are the fixed grid's (no documents' tiles)."""
-    monkeypatch.setattr(launch, "KERNELS_TAKE_MASK", True)
+def test_boolean_mask_lowers_to_kernels(lower, mask_shape):
+    """A boolean mask reaches the kernels as its bits, uint32 [mask batch, mask heads, T, words of whole
+    128-key blocks], and its block summary, int8 [.., 128-row blocks, 128-key blocks]; with segment ids the forward's tiles are the fixed grid's (no documents' tiles)."""
     mask = jax.ShapeDtypeStruct(mask_shape, jnp.bool_)
     ids_q, ids_kv = _ids((B_, T_)), _ids((B_, S_))
     fn = lambda q, k, v, m, qs, ks: jnp.sum(jax_tk.attention(q, k, v, mask=m, q_segment_ids=qs,
@@ -555,12 +553,11 @@ def test_boolean_mask_lowers_to_kernels(lower, monkeypatch, mask_shape):
 
 
 @pytest.mark.parametrize("bias_shape", [(B_, 4, T_, S_), (1, 1, T_, S_), (1, 4, 1, S_)], ids=str)
-def test_bias_lowers_to_kernels(lower, monkeypatch, bias_shape):
-    """A bias reaches the kernels (once they take it) in the inputs' dtype, broadcast over rows and keys
-    and padded to whole 128 x 128 blocks, [bias batch, bias heads, 128, 128]; the backward returns the
+def test_bias_lowers_to_kernels(lower, bias_shape):
+    """A bias reaches the kernels in the inputs' dtype, broadcast over rows and keys and padded to whole
+    128 x 128 blocks, [bias batch, bias heads, 128, 128]; the backward returns the
     logits' gradient [B, H, 128, 128], summed in XLA to the bias's shape. With a soft cap the
     reference runs."""
-    monkeypatch.setattr(launch, "KERNELS_TAKE_BIAS", True)
     bias = jax.ShapeDtypeStruct(bias_shape, F32)
     fn = lambda q, k, v, b: jnp.sum(jax_tk.attention(q, k, v, b).astype(F32))
     text = lower(jax.grad(fn, argnums=(0, 1, 2, 3)), *_abstract(B_, T_, S_), bias)

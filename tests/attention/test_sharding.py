@@ -288,13 +288,9 @@ class TestSharding:
             assert f"tensor<{b // 2}x{t}xi32>" in line and f"tensor<{b // 2}xi32>" in line, line
             assert f"tensor<{b}x{t}xi32>" not in line, line
 
-    def test_cuda_lowering_with_bias_and_mask_takes_local_shards(self, monkeypatch):
-        # Once the kernels take bias= and mask=: each device's kernels get its shards of them (the
-        # mask's bits and block summary, the padded bias) and return its part of the bias's gradient.
-        from jax_tk.attention import launch
-
-        monkeypatch.setattr(launch, "KERNELS_TAKE_MASK", True)
-        monkeypatch.setattr(launch, "KERNELS_TAKE_BIAS", True)
+    def test_cuda_lowering_with_bias_and_mask_takes_local_shards(self):
+        # Each device's kernels get its shards of bias= and mask= (the mask's bits and block summary, the
+        # padded bias) and return its part of the bias's gradient.
         mesh = _mesh(AxisType.Explicit)
         b, t, n, kh, d = 4, 32, 8, 4, 64
         sds = lambda shape, spec, dt=BF16: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))

@@ -115,28 +115,21 @@ __device__ __forceinline__ float2 load_pair(const gl<T> &src, coord o, int r, in
   return v;
 }
 
-// Global view -> register tile; rows at or past src.seq() read as zero.
+// Global view -> register tile, pair by pair (one load where the pair is contiguous in memory); rows
+// at or past src.seq() read as zero.
 template <RegisterTile RT, typename T>
 __device__ __forceinline__ void load(RT &dst, const gl<T> &src, coord o) {
-  for_each_pair<RT>([&](int i, int j, int k, int r, int c) {
-    dst.tiles[i][j].data[k] = from_float2<packed<typename RT::dtype>>(load_pair<RT>(src, o, r, c));
-  });
-}
-
-// dst += f * src (a global view at o), pair by pair (one load where the pair is contiguous in
-// memory); rows at or past src.seq() add nothing.
-template <RegisterTile RT, typename T>
-__device__ __forceinline__ void add_from(RT &dst, const gl<T> &src, coord o, float f) {
   using U = std::remove_const_t<T>;
+  using P = packed<typename RT::dtype>;
   for_each_pair<RT>([&](int i, int j, int k, int r, int c) {
-    float2 v{0.f, 0.f};
-    if (pair_along_row<RT> && is_16bit<U> && src.strides[3] == 1) {
-      if (o.s + r < src.seq()) v = to_float2(*reinterpret_cast<const packed<U> *>(src.at(o.b, o.s + r, o.h, o.d + c)));
-    } else {
-      v = load_pair<RT>(src, o, r, c);
+    if constexpr (pair_along_row<RT> && is_16bit<U> && std::is_same_v<U, typename RT::dtype>) {
+      if (src.strides[3] == 1) {
+        dst.tiles[i][j].data[k] = o.s + r < src.seq() ? *reinterpret_cast<const P *>(src.at(o.b, o.s + r, o.h, o.d + c))
+                                                      : from_float2<P>(float2{0.f, 0.f});
+        return;
+      }
     }
-    const float2 d = to_float2(dst.tiles[i][j].data[k]);
-    dst.tiles[i][j].data[k] = from_float2<packed<typename RT::dtype>>(float2{d.x + f * v.x, d.y + f * v.y});
+    dst.tiles[i][j].data[k] = from_float2<P>(load_pair<RT>(src, o, r, c));
   });
 }
 
