@@ -66,6 +66,10 @@ template <typename T, int D> struct BwdH {
     int order_pairs;  // see block_coords
   };
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
+  // After Shared, with a bias at D <= 128, each consumer warp's scratch tile (see ColBias; at D = 256
+  // there is no room: the bias goes pair by pair there), then the block list.
+  static constexpr bool STAGE_BIAS = D <= 128;
+  __host__ __device__ static size_t bias_bytes(const Params &p) { return STAGE_BIAS && p.bias ? CONSUMERS * 4 * BIAS_SCRATCH : 0; }
   // The workspace holds, per (batch, head, query block, consumer), that consumer's dQ tile in
   // fragment order (see warpgroup::reduce_add_fragments).
   __host__ __device__ static size_t dq_tile(const Params &p, int b, int h, int i, int c) {
@@ -135,12 +139,16 @@ template <bool FULL, bool DENSE> __device__ __forceinline__ int blocks_before(co
 }
 
 // P^T from S^T (rows: keys kw.., columns: queries q0..) and the columns' lse (log2 units).
-// (DENSE: bias, the bias^T of these rows and columns.)
+// (DENSE: bias, the bias^T of these rows and columns, as a register tile or chunks put in place
+// through the warp's scratch.)
 template <bool FULL, bool DENSE, bool CAP, typename RT, typename V, typename BT>
 __device__ __forceinline__ void probabilities(RT &s, const Params &p, const KeyRule &rule, MaskNeed need, int b, int h,
-                                              int q0, int kw, const V &lse, const BT &bias) {
+                                              int q0, int kw, const V &lse, const BT &bias, void *scratch) {
   cap_logits<CAP, DENSE>(s, p);  // in units of 1 / c (logit_factor)
-  if (DENSE && p.bias) add_bias(s, bias);
+  if (DENSE && p.bias) {
+    if constexpr (RegisterTile<BT>) add_bias(s, bias);
+    else add_bias(s, bias, scratch);
+  }
   const float c = logit_factor<CAP, DENSE>(p);
   // Masked entries -inf, then exp2(-inf) = 0. (One exp2 map after the conditional mask: two maps in
   // the two branches would make ptxas serialize the wgmmas, C7520.)
@@ -196,7 +204,8 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   // every block of the range sees some of them), and the (query head, query block) pairs this block
   // visits.
   const int2 qr = q_block_range<FULL>(p, b, k0, BK, BQ);
-  const BlockList qblocks = list_blocks(reinterpret_cast<uint32_t *>(&sm + 1), qr.x, qr.y, SEG, [&](int i) {
+  char *const bias_scratch = reinterpret_cast<char *>(&sm + 1);
+  const BlockList qblocks = list_blocks(reinterpret_cast<uint32_t *>(bias_scratch + C::bias_bytes(p)), qr.x, qr.y, SEG, [&](int i) {
     const int2 r = kv_block_range<FULL>(p, b, i * BQ, BQ, BK);
     const SegmentTest x = group_test<FULL, DENSE>(p, b, kvh, i, j, BK);
     return SegmentTest{x.meet && j >= r.x && j < r.y, x.one};  // (takes part: sees)
@@ -306,9 +315,13 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   };
   // The bias^T of a step (DENSE), loaded as its S^T is issued (at the end of the step before), so
   // that the loads land while the dQ product and additions run.
-  rt<T, 16, BQ> bias;
+  std::conditional_t<C::STAGE_BIAS, ColBias<T>, rt<T, 16, BQ>> bias;
+  void *const scratch = bias_scratch + BIAS_SCRATCH * (4 * wg + warpid() % 4);
   auto load_step_bias = [&](int step, int g, int i) {
-    if (DENSE && p.bias && step < n_steps) load_bias<T, true>(bias, p, b, kvh * group + g, i * BQ, kw);
+    if (DENSE && p.bias && step < n_steps) {
+      if constexpr (C::STAGE_BIAS) load_bias(bias, p, b, kvh * group + g, i * BQ, kw);
+      else load_bias<T, true>(bias, p, b, kvh * group + g, i * BQ, kw);
+    }
   };
   if (n_steps > 0) {
     wait(sm.kv_full, 0);
@@ -348,7 +361,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
     const MaskNeed need = SEG ? warp_mask_need(mask_bits, rule, q0, BQ, kw, 16) : mask_need<FULL, DENSE>(p, rule, true, q0, BQ, kw, 16);
     if constexpr (SEG) warp::load(lse, stats, BQ);
-    probabilities<FULL, DENSE, CAP>(s, p, rule, need, b, h, q0, kw, lse, bias);
+    probabilities<FULL, DENSE, CAP>(s, p, rule, need, b, h, q0, kw, lse, bias, scratch);
     warp::copy(p16, s);
     warp::load(delta, stats + BQ, BQ);  // (before the dV product's shared-memory reads queue ahead of it)
     warpgroup::mma_AB(dv, p16, window<BQ, C::KV_COLS>(sm.dout[slot], 0, col0), true);  // dV += P^T dO   [dP, dV]
@@ -356,7 +369,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     warpgroup::fence_registers(dp);
     warp::map_col(dp, dp, delta, [](float x, float d) { return x - d; });
     warp::mul(dp, dp, s);  // dS^T = P^T (dP^T - delta)
-    if (DENSE && p.bias && writes_ds) store_dbias<T, true>(dp, p, b, h, q0, kw);  // (no soft cap with a bias)
+    if (!C::STAGE_BIAS && DENSE && p.bias && writes_ds) store_dbias<T, true>(dp, p, b, h, q0, kw);  // (no soft cap with a bias)
     if (CAP && p.softcap > 0.f) {  // w.r.t. the logits before the cap
       softcap_derivative(s, p, stats);
       warp::mul(dp, dp, s);
@@ -368,6 +381,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     }
     sync_named(1, 128 * CONSUMERS);  // all of dS^T is in shared memory
     warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, row0, 0), window<BQ, C::KV_COLS>(sm.q[slot], 0, col0), true);  // dK += dS^T Q  [dV, dK]
+    if (C::STAGE_BIAS && DENSE && p.bias) store_dbias<T>(ds16, p, b, h, q0, kw, scratch);  // (while dK is computed)
     // This warpgroup's columns of dQ_i = dS K, added to the accumulator tile in global memory: by the
     // writer warp from shared memory (STAGED), or from the registers. With Params::deterministic the
     // warpgroup first waits for its turn (the key blocks before this one); the turn is handed on once
@@ -554,7 +568,7 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
                : cap ? bwd_sm90_kernel<T, D, true, true, true, false, false>
                : seg ? bwd_sm90_kernel<T, D, true, true, false, false, false>
                      : kernel;
-    const size_t smem = C::smem + (seg ? block_list_bytes((p.q_len + C::BQ - 1) / C::BQ) : 0);
+    const size_t smem = C::smem + C::bias_bytes(p) + (seg ? block_list_bytes((p.q_len + C::BQ - 1) / C::BQ) : 0);
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
     const long long blocks = (p.kv_len + C::BK - 1) / C::BK * (long long)p.kv_heads * p.batch;

@@ -409,6 +409,65 @@ __device__ __forceinline__ void store_dbias(const RT &ds, const Params &p, int b
   tk::warp::store(bias_view<T, TRANSPOSED, true>(p, b, h), ds, TRANSPOSED ? tk::coord{0, k0, 0, q0} : tk::coord{0, q0, 0, k0});
 }
 
+// The Hopper kernels read the bias in 16-byte chunks (tk::warp::chunks: whole sectors, 4-8 loads a
+// thread instead of 32) and put it in the logits' layout through a shared scratch tile of each
+// consumer warp, BIAS_SCRATCH bytes; the backward writes the bias's gradient back the same way.
+constexpr int BIAS_SCRATCH = 2048;
+// Forward: the bias of 16 query rows and 64 * PARTS keys, in parts of 64 keys (one scratch tile each).
+template <typename T, int PARTS> struct RowBias {
+  tk::warp::chunks<T, 16, 64> part[PARTS];
+};
+template <typename T, int PARTS>
+__device__ __forceinline__ void load_bias(RowBias<T, PARTS> &bt, const Params &p, int b, int h, int q0, int k0) {
+  for (int i = 0; i < PARTS; i++) tk::warp::load(bt.part[i], bias_view<T, false>(p, b, h), {0, q0, 0, k0 + 64 * i});
+}
+// s (16 x 64 PARTS, rows queries) += the bias, in log2 units.
+template <typename T, int PARTS, typename RT>
+__device__ __forceinline__ void add_bias(RT &s, const RowBias<T, PARTS> &bt, void *scratch) {
+  static_assert(RT::rows == 16 && RT::cols == 64 * PARTS);
+  auto &st = *static_cast<tk::st<T, 16, 64> *>(scratch);
+  for (int i = 0; i < PARTS; i++) {
+    tk::rt<T, 16, 64> x;
+    __syncwarp();  // (the scratch's last reads are done)
+    tk::warp::store(st, bt.part[i]);
+    __syncwarp();
+    tk::warp::load(x, st);
+    for (int j = 0; j < 4; j++)
+      for (int k = 0; k < 4; k++) {
+        const float2 a = tk::to_float2(s.tiles[0][4 * i + j].data[k]), v = tk::to_float2(x.tiles[0][j].data[k]);
+        s.tiles[0][4 * i + j].data[k] = tk::from_float2<tk::packed<typename RT::dtype>>(float2{a.x + LOG2E * v.x, a.y + LOG2E * v.y});
+      }
+  }
+}
+// Backward: the bias^T of 16 keys and 64 queries, read as the 64 x 16 block of the bias it is.
+template <typename T> using ColBias = tk::warp::chunks<T, 64, 16>;
+template <typename T>
+__device__ __forceinline__ void load_bias(ColBias<T> &bt, const Params &p, int b, int h, int q0, int k0) {
+  tk::warp::load(bt, bias_view<T, false>(p, b, h), {0, q0, 0, k0});
+}
+// s (16 x 64, rows keys, columns queries) += the bias^T, in log2 units.
+template <typename T, typename RT>
+__device__ __forceinline__ void add_bias(RT &s, const ColBias<T> &bt, void *scratch) {
+  auto &st = *static_cast<tk::st<T, 64, 16> *>(scratch);
+  tk::rt<T, 16, 64> x;
+  __syncwarp();
+  tk::warp::store(st, bt);
+  __syncwarp();
+  tk::warp::load_transposed(x, st);
+  add_bias(s, x);
+}
+// The bias's gradient from dS^T (16 x 64, rows keys k0.., columns queries q0.., the inputs' dtype).
+template <typename T, typename RT>
+__device__ __forceinline__ void store_dbias(const RT &ds, const Params &p, int b, int h, int q0, int k0, void *scratch) {
+  auto &st = *static_cast<tk::st<T, 64, 16> *>(scratch);
+  ColBias<T> c;
+  __syncwarp();
+  tk::warp::store_transposed(st, ds);
+  __syncwarp();
+  tk::warp::load(c, st);
+  tk::warp::store(bias_view<T, false, true>(p, b, h), c, {0, q0, 0, k0});
+}
+
 // The output O as a global view whose rows end at rows_end (or q_len): stores skip the rows past it.
 template <typename T> __device__ __forceinline__ tk::gl<T> output_rows(const Params &p, int rows_end = INT_MAX) {
   auto O = tk::gl<T>::make(static_cast<T *>(p.o), p.batch, p.q_len, p.q_heads, p.head_dim);

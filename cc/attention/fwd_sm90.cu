@@ -56,18 +56,20 @@ template <typename T, int D> struct FwdH {
     bool stage_o;  // see stages_o
   };
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
-  // Shared memory after Shared: at D <= 128 a staging tile of O per consumer (O goes out through it
+  // Shared memory after Shared (and the bias's scratch): at D <= 128 a staging tile of O per consumer (O goes out through it
   // and one TMA store, instead of each thread's global stores), then with segment ids the block
   // lists of the two announced tiles. Where both do not fit (D = 128: keys past 256k with segment
   // ids), the consumers store O themselves.
   static size_t lists_bytes(const Params &p, bool full) {
     return full && (p.q_segment_ids || p.mask_blocks) ? 2 * block_list_bytes((p.kv_len + BK - 1) / BK) : 0;
   }
+  // With a bias, first each consumer warp's scratch tile (see RowBias).
+  __host__ __device__ static size_t bias_bytes(const Params &p) { return p.bias ? CONSUMERS * 4 * BIAS_SCRATCH : 0; }
   static bool stages_o(const Params &p, bool full, size_t max_smem) {
-    return D <= 128 && smem + CONSUMERS * sizeof(OTile) + lists_bytes(p, full) <= max_smem;
+    return D <= 128 && smem + bias_bytes(p) + CONSUMERS * sizeof(OTile) + lists_bytes(p, full) <= max_smem;
   }
   static size_t extra_bytes(const Params &p, bool full, bool stage_o) {
-    return (stage_o ? CONSUMERS * sizeof(OTile) : 0) + lists_bytes(p, full);
+    return bias_bytes(p) + (stage_o ? CONSUMERS * sizeof(OTile) : 0) + lists_bytes(p, full);
   }
 };
 
@@ -148,7 +150,8 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
   const bool listed = FULL && (p.q_segment_ids || p.mask_blocks);  // (see fwd_tile)
   const bool stage_o = D <= 128 && (!FULL || a.stage_o);  // (always in plain attention: see fwd_sm90)
   constexpr bool DOCS = FULL && C::DOCS;
-  auto *o_stages = reinterpret_cast<typename C::OTile *>(&sm + 1);
+  char *const bias_scratch = reinterpret_cast<char *>(&sm + 1);
+  auto *o_stages = reinterpret_cast<typename C::OTile *>(bias_scratch + C::bias_bytes(p));
   uint32_t *lists = reinterpret_cast<uint32_t *>(o_stages + (stage_o ? CONSUMERS : 0));  // two slots of list_words words
   const int list_words = int(block_list_bytes((p.kv_len + BK - 1) / BK) / 4);
   auto read_tile = [&](int slot) {
@@ -280,14 +283,15 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     // slot where a block needs a mask, not held in a register through the loop.)
     // The bias (in log2 units, after cap_logits) first: the masks then hide what they hide. Block j's
     // bias is loaded before its products are issued (no documents' tiles with dense operands).
-    rt<T, 16, BK> bias;
+    RowBias<T, BK / 64> bias;
+    void *const scratch = bias_scratch + BIAS_SCRATCH * (4 * wg + warpid() % 4);
     auto load_block_bias = [&](int j) {
       if constexpr (DENSE)
-        if (p.bias) load_bias<T, false>(bias, p, x.b, x.h, qw, j * BK);
+        if (p.bias) load_bias(bias, p, x.b, x.h, qw, j * BK);
     };
     auto mask = [&](int j, int info) {
       if constexpr (DENSE)
-        if (p.bias) add_bias(s, bias);
+        if (p.bias) add_bias(s, bias, scratch);
       if (from_loader && (info & ((1 << MASK_BITS) - 1)) == 0) return;  // most blocks
       const int k0 = (DOCS ? max(sm.tile[slot].kbase, 0) : 0) + j * BK;
       const MaskNeed need = from_loader ? warp_mask_need(info, rule, qw, 16, k0, BK)

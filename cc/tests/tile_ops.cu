@@ -26,6 +26,13 @@ enum Op {
   SHARED_ST = 37,  // out = a (register -> shared store alone, read back element by element)
   KEEP_BITS = 38,         // keep a[r, c] where bit param + c of row r is set (v's words: (param + C) / 32 a row), else -inf
   KEEP_BITS_BY_COL = 39,  // keep a[r, c] where bit param + r of column c is set ((param + R) / 32 words a column), else -inf
+  // 16-bit, row_l: a in 16-byte chunks from a view of its first R - 3 rows (the rest read as 0),
+  // through shared memory, into registers: out = that (CHUNKS), or its transpose (CHUNKS_T, square)
+  CHUNKS = 40, CHUNKS_T = 41,
+  // 16-bit, row_l, square: a (CHUNKS_STORE) or a^T (CHUNKS_STORE_T) from registers to shared memory,
+  // then in chunks to global memory: out's bytes as an R x C matrix of T, its first R - 2 rows (out
+  // filled with 1.0f first)
+  CHUNKS_STORE = 42, CHUNKS_STORE_T = 43,
 };
 
 template <typename T, typename L, int R, int C>
@@ -116,6 +123,32 @@ __device__ void run(const TileOpArgs &x, st<T, R, C> &sa, st<T, R, C> &sb) {
       if (x.op == KEEP_BITS) warp::keep_bits(f, f, [=](int row) { return words + row * n; }, off, -INFINITY);
       else warp::keep_bits_by_col(f, f, [=](int col) { return words + col * n; }, off, -INFINITY);
       warp::store(OUT, f, {});
+      return;
+    }
+    case CHUNKS: case CHUNKS_T: {
+      if constexpr (is_16bit<T> && is_row && R == C) {
+        auto shortA = A;
+        shortA.dims[1] = R - 3;
+        warp::chunks<T, R, C> c;
+        warp::load(c, shortA, {});
+        warp::store(sb, c);
+        __syncwarp();
+        if (x.op == CHUNKS) warp::load(r, sb);
+        else warp::load_transposed(r, sb);
+        break;
+      }
+      return;
+    }
+    case CHUNKS_STORE: case CHUNKS_STORE_T: {
+      if constexpr (is_16bit<T> && is_row && R == C) {
+        if (x.op == CHUNKS_STORE) warp::store(sb, a);
+        else warp::store_transposed(sb, a);
+        for (int e = laneid(); e < R * C; e += 32) x.out[e] = 1.f;
+        __syncwarp();
+        warp::chunks<T, R, C> c;
+        warp::load(c, sb);
+        warp::store(gl<T>::make(reinterpret_cast<T *>(x.out), 1, R - 2, 1, C), c, {});
+      }
       return;
     }
     case FILL: warp::fill(r, p); break;

@@ -21,7 +21,7 @@ OPS = dict(
     MAX=12, MIN=13, ADD_SCALAR=14, ROW_MAX=15, ROW_SUM=16, COL_MAX=17, COL_SUM=18, ADD_ROW=19,
     SUB_ROW=20, MUL_ROW=21, DIV_ROW=22, ADD_COL=23, SUB_COL=24, MUL_COL=25, DIV_COL=26, TRIL=27,
     TRIU=28, BOUNDS=29, MMA_AB=30, MMA_ABT=31, MMA_ATB=32, MMA_ATBT=33, FILL=34, ZERO=35, CAST=36,
-    SHARED_ST=37, KEEP_BITS=38, KEEP_BITS_BY_COL=39,
+    SHARED_ST=37, KEEP_BITS=38, KEEP_BITS_BY_COL=39, CHUNKS=40, CHUNKS_T=41, CHUNKS_STORE=42, CHUNKS_STORE_T=43,
 )
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 RTOL = {"float32": 2e-6, "bfloat16": 8e-3, "float16": 1e-3}
@@ -180,3 +180,33 @@ def test_keep_bits(op, shape, offset, layout):
     keep = bits if op == "KEEP_BITS" else bits.T
     want = np.where(keep, a.astype(np.float32), -np.inf)
     np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("op", ["CHUNKS", "CHUNKS_T"])
+def test_chunks_load(op, dtype):
+    """A block read in 16-byte chunks (rows past the view read as 0), put in shared memory and read
+    from there into registers, as it is or transposed (ldmatrix .trans)."""
+    a, b, v = inputs(dtype, (32, 32), seed=11)
+    out, _ = run_op(op, a, b, v, 0)
+    want = a.astype(np.float32)
+    want[-3:] = 0
+    np.testing.assert_array_equal(out, want.T if op == "CHUNKS_T" else want)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("op", ["CHUNKS_STORE", "CHUNKS_STORE_T"])
+def test_chunks_store(op, dtype):
+    """A register tile to shared memory, as it is or transposed (stmatrix .trans, sm_90), then in
+    16-byte chunks to global memory; rows past the view are not written."""
+    cap = extension.cuda_device_capability()
+    if op == "CHUNKS_STORE_T" and cap != (9, 0):
+        pytest.skip(f"stmatrix: sm_90 (H100/H200), found {cap}")
+    a, b, v = inputs(dtype, (32, 32), seed=12)
+    out, _ = run_op(op, a, b, v, 0)
+    got = out.view(DTYPES[dtype]).reshape(-1)[: 32 * 32].reshape(32, 32).astype(np.float32)
+    ones = np.ones((32, 32), np.float32).view(DTYPES[dtype]).reshape(-1)[: 32 * 32].reshape(32, 32).astype(np.float32)
+    want = a.astype(np.float32)
+    want = want.T if op == "CHUNKS_STORE_T" else want
+    np.testing.assert_array_equal(got[:30], want[:30])
+    np.testing.assert_array_equal(got[30:], ones[30:])

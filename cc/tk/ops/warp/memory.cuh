@@ -47,6 +47,19 @@ __device__ __forceinline__ void for_each_piece_x4(const ST &t, int row0, int col
     for (int j = 0; j < RT::width; j++) f(i, j, smem_addr(&t(row0 + i * TILE + r, col0 + j * TILE + c)), trans);
 }
 
+// The same for a 16-bit row_l register tile RT that is the transpose of the region of t at (row0,
+// col0): element (r, c) of RT is t(row0 + c, col0 + r). ldmatrix / stmatrix .trans then move it.
+template <RegisterTile RT, SharedTile ST, typename F>
+__device__ __forceinline__ void for_each_piece_x4_transposed(const ST &t, int row0, int col0, F f) {
+  static_assert(std::is_same_v<typename RT::layout, row_l>);
+  const int lane = laneid(), m = lane / 8;
+  const int r = (lane % 8) + 8 * (m / 2), c = 8 * (m % 2);
+#pragma unroll
+  for (int i = 0; i < RT::height; i++)
+#pragma unroll
+    for (int j = 0; j < RT::width; j++) f(i, j, smem_addr(&t(row0 + j * TILE + r, col0 + i * TILE + c)));
+}
+
 // Visit every pair a lane holds: f(i, j, k, row, col) with (row, col) the pair's first element
 // inside the tile; the second element is at (row, col+1) for row_l and (row+1, col) for col_l.
 template <RegisterTile RT, typename F> __device__ __forceinline__ void for_each_pair(F f) {
@@ -77,6 +90,24 @@ __device__ __forceinline__ void load(RT &dst, const ST &src, int row0 = 0, int c
       dst.tiles[i][j].data[k] = from_float2<packed<T>>(v);
     });
   }
+}
+
+// Register tile := the transpose of shared tile src's region at (row0, col0) (16-bit, same type):
+// dst(r, c) = src(row0 + c, col0 + r).
+template <RegisterTile RT, SharedTile ST>
+__device__ __forceinline__ void load_transposed(RT &dst, const ST &src, int row0 = 0, int col0 = 0) {
+  static_assert(is_16bit<typename RT::dtype> && std::is_same_v<typename RT::dtype, typename ST::dtype>);
+  for_each_piece_x4_transposed<RT>(src, row0, col0, [&](int i, int j, uint32_t addr) {
+    ldmatrix_x4(reinterpret_cast<packed<bf16> *>(dst.tiles[i][j].data), addr, true);
+  });
+}
+// Shared tile region at (row0, col0) := the transpose of register tile src (sm_90: stmatrix).
+template <SharedTile ST, RegisterTile RT>
+__device__ __forceinline__ void store_transposed(ST &dst, const RT &src, int row0 = 0, int col0 = 0) {
+  static_assert(is_16bit<typename RT::dtype> && std::is_same_v<typename RT::dtype, typename ST::dtype>);
+  for_each_piece_x4_transposed<RT>(dst, row0, col0, [&](int i, int j, uint32_t addr) {
+    stmatrix_x4(addr, reinterpret_cast<const packed<bf16> *>(src.tiles[i][j].data), true);
+  });
 }
 
 // Register tile -> shared tile (at (row0, col0)), converting the element type if they differ.
@@ -173,6 +204,50 @@ __device__ __forceinline__ void store(T *dst, const RV &src, int n) {
       int idx = RV::index_of(i, k);
       if (writer && idx < n) dst[idx] = convert<T>(src.data[i][k]);
     }
+}
+
+// A 16-bit R x C block of a global matrix in 16-byte chunks held in registers, the lanes taking the
+// chunks row by row (coalesced, whole sectors). load() only issues the loads: the registers are read
+// later, when the block goes to a shared tile (store), from which ldmatrix reads it in a register
+// tile's layout, transposed or not. Fewer and wider accesses than pair by pair, and none of 2 bytes
+// for a transposed tile. Writing a register tile to global memory goes the other way.
+template <typename T, int R, int C> struct chunks {
+  static_assert(is_16bit<T> && C % 8 == 0 && R * C % 256 == 0);
+  static constexpr int PER_ROW = C / 8, N = R * C / 256;  // chunks per row; per lane
+  uint4 v[N];
+  __device__ static int row(int n) { return (laneid() + 32 * n) / PER_ROW; }
+  __device__ static int col(int n) { return (laneid() + 32 * n) % PER_ROW * 8; }
+};
+// Global view (at o) -> chunks; rows at or past src.seq() read as zero. (Rows 16-byte aligned.)
+template <typename T, int R, int C, typename U>
+__device__ __forceinline__ void load(chunks<T, R, C> &dst, const gl<U> &src, coord o) {
+  static_assert(std::is_same_v<std::remove_const_t<U>, T>);
+#pragma unroll
+  for (int n = 0; n < dst.N; n++) {
+    const int r = dst.row(n);
+    dst.v[n] = o.s + r < src.seq() ? *reinterpret_cast<const uint4 *>(src.at(o.b, o.s + r, o.h, o.d + dst.col(n)))
+                                   : uint4{0, 0, 0, 0};
+  }
+}
+// chunks -> global view (at o); rows at or past dst.seq() are not written.
+template <typename T, int R, int C>
+__device__ __forceinline__ void store(const gl<T> &dst, const chunks<T, R, C> &src, coord o) {
+#pragma unroll
+  for (int n = 0; n < src.N; n++) {
+    const int r = src.row(n);
+    if (o.s + r < dst.seq()) *reinterpret_cast<uint4 *>(dst.at(o.b, o.s + r, o.h, o.d + src.col(n))) = src.v[n];
+  }
+}
+// chunks -> shared tile (at (row0, col0)), and back.
+template <SharedTile ST, typename T, int R, int C>
+__device__ __forceinline__ void store(ST &dst, const chunks<T, R, C> &src, int row0 = 0, int col0 = 0) {
+#pragma unroll
+  for (int n = 0; n < src.N; n++) *reinterpret_cast<uint4 *>(&dst(row0 + src.row(n), col0 + src.col(n))) = src.v[n];
+}
+template <typename T, int R, int C, SharedTile ST>
+__device__ __forceinline__ void load(chunks<T, R, C> &dst, const ST &src, int row0 = 0, int col0 = 0) {
+#pragma unroll
+  for (int n = 0; n < dst.N; n++) dst.v[n] = *reinterpret_cast<const uint4 *>(&src(row0 + dst.row(n), col0 + dst.col(n)));
 }
 
 }  // namespace tk::warp
