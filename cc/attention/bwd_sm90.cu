@@ -110,8 +110,9 @@ template <bool FULL, bool DENSE> __device__ __forceinline__ bool sees(const Para
 // the Q and dO of a whole group, so a group is kept below ORDER_BYTES of them (L2; at D = 128: 7 pairs
 // at T = 2k, 3 at 4k, one from 8k; 8 pairs at T = 16k measured 1-4% slower; key block by key block
 // over all heads measured 40% slower at T = 2k). Within a (batch entry, head), key block j' < j
-// comes first, as the deterministic mode's turns need. With Params::block_order (segment ids, not
-// deterministic): its order.
+// comes first, as the deterministic mode's turns need. The pairs go batch entry after batch entry,
+// or with a bias shared by the batch entries head after head (batch_inner). With
+// Params::block_order (segment ids, not deterministic): its order.
 constexpr size_t ORDER_BYTES = size_t(8) << 20;
 constexpr int ORDER_MAX_PAIRS = 8;
 inline int order_pairs(const Params &p) {
@@ -128,6 +129,7 @@ __device__ __forceinline__ int3 block_coords(const Params &p, int pairs, int t, 
   const int first = t / (pairs * kblocks) * pairs;  // the group's first pair
   const int size = min(pairs, p.batch * p.kv_heads - first), r = t - first * kblocks;
   const int pair = first + r % size;
+  if (batch_inner<FULL>(p)) return {pair % p.batch, pair / p.batch, r / size};
   return {pair / p.kv_heads, pair % p.kv_heads, r / size};
 }
 

@@ -409,6 +409,12 @@ __device__ __forceinline__ void store_dbias(const RT &ds, const Params &p, int b
   tk::warp::store(bias_view<T, TRANSPOSED, true>(p, b, h), ds, TRANSPOSED ? tk::coord{0, k0, 0, q0} : tk::coord{0, q0, 0, k0});
 }
 
+// A bias shared by the batch entries (the usual position bias, [1, H, T, S]) is read by every entry:
+// the Hopper kernels then order their work batch entry innermost, so that the blocks that read the
+// same bias rows run at the same time and find them in L2 (the bias is the largest operand).
+template <bool FULL> __device__ __forceinline__ bool batch_inner(const Params &p) {
+  return FULL && p.bias && p.bias_batch == 1 && p.batch > 1;
+}
 // The Hopper kernels read the bias in 16-byte chunks (tk::warp::chunks: whole sectors, 4-8 loads a
 // thread instead of 32) and put it in the logits' layout through a shared scratch tile of each
 // consumer warp, BIAS_SCRATCH bytes; the backward writes the bias's gradient back the same way.

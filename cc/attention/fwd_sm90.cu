@@ -84,13 +84,19 @@ struct FwdTile {
 };
 // Tile t of the order in which the tiles are handed out: the query blocks of one head, heaviest
 // (causal) first, then the next head, the next batch entry (the tiles running at one time share
-// their keys and values in L2); with Params::fwd_tiles, its tile t.
+// their keys and values in L2); with a bias shared by the batch entries, the batch entries of one
+// query block innermost (batch_inner); with Params::fwd_tiles, its tile t.
 template <bool FULL> __device__ __forceinline__ TileSlot tile_coords(const Params &p, int t, int BQ) {
   if (FULL && p.fwd_tiles) {
     const int4 e = reinterpret_cast<const int4 *>(p.fwd_tiles)[t];
     return {t, e.x / p.q_heads, e.x % p.q_heads, e.y, {}, e.w, e.z};
   }
-  const int qblocks = (p.q_len + BQ - 1) / BQ, rest = t / qblocks;
+  const int qblocks = (p.q_len + BQ - 1) / BQ;
+  if (batch_inner<FULL>(p)) {
+    const int rest = t / p.batch;
+    return {t, t % p.batch, rest / qblocks, (qblocks - 1 - rest % qblocks) * BQ, {}, -1, p.q_len};
+  }
+  const int rest = t / qblocks;
   return {t, rest / p.q_heads, rest % p.q_heads, (qblocks - 1 - t % qblocks) * BQ, {}, -1, p.q_len};
 }
 // The tile at c (tile_coords) and its key blocks (with segment ids, the list in `list`, unless a
