@@ -141,13 +141,13 @@ template <bool FULL, bool DENSE> __device__ __forceinline__ int blocks_before(co
 }
 
 // P^T from S^T (rows: keys kw.., columns: queries q0..) and the columns' lse (log2 units).
-// (DENSE: bias, the bias^T of these rows and columns, as a register tile or chunks put in place
+// (BIAS: bias, the bias^T of these rows and columns, as a register tile or chunks put in place
 // through the warp's scratch.)
-template <bool FULL, bool DENSE, bool CAP, typename RT, typename V, typename BT>
+template <bool FULL, bool DENSE, bool CAP, bool BIAS, typename RT, typename V, typename BT>
 __device__ __forceinline__ void probabilities(RT &s, const Params &p, const KeyRule &rule, MaskNeed need, int b, int h,
                                               int q0, int kw, const V &lse, const BT &bias, void *scratch) {
   cap_logits<CAP, DENSE>(s, p);  // in units of 1 / c (logit_factor)
-  if (DENSE && p.bias) {
+  if constexpr (BIAS) {
     if constexpr (RegisterTile<BT>) add_bias(s, bias);
     else add_bias(s, bias, scratch);
   }
@@ -184,8 +184,10 @@ __device__ __forceinline__ int load_acquire(const int *x) {
 // deterministic turns' code keeps ptxas from spilling in the loop (14-18 LDL/STL per step). The plain
 // kernel (FULL = false) tests Params::deterministic at run time: DET does not apply to it (with the
 // turns' code compiled out it spilled instead, and ran 2-4% slower). DENSE: the code of the dense
-// operands, the boolean mask and the bias (see dispatch), in the kernels for any options only.
-template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE>
+// operands, the boolean mask and the bias (see dispatch), in the kernels for any options only; BIAS
+// (with DENSE, when a bias is given): the bias's code, whose registers a mask alone should not pay
+// for (they made the mask's backward up to 40% slower).
+template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE, bool BIAS>
 __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const __grid_constant__ typename BwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = BwdH<T, D>;
@@ -320,7 +322,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   std::conditional_t<C::STAGE_BIAS, ColBias<T>, rt<T, 16, BQ>> bias;
   void *const scratch = bias_scratch + BIAS_SCRATCH * (4 * wg + warpid() % 4);
   auto load_step_bias = [&](int step, int g, int i) {
-    if (DENSE && p.bias && step < n_steps) {
+    if (BIAS && step < n_steps) {
       if constexpr (C::STAGE_BIAS) load_bias(bias, p, b, kvh * group + g, i * BQ, kw);
       else load_bias<T, true>(bias, p, b, kvh * group + g, i * BQ, kw);
     }
@@ -363,7 +365,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
     const MaskNeed need = SEG ? warp_mask_need(mask_bits, rule, q0, BQ, kw, 16) : mask_need<FULL, DENSE>(p, rule, true, q0, BQ, kw, 16);
     if constexpr (SEG) warp::load(lse, stats, BQ);
-    probabilities<FULL, DENSE, CAP>(s, p, rule, need, b, h, q0, kw, lse, bias, scratch);
+    probabilities<FULL, DENSE, CAP, BIAS>(s, p, rule, need, b, h, q0, kw, lse, bias, scratch);
     warp::copy(p16, s);
     warp::load(delta, stats + BQ, BQ);  // (before the dV product's shared-memory reads queue ahead of it)
     warpgroup::mma_AB(dv, p16, window<BQ, C::KV_COLS>(sm.dout[slot], 0, col0), true);  // dV += P^T dO   [dP, dV]
@@ -371,7 +373,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     warpgroup::fence_registers(dp);
     warp::map_col(dp, dp, delta, [](float x, float d) { return x - d; });
     warp::mul(dp, dp, s);  // dS^T = P^T (dP^T - delta)
-    if (!C::STAGE_BIAS && DENSE && p.bias && writes_ds) store_dbias<T, true>(dp, p, b, h, q0, kw);  // (no soft cap with a bias)
+    if (!C::STAGE_BIAS && BIAS && writes_ds) store_dbias<T, true>(dp, p, b, h, q0, kw);  // (no soft cap with a bias)
     if (CAP && p.softcap > 0.f) {  // w.r.t. the logits before the cap
       softcap_derivative(s, p, stats);
       warp::mul(dp, dp, s);
@@ -383,7 +385,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     }
     sync_named(1, 128 * CONSUMERS);  // all of dS^T is in shared memory
     warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, row0, 0), window<BQ, C::KV_COLS>(sm.q[slot], 0, col0), true);  // dK += dS^T Q  [dV, dK]
-    if (C::STAGE_BIAS && DENSE && p.bias) store_dbias<T>(ds16, p, b, h, q0, kw, scratch);  // (while dK is computed)
+    if (C::STAGE_BIAS && BIAS) store_dbias<T>(ds16, p, b, h, q0, kw, scratch);  // (while dK is computed)
     // This warpgroup's columns of dQ_i = dS K, added to the accumulator tile in global memory: by the
     // writer warp from shared memory (STAGED), or from the registers. With Params::deterministic the
     // warpgroup first waits for its turn (the key blocks before this one); the turn is handed on once
@@ -401,7 +403,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       warpgroup::mma_AtB(dq, ds_tile, window<BK, C::DQ_PART>(sm.k, 0, c0), false);  // [dV, dK, dQ]
       if (part == C::DQ_PARTS - 1) {
         issue_logits(it + 1);  // [dV, dK, dQ, S']
-        if constexpr (DENSE) {
+        if constexpr (BIAS) {
           int g1 = g, i1 = i;
           next_step(it + 1, g1, i1);
           load_step_bias(it + 1, g1, i1);
@@ -562,13 +564,14 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
     // dense operands; with a mask or a bias, the kernels for any options, deterministic or not).
     const bool det = FULL && p.deterministic, cap = det || DENSE || (FULL && p.softcap > 0.f);
     const bool seg = cap || (FULL && p.q_segment_ids);
-    auto kernel = bwd_sm90_kernel<T, D, FULL, false, false, false, false>;
+    auto kernel = bwd_sm90_kernel<T, D, FULL, false, false, false, false, false>;
     if constexpr (DENSE)
-      kernel = det ? bwd_sm90_kernel<T, D, true, true, true, true, true> : bwd_sm90_kernel<T, D, true, true, true, false, true>;
+      kernel = p.bias ? (det ? bwd_sm90_kernel<T, D, true, true, true, true, true, true> : bwd_sm90_kernel<T, D, true, true, true, false, true, true>)
+                      : (det ? bwd_sm90_kernel<T, D, true, true, true, true, true, false> : bwd_sm90_kernel<T, D, true, true, true, false, true, false>);
     else if constexpr (FULL)
-      kernel = det   ? bwd_sm90_kernel<T, D, true, true, true, true, false>
-               : cap ? bwd_sm90_kernel<T, D, true, true, true, false, false>
-               : seg ? bwd_sm90_kernel<T, D, true, true, false, false, false>
+      kernel = det   ? bwd_sm90_kernel<T, D, true, true, true, true, false, false>
+               : cap ? bwd_sm90_kernel<T, D, true, true, true, false, false, false>
+               : seg ? bwd_sm90_kernel<T, D, true, true, false, false, false, false>
                      : kernel;
     const size_t smem = C::smem + C::bias_bytes(p) + (seg ? block_list_bytes((p.q_len + C::BQ - 1) / C::BQ) : 0);
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));

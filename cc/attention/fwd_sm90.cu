@@ -142,8 +142,9 @@ template <bool FULL> __device__ __forceinline__ KeyRule tile_rule(const Params &
 //     each writes its rows of O through a staging tile and a TMA store (D <= 128).
 // setmaxnreg moves registers from the producer to the consumers. A tile whose rows see no key loads
 // nothing and stores O = 0, lse = -inf. Only the tiles that cut through a rule or a segment
-// boundary are masked elementwise (KeyRule, BlockList::one_segment).
-template <typename T, int D, bool FULL, bool DENSE>
+// boundary are masked elementwise (KeyRule, BlockList::one_segment). BIAS (with DENSE, when a bias
+// is given): the bias's code, whose registers a mask alone should not pay for.
+template <typename T, int D, bool FULL, bool DENSE, bool BIAS>
 __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const __grid_constant__ typename FwdH<T, D>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = FwdH<T, D>;
@@ -292,12 +293,10 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     RowBias<T, BK / 64> bias;
     void *const scratch = bias_scratch + BIAS_SCRATCH * (4 * wg + warpid() % 4);
     auto load_block_bias = [&](int j) {
-      if constexpr (DENSE)
-        if (p.bias) load_bias(bias, p, x.b, x.h, qw, j * BK);
+      if constexpr (BIAS) load_bias(bias, p, x.b, x.h, qw, j * BK);
     };
     auto mask = [&](int j, int info) {
-      if constexpr (DENSE)
-        if (p.bias) add_bias(s, bias, scratch);
+      if constexpr (BIAS) add_bias(s, bias, scratch);
       if (from_loader && (info & ((1 << MASK_BITS) - 1)) == 0) return;  // most blocks
       const int k0 = (DOCS ? max(sm.tile[slot].kbase, 0) : 0) + j * BK;
       const MaskNeed need = from_loader ? warp_mask_need(info, rule, qw, 16, k0, BK)
@@ -414,7 +413,7 @@ cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
     a.stage_o = C::stages_o(p, FULL, size_t(max_smem));
     if (!FULL && D <= 128 && !a.stage_o) return cudaErrorInvalidConfiguration;
     if (listed + 2 * sms >= INT_MAX || p.tile_counter == nullptr) return cudaErrorInvalidValue;
-    auto kernel = fwd_sm90_kernel<T, D, FULL, DENSE>;
+    auto kernel = p.bias ? fwd_sm90_kernel<T, D, FULL, DENSE, DENSE> : fwd_sm90_kernel<T, D, FULL, DENSE, false>;
     const size_t smem = C::smem + C::extra_bytes(p, FULL, a.stage_o);
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e == cudaSuccess) e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);

@@ -149,10 +149,12 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
   p.fwd_tiles = ordered ? ints[6] : nullptr;
   std::vector<int *> mask = masked == DENSE ? boolean_mask(p, rng) : std::vector<int *>{};
   void *dbias = nullptr;
-  if (masked == DENSE) {  // [b, 1, padded rows, padded keys] and its gradient [b, n, ...]
+  if (masked == DENSE) {  // [b, 1, padded rows, padded keys] (causal: [1, n, ...], shared by the batch
+                          // entries: the kernels' batch_inner order) and its gradient [b, n, ...]
     const size_t matrix = size_t(padded_rows(t)) * padded_keys(s);
-    p.bias = device_random<__nv_bfloat16>(b * matrix, rng);
-    p.bias_batch = b; p.bias_heads = 1;
+    p.bias_batch = causal ? 1 : b;
+    p.bias_heads = causal ? n : 1;
+    p.bias = device_random<__nv_bfloat16>(size_t(p.bias_batch) * p.bias_heads * matrix, rng);
     CHECK(cudaMalloc(&dbias, size_t(b) * n * matrix * 2));
     CHECK(cudaMemset(dbias, 0, size_t(b) * n * matrix * 2));
     p.dbias = dbias;
