@@ -317,7 +317,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     if (step < n_steps) wait_full(steps, step);
     warpgroup::mma_ABt(s, k_rows, sm.q[slot], false);
   };
-  // The bias^T of a step (DENSE), loaded as its S^T is issued (at the end of the step before), so
+  // The bias^T of a step (BIAS), loaded as its S^T is issued (at the end of the step before), so
   // that the loads land while the dQ product and additions run.
   std::conditional_t<C::STAGE_BIAS, ColBias<T>, rt<T, 16, BQ>> bias;
   void *const scratch = bias_scratch + BIAS_SCRATCH * (4 * wg + warpid() % 4);

@@ -56,10 +56,10 @@ template <typename T, int D> struct FwdH {
     bool stage_o;  // see stages_o
   };
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
-  // Shared memory after Shared (and the bias's scratch): at D <= 128 a staging tile of O per consumer (O goes out through it
-  // and one TMA store, instead of each thread's global stores), then with segment ids the block
-  // lists of the two announced tiles. Where both do not fit (D = 128: keys past 256k with segment
-  // ids), the consumers store O themselves.
+  // Shared memory after Shared (and the bias's scratch): at D <= 128 a staging tile of O per consumer
+  // (O goes out through it and one TMA store, instead of each thread's global stores), then with
+  // segment ids the block lists of the two announced tiles. Where both do not fit (D = 128: keys past
+  // 256k with segment ids; a bias), the consumers store O themselves.
   static size_t lists_bytes(const Params &p, bool full) {
     return full && (p.q_segment_ids || p.mask_blocks) ? 2 * block_list_bytes((p.kv_len + BK - 1) / BK) : 0;
   }
