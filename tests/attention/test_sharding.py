@@ -121,6 +121,16 @@ CASES = [
 ]
 
 
+def _cuda_module(fn, *args):
+    """fn exported for CUDA (no GPU needed; jax_tk's attention calls allowed): the module's text."""
+    checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in ("jax_tk_attention_fwd", "jax_tk_attention_bwd")]
+    return jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+
+
+def _kernel_calls(text):
+    return [l for l in text.splitlines() if "stablehlo.custom_call @jax_tk_attention" in l]
+
+
 def _put(x, mesh, spec):
     return jax.device_put(x, NamedSharding(mesh, spec))
 
@@ -278,11 +288,7 @@ class TestSharding:
         ids, lens = sds((b, t), P("data"), jnp.int32), sds((b,), P("data"), jnp.int32)
         fn = _masked_fn(jax_tk.attention_with_lse)
         loss = lambda q, k, v, *m: jnp.sum(fn(q, k, v, *m, is_causal=True)[0].astype(F32))
-        checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in
-                  ("jax_tk_attention_fwd", "jax_tk_attention_bwd")]
-        text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
-                                 disabled_checks=checks)(qs, ks, ks, ids, ids, lens, lens).mlir_module()
-        calls = [l for l in text.splitlines() if "stablehlo.custom_call @jax_tk_attention" in l]
+        calls = _kernel_calls(_cuda_module(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), qs, ks, ks, ids, ids, lens, lens))
         assert len(calls) == 2
         for line in calls:
             assert f"tensor<{b // 2}x{t}xi32>" in line and f"tensor<{b // 2}xi32>" in line, line
@@ -298,11 +304,7 @@ class TestSharding:
         qs, ks = sds((b, t, n, d), spec), sds((b, t, kh, d), spec)
         bias, mask = sds((1, n, t, t), P(None, "model"), F32), sds((b, 1, t, t), P("data"), jnp.bool_)
         loss = lambda q, k, v, bias, mask: jnp.sum(jax_tk.attention(q, k, v, bias, mask, is_causal=True).astype(F32))
-        checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in
-                  ("jax_tk_attention_fwd", "jax_tk_attention_bwd")]
-        text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=["cuda"],
-                                 disabled_checks=checks)(qs, ks, ks, bias, mask).mlir_module()
-        calls = [l for l in text.splitlines() if "stablehlo.custom_call @jax_tk_attention" in l]
+        calls = _kernel_calls(_cuda_module(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), qs, ks, ks, bias, mask))
         assert len(calls) == 2
         for line in calls:  # local shards: half the batch, a quarter of the heads; T, S padded to 128
             assert f"tensor<{b // 2}x1x{t}x4xui32>" in line and f"tensor<{b // 2}x1x1x1xi8>" in line, line
@@ -345,11 +347,9 @@ class TestSharding:
         qs, ks = sds((b, t, n, d), spec), sds((b, t, kh, d), spec)
         loss = lambda q, k, v: jnp.sum(jax_tk.attention(q, k, v, is_causal=True).astype(F32))
         fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-        checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in
-                  ("jax_tk_attention_fwd", "jax_tk_attention_bwd")]
-        text = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(qs, ks, ks).mlir_module()
+        text = _cuda_module(fn, qs, ks, ks)
         assert "sdy.manual_computation" in text
-        calls = [l for l in text.splitlines() if "stablehlo.custom_call @jax_tk_attention" in l]
+        calls = _kernel_calls(text)
         assert any("@jax_tk_attention_fwd" in l for l in calls)
         assert any("@jax_tk_attention_bwd" in l for l in calls)
         local_q = f"tensor<{b // 2}x{t}x{n // 4}x{d}xbf16>"

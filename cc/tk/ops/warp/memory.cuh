@@ -135,17 +135,6 @@ __device__ __forceinline__ void store(ST &dst, const RT &src, int row0 = 0, int 
   });
 }
 
-// The pair of register tile RT at (r, c) (for_each_pair) from global view src at o, element by element;
-// rows at or past src.seq() read as zero.
-template <RegisterTile RT, typename T>
-__device__ __forceinline__ float2 load_pair(const gl<T> &src, coord o, int r, int c) {
-  int r2 = pair_along_row<RT> ? r : r + 1, c2 = pair_along_row<RT> ? c + 1 : c;
-  float2 v{0.f, 0.f};
-  if (o.s + r < src.seq()) v.x = convert<float>(*src.at(o.b, o.s + r, o.h, o.d + c));
-  if (o.s + r2 < src.seq()) v.y = convert<float>(*src.at(o.b, o.s + r2, o.h, o.d + c2));
-  return v;
-}
-
 // Global view -> register tile, pair by pair (one load where the pair is contiguous in memory); rows
 // at or past src.seq() read as zero.
 template <RegisterTile RT, typename T>
@@ -160,7 +149,11 @@ __device__ __forceinline__ void load(RT &dst, const gl<T> &src, coord o) {
         return;
       }
     }
-    dst.tiles[i][j].data[k] = from_float2<P>(load_pair<RT>(src, o, r, c));
+    const int r2 = pair_along_row<RT> ? r : r + 1, c2 = pair_along_row<RT> ? c + 1 : c;
+    float2 v{0.f, 0.f};
+    if (o.s + r < src.seq()) v.x = convert<float>(*src.at(o.b, o.s + r, o.h, o.d + c));
+    if (o.s + r2 < src.seq()) v.y = convert<float>(*src.at(o.b, o.s + r2, o.h, o.d + c2));
+    dst.tiles[i][j].data[k] = from_float2<P>(v);
   });
 }
 
