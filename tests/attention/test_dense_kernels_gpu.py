@@ -205,8 +205,13 @@ def _bias_run(case, variant, deterministic=False, d=None):
     got = kernel_fwd_bwd(q, k, v, dout, dlse, masks, bias, variant=variant, deterministic=deterministic, **opts)
     want = reference_fwd_bwd(q, k, v, dout, dlse, masks, bias, **opts)
     assert got[5].shape == bias.shape and got[5].dtype == bias.dtype
-    for name_, x, r in zip(("out", "dq", "dk", "dv", "dbias"), (got[0], *got[2:]), (want[0], *want[2:])):
-        assert_close(name_, x, r)
+    _check_with_bias(got, want)
+
+
+def _check_with_bias(got, want):
+    """(out, lse, dq, dk, dv, dbias) of the kernels against the reference's."""
+    for name, x, r in zip(("out", "dq", "dk", "dv", "dbias"), (got[0], *got[2:]), (want[0], *want[2:])):
+        assert_close(name, x, r)
     assert_lse_close(got[1], want[1])
 
 
@@ -268,9 +273,7 @@ def test_minus_inf_bias_hides_keys(variant):
     opts = dict(scale=1.0 / math.sqrt(d), is_causal=False)
     got = kernel_fwd_bwd(q, k, v, dout, dlse, None, bias, variant=variant, **opts)
     want = reference_fwd_bwd(q, k, v, dout, dlse, None, bias, **opts)
-    for name, x, r in zip(("out", "dq", "dk", "dv", "dbias"), (got[0], *got[2:]), (want[0], *want[2:])):
-        assert_close(name, x, r)
-    assert_lse_close(got[1], want[1])
+    _check_with_bias(got, want)
     assert np.all(np.isneginf(np.asarray(got[1])[:, 1, 5:9]))
     assert not np.asarray(got[0])[:, 5:9, 1].astype(np.float32).any()
     assert not np.asarray(got[5])[np.isneginf(np.asarray(bias))].any()
