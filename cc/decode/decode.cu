@@ -26,10 +26,13 @@ namespace {
 using namespace tk;
 
 // Many short warps beat few deep ones: a warp's step is a chain of dependent mma, shuffles and exp2
-// that only more warps overlap, while two stages already keep enough bytes in flight. One block per SM
-// (TARGET_BLOCKS counts on it).
-template <typename T, int D> struct Config {
-  static constexpr int WARPS = D <= 128 ? 8 : 4, THREADS = 32 * WARPS, ROWS = TILE_ROWS;
+// that only more warps overlap, while two stages already keep enough bytes in flight. WIDE blocks take
+// a whole SM (TARGET_BLOCKS counts on it): a grid of one wave. A grid of several waves takes blocks of
+// half the warps, two per SM, so that one block's ramp and tail overlap the other's streaming instead
+// of leaving the SM idle between blocks.
+template <typename T, int D, bool WIDE> struct Config {
+  static constexpr int WARPS = (D <= 128 ? 8 : 4) / (WIDE ? 1 : 2), THREADS = 32 * WARPS, ROWS = TILE_ROWS;
+  static constexpr int BLOCKS_PER_SM = WIDE ? 1 : 2;
   static constexpr int KEYS = D >= 128 ? 16 : 32;  // keys per warp step: 8 KiB of K and V (16 KiB at D=256)
   static constexpr int STAGES = D <= 128 ? 2 : 3;
   static constexpr bool Q_IN_REGISTERS = D <= 128;  // at D=256 the query stays in shared memory
@@ -50,6 +53,7 @@ template <typename T, int D> struct Config {
     float lse[ROWS];
   };
   static_assert(sizeof(Partial) <= sizeof(Stage) * STAGES);
+  static_assert(sizeof(Shared) * BLOCKS_PER_SM <= 227 * 1024);
 };
 
 // The cache row (of the cache seen as [rows, kv_heads, head_dim]) of key position j of sequence b; -1
@@ -124,7 +128,7 @@ __device__ __forceinline__ void store_lse(const Params &p, size_t row, float lse
 }
 
 template <typename T, int D, typename C>
-__global__ __launch_bounds__(C::THREADS, 1) void decode_kernel(const __grid_constant__ Params p) {
+__global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(const __grid_constant__ Params p) {
   constexpr int ROWS = C::ROWS, KEYS = C::KEYS, STAGES = C::STAGES, WARPS = C::WARPS;
   extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
@@ -297,15 +301,25 @@ __global__ __launch_bounds__(C::THREADS, 1) void decode_kernel(const __grid_cons
 }
 
 // out = sum_s 2^(lse_s - lse) O_s over the parts s of every query row (one warp a row); 0 for a row
-// that no part saw a key of. Lane l reads the lse of parts l, l + 32, ... (all at once: a loop of
-// dependent loads would cost a memory latency per part), and the parts' outputs stream in unrolled.
+// that no part saw a key of. The kernel is a few memory latencies long, so it issues its loads
+// together: the outputs of BATCH parts (lane l: columns l, l + 32, ...) before the lse of every part
+// (lane l: parts l, l + 32, ...), and only then waits for any of them. Typical split counts take one
+// batch.
 template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel(const __grid_constant__ Params p) {
-  constexpr int PER_LANE = (MAX_SPLITS + 31) / 32;
+  constexpr int PER_LANE = (MAX_SPLITS + 31) / 32, BATCH = 16, COLS = D / 32;
   const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
   const size_t row = (size_t)blockIdx.x * 4 + warpid();
   if (row >= q_rows) return;
   const int lane = laneid();
-  const float *lse = p.workspace + row, *o = p.workspace + p.splits * q_rows + row * D;
+  const float *lse = p.workspace + row, *o = p.workspace + p.splits * q_rows + row * D + lane;
+  auto load_batch = [&](int s0, float (&v)[BATCH][COLS]) {
+#pragma unroll
+    for (int i = 0; i < BATCH; i++)
+#pragma unroll
+      for (int k = 0; k < COLS; k++) v[i][k] = s0 + i < p.splits ? o[(size_t)(s0 + i) * q_rows * D + 32 * k] : 0.f;
+  };
+  float v[BATCH][COLS];
+  load_batch(0, v);
   float x[PER_LANE], mx = NEG_INF;
 #pragma unroll
   for (int i = 0; i < PER_LANE; i++) {
@@ -322,23 +336,27 @@ template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel
     sum += x[i];
   }
   sum = warp::across_lanes<warp::op::sum, ortho_l>(warp::across_lanes<warp::op::sum, align_l>(sum));
-  float acc[D / 32] = {};
+  float acc[COLS] = {};
+  for (int s0 = 0; s0 < p.splits; s0 += BATCH) {
+    if (s0 > 0) load_batch(s0, v);
 #pragma unroll
-  for (int i = 0; i < PER_LANE; i++) {
-    if (32 * i >= p.splits) break;
-#pragma unroll 4
-    for (int l = 0; l < 32 && 32 * i + l < p.splits; l++) {
-      const float e = __shfl_sync(~0u, x[i], l);
-      const float *part = o + (size_t)(32 * i + l) * q_rows * D;
+    for (int i = 0; i < BATCH; i++) {
+      const int s = s0 + i;  // (its weight is lane s % 32's x[s / 32])
+      float w = 0.f;
 #pragma unroll
-      for (int k = 0; k < D / 32; k++) acc[k] += e * part[k * 32 + lane];
+      for (int j = 0; j < PER_LANE; j++) {
+        const float e = __shfl_sync(~0u, x[j], s % 32);
+        if (s / 32 == j) w = e;
+      }
+#pragma unroll
+      for (int k = 0; k < COLS; k++) acc[k] += w * v[i][k];
     }
   }
   T *out = static_cast<T *>(p.o) + row * D;
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   if (lane == 0) store_lse(p, row, sum > 0.f ? mx + warp::fn::log2(sum) : NEG_INF);
 #pragma unroll
-  for (int k = 0; k < D / 32; k++) out[k * 32 + lane] = convert<T>(acc[k] * inv);
+  for (int k = 0; k < COLS; k++) out[k * 32 + lane] = convert<T>(acc[k] * inv);
 }
 
 template <typename Kernel> cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Params &p) {
@@ -350,7 +368,7 @@ template <typename Kernel> cudaError_t launch(Kernel kernel, dim3 grid, dim3 blo
   return cudaGetLastError();
 }
 
-template <typename T, int D, typename C = Config<T, D>> cudaError_t run(const Params &p, cudaStream_t stream) {
+template <typename T, int D, typename C> cudaError_t run(const Params &p, cudaStream_t stream) {
   const int rows = p.q_heads / p.kv_heads * p.q_len, chunks = (rows + C::ROWS - 1) / C::ROWS;
   const dim3 grid(chunks * p.splits, p.kv_heads, p.batch);
   if (cudaError_t e = launch(decode_kernel<T, D, C>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p); e != cudaSuccess)
@@ -360,11 +378,16 @@ template <typename T, int D, typename C = Config<T, D>> cudaError_t run(const Pa
   return launch(merge_kernel<T, D>, dim3(unsigned((q_rows + 3) / 4)), dim3(128), 0, stream, p);
 }
 
+template <typename T, int D> cudaError_t by_grid(const Params &p, cudaStream_t stream) {
+  const size_t blocks = size_t(p.batch) * p.kv_heads * p.splits * ((p.q_heads / p.kv_heads * p.q_len + TILE_ROWS - 1) / TILE_ROWS);
+  return blocks > TARGET_BLOCKS ? run<T, D, Config<T, D, false>>(p, stream) : run<T, D, Config<T, D, true>>(p, stream);
+}
+
 template <typename T> cudaError_t by_dim(const Params &p, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: return run<T, 64>(p, stream);
-    case 128: return run<T, 128>(p, stream);
-    case 256: return run<T, 256>(p, stream);
+    case 64: return by_grid<T, 64>(p, stream);
+    case 128: return by_grid<T, 128>(p, stream);
+    case 256: return by_grid<T, 256>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -13,8 +13,9 @@ enum class DType { bf16, fp16 };
 constexpr int HEAD_DIMS = 64 | 128 | 256;  // head dims of the kernel (a set of powers of 2), every GPU
 constexpr int TILE_ROWS = 16;     // query rows per thread block: (query heads of one KV head) x (new tokens)
 constexpr int MAX_SPLITS = 128;   // parts a sequence's cache may be split into (the split-KV grid)
-constexpr int SPLIT_MIN_KEYS = 512;  // ... each covering at least this many positions of the capacity
-constexpr int TARGET_BLOCKS = 132;   // thread blocks the split count aims for (one per SM of an H100/H200)
+constexpr int SPLIT_MIN_KEYS = 128;  // ... each covering at least this many positions of the capacity
+constexpr int TARGET_BLOCKS = 132;   // thread blocks of one wave (one per SM of an H100/H200): the split count
+                                     // stays within it; a larger grid takes blocks of two per SM
 
 struct Params {
   DType dtype;

@@ -116,6 +116,15 @@ def test_many_splits_short_lengths():
     check(3, 2, 1, 8, 2, 128, (20, 5), BF16, parts=(1, 7, 64))
 
 
+@pytest.mark.parametrize("h", [64, 128, 256])
+def test_grid_of_several_waves(h):
+    # more thread blocks than one wave (TARGET_BLOCKS) take the kernel of two blocks per SM
+    b, kh = 34, 4
+    assert b * kh > launch.contract()["TARGET_BLOCKS"]
+    lengths = np.random.default_rng(5).integers(0, 700, b)
+    check(5, b, 2, 16, kh, h, lengths, BF16, parts=(1, 2))
+
+
 def test_public_api_in_a_jitted_scan():
     """jax_tk.decode.attention(implementation="tk") inside a lax.scan decoding loop, against the reference."""
     rng = np.random.default_rng(4)
