@@ -70,8 +70,8 @@ struct Params {
   // The bias, added to the logits (after the scale): a [padded_rows(q_len), padded_keys(kv_len)] matrix
   // of the inputs' dtype at dense_index(b, h) (zero padding: no tile reads past it). The backward
   // writes the logits' gradient, the bias's gradient before any sum over broadcast dims, to dbias
-  // [batch, q_heads, padded_rows, padded_keys] (of the inputs' dtype; the handler zeroes it first:
-  // the blocks no query sees are not written). nullptr: no bias.
+  // [batch, q_heads, padded_rows, padded_keys] (of the inputs' dtype; the blocks no query sees are
+  // not written: the handler zeroes them first, or the caller masks them out). nullptr: no bias.
   const void *bias = nullptr;
   void *dbias = nullptr;
   int bias_batch = 1, bias_heads = 1;

@@ -19,7 +19,10 @@
 // Params::bias ([bias batch, bias heads, padded_rows(q_len), padded_keys(kv_len)] of the inputs' dtype,
 // the batch 1 or batch, the heads 1 or q_heads; shape (0,) without one), whose gradient the backward
 // returns as its last result (dbias, Params::dbias; shape (0,) without a bias). Attributes
-// window_left, window_right (-1: unbounded) and softcap (0: none).
+// window_left, window_right (-1: unbounded) and softcap (0: none); the backward's zero_dbias: 1, the
+// handler zeroes dbias before the kernel writes the blocks some query sees; 0, it leaves the other
+// blocks as they were (for a caller that masks them out itself: a memset of [batch, heads, T, S]
+// would cost as much as a third of the backward with a bias).
 #include "ffi/common.h"
 #include "attention/attention.h"
 
@@ -261,7 +264,7 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                     ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
                     ffi::Result<ffi::AnyBuffer> workspace, ffi::Result<ffi::AnyBuffer> dbias, float scale, int32_t is_causal, int32_t variant,
-                    int32_t window_left, int32_t window_right, float softcap, int32_t deterministic) {
+                    int32_t window_left, int32_t window_right, float softcap, int32_t deterministic, int32_t zero_dbias) {
   Params p{};
   Lead lead;
   if (auto e = check_qkv(p, lead, q, k, v); e.failure()) return e;
@@ -310,7 +313,8 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   if (p.bias) {  // (the blocks that no query sees are not written)
     p.dbias = dbias->untyped_data();
     const size_t bytes = size_t(p.batch) * p.q_heads * bias_rows * bias_keys * 2;
-    if (auto e = cuda_error(cudaMemsetAsync(p.dbias, 0, bytes, stream), "dbias"); e.failure()) return e;
+    if (zero_dbias)
+      if (auto e = cuda_error(cudaMemsetAsync(p.dbias, 0, bytes, stream), "dbias"); e.failure()) return e;
   }
   if (use_sm90(variant) && attention::bwd_sm90_supported(p))
     return cuda_error(attention::bwd_sm90(p, stream), "attention backward (sm_90a)");
@@ -371,7 +375,8 @@ template <bool TEST> auto bwd_binding() {
                                  .template Ret<ffi::AnyBuffer>()    // delta workspace
                                  .template Ret<ffi::AnyBuffer>()    // workspace of the sm_90a kernel
                                  .template Ret<ffi::AnyBuffer>())   // dbias
-        .template Attr<int32_t>("deterministic");
+        .template Attr<int32_t>("deterministic")
+        .template Attr<int32_t>("zero_dbias");
   };
   return bind<TEST>(head, tail);
 }

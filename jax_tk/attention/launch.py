@@ -16,6 +16,7 @@ import numpy as np
 
 from jax_tk._core import extension
 from jax_tk._core.ffi import kernel_call
+from jax_tk.attention import reference
 
 FWD_TARGET = "jax_tk_attention_fwd"
 BWD_TARGET = "jax_tk_attention_bwd"
@@ -328,12 +329,26 @@ def padded_rows_keys(q_len: int, kv_len: int) -> tuple[int, int]:
     return -(-q_len // c["MASK_BLOCK_ROWS"]) * c["MASK_BLOCK_ROWS"], -(-kv_len // c["MASK_BLOCK_KEYS"]) * c["MASK_BLOCK_KEYS"]
 
 
-def dbias_from_kernel(dbias, bias, query, key):
+def dbias_from_kernel(dbias, bias, query, key, visible=None):
     """The bias's gradient from the kernel's ``dbias`` (the logits' gradient, ``[B, H, T', S']``): its
-    rows and keys, summed over the dims the bias is broadcast over, in the bias's dtype and shape."""
+    rows and keys, summed over the dims the bias is broadcast over, in the bias's dtype and shape.
+    ``visible`` (boolean, broadcastable to ``[B, H, T, S]``): the pairs some query sees; the others are
+    taken as 0, whatever dbias holds there."""
     d = dbias[:, :, :query.shape[1], :key.shape[1]].astype(jnp.float32)
+    if visible is not None:
+        d = jnp.where(visible, d, 0.0)
     axes = tuple(i for i in range(4) if bias.shape[i] == 1 and d.shape[i] != 1)
     return d.sum(axis=axes, keepdims=True).astype(bias.dtype)
+
+
+def visible_pairs(spec, masks, t: int, s: int):
+    """Boolean ``[B or 1, H or 1, t, s]``: the (query, key) pairs the call's masking leaves visible (the
+    kernels' rule, the reference's ``visibility`` and the boolean mask)."""
+    m = Masks() if masks is None else masks
+    ids = [None if x is None else jnp.asarray(x).astype(jnp.int32) for x in m[:4]]
+    rule = reference.visibility(t, s, is_causal=spec.is_causal, local_window_size=spec.window, q_segment_ids=ids[0],
+                                kv_segment_ids=ids[1], query_seq_lengths=ids[2], key_value_seq_lengths=ids[3])
+    return rule[:, None] if m.mask is None else rule[:, None] & m.mask
 
 
 # Short queries against long keys (decoding through the plain API): the decode kernel reads each key
@@ -401,6 +416,14 @@ def bwd_kernel(query, key, value, out, lse, dout, dlse, spec, out_init=None, var
 
     # (the deterministic mode's turns need each head's key blocks in the kernel's own order)
     order = None if spec.deterministic else order
+    # A bias broadcast over some dim has its gradient summed over it, and that sum masks out the pairs
+    # no query sees (the kernel leaves their blocks unwritten) in the same pass, so the handler need
+    # not zero dbias first.
+    summed = bias is not None and bias.shape != (b, n, t, key.shape[1])
     dq, dk, dv, _, _, dbias = _call(BWD_TARGET, out_types, (query, key, value, out, lse, dout, dlse), spec, out_init,
-                                    variant, masks, order, bias, deterministic=np.int32(spec.deterministic))
-    return (dq, dk, dv) if bias is None else (dq, dk, dv, dbias_from_kernel(dbias, bias, query, key))
+                                    variant, masks, order, bias, deterministic=np.int32(spec.deterministic),
+                                    zero_dbias=np.int32(not summed))
+    if bias is None:
+        return dq, dk, dv
+    visible = visible_pairs(spec, masks, t, key.shape[1]) if summed else None
+    return dq, dk, dv, dbias_from_kernel(dbias, bias, query, key, visible)

@@ -12,7 +12,7 @@ import pytest
 
 import jax_tk
 from helpers import attention_inputs, randn, rel_err, seen_rows
-from jax_tk.attention import api, launch
+from jax_tk.attention import api, launch, reference
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 B, T, S, N, KH, D = 2, 6, 9, 4, 2, 8
@@ -267,6 +267,34 @@ def test_bias_operand_and_its_gradient(shape):
     assert got.dtype == F32 and got.shape == shape
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     assert launch.bias_operand(None, q, k).shape == (0,)
+
+
+def test_bias_gradient_sum_ignores_what_the_kernel_leaves_unwritten():
+    """A bias broadcast over some dim has its gradient summed over it; the kernels then leave the blocks
+    no query sees unwritten (no memset): the sum takes the pairs the masking hides as 0, whatever the
+    buffer holds there (NaN here), for every masking rule and the boolean mask."""
+    rng = np.random.default_rng(7)
+    q, k = _qkv(3, dtype=BF16)[:2]
+    spec = api.AttentionSpec(1.0, False, True, (3, 4))
+    masks = launch.Masks(q_segment_ids=jnp.asarray(np.repeat([[0, 1, 2]], B, 0).repeat([T // 3, T // 3, T - 2 * (T // 3)], 1)),
+                         kv_segment_ids=jnp.asarray(np.repeat([[0, 1, 2]], B, 0).repeat([S // 3, S // 3, S - 2 * (S // 3)], 1)),
+                         q_lengths=jnp.asarray([T, T - 2]), kv_lengths=jnp.asarray([S - 3, S]),
+                         mask=jnp.asarray(rng.random((1, N, T, S)) < 0.8))
+    visible = np.asarray(launch.visible_pairs(spec, masks, T, S))
+    want_visible = np.asarray(reference.visibility(
+        T, S, is_causal=False, local_window_size=(3, 4), q_segment_ids=masks.q_segment_ids,
+        kv_segment_ids=masks.kv_segment_ids, query_seq_lengths=masks.q_lengths,
+        key_value_seq_lengths=masks.kv_lengths))[:, None] & np.asarray(masks.mask)
+    np.testing.assert_array_equal(np.broadcast_to(visible, (B, N, T, S)), np.broadcast_to(want_visible, (B, N, T, S)))
+    assert 0.1 < visible.mean() < 0.9
+    dlogits = rng.standard_normal((B, N, 128, 128)).astype(np.float32)
+    written = np.zeros_like(dlogits, bool)
+    written[..., :T, :S] = np.broadcast_to(visible, (B, N, T, S))
+    poisoned = np.where(written, dlogits, np.nan)
+    bias = jnp.zeros((1, N, T, S), F32)
+    got = launch.dbias_from_kernel(jnp.asarray(poisoned, BF16), bias, q, k, visible)
+    want = np.where(written, np.asarray(jnp.asarray(dlogits, BF16), np.float32), 0)[..., :T, :S].sum(0, keepdims=True)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 37, 200), (1, 3, 37, 200), (2, 1, 1, 129), (1, 1, 5, 1), (1, 1, 4, 256)], ids=str)

@@ -22,6 +22,7 @@ from jax_tk._core import extension
 from jax_tk.attention.api import AttentionSpec
 from jax_tk.attention.launch import (
     BWD_TARGET, FWD_TARGET, VARIANT_AUTO, VARIANT_SM80, Masks, bwd_kernel, bwd_workspace_shape, fwd_kernel,
+    padded_rows_keys,
 )
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -91,10 +92,11 @@ def kernel_fwd_bwd(q, k, v, dout, dlse, masks=None, bias=None, *, scale, is_caus
     b, t, n, _ = q.shape
     out, lse = fwd_kernel(q, k, v, spec, out_init=(_nan(q.shape, q.dtype), _nan((b, n, t), F32)), variant=variant,
                           masks=masks, bias=bias)
+    dbias = () if bias is None else (_nan((b, n, *padded_rows_keys(t, k.shape[1])), q.dtype),)
     grads = bwd_kernel(
         q, k, v, out, lse, dout, dlse, spec,
         out_init=(_nan(q.shape, q.dtype), _nan(k.shape, k.dtype), _nan(v.shape, v.dtype), _nan((b, n, t), F32),
-                  _nan(bwd_workspace_shape(q).shape, F32)),
+                  _nan(bwd_workspace_shape(q).shape, F32), *dbias),
         variant=variant, masks=masks, bias=bias,
     )
     return (out, lse, *grads)
