@@ -135,10 +135,10 @@ def _fake_fa3(calls):
         calls.append((num_splits, is_causal, page_table is not None))
         out = jax_tk.decode.reference.attention(q, k_cache, v_cache, cache_seqlens, scale=softmax_scale,
                                                 page_table=page_table, is_causal=is_causal)
-        if num_splits == 4:  # a few ms of matrix products that depend on the output (not folded away)
-            x = jnp.broadcast_to(out.reshape(-1)[:1].astype(jnp.float32), (512, 512)) + jnp.eye(512)
-            for _ in range(4):
-                x = x @ x / 512
+        if num_splits == 4:  # 100 dependent matrix products on the output (not folded away): slower than
+            # the other variants on a CPU (their FLOPs) and on a GPU (a kernel each, in sequence)
+            x = jnp.broadcast_to(out.reshape(-1)[:1].astype(jnp.float32), (128, 128)) + jnp.eye(128)
+            x = jax.lax.fori_loop(0, 100, lambda i, x: x @ x / 128, x)
             out = out + (0 * x[0, 0]).astype(out.dtype)
         return out
 
