@@ -26,6 +26,10 @@ near-tie that rounding may break either way).
     python examples/generate.py                               # CPU: a tiny random model, seconds
     python examples/generate.py --ckpt runs/gpt/ckpt.npz      # a model trained by train_gpt.py
     python examples/generate.py --paged --temperature 0.8     # GPU: GPT-2 small (random init), bf16
+    python examples/generate.py --devices 2 --batch 32        # the batch split over two GPUs
+
+``--devices N`` splits the batch (the prompts, the caches and their lengths; a paged cache's page table,
+its pool replicated) over the first N devices; jit runs each device's sequences where they are.
 
 Without ``--ckpt`` the parameters are random (GPT-2 initialization, ``--seed``): the text is noise,
 but shapes, speed and the agreement of the implementations are those of a trained model of that size.
@@ -43,6 +47,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_gpt  # noqa: E402  (the model: parameters, blocks, data)
@@ -166,25 +171,48 @@ def decode(params, first_logits, caches, lengths, page_table, key, forced, confi
     return tokens, logits, caches
 
 
+def batch_placement(devices: int):
+    """put(x, batch_dim): x split over the first ``devices`` devices along its batch dim (None: that dim
+    is not split, x replicated); the identity for one device. jit then runs every op on each device's
+    sequences (jax_tk's decode ops on the local shards of the cache, with no gather)."""
+    if devices <= 1:
+        return lambda x, batch_dim=0: x
+    # (Auto axes: XLA propagates the batch split through the model's gathers and einsums)
+    mesh = jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices])
+
+    def put(x, batch_dim=0):
+        spec = P() if batch_dim is None else P(*([None] * batch_dim), "data")
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return put
+
+
 def generate(params, config, prompt, new_tokens, *, attention="tk", page_size=None, temperature=0.0, seed=0,
-             loop="scan", forced=None, timed=True):
-    """Prefill + decoding loop for int32 prompts [B, P]. Returns a dict: tokens [B, new_tokens],
+             loop="scan", forced=None, timed=True, devices=1):
+    """Prefill + decoding loop for int32 prompts [B, P], the batch split over ``devices`` devices (a
+    paged cache's pool is then replicated, its page table split). Returns a dict: tokens [B, new_tokens],
     logits [B, new_tokens, V], prefill_s, decode_s, tokens_per_s (with ``timed``: a first run compiles,
     a second is timed)."""
     b, p = prompt.shape
     if p + new_tokens > config.seq:
         raise ValueError(f"prompt ({p}) + new tokens ({new_tokens}) > the model's context ({config.seq})")
+    if b % devices:
+        raise ValueError(f"the batch ({b}) must split evenly over {devices} devices")
     max_len = p + new_tokens
-    prompt = jnp.asarray(prompt, jnp.int32)
-    forced = None if forced is None else jnp.asarray(forced, jnp.int32)
+    put = batch_placement(devices)
+    params = jax.tree_util.tree_map(lambda x: put(x, None), params)
+    prompt = put(jnp.asarray(prompt, jnp.int32))
+    forced = None if forced is None else put(jnp.asarray(forced, jnp.int32))
     key = jax.random.key(seed)
 
     def run():
         caches, table = empty_caches(config, b, max_len, page_size, seed)
+        caches = jax.tree_util.tree_map(lambda x: put(x, None if page_size else 0), caches)
+        table = None if table is None else put(table)
         t0 = time.perf_counter()
         first, caches = jax.block_until_ready(prefill(params, prompt, caches, table, config, attention))
         t1 = time.perf_counter()
-        lengths = jnp.full((b,), p, jnp.int32)
+        lengths = put(jnp.full((b,), p, jnp.int32))
         out = jax.block_until_ready(decode(params, first, caches, lengths, table, key, forced, config,
                                            attention, new_tokens, temperature, loop))
         return out, t1 - t0, time.perf_counter() - t1
@@ -250,6 +278,8 @@ def parse_args(argv=None):
     for name in ("layers", "width", "heads", "seq"):
         p.add_argument(f"--{name}", type=int, help="model shape without --ckpt")
     p.add_argument("--dtype", choices=tuple(train_gpt.DTYPES))
+    p.add_argument("--devices", type=int, default=1,
+                   help="split the batch over the first N devices (decode throughput on several GPUs)")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args(argv)
     preset = PRESETS["gpu" if jax.default_backend() == "gpu" else "cpu"]
@@ -293,7 +323,7 @@ def main(argv=None):
     print(f"backend {backend} ({jax.devices()[0].device_kind}), model {source}: {config}, batch {args.batch}, "
           f"prompt {args.prompt_len}, new {args.new_tokens}, {args.loop} loop, "
           f"{'paged cache (pages of %d)' % page_size if page_size else 'contiguous cache'} for tk, "
-          f"temperature {args.temperature}")
+          f"temperature {args.temperature}, {args.devices} device(s)")
     results, failed = {}, []
     for attention in args.attention:
         if attention == "cudnn" and backend != "gpu":
@@ -302,14 +332,15 @@ def main(argv=None):
         try:
             r = generate(params, config, prompt, args.new_tokens, attention=attention,
                          page_size=page_size if attention == "tk" else None, temperature=args.temperature,
-                         seed=args.seed, loop=args.loop)
+                         seed=args.seed, loop=args.loop, devices=args.devices)
         except Exception as e:  # noqa: BLE001 - report it and time the others
             print(f"{attention:>6}: FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             failed.append(attention)
             continue
         results[attention] = r
         print(f"{attention:>6}: prefill {r['prefill_s'] * 1e3:8.2f} ms, decode {r['tokens_per_s']:12,.0f} tokens/s "
-              f"({args.batch} x {args.new_tokens} tokens in {r['decode_s']:.3f} s)")
+              f"({r['tokens_per_s'] / args.devices:,.0f} per device; {args.batch} x {args.new_tokens} tokens in "
+              f"{r['decode_s']:.3f} s)")
     if results:
         first = next(iter(results.values()))
         text = bytes(np.concatenate([prompt[0], first["tokens"][0]]).astype(np.uint8).tolist())
@@ -329,7 +360,7 @@ def check(params, config, prompt, args, results):
     names = [a for a in results]
     base_name = names[0]
     run = functools.partial(generate, params, config, prompt, args.new_tokens, temperature=0.0, seed=args.seed,
-                            loop=args.loop, timed=False)
+                            loop=args.loop, timed=False, devices=args.devices)
     page = lambda a: args.page_size if args.paged and a == "tk" else None  # noqa: E731
     base = results[base_name] if args.temperature == 0 else run(attention=base_name, page_size=page(base_name))
     tol = TOLERANCE[config.dtype]

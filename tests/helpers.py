@@ -68,6 +68,30 @@ def have_devices() -> bool:
     return jax.default_backend() == "cpu" and jax.device_count() >= N_DEVICES
 
 
+def cuda_devices() -> list:
+    """This process's CUDA devices ([] without any)."""
+    try:
+        return jax.devices("cuda")
+    except RuntimeError:
+        return []
+
+
+def load_example(filename: str, module_name: str):
+    """examples/<filename> imported as module ``module_name`` (once; registered in sys.modules, where
+    dataclasses look their module up; examples/ on sys.path for the examples' own imports)."""
+    import importlib.util
+
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    if str(REPO / "examples") not in sys.path:
+        sys.path.insert(0, str(REPO / "examples"))
+    spec = importlib.util.spec_from_file_location(module_name, REPO / "examples" / filename)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_in_subprocess(path):
     if os.environ.get(CHILD_ENV):
         raise AssertionError(f"the {N_DEVICES}-device subprocess did not get {N_DEVICES} CPU devices")

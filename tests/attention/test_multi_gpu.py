@@ -13,19 +13,12 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
 from jax_tk.attention import reference
-from helpers import rel_err
-
-
-def _cuda_devices():
-    try:
-        return jax.devices("cuda")
-    except RuntimeError:
-        return []
+from helpers import cuda_devices, rel_err
 
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(len(_cuda_devices()) < 2, reason="needs 2 CUDA GPUs"),
+    pytest.mark.skipif(len(cuda_devices()) < 2, reason="needs 2 CUDA GPUs"),
 ]
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -33,7 +26,7 @@ TOL = 1e-2  # relative error (norm) of bfloat16 results against the float32 refe
 
 
 def _devices():
-    return _cuda_devices()[:2]
+    return cuda_devices()[:2]
 
 
 def _inputs(seed, b, t, n, kh, d, dtype=BF16):

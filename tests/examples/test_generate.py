@@ -3,6 +3,7 @@ caches, scan and while_loop) gives the logits of the plain forward over the whol
 works, and the command line compares implementations (and notices a wrong one)."""
 import importlib.util
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -75,6 +76,18 @@ def test_command_line(capsys):
     assert {"tk", "xla", "check"} <= set(out) and "check xla vs tk: ok" in out["check"][1], out["check"]
     assert "tokens/s" in printed
     assert out["tk"]["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_command_line_on_two_devices(paged):
+    """--devices 2: the batch split over two (CPU) devices gives the same tokens and logits as the
+    reference implementation (the command's own check), in a fresh process with two host devices."""
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip(),
+               JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, EXAMPLE, *TINY, "--batch", "4", "--devices", "2", "--attention", "tk,xla"]
+    proc = subprocess.run(cmd + (["--paged"] if paged else []), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "2 device(s)" in proc.stdout and "check xla vs tk: ok" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_compare_notices_wrong_logits_and_tokens():

@@ -5,7 +5,6 @@ expert-parallel example (experts split, tokens exchanged with all_to_all).
 
 Unless this process already has 8 CPU devices, ``test_in_subprocess`` reruns this file in a fresh
 Python with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``."""
-import importlib.util
 import re
 import sys
 
@@ -16,7 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from helpers import REPO, have_devices as _have_devices, randn, rel_err, run_in_subprocess
+from helpers import have_devices as _have_devices, load_example, randn, rel_err, run_in_subprocess
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -121,17 +120,17 @@ class TestSharding:
 class TestExpertParallelExample:
     def _module(self):
         pytest.importorskip("optax")  # (examples/moe.py imports it)
-        path = REPO / "examples" / "expert_parallel.py"
-        sys.path.insert(0, str(path.parent))
-        spec = importlib.util.spec_from_file_location("expert_parallel", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+        return load_example("expert_parallel.py", "expert_parallel")
 
     def test_example_main(self, capsys):
         err, gerr = self._module().main()
         assert err < 1e-5 and gerr < 1e-5
         assert "8 devices" in capsys.readouterr().out
+
+    def test_bench(self, capsys):
+        result = self._module().bench(8, 16, 32, 64, 8, 2, steps=1)
+        assert set(result) == {1, 8} and all(v > 0 for v in result.values())
+        assert "8 device(s), 1 experts each" in capsys.readouterr().out
 
     def test_bf16_against_one_device(self):
         """bf16 tokens, skewed routing (most tokens to two experts), values and gradients."""
