@@ -35,8 +35,8 @@ def kernel_unsupported_reason(query) -> str | None:
 def splits(batch: int, t_new: int, heads: int, kv_heads: int, capacity: int) -> int:
     """How many parts each sequence's keys are split into: as many as keep the grid within one wave of
     TARGET_BLOCKS thread blocks (a second, partial wave would cost as much as the first), each part
-    covering at least SPLIT_MIN_KEYS positions of the cache's capacity. A grid of a wave or more is not
-    split: 64 blocks of long parts already keep the memory busy."""
+    covering at least SPLIT_MIN_KEYS positions of the cache's capacity. A grid of more than half a wave
+    is not split."""
     c = contract()
     blocks = batch * kv_heads * math.ceil(heads // kv_heads * t_new / c["TILE_ROWS"])
     want = c["TARGET_BLOCKS"] // blocks
