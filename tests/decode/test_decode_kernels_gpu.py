@@ -14,7 +14,7 @@ import jax_tk
 from helpers import nan, randn, rel_err
 from jax_tk.decode import launch, reference
 from jax_tk.decode.api import DecodeSpec
-from test_decode import poison_past, to_pages
+from test_decode import poison_past, scan_step, to_pages
 
 pytestmark = pytest.mark.gpu
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -133,14 +133,7 @@ def test_public_api_in_a_jitted_scan():
     qs, nk = randn(rng, (steps, b, 1, n, h), BF16), randn(rng, (steps, b, 1, kh, h), BF16)
 
     def run(impl):
-        def step(carry, x):
-            kc, vc, lens = carry
-            q, new = x
-            kc = jax_tk.decode.update_kv_cache(kc, new, lens)
-            vc = jax_tk.decode.update_kv_cache(vc, new, lens)
-            lens = lens + 1
-            return (kc, vc, lens), jax_tk.decode.attention(q, kc, vc, lens, implementation=impl)
-        return jax.jit(lambda kc, vc, lens: jax.lax.scan(step, (kc, vc, lens), (qs, nk))[1])(
+        return jax.jit(lambda kc, vc, lens: jax.lax.scan(scan_step(impl), (kc, vc, lens), (qs, nk))[1])(
             kc, vc, jnp.array([300, 777], jnp.int32))
 
     assert rel_err(run("tk"), run("xla")) < TOL[BF16]

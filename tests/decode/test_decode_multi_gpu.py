@@ -15,6 +15,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
 from helpers import cuda_devices, randn, rel_err
+from test_decode import scan_step
 
 pytestmark = [
     pytest.mark.gpu,
@@ -91,16 +92,8 @@ def test_decoding_loop_with_the_batch_split():
     kc, vc = randn(rng, (b, s, kh, h), BF16), randn(rng, (b, s, kh, h), BF16)
     qs, new = randn(rng, (steps, b, 1, n, h), BF16), randn(rng, (steps, b, 1, kh, h), BF16)
     lens = jnp.asarray([0, 5, 1000, 1999], jnp.int32)
-
-    def step(carry, x):
-        kc, vc, lens = carry
-        q, nk = x
-        kc = jax_tk.decode.update_kv_cache(kc, nk, lens)
-        vc = jax_tk.decode.update_kv_cache(vc, nk, lens)
-        lens = lens + 1
-        return (kc, vc, lens), jax_tk.decode.attention(q, kc, vc, lens, implementation="tk")
-
-    loop = jax.jit(lambda kc, vc, lens, qs, new: jax.lax.scan(step, (kc, vc, lens), (qs, new)), donate_argnums=(0, 1))
+    loop = jax.jit(lambda kc, vc, lens, qs, new: jax.lax.scan(scan_step("tk"), (kc, vc, lens), (qs, new)),
+                   donate_argnums=(0, 1))
     (k1, v1, _), want = loop(kc.copy(), vc.copy(), lens, qs, new)
     mesh = _mesh()
     seq = P(None, "x")
