@@ -3,6 +3,7 @@ the 8-device subprocess for multi-device tests on CPU. (tests/conftest.py puts t
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -88,8 +89,17 @@ def load_example(filename: str, module_name: str):
     spec = importlib.util.spec_from_file_location(module_name, REPO / "examples" / filename)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
     return module
+
+
+def collectives(hlo_text: str) -> set:
+    """The collective ops named in a compiled HLO text."""
+    return set(re.findall(r"\b(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)", hlo_text))
 
 
 def run_in_subprocess(path):

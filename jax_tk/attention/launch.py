@@ -256,6 +256,11 @@ def fwd_tiles(q_ids, kv_ids, q_ranges, kv_ranges, causal, heads, group, head_dim
 # ----------------------------------------------------------------------------------------------
 
 
+def _int32_options(masks: Masks):
+    """The four integer options of ``masks`` (segment ids, lengths) as int32 arrays, None where absent."""
+    return [None if x is None else jnp.asarray(x).astype(jnp.int32) for x in masks[:4]]
+
+
 def mask_operands(masks: Masks | None, q_len: int, kv_len: int, order=None):
     """The masking operands of the kernels: the four options of ``masks``, the two segment ranges,
     then with segment ids ``order(q_ids, kv_ids, q_ranges, kv_ranges)`` (the forward's tiles,
@@ -264,7 +269,7 @@ def mask_operands(masks: Masks | None, q_len: int, kv_len: int, order=None):
     "none"); then the boolean mask as :func:`mask_bits` and :func:`mask_summary` (uint32 and int8 of
     shape (0,) without one)."""
     masks = Masks() if masks is None else masks
-    ints = [None if x is None else jnp.asarray(x).astype(jnp.int32) for x in masks[:4]]
+    ints = _int32_options(masks)
     ranges = [None if x is None else segment_ranges(x) for x in ints[:2]]
     order = None if ranges[0] is None or order is None else order(*ints[:2], *ranges)
     ints = tuple(jnp.zeros((0,), jnp.int32) if x is None else x for x in (*ints, *ranges, order))
@@ -337,15 +342,19 @@ def dbias_from_kernel(dbias, bias, query, key, visible=None):
     d = dbias[:, :, :query.shape[1], :key.shape[1]].astype(jnp.float32)
     if visible is not None:
         d = jnp.where(visible, d, 0.0)
-    axes = tuple(i for i in range(4) if bias.shape[i] == 1 and d.shape[i] != 1)
-    return d.sum(axis=axes, keepdims=True).astype(bias.dtype)
+    return d.sum(axis=_broadcast_axes(bias.shape, d.shape), keepdims=True).astype(bias.dtype)
+
+
+def _broadcast_axes(bias_shape, full_shape) -> tuple[int, ...]:
+    """The dims a bias is broadcast over (its size 1 against a larger one of the call)."""
+    return tuple(i for i in range(4) if bias_shape[i] == 1 and full_shape[i] != 1)
 
 
 def visible_pairs(spec, masks, t: int, s: int):
     """Boolean ``[B or 1, H or 1, t, s]``: the (query, key) pairs the call's masking leaves visible (the
     kernels' rule, the reference's ``visibility`` and the boolean mask)."""
     m = Masks() if masks is None else masks
-    ids = [None if x is None else jnp.asarray(x).astype(jnp.int32) for x in m[:4]]
+    ids = _int32_options(m)
     rule = reference.visibility(t, s, is_causal=spec.is_causal, local_window_size=spec.window, q_segment_ids=ids[0],
                                 kv_segment_ids=ids[1], query_seq_lengths=ids[2], key_value_seq_lengths=ids[3])
     return rule[:, None] if m.mask is None else rule[:, None] & m.mask
@@ -419,7 +428,7 @@ def bwd_kernel(query, key, value, out, lse, dout, dlse, spec, out_init=None, var
     # A bias broadcast over some dim has its gradient summed over it, and that sum masks out the pairs
     # no query sees (the kernel leaves their blocks unwritten) in the same pass, so the handler need
     # not zero dbias first.
-    summed = bias is not None and bias.shape != (b, n, t, key.shape[1])
+    summed = bias is not None and bool(_broadcast_axes(bias.shape, (b, n, t, key.shape[1])))
     dq, dk, dv, _, _, dbias = _call(BWD_TARGET, out_types, (query, key, value, out, lse, dout, dlse), spec, out_init,
                                     variant, masks, order, bias, deterministic=np.int32(spec.deterministic),
                                     zero_dbias=np.int32(not summed))

@@ -9,8 +9,6 @@ done in this process; so, unless this process already has 8 CPU devices, the sin
 ``test_in_subprocess`` reruns this file in a fresh Python with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and reports its result.
 """
-import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +19,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jax_tk
 from jax_tk import sharding
 from jax_tk.attention import reference
-from helpers import N_DEVICES, REPO, attention_inputs, have_devices as _have_devices, rel_err, run_in_subprocess
+from helpers import (N_DEVICES, attention_inputs, collectives as _collectives, have_devices as _have_devices,
+                     load_example, rel_err, run_in_subprocess)
 
 @pytest.mark.skipif(_have_devices(), reason="this process has the devices: the tests run here")
 def test_in_subprocess():
@@ -35,9 +34,6 @@ def test_in_subprocess():
 FORBIDDEN = ("all-gather", "all-to-all", "collective-permute")
 BF16, F32 = jnp.bfloat16, jnp.float32
 
-
-def _collectives(hlo_text):
-    return set(re.findall(r"\b(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)", hlo_text))
 
 
 def _mesh(axis_type, shape=(2, 4), names=("data", "model")):
@@ -417,13 +413,7 @@ class TestMultiGpuExample:
     )
     def test_example_runs_without_gathers(self, tmp_path, mode, extra):
         pytest.importorskip("optax")
-        import importlib.util
-
-        path = str(REPO / "examples" / "multi_gpu.py")
-        spec = importlib.util.spec_from_file_location("multi_gpu_example", path)
-        example = importlib.util.module_from_spec(spec)
-        sys.modules["multi_gpu_example"] = example  # dataclasses look their module up there
-        spec.loader.exec_module(example)
+        example = load_example("multi_gpu.py", "multi_gpu_example")
         hlo = tmp_path / "step.hlo"
         result = example.main(["--mode", mode, *extra, "--layers", "1", "--steps", "3",
                                "--hlo-out", str(hlo)])

@@ -5,8 +5,6 @@ collective; and a jitted decoding loop (update_kv_cache + attention in lax.scan,
 batch split over the GPUs, against the same loop on one GPU. Skipped without 2 CUDA GPUs.
 (tests/decode/test_decode_sharding.py runs the same partitioning on 8 CPU devices.)
 """
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +12,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from helpers import cuda_devices, randn, rel_err
+from helpers import collectives, cuda_devices, randn, rel_err
 from test_decode import scan_step
 
 pytestmark = [
@@ -78,7 +76,7 @@ def test_attention_sharded_runs_kernel_on_shards(case, paged, axis_type):
     fn = jax.jit(_attend)
     hlo = fn.lower(*args).compile().as_text()
     assert 'custom_call_target="jax_tk_decode"' in hlo
-    assert not re.findall(r"\b(all-gather|all-to-all|collective-permute|all-reduce)", hlo)
+    assert not collectives(hlo)
     out = fn(*args)
     assert rel_err(out, _reference(*plain)) < TOL
     assert rel_err(out, jax.jit(_attend)(*plain)) < TOL

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from helpers import have_devices as _have_devices, randn, rel_err, run_in_subprocess
+from helpers import collectives as _collectives, have_devices as _have_devices, randn, rel_err, run_in_subprocess
 
 F32 = jnp.float32
 
@@ -31,9 +31,6 @@ needs_devices = pytest.mark.skipif(not _have_devices(), reason="runs in the 8-de
 # Helpers
 # ----------------------------------------------------------------------------------------------
 
-
-def _collectives(hlo_text):
-    return set(re.findall(r"\b(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)", hlo_text))
 
 
 def _gathered_shapes(hlo_text):

@@ -1,7 +1,6 @@
 """CPU tests of examples/generate.py: KV-cache generation of the example GPT (contiguous and paged
 caches, scan and while_loop) gives the logits of the plain forward over the whole sequence, sampling
 works, and the command line compares implementations (and notices a wrong one)."""
-import importlib.util
 import os
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 
 import _train_gpt
+from helpers import load_example
 
 pytest.importorskip("optax")
 
@@ -20,13 +20,7 @@ TINY = ["--layers", "2", "--width", "64", "--heads", "2", "--seq", "64", "--dtyp
 
 def load_generate():
     _train_gpt.load_example()  # the model module, as the example imports it
-    if "generate_example" in sys.modules:
-        return sys.modules["generate_example"]
-    spec = importlib.util.spec_from_file_location("generate_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["generate_example"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("generate.py", "generate_example")
 
 
 @pytest.mark.parametrize("paged,loop", [(False, "scan"), (True, "scan"), (True, "while")],

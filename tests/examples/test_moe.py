@@ -1,24 +1,15 @@
 """CPU smoke test of examples/moe.py: a tiny mixture-of-experts transformer trains with jax_tk.ragged_dot
 and with jax.lax.ragged_dot, on the same batches, and both report tokens/s."""
-import importlib.util
-import sys
-
 import numpy as np
 import pytest
 
-from helpers import REPO
+from helpers import load_example
 
 pytest.importorskip("optax")
 
 
 def load():
-    if "moe" in sys.modules:
-        return sys.modules["moe"]
-    spec = importlib.util.spec_from_file_location("moe", REPO / "examples" / "moe.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["moe"] = module  # (dataclasses look their module up there)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("moe.py", "moe")
 
 
 TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--experts", "4", "--top-k", "2", "--hidden", "64",

@@ -4,8 +4,6 @@ expert-parallel layer of examples/expert_parallel.py (experts split over the GPU
 with all_to_all), values and gradients against the layer on one GPU. Skipped without 2 CUDA GPUs.
 (tests/gemm/test_gemm_sharding.py runs the same on 8 CPU devices.)
 """
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +11,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from helpers import cuda_devices, load_example, randn, rel_err
+from helpers import collectives, cuda_devices, load_example, randn, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,10 +23,6 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 
 def _mesh(name="x"):
     return jax.make_mesh((2,), (name,), axis_types=(AxisType.Explicit,), devices=cuda_devices()[:2])
-
-
-def _collectives(hlo):
-    return set(re.findall(r"\b(all-gather|all-to-all|collective-permute|all-reduce)", hlo))
 
 
 def test_ragged_dot_rows_split():
@@ -45,7 +39,7 @@ def test_ragged_dot_rows_split():
     mesh = _mesh()
     args = jax.device_put(a, NamedSharding(mesh, P("x"))), jax.device_put(b, NamedSharding(mesh, P()))
     hlo = fn.lower(*args).compile().as_text()
-    assert 'custom_call_target="jax_tk_gemm_ragged"' in hlo and "all-gather" not in _collectives(hlo)
+    assert 'custom_call_target="jax_tk_gemm_ragged"' in hlo and "all-gather" not in collectives(hlo)
     (_, (da, db)) = fn(*args)
     want = jax.grad(lambda a, b: jnp.sum(jax.lax.ragged_dot(a, b, sizes, preferred_element_type=F32)
                                          * dout.astype(F32)), argnums=(0, 1))(a.astype(F32), b.astype(F32))
@@ -73,7 +67,7 @@ def test_expert_parallel_layer_against_one_gpu():
     ps = jax.device_put(p, {k: NamedSharding(mesh, s) for k, s in ep.param_specs("e").items()})
     f = jax.jit(ep.sharded_moe(mesh, "e", top_k))
     hlo = f.lower(xs, ps).compile().as_text()
-    assert "all-to-all" in _collectives(hlo) and 'custom_call_target="jax_tk_gemm_ragged"' in hlo
+    assert "all-to-all" in collectives(hlo) and 'custom_call_target="jax_tk_gemm_ragged"' in hlo
     assert rel_err(f(xs, ps), want) < 1e-2
     grads = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(xs, ps)
     for got, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):

@@ -5,7 +5,6 @@ expert-parallel example (experts split, tokens exchanged with all_to_all).
 
 Unless this process already has 8 CPU devices, ``test_in_subprocess`` reruns this file in a fresh
 Python with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``."""
-import re
 import sys
 
 import jax
@@ -15,7 +14,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from helpers import have_devices as _have_devices, load_example, randn, rel_err, run_in_subprocess
+from helpers import collectives as _collectives, have_devices as _have_devices, load_example, randn, rel_err, run_in_subprocess
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -24,9 +23,6 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 def test_in_subprocess():
     run_in_subprocess(__file__)
 
-
-def _collectives(hlo_text):
-    return set(re.findall(r"\b(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)", hlo_text))
 
 
 def _inputs(seed, m, k, n, sizes, dtype=F32):
