@@ -5,7 +5,8 @@
 #   decode: the batch split over 2 GPUs against half of it on one (examples/generate.py --devices),
 #   mixture of experts: the expert-parallel layer on 2 GPUs against one (examples/expert_parallel.py --bench).
 #   scripts/multi_gpu_check.sh OUTDIR [pytest args...]
-# Environment: MULTI_GPU_FIGURES=0 skips the figures; MULTI_GPU_TEST_TIMEOUT (default 300 s);
+# Environment: MULTI_GPU_FIGURES=0 skips the figures; MULTI_GPU_TEST_TIMEOUT (default 300 s) bounds the tests,
+# MULTI_GPU_FIGURE_TIMEOUT (default 240 s) each figure's run;
 # JAX_TK_CUDA_ARCHS=90a builds for Hopper alone (faster).
 # Logs: OUTDIR/build.log, OUTDIR/tests.log, OUTDIR/ring_{1,2}.log, OUTDIR/decode_{1,2}.log, OUTDIR/moe.log.
 set -uo pipefail
@@ -32,12 +33,13 @@ timeout "${MULTI_GPU_TEST_TIMEOUT:-300}" python3 -P -m pytest -q -rs -p no:cache
 test_rc=${PIPESTATUS[0]}
 
 if [ "${MULTI_GPU_FIGURES:-1}" = "1" ]; then
-  python3 -P examples/multi_gpu.py --mode ring --seq 131072 --sp 2 --steps 10 >"$out/ring_2.log" 2>&1
-  python3 -P examples/multi_gpu.py --mode ring --seq 65536 --devices 1 --steps 10 >"$out/ring_1.log" 2>&1
+  figure() { timeout "${MULTI_GPU_FIGURE_TIMEOUT:-240}" python3 -P "$@"; }
+  figure examples/multi_gpu.py --mode ring --seq 131072 --sp 2 --steps 10 >"$out/ring_2.log" 2>&1
+  figure examples/multi_gpu.py --mode ring --seq 65536 --devices 1 --steps 10 >"$out/ring_1.log" 2>&1
   grep -hiE "tokens/s|error" "$out/ring_2.log" "$out/ring_1.log" | tail -4
-  python3 -P examples/generate.py --devices 2 --batch 64 --attention tk --no-check >"$out/decode_2.log" 2>&1
-  python3 -P examples/generate.py --devices 1 --batch 32 --attention tk --no-check >"$out/decode_1.log" 2>&1
+  figure examples/generate.py --devices 2 --batch 64 --attention tk --no-check >"$out/decode_2.log" 2>&1
+  figure examples/generate.py --devices 1 --batch 32 --attention tk --no-check >"$out/decode_1.log" 2>&1
   grep -h "tk:" "$out/decode_2.log" "$out/decode_1.log"
-  python3 -P examples/expert_parallel.py --bench 2>&1 | tee "$out/moe.log"
+  figure examples/expert_parallel.py --bench 2>&1 | tee "$out/moe.log"
 fi
 exit $test_rc
