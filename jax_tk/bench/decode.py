@@ -46,7 +46,7 @@ import numpy as np
 from jax_tk.bench import cli, harness, output
 from jax_tk.bench.decode_providers import PEERS, PROVIDERS, default_providers, make_provider
 from jax_tk.bench.harness import Result, Skip
-from jax_tk.bench.timers import WORKING_SET_BYTES, make_timer
+from jax_tk.bench.timers import make_timer
 
 DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp16": jnp.float16, "float16": jnp.float16}
 LAYOUTS = {"contiguous": 0, "paged16": 16, "paged64": 64}
@@ -205,11 +205,9 @@ def input_bytes(cfg: DecodeConfig) -> int:
 
 
 def make_inputs(cfg: DecodeConfig, copies: int, max_bytes: float = math.inf, seed: int = 0) -> list[tuple]:
-    """``copies`` sets of (query, key_cache, value_cache, lengths, page_table or None, None), standard
-    normal (never zeros); one set when a set alone is larger than the timers' working set (no L2 reuse is
-    possible). Raises Skip when they would not fit in ``max_bytes``."""
+    """``copies`` sets (``timers.copies_for``) of (query, key_cache, value_cache, lengths, page_table or
+    None, None), standard normal (never zeros). Raises Skip when they would not fit in ``max_bytes``."""
     set_bytes = input_bytes(cfg)
-    copies = 1 if set_bytes >= WORKING_SET_BYTES else copies
     if set_bytes * copies > max_bytes:
         raise Skip(f"inputs {set_bytes * copies / 1e9:.1f} GB > --max-gb {max_bytes / 1e9:.1f} GB")
     lengths = jnp.full((cfg.batch,), cfg.cache_len, jnp.int32)

@@ -54,7 +54,11 @@ def nbytes(tree) -> int:
 
 
 def copies_for(set_bytes: int) -> int:
-    """How many copies of a set of inputs of ``set_bytes`` to rotate over (2 to MAX_COPIES)."""
+    """How many copies of a set of inputs of ``set_bytes`` to rotate over: 2 to MAX_COPIES, or 1 when a
+    set alone passes the working set (no call can find its inputs in L2, and a second copy of inputs
+    that large may not fit beside the call's own memory)."""
+    if set_bytes >= WORKING_SET_BYTES:
+        return 1
     return int(min(MAX_COPIES, max(2, math.ceil(WORKING_SET_BYTES / max(set_bytes, 1)))))
 
 

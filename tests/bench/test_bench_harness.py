@@ -229,3 +229,14 @@ def test_wrong_results_are_not_timings(capsys):
     assert status == {"xla": "ok", "broken": "wrong"}
     text = "\n".join(output.format_problems(results))
     assert "Wrong results" in text and "broken fwd" in text
+
+
+def test_copies_rotate_until_the_working_set_and_one_set_too_large_for_l2_is_alone():
+    from jax_tk.bench import timers
+
+    ws = timers.WORKING_SET_BYTES
+    assert timers.copies_for(1) == timers.MAX_COPIES
+    assert timers.copies_for(ws // 4) == 4
+    assert timers.copies_for(ws // 2 + 1) == 2  # at least 2 below the working set
+    assert timers.copies_for(ws) == 1
+    assert timers.copies_for(40 * ws) == 1
