@@ -368,10 +368,15 @@ template <typename Kernel> cudaError_t launch(Kernel kernel, dim3 grid, dim3 blo
   return cudaGetLastError();
 }
 
+// Blocks along x: the parts of each chunk of TILE_ROWS query rows; y: KV heads; z: sequences.
+dim3 grid_of(const Params &p) {
+  const int rows = p.q_heads / p.kv_heads * p.q_len, chunks = (rows + TILE_ROWS - 1) / TILE_ROWS;
+  return dim3(chunks * p.splits, p.kv_heads, p.batch);
+}
+
 template <typename T, int D, typename C> cudaError_t run(const Params &p, cudaStream_t stream) {
-  const int rows = p.q_heads / p.kv_heads * p.q_len, chunks = (rows + C::ROWS - 1) / C::ROWS;
-  const dim3 grid(chunks * p.splits, p.kv_heads, p.batch);
-  if (cudaError_t e = launch(decode_kernel<T, D, C>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p); e != cudaSuccess)
+  static_assert(C::ROWS == TILE_ROWS);
+  if (cudaError_t e = launch(decode_kernel<T, D, C>, grid_of(p), dim3(C::THREADS), sizeof(typename C::Shared), stream, p); e != cudaSuccess)
     return e;
   if (p.splits == 1) return cudaSuccess;
   const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
@@ -379,8 +384,8 @@ template <typename T, int D, typename C> cudaError_t run(const Params &p, cudaSt
 }
 
 template <typename T, int D> cudaError_t by_grid(const Params &p, cudaStream_t stream) {
-  const size_t blocks = size_t(p.batch) * p.kv_heads * p.splits * ((p.q_heads / p.kv_heads * p.q_len + TILE_ROWS - 1) / TILE_ROWS);
-  return blocks > TARGET_BLOCKS ? run<T, D, Config<T, D, false>>(p, stream) : run<T, D, Config<T, D, true>>(p, stream);
+  const dim3 grid = grid_of(p);
+  return size_t(grid.x) * grid.y * grid.z > TARGET_BLOCKS ? run<T, D, Config<T, D, false>>(p, stream) : run<T, D, Config<T, D, true>>(p, stream);
 }
 
 template <typename T> cudaError_t by_dim(const Params &p, cudaStream_t stream) {
