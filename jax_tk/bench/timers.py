@@ -112,8 +112,8 @@ class WallTimer:
 class CuptiTimer:
     """Median over calls of the summed kernel time of one call, as CUPTI records it, through
     ``jax.experimental.mosaic.gpu.profiler.measure``. Warm-up as for WallTimer; then, for each input
-    copy in turn, a run of back-to-back calls on that copy (so on small problems later calls may find
-    their inputs in L2)."""
+    copy in turn, back-to-back calls on that copy (so on small problems later calls may find their
+    inputs in L2), in runs whose outputs together stay under BATCH_OUTPUT_BYTES."""
 
     name = "cupti"
 
@@ -129,20 +129,29 @@ class CuptiTimer:
         self.reps = max(int(reps), 1)
         self.warmup_s = warmup_ms * 1e-3
 
-    def measure(self, fn: Callable, arg_sets: Sequence[tuple]) -> Timing:  # pragma: no cover - GPU
+    def measure(self, fn: Callable, arg_sets: Sequence[tuple]) -> Timing:
         n = len(arg_sets)
-        for args in arg_sets:
+        first = fn(*arg_sets[0])
+        jax.block_until_ready(first)
+        out_bytes = max(nbytes(first), 1)
+        del first
+        for args in arg_sets[1:]:
             jax.block_until_ready(fn(*args))
         t_end = time.perf_counter() + self.warmup_s
         while time.perf_counter() < t_end:
             jax.block_until_ready([fn(*args) for args in arg_sets])
         per_copy = max(2, math.ceil(self.reps / n))
+        # The profiler keeps every call's outputs until the last one ends: runs of at most
+        # BATCH_OUTPUT_BYTES of them (a large grouped GEMM's gradients are 10 GB a call).
+        run = max(1, min(per_copy, BATCH_OUTPUT_BYTES // out_bytes))
         samples: list[float] = []
         for args in arg_sets:
-            _, ts = self._profiler.measure(fn, iterations=per_copy)(*args)
-            if not ts:
-                raise RuntimeError("CUPTI recorded no kernel")
-            samples.extend(float(t) for t in ts)
+            for done in range(0, per_copy, run):
+                calls = min(run, per_copy - done)
+                _, ts = self._profiler.measure(fn, iterations=calls)(*args)
+                if ts is None:
+                    raise RuntimeError("CUPTI recorded no kernel")
+                samples.extend(float(t) for t in (ts if calls > 1 else [ts]))
         return Timing(statistics.median(samples), min(samples), max(samples), len(samples),
                       per_copy, math.nan)
 

@@ -240,3 +240,36 @@ def test_copies_rotate_until_the_working_set_and_one_set_too_large_for_l2_is_alo
     assert timers.copies_for(ws // 2 + 1) == 2  # at least 2 below the working set
     assert timers.copies_for(ws) == 1
     assert timers.copies_for(40 * ws) == 1
+
+
+def test_cupti_timer_holds_at_most_a_batch_of_outputs(monkeypatch):
+    """The CUPTI profiler keeps all outputs of a run of calls alive: the timer splits the calls into
+    runs whose outputs fit BATCH_OUTPUT_BYTES (a stand-in profiler here; the real one needs a GPU)."""
+    from jax_tk.bench import timers
+
+    runs = []
+
+    class Profiler:  # the interface of jax.experimental.mosaic.gpu.profiler.measure
+        @staticmethod
+        def measure(fn, *, iterations):
+            def wrapper(*args):
+                outs = [fn(*args) for _ in range(iterations)]
+                runs.append(iterations)
+                ts = [0.5 + i for i in range(iterations)]
+                return outs[0], ts if iterations > 1 else ts[0]
+            return wrapper
+
+    out_bytes = 4 * 1024
+    monkeypatch.setattr(timers, "BATCH_OUTPUT_BYTES", 3 * out_bytes)
+    timer = object.__new__(timers.CuptiTimer)
+    timer._profiler, timer.reps, timer.warmup_s = Profiler, 20, 0.0
+    fn = jax.jit(lambda x: x * 2)
+    sets = [(jnp.ones(out_bytes // 4, jnp.float32),), (jnp.full(out_bytes // 4, 3.0, jnp.float32),)]
+    timing = timer.measure(fn, sets)
+    assert runs == [3, 3, 3, 1] * 2  # 10 calls per copy, at most 3 outputs alive
+    assert timing.reps == 20 and timing.calls_per_sample == 10
+    assert timing.min_ms == 0.5 and timing.max_ms == 2.5
+
+    runs.clear()
+    monkeypatch.setattr(timers, "BATCH_OUTPUT_BYTES", out_bytes // 2)  # one call's outputs are more
+    assert timer.measure(fn, sets[:1]).reps == 20 and runs == [1] * 20
