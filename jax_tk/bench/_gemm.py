@@ -9,14 +9,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk.bench import harness, output
+from jax_tk.bench import cli, harness, output
 from jax_tk.bench.harness import Result, fmt_tflops
+from jax_tk.bench.timers import make_timer
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 MODES = ("fwd", "bwd", "fwd_bwd")
@@ -247,3 +248,51 @@ def op_bench(make_provider) -> harness.OpBench:
         make_provider=make_provider, make_inputs=make_inputs, input_bytes=input_bytes,
         check_fwd=lambda cfg, provider, args, out: check_fwd(cfg, args[0], args[1], out),
         check_bwd=lambda cfg, provider, args, dout, grads: check_bwd(cfg, args[0], args[1], dout, grads[0], grads[1]))
+
+
+def command(op: str, help: str, make_provider, *, shapes: dict, quick_shapes: dict, providers: Sequence[str],
+            baselines: Sequence[str], make_configs: Callable, header_note: str = "", extra_arguments=None):
+    """Registers the subcommand ``python -m jax_tk.bench OP`` of a GEMM benchmark; returns it and its
+    ``bench(configs, providers, modes, *, timer, check, on_result, log) -> results``.
+    ``make_configs(shapes, names, args)`` turns the chosen shape names (and ``extra_arguments``'
+    options) into GemmConfigs."""
+    bench_op = op_bench(make_provider)
+
+    def bench(configs: Sequence[GemmConfig], providers: Sequence[str] = providers,
+              modes: Sequence[str] = DEFAULT_MODES, *, timer=None, check: bool = True,
+              on_result: Callable[[Result], None] | None = None,
+              log: Callable[[str], None] | None = print) -> list[Result]:
+        return harness.run(bench_op, configs, providers, modes, timer=timer, check=check, on_result=on_result, log=log)
+
+    def table(results, shown=None) -> str:
+        return format_table(results, shown or list(dict.fromkeys(r.provider for r in results)), baselines)
+
+    def add_arguments(a) -> None:
+        a.add_argument("--shapes", type=cli.str_list(tuple(shapes)), default=None,
+                       help=f"from {','.join(shapes)} (default all)")
+        if extra_arguments is not None:
+            extra_arguments(a)
+        cli.add_common_arguments(a, op=op, providers=providers, default_providers=",".join(providers),
+                                 modes=MODES, default_modes=DEFAULT_MODES, dtypes=tuple(DTYPES),
+                                 quick_help=f"tiny shapes {quick_shapes} (runs on CPU in seconds)")
+
+    def run(args) -> int:
+        chosen = quick_shapes if args.quick else shapes
+        names = list(chosen) if args.quick or not args.shapes else args.shapes
+        shown = args.providers or list(providers)
+        modes = args.modes or list(DEFAULT_MODES)
+        reps = cli.reps_from(args)
+        csv_path, png_path = cli.output_paths(args, op)
+        timer = make_timer(args.timer, reps, quick=args.quick)
+        env = output.environment(timer.name)
+        header = [f"# jax_tk {op} benchmark: {output.env_header(env)}",
+                  f"# providers={','.join(shown)} modes={','.join(modes)} dtype={args.dtype} reps={reps}; "
+                  "FLOPs 2*m*k*n per GEMM (fwd 1, bwd 2, fwd_bwd 3 GEMMs)" + header_note]
+        run_bench = functools.partial(bench, make_configs(chosen, names, args), shown, modes, timer=timer,
+                                      check=not args.no_check)
+        return cli.run_and_write(cmd, env=env, header=header, csv_path=csv_path, png_path=png_path,
+                                 providers=shown, bench=run_bench)
+
+    cmd = cli.register(cli.Command(op, help, add_arguments, run, config_type=GemmConfig, format_table=table,
+                                   plot=lambda results, path, env: plot(results, path, env, op)))
+    return cmd, bench

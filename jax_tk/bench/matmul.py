@@ -12,17 +12,15 @@ with ``implementation="tk"``) and ``xla`` (``jnp.dot``). FLOPs ``2*m*k*n`` per G
 """
 from __future__ import annotations
 
-import functools
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax.numpy as jnp
 
 import jax_tk
-from jax_tk.bench import _gemm, cli, harness, output
-from jax_tk.bench._gemm import DEFAULT_MODES, DTYPES, MODES, GemmConfig
-from jax_tk.bench.harness import Provider, Result, Skip, Unavailable
+from jax_tk.bench import _gemm, harness
+from jax_tk.bench._gemm import GemmConfig
+from jax_tk.bench.harness import Provider, Skip, Unavailable
 from jax_tk.bench.ragged_dot import SHAPES as MOE_SHAPES
-from jax_tk.bench.timers import make_timer
 
 SHAPES = {"cube8k": (8192, 8192, 8192), **{name: s[:3] for name, s in MOE_SHAPES.items()}}
 QUICK_SHAPES = {"tiny": (128, 64, 96), "tiny-tall": (512, 32, 48)}
@@ -58,51 +56,7 @@ def make_provider(name: str, cfg: GemmConfig) -> Provider:
     raise ValueError(f"unknown provider {name!r}: choose from {PROVIDERS}")
 
 
-OP = _gemm.op_bench(make_provider)
-
-
-def bench_matmul(configs: Sequence[GemmConfig], providers: Sequence[str] = PROVIDERS,
-                 modes: Sequence[str] = DEFAULT_MODES, *, timer=None, check: bool = True,
-                 on_result: Callable[[Result], None] | None = None,
-                 log: Callable[[str], None] | None = print) -> list[Result]:
-    return harness.run(OP, configs, providers, modes, timer=timer, check=check, on_result=on_result, log=log)
-
-
-def format_table(results, providers=None) -> str:
-    providers = providers or list(dict.fromkeys(r.provider for r in results))
-    return _gemm.format_table(results, providers, BASELINES)
-
-
-def plot(results, path, env):
-    return _gemm.plot(results, path, env, "matmul")
-
-
-def add_arguments(a) -> None:
-    a.add_argument("--shapes", type=cli.str_list(tuple(SHAPES)), default=None,
-                   help=f"from {','.join(SHAPES)} (default all)")
-    cli.add_common_arguments(a, op="matmul", providers=PROVIDERS, default_providers=",".join(PROVIDERS),
-                             modes=MODES, default_modes=DEFAULT_MODES, dtypes=tuple(DTYPES),
-                             quick_help=f"tiny shapes {QUICK_SHAPES} (runs on CPU in seconds)")
-
-
-def run_matmul(args) -> int:
-    shapes = QUICK_SHAPES if args.quick else SHAPES
-    names = list(shapes) if args.quick or not args.shapes else args.shapes
-    providers = args.providers or list(PROVIDERS)
-    modes = args.modes or list(DEFAULT_MODES)
-    reps = cli.reps_from(args)
-    csv_path, png_path = cli.output_paths(args, "matmul")
-    timer = make_timer(args.timer, reps, quick=args.quick)
-    env = output.environment(timer.name)
-    header = [f"# jax_tk matmul benchmark: {output.env_header(env)}",
-              f"# providers={','.join(providers)} modes={','.join(modes)} dtype={args.dtype} reps={reps}; "
-              "FLOPs 2*m*k*n per GEMM (fwd 1, bwd 2, fwd_bwd 3 GEMMs)"]
-    bench = functools.partial(bench_matmul, configs(shapes, names, args.dtype), providers, modes, timer=timer,
-                              check=not args.no_check)
-    return cli.run_and_write(COMMAND, env=env, header=header, csv_path=csv_path, png_path=png_path,
-                             providers=providers, bench=bench)
-
-
-COMMAND = cli.register(cli.Command(
-    "matmul", "dense GEMM forward and backward", add_arguments, run_matmul,
-    config_type=GemmConfig, format_table=format_table, plot=plot))
+COMMAND, bench_matmul = _gemm.command(
+    "matmul", "dense GEMM forward and backward", make_provider, shapes=SHAPES, quick_shapes=QUICK_SHAPES,
+    providers=PROVIDERS, baselines=BASELINES, make_configs=lambda shapes, names, args: configs(shapes, names, args.dtype))
+format_table = COMMAND.format_table

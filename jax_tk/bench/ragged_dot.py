@@ -27,17 +27,15 @@ float32 products.
 """
 from __future__ import annotations
 
-import functools
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
 import jax_tk
-from jax_tk.bench import _gemm, cli, harness, output
-from jax_tk.bench._gemm import DEFAULT_MODES, DISTRIBUTIONS, DTYPES, MODES, GemmConfig
-from jax_tk.bench.harness import Provider, Result, Skip, Unavailable
-from jax_tk.bench.timers import make_timer
+from jax_tk.bench import _gemm, cli, harness
+from jax_tk.bench._gemm import DISTRIBUTIONS, GemmConfig
+from jax_tk.bench.harness import Provider, Skip, Unavailable
 
 SHAPES = {  # name: (m, k, n, groups)
     "mixtral": (16384, 4096, 14336, 8),
@@ -78,54 +76,14 @@ def make_provider(name: str, cfg: GemmConfig) -> Provider:
     raise ValueError(f"unknown provider {name!r}: choose from {PROVIDERS}")
 
 
-OP = _gemm.op_bench(make_provider)
-
-
-def bench_ragged_dot(configs: Sequence[GemmConfig], providers: Sequence[str] = PROVIDERS,
-                     modes: Sequence[str] = DEFAULT_MODES, *, timer=None, check: bool = True,
-                     on_result: Callable[[Result], None] | None = None,
-                     log: Callable[[str], None] | None = print) -> list[Result]:
-    return harness.run(OP, configs, providers, modes, timer=timer, check=check, on_result=on_result, log=log)
-
-
-def format_table(results, providers=None) -> str:
-    providers = providers or list(dict.fromkeys(r.provider for r in results))
-    return _gemm.format_table(results, providers, BASELINES)
-
-
-def plot(results, path, env):
-    return _gemm.plot(results, path, env, "ragged_dot")
-
-
-def add_arguments(a) -> None:
-    a.add_argument("--shapes", type=cli.str_list(tuple(SHAPES)), default=None,
-                   help=f"from {','.join(SHAPES)} (default all)")
+def _dist_argument(a) -> None:
     a.add_argument("--dist", type=cli.str_list(DISTRIBUTIONS), default=None,
                    help="group sizes: uniform, dirichlet (default both)")
-    cli.add_common_arguments(a, op="ragged_dot", providers=PROVIDERS, default_providers=",".join(PROVIDERS),
-                             modes=MODES, default_modes=DEFAULT_MODES, dtypes=tuple(DTYPES),
-                             quick_help=f"tiny shapes {QUICK_SHAPES} (runs on CPU in seconds)")
 
 
-def run_ragged_dot(args) -> int:
-    shapes = QUICK_SHAPES if args.quick else SHAPES
-    names = list(shapes) if args.quick or not args.shapes else args.shapes
-    dists = args.dist or list(DISTRIBUTIONS)
-    providers = args.providers or list(PROVIDERS)
-    modes = args.modes or list(DEFAULT_MODES)
-    reps = cli.reps_from(args)
-    csv_path, png_path = cli.output_paths(args, "ragged_dot")
-    timer = make_timer(args.timer, reps, quick=args.quick)
-    env = output.environment(timer.name)
-    header = [f"# jax_tk ragged_dot benchmark: {output.env_header(env)}",
-              f"# providers={','.join(providers)} modes={','.join(modes)} dtype={args.dtype} reps={reps}; "
-              "FLOPs 2*m*k*n per GEMM (fwd 1, bwd 2, fwd_bwd 3 GEMMs); dense = XLA's [m,k]@[k,n], the ceiling"]
-    bench = functools.partial(bench_ragged_dot, configs(shapes, names, dists, args.dtype), providers, modes,
-                              timer=timer, check=not args.no_check)
-    return cli.run_and_write(COMMAND, env=env, header=header, csv_path=csv_path, png_path=png_path,
-                             providers=providers, bench=bench)
-
-
-COMMAND = cli.register(cli.Command(
-    "ragged_dot", "grouped GEMM (mixture of experts) forward and backward", add_arguments, run_ragged_dot,
-    config_type=GemmConfig, format_table=format_table, plot=plot))
+COMMAND, bench_ragged_dot = _gemm.command(
+    "ragged_dot", "grouped GEMM (mixture of experts) forward and backward", make_provider, shapes=SHAPES,
+    quick_shapes=QUICK_SHAPES, providers=PROVIDERS, baselines=BASELINES, extra_arguments=_dist_argument,
+    make_configs=lambda shapes, names, args: configs(shapes, names, args.dist or list(DISTRIBUTIONS), args.dtype),
+    header_note="; dense = XLA's [m,k]@[k,n], the ceiling")
+format_table = COMMAND.format_table

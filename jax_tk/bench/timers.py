@@ -62,6 +62,18 @@ def copies_for(set_bytes: int) -> int:
     return int(min(MAX_COPIES, max(2, math.ceil(WORKING_SET_BYTES / max(set_bytes, 1)))))
 
 
+def _run_each(fn: Callable, arg_sets: Sequence[tuple]) -> int:
+    """Calls ``fn`` once on every input copy (compiling and autotuning it), one at a time; returns the
+    bytes of one call's outputs."""
+    first = fn(*arg_sets[0])
+    jax.block_until_ready(first)
+    out_bytes = max(nbytes(first), 1)
+    del first
+    for args in arg_sets[1:]:
+        jax.block_until_ready(fn(*args))
+    return out_bytes
+
+
 class WallTimer:
     """Median over samples; one sample = a batch of asynchronously dispatched calls, timed from the
     first dispatch to ``block_until_ready`` of all results, divided by the number of calls."""
@@ -86,12 +98,7 @@ class WallTimer:
     def measure(self, fn: Callable, arg_sets: Sequence[tuple]) -> Timing:
         n = len(arg_sets)
         # Warm-up: every copy once (compiles, autotunes), then until warmup_s of device work.
-        first = fn(*arg_sets[0])
-        jax.block_until_ready(first)
-        out_bytes = max(nbytes(first), 1)
-        del first
-        for i in range(1, n):
-            jax.block_until_ready(fn(*arg_sets[i]))
+        out_bytes = _run_each(fn, arg_sets)
         t_end = time.perf_counter() + self.warmup_s
         est, _ = self._sample(fn, arg_sets, 0, n)
         while time.perf_counter() < t_end:
@@ -131,12 +138,7 @@ class CuptiTimer:
 
     def measure(self, fn: Callable, arg_sets: Sequence[tuple]) -> Timing:
         n = len(arg_sets)
-        first = fn(*arg_sets[0])
-        jax.block_until_ready(first)
-        out_bytes = max(nbytes(first), 1)
-        del first
-        for args in arg_sets[1:]:
-            jax.block_until_ready(fn(*args))
+        out_bytes = _run_each(fn, arg_sets)
         t_end = time.perf_counter() + self.warmup_s
         while time.perf_counter() < t_end:
             jax.block_until_ready([fn(*args) for args in arg_sets])
