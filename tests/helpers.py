@@ -105,16 +105,25 @@ def collectives(hlo_text: str) -> set:
 def run_in_subprocess(path):
     if os.environ.get(CHILD_ENV):
         raise AssertionError(f"the {N_DEVICES}-device subprocess did not get {N_DEVICES} CPU devices")
+    run_file_in_child(path, f"--xla_force_host_platform_device_count={N_DEVICES}", JAX_PLATFORMS="cpu",
+                      **{CHILD_ENV: "1"})
+
+
+def run_file_in_child(path, xla_flags: str, **env_updates):
+    """Runs the test file ``path`` in a fresh Python with ``xla_flags`` added to XLA_FLAGS (which XLA
+    reads once, when its backend starts) and ``env_updates`` in its environment (one of them tells
+    the child's tests that they are in it); fails with the child's output if a test there fails, else
+    returns the end of that output (pytest's summary)."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEVICES}").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env[CHILD_ENV] = "1"
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
+    env.update(env_updates)
     safe_path = ["-P"] if getattr(sys.flags, "safe_path", False) else []  # as this process was run
     cmd = [sys.executable, *safe_path, "-c", _CHILD, "-q", "-p", "no:cacheprovider", str(path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     tail = "\n".join(proc.stdout.splitlines()[-60:])
     print(tail)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{tail}\n{proc.stderr[-3000:]}"
+    return tail
 
 
 def seen_rows(t, s, mask=None, **visibility):
