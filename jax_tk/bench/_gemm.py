@@ -1,6 +1,6 @@
 """What the grouped GEMM (``ragged_dot``) and dense GEMM (``matmul``) benchmarks share: the
 configuration, random inputs, group sizes, correctness checks on a slice, the table, the plot and
-the subcommand (`command`).
+the subcommand (``command``).
 
 FLOPs are counted the standard way: ``2*m*k*n`` for the forward (m = rows in groups), twice that
 for the backward alone (two GEMMs: d lhs and d rhs), three times for forward + backward.
