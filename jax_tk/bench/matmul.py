@@ -58,5 +58,6 @@ def make_provider(name: str, cfg: GemmConfig) -> Provider:
 
 COMMAND, bench_matmul = _gemm.command(
     "matmul", "dense GEMM forward and backward", make_provider, shapes=SHAPES, quick_shapes=QUICK_SHAPES,
-    providers=PROVIDERS, baselines=BASELINES, make_configs=lambda shapes, names, args: configs(shapes, names, args.dtype))
+    providers=PROVIDERS, baselines=BASELINES,
+    make_configs=lambda shapes, names, args: configs(shapes, names, args.dtype))
 format_table = COMMAND.format_table
