@@ -126,6 +126,24 @@ def run_file_in_child(path, xla_flags: str, **env_updates):
     return tail
 
 
+def scan_step(implementation=None, page_table=None):
+    """A lax.scan body of a decoding loop over (query, new key/value) per step, carrying (key cache,
+    value cache, lengths): append the new token's key and value (the same array for both), attend.
+    ``page_table``: the caches are paged pools."""
+    import jax_tk
+
+    def step(carry, x):
+        kc, vc, lens = carry
+        q, new = x
+        kc = jax_tk.decode.update_kv_cache(kc, new, lens, page_table=page_table)
+        vc = jax_tk.decode.update_kv_cache(vc, new, lens, page_table=page_table)
+        lens = lens + 1
+        return (kc, vc, lens), jax_tk.decode.attention(q, kc, vc, lens, page_table=page_table,
+                                                       implementation=implementation)
+
+    return step
+
+
 def seen_rows(t, s, mask=None, **visibility):
     """[batch or 1, t, heads or 1]: whether each query row sees at least one key under the masking
     options of ``jax_tk.attention.reference.visibility`` and a rank-4 boolean ``mask`` (jax.nn gives a

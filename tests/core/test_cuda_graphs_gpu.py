@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import jax_tk
-from helpers import randn, rel_err, run_file_in_child
+from helpers import randn, rel_err, run_file_in_child, scan_step
 
 pytestmark = pytest.mark.gpu
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -110,20 +110,6 @@ def test_ragged_dot_forward_and_backward():
           sets)
 
 
-def decode_step(impl, table):
-    """A lax.scan body of a decoding loop: append the step's new key/value (one array for both),
-    then attend its query over the cache."""
-    def step(carry, x):
-        k_cache, v_cache, lengths = carry
-        q, new = x
-        k_cache = jax_tk.decode.update_kv_cache(k_cache, new, lengths, page_table=table)
-        v_cache = jax_tk.decode.update_kv_cache(v_cache, new, lengths, page_table=table)
-        lengths = lengths + 1
-        out = jax_tk.decode.attention(q, k_cache, v_cache, lengths, page_table=table, implementation=impl)
-        return (k_cache, v_cache, lengths), out
-    return step
-
-
 @in_child
 @pytest.mark.parametrize("page_size", [None, 64])
 def test_decoding_loop(page_size):
@@ -136,7 +122,7 @@ def test_decoding_loop(page_size):
             if f32:
                 k_cache, v_cache, q, new = to_f32(k_cache, v_cache, q, new)
             carry = (k_cache, v_cache, lengths)
-            return jax.lax.scan(decode_step(impl, table), carry, (q, new))[1]
+            return jax.lax.scan(scan_step(impl, table), carry, (q, new))[1]
         return f
 
     rng = np.random.default_rng(2)

@@ -64,20 +64,6 @@ def to_pages(rng, key, value, page_size, extra_pages=3):
     return paged(key), paged(value), jnp.asarray(perm.reshape(b, max_pages), jnp.int32)
 
 
-def scan_step(implementation=None):
-    """A lax.scan body of a decoding loop over (query, new key/value) per step, carrying (key cache,
-    value cache, lengths): append the new token's key and value (the same array for both), attend."""
-    def step(carry, x):
-        kc, vc, lens = carry
-        q, new = x
-        kc = jax_tk.decode.update_kv_cache(kc, new, lens)
-        vc = jax_tk.decode.update_kv_cache(vc, new, lens)
-        lens = lens + 1
-        return (kc, vc, lens), jax_tk.decode.attention(q, kc, vc, lens, implementation=implementation)
-
-    return step
-
-
 @functools.partial(jax.jit, static_argnames=("is_causal", "window", "softcap"))
 def _decode(q, k, v, lengths, page_table=None, is_causal=True, window=None, softcap=None):
     return jax_tk.decode.attention(q, k, v, lengths, page_table=page_table, is_causal=is_causal,

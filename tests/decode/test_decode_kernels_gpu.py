@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import jax_tk
-from helpers import nan, randn, rel_err
+from helpers import nan, randn, rel_err, scan_step
 from jax_tk.decode import launch, reference
 from jax_tk.decode.api import DecodeSpec
-from test_decode import poison_past, scan_step, to_pages
+from test_decode import poison_past, to_pages
 
 pytestmark = pytest.mark.gpu
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32

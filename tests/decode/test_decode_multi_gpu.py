@@ -12,8 +12,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from helpers import collectives, cuda_devices, randn, rel_err
-from test_decode import scan_step
+from helpers import collectives, cuda_devices, randn, rel_err, scan_step
 
 pytestmark = [
     pytest.mark.gpu,
