@@ -109,14 +109,19 @@ def run_in_subprocess(path):
                       **{CHILD_ENV: "1"})
 
 
+def child_env(xla_flags: str, **env_updates) -> dict:
+    """This process's environment for a child Python: ``xla_flags`` added to XLA_FLAGS, ``env_updates`` set."""
+    env = dict(os.environ, **env_updates)
+    env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags).strip()
+    return env
+
+
 def run_file_in_child(path, xla_flags: str, **env_updates):
     """Runs the test file ``path`` in a fresh Python with ``xla_flags`` added to XLA_FLAGS (which XLA
     reads once, when its backend starts) and ``env_updates`` in its environment (one of them tells
     the child's tests that they are in it); fails with the child's output if a test there fails, else
     returns the end of that output (pytest's summary)."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
-    env.update(env_updates)
+    env = child_env(xla_flags, **env_updates)
     safe_path = ["-P"] if getattr(sys.flags, "safe_path", False) else []  # as this process was run
     cmd = [sys.executable, *safe_path, "-c", _CHILD, "-q", "-p", "no:cacheprovider", str(path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

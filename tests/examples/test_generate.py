@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import _train_gpt
-from helpers import load_example
+from helpers import child_env, load_example
 
 pytest.importorskip("optax")
 
@@ -76,8 +76,7 @@ def test_command_line(capsys):
 def test_command_line_on_two_devices(paged):
     """--devices 2: the batch split over two (CPU) devices gives the same tokens and logits as the
     reference implementation (the command's own check), in a fresh process with two host devices."""
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip(),
-               JAX_PLATFORMS="cpu")
+    env = child_env("--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, EXAMPLE, *TINY, "--batch", "4", "--devices", "2", "--attention", "tk,xla"]
     proc = subprocess.run(cmd + (["--paged"] if paged else []), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
