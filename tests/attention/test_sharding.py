@@ -19,7 +19,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jax_tk
 from jax_tk import sharding
 from jax_tk.attention import reference
-from helpers import (N_DEVICES, attention_inputs, collectives as _collectives, have_devices as _have_devices,
+from helpers import (N_DEVICES, attention_inputs, collectives, have_devices as _have_devices,
                      load_example, rel_err, run_in_subprocess)
 
 @pytest.mark.skipif(_have_devices(), reason="this process has the devices: the tests run here")
@@ -33,7 +33,6 @@ def test_in_subprocess():
 
 FORBIDDEN = ("all-gather", "all-to-all", "collective-permute")
 BF16, F32 = jnp.bfloat16, jnp.float32
-
 
 
 def _mesh(axis_type, shape=(2, 4), names=("data", "model")):
@@ -149,8 +148,8 @@ class TestSharding:
         grad = jax.jit(jax.grad(_loss(jax_tk.attention_with_lse, True), argnums=(0, 1, 2)))
         fwd_hlo = fwd.lower(*args[:3]).compile().as_text()
         grad_hlo = grad.lower(*args).compile().as_text()
-        assert not _collectives(fwd_hlo), _collectives(fwd_hlo)
-        assert _collectives(grad_hlo) <= set(allowed), _collectives(grad_hlo)
+        assert not collectives(fwd_hlo), collectives(fwd_hlo)
+        assert collectives(grad_hlo) <= set(allowed), collectives(grad_hlo)
         # The auto path goes through custom_partitioning; the explicit one is plain StableHLO (no
         # callback: the persistent compilation cache can hold it).
         lowered = fwd.lower(*args[:3]).as_text()
@@ -186,8 +185,8 @@ class TestSharding:
         fn = _masked_fn(jax_tk.attention_with_lse)
         fwd = jax.jit(lambda q, k, v, *m: fn(q, k, v, *m, is_causal=True))
         grad = jax.jit(jax.grad(_masked_loss(fn), argnums=(0, 1, 2)))
-        assert not _collectives(fwd.lower(*args[:3], *margs).compile().as_text())
-        assert _collectives(grad.lower(*args, *margs).compile().as_text()) <= set(allowed)
+        assert not collectives(fwd.lower(*args[:3], *margs).compile().as_text())
+        assert collectives(grad.lower(*args, *margs).compile().as_text()) <= set(allowed)
         lowered = fwd.lower(*args[:3], *margs).as_text()
         assert ("CustomSPMDPartitioning" in lowered) == (axis_type == AxisType.Auto)
         ref = _masked_fn(_ref_fn)
@@ -230,8 +229,8 @@ class TestSharding:
         ref = lambda q, k, v, bias, mask, is_causal: _ref_fn(q, k, v, is_causal, bias=bias, mask=mask)
         grad = jax.jit(jax.grad(loss(jax_tk.attention_with_lse), argnums=(0, 1, 2, 5)))
         fwd = jax.jit(lambda q, k, v, bias, mask: jax_tk.attention_with_lse(q, k, v, bias, mask, is_causal=True))
-        assert not _collectives(fwd.lower(*args[:3], *dense).compile().as_text())
-        assert _collectives(grad.lower(*args, *dense).compile().as_text()) <= {"all-reduce"}
+        assert not collectives(fwd.lower(*args[:3], *dense).compile().as_text())
+        assert collectives(grad.lower(*args, *dense).compile().as_text()) <= {"all-reduce"}
         lowered = fwd.lower(*args[:3], *dense).as_text()
         assert ("CustomSPMDPartitioning" in lowered) == (axis_type == AxisType.Auto)
         want = jax.jit(lambda *a: ref(*a, True))(q, k, v, bias, mask)
@@ -315,7 +314,7 @@ class TestSharding:
         args = [_put(x, mesh, P("data", None, "model")) for x in (q, k, v, do)]
         args.append(_put(dl, mesh, P("data", "model")))
         grad = jax.jit(jax.grad(_loss(jax_tk.attention_with_lse, False), argnums=(0, 1, 2)))
-        assert not _collectives(grad.lower(*args).compile().as_text())
+        assert not collectives(grad.lower(*args).compile().as_text())
         want = jax.jit(jax.grad(_loss(_ref_fn, False), argnums=(0, 1, 2)))(q, k, v, do, dl)
         _check_close(grad(*args), want, F32, ("dq", "dk", "dv"))
 
@@ -419,7 +418,7 @@ class TestMultiGpuExample:
                                "--hlo-out", str(hlo)])
         assert result["devices"] == N_DEVICES
         assert np.all(np.isfinite(result["losses"])) and result["tokens_per_s"] > 0
-        found = _collectives(hlo.read_text())
+        found = collectives(hlo.read_text())
         assert not found & {"all-gather", "all-to-all"}, found
         assert ("collective-permute" in found) == (mode == "ring"), found
 

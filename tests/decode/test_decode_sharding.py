@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from helpers import collectives as _collectives, have_devices as _have_devices, randn, rel_err, run_in_subprocess
+from helpers import collectives, have_devices as _have_devices, randn, rel_err, run_in_subprocess
 
 F32 = jnp.float32
 
@@ -30,7 +30,6 @@ needs_devices = pytest.mark.skipif(not _have_devices(), reason="runs in the 8-de
 # ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
-
 
 
 def _gathered_shapes(hlo_text):
@@ -109,7 +108,7 @@ def test_attention_jit_sharded(case, paged, axis_type):
         args = (_put(q, mesh, q_spec), _put(k, mesh, kv_spec), _put(v, mesh, kv_spec), _put(lens, mesh, batch))
     fn = jax.jit(_attend)
     hlo = fn.lower(*args).compile().as_text()
-    assert not _collectives(hlo), _collectives(hlo)
+    assert not collectives(hlo), collectives(hlo)
     # The op runs on per-device shards: custom_partitioning (auto) or shard_map (explicit). (On CPU XLA
     # could also partition the pure-JAX reference by itself; a kernel's custom call it cannot.)
     lowered = fn.lower(*args).as_text()
@@ -183,11 +182,11 @@ def test_update_jit_sharded(paged, axis_type):
     if paged:
         # The pool is split over heads only; the new rows of every sequence are gathered over "data"
         # (each replica of the pool writes them all). The pool itself is never gathered.
-        assert _collectives(hlo) <= {"all-gather"}, _collectives(hlo)
+        assert collectives(hlo) <= {"all-gather"}, collectives(hlo)
         local_pool = kp.size // 4
         assert all(np.prod(s) < local_pool // 8 for s in _gathered_shapes(hlo)), _gathered_shapes(hlo)
     else:
-        assert not _collectives(hlo), _collectives(hlo)
+        assert not collectives(hlo), collectives(hlo)
     out = fn(*args)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
     assert tuple(out.sharding.spec)[:3] == tuple(args[0].sharding.spec) + (None,) * (3 - len(args[0].sharding.spec))
@@ -257,10 +256,10 @@ def test_sharded_decoding_loop_donated(kind, paged):
     hlo = fn.lower(*args).compile().as_text()
     if paged:
         local_pool = k.size // 4
-        assert _collectives(hlo) <= {"all-gather"}, _collectives(hlo)
+        assert collectives(hlo) <= {"all-gather"}, collectives(hlo)
         assert all(np.prod(s) < local_pool // 8 for s in _gathered_shapes(hlo)), _gathered_shapes(hlo)
     else:
-        assert not _collectives(hlo), _collectives(hlo)
+        assert not collectives(hlo), collectives(hlo)
     got = fn(*args)
     assert args[0].is_deleted() and args[1].is_deleted()  # donated: the caches were updated in place
     for g, w in zip(got[:3], want[:3]):

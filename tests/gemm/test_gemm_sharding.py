@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from helpers import collectives as _collectives, have_devices as _have_devices, load_example, randn, rel_err, run_in_subprocess
+from helpers import collectives, have_devices as _have_devices, load_example, randn, rel_err, run_in_subprocess
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -22,7 +22,6 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 @pytest.mark.skipif(_have_devices(), reason="this process has the devices: the tests run here")
 def test_in_subprocess():
     run_in_subprocess(__file__)
-
 
 
 def _inputs(seed, m, k, n, sizes, dtype=F32):
@@ -54,14 +53,14 @@ class TestSharding:
             f = jax.jit(jax_tk.ragged_dot)
             out = f(*args)
             assert rel_err(out, want) < 1e-6
-            assert not _collectives(f.lower(*args).compile().as_text())
+            assert not collectives(f.lower(*args).compile().as_text())
             assert out.sharding.spec[0] in (spec[0], *((spec[0],) if isinstance(spec[0], str) else ()))
             g = jax.jit(jax.grad(lambda a, b, s, d: _loss(jax_tk.ragged_dot, s, d)(a, b), argnums=(0, 1)))
             grads = g(*args, put(dout, spec))
             for got, w in zip(grads, want_grads):
                 assert rel_err(got, w) < 1e-6
             # d rhs is a sum over the rows: one all-reduce; nothing is gathered
-            assert _collectives(g.lower(*args, put(dout, spec)).compile().as_text()) == {"all-reduce"}
+            assert collectives(g.lower(*args, put(dout, spec)).compile().as_text()) == {"all-reduce"}
 
     @pytest.mark.parametrize("shape,spec", [((64, 32), P("x")), ((8, 6, 32), P("x"))])
     def test_matmul_rows_sharded(self, shape, spec):
@@ -72,7 +71,7 @@ class TestSharding:
             A = jax.device_put(a, NamedSharding(mesh, spec))
             f = jax.jit(jax_tk.matmul)
             np.testing.assert_allclose(f(A, b), np.matmul(a, b), atol=1e-4, rtol=1e-5)
-            assert not _collectives(f.lower(A, b).compile().as_text())
+            assert not collectives(f.lower(A, b).compile().as_text())
 
     def test_shard_map_per_shard_group_sizes(self):
         """Inside shard_map each call sees its own rows: the caller passes each shard's group sizes
@@ -151,7 +150,7 @@ class TestExpertParallelExample:
         grads = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(xs, ps)
         for got, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
             assert rel_err(got, w) < 2e-2
-        assert "all-to-all" in _collectives(f.lower(xs, ps).compile().as_text())
+        assert "all-to-all" in collectives(f.lower(xs, ps).compile().as_text())
 
 
 if not _have_devices():  # the subprocess runs them (see test_in_subprocess)
