@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build the working tree into $JAX_TK_SITE (default /tmp/jax_tk_site) and each tree of $AB_TREES into
 # /tmp/<tree>, all at once; a build already there is kept if it was built from the same sources (a
-# stamp of cc/, jax_tk/, CMakeLists.txt and pyproject.toml: a machine kept warm between calls still
-# holds the last call's builds, which once timed an old experiment as main). Logs: OUTDIR/build_*.log.
+# stamp of cc/, jax_tk/, CMakeLists.txt and pyproject.toml: a build left by an earlier run is reused only
+# for the same sources, never timed in place of another tree). Logs: OUTDIR/build_*.log.
 # Exits non-zero if a build failed (scripts/ab.sh calls it for the trees it times).
 #   scripts/ab_build.sh OUTDIR
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B candidate builds against a baseline and test the fastest, in one call on a GPU machine:
+# A/B candidate builds against a baseline and test the fastest, in one run on a GPU machine:
 #   AB_BASE=ab_main AB_TREES="ab_x ab_y" [AB_ROUNDS=2] [AB_MIN=1.007] scripts/ab_pick.sh OUTDIR bench-args...
 # e.g. ... scripts/ab_pick.sh /tmp/o --d 128 --seq 2k,4k,8k,16k --causal false --modes bwd
 #
@@ -11,7 +11,7 @@
 #   3. scores each candidate by its mean speed over the baseline's, row by row, over every jax_tk row
 #      of every round (OUTDIR/pick.txt);
 #   4. if the best scores at least AB_MIN, runs JAX_TK_SANITIZE=1 scripts/gpu_check.sh OUTDIR/check in
-#      its tree (a full build and the whole GPU suite), so that the call that chose it also tested it.
+#      its tree (a full build and the whole GPU suite), so that the build that won is the one tested.
 # Exits 0 when no candidate is good enough (nothing tested), else with gpu_check.sh's status.
 set -uo pipefail
 mkdir -p "${1:?usage: scripts/ab_pick.sh OUTDIR bench-args...}"
