@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -16,9 +17,29 @@ def positive_float(op: str, name: str, value):
         value = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"jax_tk.{op}: {name} must be a Python float or None, got {value!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"jax_tk.{op}: {name} must be a positive finite float, got {value}")
+    # The kernels and the references compute in float32: the value must stay positive and finite there.
+    with np.errstate(over="ignore", under="ignore"):
+        as_float32 = np.float32(value)
+    if not math.isfinite(value) or value <= 0 or not 0 < as_float32 < np.inf:
+        raise ValueError(f"jax_tk.{op}: {name} must be a positive float, finite and nonzero in float32, got {value}")
     return value
+
+
+def to_int32(x, lo: int, hi: int):
+    """Integers of any dtype (numpy or JAX, maybe traced) as int32, for arguments in which values below
+    ``lo`` mean the same as ``lo`` and values above ``hi`` the same as ``hi`` (lengths, sizes): a dtype
+    whose values int32 cannot all hold (64-bit, uint32) is clamped to ``[lo, hi]`` first, so that large
+    values saturate instead of wrapping; narrower ones are only cast. numpy arrays stay on the host (jnp
+    would narrow int64 to int32 before clamping when x64 is off)."""
+    dtype = np.dtype(x.dtype)
+    xp = np if isinstance(x, np.ndarray) else jnp
+    if dtype == np.int32:
+        return x
+    if dtype.itemsize < 4 or (dtype.itemsize == 4 and dtype.kind == "i"):
+        return x.astype(xp.int32)
+    info = np.iinfo(dtype)
+    lo, hi = max(lo, int(info.min)), min(hi, int(info.max))
+    return xp.clip(x, xp.asarray(lo, dtype), xp.asarray(hi, dtype)).astype(xp.int32)
 
 
 def array(op: str, name: str, x, ndim: int, what: str):
@@ -29,12 +50,13 @@ def array(op: str, name: str, x, ndim: int, what: str):
         raise ValueError(f"jax_tk.{op}: {name} must have rank {ndim} {what}, got shape {tuple(x.shape)}")
 
 
-def float_array(op: str, name: str, x, ndim: int, what: str, dtypes):
-    """``array``, of one of ``dtypes`` (bfloat16, float16, float32), with no empty dimension."""
+def float_array(op: str, name: str, x, ndim: int, what: str, dtypes, allow_empty: bool = False):
+    """``array``, of one of ``dtypes`` (bfloat16, float16, float32), with no empty dimension (unless
+    ``allow_empty``)."""
     array(op, name, x, ndim, what)
     if not any(x.dtype == d for d in dtypes):
         raise TypeError(f"jax_tk.{op}: {name} must be bfloat16, float16 or float32, got {x.dtype}")
-    if any(dim == 0 for dim in x.shape):
+    if not allow_empty and any(dim == 0 for dim in x.shape):
         raise ValueError(f"jax_tk.{op}: {name} has an empty dimension: {tuple(x.shape)}")
 
 

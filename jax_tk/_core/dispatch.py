@@ -12,15 +12,17 @@ import warnings
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from jax_tk._core import extension
 
 IMPLEMENTATIONS = (None, "tk", "xla")
 
 
-def check_implementation(op: str, implementation) -> None:
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"jax_tk.{op}: implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+def check_implementation(op: str, implementation, extra: tuple = ()) -> None:
+    """``implementation`` must be one of IMPLEMENTATIONS or of the op's own ``extra`` choices."""
+    if implementation not in IMPLEMENTATIONS + extra:
+        raise ValueError(f"jax_tk.{op}: implementation must be one of {IMPLEMENTATIONS + extra}, got {implementation!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,6 +107,12 @@ def vary_as(x, like):
     autodiff over the axes ``x`` is invariant over."""
     missing = vma(like) - vma(x)
     return _pcast_varying(x, tuple(sorted(missing))) if missing else x
+
+
+def zeros(shape, dtype, *like):
+    """Zeros typed as varying over every manual mesh axis one of ``like`` varies over: the result of an
+    op with nothing to compute (an empty dimension), typed as its computed result would be."""
+    return functools.reduce(vary_as, like, jnp.zeros(shape, dtype))
 
 
 def sum_as(cotangent, primal):

@@ -79,8 +79,9 @@ class Layout:
     split the heads of the leading operand (None: no head dimension); grouped: the label of heads
     shared by groups of ``heads`` (None: none). Every other label stays whole on each device.
     summed: the indices of the outputs that each device computes a part of, to be summed over the
-    axes that split the batch or heads label when the output lacks that label (e.g. the gradient of
-    an operand broadcast over batch or heads, whose size-1 dim has a label of its own).
+    axes that split the batch or heads label when the output lacks that label (and, for heads, the
+    grouped label): e.g. the gradient of an operand broadcast over batch or heads, whose size-1 dim has
+    a label of its own, or of a pool of pages shared by the batch.
     batch_offset: the per-shard function takes ``batch_start=`` (the global index of its first batch
     entry along the leading operand's batch dimension)."""
 
@@ -212,7 +213,10 @@ def _sum_parts(layout: Layout, p: Plan, o, labels: str, tracked: bool):
     summed it (the transpose of the implicit broadcast of an operand invariant over an axis is a psum),
     the output is invariant over that axis: only the axes it still varies over are summed."""
     names = labels.split()
-    axes = (p.batch if layout.batch not in names else ()) + (p.heads if layout.heads and layout.heads not in names else ())
+    # (an output with the grouped label is split over the head axes like the heads, or put together
+    # over them by _local)
+    split_by_heads = layout.heads in names or (layout.grouped is not None and layout.grouped in names)
+    axes = (p.batch if layout.batch not in names else ()) + (p.heads if layout.heads and not split_by_heads else ())
     if tracked:
         axes = tuple(a for a in axes if a in dispatch.vma(o))
     return jax.lax.psum(o, axes) if axes else o

@@ -69,7 +69,7 @@ def check_inputs(query, key, value, scale, is_causal, implementation):
     scale = checks.positive_float("attention", "scale", scale)
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"jax_tk.attention: is_causal must be a bool, got {is_causal!r}")
-    dispatch.check_implementation("attention", implementation)
+    dispatch.check_implementation("attention", implementation, extra=("cudnn",))
     return 1.0 / math.sqrt(d) if scale is None else scale
 
 
@@ -301,7 +301,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         kv_len]`` for rank-3 inputs), added after the scale and the soft cap, before the masking.
         Differentiable (its gradient is summed over the dims it is broadcast over). A ``-inf`` entry
         hides the key like the mask does.
-      mask: boolean, broadcastable like ``bias``: False hides the key from the query row. Combines
+      mask: boolean (integer and float masks are read as Flax reads them: any value but 0 attends),
+        broadcastable like ``bias``: False hides the key from the query row. Combines
         with every other masking option. The kernels read it as bits and skip the 128 x 128 blocks it
         hides whole; the bias in the inputs' dtype (with ``logits_soft_cap``, the reference runs).
       scale: multiplier of the logits; default ``1/sqrt(head_dim)``. A Python or numpy float is static;
@@ -344,8 +345,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         jax_tk never forms the attention weights.
 
     The masking options combine (a query sees a key only if every rule allows it), also with
-    ``is_causal``, cross attention and grouped-query attention, and the kernels take all of them
-    except ``mask`` (forward and backward). A query row that sees no key at all gives 0, log-sum-exp
+    ``is_causal``, cross attention and grouped-query attention, and the kernels take all of them,
+    ``mask`` and ``bias`` included (forward and backward; ``bias`` with ``logits_soft_cap`` runs the
+    reference). A query row that sees no key at all gives 0, log-sum-exp
     ``-inf`` and zero gradients (never NaN).
 
     Returns:

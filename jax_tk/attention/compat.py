@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_tk._core import checks
+
 
 # ----------------------------------------------------------------------------------------------
 # Rank-3 inputs [seq, heads, head_dim]
@@ -101,12 +103,9 @@ def segment_ids_int32(q_ids, kv_ids):
 
 
 def lengths_int32(lengths, seq_len: int):
-    """64-bit lengths clamped to [0, seq_len] in their own dtype, then cast to int32 (same meaning)."""
-    if not _is_64bit(lengths):
-        return lengths
-    if isinstance(lengths, np.ndarray):
-        return np.clip(lengths, 0, seq_len).astype(np.int32)
-    return jnp.clip(lengths, 0, seq_len).astype(jnp.int32)
+    """Lengths of any integer dtype as int32 with the same meaning (values past int32 clamped to
+    [0, seq_len] first, never wrapped)."""
+    return None if lengths is None else checks.to_int32(lengths, 0, seq_len)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,9 +127,14 @@ def cudnn_attention_with_lse(query, key, value, bias, mask, *, scale, is_causal,
                              "jax.nn.dot_product_attention; use implementation=None, 'tk' or 'xla'")
     lengths = [None if x is None else jnp.asarray(x).astype(jnp.int32)
                for x in (query_seq_lengths, key_value_seq_lengths)]
-    out, residual = jax.nn.dot_product_attention(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=lengths[0],
-        key_value_seq_lengths=lengths[1], local_window_size=window, implementation="cudnn", return_residual=True)
+    try:
+        out, residual = jax.nn.dot_product_attention(
+            query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=lengths[0],
+            key_value_seq_lengths=lengths[1], local_window_size=window, implementation="cudnn",
+            return_residual=True)
+    except RuntimeError as e:  # e.g. no cuDNN on this machine
+        raise RuntimeError(f"jax_tk.attention(implementation='cudnn'): jax.nn.dot_product_attention failed: {e} "
+                           "(cuDNN attention needs an NVIDIA GPU; use implementation=None, 'tk' or 'xla')") from e
     lse = jax.lax.stop_gradient(jnp.swapaxes(residual, 1, 2).astype(jnp.float32))
     return out, lse
 

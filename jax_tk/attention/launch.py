@@ -374,7 +374,7 @@ def takes_decode(query, key, spec, masks) -> bool:
     if spec.is_causal or spec.window is not None or (masks is not None and any(m is not None for m in masks)):
         return False
     return (query.shape[1] <= DECODE_MAX_QUERIES and key.shape[1] >= DECODE_MIN_KEYS
-            and decode_launch.kernel_unsupported_reason(query) is None)
+            and decode_launch.kernel_unsupported_reason(query, key) is None)
 
 
 def _decode_fwd(query, key, value, spec):

@@ -1,7 +1,7 @@
 """Decode attention over a KV cache (serving): ``jax_tk.decode.attention`` and ``jax_tk.decode.update_kv_cache``.
 
-api.py (checks, spec, dispatch), reference.py (the pure-JAX reference). No kernel yet: every call runs
-the reference, on the GPU too.
+api.py (checks, custom_vjp, dispatch, partitioning), launch.py (the decode kernel's operands),
+reference.py (the pure-JAX reference: the path off CUDA and where the kernel does not apply).
 """
 from jax_tk.decode import api, reference
 from jax_tk.decode.api import attention, update_kv_cache

@@ -8,8 +8,10 @@ layouts at the end of this module).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -41,8 +43,12 @@ class DecodeSpec:
 # ----------------------------------------------------------------------------------------------
 
 
-def _float_array(op, name, x, what):
-    checks.float_array(op, name, x, 4, what, FLOAT_DTYPES)
+def _float_array(op, name, x, what, empty_ok=()):
+    """A float array of rank 4 whose dims are nonzero except those in ``empty_ok`` (a batch of 0, no new
+    tokens: the op then has nothing to do)."""
+    checks.float_array(op, name, x, 4, what, FLOAT_DTYPES, allow_empty=True)
+    if any(dim == 0 and i not in empty_ok for i, dim in enumerate(x.shape)):
+        raise ValueError(f"jax_tk.{op}: {name} has an empty dimension: {tuple(x.shape)}")
 
 
 def _int_array(op, name, x, shape):
@@ -58,9 +64,10 @@ def _check_cache(op, key_cache, value_cache, batch, page_table, names=("key_cach
     (capacity in positions, page_size or None)."""
     layout = "[num_pages, page_size, kv_heads, head_dim]" if page_table is not None else \
         "[batch, max_seq_len, kv_heads, head_dim]"
-    _float_array(op, names[0], key_cache, layout)
+    empty_ok = (0,) if page_table is None else ()  # a contiguous cache of a batch of 0
+    _float_array(op, names[0], key_cache, layout, empty_ok)
     if value_cache is not None:
-        _float_array(op, names[1], value_cache, layout)
+        _float_array(op, names[1], value_cache, layout, empty_ok)
         if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
             raise ValueError(f"jax_tk.{op}: key_cache and value_cache must have the same shape and dtype, got "
                              f"{tuple(key_cache.shape)} {key_cache.dtype} and {tuple(value_cache.shape)} "
@@ -85,12 +92,17 @@ def _check_cache(op, key_cache, value_cache, batch, page_table, names=("key_cach
     return page_table.shape[1] * page_size, page_size
 
 
+def _check_t_new(op, t, capacity, page_table):
+    if t > capacity:
+        where = "max_seq_len of the cache" if page_table is None else "max_pages * page_size"
+        raise ValueError(f"jax_tk.{op}: T_new ({t}) must be <= {where} ({capacity})")
+
+
 def _lengths(op, cache_lengths, batch):
     _int_array(op, "cache_lengths", cache_lengths, (batch,))
-    # Positions are int32 (as in the kernels); a 64-bit length past int32 is clamped, not wrapped.
-    if jnp.dtype(cache_lengths.dtype).itemsize > 4:
-        cache_lengths = jnp.clip(cache_lengths, 0, 2 ** 31 - 1)
-    return jnp.asarray(cache_lengths).astype(jnp.int32)
+    # Positions are int32 (as in the kernels): a length past int32 saturates instead of wrapping (a length
+    # <= 0 means no key, whatever its value).
+    return jnp.asarray(checks.to_int32(cache_lengths, 0, 2 ** 31 - 1))
 
 
 def _page_table_int32(page_table):
@@ -148,7 +160,7 @@ def attention(query, key_cache, value_cache, cache_lengths, *, page_table=None, 
     Returns:
       ``[batch, T_new, heads, head_dim]`` in the query's dtype.
     """
-    _float_array(_OP, "query", query, "[batch, T_new, heads, head_dim]")
+    _float_array(_OP, "query", query, "[batch, T_new, heads, head_dim]", empty_ok=(0, 1))
     b, t, n, h = query.shape
     capacity, page_size = _check_cache(_OP, key_cache, value_cache, b, page_table)
     if key_cache.dtype != query.dtype:
@@ -161,20 +173,42 @@ def attention(query, key_cache, value_cache, cache_lengths, *, page_table=None, 
     if n % kh != 0:
         raise ValueError(f"jax_tk.{_OP}: the number of query heads ({n}) must be a multiple of the number of "
                          f"key/value heads ({kh})")
-    if page_table is None and t > capacity:
-        raise ValueError(f"jax_tk.{_OP}: T_new ({t}) must be <= max_seq_len of the cache ({capacity})")
+    _check_t_new(_OP, t, capacity, page_table)
     cache_lengths = _lengths(_OP, cache_lengths, b)
     scale = checks.positive_float(_OP, "scale", scale)
     scale = 1.0 / math.sqrt(h) if scale is None else scale
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"jax_tk.{_OP}: is_causal must be a bool, got {is_causal!r}")
-    window = checks.window(_OP, local_window_size, capacity, capacity)
+    # Positions count from the length as given, which may exceed the capacity: only the right side of a
+    # window is bounded by the cache.
+    window = checks.window(_OP, local_window_size, 2 ** 31 - 1, capacity)
     softcap = checks.positive_float(_OP, "logits_soft_cap", logits_soft_cap)
-    use = dispatch.use_kernel(_OP, implementation, launch.kernel_unsupported_reason(query))
+    use = dispatch.use_kernel(_OP, implementation, launch.kernel_unsupported_reason(query, key_cache))
     spec = DecodeSpec(scale, bool(is_causal), use, window, softcap, page_size)
+    if b == 0 or t == 0:
+        return dispatch.zeros(query.shape, query.dtype, query, key_cache, value_cache)
+    return _attention(spec, query, key_cache, value_cache, cache_lengths, _page_table_int32(page_table))
+
+
+# The gradient (query and caches) is the reference's, on every platform: decoding rarely differentiates,
+# and the reference's memory, [batch, heads, T_new, cache], is small for few new tokens.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_table):
     layout = _ATTENTION_LAYOUT if page_table is None else _PAGED_ATTENTION_LAYOUT
-    return sharding.call(layout, _local_results, spec, query, key_cache, value_cache, cache_lengths,
-                         _page_table_int32(page_table))[0]
+    return sharding.call(layout, _local_results, spec, query, key_cache, value_cache, cache_lengths, page_table)[0]
+
+
+def _attention_fwd(spec, *args):
+    return _attention(spec, *args), args
+
+
+def _attention_bwd(spec, args, dout):
+    layout = _BWD_LAYOUT if args[-1] is None else _PAGED_BWD_LAYOUT
+    grads = sharding.call(layout, _bwd_local, spec, *args, dout, result_like=(0, 1, 2))
+    return (*grads, None, None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _local(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_table):
@@ -188,6 +222,14 @@ def _local(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_
 
     return dispatch.platform_dispatch(spec.use_kernel, kernel_fn, reference_fn, query, key_cache, value_cache,
                                       cache_lengths, page_table)
+
+
+def _bwd_local(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_table, dout):
+    def f(q, k, v):
+        return reference.attention(q, k, v, cache_lengths, scale=spec.scale, page_table=page_table,
+                                   is_causal=spec.is_causal, local_window_size=spec.window,
+                                   logits_soft_cap=spec.softcap)
+    return jax.vjp(f, query, key_cache, value_cache)[1](dout)
 
 
 def update_kv_cache(cache, new, cache_lengths, *, page_table=None):
@@ -214,7 +256,7 @@ def update_kv_cache(cache, new, cache_lengths, *, page_table=None):
     if not hasattr(cache, "shape") or not hasattr(new, "shape"):
         raise TypeError(f"jax_tk.{_UPDATE}: cache and new must be arrays, got {type(cache).__name__} and "
                         f"{type(new).__name__}")
-    _float_array(_UPDATE, "new", new, "[batch, T_new, kv_heads, head_dim]")
+    _float_array(_UPDATE, "new", new, "[batch, T_new, kv_heads, head_dim]", empty_ok=(0, 1))
     b, t, kh, h = new.shape
     capacity, _ = _check_cache(_UPDATE, cache, None, b, page_table, names=("cache",))
     if cache.dtype != new.dtype:
@@ -222,11 +264,12 @@ def update_kv_cache(cache, new, cache_lengths, *, page_table=None):
     if tuple(cache.shape[2:]) != (kh, h):
         raise ValueError(f"jax_tk.{_UPDATE}: new's [kv_heads, head_dim] {(kh, h)} != the cache's "
                          f"{tuple(cache.shape[2:])}")
-    if page_table is None and t > capacity:
-        raise ValueError(f"jax_tk.{_UPDATE}: T_new ({t}) must be <= max_seq_len of the cache ({capacity})")
+    _check_t_new(_UPDATE, t, capacity, page_table)
+    cache_lengths = _lengths(_UPDATE, cache_lengths, b)
+    if b == 0 or t == 0:
+        return cache
     layout = _UPDATE_LAYOUT if page_table is None else _PAGED_UPDATE_LAYOUT
-    return sharding.call(layout, _update_local, None, cache, new, _lengths(_UPDATE, cache_lengths, b),
-                         _page_table_int32(page_table))[0]
+    return sharding.call(layout, _update_local, None, cache, new, cache_lengths, _page_table_int32(page_table))[0]
 
 
 def _update_local(static, cache, new, cache_lengths, page_table):
@@ -271,6 +314,12 @@ _ATTENTION_LAYOUT = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", "b"
                                     heads="n", grouped="k")
 _PAGED_ATTENTION_LAYOUT = sharding.Layout(inputs=("b t n d", "p r k d", "p r k d", "b", "b m"),
                                           outputs=("b t n d",), heads="n", grouped="k")
+# The gradient: the query's, and the caches' (a paged pool's summed over the batch axes it is replicated
+# over).
+_BWD_LAYOUT = sharding.Layout(inputs=_ATTENTION_LAYOUT.inputs + ("b t n d",), outputs=("b t n d", "b s k d", "b s k d"),
+                              heads="n", grouped="k")
+_PAGED_BWD_LAYOUT = sharding.Layout(inputs=_PAGED_ATTENTION_LAYOUT.inputs + ("b t n d",),
+                                    outputs=("b t n d", "p r k d", "p r k d"), heads="n", grouped="k", summed=(1, 2))
 _UPDATE_LAYOUT = sharding.Layout(inputs=("b s k d", "b t k d", "b", "b m"), outputs=("b s k d",), heads="k")
 _PAGED_UPDATE_LAYOUT = sharding.Layout(inputs=("p r k d", "b t k d", "b", "b m"), outputs=("p r k d",), heads="k")
 

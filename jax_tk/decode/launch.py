@@ -22,13 +22,15 @@ def contract() -> dict[str, int]:
     return extension.contract("decode")
 
 
-def kernel_unsupported_reason(query) -> str | None:
-    """Why the decode kernel cannot take this call, or None if it can."""
+def kernel_unsupported_reason(query, key_cache) -> str | None:
+    """Why the decode kernel cannot take this call (``key_cache``: contiguous or paged), or None if it can."""
     if not any(query.dtype == d for d in KERNEL_DTYPES):
         return f"dtype {query.dtype} (the decode kernel takes bfloat16 and float16)"
     d, dims = query.shape[-1], contract()["HEAD_DIMS"]
     if d & (d - 1) or not d & dims:
         return f"head_dim {d} (the decode kernel takes {tuple(1 << i for i in range(dims.bit_length()) if dims >> i & 1)})"
+    if key_cache.shape[0] * key_cache.shape[1] >= 2 ** 31:  # (the kernel's row indices are int32)
+        return f"a cache of {key_cache.shape[0] * key_cache.shape[1]} rows (the decode kernel takes fewer than 2^31)"
     return None
 
 

@@ -1,8 +1,8 @@
 """Pure-JAX reference of decode attention over a KV cache (contiguous or paged).
 
-It is the path taken until the decode kernel exists (and, afterwards, on CPU and for configurations the
-kernel cannot take) and the tests' oracle. All arithmetic is float32; the output is cast back to the
-query's dtype. Arguments are assumed checked (``jax_tk.decode.api``).
+The path on CPU and for configurations the decode kernel cannot take, the gradient on every platform,
+and the tests' oracle. All arithmetic is float32; the output is cast back to the query's dtype.
+Arguments are assumed checked (``jax_tk.decode.api``).
 """
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ def gather_pages(cache, page_table):
     contiguous one ``[B, max_pages * page_size, K, H]`` (logical position j of sequence b is row
     ``j % page_size`` of page ``page_table[b, j // page_size]``).
 
-    Table entries outside ``[0, num_pages)`` (unused slots of a serving engine's table hold anything) are
-    clamped instead of faulting; the rows they give lie past the sequence's length and are masked.
+    Table entries outside ``[0, num_pages)`` (unused slots of a serving engine's table hold anything)
+    read as pages of zeros, as in the kernel; past a sequence's length they are masked anyway.
     """
     b, max_pages = page_table.shape
-    _, page_size, k, h = cache.shape
-    pages = jnp.take(cache, page_table.reshape(-1), axis=0, mode="clip")
+    num_pages, page_size, k, h = cache.shape
+    index = page_table.reshape(-1)
+    index = jnp.where((index >= 0) & (index < num_pages), index, num_pages)  # (take would wrap negative ones)
+    pages = jnp.take(cache, index, axis=0, mode="fill", fill_value=0)
     return pages.reshape(b, max_pages * page_size, k, h)
 
 

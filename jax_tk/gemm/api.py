@@ -58,11 +58,7 @@ def group_sizes_int32(op: str, group_sizes, rows: int):
     if isinstance(group_sizes, np.ndarray):  # concrete: exactly, in 64 bits, on the host
         ends = np.minimum(np.cumsum(np.clip(group_sizes, 0, rows).astype(np.int64)), rows)
         return jnp.asarray(np.diff(ends, prepend=0).astype(np.int32))
-    dtype = jnp.dtype(group_sizes.dtype)
-    x = group_sizes
-    if dtype.itemsize > 4 or (dtype.kind == "u" and dtype.itemsize == 4):  # values may not fit int32
-        x = jnp.clip(x, jnp.asarray(0, dtype), jnp.asarray(rows, dtype))
-    x = jnp.clip(x.astype(jnp.int32), 0, rows)
+    x = jnp.clip(checks.to_int32(group_sizes, 0, rows), 0, rows)
     # Cumulative sum that stops at `rows` (associative for sizes >= 0; a + b <= 2 * rows fits uint32).
     ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, np.uint32(rows)), x.astype(jnp.uint32))
     ends = ends.astype(jnp.int32)
@@ -81,17 +77,39 @@ def _check_group_sizes(op: str, group_sizes, groups: int):
                          f"[g, k, n]), got {tuple(group_sizes.shape)}")
 
 
-def check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type, group_offset, implementation) -> str:
+def _check_precision(op: str, precision):
+    """``precision`` as jax.lax takes it (None, a ``lax.Precision`` or its name, a pair of them, a
+    ``lax.DotAlgorithmPreset`` or its name, a ``lax.DotAlgorithm``). Accepted for compatibility only: every
+    path multiplies exactly and accumulates in float32."""
+    def one(p):
+        if p is None or isinstance(p, jax.lax.Precision):
+            return True
+        if not isinstance(p, str):
+            return False
+        try:
+            jax.lax.Precision(p)
+            return True
+        except ValueError:
+            return p.upper() in jax.lax.DotAlgorithmPreset.__members__
+
+    pair = isinstance(precision, (tuple, list)) and len(precision) == 2 and all(one(p) for p in precision)
+    if not (one(precision) or pair or isinstance(precision, (jax.lax.DotAlgorithmPreset, jax.lax.DotAlgorithm))):
+        raise ValueError(f"jax_tk.{op}: precision must be None, a jax.lax.Precision or its name, a pair of them, "
+                         f"or a jax.lax.DotAlgorithmPreset or DotAlgorithm (as in jax.lax), got {precision!r}")
+
+
+def check_ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, implementation) -> str:
     """Validates a ragged_dot call; returns the output dtype's name."""
     op = "ragged_dot"
-    checks.float_array(op, "lhs", lhs, 2, "[m, k]", FLOAT_DTYPES)
-    checks.float_array(op, "rhs", rhs, 3, "[g, k, n]", FLOAT_DTYPES)
+    checks.float_array(op, "lhs", lhs, 2, "[m, k]", FLOAT_DTYPES, allow_empty=True)
+    checks.float_array(op, "rhs", rhs, 3, "[g, k, n]", FLOAT_DTYPES, allow_empty=True)
     if lhs.dtype != rhs.dtype:
         raise TypeError(f"jax_tk.{op}: lhs and rhs must have the same dtype, got {lhs.dtype} and {rhs.dtype}")
     if lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"jax_tk.{op}: the contracting dimension k of lhs [m, k] and rhs [g, k, n] must be "
                          f"equal, got lhs {tuple(lhs.shape)} and rhs {tuple(rhs.shape)}")
     _check_group_sizes(op, group_sizes, rhs.shape[0])
+    _check_precision(op, precision)
     if group_offset is not None:
         raise NotImplementedError(f"jax_tk.{op}: group_offset is not supported (pass the groups to compute as "
                                   "rhs and group_sizes)")
@@ -208,8 +226,8 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
       group_sizes: ``[g]`` integers of any integer dtype (traced values are fine). Sizes may be 0 and
         need not be multiples of anything; their sum may be less than m (rows past it give 0). A
         negative size counts as 0, and a group reaching past row m is cut there.
-      precision: accepted for compatibility; every path multiplies exactly and accumulates in float32
-        (float32 inputs: the reference at ``Precision.HIGHEST``).
+      precision: as in jax.lax (checked), accepted for compatibility: every path multiplies exactly and
+        accumulates in float32 (float32 inputs: the reference at ``Precision.HIGHEST``).
       preferred_element_type: the result's dtype: None (lhs's dtype), float32, or lhs's dtype.
       group_offset: not supported (must be None).
       implementation: ``None`` (the CUDA kernel where it applies: bfloat16/float16, k and n multiples of
@@ -228,22 +246,25 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
     Returns:
       ``[m, n]`` in ``preferred_element_type`` (default lhs's dtype).
     """
-    del precision  # (see the docstring: exact products, float32 sums on every path)
-    out_dtype = check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type, group_offset, implementation)
+    out_dtype = check_ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset,
+                                 implementation)
     m, k = lhs.shape
     g, _, n = rhs.shape
+    if 0 in (m, k, g, n):
+        return dispatch.zeros((m, n), out_dtype, lhs, rhs)  # nothing to multiply
     sizes = group_sizes_int32("ragged_dot", group_sizes, m)
     spec = GemmSpec(out_dtype, use_kernel("ragged_dot", lhs.dtype, k, n, g, m, implementation))
     return ragged_dot_vjp(lhs, rhs, sizes, spec)
 
 
-def matmul(a, b, *, preferred_element_type=None, implementation=None):
+def matmul(a, b, *, precision=None, preferred_element_type=None, implementation=None):
     """Dense matrix product on the grouped GEMM kernel: ``a @ b``.
 
     Args:
       a: ``[..., m, k]``, bfloat16, float16 or float32.
       b: ``[k, n]`` (shared by every matrix of a), or ``[..., k, n]`` with the same leading dims as a
         (one product per leading index; no broadcasting). Same dtype as a.
+      precision: as for :func:`ragged_dot` (checked, for compatibility).
       preferred_element_type: None (the inputs' dtype), float32, or the inputs' dtype.
       implementation: as for :func:`ragged_dot` (``"xla"``: the float32 reference).
 
@@ -260,7 +281,7 @@ def matmul(a, b, *, preferred_element_type=None, implementation=None):
             raise TypeError(f"jax_tk.{op}: {name} must be an array, got {type(x).__name__}")
         if x.ndim < 2:
             raise ValueError(f"jax_tk.{op}: {name} must have rank >= 2, got shape {tuple(x.shape)}")
-        checks.float_array(op, name, x, x.ndim, "", FLOAT_DTYPES)
+        checks.float_array(op, name, x, x.ndim, "", FLOAT_DTYPES, allow_empty=True)
     if a.dtype != b.dtype:
         raise TypeError(f"jax_tk.{op}: a and b must have the same dtype, got {a.dtype} and {b.dtype}")
     if a.shape[-1] != b.shape[-2]:
@@ -269,10 +290,13 @@ def matmul(a, b, *, preferred_element_type=None, implementation=None):
     if b.ndim > 2 and b.shape[:-2] != a.shape[:-2]:
         raise ValueError(f"jax_tk.{op}: b [..., k, n] must be 2-D or have a's leading dims {tuple(a.shape[:-2])}, "
                          f"got b {tuple(b.shape)}")
+    _check_precision(op, precision)
     dispatch.check_implementation(op, implementation)
     out_dtype = _out_dtype(op, a.dtype, preferred_element_type)
     lead, (m, k), n = a.shape[:-2], a.shape[-2:], b.shape[-1]
     rows = math.prod(lead) * m
+    if 0 in (rows, k, n):
+        return dispatch.zeros((*lead, m, n), out_dtype, a, b)
     rhs = b[None] if b.ndim == 2 else b.reshape(-1, k, n)
     g = rhs.shape[0]
     if rows > launch.MAX_ROWS:

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from helpers import attention_inputs, have_devices, rel_err, run_in_subprocess
-from jax_tk._core import dispatch, extension, sharding
+from jax_tk._core import checks, dispatch, extension, sharding
 from jax_tk._core.ffi import kernel_call
 
 
@@ -48,6 +48,26 @@ def test_implementation_choices():
         dispatch.use_kernel("toy", "tk", "head_dim 3")
     with pytest.raises(ValueError, match="implementation must be one of"):
         dispatch.use_kernel("toy", "cuda", None)
+
+
+def test_to_int32_saturates_what_int32_cannot_hold():
+    big = np.array([2 ** 40, -2 ** 40, 7])
+    np.testing.assert_array_equal(checks.to_int32(big, 0, 100), [100, 0, 7])  # on the host (no x64 needed)
+    assert isinstance(checks.to_int32(big, 0, 100), np.ndarray)
+    np.testing.assert_array_equal(checks.to_int32(np.array([2 ** 32 - 1, 5], np.uint32), 0, 2 ** 31 - 1),
+                                  [2 ** 31 - 1, 5])
+    got = jax.jit(lambda x: checks.to_int32(x, 0, 2 ** 31 - 1))(jnp.array([2 ** 31, 5], jnp.uint32))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, [2 ** 31 - 1, 5])
+    np.testing.assert_array_equal(checks.to_int32(jnp.array([-3, 5], jnp.int8), 0, 4), [-3, 5])  # only cast
+    with jax.enable_x64(True):
+        np.testing.assert_array_equal(checks.to_int32(jnp.array([2 ** 40, 3], jnp.int64), -1, 9), [9, 3])
+
+
+@pytest.mark.parametrize("value", [1e39, 1e-50, 0.0, -1.0, float("nan")])
+def test_positive_float_in_float32(value):
+    with pytest.raises(ValueError, match="toy: scale must be a positive float"):
+        checks.positive_float("toy", "scale", value)
 
 
 def test_platform_dispatch_takes_the_reference_on_cpu():

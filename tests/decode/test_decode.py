@@ -254,7 +254,7 @@ ATTENTION_ERRORS = [
     (dict(query=[[1.0]]), TypeError, "query must be an array"),
     (dict(query=_Q[0]), ValueError, "query must have rank 4"),
     (dict(query=_Q.astype(jnp.int32)), TypeError, "query must be bfloat16"),
-    (dict(query=_Q[:, :0]), ValueError, "query has an empty dimension"),
+    (dict(query=_Q[:, :, :0]), ValueError, "query has an empty dimension"),
     (dict(key_cache=_K[0]), ValueError, "key_cache must have rank 4"),
     (dict(value_cache=_K[:, :16]), ValueError, "same shape and dtype"),
     (dict(key_cache=_K.astype(BF16), value_cache=_K.astype(BF16)), TypeError, "query's dtype"),
@@ -272,12 +272,16 @@ ATTENTION_ERRORS = [
     (dict(key_cache=_PAGES, value_cache=_PAGES, page_table=_TABLE[:1]), ValueError, "page_table must have shape"),
     (dict(key_cache=_PAGES, value_cache=_PAGES, page_table=_TABLE[:, :0]), ValueError, "max_pages >= 1"),
     (dict(key_cache=_PAGES[:, :0], value_cache=_PAGES[:, :0], page_table=_TABLE), ValueError, "empty dimension"),
+    (dict(query=randn(_R, (2, 33, 4, 16), F32), key_cache=_PAGES, value_cache=_PAGES, page_table=_TABLE),
+     ValueError, r"T_new \(33\) must be <= max_pages \* page_size \(32\)"),
     (dict(scale=-1.0), ValueError, "scale must be a positive"),
+    (dict(scale=1e39), ValueError, "finite and nonzero in float32"),
     (dict(scale="1"), TypeError, "scale must be a Python float"),
     (dict(is_causal=1), TypeError, "is_causal must be a bool"),
     (dict(local_window_size=-1), ValueError, "local_window_size"),
     (dict(local_window_size=(1, 2, 3)), ValueError, "local_window_size"),
     (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap must be a positive"),
+    (dict(logits_soft_cap=1e-50), ValueError, "finite and nonzero in float32"),
     (dict(implementation="pallas"), ValueError, "implementation must be one of"),
 ]
 
@@ -310,6 +314,7 @@ UPDATE_ERRORS = [
     (dict(cache_lengths=jnp.array([1])), ValueError, "cache_lengths must have shape"),
     (dict(cache=_PAGES, page_table=_TABLE.astype(F32)), TypeError, "page_table must have an integer"),
     (dict(cache=_PAGES, page_table=_TABLE[:1]), ValueError, "page_table must have shape"),
+    (dict(cache=_PAGES, page_table=_TABLE, new=randn(_R, (2, 33, 2, 16), F32)), ValueError, "max_pages \\* page_size"),
 ]
 
 
@@ -331,3 +336,72 @@ def test_int64_lengths_and_table_under_x64():
                                                                                     page_table=_TABLE)))
     np.testing.assert_array_equal(np.asarray(c), np.asarray(jax_tk.decode.update_kv_cache(_PAGES, _NEW, _LENS,
                                                                                          page_table=_TABLE)))
+
+
+def test_wide_lengths_saturate():
+    """numpy int64 (x64 off: jnp would wrap them to int32) and uint32 lengths past int32 mean "past the
+    end of the cache", never a wrapped small or negative length."""
+    cap = _K.shape[1]
+    for wide in (np.array([2 ** 33, 2 ** 32 + 2]), np.array([2 ** 32 - 1, 2 ** 31], np.uint32)):
+        np.testing.assert_array_equal(np.asarray(jax_tk.decode.update_kv_cache(_K, _NEW, wide)), np.asarray(_K))
+        np.testing.assert_array_equal(np.asarray(jax_tk.decode.attention(_Q, _K, _K, wide, is_causal=False)),
+                                      np.asarray(jax_tk.decode.attention(_Q, _K, _K, jnp.array([cap, cap]),
+                                                                         is_causal=False)))
+
+
+def test_lengths_past_capacity_with_a_wide_window():
+    """Positions count from the length as given, also past the cache's capacity: a window wider than
+    that distance bounds nothing."""
+    q, k = _Q[:1, :1], _K[:1, :12]
+    lens = jnp.array([20], jnp.int32)
+    for window in ((100, 0), (13, 0), (8, 0)):
+        out = jax_tk.decode.attention(q, k, k, lens, local_window_size=window)
+        assert rel_err(out, numpy_decode(q, k, k, [20], 1 / 4, True, window)) < 1e-5
+
+
+def test_empty_batch_and_no_new_tokens():
+    lens = _LENS
+    assert jax_tk.decode.attention(_Q[:0], _K[:0], _K[:0], lens[:0]).shape == (0,) + _Q.shape[1:]
+    out = jax.jit(jax_tk.decode.attention)(_Q[:, :0], _K, _K, lens)
+    assert out.shape == (2, 0) + _Q.shape[2:]
+    assert jax_tk.decode.update_kv_cache(_K, _NEW[:, :0], lens) is _K
+    assert jax_tk.decode.update_kv_cache(_PAGES, _NEW[:0], lens[:0], page_table=_TABLE[:0]) is _PAGES
+
+
+def test_page_outside_the_pool_reads_zeros():
+    """A table entry outside [0, num_pages) within a sequence's length reads as a page of zeros (as in
+    the kernel), on every path; never a wrapped or clamped page."""
+    table = jnp.array([[0, -1], [7, 3]], jnp.int32)
+    out = jax_tk.decode.attention(_Q, _PAGES, _PAGES, jnp.array([30, 32]), page_table=table, is_causal=False)
+    zero = jnp.zeros_like(_PAGES[0])
+    kb = jnp.stack([jnp.concatenate([_PAGES[0], zero]), jnp.concatenate([zero, _PAGES[3]])])
+    want = jax_tk.decode.attention(_Q, kb, kb, jnp.array([30, 32]), is_causal=False)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("dtype,h", [(F32, 16), (BF16, 64)], ids=["f32", "bf16_kernel_shape"])
+def test_gradients(paged, dtype, h):
+    """Differentiable in the query and both caches, under jit too, where the kernel takes the forward
+    (bfloat16, head_dim 64: on CUDA the kernel, elsewhere the same custom_vjp around the reference): the
+    gradient is the reference's."""
+    rng = np.random.default_rng(3)
+    q, k, v = randn(rng, (2, 3, 4, h), dtype), randn(rng, (2, 32, 2, h), dtype), randn(rng, (2, 32, 2, h), dtype)
+    lens, table = jnp.array([7, 32], jnp.int32), None
+    if paged:
+        k, v, table = to_pages(rng, k, v, 16, extra_pages=0)
+    def loss(q, k, v, implementation=None):
+        out = jax_tk.decode.attention(q, k, v, lens, page_table=table, local_window_size=(20, 0),
+                                      logits_soft_cap=30.0, implementation=implementation)
+        return jnp.sum(out.astype(F32) * jnp.arange(h, dtype=F32))
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(functools.partial(loss, implementation="xla"), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and g.shape == w.shape
+        assert rel_err(g, w) < 1e-6
+    if dtype == F32:  # the reference's gradient against finite differences
+        f = lambda x: loss(x, k, v, "xla")
+        d = randn(rng, q.shape, F32)
+        eps = 1e-3
+        fd = (f(q + eps * d) - f(q - eps * d)) / (2 * eps)
+        np.testing.assert_allclose(float(jnp.vdot(got[0], d)), float(fd), rtol=2e-3)

@@ -156,3 +156,25 @@ def test_attention_takes_the_decode_kernel_for_short_queries(t):
     assert abs(float(got[0]) - float(ref[0])) <= 2e-2 * max(1.0, abs(float(ref[0])))
     for name, g, r in zip("qkv", got[1], ref[1]):
         assert rel_err(g.astype(F32), r) < 2e-2, name
+
+
+def test_public_api_gradients_and_pages_outside_the_pool():
+    """jax_tk.decode.attention(implementation="tk") under jit(value_and_grad): the kernel's forward, the
+    reference's gradient; table entries outside the pool within a length read zeros, as in the reference."""
+    rng = np.random.default_rng(6)
+    q, pool = randn(rng, (2, 4, 8, 64), BF16), randn(rng, (9, 16, 2, 64), BF16)
+    table = jnp.array([[3, -1, 8, 100], [0, 2, 9, 5]], jnp.int32)  # -1, 100 and 9 are outside the pool
+    lens = jnp.array([60, 51], jnp.int32)
+    dout = randn(rng, q.shape, F32)
+
+    def loss(impl):
+        return lambda q, k: jnp.sum(jax_tk.decode.attention(q, k, k, lens, page_table=table, implementation=impl)
+                                    .astype(F32) * dout)
+
+    f = jax.jit(jax.value_and_grad(loss("tk"), argnums=(0, 1)))
+    assert "jax_tk_decode" in f.lower(q, pool).as_text()
+    got = f(q, pool)
+    ref = jax.value_and_grad(loss("xla"), argnums=(0, 1))(q.astype(F32), pool.astype(F32))
+    assert abs(float(got[0]) - float(ref[0])) <= 1e-2 * max(1.0, abs(float(ref[0])))
+    for g, r in zip(got[1], ref[1]):
+        assert rel_err(g.astype(F32), r) < 2e-2

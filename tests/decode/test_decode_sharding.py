@@ -122,6 +122,28 @@ def test_attention_jit_sharded(case, paged, axis_type):
 
 
 @needs_devices
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("case", [CASES[2], CASES[4]], ids=["batch_heads", "kv_shared"])
+def test_attention_gradients_jit_sharded(case, paged, axis_type):
+    """The gradients (query, caches) on the shards: a paged pool's summed over the batch shards that
+    share it, a shared key/value head's over the head shards; no cache gathered."""
+    name, n, kh, q_spec, kv_spec, pool_spec = case
+    mesh = _mesh(axis_type)
+    q, k, v, lens, kp, vp, table = _inputs(2, n=n, kh=kh)
+    batch = P(q_spec[0])
+    caches, spec = ((kp, vp), pool_spec) if paged else ((k, v), kv_spec)
+    extra = (table,) if paged else ()
+    grad = jax.grad(lambda q, k, v, lens, *t: jnp.sum(_attend(q, k, v, lens, *t) ** 2), argnums=(0, 1, 2))
+    args = (_put(q, mesh, q_spec), *(_put(c, mesh, spec) for c in caches), _put(lens, mesh, batch),
+            *(_put(t, mesh, batch) for t in extra))
+    fn = jax.jit(grad)
+    assert not _gathered_shapes(fn.lower(*args).compile().as_text())
+    for got, want in zip(fn(*args), grad(q, *caches, lens, *extra)):
+        assert rel_err(got, want) < 1e-5
+
+
+@needs_devices
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_attention_in_shard_map(paged):
     """Inside shard_map the op runs on the local shards as given; with a paged cache each batch shard

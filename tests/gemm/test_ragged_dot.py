@@ -217,12 +217,45 @@ def test_errors():
     _bad(lambda: rd(lhs, rhs, gs, preferred_element_type="nonsense"), TypeError, "preferred_element_type")
     _bad(lambda: rd(lhs, rhs, gs, group_offset=jnp.zeros((1,), jnp.int32)), NotImplementedError, "group_offset")
     _bad(lambda: rd(lhs, rhs, gs, implementation="cuda"), ValueError, "implementation must be one of")
-    _bad(lambda: rd(lhs[:0], rhs, gs), ValueError, "empty dimension")
+    _bad(lambda: rd(lhs, rhs, gs, precision="nonsense"), ValueError, "precision must be")
+    _bad(lambda: rd(lhs, rhs, gs, precision=("highest", 3)), ValueError, "precision must be")
     mm = jax_tk.matmul
     _bad(lambda: mm(lhs, rhs[0][:5]), ValueError, "same k")
     _bad(lambda: mm(lhs[0], rhs[0]), ValueError, "a must have rank >= 2")
     _bad(lambda: mm(lhs[None], rhs[:2]), ValueError, "leading dims")
     _bad(lambda: mm(lhs, "b"), TypeError, "b must be an array")
+    _bad(lambda: mm(lhs, rhs[0], precision=1), ValueError, "precision must be")
+
+
+def test_precision_forms_of_jax_lax_accepted():
+    lhs, rhs, gs, _ = inputs(8, 12, 8, 16, [4, 4, 4])
+    want = jax_tk.ragged_dot(lhs, rhs, gs)
+    for precision in ("highest", "default", jax.lax.Precision.HIGH, ("highest", "bfloat16"),
+                      jax.lax.DotAlgorithmPreset.DEFAULT, "BF16_BF16_F32"):
+        jax.lax.ragged_dot(lhs, rhs, gs, precision=precision)  # (valid for jax.lax too)
+        np.testing.assert_array_equal(jax_tk.ragged_dot(lhs, rhs, gs, precision=precision), want)
+    np.testing.assert_array_equal(jax_tk.matmul(lhs, rhs[0], precision="highest"), jax_tk.matmul(lhs, rhs[0]))
+
+
+@pytest.mark.parametrize("m,k,n,g", [(0, 8, 16, 3), (12, 0, 16, 3), (12, 8, 0, 3), (12, 8, 16, 0)])
+def test_empty_dimensions(m, k, n, g):
+    """As jax.lax.ragged_dot: an empty dimension gives an empty result or zeros (no groups, or nothing to
+    contract), with zero gradients. (jax.lax.ragged_dot itself fails to compile g = 0 for CUDA in jax
+    0.11: it runs on the CPU.)"""
+    rng = np.random.default_rng(0)
+    lhs, rhs = randn(rng, (m, k), BF16), randn(rng, (g, k, n), BF16)
+    sizes = jnp.full((g,), 4, jnp.int32)
+    out = jax.jit(jax_tk.ragged_dot)(lhs, rhs, sizes)
+    assert out.shape == (m, n) and out.dtype == BF16
+    np.testing.assert_array_equal(np.asarray(out, np.float32), numpy_ragged_dot(lhs, rhs, sizes))
+    with jax.default_device(jax.devices("cpu")[0]):
+        want = jax.lax.ragged_dot(*jax.device_put((lhs, rhs, sizes), jax.devices("cpu")[0]))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    dl, dr = jax.grad(lambda a, b: jax_tk.ragged_dot(a, b, sizes).astype(F32).sum(), argnums=(0, 1))(lhs, rhs)
+    assert dl.shape == lhs.shape and dr.shape == rhs.shape and not np.asarray(dl, F32).any()
+    a, b = randn(rng, (2, m, k), BF16), randn(rng, (k, n), BF16)
+    np.testing.assert_array_equal(np.asarray(jax_tk.matmul(a, b), F32), np.asarray(jnp.matmul(a, b), F32))
+    assert jax_tk.matmul(a[:0], b).shape == (0, m, n)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the errors raised without a GPU")
