@@ -137,7 +137,7 @@ def attention(query, key_cache, value_cache, cache_lengths, *, page_table=None, 
         the result.
       page_table: ``[batch, max_pages]`` integers: position j of sequence b lives in page
         ``page_table[b, j // page_size]``, row ``j % page_size``. Entries past a sequence's length are
-        not used (any value).
+        not used (any value); within it, an entry outside ``[0, num_pages)`` reads as a page of zeros.
       scale: logit multiplier (a Python float), default ``1/sqrt(head_dim)``.
       is_causal: row i sees keys ``j <= p`` (bottom-right aligned: a single new token sees the whole
         cache). ``False``: every valid key.
@@ -148,7 +148,11 @@ def attention(query, key_cache, value_cache, cache_lengths, *, page_table=None, 
         ``"xla"``: the reference.
 
     A row that sees no key (``cache_lengths[b] == 0``, or ``p < 0`` when ``cache_lengths[b] < T_new``:
-    padding rows before the sequence's start) gives 0, never NaN.
+    padding rows before the sequence's start) gives 0, never NaN. A batch of 0 or ``T_new = 0`` gives an
+    empty result.
+
+    Differentiable in ``query``, ``key_cache`` and ``value_cache`` (under ``jit`` and sharded too): the
+    gradient is the reference's, computed by XLA on every platform.
 
     Several devices: inside ``shard_map`` it runs on the local shards as given (a paged cache may then
     be a pool per shard, its page numbers local). Under ``jit`` with sharded inputs it runs on each
