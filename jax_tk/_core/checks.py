@@ -50,17 +50,18 @@ def array(op: str, name: str, x, ndim: int, what: str):
         raise ValueError(f"jax_tk.{op}: {name} must have rank {ndim} {what}, got shape {tuple(x.shape)}")
 
 
-def float_array(op: str, name: str, x, ndim: int, what: str, dtypes, allow_empty: bool = False):
-    """``array``, of one of ``dtypes`` (bfloat16, float16, float32), with no empty dimension (unless
-    ``allow_empty``)."""
+def float_array(op: str, name: str, x, ndim: int, what: str, dtypes, empty_ok=()):
+    """``array``, of one of ``dtypes`` (bfloat16, float16, float32), with no empty dimension but those
+    listed in ``empty_ok`` (e.g. a batch of 0, which leaves the op nothing to compute)."""
     array(op, name, x, ndim, what)
     if not any(x.dtype == d for d in dtypes):
         raise TypeError(f"jax_tk.{op}: {name} must be bfloat16, float16 or float32, got {x.dtype}")
-    if not allow_empty and any(dim == 0 for dim in x.shape):
+    if any(dim == 0 and i not in empty_ok for i, dim in enumerate(x.shape)):
         raise ValueError(f"jax_tk.{op}: {name} has an empty dimension: {tuple(x.shape)}")
 
 
-def _is_int(w) -> bool:
+def is_int(w) -> bool:
+    """A Python or numpy integer, not a bool."""
     return isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
 
 
@@ -71,8 +72,8 @@ def window(op: str, local_window_size, left_limit: int, right_limit: int):
     int32 index arithmetic in the references and the kernels."""
     if local_window_size is None:
         return None
-    pair = (local_window_size,) * 2 if _is_int(local_window_size) else local_window_size
-    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(_is_int(w) and w >= 0 for w in pair):
+    pair = (local_window_size,) * 2 if is_int(local_window_size) else local_window_size
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(is_int(w) and w >= 0 for w in pair):
         raise ValueError(f"jax_tk.{op}: local_window_size must be None, an int >= 0 or a pair (left, right) of "
                          f"ints >= 0, got {local_window_size!r}")
     return min(int(pair[0]), left_limit), min(int(pair[1]), right_limit)

@@ -42,34 +42,38 @@ class AttentionSpec:
 # ----------------------------------------------------------------------------------------------
 
 
-def check_inputs(query, key, value, scale, is_causal, implementation):
+def check_inputs(query, key, value, scale, is_causal, implementation, op="attention", extra=("cudnn",),
+                 empty_ok=(0, 1)):
+    """The checks that attention and ring_attention share (``op`` names the function in the errors,
+    ``extra`` its implementations beyond None, "tk" and "xla", ``empty_ok`` the dims that may be 0:
+    batch and sequence); returns the scale."""
     for name, x in zip(("query", "key", "value"), (query, key, value)):
-        checks.float_array("attention", name, x, 4, "[batch, seq, heads, head_dim]", FLOAT_DTYPES)
+        checks.float_array(op, name, x, 4, "[batch, seq, heads, head_dim]", FLOAT_DTYPES, empty_ok)
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(
-            "jax_tk.attention: query, key and value must have the same dtype, got "
+            f"jax_tk.{op}: query, key and value must have the same dtype, got "
             f"{query.dtype}, {key.dtype}, {value.dtype}"
         )
     if key.shape != value.shape:
         raise ValueError(
-            f"jax_tk.attention: key and value must have the same shape, got {tuple(key.shape)} "
+            f"jax_tk.{op}: key and value must have the same shape, got {tuple(key.shape)} "
             f"and {tuple(value.shape)}"
         )
     b, _, n, d = query.shape
     kb, _, kh, kd = key.shape
     if kb != b:
-        raise ValueError(f"jax_tk.attention: batch of key/value ({kb}) != batch of query ({b})")
+        raise ValueError(f"jax_tk.{op}: batch of key/value ({kb}) != batch of query ({b})")
     if kd != d:
-        raise ValueError(f"jax_tk.attention: head_dim of key/value ({kd}) != head_dim of query ({d})")
+        raise ValueError(f"jax_tk.{op}: head_dim of key/value ({kd}) != head_dim of query ({d})")
     if n % kh != 0:
         raise ValueError(
-            f"jax_tk.attention: the number of query heads ({n}) must be a multiple of the number "
+            f"jax_tk.{op}: the number of query heads ({n}) must be a multiple of the number "
             f"of key/value heads ({kh})"
         )
-    scale = checks.positive_float("attention", "scale", scale)
+    scale = checks.positive_float(op, "scale", scale)
     if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"jax_tk.attention: is_causal must be a bool, got {is_causal!r}")
-    dispatch.check_implementation("attention", implementation, extra=("cudnn",))
+        raise TypeError(f"jax_tk.{op}: is_causal must be a bool, got {is_causal!r}")
+    dispatch.check_implementation(op, implementation, extra=extra)
     return 1.0 / math.sqrt(d) if scale is None else scale
 
 
@@ -268,6 +272,10 @@ def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, i
     key_value_seq_lengths = compat.lengths_int32(key_value_seq_lengths, key.shape[1])
     if array_scale is not None:  # logits = (scale * q) k^T: the op runs with scale 1.0
         query = compat.fold_scale(query, array_scale)
+    if 0 in (query.shape[0], query.shape[1], key.shape[1]):  # nothing to compute (no row sees a key)
+        b, t, n, _ = query.shape
+        return (dispatch.zeros(query.shape, query.dtype, query, key, value),
+                dispatch.zeros((b, n, t), jnp.float32, query, key, value) - jnp.inf)
     if cudnn:
         return compat.cudnn_attention_with_lse(
             query, key, value, bias, mask, scale=float(scale), is_causal=bool(is_causal), window=window,

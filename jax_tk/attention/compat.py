@@ -81,11 +81,45 @@ def dense_rank(flat):
     return jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.cumsum(change, dtype=jnp.int32))
 
 
-def segment_ids_int32(q_ids, kv_ids):
-    """Segment ids with a 64-bit dtype relabelled jointly to int32 (an exact, order-preserving dense
-    ranking), so that no later cast truncates them into false matches. Others are returned as given."""
-    if q_ids is None or not (_is_64bit(q_ids) or _is_64bit(kv_ids)):
+def _host_ids_narrowed(ids, other, name):
+    """A numpy 64-bit ``ids`` beside a JAX ``other`` without x64 (jnp would truncate it): as int32 when
+    its values fit, else an error (its values past int32 would need a joint relabelling with traced ids)."""
+    if not (isinstance(ids, np.ndarray) and _is_64bit(ids)) or isinstance(other, np.ndarray) or \
+            jax.config.jax_enable_x64:
+        return ids
+    if ids.size and (ids.min() < -2 ** 31 or ids.max() >= 2 ** 31):
+        raise ValueError(f"jax_tk.attention: {name} is a numpy {ids.dtype} array with values outside int32 and the "
+                         "other segment ids a JAX array: pass both as numpy arrays, or enable jax_enable_x64")
+    return ids.astype(np.int32)
+
+
+def _signed_beside_uint32(q_ids, kv_ids):
+    """A uint32 side beside a signed one (neither 64-bit): a plain cast to int32 would let 2^32 - 1 match
+    -1. Equal ids are equal non-negative int32 values, so the values that cannot match become sentinels
+    that match nothing: uint32 ids from 2^31 -> -1, negative signed ids -> -2."""
+    kinds = [np.dtype(x.dtype) for x in (q_ids, kv_ids)]
+    if not any(d == np.uint32 for d in kinds) or not any(d.kind == "i" for d in kinds):
         return q_ids, kv_ids
+
+    def fix(x, dtype):
+        x = jnp.asarray(x)
+        if dtype == np.uint32:
+            return jnp.where(x < np.uint32(2 ** 31), x.astype(jnp.int32), -1)
+        return jnp.where(x >= 0, x.astype(jnp.int32), -2)
+
+    return fix(q_ids, kinds[0]), fix(kv_ids, kinds[1])
+
+
+def segment_ids_int32(q_ids, kv_ids):
+    """Segment ids as int32 with the same matches: 64-bit ids relabelled jointly (an exact, order-preserving
+    dense ranking), so that no later cast truncates them into false matches; uint32 ids beside signed
+    ones given sentinels where they cannot match. Others are returned as given."""
+    if q_ids is None:
+        return q_ids, kv_ids
+    q_ids, kv_ids = (_host_ids_narrowed(q_ids, kv_ids, "q_segment_ids"),
+                     _host_ids_narrowed(kv_ids, q_ids, "kv_segment_ids"))
+    if not (_is_64bit(q_ids) or _is_64bit(kv_ids)):
+        return _signed_beside_uint32(q_ids, kv_ids)
     n = int(np.prod(q_ids.shape))
     if isinstance(q_ids, np.ndarray) and isinstance(kv_ids, np.ndarray):
         # Concrete host arrays (e.g. numpy int64 without jax x64, which jnp would truncate): on the host.

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk._core import dispatch, sharding
+from jax_tk._core import checks, dispatch, sharding
 from jax_tk.attention import api, launch
 from jax_tk.attention.api import AttentionSpec
 
@@ -55,7 +55,9 @@ LAYOUTS = ("contiguous", "zigzag")
 
 
 def _chunk(seq_len: int, axis_size: int) -> int:
-    if axis_size < 1 or seq_len % (2 * axis_size):
+    if not checks.is_int(axis_size) or axis_size < 1:
+        raise ValueError(f"jax_tk.ring.zigzag: axis_size must be an int >= 1, got {axis_size!r}")
+    if seq_len % (2 * axis_size):
         raise ValueError(
             f"jax_tk.ring.zigzag: the sequence length ({seq_len}) must be a multiple of "
             f"2 * axis_size ({2 * axis_size})"
@@ -73,6 +75,12 @@ def zigzag_indices(seq_len: int, axis_size: int) -> np.ndarray:
     return np.concatenate([np.arange(j * chunk, (j + 1) * chunk) for j in order])
 
 
+def _axis(x, axis) -> int:
+    if not checks.is_int(axis) or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"jax_tk.ring.zigzag: axis {axis!r} is out of range for an array of rank {x.ndim}")
+    return int(axis) % x.ndim
+
+
 def _split_axis(x, axis, shape):
     return x.reshape(x.shape[:axis] + shape + x.shape[axis + 1 :])
 
@@ -84,7 +92,7 @@ def zigzag(x, axis_size: int, axis: int = 1):
 
     Equal to ``jnp.take(x, zigzag_indices(x.shape[axis], axis_size), axis)``, written with
     reshapes, a reversal and a stack, which the partitioner handles well."""
-    axis = axis % x.ndim
+    axis = _axis(x, axis)
     n = axis_size
     c = _chunk(x.shape[axis], n)
     y = _split_axis(x, axis, (2, n, c))  # [..., half, chunk, c, ...]
@@ -95,7 +103,7 @@ def zigzag(x, axis_size: int, axis: int = 1):
 
 def unzigzag(x, axis_size: int, axis: int = 1):
     """Inverse of :func:`zigzag`."""
-    axis = axis % x.ndim
+    axis = _axis(x, axis)
     n = axis_size
     c = _chunk(x.shape[axis], n)
     y = _split_axis(x, axis, (n, 2, c))  # [..., device, pair, c, ...]
@@ -166,6 +174,7 @@ class RingSpec:
     is_causal: bool
     layout: str
     use_kernel: bool
+    perm: tuple[tuple[int, int], ...] = ()  # ppermute's pairs for device i -> i + 1 (see _ring_perm)
 
     def block(self, causal: bool) -> AttentionSpec:
         return AttentionSpec(self.scale, causal, self.use_kernel)
@@ -177,11 +186,34 @@ def _axis_size(axis_name) -> int:
     return int(jax.lax.psum(1, axis_name))  # pragma: no cover - older JAX
 
 
+def _ring_perm(axis_name, n: int) -> tuple[tuple[int, int], ...]:
+    """ppermute's pairs that send the block of device i to device i + 1, where i is the device's place
+    in the sequence (``axis_index(axis_name)``: over a tuple of axes, the first one major). ppermute
+    numbers the devices of a tuple of axes in the mesh's order of those axes instead, so a tuple in
+    another order is translated."""
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    mesh_order = tuple(getattr(jax.sharding.get_abstract_mesh(), "axis_names", ()) or ())
+    if len(names) == 1 or not set(names) <= set(mesh_order):
+        return tuple((i, (i + 1) % n) for i in range(n))
+    sizes = {a: _axis_size(a) for a in names}
+    ordered = [a for a in mesh_order if a in names]
+
+    def ppermute_index(i):
+        coords = {}
+        for a in reversed(names):
+            i, coords[a] = divmod(i, sizes[a])
+        j = 0
+        for a in ordered:
+            j = j * sizes[a] + coords[a]
+        return j
+
+    return tuple((ppermute_index(i), ppermute_index((i + 1) % n)) for i in range(n))
+
+
 def _rotate(x, spec: RingSpec):
     """Sends to the next device of the ring (device i -> i+1): at step s, device i holds the block of
     device i - s."""
-    n = spec.axis_size
-    return jax.lax.ppermute(x, spec.axis_name, perm=[(i, (i + 1) % n) for i in range(n)])
+    return jax.lax.ppermute(x, spec.axis_name, perm=spec.perm)
 
 
 def _t_rows(lse_like):  # [B, N, T] -> [B, T, N, 1], to scale out rows
@@ -317,7 +349,8 @@ def ring_attention_with_lse(
 ):
     """Like :func:`ring_attention`, and also returns the float32 log-sum-exp ``[batch, heads, q_len]``
     of the local query rows over the whole (global) key sequence. Both outputs are differentiable."""
-    scale = api.check_inputs(query, key, value, scale, is_causal, implementation)
+    scale = api.check_inputs(query, key, value, scale, is_causal, implementation, op="ring_attention", extra=(),
+                             empty_ok=())
     if layout not in LAYOUTS:
         raise ValueError(f"jax_tk.ring_attention: layout must be one of {LAYOUTS}, got {layout!r}")
     try:
@@ -339,7 +372,7 @@ def ring_attention_with_lse(
             "(two chunks per device)"
         )
     use_kernel = api.use_kernel(query, key, implementation)
-    spec = RingSpec(axis_name, n, float(scale), bool(is_causal), layout, use_kernel)
+    spec = RingSpec(axis_name, n, float(scale), bool(is_causal), layout, use_kernel, _ring_perm(axis_name, n))
     if n == 1:
         return api.attention_vjp(query, key, value, spec.block(spec.is_causal))
     return _ring(query, key, value, spec)
@@ -364,7 +397,7 @@ def ring_attention(
         sequence; ``q_heads`` a multiple of ``kv_heads``).
       axis_name: the mesh axis (or tuple of axes) the sequence is split over, in device order.
       is_causal: causal mask over *global* positions (needs ``q_len == kv_len``).
-      scale: logit multiplier, default ``1/sqrt(head_dim)``.
+      scale: logit multiplier (a Python float), default ``1/sqrt(head_dim)``.
       layout: how the global sequence is laid out over the devices when ``is_causal``:
         ``"contiguous"`` (device i holds the i-th block) or ``"zigzag"`` (device i holds chunks i and
         2n-1-i; see :func:`zigzag`), which balances the work.

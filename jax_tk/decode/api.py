@@ -44,11 +44,7 @@ class DecodeSpec:
 
 
 def _float_array(op, name, x, what, empty_ok=()):
-    """A float array of rank 4 whose dims are nonzero except those in ``empty_ok`` (a batch of 0, no new
-    tokens: the op then has nothing to do)."""
-    checks.float_array(op, name, x, 4, what, FLOAT_DTYPES, allow_empty=True)
-    if any(dim == 0 and i not in empty_ok for i, dim in enumerate(x.shape)):
-        raise ValueError(f"jax_tk.{op}: {name} has an empty dimension: {tuple(x.shape)}")
+    checks.float_array(op, name, x, 4, what, FLOAT_DTYPES, empty_ok)
 
 
 def _int_array(op, name, x, shape):

@@ -101,8 +101,8 @@ def _check_precision(op: str, precision):
 def check_ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, implementation) -> str:
     """Validates a ragged_dot call; returns the output dtype's name."""
     op = "ragged_dot"
-    checks.float_array(op, "lhs", lhs, 2, "[m, k]", FLOAT_DTYPES, allow_empty=True)
-    checks.float_array(op, "rhs", rhs, 3, "[g, k, n]", FLOAT_DTYPES, allow_empty=True)
+    checks.float_array(op, "lhs", lhs, 2, "[m, k]", FLOAT_DTYPES, empty_ok=(0, 1))
+    checks.float_array(op, "rhs", rhs, 3, "[g, k, n]", FLOAT_DTYPES, empty_ok=(0, 1, 2))
     if lhs.dtype != rhs.dtype:
         raise TypeError(f"jax_tk.{op}: lhs and rhs must have the same dtype, got {lhs.dtype} and {rhs.dtype}")
     if lhs.shape[1] != rhs.shape[1]:
@@ -281,7 +281,7 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, implementation=
             raise TypeError(f"jax_tk.{op}: {name} must be an array, got {type(x).__name__}")
         if x.ndim < 2:
             raise ValueError(f"jax_tk.{op}: {name} must have rank >= 2, got shape {tuple(x.shape)}")
-        checks.float_array(op, name, x, x.ndim, "", FLOAT_DTYPES, allow_empty=True)
+        checks.float_array(op, name, x, x.ndim, "", FLOAT_DTYPES, empty_ok=range(x.ndim))
     if a.dtype != b.dtype:
         raise TypeError(f"jax_tk.{op}: a and b must have the same dtype, got {a.dtype} and {b.dtype}")
     if a.shape[-1] != b.shape[-2]:

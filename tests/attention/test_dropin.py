@@ -314,3 +314,41 @@ def test_implementation_choices_named():
     q, k, v = _qkv(10)
     with pytest.raises(ValueError, match=r"one of \(None, 'tk', 'xla', 'cudnn'\)"):
         jax_tk.attention(q, k, v, implementation="flash")
+
+
+def test_uint32_segment_ids_beside_signed_ones():
+    """uint32 2^32 - 1 is not int32 -1: ids match only where their integer values are equal."""
+    q, k, v = _qkv(11, t=6, s=6)
+    signed = jnp.array([[-1] * 6, [0, 0, 0, 1, 1, 1]], jnp.int32)
+    unsigned = jnp.array([[2 ** 32 - 1] * 6, [0, 0, 0, 1, 1, 1]], jnp.uint32)
+    for a, b in ((signed, unsigned), (unsigned, signed)):
+        out = jax.jit(jax_tk.attention)(q, k, v, q_segment_ids=a, kv_segment_ids=b)
+        assert not np.asarray(out[0]).any()  # no query of sequence 0 sees a key
+        _close(out[1], jax_tk.attention(q, k, v, q_segment_ids=signed, kv_segment_ids=signed)[1])
+
+
+def test_numpy_int64_segment_ids_beside_jax_ones():
+    """Without x64, numpy int64 ids next to JAX ids are taken exactly when they fit int32, and refused
+    (never truncated into false matches) when they do not."""
+    q, k, v = _qkv(12)
+    want = _want(q, k, v)
+    got = jax_tk.attention_with_lse(q, k, v, q_segment_ids=_SMALL_Q.astype(np.int64),
+                                    kv_segment_ids=jnp.asarray(_SMALL_KV, jnp.int32))
+    for g, w in zip(got, want):
+        _close(g, w, 0)
+    with pytest.raises(ValueError, match="q_segment_ids is a numpy int64 array with values outside int32"):
+        jax_tk.attention(q, k, v, q_segment_ids=_big(_SMALL_Q), kv_segment_ids=jnp.asarray(_SMALL_KV, jnp.int32))
+
+
+@pytest.mark.parametrize("b,t,s", [(0, 8, 8), (2, 0, 8), (2, 8, 0)], ids=["batch0", "q_len0", "kv_len0"])
+def test_empty_batch_or_sequences(b, t, s):
+    """As jax.nn: an empty batch or sequence gives an empty result; no keys at all: rows of 0, lse -inf."""
+    q, k, v = (x.astype(BF16) for x in _qkv(13, b=max(b, 1), t=max(t, 1), s=max(s, 1)))
+    q, k, v = q[:b, :t], k[:b, :s], v[:b, :s]
+    out, lse = jax.jit(jax_tk.attention_with_lse)(q, k, v)
+    assert out.shape == jax.nn.dot_product_attention(q, k, v).shape == q.shape and lse.shape == (b, 4, t)
+    assert not np.asarray(out, np.float32).any() and np.isneginf(np.asarray(lse)).all()
+    grads = jax.grad(lambda q, k, v: jax_tk.attention(q, k, v).astype(F32).sum(), argnums=(0, 1, 2))(q, k, v)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    with pytest.raises(ValueError, match="query has an empty dimension"):
+        jax_tk.attention(q[:, :, :0], k[:, :, :0], v[:, :, :0])

@@ -142,6 +142,15 @@ class TestRing:
         fn = _ring_fn(mesh, "sp", "zigzag", True, batch_axis="data")
         _compare(fn, _ref(True), args, 1e-5, "zigzag", 4, put)
 
+    @pytest.mark.parametrize("axes", [("sp", "x"), ("x", "sp")], ids=["mesh_order", "reversed"])
+    @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+    def test_sequence_over_a_tuple_of_axes(self, axes, layout):
+        """The sequence split over two mesh axes, in either order: ppermute numbers a tuple's devices in
+        the mesh's order, axis_index in the tuple's (the ring is built on the latter)."""
+        mesh = jax.make_mesh((2, 4), ("sp", "x"), axis_types=(AxisType.Auto,) * 2)
+        args = _inputs(8, 2, 32, 32, 4, 2, 32, F32)
+        _compare(_ring_fn(mesh, axes, layout, True), _ref(True), args, 1e-5, layout, 8)
+
     def test_rotates_with_collective_permute_only(self):
         mesh = _mesh1(4)
         q, k, v, _, _ = _inputs(5, 2, 32, 32, 4, 4, 32, F32)
@@ -172,6 +181,11 @@ class TestRing:
                 np.testing.assert_array_equal(shards[i, c:] // c, 2 * n - 1 - i)
         with pytest.raises(ValueError, match="multiple of 2 \\* axis_size"):
             zigzag(x, 5)
+        with pytest.raises(ValueError, match="axis_size must be an int"):
+            zigzag(x, 2.0)
+        for axis in (3, -4, 1.0):
+            with pytest.raises(ValueError, match="out of range"):
+                unzigzag(x, 2, axis=axis)
 
     def test_errors(self):
         mesh = _mesh1(4)
@@ -188,8 +202,10 @@ class TestRing:
             run(q, jnp.zeros((1, 32, 2, 32), F32), is_causal=True)
         with pytest.raises(ValueError, match="even"):
             run(jnp.zeros((1, 12, 2, 32), F32), jnp.zeros((1, 12, 2, 32), F32), is_causal=True, layout="zigzag")
-        with pytest.raises(ValueError, match="rank 4"):
+        with pytest.raises(ValueError, match="ring_attention: query must have rank 4"):
             jax_tk.ring_attention(q[0], q[0], q[0], axis_name="sp")
+        with pytest.raises(ValueError, match=r"ring_attention: implementation must be one of \(None, 'tk', 'xla'\)"):
+            run(q, q, implementation="cudnn")
         with pytest.raises((ValueError, NameError), match="axis"):
             jax_tk.ring_attention(q, q, q, axis_name="nope")
 
