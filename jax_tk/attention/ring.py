@@ -174,7 +174,7 @@ class RingSpec:
     is_causal: bool
     layout: str
     use_kernel: bool
-    perm: tuple[tuple[int, int], ...] = ()  # ppermute's pairs for device i -> i + 1 (see _ring_perm)
+    ring: tuple = ()  # ppermute's (axes, pairs) for device i -> i + 1 (see _ring_perm)
 
     def block(self, causal: bool) -> AttentionSpec:
         return AttentionSpec(self.scale, causal, self.use_kernel)
@@ -186,17 +186,18 @@ def _axis_size(axis_name) -> int:
     return int(jax.lax.psum(1, axis_name))  # pragma: no cover - older JAX
 
 
-def _ring_perm(axis_name, n: int) -> tuple[tuple[int, int], ...]:
-    """ppermute's pairs that send the block of device i to device i + 1, where i is the device's place
-    in the sequence (``axis_index(axis_name)``: over a tuple of axes, the first one major). ppermute
-    numbers the devices of a tuple of axes in the mesh's order of those axes instead, so a tuple in
-    another order is translated."""
+def _ring_perm(axis_name, n: int):
+    """(axes, pairs) for ppermute that send the block of device i to device i + 1, where i is the
+    device's place in the sequence (``axis_index(axis_name)``: over a tuple of axes, the first one
+    major). ppermute takes a tuple of axes in the mesh's order (newer JAX refuses another) and numbers
+    the devices in that order: a tuple in another order is translated."""
     names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     mesh_order = tuple(getattr(jax.sharding.get_abstract_mesh(), "axis_names", ()) or ())
+    ring = tuple((i, (i + 1) % n) for i in range(n))
     if len(names) == 1 or not set(names) <= set(mesh_order):
-        return tuple((i, (i + 1) % n) for i in range(n))
+        return axis_name, ring
     sizes = {a: _axis_size(a) for a in names}
-    ordered = [a for a in mesh_order if a in names]
+    ordered = tuple(a for a in mesh_order if a in names)
 
     def ppermute_index(i):
         coords = {}
@@ -207,13 +208,13 @@ def _ring_perm(axis_name, n: int) -> tuple[tuple[int, int], ...]:
             j = j * sizes[a] + coords[a]
         return j
 
-    return tuple((ppermute_index(i), ppermute_index((i + 1) % n)) for i in range(n))
+    return ordered, tuple((ppermute_index(i), ppermute_index(j)) for i, j in ring)
 
 
 def _rotate(x, spec: RingSpec):
     """Sends to the next device of the ring (device i -> i+1): at step s, device i holds the block of
     device i - s."""
-    return jax.lax.ppermute(x, spec.axis_name, perm=spec.perm)
+    return jax.lax.ppermute(x, spec.ring[0], perm=spec.ring[1])
 
 
 def _t_rows(lse_like):  # [B, N, T] -> [B, T, N, 1], to scale out rows
