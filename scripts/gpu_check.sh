@@ -55,6 +55,10 @@ if [ "${JAX_TK_TESTS:-1}" = "1" ]; then
   XLA_FLAGS="--xla_gpu_autotune_level=0 ${XLA_FLAGS:-}" \
     timeout "${JAX_TK_TEST_TIMEOUT:-420}" python3 -P -m pytest -q -rs -p no:cacheprovider "${par[@]}" --junitxml="$out/junit.xml" "$@" tests 2>&1 | tee "$out/tests.log"
   test_rc=${PIPESTATUS[0]}
+  if grep -q "needs 2 CUDA GPUs" "$out/tests.log"; then
+    echo "note: the multi-GPU tests were skipped (one GPU here): scripts/multi_gpu_check.sh runs them on 2" |
+      tee -a "$out/tests.log"
+  fi
 fi
 
 if [ "${JAX_TK_EXAMPLE:-0}" = "1" ]; then

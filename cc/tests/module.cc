@@ -10,9 +10,18 @@ namespace nb = nanobind;
 namespace jax_tk::tests {
 namespace {
 
+// Every case writes its outputs over aliased initial values (input_output_aliases): NaN poison, so that
+// an element an operation fails to write cannot pass as a value left by an earlier case (for the Hopper
+// reduce-add, the values it adds to).
+ffi::Error check_aliased(const ffi::AnyBuffer &init, const void *out, const char *what) {
+  if (init.untyped_data() != out)
+    return invalid(std::string(what) + ": the output must be aliased to its initial value");
+  return ffi::Error::Success();
+}
+
 ffi::Error tile_op_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> v,
-                        ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> vec, int32_t op, int32_t layout,
-                        float param) {
+                        ffi::AnyBuffer out_init, ffi::AnyBuffer vec_init, ffi::ResultBuffer<ffi::F32> out,
+                        ffi::ResultBuffer<ffi::F32> vec, int32_t op, int32_t layout, float param) {
   TileOpArgs x{};
   auto t = a.element_type();
   x.dtype = t == ffi::DataType::F32 ? 0 : t == ffi::DataType::BF16 ? 1 : t == ffi::DataType::F16 ? 2 : -1;
@@ -20,19 +29,13 @@ ffi::Error tile_op_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   auto d = a.dimensions();
   if (d.size() != 2 || !same_dims(a, *out) || v.element_count() != 64 || vec->element_count() != 64)
     return invalid("tile_op: a, b, out must be [rows, cols]; v and vec [64]");
+  if (auto e = check_aliased(out_init, out->untyped_data(), "tile_op out"); e.failure()) return e;
+  if (auto e = check_aliased(vec_init, vec->untyped_data(), "tile_op vec"); e.failure()) return e;
   x.op = op; x.layout = layout; x.param = param;
   x.rows = int(d[0]); x.cols = int(d[1]);
   x.a = a.untyped_data(); x.b = b.untyped_data(); x.v = v.typed_data();
   x.out = out->typed_data(); x.vec = vec->typed_data();
   return cuda_error(launch_tile_op(x, stream), "tile_op");
-}
-
-// The Hopper cases write one output, aliased (input_output_aliases) to an input that holds its
-// initial value: NaN poison, or for the reduce-add the values it adds to.
-ffi::Error check_aliased(const ffi::AnyBuffer &init, const void *out, const char *what) {
-  if (init.untyped_data() != out)
-    return invalid(std::string(what) + ": the output must be aliased to its initial value (the last argument)");
-  return ffi::Error::Success();
 }
 
 bool elem_of(ffi::DataType t, Elem &e) {
@@ -154,6 +157,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TileOp, tile_op_impl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()  // out's initial value
+                                  .Arg<ffi::AnyBuffer>()  // vec's initial value
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("op")

@@ -77,6 +77,12 @@ def make_inputs(seed, b, t, s, n, kh, d, dtype, q_mult=1.0):
     return randn((b, t, n, d), q_mult), randn((b, s, kh, d)), randn((b, s, kh, d)), randn((b, t, n, d))
 
 
+def random_dlse(seed, b, n, t):
+    """A standard-normal cotangent of the lse, [b, n, t] float32 (a zero one would leave the backward's
+    dlse term untested)."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((b, n, t), dtype=np.float32))
+
+
 _nan = helpers.nan
 
 
@@ -184,7 +190,7 @@ def test_deterministic_backward_vs_reference(b, t, s, n, kh, d, is_causal, dtype
 def test_kernels_vs_reference(b, t, s, n, kh, d, is_causal, dtype, variant):
     seed = zlib.crc32(repr((b, t, s, n, kh, d, is_causal, jnp.dtype(dtype).name)).encode())  # fixed per case
     q, k, v, dout = make_inputs(seed, b, t, s, n, kh, d, dtype)
-    dlse = jnp.zeros((b, n, t), F32)
+    dlse = random_dlse(seed + 1, b, n, t)
     check_kernels(q, k, v, dout, dlse, scale=1.0 / math.sqrt(d), is_causal=is_causal, variant=variant)
 
 
@@ -202,7 +208,7 @@ def test_kernels_vs_reference(b, t, s, n, kh, d, is_causal, dtype, variant):
 def test_kernels_with_lse_cotangent(b, t, s, n, kh, d, is_causal, dtype):
     """A random cotangent for the log-sum-exp (as when a loss uses lse, e.g. merging partial results)."""
     q, k, v, dout = make_inputs(7 + t + s + d, b, t, s, n, kh, d, dtype)
-    dlse = jnp.asarray(np.random.default_rng(8 + t).standard_normal((b, n, t), dtype=np.float32))
+    dlse = random_dlse(8 + t, b, n, t)
     check_kernels(q, k, v, dout, dlse, scale=1.0 / math.sqrt(d), is_causal=is_causal)
 
 
@@ -210,7 +216,7 @@ def test_kernels_with_lse_cotangent(b, t, s, n, kh, d, is_causal, dtype):
 @pytest.mark.parametrize("scale", [0.05, 0.3])
 def test_kernels_custom_scale(scale):
     q, k, v, dout = make_inputs(11, 2, 130, 200, 8, 2, 64, BF16)
-    dlse = jnp.zeros((2, 8, 130), F32)
+    dlse = random_dlse(11, 2, 8, 130)
     check_kernels(q, k, v, dout, dlse, scale=scale, is_causal=True)
 
 
@@ -218,10 +224,11 @@ def test_kernels_custom_scale(scale):
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_large_magnitude_inputs(dtype, is_causal):
-    """q * 10: very peaked softmax (logits of tens); nothing may overflow to NaN/inf."""
+    """q * 10: very peaked softmax (logits of tens); nothing may overflow to NaN/inf, and the values and
+    gradients still match the reference."""
     b, t, s, n, kh, d = 2, 300, 257, 8, 2, 128
     q, k, v, dout = make_inputs(12, b, t, s, n, kh, d, dtype, q_mult=10.0)
-    dlse = jnp.zeros((b, n, t), F32)
+    dlse = random_dlse(13, b, n, t)
     scale = 1.0 / math.sqrt(d)
     got = kernel_fwd_bwd(q, k, v, dout, dlse, scale=scale, is_causal=is_causal)
     for name, x in zip(("out", "lse", "dq", "dk", "dv"), got):
@@ -229,6 +236,8 @@ def test_large_magnitude_inputs(dtype, is_causal):
     want = reference_fwd_bwd(q, k, v, dout, dlse, scale=scale, is_causal=is_causal)
     assert_close("out", got[0], want[0])
     assert_lse_close(got[1], want[1])
+    for name, x, ref in zip(("dq", "dk", "dv"), got[2:], want[2:]):
+        assert_close(name, x, ref)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,7 +302,7 @@ def test_masking_kernels_vs_reference(case, variant):
     name, (b, t, s, n, kh, d, dtype), is_causal, window, segments, q_lengths, kv_lengths, softcap, q_mult = case
     seed = zlib.crc32(name.encode())
     q, k, v, dout = make_inputs(seed, b, t, s, n, kh, d, dtype, q_mult=q_mult)
-    dlse = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((b, n, t), dtype=np.float32))
+    dlse = random_dlse(seed + 1, b, n, t)
     masks = make_masks(seed + 2, b, t, s, segments, q_lengths, kv_lengths)
     got, want = check_kernels(q, k, v, dout, dlse, masks, scale=1.0 / math.sqrt(d), is_causal=is_causal,
                               variant=variant, window=window, softcap=softcap)
@@ -354,7 +363,7 @@ def test_public_attention_and_grad(dtype, is_causal, implementation):
 def test_public_attention_with_lse_grad_through_both_outputs():
     b, t, s, n, kh, d = 1, 200, 333, 8, 2, 64
     q, k, v, dout = make_inputs(14, b, t, s, n, kh, d, BF16)
-    dlse = jnp.asarray(np.random.default_rng(15).standard_normal((b, n, t), dtype=np.float32))
+    dlse = random_dlse(15, b, n, t)
 
     def loss(q, k, v):
         out, lse = jax_tk.attention_with_lse(q, k, v, is_causal=True, implementation="tk")
@@ -424,7 +433,7 @@ def test_backward_is_deterministic(is_causal, variant):
     feed each dk/dv; 16 key blocks add into each dq block), and they match the reference."""
     b, t, s, n, kh, d = 2, 1024, 1030, 8, 2, 128
     q, k, v, dout = make_inputs(19, b, t, s, n, kh, d, BF16)
-    dlse = jnp.zeros((b, n, t), F32)
+    dlse = random_dlse(20, b, n, t)
     run = functools.partial(check_kernels, q, k, v, dout, dlse, scale=1 / math.sqrt(d), is_causal=is_causal,
                             variant=variant, deterministic=True)
     first, _ = run()
@@ -457,7 +466,7 @@ def test_masked_backward_is_deterministic(b, t, n, kh, d, is_causal, window, seg
         pytest.skip("the head-dim-256 kernels run on compute capability 9.0")
     seed = zlib.crc32(f"det{t}{d}{segments}{softcap}".encode())
     q, k, v, dout = make_inputs(seed, b, t, t, n, kh, d, BF16, q_mult=2.0 if softcap else 1.0)
-    dlse = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((b, n, t), dtype=np.float32))
+    dlse = random_dlse(seed + 1, b, n, t)
     masks = make_masks(seed + 2, b, t, t, segments) if segments else None
     opts = dict(scale=1 / math.sqrt(d), is_causal=is_causal, window=window, softcap=softcap, deterministic=True)
     got, _ = check_kernels(q, k, v, dout, dlse, masks, **opts)
@@ -489,7 +498,7 @@ def test_head_dim_256_kernels(b, t, s, n, kh, dtype, is_causal, window, segments
     d = 256
     seed = zlib.crc32(f"{b}{t}{s}{n}{kh}{is_causal}{softcap}".encode())
     q, k, v, dout = make_inputs(seed, b, t, s, n, kh, d, dtype, q_mult=2.0 if softcap else 1.0)
-    dlse = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((b, n, t), dtype=np.float32))
+    dlse = random_dlse(seed + 1, b, n, t)
     masks = make_masks(seed + 2, b, t, s, segments) if segments else None
     got, _ = check_kernels(q, k, v, dout, dlse, masks, scale=1 / math.sqrt(d), is_causal=is_causal, window=window,
                            softcap=softcap, deterministic=deterministic)

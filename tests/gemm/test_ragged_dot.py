@@ -103,6 +103,7 @@ def test_low_precision_inputs(dtype, preferred):
     dl, dr = jax.grad(lambda a, b: jnp.sum((jax_tk.ragged_dot(a, b, gs, preferred_element_type=preferred)
                                             * dout).astype(F32)), argnums=(0, 1))(lhs, rhs)
     assert dl.dtype == dtype and dr.dtype == dtype
+    assert rel_err(dl, numpy_ragged_dot(dout, np.swapaxes(np.asarray(rhs, np.float32), 1, 2), sizes)) < 1e-2
     assert rel_err(dr, numpy_contracting(lhs, dout, sizes)) < 1e-2
 
 
@@ -167,10 +168,14 @@ def test_vmap():
     got = jax.vmap(jax_tk.ragged_dot)(lhs, rhs, jnp.asarray(sizes))
     for i in range(e):
         np.testing.assert_allclose(got[i], numpy_ragged_dot(lhs[i], rhs[i], sizes[i]), atol=1e-4, rtol=1e-5)
-    # vmap of the gradient, and an unmapped rhs
-    dr = jax.vmap(jax.grad(lambda a, b, s: jax_tk.ragged_dot(a, b, s).sum(), argnums=1))(lhs, rhs, jnp.asarray(sizes))
+    # vmap of the gradient (a random cotangent per entry), and an unmapped rhs
+    d = randn(rng, (e, m, n), F32)
+    grad = jax.grad(lambda a, b, s, d: jnp.sum(jax_tk.ragged_dot(a, b, s) * d), argnums=(0, 1))
+    dl, dr = jax.vmap(grad)(lhs, rhs, jnp.asarray(sizes), d)
     for i in range(e):
-        np.testing.assert_allclose(dr[i], numpy_contracting(lhs[i], np.ones((m, n)), sizes[i]), atol=1e-4, rtol=1e-5)
+        np.testing.assert_allclose(dr[i], numpy_contracting(lhs[i], d[i], sizes[i]), atol=1e-4, rtol=1e-5)
+        np.testing.assert_allclose(dl[i], numpy_ragged_dot(d[i], np.swapaxes(np.asarray(rhs[i]), 1, 2), sizes[i]),
+                                   atol=1e-4, rtol=1e-5)
     got = jax.vmap(jax_tk.ragged_dot, in_axes=(0, None, 0))(lhs, rhs[0], jnp.asarray(sizes))
     np.testing.assert_allclose(got[2], numpy_ragged_dot(lhs[2], rhs[0], sizes[2]), atol=1e-4, rtol=1e-5)
 
