@@ -260,8 +260,7 @@ def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, i
     if array_scale is not None:
         compat.check_array_scale(array_scale)
     cudnn = isinstance(implementation, str) and implementation == "cudnn"
-    scale = check_inputs(query, key, value, 1.0 if array_scale is not None else scale, is_causal,
-                         "xla" if cudnn else implementation)
+    scale = check_inputs(query, key, value, 1.0 if array_scale is not None else scale, is_causal, implementation)
     full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
     bias, mask = compat.dense_4d("bias", bias, full), compat.dense_4d("mask", mask, full)
     window, cap = _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids,
