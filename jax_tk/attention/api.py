@@ -238,13 +238,27 @@ def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, i
       ``(out, lse)``: ``out`` is ``[batch, q_len, q_heads, head_dim]`` in the input dtype, ``lse`` is
       ``[batch, q_heads, q_len]`` float32 (natural log of the softmax denominator of the scaled
       logits; ``-inf`` for a row that sees no key); rank-3 inputs give ``[q_len, q_heads, head_dim]``
-      and ``[q_heads, q_len]``. Both are differentiable, except the lse of
+      and ``[q_heads, q_len]``, several batch dims ``[*batch, ...]``. Both are differentiable, except the lse of
       ``implementation="cudnn"`` (jax.nn's residual: cuDNN's backward ignores its cotangent, so it is
       returned under ``stop_gradient``; it is also rounded to the input dtype by jax.nn).
     """
     del broadcast_dropout  # (meaningless without dropout)
     reproducible = compat.reproducible_backward(deterministic, deterministic_backward, dropout_rate, dropout_rng)
     compat.check_dropout(dropout_rate, dropout_rng, deterministic)
+    query, key, value, bias = (compat.as_array(x) for x in (query, key, value, bias))
+    batch = compat.leading_batch(query, key, value)
+    if batch is not None:  # [*batch, seq, heads, head_dim]: the batch dims run as one
+        t, s, nb = query.shape[-3], key.shape[-3], math.prod(batch)
+        out, lse = attention_with_lse(
+            *(x.reshape((nb,) + x.shape[-3:]) for x in (query, key, value)), compat.flat_dense("bias", bias, batch),
+            compat.flat_dense("mask", mask, batch), scale=scale, is_causal=is_causal,
+            local_window_size=local_window_size,
+            q_segment_ids=compat.flat_exact("q_segment_ids", q_segment_ids, batch + (t,), batch),
+            kv_segment_ids=compat.flat_exact("kv_segment_ids", kv_segment_ids, batch + (s,), batch),
+            query_seq_lengths=compat.flat_exact("query_seq_lengths", query_seq_lengths, batch, batch),
+            key_value_seq_lengths=compat.flat_exact("key_value_seq_lengths", key_value_seq_lengths, batch, batch),
+            logits_soft_cap=logits_soft_cap, implementation=implementation, deterministic_backward=reproducible)
+        return out.reshape(batch + out.shape[1:]), lse.reshape(batch + lse.shape[1:])
     if compat.unbatched(query, key, value):  # [seq, heads, head_dim]: a batch of one
         full = (1, query.shape[1], query.shape[0], key.shape[0])
         out, lse = attention_with_lse(

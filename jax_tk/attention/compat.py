@@ -1,8 +1,10 @@
 """Drop-in helpers of jax_tk.attention (what makes it take what jax.nn.dot_product_attention and
-Flax's ``attention_fn`` take): rank-3 inputs, a traced ``scale``, 64-bit segment ids and lengths, the
-``implementation="cudnn"`` passthrough to ``jax.nn.dot_product_attention``, ``bias``/``mask`` shapes,
-and Flax's keywords."""
+Flax's ``attention_fn`` take): numpy inputs, rank-3 inputs, several leading batch dims, a traced
+``scale``, 64-bit segment ids and lengths, the ``implementation="cudnn"`` passthrough to
+``jax.nn.dot_product_attention``, ``bias``/``mask`` shapes, and Flax's keywords."""
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,60 @@ def unbatched(query, key, value) -> bool:
             "rank 3 [seq, heads, head_dim], got ranks " + ", ".join(f"{n} {r}" for n, r in zip(("query", "key", "value"), ranks))
         )
     return False
+
+
+def as_array(x):
+    """numpy arrays and nested lists become JAX arrays as ``jax.nn`` takes them (``jnp.asarray``:
+    float64 is float32 unless 64-bit mode is on); anything else is left to the checks."""
+    return jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic, list, tuple)) else x
+
+
+# ----------------------------------------------------------------------------------------------
+# Several leading batch dims [*batch, seq, heads, head_dim] (Flax's modules pass them through)
+# ----------------------------------------------------------------------------------------------
+
+
+def leading_batch(query, key, value):
+    """The batch dims of inputs of rank > 4 (all three of the same rank, the same batch dims), which
+    the op runs as one batch; None for ranks up to 4 (left to the rank-3/4 checks)."""
+    ranks = [getattr(x, "ndim", None) for x in (query, key, value)]
+    if any(r is None for r in ranks) or max(ranks) <= 4:
+        return None
+    batch = tuple(query.shape[:-3])
+    if len(set(ranks)) != 1 or any(tuple(x.shape[:-3]) != batch for x in (key, value)):
+        raise ValueError(
+            "jax_tk.attention: query, key and value of rank > 4 must have the same leading batch dims "
+            "[*batch, seq, heads, head_dim], got shapes " + ", ".join(
+                f"{n} {tuple(x.shape)}" for n, x in zip(("query", "key", "value"), (query, key, value))))
+    return batch
+
+
+def flat_dense(name: str, x, batch: tuple):
+    """``bias`` or ``mask`` of a call with several batch dims, broadcast over them (missing leading
+    dims added, as in jax.nn) and given one batch dim: 1 where it was 1 in all of them."""
+    if x is None or not hasattr(x, "shape"):
+        return x
+    nb, r = len(batch), len(batch) + 3
+    if x.ndim > r:
+        raise ValueError(f"jax_tk.attention: {name} must have rank <= {r} (that of query), got shape {tuple(x.shape)}")
+    shape = (1,) * (r - x.ndim) + tuple(x.shape)
+    if any(d not in (1, b) for d, b in zip(shape, batch)):
+        raise ValueError(f"jax_tk.attention: {name} of shape {tuple(x.shape)} does not broadcast over the batch "
+                         f"dims {batch}")
+    x = x.reshape(shape)
+    if any(d != 1 for d in shape[:nb]):
+        x = jnp.broadcast_to(x, batch + shape[nb:])
+        return x.reshape((math.prod(batch),) + shape[nb:])
+    return x.reshape((1,) + shape[nb:])
+
+
+def flat_exact(name: str, x, shape: tuple, batch: tuple):
+    """Segment ids ``[*batch, len]`` or lengths ``[*batch]`` with their batch dims made one."""
+    if x is None or not hasattr(x, "shape"):
+        return x
+    if tuple(x.shape) != shape:
+        raise ValueError(f"jax_tk.attention: {name} must have shape {shape}, got {tuple(x.shape)}")
+    return x.reshape((math.prod(batch),) + shape[len(batch):])
 
 
 def add_batch(x, rank: int):
@@ -270,4 +326,4 @@ def flax_options(query, key, value, dtype, module, qk_attn_weights_einsum, attn_
             raise NotImplementedError(f"jax_tk.attention: {name} (a custom einsum, e.g. quantized) is not supported")
     if dtype is None:
         return query, key, value
-    return tuple(x.astype(dtype) for x in (query, key, value))
+    return tuple(as_array(x).astype(dtype) for x in (query, key, value))

@@ -57,9 +57,11 @@ def _shapes(**over):
 # (id, (q shape, k shape, v shape), (q dtype, k dtype, v dtype), exception, regex on the message)
 _BAD_INPUTS = [
     ("query_rank3", ((2, 8, 64), (2, 8, 2, 64), (2, 8, 2, 64)), None, ValueError, r"query.*rank 4"),
-    ("query_rank5", ((1, 2, 8, 4, 64), (2, 8, 2, 64), (2, 8, 2, 64)), None, ValueError, r"query.*rank 4"),
+    ("query_rank5", ((1, 2, 8, 4, 64), (2, 8, 2, 64), (2, 8, 2, 64)), None, ValueError,
+     r"rank > 4 must have the same leading batch dims"),
     ("key_rank3", ((2, 8, 4, 64), (2, 8, 64), (2, 8, 2, 64)), None, ValueError, r"key.*rank 4"),
-    ("value_rank5", ((2, 8, 4, 64), (2, 8, 2, 64), (1, 2, 8, 2, 64)), None, ValueError, r"value.*rank 4"),
+    ("value_rank5", ((2, 8, 4, 64), (2, 8, 2, 64), (1, 2, 8, 2, 64)), None, ValueError,
+     r"rank > 4 must have the same leading batch dims"),
     ("query_int32", _shapes(), (jnp.int32, BF16, BF16), TypeError, r"query.*bfloat16, float16 or float32"),
     ("key_int32", _shapes(), (BF16, jnp.int32, BF16), TypeError, r"key.*bfloat16, float16 or float32"),
     ("value_int32", _shapes(), (BF16, BF16, jnp.int32), TypeError, r"value.*bfloat16, float16 or float32"),
@@ -102,8 +104,10 @@ def test_bad_input_raises_inside_jit_and_eagerly():
 
 
 def test_non_array_input_raises():
-    _, k, v = _abstract_qkv()
+    q, k, v = _abstract_qkv()
     with pytest.raises(TypeError, match=r"query must be an array"):
+        _trace(lambda q, k, v: jax_tk.attention("query", k, v), q, k, v)
+    with pytest.raises(ValueError, match=r"query must have rank 4"):  # array-likes are arrays, as in jax.nn
         _trace(jax_tk.attention, [[1.0]], k, v)
 
 

@@ -1,5 +1,5 @@
 """CPU tests of what makes jax_tk.attention a drop-in for jax.nn.dot_product_attention: rank-3 inputs,
-implementation="cudnn" (its errors and its mapping onto jax.nn), return_residual, a traced scale, numpy
+several leading batch dims (Flax's), numpy inputs, implementation="cudnn" (its errors and its mapping onto jax.nn), return_residual, a traced scale, numpy
 integer scalars and 64-bit segment ids/lengths."""
 import functools
 import traceback
@@ -64,6 +64,81 @@ def test_mixed_ranks_raise(ranks):
     q, k, v = (jax.ShapeDtypeStruct(shapes[r], BF16) for r in ranks)
     with pytest.raises(ValueError, match=r"all have rank 4 .* or all rank 3"):
         jax.eval_shape(jax_tk.attention, q, k, v)
+
+
+# ----------------------------------------------------------------------------------------------
+# Several leading batch dims, numpy inputs
+# ----------------------------------------------------------------------------------------------
+
+
+def test_several_batch_dims_match_one():
+    """[2, 3, seq, heads, dim] with every masking option is the [6, ...] call, values and gradients."""
+    b0, b1, t, s = 2, 3, 7, 9
+    q, k, v = (x.reshape(b0, b1, *x.shape[1:]) for x in _qkv(3, b=b0 * b1, t=t, s=s))
+    rng = np.random.default_rng(4)
+    bias = jnp.asarray(rng.standard_normal((b1, 1, t, s)), F32)  # broadcast over the first batch dim
+    mask = jnp.asarray(rng.random((b0, 1, 1, t, s)) < 0.8)       # ... and over the second
+    ids_q, ids_k = jnp.asarray(rng.integers(0, 2, (b0, b1, t))), jnp.asarray(rng.integers(0, 2, (b0, b1, s)))
+    lens_q, lens_k = jnp.asarray(rng.integers(0, t + 1, (b0, b1))), jnp.asarray(rng.integers(1, s + 1, (b0, b1)))
+    dout = jnp.asarray(rng.standard_normal(q.shape), F32)
+    dlse = jnp.asarray(rng.standard_normal((b0, b1, 4, t)), F32)
+    opts = dict(is_causal=True, local_window_size=(4, 2))
+
+    def loss(fn, q, k, v, bias):
+        out, lse = fn(q, k, v, bias)
+        return jnp.sum(out * dout.reshape(out.shape)) + jnp.sum(jnp.where(jnp.isinf(lse), 0, lse) * dlse.reshape(lse.shape))
+
+    many = lambda q, k, v, bias: jax_tk.attention_with_lse(
+        q, k, v, bias, mask, q_segment_ids=ids_q, kv_segment_ids=ids_k, query_seq_lengths=lens_q,
+        key_value_seq_lengths=lens_k, **opts)
+    flat = lambda q, k, v, bias: jax_tk.attention_with_lse(
+        *(x.reshape(b0 * b1, *x.shape[2:]) for x in (q, k, v)), jnp.broadcast_to(bias, (b0, b1, 1, t, s)).reshape(
+            b0 * b1, 1, t, s), jnp.broadcast_to(mask, (b0, b1, 1, t, s)).reshape(b0 * b1, 1, t, s),
+        q_segment_ids=ids_q.reshape(-1, t), kv_segment_ids=ids_k.reshape(-1, s), query_seq_lengths=lens_q.reshape(-1),
+        key_value_seq_lengths=lens_k.reshape(-1), **opts)
+    (out, lse), (want, want_lse) = many(q, k, v, bias), flat(q, k, v, bias)
+    assert out.shape == q.shape and lse.shape == (b0, b1, 4, t)
+    _close(out, want.reshape(out.shape), 0)
+    _close(lse, want_lse.reshape(lse.shape), 0)
+    grads = jax.jit(jax.grad(functools.partial(loss, many), argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    want_grads = jax.grad(functools.partial(loss, flat), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    for g, w in zip(grads, want_grads):
+        assert g.shape == w.shape and float(jnp.abs(w).max()) > 0
+        _close(g, w)
+
+
+@pytest.mark.parametrize("shapes,match", [
+    (((2, 3, 8, 4, 16), (3, 2, 8, 2, 16), (3, 2, 8, 2, 16)), "same leading batch dims"),
+    (((2, 3, 8, 4, 16), (6, 8, 2, 16), (6, 8, 2, 16)), "same leading batch dims"),
+    (((1, 2, 3, 8, 4, 16), (1, 2, 3, 8, 2, 16), (1, 2, 4, 8, 2, 16)), "same leading batch dims"),
+], ids=["swapped", "mixed_ranks", "value"])
+def test_several_batch_dims_must_agree(shapes, match):
+    q, k, v = (jax.ShapeDtypeStruct(sh, BF16) for sh in shapes)
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(jax_tk.attention, q, k, v)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(bias=jnp.zeros((2, 2, 4, 8, 8))), "bias of shape .* does not broadcast over the batch dims"),
+    (dict(mask=jnp.ones((1, 1, 2, 3, 4, 8, 8), bool)), "mask must have rank <= 5"),
+    (dict(q_segment_ids=jnp.zeros((6, 8), jnp.int32), kv_segment_ids=jnp.zeros((6, 8), jnp.int32)),
+     r"q_segment_ids must have shape \(2, 3, 8\)"),
+    (dict(key_value_seq_lengths=jnp.zeros((6,), jnp.int32)), r"key_value_seq_lengths must have shape \(2, 3\)"),
+])
+def test_several_batch_dims_bad_masking(kwargs, match):
+    q = jnp.zeros((2, 3, 8, 4, 16), BF16)
+    with pytest.raises(ValueError, match=match):
+        jax_tk.attention(q, q, q, **kwargs)
+
+
+def test_numpy_float64_inputs_are_taken_as_jax_nn_takes_them():
+    q, k, v = (np.asarray(x, np.float64) for x in _qkv(5))
+    bias = np.random.default_rng(6).standard_normal((1, 4, 8, 8))
+    want = jax.nn.dot_product_attention(q, k, v, bias, is_causal=True, implementation="xla")
+    got = jax_tk.attention(q, k, v, bias, is_causal=True)
+    assert got.dtype == want.dtype == F32
+    _close(got, want)
+    _close(jax_tk.attention(q.tolist(), k, v.tolist(), bias, is_causal=True), want)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -74,6 +74,24 @@ def test_linen_matches_flax(kind):
         assert _grad_close(g, r)
 
 
+def test_linen_several_batch_dims():
+    """Flax's modules take inputs [*batch, len, features]: the leading dims reach attention_fn as they are."""
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((3, B, T, F)), jnp.float32)
+    valid = jnp.broadcast_to(_valid(), (3, B, T))
+    mask = nn.combine_masks(nn.make_attention_mask(valid, valid), nn.make_causal_mask(jnp.ones((1, 1, T))))
+    w = jnp.asarray(np.random.default_rng(8).standard_normal(x.shape), jnp.float32) * valid[..., None]
+    params = _linen().init(jax.random.key(3), x, mask=mask)
+
+    def run(module):
+        loss = lambda p, x: jnp.sum(module.apply(p, x, mask=mask) * w)
+        return module.apply(params, x, mask=mask) * (w != 0), jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+
+    (want, want_g), (got, got_g) = run(_linen()), run(_linen(jax_tk.attention))
+    assert got.shape == x.shape and rel_err(got, want) < TOL
+    for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+        assert _grad_close(g, r)
+
+
 def test_linen_cross_attention_with_key_padding():
     xq, xkv = _inputs(2, t=5), _inputs(3, t=T)
     mask = nn.make_attention_mask(jnp.ones((B, 5), bool), _valid())
