@@ -1,7 +1,8 @@
-"""Building the FFI calls of the kernels."""
+"""Building the FFI calls of the kernels, and what their batching rules (``custom_vmap``) share."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 TEST_SUFFIX = "_test"  # every op registers <target>_test beside <target> (cc/<op>/ffi.cc)
 
@@ -21,3 +22,20 @@ def kernel_call(target: str, out_types, operands, attributes: dict, *, out_init=
         target = f"{target}{TEST_SUFFIX}"
     call = jax.ffi.ffi_call(target, out_types, vmap_method=vmap_method, input_output_aliases=aliases)
     return call(*operands, **attributes)
+
+
+def broadcast_mapped(x, batched: bool, size: int):
+    """``x`` with the mapped axis in front: as it is when mapped, else broadcast to ``size`` entries."""
+    return x if batched else jnp.broadcast_to(x, (size, *x.shape))
+
+
+def map_entries(fn, in_batched, args):
+    """``fn`` over the mapped axis, one launch per entry (for a batching rule where folding does not
+    apply): ``lax.map`` over the mapped arguments, the others passed whole."""
+    mapped = [a for a, b in zip(args, in_batched) if b]
+
+    def one(xs):
+        it = iter(xs)
+        return fn(*(next(it) if b else a for a, b in zip(args, in_batched)))
+
+    return jax.lax.map(one, mapped)

@@ -5,6 +5,7 @@ layout) come from ``cc/decode/decode.h`` through ``jax_tk._core.extension.contra
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tk._core import extension
-from jax_tk._core.ffi import kernel_call
+from jax_tk._core.ffi import broadcast_mapped, kernel_call, map_entries
 
 TARGET = "jax_tk_decode"
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -54,16 +55,78 @@ def kernel(query, key_cache, value_cache, cache_lengths, page_table, spec, out_i
            with_lse=False):
     """The decode kernel's output (and with ``with_lse`` its log-sum-exp ``[batch, heads, T_new]``, float32,
     -inf for a row that sees no key). ``page_table`` None: a contiguous cache. ``parts`` overrides the
-    split count (tests); ``out_init`` (tests): buffers aliased to (out, lse, workspace)."""
+    split count (tests); ``out_init`` (tests): buffers aliased to (out, lse, workspace). Under ``vmap``
+    the mapped entries run as one launch (``_fold``)."""
+    table = page_table if page_table is not None else jnp.zeros((0,), jnp.int32)
+    args = (query, key_cache, value_cache, cache_lengths, table)
+    out, lse = _call(*args, spec, parts, out_init) if out_init is not None else _batched(spec, parts)(*args)
+    return (out, lse) if with_lse else out
+
+
+def _call(query, key_cache, value_cache, cache_lengths, table, spec, parts, out_init=None):
     b, t, n, h = query.shape
-    capacity = key_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
+    capacity = key_cache.shape[1] * (table.shape[1] if spec.page_size is not None else 1)
     parts = splits(b, t, n, key_cache.shape[2], capacity) if parts is None else parts
     out_types = (jax.ShapeDtypeStruct(query.shape, query.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32),
                  jax.ShapeDtypeStruct((max(workspace_words(parts, b, t, n, h), 1),), jnp.float32))
-    table = page_table if page_table is not None else jnp.zeros((0,), jnp.int32)
     left, right = spec.window if spec.window is not None else (-1, -1)
     attributes = dict(scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal), window_left=np.int32(left),
                       window_right=np.int32(right), softcap=np.float32(spec.softcap or 0.0), splits=np.int32(parts))
     out, lse, _ = kernel_call(TARGET, out_types, (query, key_cache, value_cache, cache_lengths, table), attributes,
                               out_init=out_init)
-    return (out, lse) if with_lse else out
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Batching: a vmapped call becomes one launch
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _batched(spec, parts):
+    @jax.custom_batching.custom_vmap
+    def fn(query, key_cache, value_cache, cache_lengths, table):
+        return _call(query, key_cache, value_cache, cache_lengths, table, spec, parts)
+
+    @fn.def_vmap
+    def rule(axis_size, in_batched, *args):
+        return _fold(fn, spec.page_size is not None, axis_size, in_batched, args), (True, True)
+
+    return fn
+
+
+def _fold(fn, paged: bool, e: int, in_batched, args):
+    """``vmap`` of ``fn`` (the kernel call) over ``e`` entries as one call of ``fn``.
+
+    - Only the query mapped: every entry reads the same cache, so the entries become more query heads
+      (``[B, T, N, E, H]`` as ``N * E`` heads: head ``n * E + i`` still shares KV head ``n // (N / K)``)
+      and each key and value is read once for all of them.
+    - Otherwise the entries become more sequences: a contiguous cache stacks along the batch; a paged
+      pool that is mapped stacks its pages, and each entry's table is offset to its own pages (an entry
+      outside its pool stays outside: the kernel reads it as zeros).
+    - A contiguous cache that is not mapped beside mapped lengths would be copied once per entry to
+      stack it, and a stack of 2^31 cache rows or more is past the kernel's indices: one launch per
+      entry (``lax.map``)."""
+    query, key_cache, value_cache, lengths, table = args
+    q_mapped, k_mapped, v_mapped, l_mapped, t_mapped = in_batched
+    if not (k_mapped or v_mapped or l_mapped or t_mapped):
+        b, t, n, h = query.shape[1:]
+        out, lse = fn(jnp.moveaxis(query, 0, 3).reshape(b, t, n * e, h), key_cache, value_cache, lengths, table)
+        return jnp.moveaxis(out.reshape(b, t, n, e, h), 3, 0), jnp.moveaxis(lse.reshape(b, n, e, t), 2, 0)
+    cache_mapped = k_mapped or v_mapped
+    rows = math.prod((key_cache if k_mapped else value_cache).shape[:3]) if cache_mapped else 0
+    if (not paged and not cache_mapped) or rows >= 2 ** 31:
+        return map_entries(fn, in_batched, args)
+    query, lengths = broadcast_mapped(query, q_mapped, e), broadcast_mapped(lengths, l_mapped, e)
+    b = query.shape[1]
+    if cache_mapped:
+        key_cache, value_cache = broadcast_mapped(key_cache, k_mapped, e), broadcast_mapped(value_cache, v_mapped, e)
+        if paged:  # entry i's pages become pages [i * P, (i + 1) * P) of one pool
+            pages, table = key_cache.shape[1], broadcast_mapped(table, t_mapped, e)
+            offset = pages * jnp.arange(e, dtype=jnp.int32)[:, None, None]
+            table = jnp.where((table >= 0) & (table < pages), table + offset, -1)
+        key_cache, value_cache = (x.reshape(-1, *x.shape[2:]) for x in (key_cache, value_cache))
+    if paged:
+        table = broadcast_mapped(table, t_mapped or cache_mapped, e).reshape(e * b, -1)
+    out, lse = fn(query.reshape(e * b, *query.shape[2:]), key_cache, value_cache, lengths.reshape(-1), table)
+    return out.reshape(e, b, *out.shape[1:]), lse.reshape(e, b, *lse.shape[1:])

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tk._core import extension
-from jax_tk._core.ffi import kernel_call
+from jax_tk._core.ffi import broadcast_mapped, kernel_call, map_entries
 
 TARGET = "jax_tk_gemm_ragged"
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -91,21 +91,6 @@ def _contracting_call(a, b, group_sizes, out_dtype, out_init=None):
 # ----------------------------------------------------------------------------------------------
 
 
-def _broadcast(x, batched: bool, size: int):
-    return x if batched else jnp.broadcast_to(x, (size, *x.shape))
-
-
-def _loop(fn, in_batched, args):
-    """``fn`` over the mapped axis, one launch per entry (where folding does not apply)."""
-    mapped = [a for a, b in zip(args, in_batched) if b]
-
-    def one(xs):
-        it = iter(xs)
-        return fn(*(next(it) if b else a for a, b in zip(args, in_batched)))
-
-    return jax.lax.map(one, mapped)
-
-
 @functools.lru_cache(maxsize=None)
 def _rows_fn(out_dtype: str, b_transposed: bool):
     @jax.custom_batching.custom_vmap
@@ -116,8 +101,8 @@ def _rows_fn(out_dtype: str, b_transposed: bool):
     def rule(axis_size, in_batched, a, b, group_sizes):
         a_batched, b_batched, s_batched = in_batched
         g = b.shape[1] if b_batched else b.shape[0]
-        a = _broadcast(a, a_batched, axis_size)
-        sizes = _broadcast(group_sizes, s_batched, axis_size).astype(jnp.int32)
+        a = broadcast_mapped(a, a_batched, axis_size)
+        sizes = broadcast_mapped(group_sizes, s_batched, axis_size).astype(jnp.int32)
         e, m, k = a.shape
         if not b_batched:
             # One b for every entry: the entries' rows sorted by group (stable: by entry within a
@@ -127,7 +112,7 @@ def _rows_fn(out_dtype: str, b_transposed: bool):
             out = fn(a.reshape(e * m, k)[order], b, sizes.sum(axis=0))
             return jnp.zeros_like(out).at[order].set(out).reshape(e, m, -1), True
         if not _fits(axis_size * g):
-            return _loop(fn, (True, True, True), (a, b, sizes)), True
+            return map_entries(fn, (True, True, True), (a, b, sizes)), True
         # Entry i's rows become rows [i*m, (i+1)*m) and its groups groups [i*g, (i+1)*g) of one call:
         # its last group is stretched to the end of its rows so that the next entry starts at
         # (i+1)*m, and the rows past its own groups are zeroed afterwards.
@@ -166,10 +151,10 @@ def _contracting_fn(out_dtype: str):
         a_batched, b_batched, s_batched = in_batched
         g = group_sizes.shape[-1]
         if not _fits(axis_size * (g + 1)):
-            return _loop(fn, in_batched, (a, b, group_sizes)), True
-        a = _broadcast(a, a_batched, axis_size)
-        b = _broadcast(b, b_batched, axis_size)
-        sizes = _broadcast(group_sizes, s_batched, axis_size).astype(jnp.int32)
+            return map_entries(fn, in_batched, (a, b, group_sizes)), True
+        a = broadcast_mapped(a, a_batched, axis_size)
+        b = broadcast_mapped(b, b_batched, axis_size)
+        sizes = broadcast_mapped(group_sizes, s_batched, axis_size).astype(jnp.int32)
         e, m, k = a.shape
         rest = m - sizes.sum(axis=1, keepdims=True)
         folded = jnp.concatenate([sizes, rest], axis=1).reshape(-1)
