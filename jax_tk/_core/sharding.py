@@ -22,8 +22,8 @@ How the shards are found, in order:
    pointer into the program, so such programs miss the *persistent* compilation cache across
    processes (the in-process cache is unaffected). Use explicit sharding, or call the op inside
    ``shard_map``, to get persistent-cache hits. ``set_auto_partitioning(False)`` turns this path off.
-   (custom_partitioning has no batching rule: under ``vmap`` the op loops over the mapped axis with
-   ``lax.map``, each step still partitioned.)
+   (custom_partitioning has no batching rule: under ``vmap`` the op becomes another partitioned op
+   whose per-shard function is the vmapped one, so the kernels fold the mapped axis as on one device.)
 
 Both 2 and 3 use one ``Plan`` (:func:`plan`), decided by the sharding of the leading operand
 (operand 0): the ``batch`` label is split over the mesh axes that split that dimension there (when
@@ -340,8 +340,10 @@ def _auto_op(layout: Layout, local_fn: Callable, static, present: tuple[int, ...
     partitioned.def_partition(partition=partition, infer_sharding_from_operands=infer_sharding_from_operands,
                               sharding_rule=sharding_rule)
 
-    # custom_partitioning has no batching rule. Under vmap, loop over the mapped axis (lax.map), each
-    # step still partitioned.
+    # custom_partitioning has no batching rule. Under vmap, the op becomes another partitioned op: its
+    # mapped operands and its results get a leading dimension of their own (kept whole on each device),
+    # and its per-shard function is the vmapped one, so that the kernels' own batching rules fold the
+    # mapped axis (one launch per shard).
     @jax.custom_batching.custom_vmap
     def op_fn(*args):
         return partitioned(*args)
@@ -349,15 +351,30 @@ def _auto_op(layout: Layout, local_fn: Callable, static, present: tuple[int, ...
     @op_fn.def_vmap
     def _vmap_rule(axis_size, in_batched, *args):
         del axis_size
-
-        def one(mapped):
-            it = iter(mapped)
-            return op_fn(*(next(it) if b else a for a, b in zip(args, in_batched)))
-
-        outs = jax.lax.map(one, [a for a, b in zip(args, in_batched) if b])
+        mapped = [False] * n_inputs
+        for i, b in zip(present, in_batched):
+            mapped[i] = bool(b)
+        label = f"vmapped{sum(l.startswith('vmapped') for l in layout.outputs[0].split())}"  # (one per nesting)
+        add = lambda labels, m: f"{label} {labels}" if m else labels
+        vlayout = dataclasses.replace(layout, inputs=tuple(map(add, layout.inputs, mapped)),
+                                      outputs=tuple(add(l, True) for l in layout.outputs))
+        outs = _auto_op(vlayout, _Vmapped(local_fn, tuple(mapped)), static, present, n_inputs)(*args)
         return tuple(outs), (True,) * len(outs)
 
     return op_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class _Vmapped:
+    """A per-shard function vmapped over the leading dimension of the operands marked ``mapped``
+    (hashable by value: ``_auto_op`` caches on it)."""
+
+    local_fn: Callable
+    mapped: tuple[bool, ...]
+
+    def __call__(self, static, *args, **kwargs):
+        axes = tuple(0 if m and a is not None else None for m, a in zip(self.mapped, args))
+        return jax.vmap(lambda *xs: tuple(self.local_fn(static, *xs, **kwargs)), in_axes=axes)(*args)
 
 
 # ----------------------------------------------------------------------------------------------

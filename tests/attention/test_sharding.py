@@ -380,8 +380,9 @@ class TestSharding:
         _check_close((out.reshape(want.shape),), (want,), BF16, ("out",))
 
     def test_vmap_under_auto_partitioning(self):
-        # custom_partitioning has no batching rule: jax_tk loops over the vmapped axis (lax.map).
-        q, k, v, _, _ = _qkv(5, 3, 16, 4, 2, 64, BF16)
+        # custom_partitioning has no batching rule: under vmap jax_tk partitions the vmapped per-shard
+        # function instead, so the kernels fold the mapped axis (one launch per direction, no loop).
+        q, k, v, _, _ = _qkv(5, 4, 16, 8, 4, 64, BF16)
         qb = jnp.stack([q, q * 0.5])
         f = jax.jit(jax.vmap(lambda q: jax_tk.attention(q, k, v, is_causal=True)))
         want = jax.jit(jax.vmap(lambda q: _ref_fn(q, k, v, True)[0]))(qb)
@@ -389,6 +390,20 @@ class TestSharding:
         g = jax.jit(jax.vmap(jax.grad(lambda q: jnp.sum(jax_tk.attention(q, k, v).astype(F32) ** 2))))
         want = jax.jit(jax.vmap(jax.grad(lambda q: jnp.sum(_ref_fn(q, k, v, False)[0].astype(F32) ** 2))))
         _check_close((g(qb),), (want(qb),), BF16, ("dq",))
+        # sharded over batch and heads, mapped q and k/v: values, no gathers, one partitioned op per
+        # direction and no loop
+        mesh = _mesh(AxisType.Auto)
+        spec = P(None, "data", None, "model")
+        kb = jnp.stack([k, k * 0.5])
+        args = [_put(x, mesh, spec) for x in (qb, kb, kb)]
+        loss = lambda q, k, v: jnp.sum(jax_tk.attention(q, k, v, is_causal=True).astype(F32) ** 2)
+        grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))
+        ref_loss = lambda q, k, v: jnp.sum(_ref_fn(q, k, v, True)[0].astype(F32) ** 2)
+        want = jax.jit(jax.vmap(jax.grad(ref_loss, argnums=(0, 1, 2))))(qb, kb, kb)
+        _check_close(grad(*args), want, BF16, ("dq", "dk", "dv"))
+        assert not collectives(grad.lower(*args).compile().as_text())
+        lowered = grad.lower(*args).as_text()  # (programs with custom_partitioning cannot be exported)
+        assert lowered.count("CustomSPMDPartitioning") == 2 and "stablehlo.while" not in lowered
 
     def test_plan(self):
         sizes = {"data": 2, "model": 4}

@@ -126,9 +126,9 @@ def test_nested_vmap_of_the_query(monkeypatch):
 @pytest.mark.parametrize("in_axes,loop", [((0, None, None, None), False), ((0, 0, 0, 0), False),
                                           ((0, None, None, 0), True)], ids=["query", "all", "query_and_lengths"])
 def test_vmap_lowers_to_one_launch(monkeypatch, in_axes, loop):
-    """The CUDA lowering of a vmapped jax_tk.decode.attention on one device: one custom call, in a loop
-    only where folding would copy the cache. (With several devices and no explicit sharding, the
-    custom_partitioning wrapper, which has no batching rule, loops over the entries.)"""
+    """The CUDA lowering of a vmapped jax_tk.decode.attention: one custom call, in a loop only where
+    folding would copy the cache. (Auto partitioning, on with several devices, is turned off: programs
+    with custom_partitioning cannot be exported.)"""
     monkeypatch.setattr(sharding, "_AUTO_PARTITIONING", False)
     shapes = [(B, T, N, 128), (B, 64, KH, 128), (B, 64, KH, 128), (B,)]
     args = [jax.ShapeDtypeStruct(s if a is None else (E, *s), jnp.int32 if i == 3 else BF16)
