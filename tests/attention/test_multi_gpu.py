@@ -135,6 +135,24 @@ def test_shard_map_and_pmap():
     assert _rel(out.reshape(q.shape), want[0]) < TOL
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_vmap_of_sharded_attention_is_one_launch_per_shard(axis_type):
+    """vmap over a jitted, batch-sharded call: each GPU runs one forward and one backward kernel for
+    all the mapped entries (no loop), and the values are each entry's."""
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(axis_type,), devices=_devices())
+    entries = [_inputs(10 + i, 2, 256, 4, 2, 64) for i in range(3)]
+    args = [jnp.stack(xs) for xs in zip(*entries)]
+    spec = P(None, "x")
+    sharded = [jax.device_put(x, NamedSharding(mesh, spec)) for x in args]
+    fn = jax.vmap(_values_and_grads(lambda q, k, v: jax_tk.attention_with_lse(q, k, v, is_causal=True), True))
+    hlo = jax.jit(fn).lower(*sharded).compile().as_text()
+    assert sorted(_kernel_calls(hlo)) == ["jax_tk_attention_bwd", "jax_tk_attention_fwd"], _kernel_calls(hlo)
+    assert " while(" not in hlo and not _collectives(hlo)
+    got = jax.jit(fn)(*sharded)
+    for i, e in enumerate(entries):
+        _check([g[i] for g in got], jax.jit(_values_and_grads(_reference(True), True))(*e))
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_ring_attention_matches_single_device(layout, causal):

@@ -42,12 +42,12 @@ def _spec(paged, window=None, softcap=None):
                       page_size=PAGE if paged else None)
 
 
-def _inputs(seed, in_axes, paged, dtype=F32):
+def _inputs(seed, in_axes, paged, dtype=F32, h=H):
     """Arrays with a mapped axis of E where in_axes says; lengths ragged (0, odd, the whole capacity);
     the last slot of each table outside the pool (-1 or PAGES)."""
     rng = np.random.default_rng(seed)
-    cache = (PAGES, PAGE, KH, H) if paged else (B, MAX_PAGES * PAGE, KH, H)
-    shapes = [(B, T, N, H), cache, cache, (B,)] + ([(B, MAX_PAGES)] if paged else [])
+    cache = (PAGES, PAGE, KH, h) if paged else (B, MAX_PAGES * PAGE, KH, h)
+    shapes = [(B, T, N, h), cache, cache, (B,)] + ([(B, MAX_PAGES)] if paged else [])
     out = []
     for i, (shape, axis) in enumerate(zip(shapes, in_axes)):
         full = shape if axis is None else shape[:axis] + (E,) + shape[axis:]
@@ -78,9 +78,18 @@ def _entry(args, in_axes, i):
     return [x if a is None else jnp.take(x, i, axis=a) for x, a in zip(args, in_axes)]
 
 
-def _check_fold(monkeypatch, in_axes, fold, paged, spec):
+@pytest.fixture
+def fake_kernel(monkeypatch):
+    """The kernel call replaced by ``_fake_call``; the calls it saw. The cached custom_vmap functions
+    (and so JAX's traces of them) are dropped before and after, so that none mixes the two."""
     seen = []
     monkeypatch.setattr(launch, "_call", functools.partial(_fake_call, seen))
+    launch._batched.cache_clear()
+    yield seen
+    launch._batched.cache_clear()
+
+
+def _check_fold(seen, in_axes, fold, paged, spec):
     args = _inputs(0, in_axes, paged)
     table = (lambda a: a[4]) if paged else (lambda a: None)
     run = lambda *a: launch.kernel(*a[:4], table(a), spec, with_lse=True)
@@ -98,18 +107,17 @@ def _check_fold(monkeypatch, in_axes, fold, paged, spec):
 
 
 @pytest.mark.parametrize("name,in_axes,fold", CONTIGUOUS, ids=[c[0] for c in CONTIGUOUS])
-def test_vmap_contiguous_folds(monkeypatch, name, in_axes, fold):
-    _check_fold(monkeypatch, in_axes, fold, False, _spec(False, window=(5, 0), softcap=20.0))
+def test_vmap_contiguous_folds(fake_kernel, name, in_axes, fold):
+    _check_fold(fake_kernel, in_axes, fold, False, _spec(False, window=(5, 0), softcap=20.0))
 
 
 @pytest.mark.parametrize("name,in_axes,fold", PAGED, ids=[c[0] for c in PAGED])
-def test_vmap_paged_folds(monkeypatch, name, in_axes, fold):
-    _check_fold(monkeypatch, in_axes, fold, True, _spec(True))
+def test_vmap_paged_folds(fake_kernel, name, in_axes, fold):
+    _check_fold(fake_kernel, in_axes, fold, True, _spec(True))
 
 
-def test_nested_vmap_of_the_query(monkeypatch):
-    seen = []
-    monkeypatch.setattr(launch, "_call", functools.partial(_fake_call, seen))
+def test_nested_vmap_of_the_query(fake_kernel):
+    seen = fake_kernel
     rng = np.random.default_rng(1)
     q = randn(rng, (2, E, B, T, N, H), F32)
     k, v = (randn(rng, (B, 12, KH, H), F32) for _ in range(2))
@@ -145,7 +153,7 @@ def test_vmap_lowers_to_one_launch(monkeypatch, in_axes, loop):
 def test_vmap_kernel_matches_each_entry(paged):
     """The kernel, vmapped in every way above, against the float32 reference of each entry."""
     for _, in_axes, _ in PAGED if paged else CONTIGUOUS:
-        args = _inputs(2, in_axes, paged, BF16)
+        args = _inputs(2, in_axes, paged, BF16, h=64)
         args[:3] = [x.astype(F32).astype(BF16) for x in args[:3]]
         table = (lambda a: a[4]) if paged else (lambda a: None)
         got = jax.jit(jax.vmap(lambda *a: jax_tk.decode.attention(*a[:4], page_table=table(a), scale=0.3,
