@@ -5,6 +5,23 @@ import jax
 import jax.numpy as jnp
 
 TEST_SUFFIX = "_test"  # every op registers <target>_test beside <target> (cc/<op>/ffi.cc)
+_TARGETS: list[str] = []
+
+
+def target(name: str) -> str:
+    """Declares one of an op's FFI targets (``TARGET = ffi.target("jax_tk_myop")`` in its launch
+    module) and returns its name: :func:`export_checks` lists every declared target."""
+    if name not in _TARGETS:
+        _TARGETS.append(name)
+    return name
+
+
+def export_checks() -> list:
+    """``disabled_checks`` for ``jax.export.export`` of a function that calls jax_tk's kernels: one
+    ``jax.export.DisabledSafetyCheck.custom_call`` per kernel. (JAX refuses custom calls outside its
+    own list unless told; the program that loads the export must import jax_tk, of the same version,
+    so that the kernels are registered under these names with these operands.)"""
+    return [jax.export.DisabledSafetyCheck.custom_call(name) for name in _TARGETS]
 
 
 def kernel_call(target: str, out_types, operands, attributes: dict, *, out_init=None, vmap_method="sequential"):

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk._core import extension
+from jax_tk._core import extension, ffi
 from jax_tk._core.ffi import kernel_call
 from jax_tk.attention import reference
 
-FWD_TARGET = "jax_tk_attention_fwd"
-BWD_TARGET = "jax_tk_attention_bwd"
+FWD_TARGET = ffi.target("jax_tk_attention_fwd")
+BWD_TARGET = ffi.target("jax_tk_attention_bwd")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 
 # Kernel variants: 0 = the fastest for the device (sm_90a kernels on H100/H200, chosen by the FFI

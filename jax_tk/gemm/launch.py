@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk._core import extension
+from jax_tk._core import extension, ffi
 from jax_tk._core.ffi import broadcast_mapped, kernel_call, map_entries
 
-TARGET = "jax_tk_gemm_ragged"
+TARGET = ffi.target("jax_tk_gemm_ragged")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_ROWS = 2**31 - 1  # row indices are int32 in the kernel
 
