@@ -2,7 +2,8 @@
 # Build jax_tk on a GPU machine (offline) and run every GPU test, plus the benchmark when asked.
 #   scripts/gpu_check.sh OUTDIR [pytest args...]
 # Environment: JAX_TK_BENCH=1 also runs the attention benchmark; JAX_TK_BENCH_ARGS passes options;
-# JAX_TK_SANITIZE=1 runs compute-sanitizer (memcheck, racecheck, synccheck) on the kernels;
+# JAX_TK_SANITIZE=1 runs compute-sanitizer (memcheck, racecheck, synccheck) on the kernels
+# (JAX_TK_SANITIZE_OPS="decode gemm" picks the drivers, default all);
 # JAX_TK_EXAMPLE=1 times examples/train_gpt.py (GPU preset, JAX_TK_EXAMPLE_STEPS steps, default 150)
 # with each attention: jax_tk, cuDNN and XLA;
 # JAX_TK_TESTS=0 skips the tests; JAX_TK_TEST_PROCS sets the number of parallel test processes (default 12);
@@ -22,16 +23,16 @@ export PYTHONUNBUFFERED=1
   git rev-parse HEAD 2>/dev/null || true
 } 2>&1 | tee "$out/env.log"
 
-# The standalone sanitizer driver (below) builds alongside the package.
+# The standalone sanitizer drivers (below), one per kernel family, build alongside the package.
+sanitized=(${JAX_TK_SANITIZE_OPS:-attention gemm decode})
 if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
-  nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
-    --expt-relaxed-constexpr -lineinfo -Icc cc/tests/standalone/attention_sanitize.cu cc/attention/*.cu \
-    -o "$out/attention_sanitize" >"$out/sanitizer_build.log" 2>&1 &
-  sanitizer_build=$!
-  nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
-    --expt-relaxed-constexpr -lineinfo -Icc cc/tests/standalone/gemm_sanitize.cu cc/gemm/*.cu \
-    -o "$out/gemm_sanitize" >"$out/sanitizer_build_gemm.log" 2>&1 &
-  sanitizer_build_gemm=$!
+  sanitizer_builds=()
+  for op in "${sanitized[@]}"; do
+    nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
+      --expt-relaxed-constexpr -lineinfo -Icc "cc/tests/standalone/${op}_sanitize.cu" cc/$op/*.cu \
+      -o "$out/${op}_sanitize" >"$out/sanitizer_build_$op.log" 2>&1 &
+    sanitizer_builds+=($!)
+  done
 fi
 start=$(date +%s)
 rm -rf "$site"  # pip --target keeps a package already there: always install this tree's build
@@ -73,15 +74,18 @@ fi
 if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
   # compute-sanitizer on a standalone driver of the kernels (no JAX in the process: memcheck on a
   # JAX process crashed), small odd shapes, every variant, one cudaMalloc per buffer.
-  wait "$sanitizer_build" || echo "sanitizer driver build failed" | tee -a "$out/sanitizer.log"
-  wait "$sanitizer_build_gemm" || echo "gemm sanitizer driver build failed" | tee -a "$out/sanitizer.log"
-  for tool in memcheck racecheck synccheck; do
-    timeout "${JAX_TK_SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool $tool --error-exitcode 3 "$out/attention_sanitize" >"$out/sanitizer_$tool.log" 2>&1
-    echo "compute-sanitizer $tool rc=$?" | tee -a "$out/sanitizer.log"
-    grep -E "(ERROR|RACECHECK) SUMMARY" "$out/sanitizer_$tool.log" | tail -2 | tee -a "$out/sanitizer.log"
-    timeout "${JAX_TK_SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool $tool --error-exitcode 3 "$out/gemm_sanitize" >"$out/sanitizer_gemm_$tool.log" 2>&1
-    echo "compute-sanitizer $tool (gemm) rc=$?" | tee -a "$out/sanitizer.log"
-    grep -E "(ERROR|RACECHECK) SUMMARY|FAIL" "$out/sanitizer_gemm_$tool.log" | tail -4 | tee -a "$out/sanitizer.log"
+  for i in "${!sanitized[@]}"; do
+    op=${sanitized[$i]}
+    if ! wait "${sanitizer_builds[$i]}"; then
+      echo "$op sanitizer driver build failed" | tee -a "$out/sanitizer.log"
+      continue
+    fi
+    for tool in memcheck racecheck synccheck; do
+      timeout "${JAX_TK_SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool $tool --error-exitcode 3 "$out/${op}_sanitize" \
+        >"$out/sanitizer_${op}_$tool.log" 2>&1
+      echo "compute-sanitizer $tool ($op) rc=$?" | tee -a "$out/sanitizer.log"
+      grep -E "(ERROR|RACECHECK) SUMMARY|FAIL" "$out/sanitizer_${op}_$tool.log" | tail -4 | tee -a "$out/sanitizer.log"
+    done
   done
 fi
 

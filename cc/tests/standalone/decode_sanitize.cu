@@ -1,0 +1,182 @@
+// A standalone driver of the decode kernel for compute-sanitizer (memcheck, racecheck, synccheck) and
+// a quick check without JAX: small odd shapes, contiguous and paged caches (a shuffled table with
+// entries outside the pool), lengths 0, shorter than the new tokens and full, GQA, windows, soft cap,
+// head dims 64/128/256, one and several parts, grids of one wave and of several. Each buffer is its own
+// cudaMalloc (an out-of-bounds access is caught); the cache rows past each length, the output, the lse
+// and the workspace hold NaN, and the results are compared with a float64 host reference.
+// Built and run by scripts/gpu_check.sh:
+//   nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
+//        --expt-relaxed-constexpr -Icc cc/tests/standalone/decode_sanitize.cu cc/decode/*.cu -o decode_sanitize
+//   compute-sanitizer --tool memcheck ./decode_sanitize
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include <cuda_bf16.h>
+
+#include "decode/decode.h"
+#include "driver.h"
+
+using namespace jax_tk::decode;
+using bf16 = __nv_bfloat16;
+
+struct Case {
+  int q_len, q_heads, kv_heads, head_dim;
+  std::vector<int> lengths;
+  int capacity;       // contiguous: rows per sequence; paged: max_pages * page_size
+  int page_size = 0;  // 0: contiguous
+  int splits = 1;
+  bool causal = true;
+  int left = -1, right = -1;
+  float softcap = 0.f;
+};
+
+template <typename T> T *upload(const std::vector<T> &host) {
+  T *d;
+  CHECK(cudaMalloc(&d, std::max<size_t>(host.size(), 1) * sizeof(T)));
+  CHECK(cudaMemcpy(d, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+template <typename T> std::vector<T> download(const T *d, size_t n) {
+  std::vector<T> host(n);
+  CHECK(cudaMemcpy(host.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return host;
+}
+
+int run(const Case &c) {
+  const int b_count = int(c.lengths.size()), t_count = c.q_len, n_count = c.q_heads, k_count = c.kv_heads;
+  const int d = c.head_dim, group = n_count / k_count;
+  const bool paged = c.page_size > 0;
+  std::mt19937 rng(b_count * 131 + d * 7 + c.capacity + c.splits);
+  std::normal_distribution<float> dist;
+  const float nan = std::nanf("");
+
+  // The cache, and where each sequence's position j lives in it (-1: a page outside the pool).
+  const int max_pages = paged ? c.capacity / c.page_size : 0;
+  const int num_pages = paged ? b_count * max_pages / 2 + 3 : 0;  // fewer than the slots: some point outside
+  const int rows = paged ? num_pages * c.page_size : b_count * c.capacity;
+  std::vector<int> table(size_t(b_count) * max_pages);
+  if (paged) {
+    std::vector<int> pages(num_pages);
+    for (int i = 0; i < num_pages; i++) pages[i] = i;
+    std::shuffle(pages.begin(), pages.end(), rng);
+    for (size_t i = 0; i < table.size(); i++)
+      table[i] = i % 3 == 2 ? (i % 2 ? -1 : num_pages + 5) : pages[i % num_pages];  // every third outside
+  }
+  auto row_of = [&](int b, int j) {
+    if (!paged) return b * c.capacity + j;
+    const int page = table[size_t(b) * max_pages + j / c.page_size];
+    return page < 0 || page >= num_pages ? -1 : page * c.page_size + j % c.page_size;
+  };
+  std::vector<bf16> q(size_t(b_count) * t_count * n_count * d), k(size_t(rows) * k_count * d, __float2bfloat16(nan)),
+      v(k.size(), __float2bfloat16(nan));
+  for (auto &x : q) x = __float2bfloat16(dist(rng));
+  for (int b = 0; b < b_count; b++)  // only the rows within a length hold numbers (pages may be shared)
+    for (int j = 0; j < std::min(c.lengths[b], c.capacity); j++)
+      if (int r = row_of(b, j); r >= 0)
+        for (int i = 0; i < k_count * d; i++) {
+          k[size_t(r) * k_count * d + i] = __float2bfloat16(dist(rng));
+          v[size_t(r) * k_count * d + i] = __float2bfloat16(dist(rng));
+        }
+
+  Params p{};
+  p.dtype = DType::bf16;
+  p.batch = b_count; p.q_len = t_count; p.q_heads = n_count; p.kv_heads = k_count; p.head_dim = d;
+  p.capacity = c.capacity;
+  if (paged) {
+    p.page_table = upload(table);
+    p.page_size = c.page_size; p.num_pages = num_pages; p.max_pages = max_pages;
+    p.page_shift = (c.page_size & (c.page_size - 1)) == 0 ? __builtin_ctz(c.page_size) : -1;
+  }
+  p.lengths = upload(c.lengths);
+  p.scale = 1.f / std::sqrt(float(d));
+  p.causal = c.causal; p.window_left = c.left; p.window_right = c.right; p.softcap = c.softcap;
+  p.q = upload(q); p.k = upload(k); p.v = upload(v);
+  p.o = upload(std::vector<bf16>(q.size(), __float2bfloat16(nan)));
+  const size_t lse_n = size_t(b_count) * n_count * t_count;
+  p.lse = upload(std::vector<float>(lse_n, nan));
+  p.splits = c.splits;
+  p.workspace = upload(std::vector<float>(workspace_words(c.splits, b_count, t_count, n_count, d), nan));
+  CHECK(decode(p, 0));
+  CHECK(cudaDeviceSynchronize());
+  auto o = download(static_cast<bf16 *>(p.o), q.size());
+  auto lse = download(p.lse, lse_n);
+
+  // float64 reference
+  double num = 0, den = 0, lse_err = 0;
+  bool finite = true;
+  std::vector<double> logit(c.capacity), acc(d);
+  for (int b = 0; b < b_count; b++)
+    for (int t = 0; t < t_count; t++)
+      for (int n = 0; n < n_count; n++) {
+        const int length = std::clamp(c.lengths[b], 0, c.capacity), pos = c.lengths[b] - t_count + t;
+        const bf16 *qr = &q[((size_t(b) * t_count + t) * n_count + n) * d];
+        double m = -INFINITY;
+        for (int j = 0; j < length; j++) {
+          const bool seen = pos >= 0 && (!c.causal || j <= pos) && (c.left < 0 || j >= pos - c.left) &&
+                            (c.right < 0 || j <= pos + c.right);
+          logit[j] = -INFINITY;
+          if (!seen) continue;
+          const int r = row_of(b, j);
+          double s = 0;
+          for (int i = 0; i < d; i++)
+            s += r < 0 ? 0.0 : double(__bfloat162float(qr[i])) * __bfloat162float(k[(size_t(r) * k_count + n / group) * d + i]);
+          s *= p.scale;
+          if (c.softcap > 0) s = c.softcap * std::tanh(s / c.softcap);
+          logit[j] = s;
+          m = std::max(m, s);
+        }
+        double sum = 0;
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int j = 0; j < length && m > -INFINITY; j++) {
+          if (logit[j] == -INFINITY) continue;
+          const double w = std::exp(logit[j] - m);
+          sum += w;
+          if (int r = row_of(b, j); r >= 0)
+            for (int i = 0; i < d; i++) acc[i] += w * __bfloat162float(v[(size_t(r) * k_count + n / group) * d + i]);
+        }
+        const float *got_lse = &lse[(size_t(b) * n_count + n) * t_count + t];
+        if (m == -INFINITY) {
+          finite = finite && *got_lse == -INFINITY;
+        } else {
+          lse_err = std::max(lse_err, std::abs(*got_lse - (m + std::log(sum))));
+        }
+        for (int i = 0; i < d; i++) {
+          const double want = m == -INFINITY ? 0.0 : acc[i] / sum;
+          const float got = __bfloat162float(o[((size_t(b) * t_count + t) * n_count + n) * d + i]);
+          finite = finite && std::isfinite(got);
+          num += (got - want) * (got - want);
+          den += want * want;
+        }
+      }
+  const double err = finite ? std::sqrt(num / std::max(den, 1e-30)) : INFINITY;
+  const bool ok = err < 1e-2 && lse_err < 1e-2;
+  const void *buffers[] = {p.page_table, p.lengths, p.q, p.k, p.v, p.o, p.lse, p.workspace};
+  for (const void *x : buffers)
+    if (x) CHECK(cudaFree(const_cast<void *>(x)));
+  std::printf("%s B=%d T=%d heads %d/%d D=%d cap=%d page=%d splits=%d: rel err %.3g, lse err %.3g\n",
+              ok ? "ok  " : "FAIL", b_count, t_count, n_count, k_count, d, c.capacity, c.page_size, c.splits, err,
+              lse_err);
+  return ok ? 0 : 1;
+}
+
+int main() {
+  int failed = 0;
+  // contiguous: a length 0, one shorter than the new tokens, a full one; one and several parts
+  for (int splits : {1, 3}) {
+    failed += run({2, 4, 2, 64, {0, 1, 77}, 77, 0, splits});
+    failed += run({3, 8, 1, 128, {130, 2, 200}, 200, 0, splits, true, 40, 0, 30.f});  // MQA, window, soft cap
+  }
+  failed += run({1, 2, 2, 256, {300, 45}, 301, 0, 2, false});  // D=256, not causal
+  // paged (table entries outside the pool inside the lengths read as zeros)
+  failed += run({1, 4, 1, 128, {0, 64, 63, 17}, 80, 16, 2});
+  failed += run({4, 16, 4, 64, {250, 9}, 256, 64, 1, false, -1, 2});  // GQA 4 x 4 new tokens, right window
+  failed += run({2, 2, 2, 256, {5, 200}, 240, 48, 4});                // a page size that is not a power of 2
+  // a grid of several waves (half blocks, two per SM)
+  failed += run({1, 8, 4, 128, std::vector<int>(40, 33), 64, 0, 1});
+  std::printf("%s\n", failed ? "FAILED" : "all ok");
+  return failed ? 2 : 0;
+}
