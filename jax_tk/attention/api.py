@@ -238,9 +238,10 @@ def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, i
       ``(out, lse)``: ``out`` is ``[batch, q_len, q_heads, head_dim]`` in the input dtype, ``lse`` is
       ``[batch, q_heads, q_len]`` float32 (natural log of the softmax denominator of the scaled
       logits; ``-inf`` for a row that sees no key); rank-3 inputs give ``[q_len, q_heads, head_dim]``
-      and ``[q_heads, q_len]``, several batch dims ``[*batch, ...]``. Both are differentiable, except the lse of
-      ``implementation="cudnn"`` (jax.nn's residual: cuDNN's backward ignores its cotangent, so it is
-      returned under ``stop_gradient``; it is also rounded to the input dtype by jax.nn).
+      and ``[q_heads, q_len]``, several batch dims ``[*batch, ...]``. Both are differentiable, except
+      the lse of ``implementation="cudnn"`` (jax.nn's residual: cuDNN's backward ignores its
+      cotangent, so it is returned under ``stop_gradient``; it is also rounded to the input dtype by
+      jax.nn).
     """
     del broadcast_dropout  # (meaningless without dropout)
     reproducible = compat.reproducible_backward(deterministic, deterministic_backward, dropout_rate, dropout_rng)

@@ -1,6 +1,6 @@
 """CPU tests of what makes jax_tk.attention a drop-in for jax.nn.dot_product_attention: rank-3 inputs,
-several leading batch dims (Flax's), numpy inputs, implementation="cudnn" (its errors and its mapping onto jax.nn), return_residual, a traced scale, numpy
-integer scalars and 64-bit segment ids/lengths."""
+several leading batch dims (Flax's), numpy inputs, implementation="cudnn" (its errors and its mapping
+onto jax.nn), return_residual, a traced scale, numpy integer scalars and 64-bit segment ids/lengths."""
 import functools
 import traceback
 
@@ -86,7 +86,8 @@ def test_several_batch_dims_match_one():
 
     def loss(fn, q, k, v, bias):
         out, lse = fn(q, k, v, bias)
-        return jnp.sum(out * dout.reshape(out.shape)) + jnp.sum(jnp.where(jnp.isinf(lse), 0, lse) * dlse.reshape(lse.shape))
+        lse = jnp.where(jnp.isinf(lse), 0, lse)  # (rows that see no key)
+        return jnp.sum(out * dout.reshape(out.shape)) + jnp.sum(lse * dlse.reshape(lse.shape))
 
     many = lambda q, k, v, bias: jax_tk.attention_with_lse(
         q, k, v, bias, mask, q_segment_ids=ids_q, kv_segment_ids=ids_k, query_seq_lengths=lens_q,
