@@ -73,6 +73,24 @@ class TestSharding:
             np.testing.assert_allclose(f(A, b), np.matmul(a, b), atol=1e-4, rtol=1e-5)
             assert not collectives(f.lower(A, b).compile().as_text())
 
+    def test_vmap_rows_sharded_under_auto_partitioning(self):
+        """vmap of the row-split op: one partitioned op (no loop) whose shards still find their part of
+        every entry's groups (batch_start under the mapped axis)."""
+        mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+        entries = [_inputs(3 + i, 64, 16, 24, sizes) for i, sizes in enumerate((SIZES, [64, 0], [5, 5, 5, 5]))]
+        entries = [(a, jnp.pad(b, ((0, 6 - len(b)), (0, 0), (0, 0))), jnp.pad(s, (0, 6 - len(s))), d)
+                   for a, b, s, d in entries]
+        lhs, rhs, sizes, dout = (jnp.stack(x) for x in zip(*entries))
+        lhs_sharded = jax.device_put(lhs, NamedSharding(mesh, P(None, "x")))
+        loss = lambda a, b, s, d: _loss(jax_tk.ragged_dot, s, d)(a, b)
+        both = lambda a, b, s, d: (jax_tk.ragged_dot(a, b, s), *jax.grad(loss, argnums=(0, 1))(a, b, s, d))
+        f = jax.jit(jax.vmap(both))
+        got = f(lhs_sharded, rhs, sizes, dout)
+        assert "stablehlo.while" not in f.lower(lhs_sharded, rhs, sizes, dout).as_text()
+        for i, (a, b, s, d) in enumerate(entries):
+            for g, w in zip(got, both(a, b, s, d)):
+                assert rel_err(g[i], w) < 1e-6
+
     def test_shard_map_per_shard_group_sizes(self):
         """Inside shard_map each call sees its own rows: the caller passes each shard's group sizes
         (here from the global ones with local_group_sizes) and gets the global result's rows."""
