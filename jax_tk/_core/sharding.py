@@ -389,6 +389,16 @@ def _multi_device() -> bool:
         return False
 
 
+def _explicit_context() -> tuple[object, dict]:
+    """The mesh of ``jax.set_mesh`` and {axis name: AxisType} of its axes, where some axis is Explicit;
+    else (None, {})."""
+    context = getattr(jax.sharding, "get_abstract_mesh", lambda: None)()
+    types = dict(zip(getattr(context, "axis_names", ()), getattr(context, "axis_types", ()) or ()))
+    if not any(t == jax.sharding.AxisType.Explicit for t in types.values()):
+        return None, {}
+    return context, types
+
+
 def call(layout: Layout, local_fn: Callable, static, *args, result_like: Sequence[int | None] | None = None):
     """``local_fn(static, *args)`` (a tuple of results, ``layout.outputs``) run on per-device shards.
 
@@ -398,6 +408,11 @@ def call(layout: Layout, local_fn: Callable, static, *args, result_like: Sequenc
     if len(args) != len(layout.inputs) or len(layout.inputs[0].split()) != args[0].ndim:
         raise ValueError(f"jax_tk: {len(args)} operands for the layout {layout.inputs}")
     mesh, types = _mesh_axis_types(args[0])
+    if not types:
+        # Not on a mesh (e.g. left on one device) inside jax.set_mesh of an explicit mesh: XLA replicates
+        # such an operand over the mesh, and the op runs whole on each device, through the explicit path.
+        # (custom_partitioning, the auto path, does not compile there.)
+        mesh, types = _explicit_context()
     explicit = [a for a, t in types.items() if t == jax.sharding.AxisType.Explicit]
     manual = [a for a, t in types.items() if t == jax.sharding.AxisType.Manual]
     if not explicit and (manual or not _AUTO_PARTITIONING or not _multi_device()):

@@ -379,6 +379,21 @@ class TestSharding:
         want = jax.jit(lambda *a: _ref_fn(*a, True)[0])(q, k, v)
         _check_close((out.reshape(want.shape),), (want,), BF16, ("out",))
 
+    @pytest.mark.parametrize("mode", ["jit", "eager"])
+    def test_inputs_off_the_mesh_inside_set_mesh(self, mode):
+        # Arrays left on one device, used inside jax.set_mesh of an explicit mesh: XLA replicates them
+        # and the op runs whole on each device (custom_partitioning failed to compile here on jax 0.11).
+        q, k, v, do, dl = _qkv(6, 2, 16, 8, 4, 64, BF16)
+        grad = jax.grad(_loss(jax_tk.attention_with_lse, True), argnums=(0, 1, 2))
+        grad = jax.jit(grad) if mode == "jit" else grad
+        with jax.set_mesh(_mesh(AxisType.Explicit)):
+            got = grad(q, k, v, do, dl)
+            fwd = lambda q, k, v: jax_tk.attention(q, k, v, is_causal=True)
+            out = (jax.jit(fwd) if mode == "jit" else fwd)(q, k, v)
+        want = jax.jit(jax.grad(_loss(_ref_fn, True), argnums=(0, 1, 2)))(q, k, v, do, dl)
+        _check_close(got, want, BF16, ("dq", "dk", "dv"))
+        _check_close((out,), (_ref_fn(q, k, v, True)[0],), BF16, ("out",))
+
     def test_vmap_under_auto_partitioning(self):
         # custom_partitioning has no batching rule: under vmap jax_tk partitions the vmapped per-shard
         # function instead, so the kernels fold the mapped axis (one launch per direction, no loop).
