@@ -229,15 +229,15 @@ def _sharding_of(x):
         return None
 
 
+def _axis_types(mesh) -> dict:
+    """{axis name: AxisType} of the axes of ``mesh`` (empty for None)."""
+    return dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ()) or ()))
+
+
 def _mesh_axis_types(x) -> tuple[object, dict]:
     """The (abstract) mesh in the type of ``x`` and {axis name: AxisType} of its axes."""
-    sharding = _sharding_of(x)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None:
-        return None, {}
-    names = tuple(getattr(mesh, "axis_names", ()))
-    types = tuple(getattr(mesh, "axis_types", ()) or ())
-    return mesh, dict(zip(names, types))
+    mesh = getattr(_sharding_of(x), "mesh", None)
+    return (mesh, _axis_types(mesh)) if mesh is not None else (None, {})
 
 
 def _same(spec_a, spec_b, ndim) -> bool:
@@ -393,7 +393,7 @@ def _explicit_context() -> tuple[object, dict]:
     """The mesh of ``jax.set_mesh`` and {axis name: AxisType} of its axes, where some axis is Explicit;
     else (None, {})."""
     context = getattr(jax.sharding, "get_abstract_mesh", lambda: None)()
-    types = dict(zip(getattr(context, "axis_names", ()), getattr(context, "axis_types", ()) or ()))
+    types = _axis_types(context)
     if not any(t == jax.sharding.AxisType.Explicit for t in types.values()):
         return None, {}
     return context, types
