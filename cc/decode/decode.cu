@@ -1,17 +1,21 @@
 // Decode attention ("flash-decoding"): the few newest query rows of each sequence against its long KV
 // cache. The work is reading the cache, so the kernel is built to keep HBM busy:
 //
-// - One thread block owns one KV head of one sequence and TILE_ROWS query rows: the query heads that
-//   share that KV head times the new tokens (row r = token * group + head), so every key and value
-//   is read once per KV head, not once per query head. More rows than TILE_ROWS take more blocks
-//   (neighbours in the grid: their second read of the same keys comes from L2).
+// - One thread block owns one KV head of one sequence and up to block_rows() query rows: the query
+//   heads that share that KV head times the new tokens (row r = token * group + head), so every key
+//   and value is read once per KV head, not once per query head. A warp computes one tile of
+//   TILE_ROWS of them; a block of TILES such tiles has groups of TILES warps, each group sharing one
+//   ring of key blocks (speculative decoding's many new tokens would otherwise read the cache once
+//   per tile). More rows than the maximum take more blocks (neighbours in the grid).
 // - The sequence's keys may be split into `splits` parts, one thread block each, when sequences x KV
 //   heads alone would leave SMs idle; the parts' outputs are merged through their log-sum-exp by a
 //   second small kernel (merge_kernel).
-// - Inside a block every warp is an independent flash-decoding worker over its own key blocks
-//   (blocks w, w + WARPS, ... of the part): a private cp.async ring of STAGES blocks of K and V, no
-//   block-wide barrier in the key loop (a ring per warp, not tk/pipeline's block-wide one). S = Q K^T and O += P V run on mma.sync; the online softmax
-//   is the tile language's. At the end the warps merge their (max, sum, O) through shared memory.
+// - Inside a block every group of TILES warps (one warp with a single tile) is an independent
+//   flash-decoding worker over its own key blocks (blocks g, g + GROUPS, ... of the part): a cp.async
+//   ring of STAGES blocks of K and V of its own, filled by its warps together and synchronized by the
+//   group's own named barrier, no block-wide barrier in the key loop (a ring per group, not
+//   tk/pipeline's block-wide one). S = Q K^T and O += P V run on mma.sync; the online softmax is the
+//   tile language's. At the end the groups merge their (max, sum, O) through shared memory.
 // - Keys are gathered row by row, so a paged cache costs one page-table read per key row (cached,
 //   and issued a step ahead) and nothing else; rows past the sequence's length (or in a page outside
 //   the pool) are never read, their zeros make no NaN.
@@ -29,30 +33,37 @@ using namespace tk;
 // that only more warps overlap, while two stages already keep enough bytes in flight. WIDE blocks take
 // a whole SM (TARGET_BLOCKS counts on it): a grid of one wave. A grid of several waves takes blocks of
 // half the warps, two per SM, so that one block's ramp and tail overlap the other's streaming instead
-// of leaving the SM idle between blocks.
-template <typename T, int D, bool WIDE> struct Config {
-  static constexpr int WARPS = (D <= 128 ? 8 : 4) / (WIDE ? 1 : 2), THREADS = 32 * WARPS, ROWS = TILE_ROWS;
+// of leaving the SM idle between blocks. A block of TILES row tiles has WARPS / TILES groups (at least
+// TILES warps: eight tiles take a whole SM), each with a ring of key blocks TILES times longer: longer
+// blocks, up to 128 keys, then more stages. Eight tiles are a lone group, with no other to overlap
+// its waits: one stage more.
+template <typename T, int D, bool WIDE, int TILES_> struct Config {
+  static constexpr int TILES = TILES_, BASE_WARPS = (D <= 128 ? 8 : 4) / (WIDE ? 1 : 2);
+  static constexpr int WARPS = BASE_WARPS > TILES ? BASE_WARPS : TILES, THREADS = 32 * WARPS;
+  static constexpr int GROUPS = WARPS / TILES, ROWS = TILE_ROWS * TILES;
   static constexpr int BLOCKS_PER_SM = WIDE ? 1 : 2;
-  static constexpr int KEYS = D >= 128 ? 16 : 32;  // keys per warp step: 8 KiB of K and V (16 KiB at D=256)
-  static constexpr int STAGES = D <= 128 ? 2 : 3;
+  // keys per group step: 8 KiB of K and V per tile (16 KiB at D=256)
+  static constexpr int TILE_KEYS = D >= 128 ? 16 : 32, KEYS = TILE_KEYS * TILES < 128 ? TILE_KEYS * TILES : 128;
+  static constexpr int STAGES = (D <= 128 ? 2 : 3) * (TILE_KEYS * TILES / KEYS) + (TILES == 8 ? 1 : 0);
   static constexpr bool Q_IN_REGISTERS = D <= 128;  // at D=256 the query stays in shared memory
   using q_tile = st<T, ROWS, D>;
   using kv_tile = st<T, KEYS, D>;
   struct Stage {
     kv_tile k, v;
   };
-  // What a warp leaves for the merge, in its own stages once its key loop is over.
+  // What a warp leaves for the merge, in its group's stages once the key loop is over.
   struct Partial {
-    st<float, ROWS, D> o;  // normalized output
-    float lse[ROWS];       // log2 units; -inf for a row that saw no key
+    st<float, TILE_ROWS, D> o;  // normalized output of the warp's tile
+    float lse[TILE_ROWS];       // log2 units; -inf for a row that saw no key
   };
   struct Shared {
     q_tile q;
-    Stage stage[WARPS][STAGES];
-    float weight[WARPS][ROWS];  // each warp's share of the merged rows
+    Stage stage[GROUPS][STAGES];
+    float weight[GROUPS][ROWS];  // each group's share of the merged rows
     float lse[ROWS];
   };
-  static_assert(sizeof(Partial) <= sizeof(Stage) * STAGES);
+  static_assert(WARPS % TILES == 0 && GROUPS <= 15);  // (a named barrier per group: ids 1..GROUPS)
+  static_assert(sizeof(Partial) * TILES <= sizeof(Stage) * STAGES);
   static_assert(sizeof(Shared) * BLOCKS_PER_SM <= 227 * 1024);
 };
 
@@ -67,33 +78,36 @@ __device__ __forceinline__ int cache_row(const Params &p, int b, int j, int vali
   return page * p.page_size + (p.page_shift >= 0 ? j & (p.page_size - 1) : j % p.page_size);
 }
 
-// One warp's share of loading a block of KEYS keys (K and V): lane l takes the 16-byte chunks l, l + 32,
-// ... of the block (consecutive lanes, consecutive chunks of a row). find() works out their cache rows
+// One warp's share of loading a block of KEYS keys (K and V) with the other warps of its group: lane l
+// of the group (warp t's lanes are 32 t, ..., 32 t + 31) takes the 16-byte chunks l, l + 32 TILES, ... of
+// the block (consecutive lanes, consecutive chunks of a row). find() works out their cache rows
 // (the page-table reads of a paged cache) one step before load() issues the copies, so that the
 // table's latency is not on the path of the loads.
 template <typename C, typename T, int D> struct KeyRows {
-  static constexpr int ROW_CHUNKS = D / 8, PER_LANE = C::KEYS * ROW_CHUNKS / 32;
+  static constexpr int ROW_CHUNKS = D / 8, LANES = 32 * C::TILES, PER_LANE = C::KEYS * ROW_CHUNKS / LANES;
+  static_assert(PER_LANE * LANES == C::KEYS * ROW_CHUNKS);
   int row[PER_LANE];
+  int lane;  // in the group
 
   __device__ __forceinline__ void find(const Params &p, int b, int k0, int valid) {
     if (p.page_table && p.page_size % C::KEYS == 0) {  // the block lies in one page: one table read
       const int first = cache_row(p, b, k0, valid);
 #pragma unroll
       for (int i = 0; i < PER_LANE; i++) {
-        const int key = (i * 32 + laneid()) / ROW_CHUNKS;
+        const int key = (i * LANES + lane) / ROW_CHUNKS;
         row[i] = first >= 0 && k0 + key < valid ? first + key : -1;
       }
       return;
     }
 #pragma unroll
-    for (int i = 0; i < PER_LANE; i++) row[i] = cache_row(p, b, k0 + (i * 32 + laneid()) / ROW_CHUNKS, valid);
+    for (int i = 0; i < PER_LANE; i++) row[i] = cache_row(p, b, k0 + (i * LANES + lane) / ROW_CHUNKS, valid);
   }
   // Zeros for rows without a valid key.
   __device__ __forceinline__ void load(typename C::Stage &stage, const Params &p, int h) const {
     const T *K = static_cast<const T *>(p.k), *V = static_cast<const T *>(p.v);
 #pragma unroll
     for (int i = 0; i < PER_LANE; i++) {
-      const int idx = i * 32 + laneid(), r = idx / ROW_CHUNKS, c = (idx % ROW_CHUNKS) * 8;
+      const int idx = i * LANES + lane, r = idx / ROW_CHUNKS, c = (idx % ROW_CHUNKS) * 8;
       const long long at = row[i] < 0 ? 0 : ((long long)row[i] * p.kv_heads + h) * D + c;
       cp_async16(&stage.k(r, c), K + at, row[i] >= 0);
       cp_async16(&stage.v(r, c), V + at, row[i] >= 0);
@@ -129,18 +143,23 @@ __device__ __forceinline__ void store_lse(const Params &p, size_t row, float lse
 
 template <typename T, int D, typename C>
 __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(const __grid_constant__ Params p) {
-  constexpr int ROWS = C::ROWS, KEYS = C::KEYS, STAGES = C::STAGES, WARPS = C::WARPS;
+  constexpr int ROWS = C::ROWS, KEYS = C::KEYS, STAGES = C::STAGES, TILES = C::TILES, GROUPS = C::GROUPS;
   extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
 
   const int b = blockIdx.z, h = blockIdx.y, group = p.q_heads / p.kv_heads, rows = group * p.q_len;
   const int chunks = (rows + ROWS - 1) / ROWS, chunk = blockIdx.x % chunks, part = blockIdx.x / chunks;
-  const int tid = threadIdx.x, w = warpid();
+  const int tid = threadIdx.x, g = warpid() / TILES, t = warpid() % TILES;  // the warp's group and tile
   const int length = p.lengths[b];
   const Rows R{min(max(length, 0), p.capacity), length, group, p.q_len, chunk * ROWS, rows};
   const int first = R.position(0), last = R.position(min(ROWS, rows - R.r0) - 1);  // (real rows)
+  // The group's barrier: its warps' copies of a stage have landed / are done being read.
+  auto group_sync = [g] {
+    if constexpr (TILES == 1) __syncwarp();
+    else sync_named(1 + g, 32 * TILES);
+  };
 
-  // The tile's query rows, (token, head) = divmod(r0 + r, group), zeros past the real rows.
+  // The block's query rows, (token, head) = divmod(r0 + r, group), zeros past the real rows.
   const T *Q = static_cast<const T *>(p.q);
   for (int i = tid; i < ROWS * (D / 8); i += C::THREADS) {
     const int r = i / (D / 8), c = (i % (D / 8)) * 8, x = R.r0 + r;
@@ -149,7 +168,7 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
   }
   commit_group();
 
-  // Keys some row of the tile sees: [lo, hi) (lo from the last row's window, hi from the last row's
+  // Keys some row of the block sees: [lo, hi) (lo from the last row's window, hi from the last row's
   // position), in blocks of KEYS, of which this part takes [j0, j1). Keys in [full_lo, full_hi) are
   // seen by every real row: blocks inside need no elementwise mask.
   const int2 last_keys = R.keys(p, last), first_keys = R.keys(p, first);
@@ -159,9 +178,19 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
   const int per_part = (blocks + p.splits - 1) / p.splits;
   const int j0 = blocks0 + min(blocks, part * per_part), j1 = blocks0 + min(blocks, (part + 1) * per_part);
 
-  auto &ring = sm.stage[w];
-  auto block_of = [&](int n) { return j0 + w + WARPS * n; };  // this warp's n-th key block
-  KeyRows<C, T, D> next;  // the rows of the next block to load
+  // On sm_90a a group of whole warpgroups (four tiles, 64 rows, each) multiplies on wgmma, both
+  // products' operands straight from shared memory (the warpgroup's 64 query rows and the ring's K and
+  // V; P from registers), which keeps up with the cache where mma.sync no longer does.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool WGMMA = TILES % 4 == 0;
+#else
+  constexpr bool WGMMA = false;
+#endif
+
+  auto &ring = sm.stage[g];
+  auto block_of = [&](int n) { return j0 + g + GROUPS * n; };  // the group's n-th key block
+  KeyRows<C, T, D> next;  // the rows of the next block to load (this warp's share)
+  next.lane = 32 * t + laneid();
 #pragma unroll
   for (int n = 0; n < STAGES - 1; n++) {
     if (block_of(n) < j1) {
@@ -171,49 +200,65 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
     commit_group();
   }
   if (block_of(STAGES - 1) < j1) next.find(p, b, block_of(STAGES - 1) * KEYS, R.valid);
-  wait_group<STAGES - 1>();  // the query tile (the oldest group) has landed
+  wait_group<STAGES - 1>();  // the query rows (the oldest group) have landed
   __syncthreads();
 
-  rt<T, 16, 16> q[C::Q_IN_REGISTERS ? D / 16 : 1];
-  if constexpr (C::Q_IN_REGISTERS)
+  const int r_tile = TILE_ROWS * t;
+  rt<T, 16, 16> q[C::Q_IN_REGISTERS && !WGMMA ? D / 16 : 1];
+  if constexpr (C::Q_IN_REGISTERS && !WGMMA)
 #pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) warp::load(q[kk], sm.q, 0, 16 * kk);
+    for (int kk = 0; kk < D / 16; kk++) warp::load(q[kk], sm.q, r_tile, 16 * kk);
 
   // Each lane's two rows (lane / 4 and lane / 4 + 8): the keys they see, for the elementwise mask.
-  using s_tile = rt_fl<ROWS, KEYS>;
-  rv<int2, ROWS, typename col_vec<s_tile>::layout> row_keys;
-  warp::map_index(row_keys, [&](int r) { return R.row_keys(p, r); });
+  using s_tile = rt_fl<TILE_ROWS, KEYS>;
+  rv<int2, TILE_ROWS, typename col_vec<s_tile>::layout> row_keys;
+  warp::map_index(row_keys, [&](int r) { return R.row_keys(p, r_tile + r); });
   const bool capped = p.softcap > 0.f;
   const float c = capped ? 1.f : p.scale * LOG2E;  // logits are in units of 1 / c (tk::warp::softmax_step)
 
-  rt_fl<ROWS, 16> o[D / 16];
+  rt_fl<TILE_ROWS, 16> o[D / 16];
   col_vec<s_tile> m, l, corr;
 #pragma unroll
   for (int n = 0; n < D / 16; n++) warp::zero(o[n]);
   warp::fill_vec(m, NEG_INF);
   warp::fill_vec(l, 0.f);
 
-  for (int n = 0; block_of(n) < j1; n++) {
+  // Every group takes as many steps as the first, one past its last block only through its two
+  // barriers: every warp then passes as many barriers, which compute-sanitizer's racecheck needs.
+  const int steps = j1 > j0 ? (j1 - j0 + GROUPS - 1) / GROUPS : 0;
+  for (int n = 0; n < steps; n++) {
+    if (block_of(n) >= j1) {
+      group_sync();
+      group_sync();
+      continue;
+    }
     const int k0 = block_of(n) * KEYS;
     if (block_of(n + STAGES - 1) < j1) next.load(ring[(n + STAGES - 1) % STAGES], p, h);
     commit_group();
     if (block_of(n + STAGES) < j1) next.find(p, b, block_of(n + STAGES) * KEYS, R.valid);
     wait_group<STAGES - 1>();
-    __syncwarp();
+    if constexpr (WGMMA) warpgroup::fence_shared_writes();  // the copies, for wgmma's (async) proxy
+    group_sync();
     const auto &cur = ring[n % STAGES];
 
     s_tile s;
-    warp::zero(s);
+    if constexpr (WGMMA) {
+      warpgroup::mma_ABt(s, window<64, D>(sm.q, 64 * (t / 4), 0), cur.k, false);
+      warpgroup::wait<0>();
+      warpgroup::fence_registers(s);
+    } else {
+      warp::zero(s);
 #pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-      rt<T, KEYS, 16> kt;
-      warp::load(kt, cur.k, 0, 16 * kk);
-      if constexpr (C::Q_IN_REGISTERS) {
-        warp::mma_ABt(s, q[kk], kt, s);
-      } else {
-        rt<T, 16, 16> qk;
-        warp::load(qk, sm.q, 0, 16 * kk);
-        warp::mma_ABt(s, qk, kt, s);
+      for (int kk = 0; kk < D / 16; kk++) {
+        rt<T, KEYS, 16> kt;
+        warp::load(kt, cur.k, 0, 16 * kk);
+        if constexpr (C::Q_IN_REGISTERS) {
+          warp::mma_ABt(s, q[kk], kt, s);
+        } else {
+          rt<T, 16, 16> qk;
+          warp::load(qk, sm.q, r_tile, 16 * kk);
+          warp::mma_ABt(s, qk, kt, s);
+        }
       }
     }
     if (capped) {
@@ -227,22 +272,34 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
     }
     warp::softmax_step(s, m, l, corr, c);
 
-    rt<T, ROWS, KEYS> pr;
+    rt<T, TILE_ROWS, KEYS> pr;
     warp::copy(pr, s);
+    if constexpr (WGMMA) {
+      auto &whole = reinterpret_cast<rt_fl<TILE_ROWS, D> &>(o);  // (the same pieces, in order)
+      warp::mul_row(whole, whole, corr);
+      warpgroup::mma_AB(whole, pr, cur.v, true);
+      warpgroup::wait<0>();
+      warpgroup::fence_registers(whole);
+    } else {
 #pragma unroll
-    for (int d = 0; d < D / 16; d++) {
-      rt<T, KEYS, 16, col_l> vt;
-      warp::load(vt, cur.v, 0, 16 * d);
-      warp::mul_row(o[d], o[d], corr);
-      warp::mma_AB(o[d], pr, vt, o[d]);
+      for (int d = 0; d < D / 16; d++) {
+        rt<T, KEYS, 16, col_l> vt;
+        warp::load(vt, cur.v, 0, 16 * d);
+        warp::mul_row(o[d], o[d], corr);
+        warp::mma_AB(o[d], pr, vt, o[d]);
+      }
     }
-    __syncwarp();  // every lane is done with this stage before it is refilled
+    group_sync();  // every warp of the group is done with this stage before it is refilled
   }
   wait_group<0>();
   __syncwarp();
 
-  // The warp's partial result into its own stages: O / l and the rows' log-sum-exp (log2 units).
-  auto &mine = *reinterpret_cast<typename C::Partial *>(&ring);
+  // The warp's partial result into its group's stages (the group is past its last read of them): O / l
+  // and the rows' log-sum-exp (log2 units).
+  auto partial = [&](int x, int tile) -> typename C::Partial & {
+    return reinterpret_cast<typename C::Partial *>(&sm.stage[x])[tile];
+  };
+  auto &mine = partial(g, t);
 #pragma unroll
   for (int d = 0; d < D / 16; d++) {
     warp::normalize_output(o[d], l);
@@ -250,24 +307,22 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
   }
   col_vec<s_tile> lse;
   warp::map_vec(lse, m, l, [=](float mx, float x) { return x > 0.f ? mx * c + warp::fn::log2(x) : NEG_INF; });
-  warp::store(mine.lse, lse, ROWS);
+  warp::store(mine.lse, lse, TILE_ROWS);
   __syncthreads();
 
-  // Merge the warps: row r gets sum_w weight[w][r] O_w with weight = 2^(lse_w - lse) (0 for a warp that
-  // saw nothing), lse the log-sum-exp of the warps' (-inf if none saw a key).
-  auto partial = [&](int x) -> const typename C::Partial & {
-    return *reinterpret_cast<const typename C::Partial *>(&sm.stage[x]);
-  };
+  // Merge the groups: row r gets sum_x weight[x][r] O_x with weight = 2^(lse_x - lse) (0 for a group
+  // that saw nothing), lse the log-sum-exp of the groups' (-inf if none saw a key).
   if (tid < ROWS) {
+    const int tile = tid / TILE_ROWS, r = tid % TILE_ROWS;
     float mx = NEG_INF;
-    for (int x = 0; x < WARPS; x++) mx = fmaxf(mx, partial(x).lse[tid]);
+    for (int x = 0; x < GROUPS; x++) mx = fmaxf(mx, partial(x, tile).lse[r]);
     float sum = 0.f;
-    for (int x = 0; x < WARPS; x++) {
-      const float e = mx == NEG_INF ? 0.f : warp::fn::exp2(partial(x).lse[tid] - mx);
+    for (int x = 0; x < GROUPS; x++) {
+      const float e = mx == NEG_INF ? 0.f : warp::fn::exp2(partial(x, tile).lse[r] - mx);
       sm.weight[x][tid] = e;
       sum += e;
     }
-    for (int x = 0; x < WARPS; x++) sm.weight[x][tid] = sum > 0.f ? sm.weight[x][tid] / sum : 0.f;
+    for (int x = 0; x < GROUPS; x++) sm.weight[x][tid] = sum > 0.f ? sm.weight[x][tid] / sum : 0.f;
     sm.lse[tid] = sum > 0.f ? mx + warp::fn::log2(sum) : NEG_INF;
   }
   __syncthreads();
@@ -284,14 +339,14 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
   }
   float *ws_o = p.workspace + p.splits * q_rows;
   for (int i = tid; i < ROWS * D / 2; i += C::THREADS) {
-    const int r = i / (D / 2), d = (i % (D / 2)) * 2;
+    const int r = i / (D / 2), d = (i % (D / 2)) * 2, tile = r / TILE_ROWS, rr = r % TILE_ROWS;
     if (!R.real(r)) continue;
     float2 v{0.f, 0.f};
 #pragma unroll
-    for (int x = 0; x < WARPS; x++) {
+    for (int x = 0; x < GROUPS; x++) {
       const float wgt = sm.weight[x][r];
-      v.x += wgt * partial(x).o(r, d);
-      v.y += wgt * partial(x).o(r, d + 1);
+      v.x += wgt * partial(x, tile).o(rr, d);
+      v.y += wgt * partial(x, tile).o(rr, d + 1);
     }
     if (p.splits > 1)
       *reinterpret_cast<float2 *>(ws_o + ((size_t)part * q_rows + row_index(r)) * D + d) = v;
@@ -368,14 +423,13 @@ template <typename Kernel> cudaError_t launch(Kernel kernel, dim3 grid, dim3 blo
   return cudaGetLastError();
 }
 
-// Blocks along x: the parts of each chunk of TILE_ROWS query rows; y: KV heads; z: sequences.
+// Blocks along x: the parts of each chunk of block_rows() query rows; y: KV heads; z: sequences.
 dim3 grid_of(const Params &p) {
-  const int rows = p.q_heads / p.kv_heads * p.q_len, chunks = (rows + TILE_ROWS - 1) / TILE_ROWS;
-  return dim3(chunks * p.splits, p.kv_heads, p.batch);
+  const int rows = p.q_heads / p.kv_heads * p.q_len, chunk = block_rows(rows, p.head_dim);
+  return dim3((rows + chunk - 1) / chunk * p.splits, p.kv_heads, p.batch);
 }
 
 template <typename T, int D, typename C> cudaError_t run(const Params &p, cudaStream_t stream) {
-  static_assert(C::ROWS == TILE_ROWS);
   if (cudaError_t e = launch(decode_kernel<T, D, C>, grid_of(p), dim3(C::THREADS), sizeof(typename C::Shared), stream, p); e != cudaSuccess)
     return e;
   if (p.splits == 1) return cudaSuccess;
@@ -383,16 +437,32 @@ template <typename T, int D, typename C> cudaError_t run(const Params &p, cudaSt
   return launch(merge_kernel<T, D>, dim3(unsigned((q_rows + 3) / 4)), dim3(128), 0, stream, p);
 }
 
-template <typename T, int D> cudaError_t by_grid(const Params &p, cudaStream_t stream) {
+// (Eight tiles take the whole SM whatever the grid.)
+template <typename T, int D, int TILES> cudaError_t by_grid(const Params &p, cudaStream_t stream) {
   const dim3 grid = grid_of(p);
-  return size_t(grid.x) * grid.y * grid.z > TARGET_BLOCKS ? run<T, D, Config<T, D, false>>(p, stream) : run<T, D, Config<T, D, true>>(p, stream);
+  if (TILES == 8 || size_t(grid.x) * grid.y * grid.z <= TARGET_BLOCKS) return run<T, D, Config<T, D, true, TILES>>(p, stream);
+  if constexpr (TILES < 8) return run<T, D, Config<T, D, false, TILES>>(p, stream);
+  return cudaErrorInvalidValue;
+}
+
+template <typename T, int D> cudaError_t by_rows(const Params &p, cudaStream_t stream) {
+  switch (block_rows(p.q_heads / p.kv_heads * p.q_len, D) / TILE_ROWS) {
+    case 1: return by_grid<T, D, 1>(p, stream);
+    case 2: return by_grid<T, D, 2>(p, stream);
+    case 4:
+      if constexpr (D <= 128) return by_grid<T, D, 4>(p, stream);
+      return cudaErrorInvalidValue;
+    default:
+      if constexpr (D <= 128) return by_grid<T, D, 8>(p, stream);
+      return cudaErrorInvalidValue;
+  }
 }
 
 template <typename T> cudaError_t by_dim(const Params &p, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: return by_grid<T, 64>(p, stream);
-    case 128: return by_grid<T, 128>(p, stream);
-    case 256: return by_grid<T, 256>(p, stream);
+    case 64: return by_rows<T, 64>(p, stream);
+    case 128: return by_rows<T, 128>(p, stream);
+    case 256: return by_rows<T, 256>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -137,8 +137,9 @@ OpExports decode::exports() {  // (declared by cc/module.cc)
           {{"jax_tk_decode", reinterpret_cast<void *>(Decode)}, {"jax_tk_decode_test", reinterpret_cast<void *>(DecodeTest)}},
           {
 #define JAX_TK_CONSTANT(name) {#name, decode::name}
-              JAX_TK_CONSTANT(HEAD_DIMS), JAX_TK_CONSTANT(TILE_ROWS), JAX_TK_CONSTANT(MAX_SPLITS),
-              JAX_TK_CONSTANT(SPLIT_MIN_KEYS), JAX_TK_CONSTANT(TARGET_BLOCKS),
+              JAX_TK_CONSTANT(HEAD_DIMS), JAX_TK_CONSTANT(TILE_ROWS), JAX_TK_CONSTANT(MAX_TILE_ROWS),
+              JAX_TK_CONSTANT(MAX_TILE_ROWS_D256), JAX_TK_CONSTANT(MAX_SPLITS), JAX_TK_CONSTANT(SPLIT_MIN_KEYS),
+              JAX_TK_CONSTANT(TARGET_BLOCKS),
 #undef JAX_TK_CONSTANT
           }};
 }

@@ -229,6 +229,21 @@ def test_decoding_loop_donated(kind, paged):
         np.testing.assert_array_equal(np.asarray(full_k[i, :start[i] + steps]), np.asarray(seq_k[i, :start[i] + steps]))
 
 
+def test_block_rows_and_splits():
+    """The grid's arithmetic (cc/decode/decode.h's block_rows, mirrored): a thread block takes the fewest
+    16 x 2^k of a sequence's query rows per KV head that hold them, at most 128 (32 at head_dim 256), and
+    the parts fill one wave of 132 blocks."""
+    from jax_tk.decode import launch
+
+    assert [launch.block_rows(r, 128) for r in (1, 16, 17, 32, 33, 64, 65, 256)] == [16, 16, 32, 32, 64, 64, 128, 128]
+    assert [launch.block_rows(r, 256) for r in (4, 20, 64)] == [16, 32, 32]
+    # 8 sequences x 8 KV heads x one block of 64 rows (4 query heads x 16 new tokens): 2 parts
+    assert launch.splits(8, 16, 32, 8, 128, 32768) == 2
+    assert launch.splits(8, 16, 64, 8, 128, 32768) == 2  # 128 rows: one block
+    assert launch.splits(8, 16, 32, 8, 256, 32768) == 1  # two blocks of 32 rows per KV head: 128 blocks
+    assert launch.splits(1, 1, 32, 8, 128, 2048) == 16   # at most 2048 / 128 parts
+
+
 def test_implementation():
     rng = np.random.default_rng(5)
     q, k = randn(rng, (1, 1, 2, 16), F32), randn(rng, (1, 8, 2, 16), F32)

@@ -62,7 +62,7 @@ def check(seed, b, t, n, kh, h, lengths, dtype, *, page_size=None, causal=True, 
     spec = DecodeSpec(1 / np.sqrt(h), causal, True, window, softcap, page_size)
     ref, ref_lse = (np.asarray(x) for x in want(q, k, v, lens, table, spec=spec))
     for p in parts:
-        p = launch.splits(b, t, n, kh, s) if p is None else p
+        p = launch.splits(b, t, n, kh, h, s) if p is None else p
         out, lse = kernel(q, k, v, lens, table, spec=spec, parts=p)
         out, lse = np.asarray(out.astype(F32)), np.asarray(lse)
         assert np.isfinite(out).all(), f"splits={p}: {np.isnan(out).sum()} NaN (unwritten or leaked)"
@@ -87,6 +87,11 @@ SHAPES = [
     (2, 3, 6, 3, 256, (255, 7)),
     (4, 2, 4, 4, 64, (0, 1, 64, 65)),
     (1, 7, 16, 2, 128, (8191,)),
+    # blocks of several 16-row tiles: 20 rows at D=256 (two tiles), 48 at D=64 (four, one of padding),
+    # 64 at D=256 (two blocks of 32)
+    (2, 5, 16, 4, 256, (1500, 37)),
+    (3, 12, 32, 8, 64, (0, 900, 2049)),
+    (2, 16, 32, 8, 256, (3, 777)),
 ]
 
 
@@ -107,8 +112,9 @@ def test_paged(shape, page_size):
     dict(softcap=30.0), dict(softcap=5.0, window=(200, 0), page_size=16),
 ], ids=str)
 @pytest.mark.parametrize("h", [64, 128, 256])
-def test_options(opts, h):
-    check(2, 3, 4, 16, 4, h, (0, 700, 2053), BF16, **opts)
+@pytest.mark.parametrize("t", [4, 12])  # 16 and 48 query rows per KV head
+def test_options(opts, h, t):
+    check(2, 3, t, 16, 4, h, (0, 700, 2053), BF16, **opts)
 
 
 def test_many_splits_short_lengths():
@@ -117,12 +123,13 @@ def test_many_splits_short_lengths():
 
 
 @pytest.mark.parametrize("h", [64, 128, 256])
-def test_grid_of_several_waves(h):
+@pytest.mark.parametrize("t", [2, 8, 32])  # 8, 32 and 128 query rows per KV head
+def test_grid_of_several_waves(h, t):
     # more thread blocks than one wave (TARGET_BLOCKS) take the kernel of two blocks per SM
     b, kh = 34, 4
     assert b * kh > launch.contract()["TARGET_BLOCKS"]
     lengths = np.random.default_rng(5).integers(0, 700, b)
-    check(5, b, 2, 16, kh, h, lengths, BF16, parts=(1, 2))
+    check(5, b, t, 16, kh, h, lengths, BF16, parts=(1, 2))
 
 
 def test_public_api_in_a_jitted_scan():

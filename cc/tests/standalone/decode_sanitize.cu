@@ -175,8 +175,15 @@ int main() {
   failed += run({1, 4, 1, 128, {0, 64, 63, 17}, 80, 16, 2});
   failed += run({4, 16, 4, 64, {250, 9}, 256, 64, 1, false, -1, 2});  // GQA 4 x 4 new tokens, right window
   failed += run({2, 2, 2, 256, {5, 200}, 240, 48, 4});                // a page size that is not a power of 2
-  // a grid of several waves (half blocks, two per SM)
+  // blocks of several row tiles (warps sharing a ring): 48 rows (a tile of padding), 20 rows at D=256,
+  // 64 rows in two parts, 128 rows with a window
+  failed += run({12, 8, 2, 64, {0, 5, 300}, 300, 0, 3});
+  failed += run({5, 8, 2, 256, {129, 40}, 144, 16, 2});
+  failed += run({16, 4, 1, 128, {300, 1}, 320, 0, 2});
+  failed += run({16, 8, 1, 128, {200}, 256, 64, 1, true, 50});
+  // a grid of several waves (half blocks, two per SM), with one and with several row tiles
   failed += run({1, 8, 4, 128, std::vector<int>(40, 33), 64, 0, 1});
+  failed += run({8, 8, 2, 128, std::vector<int>(70, 70), 80, 0, 1});
   std::printf("%s\n", failed ? "FAILED" : "all ok");
   return failed ? 2 : 0;
 }
