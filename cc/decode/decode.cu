@@ -14,8 +14,9 @@
 //   flash-decoding worker over its own key blocks (blocks g, g + GROUPS, ... of the part): a cp.async
 //   ring of STAGES blocks of K and V of its own, filled by its warps together and synchronized by the
 //   group's own named barrier, no block-wide barrier in the key loop (a ring per group, not
-//   tk/pipeline's block-wide one). S = Q K^T and O += P V run on mma.sync; the online softmax is the
-//   tile language's. At the end the groups merge their (max, sum, O) through shared memory.
+//   tk/pipeline's block-wide one). S = Q K^T and O += P V run on mma.sync (on wgmma for groups of
+//   whole warpgroups on sm_90a); the online softmax is the tile language's. At the end the groups
+//   merge their (max, sum, O) through shared memory.
 // - Keys are gathered row by row, so a paged cache costs one page-table read per key row (cached,
 //   and issued a step ahead) and nothing else; rows past the sequence's length (or in a page outside
 //   the pool) are never read, their zeros make no NaN.

@@ -10,14 +10,15 @@ Command line::
 
 A configuration: batch B in {1, 8, 32, 64, 128}, cache length S in {2k, 8k, 32k, 128k} (every sequence
 holds S valid positions: the cache is full), query/key-value heads 32/8 or 64/8, head_dim 128 or 256,
-T_new in {1, 4} new tokens per sequence (causal, bottom-right aligned), bf16; the cache contiguous
-``[B, S, K, H]`` or paged (pages of 16 or 64 rows, ``[B*S/page, page, K, H]``, the page table a random
-permutation so that a sequence's pages are scattered over the pool). Configurations whose inputs do not
+T_new in {1, 4, 16} new tokens per sequence (causal, bottom-right aligned; 16 as in speculative
+decoding), bf16; the cache contiguous ``[B, S, K, H]`` or paged (pages of 16 or 64 rows,
+``[B*S/page, page, K, H]``, the page table a random permutation so that a sequence's pages are
+scattered over the pool). Configurations whose inputs do not
 fit in ``--max-gb`` (default 60% of the GPU's memory) are skipped.
 
 The default set (``--full`` for the whole product): the grid B x S at 32/8 heads, head_dim 128,
 T_new 1, contiguous; and at (B, S) = (8, 32k) and (64, 8k) one row for each other setting: 64/8 heads,
-head_dim 256, T_new 4, paged 16, paged 64.
+head_dim 256, T_new 4, T_new 16, paged 16, paged 64.
 
 Providers (``decode_providers``): ``jax_tk`` (the decode kernel; the pure-JAX reference without a GPU),
 ``cudnn`` and ``xla`` (``jax.nn.dot_product_attention`` on the contiguous cache with
@@ -55,7 +56,7 @@ BATCHES = (1, 8, 32, 64, 128)
 CACHES = (2048, 8192, 32768, 131072)
 HEADS = ((32, 8), (64, 8))
 HEAD_DIMS = (128, 256)
-NEW_TOKENS = (1, 4)
+NEW_TOKENS = (1, 4, 16)
 # Where the default set varies one setting at a time: (batch, cache length).
 VARIATION_POINTS = ((8, 32768), (64, 8192))
 
