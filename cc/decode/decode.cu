@@ -88,27 +88,27 @@ template <typename C, typename T, int D> struct KeyRows {
   static constexpr int ROW_CHUNKS = D / 8, LANES = 32 * C::TILES, PER_LANE = C::KEYS * ROW_CHUNKS / LANES;
   static_assert(PER_LANE * LANES == C::KEYS * ROW_CHUNKS);
   int row[PER_LANE];
-  int lane;  // in the group
+  __device__ __forceinline__ static int lane() { return 32 * (warpid() % C::TILES) + laneid(); }  // in the group
 
   __device__ __forceinline__ void find(const Params &p, int b, int k0, int valid) {
     if (p.page_table && p.page_size % C::KEYS == 0) {  // the block lies in one page: one table read
       const int first = cache_row(p, b, k0, valid);
 #pragma unroll
       for (int i = 0; i < PER_LANE; i++) {
-        const int key = (i * LANES + lane) / ROW_CHUNKS;
+        const int key = (i * LANES + lane()) / ROW_CHUNKS;
         row[i] = first >= 0 && k0 + key < valid ? first + key : -1;
       }
       return;
     }
 #pragma unroll
-    for (int i = 0; i < PER_LANE; i++) row[i] = cache_row(p, b, k0 + (i * LANES + lane) / ROW_CHUNKS, valid);
+    for (int i = 0; i < PER_LANE; i++) row[i] = cache_row(p, b, k0 + (i * LANES + lane()) / ROW_CHUNKS, valid);
   }
   // Zeros for rows without a valid key.
   __device__ __forceinline__ void load(typename C::Stage &stage, const Params &p, int h) const {
     const T *K = static_cast<const T *>(p.k), *V = static_cast<const T *>(p.v);
 #pragma unroll
     for (int i = 0; i < PER_LANE; i++) {
-      const int idx = i * LANES + lane, r = idx / ROW_CHUNKS, c = (idx % ROW_CHUNKS) * 8;
+      const int idx = i * LANES + lane(), r = idx / ROW_CHUNKS, c = (idx % ROW_CHUNKS) * 8;
       const long long at = row[i] < 0 ? 0 : ((long long)row[i] * p.kv_heads + h) * D + c;
       cp_async16(&stage.k(r, c), K + at, row[i] >= 0);
       cp_async16(&stage.v(r, c), V + at, row[i] >= 0);
@@ -191,7 +191,6 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
   auto &ring = sm.stage[g];
   auto block_of = [&](int n) { return j0 + g + GROUPS * n; };  // the group's n-th key block
   KeyRows<C, T, D> next;  // the rows of the next block to load (this warp's share)
-  next.lane = 32 * t + laneid();
 #pragma unroll
   for (int n = 0; n < STAGES - 1; n++) {
     if (block_of(n) < j1) {
@@ -224,11 +223,12 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
   warp::fill_vec(m, NEG_INF);
   warp::fill_vec(l, 0.f);
 
-  // Every group takes as many steps as the first, one past its last block only through its two
-  // barriers: every warp then passes as many barriers, which compute-sanitizer's racecheck needs.
-  const int steps = j1 > j0 ? (j1 - j0 + GROUPS - 1) / GROUPS : 0;
-  for (int n = 0; n < steps; n++) {
-    if (block_of(n) >= j1) {
+  // Groups of several warps take as many steps as the first group, one past its last block only
+  // through its two barriers: every warp then passes as many named barriers, which compute-sanitizer's
+  // racecheck needs to pair them.
+  const int steps = TILES > 1 && j1 > j0 ? (j1 - j0 + GROUPS - 1) / GROUPS : 0;
+  for (int n = 0; block_of(n) < j1 || n < steps; n++) {
+    if (TILES > 1 && block_of(n) >= j1) {
       group_sync();
       group_sync();
       continue;
@@ -314,7 +314,7 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
   // Merge the groups: row r gets sum_x weight[x][r] O_x with weight = 2^(lse_x - lse) (0 for a group
   // that saw nothing), lse the log-sum-exp of the groups' (-inf if none saw a key).
   if (tid < ROWS) {
-    const int tile = tid / TILE_ROWS, r = tid % TILE_ROWS;
+    const int tile = TILES == 1 ? 0 : tid / TILE_ROWS, r = TILES == 1 ? tid : tid % TILE_ROWS;
     float mx = NEG_INF;
     for (int x = 0; x < GROUPS; x++) mx = fmaxf(mx, partial(x, tile).lse[r]);
     float sum = 0.f;
@@ -340,7 +340,8 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
   }
   float *ws_o = p.workspace + p.splits * q_rows;
   for (int i = tid; i < ROWS * D / 2; i += C::THREADS) {
-    const int r = i / (D / 2), d = (i % (D / 2)) * 2, tile = r / TILE_ROWS, rr = r % TILE_ROWS;
+    const int r = i / (D / 2), d = (i % (D / 2)) * 2;
+    const int tile = TILES == 1 ? 0 : r / TILE_ROWS, rr = TILES == 1 ? r : r % TILE_ROWS;
     if (!R.real(r)) continue;
     float2 v{0.f, 0.f};
 #pragma unroll
