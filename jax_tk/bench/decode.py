@@ -13,8 +13,8 @@ holds S valid positions: the cache is full), query/key-value heads 32/8 or 64/8,
 T_new in {1, 4, 16} new tokens per sequence (causal, bottom-right aligned; 16 as in speculative
 decoding), bf16; the cache contiguous ``[B, S, K, H]`` or paged (pages of 16 or 64 rows,
 ``[B*S/page, page, K, H]``, the page table a random permutation so that a sequence's pages are
-scattered over the pool). Configurations whose inputs do not
-fit in ``--max-gb`` (default 60% of the GPU's memory) are skipped.
+scattered over the pool). Configurations whose inputs do not fit in ``--max-gb`` (default 60% of the
+GPU's memory) are skipped.
 
 The default set (``--full`` for the whole product): the grid B x S at 32/8 heads, head_dim 128,
 T_new 1, contiguous; and at (B, S) = (8, 32k) and (64, 8k) one row for each other setting: 64/8 heads,
