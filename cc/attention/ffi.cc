@@ -205,17 +205,10 @@ ffi::Error check_bias(Params &p, const Lead &lead, const ffi::AnyBuffer &q, cons
   return ffi::Error::Success();
 }
 
-// variant: 0 = the fastest kernel for the device, 1 = the mma.sync (sm_80) kernels everywhere.
-bool use_sm90(int32_t variant) {
-  int dev = 0, major = 0, minor = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  return variant == 0 && major == 9 && minor == 0;  // sm_90a code runs on 9.0 only
-}
 
 // Extra... is empty in the production targets; the test targets take ffi::RemainingArgs there: the
 // buffers that tests alias to the outputs to poison them (see jax_tk/_core/ffi.py), ignored here.
+// variant: 0 = the fastest kernels for the device, 1 = the mma.sync (sm_80) kernels everywhere.
 template <typename... Extra>
 ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_lengths,
@@ -248,7 +241,7 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   p.o = o->untyped_data();
   p.lse = static_cast<float *>(lse->untyped_data());
   p.tile_counter = static_cast<int *>(tile_counter->untyped_data());
-  if (use_sm90(variant) && attention::fwd_sm90_supported(p))
+  if (variant == 0 && use_sm90() && attention::fwd_sm90_supported(p))
     return cuda_error(attention::fwd_sm90(p, stream), "attention forward (sm_90a)");
   if (!attention::head_dim_in(p.head_dim, attention::HEAD_DIMS_SM80))
     return invalid("head_dim " + std::to_string(p.head_dim) + ": the forward kernel runs on H100/H200 (sm_90a) only");
@@ -316,7 +309,7 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
     if (zero_dbias)
       if (auto e = cuda_error(cudaMemsetAsync(p.dbias, 0, bytes, stream), "dbias"); e.failure()) return e;
   }
-  if (use_sm90(variant) && attention::bwd_sm90_supported(p))
+  if (variant == 0 && use_sm90() && attention::bwd_sm90_supported(p))
     return cuda_error(attention::bwd_sm90(p, stream), "attention backward (sm_90a)");
   if (!attention::head_dim_in(p.head_dim, attention::HEAD_DIMS_SM80))
     return invalid("head_dim " + std::to_string(p.head_dim) + ": the backward kernel runs on H100/H200 (sm_90a) only");

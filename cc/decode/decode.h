@@ -41,6 +41,7 @@ struct Params {
   float *lse;  // [batch, q_heads, q_len]: each row's log-sum-exp (natural log; -inf where it sees no key)
   int splits = 1;  // parts of each sequence's keys, merged through their log-sum-exp (splits > 1)
   float *workspace;  // splits > 1: workspace_words() floats, see there
+  bool sm90 = false;  // the device runs sm_90a code: blocks of 128 rows take its warp-specialized kernel
 };
 
 // Workspace of a split call, in 4-byte words: each part's log-sum-exp (log2 units) of every query row,
@@ -58,7 +59,8 @@ __host__ __device__ constexpr int block_rows(int rows, int head_dim) {
 }
 inline bool head_dim_supported(int head_dim) { return (head_dim & (head_dim - 1)) == 0 && (head_dim & HEAD_DIMS) != 0; }
 
-// The kernel (mma.sync and cp.async: sm_80 and newer), and the merge of the parts when splits > 1.
+// The kernel (mma.sync and cp.async: sm_80 and newer; wgmma on sm_90a), and the merge of the parts when
+// splits > 1.
 cudaError_t decode(const Params &p, cudaStream_t stream);
 
 }  // namespace jax_tk::decode

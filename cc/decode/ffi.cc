@@ -8,6 +8,8 @@
 // query's shape and dtype), lse float32 [batch, q_heads, q_len] and the workspace, float32
 // [max(workspace_words(), 1)]. Attributes:
 // scale, is_causal, window_left, window_right (-1: unbounded), softcap (0: none), splits.
+// JAX_TK_DECODE_VARIANT=sm80 in the environment: the mma.sync kernels on every GPU (to test them on
+// Hopper).
 #include "decode/decode.h"
 #include "ffi/common.h"
 
@@ -91,6 +93,7 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   p.window_right = window_right;
   p.softcap = softcap;
   p.splits = splits;
+  p.sm90 = use_sm90("JAX_TK_DECODE_VARIANT");
   p.q = q.untyped_data();
   p.o = o->untyped_data();
   p.lse = static_cast<float *>(lse->untyped_data());

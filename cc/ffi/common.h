@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,6 +51,18 @@ inline ffi::Error check_device(int major, int minor) {
     return invalid("this kernel needs compute capability " + std::to_string(major) + "." + std::to_string(minor) +
                    " or newer, the device has " + std::to_string(ma) + "." + std::to_string(mi));
   return ffi::Error::Success();
+}
+
+// Whether the current device runs the sm_90a kernels: compute capability 9.0 exactly (sm_90a code runs
+// there only). `variant_env`, when set to "sm80" in the environment, keeps the mma.sync kernels on every
+// GPU (to test them on Hopper).
+inline bool use_sm90(const char *variant_env = nullptr) {
+  if (const char *v = variant_env ? std::getenv(variant_env) : nullptr; v && std::string(v) == "sm80") return false;
+  int dev = 0, major = 0, minor = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  return major == 9 && minor == 0;
 }
 
 // A handler's production and test bindings from one operand list: head() returns the binding up to

@@ -3,8 +3,6 @@
 // No allocation; calls with an empty output return at once, calls whose output is all zeros (k = 0,
 // no groups, no rows to contract) clear it with a memset.
 #include <climits>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "ffi/common.h"
@@ -15,16 +13,6 @@ namespace {
 
 using gemm::Params;
 
-// JAX_TK_GEMM_VARIANT=sm80: the mma.sync kernels on every GPU (to test them on Hopper).
-bool use_sm90() {
-  const char *v = std::getenv("JAX_TK_GEMM_VARIANT");
-  if (v && std::strcmp(v, "sm80") == 0) return false;
-  int dev = 0, major = 0, minor = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  return major == 9 && minor == 0;  // sm_90a code runs on 9.0 only
-}
 
 std::string dims_of(const ffi::AnyBuffer &x) {
   std::string s;
@@ -95,7 +83,7 @@ ffi::Error ragged_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, 
   if (out_bytes == 0) return ffi::Error::Success();
   if (k == 0 || g == 0 || m == 0)  // (mode 0: k = 0 or no groups; mode 1: no rows) out is all zeros
     return cuda_error(cudaMemsetAsync(p.out, 0, out_bytes, stream), "gemm: clearing out");
-  if (use_sm90()) return cuda_error(gemm::ragged_sm90(p, stream), "gemm (sm_90a)");
+  if (use_sm90("JAX_TK_GEMM_VARIANT")) return cuda_error(gemm::ragged_sm90(p, stream), "gemm (sm_90a)");
   return cuda_error(gemm::ragged_sm80(p, stream), "gemm");
 }
 

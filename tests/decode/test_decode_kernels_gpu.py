@@ -2,7 +2,9 @@
 shuffled, stray NaN pages), ragged lengths in one batch (0, shorter than T_new, odd), page sizes
 16/64/256, T_new 1-16, GQA ratios 1-16, windows, soft cap, head dims 64/128/256, bf16 and fp16, split
 counts 1 to many. The cache past each length is NaN, and the output and workspace are poisoned with
-NaN before the kernel runs: every element must be written, and nothing unread may leak in."""
+NaN before the kernel runs: every element must be written, and nothing unread may leak in. Blocks of
+128 query rows take a kernel of their own on Hopper; ``JAX_TK_DECODE_VARIANT=sm80`` runs the one of
+other GPUs there too (test_sm80_kernel_for_128_rows)."""
 import functools
 
 import jax
@@ -112,9 +114,17 @@ def test_paged(shape, page_size):
     dict(softcap=30.0), dict(softcap=5.0, window=(200, 0), page_size=16),
 ], ids=str)
 @pytest.mark.parametrize("h", [64, 128, 256])
-@pytest.mark.parametrize("t", [4, 12])  # 16 and 48 query rows per KV head
+@pytest.mark.parametrize("t", [4, 12, 32])  # 16, 48 and 128 query rows per KV head
 def test_options(opts, h, t):
     check(2, 3, t, 16, 4, h, (0, 700, 2053), BF16, **opts)
+
+
+@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("opts", [dict(), dict(page_size=16, window=(300, 0)), dict(causal=False, softcap=10.0)], ids=str)
+def test_sm80_kernel_for_128_rows(opts, h, monkeypatch):
+    # the mma.sync kernel that takes 128-row blocks on GPUs before Hopper, run on this one (read at each call)
+    monkeypatch.setenv("JAX_TK_DECODE_VARIANT", "sm80")
+    check(7, 3, 16, 16, 2, h, (0, 1300, 2047), BF16, **opts)
 
 
 def test_many_splits_short_lengths():

@@ -46,7 +46,8 @@ template <typename T> std::vector<T> download(const T *d, size_t n) {
   return host;
 }
 
-int run(const Case &c) {
+// sm90: blocks of 128 rows take the sm_90a kernel (only where the device runs it).
+int run(const Case &c, bool sm90) {
   const int b_count = int(c.lengths.size()), t_count = c.q_len, n_count = c.q_heads, k_count = c.kv_heads;
   const int d = c.head_dim, group = n_count / k_count;
   const bool paged = c.page_size > 0;
@@ -100,6 +101,7 @@ int run(const Case &c) {
   p.lse = upload(std::vector<float>(lse_n, nan));
   p.splits = c.splits;
   p.workspace = upload(std::vector<float>(workspace_words(c.splits, b_count, t_count, n_count, d), nan));
+  p.sm90 = sm90;
   CHECK(decode(p, 0));
   CHECK(cudaDeviceSynchronize());
   auto o = download(static_cast<bf16 *>(p.o), q.size());
@@ -157,33 +159,46 @@ int run(const Case &c) {
   const void *buffers[] = {p.page_table, p.lengths, p.q, p.k, p.v, p.o, p.lse, p.workspace};
   for (const void *x : buffers)
     if (x) CHECK(cudaFree(const_cast<void *>(x)));
-  std::printf("%s B=%d T=%d heads %d/%d D=%d cap=%d page=%d splits=%d: rel err %.3g, lse err %.3g\n",
-              ok ? "ok  " : "FAIL", b_count, t_count, n_count, k_count, d, c.capacity, c.page_size, c.splits, err,
-              lse_err);
+  std::printf("%s B=%d T=%d heads %d/%d D=%d cap=%d page=%d splits=%d%s: rel err %.3g, lse err %.3g\n",
+              ok ? "ok  " : "FAIL", b_count, t_count, n_count, k_count, d, c.capacity, c.page_size, c.splits,
+              sm90 ? " (sm_90a)" : "", err, lse_err);
   return ok ? 0 : 1;
 }
 
 int main() {
+  int dev = 0, major = 0, minor = 0;
+  CHECK(cudaGetDevice(&dev));
+  CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  const bool hopper = major == 9 && minor == 0;
   int failed = 0;
+  auto check = [&](const Case &c) { failed += run(c, hopper); };
   // contiguous: a length 0, one shorter than the new tokens, a full one; one and several parts
   for (int splits : {1, 3}) {
-    failed += run({2, 4, 2, 64, {0, 1, 77}, 77, 0, splits});
-    failed += run({3, 8, 1, 128, {130, 2, 200}, 200, 0, splits, true, 40, 0, 30.f});  // MQA, window, soft cap
+    check({2, 4, 2, 64, {0, 1, 77}, 77, 0, splits});
+    check({3, 8, 1, 128, {130, 2, 200}, 200, 0, splits, true, 40, 0, 30.f});  // MQA, window, soft cap
   }
-  failed += run({1, 2, 2, 256, {300, 45}, 301, 0, 2, false});  // D=256, not causal
+  check({1, 2, 2, 256, {300, 45}, 301, 0, 2, false});  // D=256, not causal
   // paged (table entries outside the pool inside the lengths read as zeros)
-  failed += run({1, 4, 1, 128, {0, 64, 63, 17}, 80, 16, 2});
-  failed += run({4, 16, 4, 64, {250, 9}, 256, 64, 1, false, -1, 2});  // GQA 4 x 4 new tokens, right window
-  failed += run({2, 2, 2, 256, {5, 200}, 240, 48, 4});                // a page size that is not a power of 2
+  check({1, 4, 1, 128, {0, 64, 63, 17}, 80, 16, 2});
+  check({4, 16, 4, 64, {250, 9}, 256, 64, 1, false, -1, 2});  // GQA 4 x 4 new tokens, right window
+  check({2, 2, 2, 256, {5, 200}, 240, 48, 4});                // a page size that is not a power of 2
   // blocks of several row tiles (warps sharing a ring): 48 rows (a tile of padding), 20 rows at D=256,
-  // 64 rows in two parts, 128 rows with a window
-  failed += run({12, 8, 2, 64, {0, 5, 300}, 300, 0, 3});
-  failed += run({5, 8, 2, 256, {129, 40}, 144, 16, 2});
-  failed += run({16, 4, 1, 128, {300, 1}, 320, 0, 2});
-  failed += run({16, 8, 1, 128, {200}, 256, 64, 1, true, 50});
+  // 64 rows in two parts
+  check({12, 8, 2, 64, {0, 5, 300}, 300, 0, 3});
+  check({5, 8, 2, 256, {129, 40}, 144, 16, 2});
+  check({16, 4, 1, 128, {300, 1}, 320, 0, 2});
   // a grid of several waves (half blocks, two per SM), with one and with several row tiles
-  failed += run({1, 8, 4, 128, std::vector<int>(40, 33), 64, 0, 1});
-  failed += run({8, 8, 2, 128, std::vector<int>(70, 70), 80, 0, 1});
+  check({1, 8, 4, 128, std::vector<int>(40, 33), 64, 0, 1});
+  check({8, 8, 2, 128, std::vector<int>(70, 70), 80, 0, 1});
+  // 128 rows (blocks of their own kernel on Hopper; here also the other GPUs'): a window and pages, two
+  // chunks of 128 rows in two parts with pages of 16, a soft cap at D=64 in three parts
+  for (bool sm90 : {hopper, false}) {
+    failed += run({16, 8, 1, 128, {200}, 256, 64, 1, true, 50}, sm90);
+    failed += run({32, 8, 1, 128, {0, 500}, 512, 16, 2}, sm90);
+    failed += run({16, 8, 1, 64, {9, 700, 333}, 720, 0, 3, false, -1, -1, 20.f}, sm90);
+    if (!hopper) break;
+  }
   std::printf("%s\n", failed ? "FAILED" : "all ok");
   return failed ? 2 : 0;
 }

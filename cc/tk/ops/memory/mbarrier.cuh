@@ -27,6 +27,12 @@ __device__ __forceinline__ void arrive_expect_bytes(semaphore &s, uint32_t bytes
 __device__ __forceinline__ void expect_bytes(semaphore &s, uint32_t bytes) {
   asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(&s.bar)), "r"(bytes) : "memory");
 }
+// Arrive once every cp.async this thread has issued so far has landed (the arrival is one of those
+// init counted: .noinc). The copies' writes are then visible to the threads that wait for the phase,
+// through the generic proxy (wgmma, an async-proxy reader, needs fence.proxy.async after the wait).
+__device__ __forceinline__ void arrive_copies(semaphore &s) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(&s.bar)) : "memory");
+}
 // Block until the phase with this parity (0 or 1) has completed.
 __device__ __forceinline__ void wait(semaphore &s, int parity) {
   asm volatile(

@@ -55,19 +55,27 @@ inline bool make_tma_map(tma_map<T, ROWS> &m, const void *ptr, int b, int s, int
   return r == CUDA_SUCCESS;
 }
 
-// Device: one thread loads tile rows [s, s + R) at (b, h), all panels, completing on `bar`; the
-// caller has announced ST::bytes on `bar` (see arrive_expect_bytes).
+// Device: one thread loads rows [row0, row0 + ROWS) of tile dst, all panels, from rows [s, s + ROWS) at
+// (b, h), completing on `bar`; the caller has announced the bytes on `bar` (see arrive_expect_bytes).
+// row0 is a multiple of 8 (the swizzle repeats every 8 rows of a panel).
 template <SharedTile ST, int ROWS>
-__device__ __forceinline__ void load_async(ST &dst, const tma_map<typename ST::dtype, ROWS> &m, coord o, semaphore &bar) {
-  static_assert(ST::rows == ROWS && ST::panel_cols * sizeof(typename ST::dtype) == 128);
+__device__ __forceinline__ void load_rows_async(ST &dst, int row0, const tma_map<typename ST::dtype, ROWS> &m, coord o,
+                                                semaphore &bar) {
+  static_assert(ST::rows % ROWS == 0 && ST::panel_cols * sizeof(typename ST::dtype) == 128);
 #pragma unroll
   for (int p = 0; p < ST::panels; p++) {
     asm volatile(
         "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(
-            smem_addr(dst.panel(p))),
+            smem_addr(dst.panel(p) + row0 * ST::panel_cols)),
         "l"(&m.map), "r"(o.d + p * ST::panel_cols), "r"(o.h), "r"(o.s), "r"(o.b), "r"(smem_addr(&bar.bar))
         : "memory");
   }
+}
+// The whole tile (ROWS of them).
+template <SharedTile ST, int ROWS>
+__device__ __forceinline__ void load_async(ST &dst, const tma_map<typename ST::dtype, ROWS> &m, coord o, semaphore &bar) {
+  static_assert(ST::rows == ROWS);
+  load_rows_async(dst, 0, m, o, bar);
 }
 
 // Device: one thread stores a shared tile to rows [s, s + R) at (b, h), all panels (rows past the end

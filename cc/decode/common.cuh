@@ -1,0 +1,245 @@
+// What the decode kernels share: where a thread block's rows and keys are, the copies of the query and
+// of key blocks (contiguous or paged), and the end of a block (the merge of its groups and the stores).
+#pragma once
+#include <climits>
+
+#include "decode/decode.h"
+#include "tk/tk.cuh"
+
+namespace jax_tk::decode {
+
+using namespace tk;
+
+// The cache row (of the cache seen as [rows, kv_heads, head_dim]) of key position j of sequence b; -1
+// where there is no valid row (past the length, or a page outside the pool).
+__device__ __forceinline__ int cache_row(const Params &p, int b, int j, int valid) {
+  if (j >= valid) return -1;
+  if (!p.page_table) return b * p.capacity + j;
+  const int slot = p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size;
+  const int page = __ldg(p.page_table + (size_t)b * p.max_pages + slot);
+  if (unsigned(page) >= unsigned(p.num_pages)) return -1;
+  return page * p.page_size + (p.page_shift >= 0 ? j & (p.page_size - 1) : j % p.page_size);
+}
+
+// One thread's share of loading a block of KEYS keys (K and V) with the other LANES threads (LANES / 32
+// consecutive warps) that load it: lane l takes the 16-byte chunks l, l + LANES, ... of the block
+// (consecutive lanes, consecutive chunks of a row). find() works out their cache rows (the page-table
+// reads of a paged cache) one step before load() issues the copies, so that the table's latency is
+// not on the path of the loads.
+template <typename T, int D, int KEYS, int LANES> struct KeyRows {
+  static constexpr int ROW_CHUNKS = D / 8, PER_LANE = KEYS * ROW_CHUNKS / LANES;
+  static_assert(LANES % 32 == 0 && PER_LANE * LANES == KEYS * ROW_CHUNKS);
+  int row[PER_LANE];
+  __device__ __forceinline__ static int lane() { return 32 * (warpid() % (LANES / 32)) + laneid(); }
+
+  __device__ __forceinline__ void find(const Params &p, int b, int k0, int valid) {
+    if (p.page_table && p.page_size % KEYS == 0) {  // the block lies in one page: one table read
+      const int first = cache_row(p, b, k0, valid);
+#pragma unroll
+      for (int i = 0; i < PER_LANE; i++) {
+        const int key = (i * LANES + lane()) / ROW_CHUNKS;
+        row[i] = first >= 0 && k0 + key < valid ? first + key : -1;
+      }
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) row[i] = cache_row(p, b, k0 + (i * LANES + lane()) / ROW_CHUNKS, valid);
+  }
+  // Into stage.k and stage.v ([KEYS, D] shared tiles); zeros for rows without a valid key.
+  template <typename Stage> __device__ __forceinline__ void load(Stage &stage, const Params &p, int h) const {
+    const T *K = static_cast<const T *>(p.k), *V = static_cast<const T *>(p.v);
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+      const int idx = i * LANES + lane(), r = idx / ROW_CHUNKS, c = (idx % ROW_CHUNKS) * 8;
+      const long long at = row[i] < 0 ? 0 : ((long long)row[i] * p.kv_heads + h) * D + c;
+      cp_async16(&stage.k(r, c), K + at, row[i] >= 0);
+      cp_async16(&stage.v(r, c), V + at, row[i] >= 0);
+    }
+  }
+};
+
+// A slot of a ring of key blocks: K and V of KEYS keys.
+template <typename T, int KEYS, int D> struct KeyBlock {
+  st<T, KEYS, D> k, v;
+};
+// What a warp leaves for finish(), in its group's ring once the key loop is over.
+template <int D> struct Partial {
+  st<float, TILE_ROWS, D> o;  // normalized output of the warp's tile
+  float lse[TILE_ROWS];       // log2 units; -inf for a row that saw no key
+};
+
+// Which keys the query rows of a tile see. Row r of the tile is row r0 + r of the sequence's (q_len x
+// group) rows, (token, head) = divmod(r0 + r, group), at position end - q_len + token.
+struct Rows {
+  int valid;   // keys [0, valid) hold data: the length clamped to [0, capacity]
+  int end;     // the length as given (positions count from it)
+  int group, q_len, r0, rows;
+  __device__ __forceinline__ bool real(int r) const { return r0 + r < rows; }
+  __device__ __forceinline__ int position(int r) const { return end - q_len + (r0 + r) / group; }
+  // The keys [lo, hi) a row at `position` sees (an empty range for a negative position).
+  __device__ __forceinline__ int2 keys(const Params &p, int position) const {
+    if (position < 0) return {0, 0};
+    int lo = p.window_left >= 0 ? max(0, position - p.window_left) : 0, hi = valid;
+    if (p.causal) hi = min(hi, position + 1);
+    if (p.window_right >= 0) hi = min(hi, position + p.window_right + 1);
+    return {lo, max(lo, hi)};
+  }
+  __device__ __forceinline__ int2 row_keys(const Params &p, int r) const { return real(r) ? keys(p, position(r)) : int2{0, 0}; }
+};
+
+// A thread block's work: sequence b, KV head h, a chunk of ROWS query rows (R), and part `part` of the
+// keys some row of the chunk sees, as key blocks [j0, j1) of KEYS keys. Keys in [full_lo, full_hi) are
+// seen by every real row of the chunk: blocks inside need no elementwise mask.
+struct Block {
+  int b, h, part;
+  Rows R;
+  int j0, j1, full_lo, full_hi;
+  // Row r of the chunk as a row of the query (and of the output), [batch, q_len, q_heads].
+  __device__ __forceinline__ size_t row_index(const Params &p, int r) const {
+    const int x = R.r0 + r;
+    return ((size_t)b * p.q_len + x / R.group) * p.q_heads + h * R.group + x % R.group;
+  }
+};
+
+// Blocks along x: the parts of each chunk of ROWS query rows; y: KV heads; z: sequences.
+template <int ROWS, int KEYS> __device__ __forceinline__ Block block_of(const Params &p) {
+  const int b = blockIdx.z, h = blockIdx.y, group = p.q_heads / p.kv_heads, rows = group * p.q_len;
+  const int chunks = (rows + ROWS - 1) / ROWS, chunk = blockIdx.x % chunks, part = blockIdx.x / chunks;
+  const int length = p.lengths[b];
+  const Rows R{min(max(length, 0), p.capacity), length, group, p.q_len, chunk * ROWS, rows};
+  // Keys some row sees: [lo, hi) (lo from the first row's window, hi from the last row's position).
+  const int first = R.position(0), last = R.position(min(ROWS, rows - R.r0) - 1);  // (real rows)
+  const int2 last_keys = R.keys(p, last), first_keys = R.keys(p, first);
+  const int lo = first >= 0 ? first_keys.x : 0, hi = last_keys.y;  // (a row at position 0 starts at 0)
+  const int blocks0 = lo / KEYS, blocks = hi > lo ? (hi + KEYS - 1) / KEYS - blocks0 : 0;
+  const int per_part = (blocks + p.splits - 1) / p.splits;
+  return {b, h, part, R, blocks0 + min(blocks, part * per_part), blocks0 + min(blocks, (part + 1) * per_part),
+          last_keys.x, first >= 0 ? first_keys.y : INT_MIN};
+}
+
+// The chunk's query rows into q (cp.async, by threads [0, THREADS); the caller commits), zeros past
+// the real rows.
+template <int THREADS, typename QTile> __device__ __forceinline__ void load_query(QTile &q, const Params &p, const Block &k, int tid) {
+  using T = typename QTile::dtype;
+  constexpr int D = QTile::cols;
+  const T *Q = static_cast<const T *>(p.q);
+  for (int i = tid; i < QTile::rows * (D / 8); i += THREADS) {
+    const int r = i / (D / 8), c = (i % (D / 8)) * 8;
+    cp_async16(&q(r, c), Q + (k.R.real(r) ? k.row_index(p, r) * D + c : 0), k.R.real(r));
+  }
+}
+
+// One key block's step of a warp's online softmax (tk::warp::softmax_step, m in units of 1 / c): its
+// logits s (the warp's rows x keys k0 ...) through the soft cap and the mask (row_keys: the keys
+// each of the lane's rows sees), then into weights.
+template <typename S, typename RK, typename V>
+__device__ __forceinline__ void softmax_block(S &s, const Params &p, bool capped, const Block &k, const RK &row_keys, int k0,
+                                              V &m, V &l, V &corr, float c) {
+  constexpr int KEYS = S::cols;
+  if (capped) {
+    const float in = p.scale / p.softcap, out = p.softcap * LOG2E;
+    warp::map(s, s, [=](float x) { return out * warp::tanh_fast(x * in); });
+  }
+  if (k0 < k.full_lo || k0 + KEYS > k.full_hi) {
+    rv<int, KEYS, typename row_vec<S>::layout> cols;
+    warp::map_index(cols, [&](int x) { return k0 + x; });
+    warp::map_outer(s, s, row_keys, cols, [](float x, int2 r, int j) { return j >= r.x && j < r.y ? x : NEG_INF; });
+  }
+  warp::softmax_step(s, m, l, corr, c);
+}
+
+// The log-sum-exp (natural log; -inf: no key) of query row `row` of [batch, q_len, q_heads] into
+// Params::lse, which is [batch, q_heads, q_len] (the attention kernels' layout).
+__device__ __forceinline__ void store_lse(const Params &p, size_t row, float lse2) {
+  const int head = row % p.q_heads, token = (row / p.q_heads) % p.q_len, b = row / ((size_t)p.q_heads * p.q_len);
+  p.lse[((size_t)b * p.q_heads + head) * p.q_len + token] = lse2 == NEG_INF ? NEG_INF : lse2 * LN2;
+}
+
+// The end of a block. Warp t of group g leaves its tile's rows in the group's stages (Partial: O / l
+// and the rows' log-sum-exp, from m in units of 1 / c and l of its online softmax); the groups' rows are
+// merged through their log-sum-exp and go to the output (one part) or to the workspace (this part's
+// share of a split sequence). Threads [0, THREADS) (index tid) take part, sync() is their barrier;
+// every group must be done reading its stages.
+template <typename T, int D, typename C, int THREADS, typename V, typename Sync>
+__device__ __forceinline__ void finish(const Params &p, typename C::Shared &sm, const Block &k, rt_fl<TILE_ROWS, D> &o,
+                                       const V &m, const V &l, float c, int g, int t, int tid, Sync sync) {
+  constexpr int ROWS = C::ROWS, TILES = C::TILES, GROUPS = C::GROUPS;
+  static_assert(sizeof(Partial<D>) * TILES <= sizeof(sm.stage[0]));
+  auto partial = [&](int x, int tile) -> Partial<D> & { return reinterpret_cast<Partial<D> *>(&sm.stage[x])[tile]; };
+  auto &mine = partial(g, t);
+  warp::normalize_output(o, l);
+  warp::store(mine.o, o);
+  V lse;
+  warp::map_vec(lse, m, l, [=](float mx, float x) { return x > 0.f ? mx * c + warp::fn::log2(x) : NEG_INF; });
+  warp::store(mine.lse, lse, TILE_ROWS);
+  sync();
+
+  // Row r gets sum_x weight[x][r] O_x with weight = 2^(lse_x - lse) (0 for a group that saw nothing),
+  // lse the log-sum-exp of the groups' (-inf if none saw a key). A lone group's rows are final.
+  if constexpr (GROUPS > 1) {
+    if (tid < ROWS) {
+      const int tile = TILES == 1 ? 0 : tid / TILE_ROWS, r = TILES == 1 ? tid : tid % TILE_ROWS;
+      float mx = NEG_INF;
+      for (int x = 0; x < GROUPS; x++) mx = fmaxf(mx, partial(x, tile).lse[r]);
+      float sum = 0.f;
+      for (int x = 0; x < GROUPS; x++) {
+        const float e = mx == NEG_INF ? 0.f : warp::fn::exp2(partial(x, tile).lse[r] - mx);
+        sm.weight[x][tid] = e;
+        sum += e;
+      }
+      for (int x = 0; x < GROUPS; x++) sm.weight[x][tid] = sum > 0.f ? sm.weight[x][tid] / sum : 0.f;
+      sm.lse[tid] = sum > 0.f ? mx + warp::fn::log2(sum) : NEG_INF;
+    }
+    sync();
+  }
+
+  const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
+  if (tid < ROWS && k.R.real(tid)) {
+    float lse;
+    if constexpr (GROUPS == 1) lse = partial(0, tid / TILE_ROWS).lse[tid % TILE_ROWS];
+    else lse = sm.lse[tid];
+    if (p.splits > 1) p.workspace[k.part * q_rows + k.row_index(p, tid)] = lse;
+    else store_lse(p, k.row_index(p, tid), lse);
+  }
+  float *ws_o = p.workspace + p.splits * q_rows;
+  for (int i = tid; i < ROWS * D / 2; i += THREADS) {
+    const int r = i / (D / 2), d = (i % (D / 2)) * 2;
+    const int tile = TILES == 1 ? 0 : r / TILE_ROWS, rr = TILES == 1 ? r : r % TILE_ROWS;
+    if (!k.R.real(r)) continue;
+    float2 v{partial(0, tile).o(rr, d), partial(0, tile).o(rr, d + 1)};
+    if constexpr (GROUPS > 1) {
+      v = {0.f, 0.f};
+#pragma unroll
+      for (int x = 0; x < GROUPS; x++) {
+        const float wgt = sm.weight[x][r];
+        v.x += wgt * partial(x, tile).o(rr, d);
+        v.y += wgt * partial(x, tile).o(rr, d + 1);
+      }
+    }
+    if (p.splits > 1)
+      *reinterpret_cast<float2 *>(ws_o + ((size_t)k.part * q_rows + k.row_index(p, r)) * D + d) = v;
+    else
+      *reinterpret_cast<packed<T> *>(static_cast<T *>(p.o) + k.row_index(p, r) * D + d) = from_float2<packed<T>>(v);
+  }
+}
+
+template <typename Kernel, typename Arg>
+cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Arg &arg) {
+  if (smem > 48 * 1024) {
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)); e != cudaSuccess)
+      return e;
+  }
+  kernel<<<grid, block, smem, stream>>>(arg);
+  return cudaGetLastError();
+}
+
+// The grid of the main kernel (block_of's blocks).
+inline dim3 grid_of(const Params &p) {
+  const int rows = p.q_heads / p.kv_heads * p.q_len, chunk = block_rows(rows, p.head_dim);
+  return dim3((rows + chunk - 1) / chunk * p.splits, p.kv_heads, p.batch);
+}
+
+// The main kernel for blocks of 128 rows on sm_90a (decode_sm90.cu); head_dim 64 or 128.
+cudaError_t decode_sm90_128(const Params &p, cudaStream_t stream);
+
+}  // namespace jax_tk::decode

@@ -1,0 +1,226 @@
+// Decode attention on Hopper (sm_90a) for blocks of 128 query rows of one KV head (e.g. 8 query heads
+// per KV head x 16 new tokens in speculative decoding). At 128 rows each key costs as many flops as a
+// training forward's, and the tensor cores, not HBM, set the pace unless the softmax hides behind
+// them; so this block is organized like a training forward (tk/pipeline):
+//
+// - A producer warpgroup loads key blocks (K and V, 128 keys) into a ring of stages. A block of valid
+//   rows goes by TMA: one box of the cache, or boxes of 16 rows from the pages of a paged cache (one
+//   table read per box). Any other block (the last one of a sequence, whose rows past the length
+//   must be zeros; a page outside the pool; pages of other sizes) is copied row by row with cp.async
+//   as decode.cu does it, each thread arriving on the stage's semaphore when its copies land.
+// - Two consumer warpgroups of 64 rows each multiply on wgmma, operands from shared memory. Each
+//   issues S = Q K_j^T together with O += P_{j-1} V_{j-1} and runs the softmax of block j while they
+//   are in flight, and the two take turns issuing (named barriers): one's softmax overlaps the
+//   other's products. A stage is freed once both are done with its V.
+// - The parts of a split sequence and the end of the block are the other kernel's (common.cuh).
+#include "decode/common.cuh"
+
+namespace jax_tk::decode {
+namespace {
+
+template <typename T, int D, int BOX_> struct Wide {
+  using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/72, /*CONSUMER_REGS=*/216>;
+  static constexpr int TILES = 8, GROUPS = 1, ROWS = TILE_ROWS * TILES, THREADS = Roles::THREADS;
+  static constexpr int KEYS = 128, BOX = BOX_;  // (BOX: rows of a TMA box, see Args)
+  using Stage = KeyBlock<T, KEYS, D>;
+  static constexpr int STAGES = 192 * 1024 / sizeof(Stage);  // 192 KiB of K and V
+  struct Shared {
+    st<T, ROWS, D> q;
+    Stage stage[GROUPS][STAGES];
+    semaphore full[STAGES], empty[STAGES];
+  };
+  static_assert(Roles::CONSUMERS * 64 == ROWS && sizeof(Shared) <= 227 * 1024);
+};
+
+// The kernel's parameters: the call's, and tensor maps of the caches ([batch, capacity] or [num_pages,
+// page_size] x [kv_heads, head_dim]) with boxes of BOX rows (a key block, or a part of one that lies in a
+// page), if `bulk`.
+template <typename T, int BOX> struct Args {
+  Params p;
+  tma_map<T, BOX> k, v;
+  bool bulk;
+};
+
+// Where the boxes of keys [k0, k0 + KEYS) of the block's sequence start: box i = keys k0 + BOX i ...,
+// at coordinates {b, s} of the tensor maps. False where the keys are not boxes of valid rows: some
+// past the valid keys (their rows must arrive as zeros, whatever the cache holds there), a page outside
+// the pool, or no maps.
+template <int KEYS, int BOX, typename A> struct Boxes {
+  int2 at[KEYS / BOX];
+  __device__ __forceinline__ bool find(const A &a, const Block &blk, int k0) {
+    const Params &p = a.p;
+    if (!a.bulk || k0 + KEYS > blk.R.valid) return false;
+    bool ok = true;
+#pragma unroll
+    for (int i = 0; i < KEYS / BOX; i++) {
+      const int j = k0 + BOX * i;
+      if (!p.page_table) {
+        at[i] = {blk.b, j};
+        continue;
+      }
+      const int page = __ldg(p.page_table + (size_t)blk.b * p.max_pages + j / p.page_size);
+      ok = ok && unsigned(page) < unsigned(p.num_pages);
+      at[i] = {page, j % p.page_size};
+    }
+    return ok;
+  }
+};
+
+template <typename T, int D, typename C>
+__global__ __launch_bounds__(C::THREADS, 1) void decode_sm90_kernel(const __grid_constant__ Args<T, C::BOX> a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using R = typename C::Roles;
+  constexpr int KEYS = C::KEYS, STAGES = C::STAGES, CONSUMERS = 128 * R::CONSUMERS;  // (threads)
+  const Params &p = a.p;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
+  auto &stages = sm.stage[0];
+  const ring<STAGES> kv{sm.full, sm.empty};
+  const Block blk = block_of<C::ROWS, KEYS>(p);
+  const int wg = warpgroup::groupid();
+  if (threadIdx.x == 0) {
+    init(kv, 128, R::CONSUMERS * 4);  // full: each producer thread; empty: each consumer warp
+    fence_barrier_init();
+  }
+  if (wg != R::PRODUCER) {
+    load_query<CONSUMERS>(sm.q, p, blk, threadIdx.x);
+    commit_group();
+  }
+  __syncthreads();
+
+  if (wg == R::PRODUCER) {
+    // Blocks of boxes go by TMA (one thread issues them, the others only arrive); any other by every
+    // thread's cp.async, row by row.
+    R::enter_producer();
+    for (ring_pos<STAGES> at(0); blk.j0 + at.n < blk.j1; ++at) {
+      const int k0 = (blk.j0 + at.n) * KEYS;
+      auto &stage = stages[at.slot];
+      Boxes<KEYS, C::BOX, Args<T, C::BOX>> boxes;
+      const bool bulk = boxes.find(a, blk, k0);  // (the table reads, before the wait)
+      wait_empty(kv, at);
+      if (bulk) {
+        if (threadIdx.x % 128 == 0) {
+          arrive_expect_bytes(kv.full(at), sizeof(stage));
+#pragma unroll
+          for (int i = 0; i < KEYS / C::BOX; i++) {
+            load_rows_async(stage.k, C::BOX * i, a.k, {boxes.at[i].x, boxes.at[i].y, blk.h, 0}, kv.full(at));
+            load_rows_async(stage.v, C::BOX * i, a.v, {boxes.at[i].x, boxes.at[i].y, blk.h, 0}, kv.full(at));
+          }
+        } else {
+          arrive(kv.full(at));
+        }
+      } else {
+        KeyRows<T, D, KEYS, 128> rows;
+        rows.find(p, blk.b, k0, blk.R.valid);
+        rows.load(stage, p, blk.h);
+        arrive_copies(kv.full(at));
+      }
+    }
+    commit_group();
+    wait_group<0>();  // (no copy outlives its thread)
+    return;
+  }
+
+  R::enter_consumer();
+  wait_group<0>();
+  warpgroup::fence_shared_writes();
+  sync_named(3, CONSUMERS);  // the query rows (the consumers' copies) have landed
+  const int t = warpid(), r_tile = TILE_ROWS * t;  // the warp's tile of 16 rows
+  const auto q = window<64, D>(sm.q, 64 * wg, 0);  // its warpgroup's rows
+
+  using s_tile = rt_fl<TILE_ROWS, KEYS>;
+  rv<int2, TILE_ROWS, typename col_vec<s_tile>::layout> row_keys;  // (as in decode.cu)
+  warp::map_index(row_keys, [&](int r) { return blk.R.row_keys(p, r_tile + r); });
+  const bool capped = p.softcap > 0.f;
+  const float c = capped ? 1.f : p.scale * LOG2E;
+  s_tile s;
+  rt<T, TILE_ROWS, KEYS> pr;
+  rt_fl<TILE_ROWS, D> o;
+  col_vec<s_tile> m, l, corr;
+  warp::zero(o);
+  warp::fill_vec(m, NEG_INF);
+  warp::fill_vec(l, 0.f);
+
+  // Turns: named barrier 1 + w opens consumer w's turn when the other arrives on it; consumer 1 opens
+  // the first, and consumer 0 takes the answer to the last one at the end.
+  auto my_turn = [&] { sync_named(1 + wg, CONSUMERS); };
+  auto your_turn = [&] { arrive_named(2 - wg, CONSUMERS); };
+  if (wg == 1) your_turn();
+  // Stage `at` holds its block (the producer's copies, for wgmma's async proxy).
+  auto ready = [&](ring_use<STAGES> at) {
+    wait_full(kv, at);
+    warpgroup::fence_shared_writes();
+  };
+  if (blk.j0 < blk.j1) {
+    ring_pos<STAGES> at(0);  // the block in S (the one before it is in P)
+    ready(at);
+    my_turn();
+    warpgroup::mma_ABt(s, q, stages[at.slot].k, false);
+    your_turn();
+    warpgroup::wait<0>();
+    warpgroup::fence_registers(s);
+    softmax_block(s, p, capped, blk, row_keys, blk.j0 * KEYS, m, l, corr, c);
+    warp::copy(pr, s);
+    for (int j = blk.j0 + 1; j < blk.j1; j++) {
+      const ring_use<STAGES> prev = at;
+      ++at;
+      ready(at);
+      my_turn();
+      warpgroup::mma_ABt(s, q, stages[at.slot].k, false);    // S_j = Q K_j^T
+      warpgroup::mma_AB(o, pr, stages[prev.slot].v, true);  // O += P_{j-1} V_{j-1}
+      your_turn();
+      warpgroup::wait<1>();  // S_j is ready
+      warpgroup::fence_registers(s);
+      softmax_block(s, p, capped, blk, row_keys, j * KEYS, m, l, corr, c);
+      warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done: its stage is free
+      warpgroup::fence_registers(o);
+      warpgroup::fence_registers(pr);
+      if (laneid() == 0) arrive_empty(kv, prev);
+      warp::mul_row(o, o, corr);
+      warp::copy(pr, s);
+    }
+    my_turn();
+    warpgroup::mma_AB(o, pr, stages[at.slot].v, true);
+    your_turn();
+    warpgroup::wait<0>();
+    warpgroup::fence_registers(o);
+  }
+  if (wg == 0) my_turn();  // the answer to consumer 1's last turn
+  sync_named(3, CONSUMERS);  // both are done with the stages, which finish() writes over
+  finish<T, D, C, CONSUMERS>(p, sm, blk, o, m, l, c, 0, t, threadIdx.x, [] { sync_named(3, CONSUMERS); });
+#endif
+}
+
+// Boxes of a whole key block where the cache is contiguous or its pages hold whole blocks, else of 16
+// rows where pages are multiples of 16; other pages take cp.async only.
+template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t stream) {
+  auto go = [&]<int BOX>() {
+    using C = Wide<T, D, BOX>;
+    Args<T, BOX> a{p, {}, {}, false};
+    const bool paged = p.page_table != nullptr;
+    if (!paged || p.page_size % BOX == 0) {
+      const int b = paged ? p.num_pages : p.batch, s = paged ? p.page_size : p.capacity;
+      a.bulk = make_tma_map(a.k, p.k, b, s, p.kv_heads, D) && make_tma_map(a.v, p.v, b, s, p.kv_heads, D);
+    }
+    return launch(decode_sm90_kernel<T, D, C>, grid_of(p), dim3(C::THREADS), sizeof(typename C::Shared), stream, a);
+  };
+  constexpr int KEYS = Wide<T, D, 16>::KEYS;
+  if (p.page_table && p.page_size % KEYS != 0 && p.page_size % 16 == 0) return go.template operator()<16>();
+  return go.template operator()<KEYS>();
+}
+
+template <typename T> cudaError_t by_dim(const Params &p, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return run<T, 64>(p, stream);
+    case 128: return run<T, 128>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t decode_sm90_128(const Params &p, cudaStream_t stream) {
+  return p.dtype == DType::bf16 ? by_dim<bf16>(p, stream) : by_dim<half>(p, stream);
+}
+
+}  // namespace jax_tk::decode
