@@ -32,8 +32,9 @@ namespace {
 // half the warps, two per SM, so that one block's ramp and tail overlap the other's streaming instead
 // of leaving the SM idle between blocks. A block of TILES row tiles has WARPS / TILES groups (at least
 // TILES warps: eight tiles take a whole SM), each with a ring of key blocks TILES times longer: longer
-// blocks, up to 128 keys, then more stages. Eight tiles are a lone group, with no other to overlap
-// its waits: one stage more.
+// blocks, up to 128 keys, then more stages. Eight tiles (a lone group; on Hopper such blocks take
+// decode_sm90.cu's kernel) fit an A100's shared memory. Where a WIDE block does not fit the device
+// (head dim 256 on an A100), it takes the half one.
 template <typename T, int D, bool WIDE, int TILES_> struct Config {
   static constexpr int TILES = TILES_, BASE_WARPS = (D <= 128 ? 8 : 4) / (WIDE ? 1 : 2);
   static constexpr int WARPS = BASE_WARPS > TILES ? BASE_WARPS : TILES, THREADS = 32 * WARPS;
@@ -41,7 +42,7 @@ template <typename T, int D, bool WIDE, int TILES_> struct Config {
   static constexpr int BLOCKS_PER_SM = WIDE ? 1 : 2;
   // keys per group step: 8 KiB of K and V per tile (16 KiB at D=256)
   static constexpr int TILE_KEYS = D >= 128 ? 16 : 32, KEYS = TILE_KEYS * TILES < 128 ? TILE_KEYS * TILES : 128;
-  static constexpr int STAGES = (D <= 128 ? 2 : 3) * (TILE_KEYS * TILES / KEYS) + (TILES == 8 ? 1 : 0);
+  static constexpr int STAGES = (D <= 128 ? 2 : 3) * (TILE_KEYS * TILES / KEYS);
   static constexpr bool Q_IN_REGISTERS = D <= 128;  // at D=256 the query stays in shared memory
   using Stage = KeyBlock<T, KEYS, D>;
   struct Shared {
@@ -51,7 +52,7 @@ template <typename T, int D, bool WIDE, int TILES_> struct Config {
     float lse[ROWS];
   };
   static_assert(WARPS % TILES == 0 && GROUPS <= 15);  // (a named barrier per group: ids 1..GROUPS)
-  static_assert(sizeof(Shared) * BLOCKS_PER_SM <= 227 * 1024);
+  static_assert(sizeof(Shared) * BLOCKS_PER_SM <= 227 * 1024 && (TILES < 8 || sizeof(Shared) <= 163 * 1024));
 };
 
 template <typename T, int D, typename C>
@@ -248,9 +249,16 @@ template <typename T, int D, int TILES> cudaError_t by_grid(const Params &p, cud
     using C = Config<T, D, WIDE, TILES>;
     return launch(decode_kernel<T, D, C>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p);
   };
-  if (TILES == 8 || size_t(grid.x) * grid.y * grid.z <= TARGET_BLOCKS) return run.template operator()<true>();
-  if constexpr (TILES < 8) return run.template operator()<false>();
-  return cudaErrorInvalidValue;
+  if constexpr (TILES == 8) {
+    return run.template operator()<true>();
+  } else {
+    int dev = 0, smem = 0;
+    if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+    if (cudaError_t e = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev); e != cudaSuccess) return e;
+    const bool fits = sizeof(typename Config<T, D, true, TILES>::Shared) <= size_t(smem);
+    if (fits && size_t(grid.x) * grid.y * grid.z <= TARGET_BLOCKS) return run.template operator()<true>();
+    return run.template operator()<false>();
+  }
 }
 
 // The main kernel for the block's tiles of rows (up to MOST tiles at this head dim), then the merge of
