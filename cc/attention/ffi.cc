@@ -205,7 +205,6 @@ ffi::Error check_bias(Params &p, const Lead &lead, const ffi::AnyBuffer &q, cons
   return ffi::Error::Success();
 }
 
-
 // Extra... is empty in the production targets; the test targets take ffi::RemainingArgs there: the
 // buffers that tests alias to the outputs to poison them (see jax_tk/_core/ffi.py), ignored here.
 // variant: 0 = the fastest kernels for the device, 1 = the mma.sync (sm_80) kernels everywhere.

@@ -245,19 +245,19 @@ template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel
 // (Eight tiles take the whole SM whatever the grid.)
 template <typename T, int D, int TILES> cudaError_t by_grid(const Params &p, cudaStream_t stream) {
   const dim3 grid = grid_of(p);
-  auto run = [&]<bool WIDE>() {
+  auto go = [&]<bool WIDE>() {
     using C = Config<T, D, WIDE, TILES>;
     return launch(decode_kernel<T, D, C>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p);
   };
   if constexpr (TILES == 8) {
-    return run.template operator()<true>();
+    return go.template operator()<true>();
   } else {
     int dev = 0, smem = 0;
     if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
     if (cudaError_t e = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev); e != cudaSuccess) return e;
     const bool fits = sizeof(typename Config<T, D, true, TILES>::Shared) <= size_t(smem);
-    if (fits && size_t(grid.x) * grid.y * grid.z <= TARGET_BLOCKS) return run.template operator()<true>();
-    return run.template operator()<false>();
+    if (fits && size_t(grid.x) * grid.y * grid.z <= TARGET_BLOCKS) return go.template operator()<true>();
+    return go.template operator()<false>();
   }
 }
 

@@ -13,7 +13,6 @@ namespace {
 
 using gemm::Params;
 
-
 std::string dims_of(const ffi::AnyBuffer &x) {
   std::string s;
   for (auto d : x.dimensions()) s += std::to_string(d) + ", ";
