@@ -156,10 +156,11 @@ __device__ __forceinline__ void store_lse(const Params &p, size_t row, float lse
 }
 
 // The end of a block. Warp t of group g leaves its tile's rows in the group's stages (Partial: O / l
-// and the rows' log-sum-exp, from m in units of 1 / c and l of its online softmax); the groups' rows are
-// merged through their log-sum-exp and go to the output (one part) or to the workspace (this part's
-// share of a split sequence). Threads [0, THREADS) (index tid) take part, sync() is their barrier;
-// every group must be done reading its stages.
+// and the rows' log-sum-exp, from m in units of 1 / c and l of its online softmax). A lone group's
+// rows are final: each warp stores its own. Otherwise the groups' rows are merged through their
+// log-sum-exp. Either way they go to the output (one part) or to the workspace (this part's share of a
+// split sequence). Threads [0, THREADS) (index tid) take part, sync() is their barrier; every group
+// must be done reading its stages.
 template <typename T, int D, typename C, int THREADS, typename V, typename Sync>
 __device__ __forceinline__ void finish(const Params &p, typename C::Shared &sm, const Block &k, rt_fl<TILE_ROWS, D> &o,
                                        const V &m, const V &l, float c, int g, int t, int tid, Sync sync) {
@@ -172,11 +173,33 @@ __device__ __forceinline__ void finish(const Params &p, typename C::Shared &sm, 
   V lse;
   warp::map_vec(lse, m, l, [=](float mx, float x) { return x > 0.f ? mx * c + warp::fn::log2(x) : NEG_INF; });
   warp::store(mine.lse, lse, TILE_ROWS);
-  sync();
 
-  // Row r gets sum_x weight[x][r] O_x with weight = 2^(lse_x - lse) (0 for a group that saw nothing),
-  // lse the log-sum-exp of the groups' (-inf if none saw a key). A lone group's rows are final.
-  if constexpr (GROUPS > 1) {
+  // Row r (of the block) with its log-sum-exp goes out, output row by row in pairs of columns.
+  const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
+  float *ws_o = p.workspace + p.splits * q_rows;
+  auto store_row = [&](int r, float lse) {
+    if (p.splits > 1) p.workspace[k.part * q_rows + k.row_index(p, r)] = lse;
+    else store_lse(p, k.row_index(p, r), lse);
+  };
+  auto store_pair = [&](int r, int d, float2 v) {
+    if (p.splits > 1)
+      *reinterpret_cast<float2 *>(ws_o + ((size_t)k.part * q_rows + k.row_index(p, r)) * D + d) = v;
+    else
+      *reinterpret_cast<packed<T> *>(static_cast<T *>(p.o) + k.row_index(p, r) * D + d) = from_float2<packed<T>>(v);
+  };
+
+  if constexpr (GROUPS == 1) {
+    __syncwarp();
+    const int lane = laneid(), r0 = TILE_ROWS * t;
+    if (lane < TILE_ROWS && k.R.real(r0 + lane)) store_row(r0 + lane, mine.lse[lane]);
+    for (int i = lane; i < TILE_ROWS * D / 2; i += 32) {
+      const int r = i / (D / 2), d = (i % (D / 2)) * 2;
+      if (k.R.real(r0 + r)) store_pair(r0 + r, d, {mine.o(r, d), mine.o(r, d + 1)});
+    }
+  } else {
+    // Row r gets sum_x weight[x][r] O_x with weight = 2^(lse_x - lse) (0 for a group that saw nothing),
+    // lse the log-sum-exp of the groups' (-inf if none saw a key).
+    sync();
     if (tid < ROWS) {
       const int tile = TILES == 1 ? 0 : tid / TILE_ROWS, r = TILES == 1 ? tid : tid % TILE_ROWS;
       float mx = NEG_INF;
@@ -191,35 +214,20 @@ __device__ __forceinline__ void finish(const Params &p, typename C::Shared &sm, 
       sm.lse[tid] = sum > 0.f ? mx + warp::fn::log2(sum) : NEG_INF;
     }
     sync();
-  }
-
-  const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
-  if (tid < ROWS && k.R.real(tid)) {
-    float lse;
-    if constexpr (GROUPS == 1) lse = partial(0, tid / TILE_ROWS).lse[tid % TILE_ROWS];
-    else lse = sm.lse[tid];
-    if (p.splits > 1) p.workspace[k.part * q_rows + k.row_index(p, tid)] = lse;
-    else store_lse(p, k.row_index(p, tid), lse);
-  }
-  float *ws_o = p.workspace + p.splits * q_rows;
-  for (int i = tid; i < ROWS * D / 2; i += THREADS) {
-    const int r = i / (D / 2), d = (i % (D / 2)) * 2;
-    const int tile = TILES == 1 ? 0 : r / TILE_ROWS, rr = TILES == 1 ? r : r % TILE_ROWS;
-    if (!k.R.real(r)) continue;
-    float2 v{partial(0, tile).o(rr, d), partial(0, tile).o(rr, d + 1)};
-    if constexpr (GROUPS > 1) {
-      v = {0.f, 0.f};
+    if (tid < ROWS && k.R.real(tid)) store_row(tid, sm.lse[tid]);
+    for (int i = tid; i < ROWS * D / 2; i += THREADS) {
+      const int r = i / (D / 2), d = (i % (D / 2)) * 2;
+      const int tile = TILES == 1 ? 0 : r / TILE_ROWS, rr = TILES == 1 ? r : r % TILE_ROWS;
+      if (!k.R.real(r)) continue;
+      float2 v{0.f, 0.f};
 #pragma unroll
       for (int x = 0; x < GROUPS; x++) {
         const float wgt = sm.weight[x][r];
         v.x += wgt * partial(x, tile).o(rr, d);
         v.y += wgt * partial(x, tile).o(rr, d + 1);
       }
+      store_pair(r, d, v);
     }
-    if (p.splits > 1)
-      *reinterpret_cast<float2 *>(ws_o + ((size_t)k.part * q_rows + k.row_index(p, r)) * D + d) = v;
-    else
-      *reinterpret_cast<packed<T> *>(static_cast<T *>(p.o) + k.row_index(p, r) * D + d) = from_float2<packed<T>>(v);
   }
 }
 

@@ -4,10 +4,11 @@
 // them; so this block is organized like a training forward (tk/pipeline):
 //
 // - A producer warpgroup loads key blocks (K and V, 128 keys) into a ring of stages. A block of valid
-//   rows goes by TMA: one box of the cache, or boxes of 16 rows from the pages of a paged cache (one
-//   table read per box). Any other block (the last one of a sequence, whose rows past the length
-//   must be zeros; a page outside the pool; pages of other sizes) is copied row by row with cp.async
-//   as decode.cu does it, each thread arriving on the stage's semaphore when its copies land.
+//   rows goes by TMA: one box of the cache, or boxes of 64 or 16 rows from the pages of a paged cache,
+//   each found (one table read) and issued by a lane of its own. Any other block (the last one of a
+//   sequence, whose rows past the length must be zeros; a page outside the pool; pages of other sizes)
+//   is copied row by row with cp.async as decode.cu does it, each thread arriving on the stage's
+//   semaphore when its copies land.
 // - Two consumer warpgroups of 64 rows each multiply on wgmma, operands from shared memory. Each
 //   issues S = Q K_j^T together with O += P_{j-1} V_{j-1} and runs the softmax of block j while they
 //   are in flight, and the two take turns issuing (named barriers): one's softmax overlaps the
@@ -41,28 +42,28 @@ template <typename T, int BOX> struct Args {
   bool bulk;
 };
 
-// Where the boxes of keys [k0, k0 + KEYS) of the block's sequence start: box i = keys k0 + BOX i ...,
-// at coordinates {b, s} of the tensor maps. False where the keys are not boxes of valid rows: some
-// past the valid keys (their rows must arrive as zeros, whatever the cache holds there), a page outside
-// the pool, or no maps.
-template <int KEYS, int BOX, typename A> struct Boxes {
-  int2 at[KEYS / BOX];
+// Box `i` of the keys [k0, k0 + KEYS) of the block's sequence: keys k0 + BOX i ..., at coordinates
+// {b, s} of the tensor maps. Each lane of a warp finds box lane % (KEYS / BOX) (one table read) and the
+// warp agrees whether the whole block goes by boxes: not where some keys lie past the valid ones (their
+// rows must arrive as zeros, whatever the cache holds there), a page lies outside the pool, or there
+// are no maps.
+template <int KEYS, int BOX, typename A> struct Box {
+  static constexpr int COUNT = KEYS / BOX;
+  static_assert(COUNT <= 32);
+  int2 at;
   __device__ __forceinline__ bool find(const A &a, const Block &blk, int k0) {
     const Params &p = a.p;
     if (!a.bulk || k0 + KEYS > blk.R.valid) return false;
+    const int j = k0 + BOX * (laneid() % COUNT);
     bool ok = true;
-#pragma unroll
-    for (int i = 0; i < KEYS / BOX; i++) {
-      const int j = k0 + BOX * i;
-      if (!p.page_table) {
-        at[i] = {blk.b, j};
-        continue;
-      }
+    if (!p.page_table) {
+      at = {blk.b, j};
+    } else {
       const int page = __ldg(p.page_table + (size_t)blk.b * p.max_pages + j / p.page_size);
-      ok = ok && unsigned(page) < unsigned(p.num_pages);
-      at[i] = {page, j % p.page_size};
+      ok = unsigned(page) < unsigned(p.num_pages);
+      at = {page, j % p.page_size};
     }
-    return ok;
+    return __all_sync(~0u, ok);
   }
 };
 
@@ -89,26 +90,26 @@ __global__ __launch_bounds__(C::THREADS, 1) void decode_sm90_kernel(const __grid
   __syncthreads();
 
   if (wg == R::PRODUCER) {
-    // Blocks of boxes go by TMA (one thread issues them, the others only arrive); any other by every
+    // Blocks of boxes go by TMA (the first warp's lanes issue one box each, the other threads only
+    // arrive: many small boxes issued by one thread held the producer back); any other by every
     // thread's cp.async, row by row.
     R::enter_producer();
+    using B = Box<KEYS, C::BOX, Args<T, C::BOX>>;
+    const int tid = threadIdx.x % 128;
     for (ring_pos<STAGES> at(0); blk.j0 + at.n < blk.j1; ++at) {
       const int k0 = (blk.j0 + at.n) * KEYS;
       auto &stage = stages[at.slot];
-      Boxes<KEYS, C::BOX, Args<T, C::BOX>> boxes;
-      const bool bulk = boxes.find(a, blk, k0);  // (the table reads, before the wait)
+      B box;
+      const bool bulk = box.find(a, blk, k0);  // (the table reads, before the wait)
       wait_empty(kv, at);
       if (bulk) {
-        if (threadIdx.x % 128 == 0) {
-          arrive_expect_bytes(kv.full(at), sizeof(stage));
-#pragma unroll
-          for (int i = 0; i < KEYS / C::BOX; i++) {
-            load_rows_async(stage.k, C::BOX * i, a.k, {boxes.at[i].x, boxes.at[i].y, blk.h, 0}, kv.full(at));
-            load_rows_async(stage.v, C::BOX * i, a.v, {boxes.at[i].x, boxes.at[i].y, blk.h, 0}, kv.full(at));
-          }
-        } else {
-          arrive(kv.full(at));
+        if (tid == 0) arrive_expect_bytes(kv.full(at), sizeof(stage));
+        __syncwarp();
+        if (tid < B::COUNT) {
+          load_rows_async(stage.k, C::BOX * tid, a.k, {box.at.x, box.at.y, blk.h, 0}, kv.full(at));
+          load_rows_async(stage.v, C::BOX * tid, a.v, {box.at.x, box.at.y, blk.h, 0}, kv.full(at));
         }
+        if (tid != 0) arrive(kv.full(at));
       } else {
         KeyRows<T, D, KEYS, 128> rows;
         rows.find(p, blk.b, k0, blk.R.valid);
@@ -191,8 +192,8 @@ __global__ __launch_bounds__(C::THREADS, 1) void decode_sm90_kernel(const __grid
 #endif
 }
 
-// Boxes of a whole key block where the cache is contiguous or its pages hold whole blocks, else of 16
-// rows where pages are multiples of 16; other pages take cp.async only.
+// Boxes of a whole key block where the cache is contiguous or its pages hold whole blocks, else of
+// 64 or 16 rows where pages are multiples of those; other pages take cp.async only.
 template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t stream) {
   auto go = [&]<int BOX>() {
     using C = Wide<T, D, BOX>;
@@ -205,8 +206,9 @@ template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t strea
     return launch(decode_sm90_kernel<T, D, C>, grid_of(p), dim3(C::THREADS), sizeof(typename C::Shared), stream, a);
   };
   constexpr int KEYS = Wide<T, D, 16>::KEYS;
-  if (p.page_table && p.page_size % KEYS != 0 && p.page_size % 16 == 0) return go.template operator()<16>();
-  return go.template operator()<KEYS>();
+  if (!p.page_table || p.page_size % KEYS == 0) return go.template operator()<KEYS>();
+  if (p.page_size % 64 == 0) return go.template operator()<64>();
+  return go.template operator()<16>();
 }
 
 template <typename T> cudaError_t by_dim(const Params &p, cudaStream_t stream) {
