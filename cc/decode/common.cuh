@@ -241,6 +241,17 @@ cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream
   return cudaGetLastError();
 }
 
+// run.template operator()<T, D>() for the call's dtype T and head dim D, one of DIMS (invalid value
+// for any other).
+template <int... DIMS, typename Run> cudaError_t by_type(const Params &p, Run run) {
+  auto by_dim = [&]<typename T>() {
+    cudaError_t e = cudaErrorInvalidValue;
+    ((p.head_dim == DIMS ? (e = run.template operator()<T, DIMS>(), 0) : 0), ...);
+    return e;
+  };
+  return p.dtype == DType::bf16 ? by_dim.template operator()<bf16>() : by_dim.template operator()<half>();
+}
+
 // The grid of the main kernel (block_of's blocks).
 inline dim3 grid_of(const Params &p) {
   const int rows = p.q_heads / p.kv_heads * p.q_len, chunk = block_rows(rows, p.head_dim);

@@ -278,19 +278,10 @@ template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t strea
   return launch(merge_kernel<T, D>, dim3(unsigned((q_rows + 3) / 4)), dim3(128), 0, stream, p);
 }
 
-template <typename T> cudaError_t by_dim(const Params &p, cudaStream_t stream) {
-  switch (p.head_dim) {
-    case 64: return run<T, 64>(p, stream);
-    case 128: return run<T, 128>(p, stream);
-    case 256: return run<T, 256>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
 }  // namespace
 
 cudaError_t decode(const Params &p, cudaStream_t stream) {
-  return p.dtype == DType::bf16 ? by_dim<bf16>(p, stream) : by_dim<half>(p, stream);
+  return by_type<64, 128, 256>(p, [&]<typename T, int D>() { return run<T, D>(p, stream); });
 }
 
 }  // namespace jax_tk::decode
