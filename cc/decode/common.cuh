@@ -10,15 +10,19 @@ namespace jax_tk::decode {
 
 using namespace tk;
 
+// The cache row of position j (of some sequence) that lies in page `page` of a paged cache; -1 for a
+// page outside the pool.
+__device__ __forceinline__ int page_row(const Params &p, int page, int j) {
+  if (unsigned(page) >= unsigned(p.num_pages)) return -1;
+  return page * p.page_size + (p.page_shift >= 0 ? j & (p.page_size - 1) : j % p.page_size);
+}
 // The cache row (of the cache seen as [rows, kv_heads, head_dim]) of key position j of sequence b; -1
 // where there is no valid row (past the length, or a page outside the pool).
 __device__ __forceinline__ int cache_row(const Params &p, int b, int j, int valid) {
   if (j >= valid) return -1;
   if (!p.page_table) return b * p.capacity + j;
   const int slot = p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size;
-  const int page = __ldg(p.page_table + (size_t)b * p.max_pages + slot);
-  if (unsigned(page) >= unsigned(p.num_pages)) return -1;
-  return page * p.page_size + (p.page_shift >= 0 ? j & (p.page_size - 1) : j % p.page_size);
+  return page_row(p, __ldg(p.page_table + (size_t)b * p.max_pages + slot), j);
 }
 
 // One thread's share of loading a block of KEYS keys (K and V) with the other LANES threads (LANES / 32
@@ -33,17 +37,21 @@ template <typename T, int D, int KEYS, int LANES> struct KeyRows {
   __device__ __forceinline__ static int lane() { return 32 * (warpid() % (LANES / 32)) + laneid(); }
 
   __device__ __forceinline__ void find(const Params &p, int b, int k0, int valid) {
-    if (p.page_table && p.page_size % KEYS == 0) {  // the block lies in one page: one table read
-      const int first = cache_row(p, b, k0, valid);
-#pragma unroll
-      for (int i = 0; i < PER_LANE; i++) {
-        const int key = (i * LANES + lane()) / ROW_CHUNKS;
-        row[i] = first >= 0 && k0 + key < valid ? first + key : -1;
-      }
-      return;
-    }
+    if (p.page_table && p.page_size % KEYS == 0) return from(cache_row(p, b, k0, valid), k0, valid);  // one table read
 #pragma unroll
     for (int i = 0; i < PER_LANE; i++) row[i] = cache_row(p, b, k0 + (i * LANES + lane()) / ROW_CHUNKS, valid);
+  }
+  // The same for a block that lies in page `page` of a paged cache (its table entry already read).
+  __device__ __forceinline__ void find_in(const Params &p, int page, int k0, int valid) {
+    from(k0 < valid ? page_row(p, page, k0) : -1, k0, valid);
+  }
+  // The rows of a block that lies in one page, from the row of its first key (-1: none).
+  __device__ __forceinline__ void from(int first, int k0, int valid) {
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+      const int key = (i * LANES + lane()) / ROW_CHUNKS;
+      row[i] = first >= 0 && k0 + key < valid ? first + key : -1;
+    }
   }
   // Into stage.k and stage.v ([KEYS, D] shared tiles); zeros for rows without a valid key.
   template <typename Stage> __device__ __forceinline__ void load(Stage &stage, const Params &p, int h) const {
@@ -55,6 +63,36 @@ template <typename T, int D, int KEYS, int LANES> struct KeyRows {
       cp_async16(&stage.k(r, c), K + at, row[i] >= 0);
       cp_async16(&stage.v(r, c), V + at, row[i] >= 0);
     }
+  }
+};
+
+// The pages of a warp's key blocks first, first + stride, ... (the n-th: step n) of a paged cache whose
+// pages hold whole blocks of KEYS keys. Lane l holds the table entry of step base + l, and the entries of
+// the next 32 steps are read while these are used: one coalesced table read per 32 steps, off the
+// loop's path, instead of a dependent read per step (pages of one block's keys cost 2-3% of the
+// cache's speed that way).
+template <int KEYS> struct Pages {
+  const int *table;
+  int first, stride, slots, per_page, base = 0, now = -1, ahead = -1;
+  __device__ __forceinline__ Pages(const Params &p, int b, int first_, int stride_, bool used)
+      : table(p.page_table + (size_t)b * p.max_pages), first(first_), stride(stride_), slots(p.max_pages),
+        per_page(p.page_size / KEYS) {
+    if (!used) return;
+    now = read(laneid());
+    ahead = read(32 + laneid());
+  }
+  __device__ __forceinline__ int read(int n) const {
+    const int slot = (first + stride * n) / per_page;
+    return slot < slots ? __ldg(table + slot) : -1;
+  }
+  // The page of step n; every lane of the warp calls, n one more than the last call's.
+  __device__ __forceinline__ int at(int n) {
+    if (n >= base + 32) {
+      base += 32;
+      now = ahead;
+      ahead = read(base + 32 + laneid());
+    }
+    return __shfl_sync(~0u, now, n - base);
   }
 };
 

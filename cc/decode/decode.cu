@@ -18,9 +18,10 @@
 //   whole warpgroup on sm_90a); the online softmax is the tile language's. At the end the groups
 //   merge their (max, sum, O) through shared memory (common.cuh). On sm_90a blocks of 128 rows take a
 //   kernel of their own, warp-specialized (decode_sm90.cu).
-// - Keys are gathered row by row, so a paged cache costs one page-table read per key row (cached,
-//   and issued a step ahead) and nothing else; rows past the sequence's length (or in a page outside
-//   the pool) are never read, their zeros make no NaN.
+// - Keys are gathered row by row, so a paged cache costs its page-table reads and nothing else: one
+//   per block where pages hold whole blocks (read 32 blocks ahead, Pages), else one per key row (a
+//   step ahead). Rows past the sequence's length (or in a page outside the pool) are never read; their
+//   zeros make no NaN.
 #include "decode/common.cuh"
 
 namespace jax_tk::decode {
@@ -86,15 +87,21 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
   auto &ring = sm.stage[g];
   auto block_of = [&](int n) { return j0 + g + GROUPS * n; };  // the group's n-th key block
   KeyRows<T, D, KEYS, 32 * TILES> next;  // the rows of the next block to load (this warp's share)
+  const bool whole_pages = p.page_table && p.page_size % KEYS == 0;
+  Pages<KEYS> pages(p, blk.b, j0 + g, GROUPS, whole_pages);
+  auto find = [&](int n) {  // the rows of the group's n-th block
+    if (whole_pages) next.find_in(p, pages.at(n), block_of(n) * KEYS, R.valid);
+    else next.find(p, blk.b, block_of(n) * KEYS, R.valid);
+  };
 #pragma unroll
   for (int n = 0; n < STAGES - 1; n++) {
     if (block_of(n) < j1) {
-      next.find(p, blk.b, block_of(n) * KEYS, R.valid);
+      find(n);
       next.load(ring[n], p, blk.h);
     }
     commit_group();
   }
-  if (block_of(STAGES - 1) < j1) next.find(p, blk.b, block_of(STAGES - 1) * KEYS, R.valid);
+  if (block_of(STAGES - 1) < j1) find(STAGES - 1);
   wait_group<STAGES - 1>();  // the query rows (the oldest group) have landed
   __syncthreads();
 
@@ -132,7 +139,7 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
     const int k0 = block_of(n) * KEYS;
     if (block_of(n + STAGES - 1) < j1) next.load(ring[(n + STAGES - 1) % STAGES], p, blk.h);
     commit_group();
-    if (block_of(n + STAGES) < j1) next.find(p, blk.b, block_of(n + STAGES) * KEYS, R.valid);
+    if (block_of(n + STAGES) < j1) find(n + STAGES);
     wait_group<STAGES - 1>();
     if constexpr (WGMMA) warpgroup::fence_shared_writes();  // the copies, for wgmma's (async) proxy
     group_sync();

@@ -109,6 +109,13 @@ def test_paged(shape, page_size):
     check(1, *shape, BF16, page_size=page_size)
 
 
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_paged_long(page_size):
+    # a warp's key blocks span several windows of 32 page-table entries (read ahead), from the
+    # sequence's start and from inside it (three parts)
+    check(8, 2, 1, 32, 8, 128, (20011, 9000), BF16, page_size=page_size, parts=(1, 3))
+
+
 @pytest.mark.parametrize("opts", [
     dict(causal=False), dict(window=(100, 0)), dict(window=(37, 5)), dict(causal=False, window=(64, 64)),
     dict(softcap=30.0), dict(softcap=5.0, window=(200, 0), page_size=16),
