@@ -25,6 +25,43 @@ __device__ __forceinline__ int cache_row(const Params &p, int b, int j, int vali
   return page_row(p, __ldg(p.page_table + (size_t)b * p.max_pages + slot), j);
 }
 
+// The pages of a warp's key blocks first, first + stride, ... (the n-th: step n) of a paged cache, where
+// a block lies in one page or spans whole pages (`span` of them, a power of 2 up to 32). Lane l holds
+// the table entry of page l % span of step base + l / span, and the entries of the next 32 / span steps
+// are read while these are used: one coalesced table read per 32 entries, off the loop's path, instead
+// of dependent reads in every step (pages of 16 keys in table order ran 2-3% slower than a contiguous
+// cache that way, reading the same addresses).
+template <int KEYS> struct Pages {
+  const int *table;
+  int first, stride, slots, span = 1, per_page = 1, steps, base = 0, now = -1, ahead = -1;
+  bool used;
+  __device__ __forceinline__ Pages(const Params &p, int b, int first_, int stride_)
+      : table(p.page_table + (size_t)b * p.max_pages), first(first_), stride(stride_), slots(p.max_pages) {
+    used = p.page_table && (p.page_size % KEYS == 0 || (KEYS % p.page_size == 0 && KEYS / p.page_size <= 32));
+    if (!used) return;
+    if (p.page_size < KEYS) span = KEYS / p.page_size;
+    else per_page = p.page_size / KEYS;
+    steps = 32 / span;
+    now = read(0);
+    ahead = read(steps);
+  }
+  // Lane l's entry of the window that starts at step n.
+  __device__ __forceinline__ int read(int n) const {
+    const int l = laneid(), slot = ((first + stride * (n + l / span)) * span + l % span) / per_page;
+    return slot < slots ? __ldg(table + slot) : -1;
+  }
+  // Makes step n's entries available (the warp's lanes together, n one more than at the last call).
+  __device__ __forceinline__ void reach(int n) {
+    if (n >= base + steps) {
+      base += steps;
+      now = ahead;
+      ahead = read(base + steps);
+    }
+  }
+  // Page `i` of step n (after reach(n); every lane of the warp, each its own i).
+  __device__ __forceinline__ int page(int n, int i) const { return __shfl_sync(~0u, now, (n - base) * span + i); }
+};
+
 // One thread's share of loading a block of KEYS keys (K and V) with the other LANES threads (LANES / 32
 // consecutive warps) that load it: lane l takes the 16-byte chunks l, l + LANES, ... of the block
 // (consecutive lanes, consecutive chunks of a row). find() works out their cache rows (the page-table
@@ -41,9 +78,15 @@ template <typename T, int D, int KEYS, int LANES> struct KeyRows {
 #pragma unroll
     for (int i = 0; i < PER_LANE; i++) row[i] = cache_row(p, b, k0 + (i * LANES + lane()) / ROW_CHUNKS, valid);
   }
-  // The same for a block that lies in page `page` of a paged cache (its table entry already read).
-  __device__ __forceinline__ void find_in(const Params &p, int page, int k0, int valid) {
-    from(k0 < valid ? page_row(p, page, k0) : -1, k0, valid);
+  // The same for the warp's n-th block, starting at key k0, its pages' entries read ahead (Pages).
+  template <int K> __device__ __forceinline__ void find(const Params &p, Pages<K> &pages, int n, int k0, int valid) {
+    pages.reach(n);
+    if (pages.span == 1) return from(k0 < valid ? page_row(p, pages.page(n, 0), k0) : -1, k0, valid);
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+      const int j = k0 + (i * LANES + lane()) / ROW_CHUNKS, page = pages.page(n, (j >> p.page_shift) & (pages.span - 1));
+      row[i] = j < valid ? page_row(p, page, j) : -1;
+    }
   }
   // The rows of a block that lies in one page, from the row of its first key (-1: none).
   __device__ __forceinline__ void from(int first, int k0, int valid) {
@@ -63,36 +106,6 @@ template <typename T, int D, int KEYS, int LANES> struct KeyRows {
       cp_async16(&stage.k(r, c), K + at, row[i] >= 0);
       cp_async16(&stage.v(r, c), V + at, row[i] >= 0);
     }
-  }
-};
-
-// The pages of a warp's key blocks first, first + stride, ... (the n-th: step n) of a paged cache whose
-// pages hold whole blocks of KEYS keys. Lane l holds the table entry of step base + l, and the entries of
-// the next 32 steps are read while these are used: one coalesced table read per 32 steps, off the
-// loop's path, instead of a dependent read per step (pages of one block's keys cost 2-3% of the
-// cache's speed that way).
-template <int KEYS> struct Pages {
-  const int *table;
-  int first, stride, slots, per_page, base = 0, now = -1, ahead = -1;
-  __device__ __forceinline__ Pages(const Params &p, int b, int first_, int stride_, bool used)
-      : table(p.page_table + (size_t)b * p.max_pages), first(first_), stride(stride_), slots(p.max_pages),
-        per_page(p.page_size / KEYS) {
-    if (!used) return;
-    now = read(laneid());
-    ahead = read(32 + laneid());
-  }
-  __device__ __forceinline__ int read(int n) const {
-    const int slot = (first + stride * n) / per_page;
-    return slot < slots ? __ldg(table + slot) : -1;
-  }
-  // The page of step n; every lane of the warp calls, n one more than the last call's.
-  __device__ __forceinline__ int at(int n) {
-    if (n >= base + 32) {
-      base += 32;
-      now = ahead;
-      ahead = read(base + 32 + laneid());
-    }
-    return __shfl_sync(~0u, now, n - base);
   }
 };
 

@@ -19,9 +19,9 @@
 //   merge their (max, sum, O) through shared memory (common.cuh). On sm_90a blocks of 128 rows take a
 //   kernel of their own, warp-specialized (decode_sm90.cu).
 // - Keys are gathered row by row, so a paged cache costs its page-table reads and nothing else: one
-//   per block where pages hold whole blocks (read 32 blocks ahead, Pages), else one per key row (a
-//   step ahead). Rows past the sequence's length (or in a page outside the pool) are never read; their
-//   zeros make no NaN.
+//   per page a block touches, read 32 entries ahead (Pages), or, for pages of other sizes, one per key
+//   row (a step ahead). Rows past the sequence's length (or in a page outside the pool) are never
+//   read; their zeros make no NaN.
 #include "decode/common.cuh"
 
 namespace jax_tk::decode {
@@ -87,10 +87,9 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
   auto &ring = sm.stage[g];
   auto block_of = [&](int n) { return j0 + g + GROUPS * n; };  // the group's n-th key block
   KeyRows<T, D, KEYS, 32 * TILES> next;  // the rows of the next block to load (this warp's share)
-  const bool whole_pages = p.page_table && p.page_size % KEYS == 0;
-  Pages<KEYS> pages(p, blk.b, j0 + g, GROUPS, whole_pages);
+  Pages<KEYS> pages(p, blk.b, j0 + g, GROUPS);
   auto find = [&](int n) {  // the rows of the group's n-th block
-    if (whole_pages) next.find_in(p, pages.at(n), block_of(n) * KEYS, R.valid);
+    if (pages.used) next.find(p, pages, n, block_of(n) * KEYS, R.valid);
     else next.find(p, blk.b, block_of(n) * KEYS, R.valid);
   };
 #pragma unroll

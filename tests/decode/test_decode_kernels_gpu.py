@@ -110,10 +110,11 @@ def test_paged(shape, page_size):
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_paged_long(page_size):
+@pytest.mark.parametrize("t, n", [(1, 32), (4, 64)])  # blocks of 16 and of 32 keys (two tiles)
+def test_paged_long(page_size, t, n):
     # a warp's key blocks span several windows of 32 page-table entries (read ahead), from the
     # sequence's start and from inside it (three parts)
-    check(8, 2, 1, 32, 8, 128, (20011, 9000), BF16, page_size=page_size, parts=(1, 3))
+    check(8, 2, t, n, 8, 128, (20011, 9000), BF16, page_size=page_size, parts=(1, 3))
 
 
 @pytest.mark.parametrize("opts", [

@@ -184,6 +184,7 @@ int main() {
   check({4, 16, 4, 64, {250, 9}, 256, 64, 1, false, -1, 2});  // GQA 4 x 4 new tokens, right window
   check({2, 2, 2, 256, {5, 200}, 240, 48, 4});                // a page size that is not a power of 2
   check({1, 4, 1, 128, {4700, 70}, 4800, 16, 1});             // past 32 blocks a warp (Pages' windows)
+  check({4, 16, 2, 128, {2100, 3}, 2112, 16, 1});             // blocks of two pages, past 16 blocks a group
   // blocks of several row tiles (warps sharing a ring): 48 rows (a tile of padding), 20 rows at D=256,
   // 64 rows in two parts
   check({12, 8, 2, 64, {0, 5, 300}, 300, 0, 3});
