@@ -303,9 +303,9 @@ template <int... DIMS, typename Run> cudaError_t by_type(const Params &p, Run ru
   return p.dtype == DType::bf16 ? by_dim.template operator()<bf16>() : by_dim.template operator()<half>();
 }
 
-// The grid of the main kernel (block_of's blocks).
-inline dim3 grid_of(const Params &p) {
-  const int rows = p.q_heads / p.kv_heads * p.q_len, chunk = block_rows(rows, p.head_dim);
+// The grid of the main kernel: block_of's blocks of `chunk` (block_rows()) query rows.
+inline dim3 grid_of(const Params &p, int chunk) {
+  const int rows = p.q_heads / p.kv_heads * p.q_len;
   return dim3((rows + chunk - 1) / chunk * p.splits, p.kv_heads, p.batch);
 }
 

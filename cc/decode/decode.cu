@@ -22,6 +22,8 @@
 //   per page a block touches, read 32 entries ahead (Pages), or, for pages of other sizes, one per key
 //   row (a step ahead). Rows past the sequence's length (or in a page outside the pool) are never
 //   read; their zeros make no NaN.
+#include <algorithm>
+
 #include "decode/common.cuh"
 
 namespace jax_tk::decode {
@@ -30,20 +32,23 @@ namespace {
 // Many short warps beat few deep ones: a warp's step is a chain of dependent mma, shuffles and exp2
 // that only more warps overlap, while two stages already keep enough bytes in flight. WIDE blocks take
 // a whole SM (TARGET_BLOCKS counts on it): a grid of one wave. A grid of several waves takes blocks of
-// half the warps, two per SM, so that one block's ramp and tail overlap the other's streaming instead
-// of leaving the SM idle between blocks. A block of TILES row tiles has WARPS / TILES groups (at least
-// TILES warps: eight tiles take a whole SM), each with a ring of key blocks TILES times longer: longer
-// blocks, up to 128 keys, then more stages. Eight tiles (a lone group; on Hopper such blocks take
-// decode_sm90.cu's kernel) fit an A100's shared memory. Where a WIDE block does not fit the device
-// (head dim 256 on an A100), it takes the half one.
-template <typename T, int D, bool WIDE, int TILES_> struct Config {
-  static constexpr int TILES = TILES_, BASE_WARPS = (D <= 128 ? 8 : 4) / (WIDE ? 1 : 2);
+// half the warps (HALF), two per SM, so that one block's ramp and tail overlap the other's streaming
+// instead of leaving the SM idle between blocks. A block of TILES row tiles has WARPS / TILES groups
+// (at least TILES warps: eight tiles take a whole SM), each with a ring of key blocks TILES times
+// longer: longer blocks, up to 128 keys, then more stages. Eight tiles (a lone group; on Hopper such
+// blocks take decode_sm90.cu's kernel) fit an A100's shared memory. Where a WIDE block does not fit
+// the device (head dim 256 on an A100), it takes the HALF one; where that does not fit either (head dim
+// 256 on GPUs of SMALL_GPU_SMEM), the SMALL one: HALF with two stages. (On those GPUs eight tiles run
+// as two blocks of four.)
+enum Width { SMALL, HALF, WIDE };
+template <typename T, int D, int W, int TILES_> struct Config {
+  static constexpr int TILES = TILES_, BASE_WARPS = (D <= 128 ? 8 : 4) / (W == WIDE ? 1 : 2);
   static constexpr int WARPS = BASE_WARPS > TILES ? BASE_WARPS : TILES, THREADS = 32 * WARPS;
   static constexpr int GROUPS = WARPS / TILES, ROWS = TILE_ROWS * TILES;
-  static constexpr int BLOCKS_PER_SM = WIDE ? 1 : 2;
+  static constexpr int BLOCKS_PER_SM = W == HALF ? 2 : 1;
   // keys per group step: 8 KiB of K and V per tile (16 KiB at D=256)
   static constexpr int TILE_KEYS = D >= 128 ? 16 : 32, KEYS = TILE_KEYS * TILES < 128 ? TILE_KEYS * TILES : 128;
-  static constexpr int STAGES = (D <= 128 ? 2 : 3) * (TILE_KEYS * TILES / KEYS);
+  static constexpr int STAGES = (D <= 128 || W == SMALL ? 2 : 3) * (TILE_KEYS * TILES / KEYS);
   static constexpr bool Q_IN_REGISTERS = D <= 128;  // at D=256 the query stays in shared memory
   using Stage = KeyBlock<T, KEYS, D>;
   struct Shared {
@@ -54,6 +59,7 @@ template <typename T, int D, bool WIDE, int TILES_> struct Config {
   };
   static_assert(WARPS % TILES == 0 && GROUPS <= 15);  // (a named barrier per group: ids 1..GROUPS)
   static_assert(sizeof(Shared) * BLOCKS_PER_SM <= 227 * 1024 && (TILES < 8 || sizeof(Shared) <= 163 * 1024));
+  static_assert(W != SMALL || sizeof(Shared) <= SMALL_GPU_SMEM);
 };
 
 template <typename T, int D, typename C>
@@ -248,22 +254,22 @@ template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel
   for (int k = 0; k < COLS; k++) out[k * 32 + lane] = convert<T>(acc[k] * inv);
 }
 
-// (Eight tiles take the whole SM whatever the grid.)
-template <typename T, int D, int TILES> cudaError_t by_grid(const Params &p, cudaStream_t stream) {
-  const dim3 grid = grid_of(p);
-  auto go = [&]<bool WIDE>() {
-    using C = Config<T, D, WIDE, TILES>;
+// The main kernel for blocks of TILES row tiles, given the shared memory a block may take. (Eight
+// tiles take the whole SM whatever the grid.)
+template <typename T, int D, int TILES> cudaError_t by_grid(const Params &p, size_t smem, cudaStream_t stream) {
+  const dim3 grid = grid_of(p, TILE_ROWS * TILES);
+  auto go = [&]<int W>() {
+    using C = Config<T, D, W, TILES>;
     return launch(decode_kernel<T, D, C>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p);
   };
+  auto fits = [&]<int W>() { return sizeof(typename Config<T, D, W, TILES>::Shared) <= smem; };
   if constexpr (TILES == 8) {
-    return go.template operator()<true>();
+    return go.template operator()<WIDE>();
   } else {
-    int dev = 0, smem = 0;
-    if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-    if (cudaError_t e = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev); e != cudaSuccess) return e;
-    const bool fits = sizeof(typename Config<T, D, true, TILES>::Shared) <= size_t(smem);
-    if (fits && size_t(grid.x) * grid.y * grid.z <= TARGET_BLOCKS) return go.template operator()<true>();
-    return go.template operator()<false>();
+    if (fits.template operator()<WIDE>() && size_t(grid.x) * grid.y * grid.z <= TARGET_BLOCKS) return go.template operator()<WIDE>();
+    if constexpr (D > 128)
+      if (!fits.template operator()<HALF>()) return go.template operator()<SMALL>();
+    return go.template operator()<HALF>();
   }
 }
 
@@ -271,14 +277,22 @@ template <typename T, int D, int TILES> cudaError_t by_grid(const Params &p, cud
 // the parts.
 template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t stream) {
   constexpr int MOST = block_rows(MAX_TILE_ROWS, D) / TILE_ROWS;
+  int dev = 0, smem = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev); e != cudaSuccess) return e;
+  if (p.smem_limit > 0) smem = std::min(smem, p.smem_limit);
   const int tiles = block_rows(p.q_heads / p.kv_heads * p.q_len, D) / TILE_ROWS;
   cudaError_t e = cudaErrorInvalidValue;
-  if (tiles == 1) e = by_grid<T, D, 1>(p, stream);
-  if (tiles == 2) e = by_grid<T, D, 2>(p, stream);
+  if (tiles == 1) e = by_grid<T, D, 1>(p, smem, stream);
+  if (tiles == 2) e = by_grid<T, D, 2>(p, smem, stream);
   if constexpr (MOST >= 4)
-    if (tiles == 4) e = by_grid<T, D, 4>(p, stream);
+    if (tiles == 4) e = by_grid<T, D, 4>(p, smem, stream);
   if constexpr (MOST >= 8)
-    if (tiles == 8) e = p.sm90 ? decode_sm90_128(p, stream) : by_grid<T, D, 8>(p, stream);
+    if (tiles == 8) {
+      if (p.sm90) e = decode_sm90_128(p, stream);
+      else if (sizeof(typename Config<T, D, WIDE, 8>::Shared) <= size_t(smem)) e = by_grid<T, D, 8>(p, smem, stream);
+      else e = by_grid<T, D, 4>(p, smem, stream);  // (blocks of 64 rows: the cache is read twice)
+    }
   if (e != cudaSuccess || p.splits == 1) return e;
   const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
   return launch(merge_kernel<T, D>, dim3(unsigned((q_rows + 3) / 4)), dim3(128), 0, stream, p);

@@ -16,6 +16,8 @@ constexpr int MAX_TILE_ROWS = 128;     // ... and at most this many per thread b
 constexpr int MAX_TILE_ROWS_D256 = 32;  // ... or this many at head_dim 256 (its shared memory)
 constexpr int MAX_SPLITS = 128;   // parts a sequence's cache may be split into (the split-KV grid)
 constexpr int SPLIT_MIN_KEYS = 128;  // ... each covering at least this many positions of the capacity
+constexpr int SMALL_GPU_SMEM = 99 * 1024;  // shared memory a block may take on sm_86 / sm_89 GPUs: every
+                                           // head dim and block size has a config within it
 constexpr int TARGET_BLOCKS = 132;   // thread blocks of one wave (one per SM of an H100/H200): the split count
                                      // stays within it; a larger grid takes blocks of two per SM
 
@@ -42,6 +44,8 @@ struct Params {
   int splits = 1;  // parts of each sequence's keys, merged through their log-sum-exp (splits > 1)
   float *workspace;  // splits > 1: workspace_words() floats, see there
   bool sm90 = false;  // the device runs sm_90a code: blocks of 128 rows take its warp-specialized kernel
+  int smem_limit = 0;  // > 0: the kernels take at most this much shared memory per block (less than the
+                       // device allows: tests of the configs of smaller GPUs)
 };
 
 // Workspace of a split call, in 4-byte words: each part's log-sum-exp (log2 units) of every query row,

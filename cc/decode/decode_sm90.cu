@@ -203,7 +203,7 @@ template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t strea
       const int b = paged ? p.num_pages : p.batch, s = paged ? p.page_size : p.capacity;
       a.bulk = make_tma_map(a.k, p.k, b, s, p.kv_heads, D) && make_tma_map(a.v, p.v, b, s, p.kv_heads, D);
     }
-    return launch(decode_sm90_kernel<T, D, C>, grid_of(p), dim3(C::THREADS), sizeof(typename C::Shared), stream, a);
+    return launch(decode_sm90_kernel<T, D, C>, grid_of(p, C::ROWS), dim3(C::THREADS), sizeof(typename C::Shared), stream, a);
   };
   constexpr int KEYS = Wide<T, D, 16>::KEYS;
   if (!p.page_table || p.page_size % KEYS == 0) return go.template operator()<KEYS>();

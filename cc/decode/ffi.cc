@@ -8,8 +8,8 @@
 // query's shape and dtype), lse float32 [batch, q_heads, q_len] and the workspace, float32
 // [max(workspace_words(), 1)]. Attributes:
 // scale, is_causal, window_left, window_right (-1: unbounded), softcap (0: none), splits.
-// JAX_TK_DECODE_VARIANT=sm80 in the environment: the mma.sync kernels on every GPU (to test them on
-// Hopper).
+// JAX_TK_DECODE_VARIANT in the environment, to test on Hopper the kernels of other GPUs: sm80, the
+// mma.sync kernels; small, those in the shared memory of sm_86 and sm_89 GPUs (SMALL_GPU_SMEM).
 #include "decode/decode.h"
 #include "ffi/common.h"
 
@@ -94,6 +94,10 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   p.softcap = softcap;
   p.splits = splits;
   p.sm90 = use_sm90("JAX_TK_DECODE_VARIANT");
+  if (const char *v = std::getenv("JAX_TK_DECODE_VARIANT"); v && std::string(v) == "small") {
+    p.sm90 = false;
+    p.smem_limit = decode::SMALL_GPU_SMEM;
+  }
   p.q = q.untyped_data();
   p.o = o->untyped_data();
   p.lse = static_cast<float *>(lse->untyped_data());

@@ -135,6 +135,15 @@ def test_sm80_kernel_for_128_rows(opts, h, monkeypatch):
     check(7, 3, 16, 16, 2, h, (0, 1300, 2047), BF16, **opts)
 
 
+@pytest.mark.parametrize("h", [64, 128, 256])
+@pytest.mark.parametrize("t, page_size", [(1, None), (8, 16), (32, 64)])  # 4, 32 and 128 query rows per KV head
+def test_small_gpu_configs(h, t, page_size, monkeypatch):
+    # the configs of GPUs with less shared memory per block (sm_86, sm_89: fewer stages at head dim 256,
+    # 128 rows as two blocks of 64), run on this one (read at each call)
+    monkeypatch.setenv("JAX_TK_DECODE_VARIANT", "small")
+    check(9, 3, t, 16, 4, h, (0, 700, 2053), BF16, page_size=page_size)
+
+
 def test_many_splits_short_lengths():
     # more parts than key blocks: most parts see nothing and must still be merged correctly
     check(3, 2, 1, 8, 2, 128, (20, 5), BF16, parts=(1, 7, 64))

@@ -46,11 +46,15 @@ template <typename T> std::vector<T> download(const T *d, size_t n) {
   return host;
 }
 
-// sm90: blocks of 128 rows take the sm_90a kernel (only where the device runs it).
-int run(const Case &c, bool sm90) {
+// sm90: blocks of 128 rows take the sm_90a kernel (only where the device runs it); smem_limit: see Params.
+int run(const Case &c, bool sm90, int smem_limit = 0) {
   const int b_count = int(c.lengths.size()), t_count = c.q_len, n_count = c.q_heads, k_count = c.kv_heads;
   const int d = c.head_dim, group = n_count / k_count;
   const bool paged = c.page_size > 0;
+  if (paged && c.capacity % c.page_size != 0) {
+    std::printf("FAIL: a paged case's capacity must be a multiple of its page size\n");
+    return 1;
+  }
   std::mt19937 rng(b_count * 131 + d * 7 + c.capacity + c.splits);
   std::normal_distribution<float> dist;
   const float nan = std::nanf("");
@@ -102,6 +106,7 @@ int run(const Case &c, bool sm90) {
   p.splits = c.splits;
   p.workspace = upload(std::vector<float>(workspace_words(c.splits, b_count, t_count, n_count, d), nan));
   p.sm90 = sm90;
+  p.smem_limit = smem_limit;
   CHECK(decode(p, 0));
   CHECK(cudaDeviceSynchronize());
   auto o = download(static_cast<bf16 *>(p.o), q.size());
@@ -161,7 +166,7 @@ int run(const Case &c, bool sm90) {
     if (x) CHECK(cudaFree(const_cast<void *>(x)));
   std::printf("%s B=%d T=%d heads %d/%d D=%d cap=%d page=%d splits=%d%s: rel err %.3g, lse err %.3g\n",
               ok ? "ok  " : "FAIL", b_count, t_count, n_count, k_count, d, c.capacity, c.page_size, c.splits,
-              sm90 ? " (sm_90a)" : "", err, lse_err);
+              sm90 ? " (sm_90a)" : smem_limit ? " (small)" : "", err, lse_err);
   return ok ? 0 : 1;
 }
 
@@ -202,6 +207,11 @@ int main() {
     failed += run({16, 8, 1, 64, {9, 700, 333}, 720, 0, 3, false, -1, -1, 20.f}, sm90);
     if (!hopper) break;
   }
+  // the configs of GPUs with less shared memory (SMALL_GPU_SMEM): head dim 256 in one and two tiles,
+  // 128 rows as blocks of 64
+  failed += run({1, 4, 1, 256, {300, 45}, 304, 16, 2}, false, SMALL_GPU_SMEM);
+  failed += run({5, 4, 1, 256, {129, 40}, 144, 0, 1}, false, SMALL_GPU_SMEM);
+  failed += run({16, 8, 1, 128, {0, 500}, 512, 16, 2}, false, SMALL_GPU_SMEM);
   std::printf("%s\n", failed ? "FAILED" : "all ok");
   return failed ? 2 : 0;
 }
