@@ -35,20 +35,20 @@ namespace {
 // half the warps (HALF), two per SM, so that one block's ramp and tail overlap the other's streaming
 // instead of leaving the SM idle between blocks. A block of TILES row tiles has WARPS / TILES groups
 // (at least TILES warps: eight tiles take a whole SM), each with a ring of key blocks TILES times
-// longer: longer blocks, up to 128 keys, then more stages. Eight tiles (a lone group; on Hopper such
-// blocks take decode_sm90.cu's kernel) fit an A100's shared memory. Where a WIDE block does not fit
-// the device (head dim 256 on an A100), it takes the HALF one; where that does not fit either (head dim
-// 256 on GPUs of SMALL_GPU_SMEM), the SMALL one: HALF with two stages. (On those GPUs eight tiles run
-// as two blocks of four.)
+// longer: longer blocks, up to 128 keys, then more stages (two at most for four or more tiles, which
+// are a lone group at head dim 256). Blocks of four and eight tiles (on Hopper the latter take
+// decode_sm90.cu's kernel) fit an A100's shared memory. Where a WIDE block does not fit the device
+// (head dim 256 on an A100), it takes the HALF one; where that does not fit either (head dim 256 on
+// GPUs of SMALL_GPU_SMEM), the SMALL one: HALF with two stages. (On those GPUs eight tiles, and four at
+// head dim 256, run as two blocks of half the rows.)
 enum Width { SMALL, HALF, WIDE };
 template <typename T, int D, int W, int TILES_> struct Config {
   static constexpr int TILES = TILES_, BASE_WARPS = (D <= 128 ? 8 : 4) / (W == WIDE ? 1 : 2);
   static constexpr int WARPS = BASE_WARPS > TILES ? BASE_WARPS : TILES, THREADS = 32 * WARPS;
   static constexpr int GROUPS = WARPS / TILES, ROWS = TILE_ROWS * TILES;
-  static constexpr int BLOCKS_PER_SM = W == HALF ? 2 : 1;
   // keys per group step: 8 KiB of K and V per tile (16 KiB at D=256)
   static constexpr int TILE_KEYS = D >= 128 ? 16 : 32, KEYS = TILE_KEYS * TILES < 128 ? TILE_KEYS * TILES : 128;
-  static constexpr int STAGES = (D <= 128 || W == SMALL ? 2 : 3) * (TILE_KEYS * TILES / KEYS);
+  static constexpr int STAGES = (D <= 128 || W == SMALL || TILES > 2 ? 2 : 3) * (TILE_KEYS * TILES / KEYS);
   static constexpr bool Q_IN_REGISTERS = D <= 128;  // at D=256 the query stays in shared memory
   using Stage = KeyBlock<T, KEYS, D>;
   struct Shared {
@@ -57,8 +57,10 @@ template <typename T, int D, int W, int TILES_> struct Config {
     float weight[GROUPS][ROWS];  // each group's share of the merged rows
     float lse[ROWS];
   };
+  // (a HALF block of one group, four tiles at D=256, is the WIDE one)
+  static constexpr int BLOCKS_PER_SM = W == HALF && sizeof(Shared) * 2 <= 227 * 1024 ? 2 : 1;
   static_assert(WARPS % TILES == 0 && GROUPS <= 15);  // (a named barrier per group: ids 1..GROUPS)
-  static_assert(sizeof(Shared) * BLOCKS_PER_SM <= 227 * 1024 && (TILES < 8 || sizeof(Shared) <= 163 * 1024));
+  static_assert(sizeof(Shared) * BLOCKS_PER_SM <= 227 * 1024 && (TILES < 4 || sizeof(Shared) <= 163 * 1024));
   static_assert(W != SMALL || sizeof(Shared) <= SMALL_GPU_SMEM);
 };
 
@@ -267,7 +269,7 @@ template <typename T, int D, int TILES> cudaError_t by_grid(const Params &p, siz
     return go.template operator()<WIDE>();
   } else {
     if (fits.template operator()<WIDE>() && size_t(grid.x) * grid.y * grid.z <= TARGET_BLOCKS) return go.template operator()<WIDE>();
-    if constexpr (D > 128)
+    if constexpr (D > 128 && TILES < 4)  // (run() gives four tiles at D=256 only where they fit)
       if (!fits.template operator()<HALF>()) return go.template operator()<SMALL>();
     return go.template operator()<HALF>();
   }
@@ -285,13 +287,14 @@ template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t strea
   cudaError_t e = cudaErrorInvalidValue;
   if (tiles == 1) e = by_grid<T, D, 1>(p, smem, stream);
   if (tiles == 2) e = by_grid<T, D, 2>(p, smem, stream);
+  // (where the largest blocks do not fit the device, blocks of half the rows: the cache is read twice)
+  auto fits = [&]<int TILES>() { return sizeof(typename Config<T, D, WIDE, TILES>::Shared) <= size_t(smem); };
   if constexpr (MOST >= 4)
-    if (tiles == 4) e = by_grid<T, D, 4>(p, smem, stream);
+    if (tiles == 4) e = fits.template operator()<4>() ? by_grid<T, D, 4>(p, smem, stream) : by_grid<T, D, 2>(p, smem, stream);
   if constexpr (MOST >= 8)
     if (tiles == 8) {
       if (p.sm90) e = decode_sm90_128(p, stream);
-      else if (sizeof(typename Config<T, D, WIDE, 8>::Shared) <= size_t(smem)) e = by_grid<T, D, 8>(p, smem, stream);
-      else e = by_grid<T, D, 4>(p, smem, stream);  // (blocks of 64 rows: the cache is read twice)
+      else e = fits.template operator()<8>() ? by_grid<T, D, 8>(p, smem, stream) : by_grid<T, D, 4>(p, smem, stream);
     }
   if (e != cudaSuccess || p.splits == 1) return e;
   const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;

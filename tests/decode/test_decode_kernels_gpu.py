@@ -90,7 +90,7 @@ SHAPES = [
     (4, 2, 4, 4, 64, (0, 1, 64, 65)),
     (1, 7, 16, 2, 128, (8191,)),
     # blocks of several 16-row tiles: 20 rows at D=256 (two tiles), 48 at D=64 (four, one of padding),
-    # 64 at D=256 (two blocks of 32)
+    # 64 at D=256 (four tiles, one group)
     (2, 5, 16, 4, 256, (1500, 37)),
     (3, 12, 32, 8, 64, (0, 900, 2049)),
     (2, 16, 32, 8, 256, (3, 777)),
@@ -139,7 +139,7 @@ def test_sm80_kernel_for_128_rows(opts, h, monkeypatch):
 @pytest.mark.parametrize("t, page_size", [(1, None), (8, 16), (32, 64)])  # 4, 32 and 128 query rows per KV head
 def test_small_gpu_configs(h, t, page_size, monkeypatch):
     # the configs of GPUs with less shared memory per block (sm_86, sm_89: fewer stages at head dim 256,
-    # 128 rows as two blocks of 64), run on this one (read at each call)
+    # 128 rows as blocks of 64, of 32 at head dim 256), run on this one (read at each call)
     monkeypatch.setenv("JAX_TK_DECODE_VARIANT", "small")
     check(9, 3, t, 16, 4, h, (0, 700, 2053), BF16, page_size=page_size)
 

@@ -195,6 +195,7 @@ int main() {
   check({12, 8, 2, 64, {0, 5, 300}, 300, 0, 3});
   check({5, 8, 2, 256, {129, 40}, 144, 16, 2});
   check({16, 4, 1, 128, {300, 1}, 320, 0, 2});
+  check({16, 4, 1, 256, {300, 1}, 320, 16, 2});  // 64 rows at D=256: four tiles
   // a grid of several waves (half blocks, two per SM), with one and with several row tiles
   check({1, 8, 4, 128, std::vector<int>(40, 33), 64, 0, 1});
   check({8, 8, 2, 128, std::vector<int>(70, 70), 80, 0, 1});
@@ -208,10 +209,11 @@ int main() {
     if (!hopper) break;
   }
   // the configs of GPUs with less shared memory (SMALL_GPU_SMEM): head dim 256 in one and two tiles,
-  // 128 rows as blocks of 64
+  // 128 rows as blocks of 64, 64 rows at D=256 as blocks of 32
   failed += run({1, 4, 1, 256, {300, 45}, 304, 16, 2}, false, SMALL_GPU_SMEM);
   failed += run({5, 4, 1, 256, {129, 40}, 144, 0, 1}, false, SMALL_GPU_SMEM);
   failed += run({16, 8, 1, 128, {0, 500}, 512, 16, 2}, false, SMALL_GPU_SMEM);
+  failed += run({16, 4, 1, 256, {300, 1}, 320, 16, 2}, false, SMALL_GPU_SMEM);
   std::printf("%s\n", failed ? "FAILED" : "all ok");
   return failed ? 2 : 0;
 }
