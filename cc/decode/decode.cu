@@ -256,6 +256,11 @@ template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel
   for (int k = 0; k < COLS; k++) out[k * 32 + lane] = convert<T>(acc[k] * inv);
 }
 
+// Whether a block of that config fits the shared memory a block may take.
+template <typename T, int D, int W, int TILES> bool fits(size_t smem) {
+  return sizeof(typename Config<T, D, W, TILES>::Shared) <= smem;
+}
+
 // The main kernel for blocks of TILES row tiles, given the shared memory a block may take. (Eight
 // tiles take the whole SM whatever the grid.)
 template <typename T, int D, int TILES> cudaError_t by_grid(const Params &p, size_t smem, cudaStream_t stream) {
@@ -264,13 +269,12 @@ template <typename T, int D, int TILES> cudaError_t by_grid(const Params &p, siz
     using C = Config<T, D, W, TILES>;
     return launch(decode_kernel<T, D, C>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p);
   };
-  auto fits = [&]<int W>() { return sizeof(typename Config<T, D, W, TILES>::Shared) <= smem; };
   if constexpr (TILES == 8) {
     return go.template operator()<WIDE>();
   } else {
-    if (fits.template operator()<WIDE>() && size_t(grid.x) * grid.y * grid.z <= TARGET_BLOCKS) return go.template operator()<WIDE>();
+    if (fits<T, D, WIDE, TILES>(smem) && size_t(grid.x) * grid.y * grid.z <= TARGET_BLOCKS) return go.template operator()<WIDE>();
     if constexpr (D > 128 && TILES < 4)  // (run() gives four tiles at D=256 only where they fit)
-      if (!fits.template operator()<HALF>()) return go.template operator()<SMALL>();
+      if (!fits<T, D, HALF, TILES>(smem)) return go.template operator()<SMALL>();
     return go.template operator()<HALF>();
   }
 }
@@ -288,13 +292,12 @@ template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t strea
   if (tiles == 1) e = by_grid<T, D, 1>(p, smem, stream);
   if (tiles == 2) e = by_grid<T, D, 2>(p, smem, stream);
   // (where the largest blocks do not fit the device, blocks of half the rows: the cache is read twice)
-  auto fits = [&]<int TILES>() { return sizeof(typename Config<T, D, WIDE, TILES>::Shared) <= size_t(smem); };
   if constexpr (MOST >= 4)
-    if (tiles == 4) e = fits.template operator()<4>() ? by_grid<T, D, 4>(p, smem, stream) : by_grid<T, D, 2>(p, smem, stream);
+    if (tiles == 4) e = fits<T, D, WIDE, 4>(smem) ? by_grid<T, D, 4>(p, smem, stream) : by_grid<T, D, 2>(p, smem, stream);
   if constexpr (MOST >= 8)
     if (tiles == 8) {
       if (p.sm90) e = decode_sm90_128(p, stream);
-      else e = fits.template operator()<8>() ? by_grid<T, D, 8>(p, smem, stream) : by_grid<T, D, 4>(p, smem, stream);
+      else e = fits<T, D, WIDE, 8>(smem) ? by_grid<T, D, 8>(p, smem, stream) : by_grid<T, D, 4>(p, smem, stream);
     }
   if (e != cudaSuccess || p.splits == 1) return e;
   const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;

@@ -7,8 +7,8 @@
 // and setmaxnreg.inc only takes what setmaxnreg.dec gave back to the block (a consumer asking for more
 // waits forever), so
 //   PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= WARPGROUPS * LAUNCH_REGS
-// with each budget a multiple of 8 in [24, 256]. The kernel tests its warpgroup against PRODUCER with the group number it keeps
-// anyway (a second threadIdx.x / 128 is not always merged with the first).
+// with each budget a multiple of 8 in [24, 256]. The kernel tests its warpgroup against PRODUCER with
+// the group number it keeps anyway (a second threadIdx.x / 128 is not always merged with the first).
 #pragma once
 #include "../ops/warpgroup/wgmma.cuh"
 
