@@ -64,47 +64,94 @@ template <int KEYS> struct Pages {
 
 // One thread's share of loading a block of KEYS keys (K and V) with the other LANES threads (LANES / 32
 // consecutive warps) that load it: lane l takes the 16-byte chunks l, l + LANES, ... of the block
-// (consecutive lanes, consecutive chunks of a row). find() works out their cache rows (the page-table
+// (consecutive lanes, consecutive chunks of a row). find() works out where they are (the page-table
 // reads of a paged cache) one step before load() issues the copies, so that the table's latency is
 // not on the path of the loads.
+//
+// The keys of a contiguous cache, or of pages of a multiple of RUN keys, come in runs of RUN
+// consecutive cache rows: find() keeps each run's first row, and load() steps one address per chunk
+// from its run's. (With head dim 256 a warp has an SM sub-partition to itself or nearly, so its
+// instructions are the step's length; per-row addresses made the reading 5-15% slower there.) Other
+// page sizes keep every chunk's row.
 template <typename T, int D, int KEYS, int LANES> struct KeyRows {
   static constexpr int ROW_CHUNKS = D / 8, PER_LANE = KEYS * ROW_CHUNKS / LANES;
-  static_assert(LANES % 32 == 0 && PER_LANE * LANES == KEYS * ROW_CHUNKS);
-  int row[PER_LANE];
+  static constexpr int STEP = LANES / ROW_CHUNKS;  // rows between a lane's consecutive chunks
+  static constexpr int RUN = 16, RUNS = KEYS / RUN;
+  static constexpr bool HAS_RUNS = STEP <= RUN;  // (then the run of each of a lane's chunks is known here)
+  static_assert(LANES % 32 == 0 && LANES % ROW_CHUNKS == 0 && PER_LANE * LANES == KEYS * ROW_CHUNKS && KEYS % RUN == 0);
+  // By runs: row[q] (q < RUNS) is the cache row of the block's key RUN * q, keys [0, count) are valid;
+  // otherwise row[i] is chunk i's cache row. -1: none (past the length, outside the pool).
+  int row[PER_LANE], count;
+  bool runs;
   __device__ __forceinline__ static int lane() { return 32 * (warpid() % (LANES / 32)) + laneid(); }
 
   __device__ __forceinline__ void find(const Params &p, int b, int k0, int valid) {
-    if (p.page_table && p.page_size % KEYS == 0) return from(cache_row(p, b, k0, valid), k0, valid);  // one table read
+    runs = HAS_RUNS && (!p.page_table || p.page_size % RUN == 0);
+    count = valid - k0;
+    if constexpr (HAS_RUNS) {
+      if (runs && (!p.page_table || p.page_size % KEYS == 0))  // (one table read)
+        return one_run(p.page_table ? cache_row(p, b, k0, valid) : b * p.capacity + k0, k0, valid);
+      if (runs) {
+#pragma unroll
+        for (int q = 0; q < RUNS; q++) row[q] = cache_row(p, b, k0 + RUN * q, valid);
+        return;
+      }
+    }
 #pragma unroll
     for (int i = 0; i < PER_LANE; i++) row[i] = cache_row(p, b, k0 + (i * LANES + lane()) / ROW_CHUNKS, valid);
   }
   // The same for the warp's n-th block, starting at key k0, its pages' entries read ahead (Pages).
   template <int K> __device__ __forceinline__ void find(const Params &p, Pages<K> &pages, int n, int k0, int valid) {
     pages.reach(n);
-    if (pages.span == 1) return from(k0 < valid ? page_row(p, pages.page(n, 0), k0) : -1, k0, valid);
+    runs = HAS_RUNS && p.page_size % RUN == 0;
+    count = valid - k0;
+    if constexpr (HAS_RUNS)
+      if (runs) {
+        if (pages.span == 1) return one_run(page_row(p, pages.page(n, 0), k0), k0, valid);
+#pragma unroll
+        for (int q = 0; q < RUNS; q++) {
+          const int j = k0 + RUN * q, page = pages.page(n, (j >> p.page_shift) & (pages.span - 1));
+          row[q] = j < valid ? page_row(p, page, j) : -1;
+        }
+        return;
+      }
 #pragma unroll
     for (int i = 0; i < PER_LANE; i++) {
       const int j = k0 + (i * LANES + lane()) / ROW_CHUNKS, page = pages.page(n, (j >> p.page_shift) & (pages.span - 1));
       row[i] = j < valid ? page_row(p, page, j) : -1;
     }
   }
-  // The rows of a block that lies in one page, from the row of its first key (-1: none).
-  __device__ __forceinline__ void from(int first, int k0, int valid) {
+  // The runs of a block that lies in one page (or a contiguous cache), from the cache row of its key
+  // k0 (-1: none).
+  __device__ __forceinline__ void one_run(int row0, int k0, int valid) {
 #pragma unroll
-    for (int i = 0; i < PER_LANE; i++) {
-      const int key = (i * LANES + lane()) / ROW_CHUNKS;
-      row[i] = first >= 0 && k0 + key < valid ? first + key : -1;
-    }
+    for (int q = 0; q < RUNS; q++) row[q] = row0 >= 0 && k0 + RUN * q < valid ? row0 + RUN * q : -1;
   }
   // Into stage.k and stage.v ([KEYS, D] shared tiles); zeros for rows without a valid key.
   template <typename Stage> __device__ __forceinline__ void load(Stage &stage, const Params &p, int h) const {
     const T *K = static_cast<const T *>(p.k), *V = static_cast<const T *>(p.v);
+    const int r0 = lane() / ROW_CHUNKS, c = lane() % ROW_CHUNKS * 8;
+    if constexpr (HAS_RUNS)
+      if (runs) {
+        const long long stride = (long long)p.kv_heads * D;  // (elements between cache rows)
+#pragma unroll
+        for (int q = 0; q < RUNS; q++) {
+          const long long at = ((long long)max(row[q], 0) + r0) * stride + h * D + c;
+          const int n = row[q] < 0 ? 0 : count - RUN * q;  // (valid keys of the run, if under RUN)
+#pragma unroll
+          for (int i = q * RUN / STEP; i < (q + 1) * RUN / STEP; i++) {  // (src-size 0 reads nothing)
+            const int r = r0 + i * STEP;
+            cp_async16(&stage.k(r, c), K + at + (r - r0 - RUN * q) * stride, r - RUN * q < n);
+            cp_async16(&stage.v(r, c), V + at + (r - r0 - RUN * q) * stride, r - RUN * q < n);
+          }
+        }
+        return;
+      }
 #pragma unroll
     for (int i = 0; i < PER_LANE; i++) {
-      const int idx = i * LANES + lane(), r = idx / ROW_CHUNKS, c = (idx % ROW_CHUNKS) * 8;
       const long long at = row[i] < 0 ? 0 : ((long long)row[i] * p.kv_heads + h) * D + c;
-      cp_async16(&stage.k(r, c), K + at, row[i] >= 0);
-      cp_async16(&stage.v(r, c), V + at, row[i] >= 0);
+      cp_async16(&stage.k(r0 + i * STEP, c), K + at, row[i] >= 0);
+      cp_async16(&stage.v(r0 + i * STEP, c), V + at, row[i] >= 0);
     }
   }
 };
