@@ -18,10 +18,10 @@
 //   whole warpgroup on sm_90a); the online softmax is the tile language's. At the end the groups
 //   merge their (max, sum, O) through shared memory (common.cuh). On sm_90a blocks of 128 rows take a
 //   kernel of their own, warp-specialized (decode_sm90.cu).
-// - Keys are gathered row by row, so a paged cache costs its page-table reads and nothing else: one
-//   per page a block touches, read 32 entries ahead (Pages), or, for pages of other sizes, one per key
-//   row (a step ahead). Rows past the sequence's length (or in a page outside the pool) are never
-//   read; their zeros make no NaN.
+// - Keys are gathered row by row (KeyRows: one address per run of 16 rows), so a paged cache costs its
+//   page-table reads and nothing else: one per page a block touches, read 32 entries ahead (Pages),
+//   or, for pages of other sizes, one per key row (a step ahead). Rows past the sequence's length (or
+//   in a page outside the pool) are never read; their zeros make no NaN.
 #include <algorithm>
 
 #include "decode/common.cuh"
