@@ -117,6 +117,14 @@ def test_paged_long(page_size, t, n):
     check(8, 2, t, n, 8, 128, (20011, 9000), BF16, page_size=page_size, parts=(1, 3))
 
 
+@pytest.mark.parametrize("page_size", [8, 24, 48])
+@pytest.mark.parametrize("t, n, h", [(1, 32, 128), (4, 64, 128), (4, 64, 256)])  # blocks of 16 and of 32 keys
+def test_other_page_sizes(page_size, t, n, h):
+    # pages that are not multiples of 16 keys (their rows found one by one: 8 divides a block, 24 does
+    # not), and pages of 48 (runs of 16 rows; blocks of 32 keys straddle pages, one table read a run)
+    check(10, 2, t, n, 8, h, (1000, 333), BF16, page_size=page_size)
+
+
 @pytest.mark.parametrize("opts", [
     dict(causal=False), dict(window=(100, 0)), dict(window=(37, 5)), dict(causal=False, window=(64, 64)),
     dict(softcap=30.0), dict(softcap=5.0, window=(200, 0), page_size=16),
