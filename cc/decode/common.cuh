@@ -2,6 +2,7 @@
 // of key blocks (contiguous or paged), and the end of a block (the merge of its groups and the stores).
 #pragma once
 #include <climits>
+#include <cstddef>
 
 #include "decode/decode.h"
 #include "tk/tk.cuh"
@@ -263,8 +264,14 @@ template <typename T, int D, typename C, int THREADS, typename V, typename Sync>
 __device__ __forceinline__ void finish(const Params &p, typename C::Shared &sm, const Block &k, rt_fl<TILE_ROWS, D> &o,
                                        const V &m, const V &l, float c, int g, int t, int tid, Sync sync) {
   constexpr int ROWS = C::ROWS, TILES = C::TILES, GROUPS = C::GROUPS;
-  static_assert(sizeof(Partial<D>) * TILES <= sizeof(sm.stage[0]));
-  auto partial = [&](int x, int tile) -> Partial<D> & { return reinterpret_cast<Partial<D> *>(&sm.stage[x])[tile]; };
+  // (A lone group's tiles may reach from the query rows, which no warp reads any more, into its stages.)
+  using Shared = typename C::Shared;
+  constexpr bool FROM_Q = sizeof(Partial<D>) * TILES > sizeof(sm.stage[0]);
+  static_assert(!FROM_Q || (GROUPS == 1 && offsetof(Shared, stage) == sizeof(sm.q) &&
+                            sizeof(Partial<D>) * TILES <= sizeof(sm.q) + sizeof(sm.stage)));
+  auto partial = [&](int x, int tile) -> Partial<D> & {
+    return reinterpret_cast<Partial<D> *>(FROM_Q ? static_cast<void *>(&sm.q) : static_cast<void *>(&sm.stage[x]))[tile];
+  };
   auto &mine = partial(g, t);
   warp::normalize_output(o, l);
   warp::store(mine.o, o);

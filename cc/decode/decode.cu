@@ -297,7 +297,8 @@ template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t strea
   if constexpr (MOST >= 8)
     if (tiles == 8) {
       if (p.sm90) e = decode_sm90_128(p, stream);
-      else e = fits<T, D, WIDE, 8>(smem) ? by_grid<T, D, 8>(p, smem, stream) : by_grid<T, D, 4>(p, smem, stream);
+      else if constexpr (D <= 128) e = fits<T, D, WIDE, 8>(smem) ? by_grid<T, D, 8>(p, smem, stream) : by_grid<T, D, 4>(p, smem, stream);
+      else e = fits<T, D, WIDE, 4>(smem) ? by_grid<T, D, 4>(p, smem, stream) : by_grid<T, D, 2>(p, smem, stream);
     }
   if (e != cudaSuccess || p.splits == 1) return e;
   const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;

@@ -13,7 +13,7 @@ enum class DType { bf16, fp16 };
 constexpr int HEAD_DIMS = 64 | 128 | 256;  // head dims of the kernel (a set of powers of 2), every GPU
 constexpr int TILE_ROWS = 16;     // query rows per warp: (query heads of one KV head) x (new tokens) ...
 constexpr int MAX_TILE_ROWS = 128;     // ... and at most this many per thread block (TILE_ROWS x 2^k) ...
-constexpr int MAX_TILE_ROWS_D256 = 64;  // ... or this many at head_dim 256 (its shared memory)
+constexpr int MAX_TILE_ROWS_D256 = 128;  // ... or this many at head_dim 256 (before Hopper: as two blocks of 64)
 constexpr int MAX_SPLITS = 128;   // parts a sequence's cache may be split into (the split-KV grid)
 constexpr int SPLIT_MIN_KEYS = 128;  // ... each covering at least this many positions of the capacity
 constexpr int SMALL_GPU_SMEM = 99 * 1024;  // shared memory a block may take on sm_86 / sm_89 GPUs: every

@@ -3,7 +3,7 @@
 // training forward's, and the tensor cores, not HBM, set the pace unless the softmax hides behind
 // them; so this block is organized like a training forward (tk/pipeline):
 //
-// - A producer warpgroup loads key blocks (K and V, 128 keys) into a ring of stages. A block of valid
+// - A producer warpgroup loads key blocks (K and V, 128 keys; 64 at head dim 256) into a ring of stages. A block of valid
 //   rows goes by TMA: one box of the cache, or boxes of 64 or 16 rows from the pages of a paged cache,
 //   each found (one table read) and issued by a lane of its own. Any other block (the last one of a
 //   sequence, whose rows past the length must be zeros; a page outside the pool; pages of other sizes)
@@ -22,9 +22,9 @@ namespace {
 template <typename T, int D, int BOX_> struct Wide {
   using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/72, /*CONSUMER_REGS=*/216>;
   static constexpr int TILES = 8, GROUPS = 1, ROWS = TILE_ROWS * TILES, THREADS = Roles::THREADS;
-  static constexpr int KEYS = 128, BOX = BOX_;  // (BOX: rows of a TMA box, see Args)
+  static constexpr int KEYS = D <= 128 ? 128 : 64, BOX = BOX_;  // (BOX: rows of a TMA box, see Args)
   using Stage = KeyBlock<T, KEYS, D>;
-  static constexpr int STAGES = 192 * 1024 / sizeof(Stage);  // 192 KiB of K and V
+  static constexpr int STAGES = (D <= 128 ? 192 : 128) * 1024 / sizeof(Stage);  // (beside 64 KiB of query at D=256)
   struct Shared {
     st<T, ROWS, D> q;
     Stage stage[GROUPS][STAGES];
@@ -214,7 +214,7 @@ template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t strea
 }  // namespace
 
 cudaError_t decode_sm90_128(const Params &p, cudaStream_t stream) {
-  return by_type<64, 128>(p, [&]<typename T, int D>() { return run<T, D>(p, stream); });
+  return by_type<64, 128, 256>(p, [&]<typename T, int D>() { return run<T, D>(p, stream); });
 }
 
 }  // namespace jax_tk::decode

@@ -206,6 +206,7 @@ int main() {
     failed += run({32, 8, 1, 128, {0, 500}, 512, 16, 2}, sm90);
     failed += run({16, 8, 1, 128, {385, 1}, 512, 128, 1}, sm90);
     failed += run({16, 8, 1, 64, {9, 700, 333}, 720, 0, 3, false, -1, -1, 20.f}, sm90);
+    failed += run({16, 8, 1, 256, {200, 77}, 256, 64, 2}, sm90);  // head dim 256 (elsewhere two blocks of 64)
     if (!hopper) break;
   }
   // the configs of GPUs with less shared memory (SMALL_GPU_SMEM): head dim 256 in one and two tiles,
