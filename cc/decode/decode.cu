@@ -40,7 +40,8 @@ namespace {
 // decode_sm90.cu's kernel) fit an A100's shared memory. Where a WIDE block does not fit the device
 // (head dim 256 on an A100), it takes the HALF one; where that does not fit either (head dim 256 on
 // GPUs of SMALL_GPU_SMEM), the SMALL one: HALF with two stages. (On those GPUs eight tiles, and four at
-// head dim 256, run as two blocks of half the rows.)
+// head dim 256, run as two blocks of half the rows; so do eight tiles at head dim 256 on any GPU but
+// Hopper.)
 enum Width { SMALL, HALF, WIDE };
 template <typename T, int D, int W, int TILES_> struct Config {
   static constexpr int TILES = TILES_, BASE_WARPS = (D <= 128 ? 8 : 4) / (W == WIDE ? 1 : 2);
@@ -279,27 +280,23 @@ template <typename T, int D, int TILES> cudaError_t by_grid(const Params &p, siz
   }
 }
 
-// The main kernel for the block's tiles of rows (up to MOST tiles at this head dim), then the merge of
-// the parts.
+// The main kernel for the block's tiles of rows, then the merge of the parts.
 template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t stream) {
-  constexpr int MOST = block_rows(MAX_TILE_ROWS, D) / TILE_ROWS;
   int dev = 0, smem = 0;
   if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
   if (cudaError_t e = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev); e != cudaSuccess) return e;
   if (p.smem_limit > 0) smem = std::min(smem, p.smem_limit);
-  const int tiles = block_rows(p.q_heads / p.kv_heads * p.q_len, D) / TILE_ROWS;
+  const int tiles = block_rows(p.q_heads / p.kv_heads * p.q_len) / TILE_ROWS;
   cudaError_t e = cudaErrorInvalidValue;
   if (tiles == 1) e = by_grid<T, D, 1>(p, smem, stream);
   if (tiles == 2) e = by_grid<T, D, 2>(p, smem, stream);
   // (where the largest blocks do not fit the device, blocks of half the rows: the cache is read twice)
-  if constexpr (MOST >= 4)
-    if (tiles == 4) e = fits<T, D, WIDE, 4>(smem) ? by_grid<T, D, 4>(p, smem, stream) : by_grid<T, D, 2>(p, smem, stream);
-  if constexpr (MOST >= 8)
-    if (tiles == 8) {
-      if (p.sm90) e = decode_sm90_128(p, stream);
-      else if constexpr (D <= 128) e = fits<T, D, WIDE, 8>(smem) ? by_grid<T, D, 8>(p, smem, stream) : by_grid<T, D, 4>(p, smem, stream);
-      else e = fits<T, D, WIDE, 4>(smem) ? by_grid<T, D, 4>(p, smem, stream) : by_grid<T, D, 2>(p, smem, stream);
-    }
+  if (tiles == 4) e = fits<T, D, WIDE, 4>(smem) ? by_grid<T, D, 4>(p, smem, stream) : by_grid<T, D, 2>(p, smem, stream);
+  if (tiles == 8) {
+    if (p.sm90) e = decode_sm90_128(p, stream);
+    else if constexpr (D <= 128) e = fits<T, D, WIDE, 8>(smem) ? by_grid<T, D, 8>(p, smem, stream) : by_grid<T, D, 4>(p, smem, stream);
+    else e = fits<T, D, WIDE, 4>(smem) ? by_grid<T, D, 4>(p, smem, stream) : by_grid<T, D, 2>(p, smem, stream);
+  }
   if (e != cudaSuccess || p.splits == 1) return e;
   const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
   return launch(merge_kernel<T, D>, dim3(unsigned((q_rows + 3) / 4)), dim3(128), 0, stream, p);

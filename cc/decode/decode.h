@@ -12,8 +12,8 @@ enum class DType { bf16, fp16 };
 
 constexpr int HEAD_DIMS = 64 | 128 | 256;  // head dims of the kernel (a set of powers of 2), every GPU
 constexpr int TILE_ROWS = 16;     // query rows per warp: (query heads of one KV head) x (new tokens) ...
-constexpr int MAX_TILE_ROWS = 128;     // ... and at most this many per thread block (TILE_ROWS x 2^k) ...
-constexpr int MAX_TILE_ROWS_D256 = 128;  // ... or this many at head_dim 256 (before Hopper: as two blocks of 64)
+constexpr int MAX_TILE_ROWS = 128;  // ... and at most this many per thread block (TILE_ROWS x 2^k; before Hopper,
+                                    // head_dim 256 runs 128 of them as two blocks of 64) ...
 constexpr int MAX_SPLITS = 128;   // parts a sequence's cache may be split into (the split-KV grid)
 constexpr int SPLIT_MIN_KEYS = 128;  // ... each covering at least this many positions of the capacity
 constexpr int SMALL_GPU_SMEM = 99 * 1024;  // shared memory a block may take on sm_86 / sm_89 GPUs: every
@@ -55,10 +55,9 @@ __host__ __device__ inline size_t workspace_words(int splits, int batch, int q_l
 }
 // Query rows of one thread block, of a sequence's `rows` = (query heads per KV head) x (new tokens):
 // the fewest TILE_ROWS x 2^k that hold them, at most the maximum; more rows take more blocks.
-__host__ __device__ constexpr int block_rows(int rows, int head_dim) {
-  const int most = head_dim <= 128 ? MAX_TILE_ROWS : MAX_TILE_ROWS_D256;
+__host__ __device__ constexpr int block_rows(int rows) {
   int n = TILE_ROWS;
-  while (n < rows && n < most) n *= 2;
+  while (n < rows && n < MAX_TILE_ROWS) n *= 2;
   return n;
 }
 inline bool head_dim_supported(int head_dim) { return (head_dim & (head_dim - 1)) == 0 && (head_dim & HEAD_DIMS) != 0; }

@@ -145,7 +145,7 @@ OpExports decode::exports() {  // (declared by cc/module.cc)
           {
 #define JAX_TK_CONSTANT(name) {#name, decode::name}
               JAX_TK_CONSTANT(HEAD_DIMS), JAX_TK_CONSTANT(TILE_ROWS), JAX_TK_CONSTANT(MAX_TILE_ROWS),
-              JAX_TK_CONSTANT(MAX_TILE_ROWS_D256), JAX_TK_CONSTANT(MAX_SPLITS), JAX_TK_CONSTANT(SPLIT_MIN_KEYS),
+              JAX_TK_CONSTANT(MAX_SPLITS), JAX_TK_CONSTANT(SPLIT_MIN_KEYS),
               JAX_TK_CONSTANT(TARGET_BLOCKS),
 #undef JAX_TK_CONSTANT
           }};

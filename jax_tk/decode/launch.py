@@ -35,25 +35,25 @@ def kernel_unsupported_reason(query, key_cache) -> str | None:
     return None
 
 
-def block_rows(rows: int, head_dim: int) -> int:
+def block_rows(rows: int) -> int:
     """cc/decode/decode.h block_rows(): the query rows of one thread block, of a sequence's ``rows`` =
     (query heads per KV head) x (new tokens)."""
     c = contract()
-    most = c["MAX_TILE_ROWS"] if head_dim <= 128 else c["MAX_TILE_ROWS_D256"]
+    most = c["MAX_TILE_ROWS"]
     n = c["TILE_ROWS"]
     while n < rows and n < most:
         n *= 2
     return n
 
 
-def splits(batch: int, t_new: int, heads: int, kv_heads: int, head_dim: int, capacity: int) -> int:
+def splits(batch: int, t_new: int, heads: int, kv_heads: int, capacity: int) -> int:
     """How many parts each sequence's keys are split into: as many as keep the grid within one wave of
     TARGET_BLOCKS thread blocks (a second, partial wave would cost as much as the first), each part
     covering at least SPLIT_MIN_KEYS positions of the cache's capacity. A grid of more than half a wave
     is not split."""
     c = contract()
     rows = heads // kv_heads * t_new
-    blocks = batch * kv_heads * math.ceil(rows / block_rows(rows, head_dim))
+    blocks = batch * kv_heads * math.ceil(rows / block_rows(rows))
     want = c["TARGET_BLOCKS"] // blocks
     return max(1, min(want, c["MAX_SPLITS"], capacity // c["SPLIT_MIN_KEYS"]))
 
@@ -78,7 +78,7 @@ def kernel(query, key_cache, value_cache, cache_lengths, page_table, spec, out_i
 def _call(query, key_cache, value_cache, cache_lengths, table, spec, parts, out_init=None):
     b, t, n, h = query.shape
     capacity = key_cache.shape[1] * (table.shape[1] if spec.page_size is not None else 1)
-    parts = splits(b, t, n, key_cache.shape[2], h, capacity) if parts is None else parts
+    parts = splits(b, t, n, key_cache.shape[2], capacity) if parts is None else parts
     out_types = (jax.ShapeDtypeStruct(query.shape, query.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32),
                  jax.ShapeDtypeStruct((max(workspace_words(parts, b, t, n, h), 1),), jnp.float32))
     left, right = spec.window if spec.window is not None else (-1, -1)

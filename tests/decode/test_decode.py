@@ -235,14 +235,13 @@ def test_block_rows_and_splits():
     wave of 132 blocks."""
     from jax_tk.decode import launch
 
-    assert [launch.block_rows(r, 128) for r in (1, 16, 17, 32, 33, 64, 65, 256)] == [16, 16, 32, 32, 64, 64, 128, 128]
-    assert [launch.block_rows(r, 256) for r in (4, 20, 64, 128)] == [16, 32, 64, 128]
+    assert [launch.block_rows(r) for r in (1, 4, 16, 17, 20, 32, 33, 64, 65, 128, 256)] == \
+        [16, 16, 16, 32, 32, 32, 64, 64, 128, 128, 128]
     # 8 sequences x 8 KV heads x one block of 64 rows (4 query heads x 16 new tokens): 2 parts
-    assert launch.splits(8, 16, 32, 8, 128, 32768) == 2
-    assert launch.splits(8, 16, 64, 8, 128, 32768) == 2  # 128 rows: one block
-    assert launch.splits(8, 16, 32, 8, 256, 32768) == 2  # one block of 64 rows per KV head: 64 blocks
-    assert launch.splits(8, 16, 64, 8, 256, 32768) == 2  # 128 rows: one block (two of 64 before Hopper)
-    assert launch.splits(1, 1, 32, 8, 128, 2048) == 16   # at most 2048 / 128 parts
+    assert launch.splits(8, 16, 32, 8, 32768) == 2
+    assert launch.splits(8, 16, 64, 8, 32768) == 2  # 128 rows: one block
+    assert launch.splits(8, 32, 64, 8, 32768) == 1  # 256 rows: two blocks per KV head, 128 blocks
+    assert launch.splits(1, 1, 32, 8, 2048) == 16   # at most 2048 / 128 parts
 
 
 def test_implementation():

@@ -64,7 +64,7 @@ def check(seed, b, t, n, kh, h, lengths, dtype, *, page_size=None, causal=True, 
     spec = DecodeSpec(1 / np.sqrt(h), causal, True, window, softcap, page_size)
     ref, ref_lse = (np.asarray(x) for x in want(q, k, v, lens, table, spec=spec))
     for p in parts:
-        p = launch.splits(b, t, n, kh, h, s) if p is None else p
+        p = launch.splits(b, t, n, kh, s) if p is None else p
         out, lse = kernel(q, k, v, lens, table, spec=spec, parts=p)
         out, lse = np.asarray(out.astype(F32)), np.asarray(lse)
         assert np.isfinite(out).all(), f"splits={p}: {np.isnan(out).sum()} NaN (unwritten or leaked)"
