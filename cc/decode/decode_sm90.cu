@@ -3,12 +3,12 @@
 // training forward's, and the tensor cores, not HBM, set the pace unless the softmax hides behind
 // them; so this block is organized like a training forward (tk/pipeline):
 //
-// - A producer warpgroup loads key blocks (K and V, 128 keys; 64 at head dim 256) into a ring of stages. A block of valid
-//   rows goes by TMA: one box of the cache, or boxes of 64 or 16 rows from the pages of a paged cache,
-//   each found (one table read) and issued by a lane of its own. Any other block (the last one of a
-//   sequence, whose rows past the length must be zeros; a page outside the pool; pages of other sizes)
-//   is copied row by row with cp.async as decode.cu does it, each thread arriving on the stage's
-//   semaphore when its copies land.
+// - A producer warpgroup loads key blocks (K and V, 128 keys; 64 at head dim 256) into a ring of
+//   stages. A block of valid rows goes by TMA: one box of the cache, or boxes of 64 or 16 rows from the
+//   pages of a paged cache, each found (one table read) and issued by a lane of its own. Any other
+//   block (the last one of a sequence, whose rows past the length must be zeros; a page outside the
+//   pool; pages of other sizes) is copied row by row with cp.async as decode.cu does it, each thread
+//   arriving on the stage's semaphore when its copies land.
 // - Two consumer warpgroups of 64 rows each multiply on wgmma, operands from shared memory. Each
 //   issues S = Q K_j^T together with O += P_{j-1} V_{j-1} and runs the softmax of block j while they
 //   are in flight, and the two take turns issuing (named barriers): one's softmax overlaps the

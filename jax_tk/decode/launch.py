@@ -39,9 +39,8 @@ def block_rows(rows: int) -> int:
     """cc/decode/decode.h block_rows(): the query rows of one thread block, of a sequence's ``rows`` =
     (query heads per KV head) x (new tokens)."""
     c = contract()
-    most = c["MAX_TILE_ROWS"]
     n = c["TILE_ROWS"]
-    while n < rows and n < most:
+    while n < rows and n < c["MAX_TILE_ROWS"]:
         n *= 2
     return n
 
