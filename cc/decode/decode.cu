@@ -286,7 +286,9 @@ template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t strea
   if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
   if (cudaError_t e = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev); e != cudaSuccess) return e;
   if (p.smem_limit > 0) smem = std::min(smem, p.smem_limit);
-  const int tiles = block_rows(p.q_heads / p.kv_heads * p.q_len) / TILE_ROWS;
+  int tiles = block_rows(p.q_heads / p.kv_heads * p.q_len) / TILE_ROWS;
+  // Eight tiles at D=256 have a block only on Hopper (decode_sm90.cu); elsewhere they run as two of four.
+  if (tiles == 8 && !p.sm90 && D > 128) tiles = 4;
   cudaError_t e = cudaErrorInvalidValue;
   if (tiles == 1) e = by_grid<T, D, 1>(p, smem, stream);
   if (tiles == 2) e = by_grid<T, D, 2>(p, smem, stream);
@@ -295,7 +297,6 @@ template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t strea
   if (tiles == 8) {
     if (p.sm90) e = decode_sm90_128(p, stream);
     else if constexpr (D <= 128) e = fits<T, D, WIDE, 8>(smem) ? by_grid<T, D, 8>(p, smem, stream) : by_grid<T, D, 4>(p, smem, stream);
-    else e = fits<T, D, WIDE, 4>(smem) ? by_grid<T, D, 4>(p, smem, stream) : by_grid<T, D, 2>(p, smem, stream);
   }
   if (e != cudaSuccess || p.splits == 1) return e;
   const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
