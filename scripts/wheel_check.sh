@@ -4,7 +4,7 @@
 # tests/ outside the source tree (the test-kernel tests skip: user wheels leave them out).
 #   scripts/wheel_check.sh OUTDIR [pytest args]
 # Logs: OUTDIR/wheel_build.log, OUTDIR/wheel_tests.log. JAX_TK_WHEEL_SITE: where to install it (default: a
-# temporary folder).
+# temporary folder). JAX_TK_WHEEL=FILE checks that wheel (built elsewhere) instead of building one.
 set -uo pipefail
 out=${1:?usage: scripts/wheel_check.sh OUTDIR [pytest args]}
 shift
@@ -15,9 +15,14 @@ export PYTHONUNBUFFERED=1
 house=$(mktemp -d) site=${JAX_TK_WHEEL_SITE:-$(mktemp -d)} tree=$(mktemp -d)
 rm -rf "$site"/jax_tk*
 start=$(date +%s)
-CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} "$root/scripts/build_wheel.sh" --offline "$house" \
-  >"$out/wheel_build.log" 2>&1 || { tail -40 "$out/wheel_build.log"; exit 1; }
-echo "wheel built in $(( $(date +%s) - start )) s: $(cd "$house" && ls jax_tk-*.whl)" | tee -a "$out/wheel_build.log"
+if [ -n "${JAX_TK_WHEEL:-}" ]; then
+  cp "$JAX_TK_WHEEL" "$house/" || exit 1
+  echo "wheel given: $(cd "$house" && ls jax_tk-*.whl)" | tee "$out/wheel_build.log"
+else
+  CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} "$root/scripts/build_wheel.sh" --offline "$house" \
+    >"$out/wheel_build.log" 2>&1 || { tail -40 "$out/wheel_build.log"; exit 1; }
+  echo "wheel built in $(( $(date +%s) - start )) s: $(cd "$house" && ls jax_tk-*.whl)" | tee -a "$out/wheel_build.log"
+fi
 # PATH without any folder that holds nvcc
 nocuda=$(echo "$PATH" | tr : '\n' | while read -r d; do [ -x "$d/nvcc" ] || echo "$d"; done | paste -sd: -)
 env PATH="$nocuda" sh -c 'command -v nvcc' && { echo "nvcc still on the PATH"; exit 1; }
