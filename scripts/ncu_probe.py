@@ -1,11 +1,12 @@
 """One jitted call of attention (forward, or with --bwd the gradient), for profilers: run it under
 ncu or nsys, e.g. through scripts/ncu_profile.sh, which profiles its kernels.
 
-    python scripts/ncu_probe.py [--impl tk|cudnn|xla] [--shape B T H D] [--kv-heads N] [--causal]
+    python scripts/ncu_probe.py [--impl tk|cudnn|fa3|xla] [--shape B T H D] [--kv-heads N] [--causal]
                                 [--window LEFT] [--documents N] [--bias] [--bwd] [--calls N]
 
 --impl tk (default): jax_tk.attention(implementation="tk"); xla: jax_tk.attention's pure-JAX reference
-(runs on CPU too); cudnn: jax.nn.dot_product_attention(implementation="cudnn").
+(runs on CPU too); cudnn: jax.nn.dot_product_attention(implementation="cudnn"); fa3:
+FlashAttention-3's flash_attn3_jax.flash_mha (the flash-attn3-jax wheel).
 --documents N: N packed documents of random lengths per row (the benchmark's, seed 0) as segment ids
 (jax_tk only), so that the XLA ops preparing the kernels' tiles show too.
 --bias adds a random bias [1, H, T, T] (its gradient too with --bwd).
@@ -23,7 +24,7 @@ from jax_tk.bench import document_lengths, segment_ids_from_lengths
 
 def main():
     a = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    a.add_argument("--impl", choices=("tk", "cudnn", "xla"), default="tk")
+    a.add_argument("--impl", choices=("tk", "cudnn", "fa3", "xla"), default="tk")
     a.add_argument("--shape", type=int, nargs=4, default=(1, 16384, 16, 128), metavar=("B", "T", "H", "D"))
     a.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default H)")
     a.add_argument("--causal", action="store_true")
@@ -43,9 +44,9 @@ def main():
     k = jax.random.normal(kk, (B, T, KH, D), dtype)
     v = jax.random.normal(kv, (B, T, KH, D), dtype)
     ids = None
+    if args.impl in ("cudnn", "fa3") and args.documents:
+        a.error("--documents: jax_tk only (--impl tk or xla)")
     if args.documents:
-        if args.impl == "cudnn":
-            a.error("--documents: jax.nn.dot_product_attention has no segment ids")
         ids = jnp.asarray(segment_ids_from_lengths(document_lengths(T, args.documents, 0, B)))
     window = None if args.window is None else (args.window, 0)
     bias = jax.random.normal(jax.random.PRNGKey(1), (1, H, T, T), dtype) if args.bias else None
@@ -54,6 +55,14 @@ def main():
         def attn(q, k, v, ids, bias):
             return jax.nn.dot_product_attention(q, k, v, bias, implementation="cudnn", is_causal=args.causal,
                                                 local_window_size=window)
+    elif args.impl == "fa3":
+        import flash_attn3_jax
+        if args.bias:
+            a.error("--bias: flash_attn3_jax has no bias")
+
+        def attn(q, k, v, ids, bias):
+            return flash_attn3_jax.flash_mha(q, k, v, softmax_scale=D ** -0.5, is_causal=args.causal,
+                                             window_size=(-1, -1) if window is None else window)
     else:
         def attn(q, k, v, ids, bias):
             return jax_tk.attention(q, k, v, bias, implementation=args.impl, is_causal=args.causal,
