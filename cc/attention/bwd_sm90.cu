@@ -383,8 +383,13 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       warp::store(ds_tile, ds16, kw - k0, 0);
       warpgroup::fence_shared_writes();
     }
-    sync_named(1, 128 * CONSUMERS);  // all of dS^T is in shared memory
+    // dK needs only the rows of dS^T of this warpgroup's keys; dQ needs all of them. Where each
+    // warpgroup writes its own rows (SPLIT = 1), dK goes to the tensor cores once they are in
+    // shared memory, while the other warpgroup catches up.
+    if constexpr (C::SPLIT == 1) sync_named(4 + wg, 128);  // this warpgroup's rows of dS^T are in shared memory
+    else sync_named(1, 128 * CONSUMERS);                    // all of dS^T is
     warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, row0, 0), window<BQ, C::KV_COLS>(sm.q[slot], 0, col0), true);  // dK += dS^T Q  [dV, dK]
+    if constexpr (C::SPLIT == 1) sync_named(1, 128 * CONSUMERS);  // all of dS^T is
     if (C::STAGE_BIAS && BIAS) store_dbias<T>(ds16, p, b, h, q0, kw, scratch);  // (while dK is computed)
     // This warpgroup's columns of dQ_i = dS K, added to the accumulator tile in global memory: by the
     // writer warp from shared memory (STAGED), or from the registers. With Params::deterministic the
