@@ -17,6 +17,10 @@ constexpr int TILE = 16;  // register and shared tiles are made of TILE x TILE p
 
 __device__ __forceinline__ int laneid() { return threadIdx.x & 31; }
 __device__ __forceinline__ int warpid() { return threadIdx.x >> 5; }
+// x, which every lane of the warp holds alike, made known as such to the compiler: what is worked
+// out from it (e.g. the shared-memory descriptors of wgmma) then stays in uniform registers instead
+// of being computed per thread and moved there before each use.
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffff, x, 0); }
 
 // Named barrier `id` (1..15; 0 is __syncthreads' barrier) over `threads` threads (a multiple of 32).
 __device__ __forceinline__ void sync_named(int id, int threads) {
