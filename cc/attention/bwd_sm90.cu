@@ -203,10 +203,9 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   const int3 at = block_coords<FULL>(p, a.order_pairs, blockIdx.x, (p.kv_len + BK - 1) / BK);
   const int b = at.x, kvh = at.y, j = at.z, k0 = j * BK;
   const int group = p.q_heads / p.kv_heads, n_qblocks = (p.q_len + BQ - 1) / BQ;
-  // At D <= 128 the warpgroup and the ring slots are made known to be warp-uniform (warp_uniform):
-  // the wgmma descriptors then stay in uniform registers (about 120 moves fewer per step; 1.5-4%
-  // faster). At D = 256 the same made the kernels 2-3% slower (more spills), so they are left as
-  // they were.
+  // At D <= 128 the warpgroup and the ring slots are made known to be warp-uniform (warp_uniform),
+  // so that the wgmma descriptors stay in uniform registers instead of being worked out per thread
+  // and moved there before each wgmma. (At D = 256 it cost more in spills than it saved.)
   const auto known_uniform = [](int x) { return D <= 128 ? warp_uniform(x) : x; };
   const int wg = known_uniform(warpgroup::groupid());
   // The query blocks that see these keys (with segment ids: listed once, see BlockList; without,
