@@ -11,7 +11,8 @@
 //                P^T = exp(S^T - lse),  dS^T = P^T (dP^T - delta)   (registers)
 //                dV += P^T dO_i                                    (wgmma, A from registers)
 //              then both write dS^T to shared memory, and each computes
-//                dK += dS^T Q_i                                    (wgmma, A: its rows of dS^T)
+//                dK += dS^T Q_i                                    (wgmma, A: its rows of dS^T,
+//                                                                   from registers at D <= 128)
 //                dQ_i = dS K, half of the columns                  (wgmma, A read M-major)
 //              which goes to an fp32 accumulator tile in global memory: through shared memory and
 //              a bulk reduce-add issued by the producer's dQ writer (D <= 128), or from the
@@ -385,15 +386,14 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     if (writes_ds) {
       warp::copy(ds16, dp);
       warp::store(ds_tile, ds16, kw - k0, 0);
-      warpgroup::fence_shared_writes();
     }
-    // dK needs only the rows of dS^T of this warpgroup's keys; dQ needs all of them. Where each
-    // warpgroup writes its own rows (SPLIT = 1), dK goes to the tensor cores once they are in
-    // shared memory, while the other warpgroup catches up.
-    if constexpr (C::SPLIT == 1) sync_named(4 + wg, 128);  // this warpgroup's rows of dS^T are in shared memory
-    else sync_named(1, 128 * CONSUMERS);                    // all of dS^T is
-    warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, row0, 0), window<BQ, C::KV_COLS>(sm.q[slot], 0, col0), true);  // dK += dS^T Q  [dV, dK]
-    if constexpr (C::SPLIT == 1) sync_named(1, 128 * CONSUMERS);  // all of dS^T is
+    // dK needs only this warpgroup's rows of dS^T: where it computed them itself (SPLIT = 1) it
+    // takes them from its registers, at once; dQ needs all of them, from shared memory.
+    const auto q_cols = window<BQ, C::KV_COLS>(sm.q[slot], 0, col0);
+    if constexpr (C::SPLIT == 1) warpgroup::mma_AB(dk, ds16, q_cols, true);  // dK += dS^T Q  [dV, dK]
+    if (writes_ds) warpgroup::fence_shared_writes();
+    sync_named(1, 128 * CONSUMERS);  // all of dS^T is in shared memory
+    if constexpr (C::SPLIT == 2) warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, row0, 0), q_cols, true);
     if (C::STAGE_BIAS && BIAS) store_dbias<T>(ds16, p, b, h, q0, kw, scratch);  // (while dK is computed)
     // This warpgroup's columns of dQ_i = dS K, added to the accumulator tile in global memory: by the
     // writer warp from shared memory (STAGED), or from the registers. With Params::deterministic the
@@ -411,7 +411,10 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       const int c0 = C::DQ_COLS * wg + C::DQ_PART * part;
       warpgroup::mma_AtB(dq, ds_tile, window<BK, C::DQ_PART>(sm.k, 0, c0), false);  // [dV, dK, dQ]
       if (part == C::DQ_PARTS - 1) {
-        issue_logits(it + 1);  // [dV, dK, dQ, S']
+        // (With dK's operand in registers, S^T's accumulators wait for it: both held, ptxas would
+        // serialize the wgmmas for want of registers, C7512.)
+        if constexpr (C::SPLIT == 1) warpgroup::wait<1>();  // [dQ]
+        issue_logits(it + 1);  // [dQ, S'] (SPLIT = 2: [dV, dK, dQ, S'])
         if constexpr (BIAS) {
           int g1 = g, i1 = i;
           next_step(it + 1, g1, i1);
