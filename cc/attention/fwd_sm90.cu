@@ -169,7 +169,11 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     }
     return FwdTile{x.b, x.h, x.q0, x.range, BlockList{x.range.x, x.range.y, nullptr, 0}, false, 0, p.q_len};
   };
-  const int wg = warpgroup::groupid();
+  // In plain attention the warpgroup and the Q slot are made known to be warp-uniform
+  // (warp_uniform), so that the wgmma descriptors of Q stay in uniform registers instead of being
+  // moved there before each wgmma. (In the masked kernels it cost spills.)
+  const auto known_uniform = [](int x) { return FULL ? x : warp_uniform(x); };
+  const int wg = known_uniform(warpgroup::groupid());
   const ring<QS> q_ring{sm.q_full, sm.q_empty};
   const ring<STAGES> k_ring{sm.k_full, sm.k_empty}, v_ring{sm.v_full, sm.v_empty};  // (at the same positions)
   const tile_queue<TileSlot> tiles_q{{sm.tile_full, sm.tile_empty}, sm.tile};
@@ -278,7 +282,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     const ring_use<QS> qa(nq);
     wait_full(q_ring, qa);
     nq++;
-    const auto &q = sm.q[qa.slot][wg];
+    const auto &q = sm.q[known_uniform(qa.slot)][wg];
 
     // Software pipeline: while the tensor cores compute O += P_{j-1} V_{j-1}, the warps run the
     // softmax of block j. S_j is issued first; wgmma groups complete in order.
@@ -295,7 +299,16 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     auto load_block_bias = [&](int j) {
       if constexpr (BIAS) load_bias(bias, p, x.b, x.h, qw, j * BK);
     };
+    // In plain attention the blocks that cut through the rule are the range's last ones (as j grows,
+    // a block's keys only move further past the causal diagonal and the keys' end): from mask_from on.
+    int mask_from = end;
+    if constexpr (!FULL)
+      while (mask_from > first && rule.partial(qw, 16, (mask_from - 1) * BK, BK)) mask_from--;
     auto mask = [&](int j, int info) {
+      if constexpr (!FULL) {
+        if (j >= mask_from) mask_rule<false>(s, rule, qw, j * BK);
+        return;
+      }
       if constexpr (BIAS) add_bias(s, bias, scratch);
       if (from_loader && (info & ((1 << MASK_BITS) - 1)) == 0) return;  // most blocks
       const int k0 = (DOCS ? max(sm.tile[slot].kbase, 0) : 0) + j * BK;
@@ -316,7 +329,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     if (lane0) arrive_empty(k_ring, kv);
     cap_logits<FULL, DENSE>(s, p);
     mask(first, info);
-    softmax_step(s, m, l, corr, c);
+    softmax_step<true>(s, m, l, corr, c);
     warp::copy(pr, s);
 
     for (int j_next; j < end; j = j_next) {
@@ -339,7 +352,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       if (lane0) arrive_empty(k_ring, kv);
       cap_logits<FULL, DENSE>(s, p);
       mask(j, info);
-      softmax_step(s, m, l, corr, c);
+      softmax_step<true>(s, m, l, corr, c);
       warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done
       warpgroup::fence_registers(o);
       warpgroup::fence_registers(pr);
@@ -361,6 +374,7 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     warpgroup::fence_registers(o);
     if (lane0) arrive_empty(v_ring, last);
     n = kv.n;
+    warp::sum_lanes(l);  // (softmax_step kept each lane's part)
     if (stage_o) {
       // O /= l into this consumer's staging tile, then one TMA store (the warps do not wait for
       // global stores); the leader first waits until the last tile's store has read the tile.

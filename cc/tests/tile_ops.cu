@@ -33,6 +33,7 @@ enum Op {
   // then in chunks to global memory: out's bytes as an R x C matrix of T, its first R - 2 rows (out
   // filled with 1.0f first)
   CHUNKS_STORE = 42, CHUNKS_STORE_T = 43,
+  ROW_SUM_LANES = 44,  // vec = row sums of a and b: row_sum_lane over a, then b (each lane's part), then sum_lanes
 };
 
 template <typename T, typename L, int R, int C>
@@ -95,6 +96,15 @@ __device__ void run(const TileOpArgs &x, st<T, R, C> &sa, st<T, R, C> &sb) {
       if (x.op == ROW_MAX) { if (p != 0) warp::row_max(out, a, cv); else warp::row_max(out, a); }
       else { if (p != 0) warp::row_sum(out, a, cv); else warp::row_sum(out, a); }
       warp::store(x.vec, out, R);
+      return;
+    }
+    case ROW_SUM_LANES: {
+      CV part;
+      warp::fill_vec(part, 0.f);
+      warp::row_sum_lane(part, a, part);
+      warp::row_sum_lane(part, b, part);
+      warp::sum_lanes(part);
+      warp::store(x.vec, part, R);
       return;
     }
     case COL_MAX: case COL_SUM: {

@@ -24,6 +24,7 @@ OPS = dict(
     SUB_ROW=20, MUL_ROW=21, DIV_ROW=22, ADD_COL=23, SUB_COL=24, MUL_COL=25, DIV_COL=26, TRIL=27,
     TRIU=28, BOUNDS=29, MMA_AB=30, MMA_ABT=31, MMA_ATB=32, MMA_ATBT=33, FILL=34, ZERO=35, CAST=36,
     SHARED_ST=37, KEEP_BITS=38, KEEP_BITS_BY_COL=39, CHUNKS=40, CHUNKS_T=41, CHUNKS_STORE=42, CHUNKS_STORE_T=43,
+    ROW_SUM_LANES=44,
 )
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 RTOL = {"float32": 2e-6, "bfloat16": 8e-3, "float16": 1e-3}
@@ -132,6 +133,16 @@ def test_reductions(op, dtype, layout, init):
     if init:
         red = np.maximum(red, v[:n]) if op.endswith("MAX") else red + v[:n]
     np.testing.assert_allclose(vec[:n], red, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", [0, 1], ids=["row", "col"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_row_sum_lanes(dtype, layout):
+    # each lane's part of the row sums over two tiles (row_sum_lane), completed by sum_lanes
+    a, b, v = inputs(dtype, (32, 64), seed=13)
+    _, vec = run_op("ROW_SUM_LANES", a, b, v, layout)
+    want = a.astype(np.float32).sum(axis=1) + b.astype(np.float32).sum(axis=1)
+    np.testing.assert_allclose(vec[:32], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("diag", [-5, 0, 3])

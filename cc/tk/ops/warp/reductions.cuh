@@ -23,8 +23,9 @@ template <typename Op, typename VL> __device__ __forceinline__ float across_lane
   return v;
 }
 
-// dst[r] = Op over the columns of src's row r (and over init[r] when given).
-template <typename Op, bool ACROSS_COLS, RegisterTile S, typename V>
+// dst[r] = Op over the columns of src's row r (and over init[r] when given). LANES = false: over
+// this lane's columns only (the other lanes that hold the row have the rest).
+template <typename Op, bool ACROSS_COLS, bool LANES = true, RegisterTile S, typename V>
 __device__ __forceinline__ void reduce(V &dst, const S &src, const V *init) {
   using L = typename S::layout;
   constexpr int outer = ACROSS_COLS ? S::height : S::width;   // pieces along the kept axis
@@ -45,7 +46,7 @@ __device__ __forceinline__ void reduce(V &dst, const S &src, const V *init) {
           acc = first ? x : Op::apply(acc, x);
           first = false;
         }
-      acc = across_lanes<Op, typename V::layout>(acc);
+      if constexpr (LANES) acc = across_lanes<Op, typename V::layout>(acc);
       dst.data[o][k] = init ? Op::apply(init->data[o][k], acc) : acc;
     }
 }
@@ -54,6 +55,16 @@ template <RegisterTile S> __device__ __forceinline__ void row_max(col_vec<S> &ds
 template <RegisterTile S> __device__ __forceinline__ void row_max(col_vec<S> &dst, const S &src, const col_vec<S> &init) { reduce<op::max, true>(dst, src, &init); }
 template <RegisterTile S> __device__ __forceinline__ void row_sum(col_vec<S> &dst, const S &src) { reduce<op::sum, true>(dst, src, (const col_vec<S> *)nullptr); }
 template <RegisterTile S> __device__ __forceinline__ void row_sum(col_vec<S> &dst, const S &src, const col_vec<S> &init) { reduce<op::sum, true>(dst, src, &init); }
+// This lane's part of row_sum (init: its part so far): the sum over the columns it holds, without
+// shuffles; sum_lanes completes it.
+template <RegisterTile S> __device__ __forceinline__ void row_sum_lane(col_vec<S> &dst, const S &src, const col_vec<S> &init) { reduce<op::sum, true, false>(dst, src, &init); }
+// v[i] := the sum of v[i] over the lanes that hold index i (completes row_sum_lane's parts).
+template <typename V> __device__ __forceinline__ void sum_lanes(V &v) {
+#pragma unroll
+  for (int o = 0; o < V::pieces; o++)
+#pragma unroll
+    for (int k = 0; k < V::per; k++) v.data[o][k] = across_lanes<op::sum, typename V::layout>(v.data[o][k]);
+}
 template <RegisterTile S> __device__ __forceinline__ void col_max(row_vec<S> &dst, const S &src) { reduce<op::max, false>(dst, src, (const row_vec<S> *)nullptr); }
 template <RegisterTile S> __device__ __forceinline__ void col_max(row_vec<S> &dst, const S &src, const row_vec<S> &init) { reduce<op::max, false>(dst, src, &init); }
 template <RegisterTile S> __device__ __forceinline__ void col_sum(row_vec<S> &dst, const S &src) { reduce<op::sum, false>(dst, src, (const row_vec<S> *)nullptr); }

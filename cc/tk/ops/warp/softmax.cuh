@@ -21,8 +21,10 @@ __device__ __forceinline__ float tanh_fast(float x) {
 
 // One step of the online softmax over a block of logits s (units of 1 / c: s * c is in log2 units):
 // updates the running row max m (same units) and sum l, sets corr to the factor that rescales what
-// was accumulated before, and s := exp2(c (s - m)).
-template <typename RT, typename V>
+// was accumulated before, and s := exp2(c (s - m)). LANE_SUMS: l holds this lane's part of each
+// row's sum (row_sum_lane), which sum_lanes(l) completes after the last step: the shuffles of the
+// sum are paid once instead of at every step.
+template <bool LANE_SUMS = false, typename RT, typename V>
 __device__ __forceinline__ void softmax_step(RT &s, V &m, V &l, V &corr, float c) {
   V m_new, mc;
   row_max(m_new, s, m);
@@ -31,7 +33,8 @@ __device__ __forceinline__ void softmax_step(RT &s, V &m, V &l, V &corr, float c
   map_vec(corr, m, mc, [=](float a, float b) { return fn::exp2(a * c - b); });
   map_row(s, s, mc, [=](float x, float b) { return fn::exp2(x * c - b); });
   map_vec(l, l, corr, [](float a, float b) { return a * b; });
-  row_sum(l, s, l);
+  if constexpr (LANE_SUMS) row_sum_lane(l, s, l);
+  else row_sum(l, s, l);
   m = m_new;
 }
 
