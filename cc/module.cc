@@ -1,10 +1,15 @@
-// The nanobind module jax_tk._tk: registrations() -> {FFI target name: capsule} and contract() ->
-// {op: {constant: value}} of every op (jax_tk/_core/extension.py reads both).
+// The nanobind module jax_tk._tk: registrations() -> {FFI target name: capsule}, contract() ->
+// {op: {constant: value}} of every op and archs() -> the GPU architectures compiled for, e.g. "80,90a"
+// (jax_tk/_core/extension.py reads them).
 #include <nanobind/nanobind.h>
 
 #include "ffi/common.h"
 
 namespace nb = nanobind;
+
+#ifndef JAX_TK_ARCHS  // (set by CMakeLists.txt from JAX_TK_CUDA_ARCHS)
+#define JAX_TK_ARCHS "80,90a"
+#endif
 
 // The ops: one entry each. cc/<op>/ffi.cc defines jax_tk::<op>::exports().
 #define JAX_TK_OPS(op) op(attention) op(decode) op(gemm)
@@ -29,6 +34,7 @@ NB_MODULE(_tk, m) {
       for (const auto &[name, handler] : op.targets) d[name] = nb::capsule(handler);
     return d;
   });
+  m.def("archs", []() { return nb::str(JAX_TK_ARCHS); });
   m.def("contract", []() {
     nb::dict d;
     for (const auto &op : ops()) {

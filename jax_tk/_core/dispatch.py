@@ -1,7 +1,7 @@
 """The ``implementation=`` choice and the platform dispatch shared by every op.
 
-``implementation=None`` runs the kernel where the configuration is supported and the pure-JAX
-reference elsewhere; the choice between them is made per platform by ``platform_dependent``, so the
+``implementation=None`` runs the kernel where the configuration is supported (and the local GPU is one
+the kernels were built for) and the pure-JAX reference elsewhere; the choice between them is made per platform by ``platform_dependent``, so the
 same program lowers for CPU (the reference) and for CUDA (the kernel). ``"tk"`` forces the kernel
 (or raises), ``"xla"`` the reference.
 """
@@ -26,6 +26,16 @@ def check_implementation(op: str, implementation, extra: tuple = ()) -> None:
 
 
 @functools.lru_cache(maxsize=None)
+def _warn_no_arch(op: str, capability: tuple[int, int]):
+    warnings.warn(
+        f"jax_tk's kernels are built for GPU architectures {', '.join(extension.kernel_archs())}; this GPU has "
+        f"compute capability {capability[0]}.{capability[1]}, so {op} runs the pure-JAX reference.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+@functools.lru_cache(maxsize=None)
 def _warn_no_kernels(op: str):
     warnings.warn(
         f"jax_tk was installed without its CUDA kernels (no nvcc at build time); {op} runs the pure-JAX "
@@ -41,7 +51,8 @@ def use_kernel(op: str, implementation, unsupported_reason: str | None) -> bool:
     check_implementation(op, implementation)
     if implementation == "xla":
         return False
-    local_gpu = extension.cuda_device_capability() is not None
+    capability = extension.cuda_device_capability()
+    local_gpu = capability is not None
     if implementation == "tk":
         if unsupported_reason is not None:
             raise ValueError(f"jax_tk.{op}(implementation='tk'): unsupported {unsupported_reason}")
@@ -50,6 +61,10 @@ def use_kernel(op: str, implementation, unsupported_reason: str | None) -> bool:
                                "(no nvcc at install time)")
         if not local_gpu:
             raise RuntimeError(f"jax_tk.{op}(implementation='tk') needs a CUDA GPU")
+        if not extension.kernels_run_on(capability):
+            raise RuntimeError(f"jax_tk.{op}(implementation='tk'): the kernels are built for GPU architectures "
+                               f"{', '.join(extension.kernel_archs())}, which do not run on this GPU (compute "
+                               f"capability {capability[0]}.{capability[1]})")
         return True
     # implementation=None: the kernel where it applies. Without local CUDA devices the kernel is still
     # emitted in the CUDA branch, so that programs exported or lowered for CUDA use it.
@@ -57,6 +72,9 @@ def use_kernel(op: str, implementation, unsupported_reason: str | None) -> bool:
         return False
     if local_gpu and not extension.has_cuda_kernels():
         _warn_no_kernels(op)
+        return False
+    if local_gpu and not extension.kernels_run_on(capability):
+        _warn_no_arch(op, capability)
         return False
     return True
 

@@ -63,6 +63,28 @@ def test_kernels():
     return _tk_tests
 
 
+def kernel_archs() -> tuple[str, ...]:
+    """The GPU architectures the kernels were compiled for, e.g. ``("80", "90a")``; () without them."""
+    if _tk is None:
+        return ()
+    archs = _tk.archs() if hasattr(_tk, "archs") else "80,90a"  # (built before archs() existed)
+    return tuple(a for a in archs.split(",") if a)
+
+
+def kernels_run_on(capability: tuple[int, int]) -> bool:
+    """Whether the built kernels run on a GPU of this compute capability: 9.0 (H100, H200) takes the
+    sm_90a build (the handlers launch the Hopper kernels there), 8.x an sm_8y build with y <= x (A100,
+    A10, L4, ...). The binaries hold no PTX, so other GPUs (before sm_80, or Blackwell and later) have
+    no kernel to run."""
+    major, minor = capability
+    archs = kernel_archs()
+    if (major, minor) == (9, 0):
+        return "90a" in archs
+    if major == 8:
+        return any(len(a) == 2 and a[0] == "8" and int(a[1]) <= minor for a in archs)
+    return False
+
+
 def cuda_device_capability() -> tuple[int, int] | None:
     """Compute capability of the first local CUDA device, or None without one."""
     try:

@@ -314,19 +314,20 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     ``linen.MultiHeadDotProductAttention`` and ``nnx.MultiHeadAttention``.
 
     Args:
-      query: ``[batch, q_len, q_heads, head_dim]`` (or ``[q_len, q_heads, head_dim]``), bfloat16,
-        float16 or float32.
+      query: ``[batch, q_len, q_heads, head_dim]`` (or ``[q_len, q_heads, head_dim]``, or several
+        batch dims ``[*batch, q_len, q_heads, head_dim]``), bfloat16, float16 or float32.
       key, value: ``[batch, kv_len, kv_heads, head_dim]`` (rank 3 with a rank-3 query), same dtype;
         ``q_heads`` must be a multiple of ``kv_heads`` (grouped-query attention).
       bias: additive bias of the logits, as in jax.nn: a float array broadcastable to ``[batch, q_heads,
         q_len, kv_len]`` (rank <= 4, leading dims added; each dim 1 or full size; ``[q_heads, q_len,
         kv_len]`` for rank-3 inputs), added after the scale and the soft cap, before the masking.
         Differentiable (its gradient is summed over the dims it is broadcast over). A ``-inf`` entry
-        hides the key like the mask does.
+        hides the key like the mask does. The kernels read it in the inputs' dtype (a float32 bias is
+        rounded to it); with ``logits_soft_cap`` the reference runs.
       mask: boolean (integer and float masks are read as Flax reads them: any value but 0 attends),
         broadcastable like ``bias``: False hides the key from the query row. Combines
         with every other masking option. The kernels read it as bits and skip the 128 x 128 blocks it
-        hides whole; the bias in the inputs' dtype (with ``logits_soft_cap``, the reference runs).
+        hides whole.
       scale: multiplier of the logits; default ``1/sqrt(head_dim)``. A Python or numpy float is static;
         a JAX scalar array (traced, e.g. a learned temperature) is differentiable: the op then runs with
         scale 1.0 on ``scale * query``, computed in float32 and rounded to the query's dtype (one more

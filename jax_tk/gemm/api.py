@@ -217,7 +217,8 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
                implementation=None):
     """Grouped matrix product (mixture of experts): ``out[r] = lhs[r] @ rhs[i]`` for the rows r of group i.
 
-    Same arguments and meaning as :func:`jax.lax.ragged_dot`.
+    Same arguments and meaning as :func:`jax.lax.ragged_dot`, but for ``group_offset`` (not supported)
+    and ``out_sharding`` (not taken: the result follows lhs's sharding, see below).
 
     Args:
       lhs: ``[m, k]``, bfloat16, float16 or float32; its rows sorted by group: group i owns rows

@@ -51,6 +51,40 @@ def test_implementation_choices():
         dispatch.use_kernel("toy", "cuda", None)
 
 
+def test_kernels_run_on_the_architectures_built_for(monkeypatch):
+    monkeypatch.setattr(extension, "kernel_archs", lambda: ("80", "90a"))
+    assert all(extension.kernels_run_on(c) for c in ((8, 0), (8, 6), (8, 9), (9, 0)))
+    assert not any(extension.kernels_run_on(c) for c in ((7, 0), (7, 5), (10, 0), (12, 0)))
+    monkeypatch.setattr(extension, "kernel_archs", lambda: ("90a",))  # a build for Hopper only
+    assert extension.kernels_run_on((9, 0)) and not extension.kernels_run_on((8, 0))
+    monkeypatch.setattr(extension, "kernel_archs", lambda: ("86",))  # sm_86 code: 8.6 and 8.9, not 8.0 or 9.0
+    assert extension.kernels_run_on((8, 9)) and not extension.kernels_run_on((8, 0))
+    assert not extension.kernels_run_on((9, 0))
+
+
+def test_a_gpu_the_kernels_were_not_built_for_runs_the_reference(monkeypatch):
+    """On a GPU without kernel code (e.g. compute capability 10.0 for a build of 8.0 and 9.0a, which
+    holds no PTX), implementation=None warns and runs the reference; "tk" raises."""
+    monkeypatch.setattr(extension, "has_cuda_kernels", lambda: True)
+    monkeypatch.setattr(extension, "kernel_archs", lambda: ("80", "90a"))
+    monkeypatch.setattr(extension, "cuda_device_capability", lambda: (10, 0))
+    with pytest.warns(RuntimeWarning, match=r"built for GPU architectures 80, 90a; this GPU has compute capability 10\.0"):
+        assert dispatch.use_kernel("toy_arch", None, None) is False
+    with pytest.raises(RuntimeError, match=r"toy_arch\(implementation='tk'\): the kernels are built for .* 10\.0"):
+        dispatch.use_kernel("toy_arch", "tk", None)
+    monkeypatch.setattr(extension, "cuda_device_capability", lambda: (9, 0))
+    assert dispatch.use_kernel("toy_arch", None, None) is True
+    assert dispatch.use_kernel("toy_arch", "tk", None) is True
+
+
+@pytest.mark.skipif(not extension.has_cuda_kernels(), reason="needs the extension")
+def test_the_build_reports_its_architectures():
+    assert extension.kernel_archs() and all(a in ("80", "86", "89", "90a") for a in extension.kernel_archs())
+    cap = extension.cuda_device_capability()
+    if cap is not None:  # the test GPU is one the build is for
+        assert extension.kernels_run_on(cap)
+
+
 def test_to_int32_saturates_what_int32_cannot_hold():
     big = np.array([2 ** 40, -2 ** 40, 7])
     np.testing.assert_array_equal(checks.to_int32(big, 0, 100), [100, 0, 7])  # on the host (no x64 needed)
