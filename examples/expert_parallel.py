@@ -27,6 +27,7 @@ of hidden size 1408, top-4, in bf16): tokens/s in total and per device.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -159,7 +160,11 @@ def bench(devices: int, tokens_per_device: int, width: int, hidden: int, experts
 
 
 if __name__ == "__main__":
-    if "--bench" in sys.argv:  # e.g. python examples/expert_parallel.py --bench  (all devices against one)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bench", action="store_true",
+                        help="time the layer's forward and backward on every device against one, instead of "
+                             "checking it against the one-device layer")
+    if parser.parse_args().bench:  # e.g. python examples/expert_parallel.py --bench  (all devices against one)
         gpu = jax.default_backend() == "gpu"
         bench(jax.device_count(), 8192 if gpu else 64, 2048 if gpu else 64, 1408 if gpu else 128, 64 if gpu else 8,
               4 if gpu else 2, steps=10 if gpu else 2)

@@ -192,7 +192,7 @@ def add_arguments(a) -> None:
     a.add_argument("--tokens", type=int, default=None, help=f"batch * seq (default {DEFAULT_TOKENS})")
     a.add_argument("--hidden", type=int, default=None, help=f"heads * head_dim (default {DEFAULT_HIDDEN})")
     a.add_argument("--xla-max-gb", type=float, default=20.0,
-                   help="skip the xla provider where T*S*B*H*4 bytes exceed this")
+                   help="skip the xla provider where T*S*B*H*4 bytes exceed this (default 20)")
     a.add_argument("--features", nargs="?", const=",".join(FEATURES), default=None,
                    type=cli.str_list(FEATURES), metavar="LIST",
                    help=f"run only the feature rows (from {','.join(FEATURES)}; all when no LIST), each "

@@ -108,13 +108,17 @@ def add_common_arguments(p: argparse.ArgumentParser, *, op: str, providers: Sequ
                    help=f"from {','.join(providers)} (default {default_providers})")
     p.add_argument("--modes", type=str_list(modes), default=None,
                    help=f"from {','.join(modes)} (default {','.join(default_modes)})")
-    p.add_argument("--dtype", choices=sorted(dtypes), default="bf16")
-    p.add_argument("--timer", choices=TIMERS, default="wall")
-    p.add_argument("--reps", type=int, default=MIN_REPS, help=f"samples per measurement (>= {MIN_REPS})")
+    p.add_argument("--dtype", choices=sorted(dtypes), default="bf16", help="dtype of the inputs (default bf16)")
+    p.add_argument("--timer", choices=TIMERS, default="wall",
+                   help="wall: batches of dispatched calls, including the host's share; cupti: the sum of each "
+                        "call's kernels as CUPTI records them (default wall)")
+    p.add_argument("--reps", type=int, default=MIN_REPS,
+                   help=f"samples per measurement (>= {MIN_REPS}; default {MIN_REPS})")
     p.add_argument("--no-check", action="store_true",
                    help="skip the correctness check against the float32 reference")
     p.add_argument("--quick", action="store_true", help=quick_help)
-    p.add_argument("--out", default=os.path.join("out", "bench"), help="directory for the CSV and PNG")
+    p.add_argument("--out", default=os.path.join("out", "bench"),
+                   help=f"directory for the CSV and PNG (default {os.path.join('out', 'bench')})")
     p.add_argument("--csv", default=None, help=f"CSV path (default OUT/{op}.csv{stem_help})")
     p.add_argument("--png", default=None, help=f"PNG path (default OUT/{op}.png{stem_help}); 'none' to skip")
 
@@ -163,8 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "FlashAttention-3, XLA, Pallas), in one process, one timer.")
     sub = p.add_subparsers(dest="op", required=True)
     for c in commands.values():
-        c.add_arguments(sub.add_parser(c.name, help=c.help,
-                                       formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+        c.add_arguments(sub.add_parser(c.name, help=c.help))
     r = sub.add_parser("report", help="table and plot from CSVs of earlier runs (merged; no GPU needed)")
     r.add_argument("csvs", nargs="+", help="CSV files written by an op's subcommand")
     r.add_argument("--op", dest="report_op", choices=list(commands), default=None,

@@ -370,17 +370,35 @@ def heads_list(text: str) -> list[tuple[int, int]]:
     return out
 
 
+def _csv(items) -> str:
+    return ",".join(map(str, items))
+
+
+def _heads(heads) -> str:
+    return ",".join(f"{n}/{k}" for n, k in heads)
+
+
 def add_arguments(a) -> None:
-    a.add_argument("--batch", type=cli.int_list, default=None, help=f"batch sizes (grid: {BATCHES})")
-    a.add_argument("--cache", type=cli.int_list, default=None, help=f"cache lengths, 'k' = 1024 (grid: {CACHES})")
-    a.add_argument("--heads", type=heads_list, default=None, help="query/key-value heads, e.g. 32/8,64/8")
-    a.add_argument("--d", type=cli.int_list, default=None, help=f"head dims ({HEAD_DIMS})")
-    a.add_argument("--new", type=cli.int_list, default=None, help=f"new tokens per sequence ({NEW_TOKENS})")
-    a.add_argument("--layout", type=cli.str_list(tuple(LAYOUTS)), default=None, help=f"from {','.join(LAYOUTS)}")
-    a.add_argument("--full", action="store_true", help="the whole product of the lists (long)")
+    a.add_argument("--batch", type=cli.int_list, default=None, help=f"batch sizes (default {_csv(BATCHES)})")
+    a.add_argument("--cache", type=cli.int_list, default=None,
+                   help=f"cache lengths, 'k' = 1024 (default {_csv(CACHES)})")
+    a.add_argument("--heads", type=heads_list, default=None,
+                   help=f"query/key-value heads, e.g. 32/8,64/8 (default {_heads(HEADS[:1])}; "
+                        f"with --full {_heads(HEADS)})")
+    a.add_argument("--d", type=cli.int_list, default=None,
+                   help=f"head dims (default {HEAD_DIMS[0]}; with --full {_csv(HEAD_DIMS)})")
+    a.add_argument("--new", type=cli.int_list, default=None,
+                   help=f"new tokens per sequence (default {NEW_TOKENS[0]}; with --full {_csv(NEW_TOKENS)})")
+    a.add_argument("--layout", type=cli.str_list(tuple(LAYOUTS)), default=None,
+                   help=f"from {_csv(LAYOUTS)} (default contiguous; with --full all)")
+    a.add_argument("--full", action="store_true",
+                   help="the whole product of the lists (long); with no list and no --full, the grid of batch "
+                        "sizes x cache lengths at the default heads, head dim, new tokens and layout, plus, at a "
+                        "few points of that grid, one row for each other setting of these")
     a.add_argument("--max-gb", type=float, default=None,
                    help="skip configurations whose inputs exceed this (default 60%% of the GPU's memory; 4 on CPU)")
-    a.add_argument("--xla-max-gb", type=float, default=20.0, help="skip xla where its float32 logits exceed this")
+    a.add_argument("--xla-max-gb", type=float, default=20.0,
+                   help="skip xla where its float32 logits exceed this (default 20)")
     a.add_argument("--ceiling-gb", type=float, default=None, help="GiB of the read-ceiling array (default 4 on a GPU, 1/16 otherwise)")
     cli.add_common_arguments(a, op="decode", providers=PROVIDERS, default_providers=",".join(PROVIDERS),
                              modes=("fwd",), default_modes=("fwd",), dtypes=DTYPES,
