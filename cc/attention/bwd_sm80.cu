@@ -34,6 +34,27 @@ __device__ __forceinline__ size_t row_index(const Params &p, int b, int h, int t
   return (size_t(b) * p.q_heads + h) * p.q_len + t;  // into [batch, q_heads, q_len]
 }
 
+// s = X Y^T and dp = dX dY^T over the D columns, for this warp's 16 rows of x and dx (from row r)
+// and every row of y and dy: the logits and their gradient's product of both kernels (queries
+// against keys in dq_kernel, keys against queries in dkdv_kernel).
+template <int D, typename ACC, typename SX, typename SY>
+__device__ __forceinline__ void logits_and_dp(ACC &s, ACC &dp, const SX &x, const SX &dx, const SY &y, const SY &dy, int r) {
+  using T = typename SX::dtype;
+  warp::zero(s);
+  warp::zero(dp);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; kk++) {
+    rt<T, 16, 16> xc, dxc;
+    rt<T, SY::rows, 16> yt, dyt;
+    warp::load(xc, x, r, 16 * kk);
+    warp::load(dxc, dx, r, 16 * kk);
+    warp::load(yt, y, 0, 16 * kk);
+    warp::load(dyt, dy, 0, 16 * kk);
+    warp::mma_ABt(s, xc, yt, s);
+    warp::mma_ABt(dp, dxc, dyt, dp);
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // dQ (and delta)
 // ------------------------------------------------------------------------------------------------
@@ -108,20 +129,7 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
     wait_group<1>();
     __syncthreads();
 
-    // S = Q K^T and dP = dO V^T.
-    warp::zero(s);
-    warp::zero(dp);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-      rt<T, 16, 16> qc, dc;
-      rt<T, BK, 16> kt, vt;
-      warp::load(qc, sm.q, 16 * w, 16 * kk);
-      warp::load(dc, sm.dout, 16 * w, 16 * kk);
-      warp::load(kt, sm.k[buf], 0, 16 * kk);
-      warp::load(vt, sm.v[buf], 0, 16 * kk);
-      warp::mma_ABt(s, qc, kt, s);
-      warp::mma_ABt(dp, dc, vt, dp);
-    }
+    logits_and_dp<D>(s, dp, sm.q, sm.dout, sm.k[buf], sm.v[buf], 16 * w);  // S = Q K^T, dP = dO V^T
     // P = exp2(S * scale * log2 e - lse2), 0 where masked; dS = P * (dP - delta) (times the cap's
     // derivative).
     scale_logits<FULL>(s, dcap, p);
@@ -223,20 +231,7 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
     wait_group<1>();
     __syncthreads();
 
-    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys.
-    warp::zero(s);
-    warp::zero(dp);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-      rt<T, 16, 16> kc, vc;
-      rt<T, BQ, 16> qt, dt;
-      warp::load(kc, sm.k, 16 * w, 16 * kk);
-      warp::load(vc, sm.v, 16 * w, 16 * kk);
-      warp::load(qt, sm.q[buf], 0, 16 * kk);
-      warp::load(dt, sm.dout[buf], 0, 16 * kk);
-      warp::mma_ABt(s, kc, qt, s);
-      warp::mma_ABt(dp, vc, dt, dp);
-    }
+    logits_and_dp<D>(s, dp, sm.k, sm.v, sm.q[buf], sm.dout[buf], 16 * w);  // S^T = K Q^T, dP^T = V dO^T
     // P^T = exp2(S^T * scale * log2 e - lse2[query]), 0 where masked (and for query rows past the end).
     warp::load(lse2, &sm.lse2[buf][0], BQ);
     warp::load(delta, &sm.delta[buf][0], BQ);
