@@ -20,16 +20,18 @@ struct alignas(16) TileSlot {
   int kbase, end;  // a document's tile: its keys' base and its document's end (Params::fwd_tiles); -1, q_len otherwise
 };
 
-template <typename T, int D> struct FwdH {
-  using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
+// CONSUMERS_ = 3 (plain attention at D = 64, see three_consumers): tiles of 192 rows, and a third
+// warpgroup's softmax to overlap the others' products; its S, P and O fit the 160 registers that four
+// warpgroups leave each consumer.
+template <typename T, int D, int CONSUMERS_ = 2> struct FwdH {
+  static_assert(CONSUMERS_ == 2 || (CONSUMERS_ == 3 && D == 64));
+  using Roles = std::conditional_t<CONSUMERS_ == 3, roles<3, /*PRODUCER_REGS=*/32, /*CONSUMER_REGS=*/160>,
+                                   roles<2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>>;
   static constexpr int CONSUMERS = Roles::CONSUMERS, THREADS = Roles::THREADS, BQ = 64 * CONSUMERS;
   static constexpr int BK = D <= 128 ? 128 : 64;  // D = 256: O takes 128 registers, K/V tiles 32 KB
   static constexpr int STAGES = D <= 64 ? 4 : 2;
   static constexpr int Q_STAGES = D <= 128 ? 2 : 1;  // the next tile's Q loads during this one (not at D = 256: space)
   static constexpr bool PINGPONG = D <= 128;  // the consumers take turns issuing their products
-  // (the tiles of Params::fwd_tiles, which Python works out from the contract in attention.h)
-  static_assert(BQ == FWD_TILE_ROWS && BK == (D <= 128 ? FWD_TILE_KEYS : FWD_TILE_KEYS_D256));
-  static_assert(MASK_BLOCK_ROWS % BQ == 0 && MASK_BLOCK_KEYS % BK == 0);  // (mask_code)
   // In the masked kernel the loader tells the consumers, with each key block, the next listed one and
   // the masks it needs (see the consumers' loop); at D = 256 they work both out themselves (the other
   // way costs spills there).
@@ -144,10 +146,13 @@ template <bool FULL> __device__ __forceinline__ KeyRule tile_rule(const Params &
 // nothing and stores O = 0, lse = -inf. Only the tiles that cut through a rule or a segment
 // boundary are masked elementwise (KeyRule, BlockList::one_segment). BIAS (with DENSE, when a bias
 // is given): the bias's code, whose registers a mask alone should not pay for.
-template <typename T, int D, bool FULL, bool DENSE, bool BIAS>
-__global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const __grid_constant__ typename FwdH<T, D>::Args a) {
+template <typename T, int D, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_ = 2>
+__global__ __launch_bounds__(FwdH<T, D, CONSUMERS_>::THREADS, 1) void fwd_sm90_kernel(const __grid_constant__ typename FwdH<T, D, CONSUMERS_>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = FwdH<T, D>;
+  using C = FwdH<T, D, CONSUMERS_>;
+  // The masked kernels' tiles: those of Params::fwd_tiles and of the mask's blocks (attention.h).
+  static_assert(!FULL || (C::BQ == FWD_TILE_ROWS && C::BK == (D <= 128 ? FWD_TILE_KEYS : FWD_TILE_KEYS_D256)));
+  static_assert(!FULL || (MASK_BLOCK_ROWS % C::BQ == 0 && MASK_BLOCK_KEYS % C::BK == 0));  // (mask_code)
   using R = typename C::Roles;
   constexpr int BK = C::BK, STAGES = C::STAGES, QS = C::Q_STAGES, CONSUMERS = C::CONSUMERS;
   extern __shared__ char smem_raw[];
@@ -247,13 +252,13 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
 
   // consumers
   R::enter_consumer();
-  static_assert(CONSUMERS == 2);
-  // Turns: named barrier 1 + w opens consumer w's turn when the other arrives on it. Consumer 1 opens
-  // the first turn, every turn is answered, and consumer 0 takes the answer to the last one at the
-  // end (no arrival is left pending). (Not at D = 256: there the barriers cost registers that O needs.)
+  // Turns: named barrier 1 + w opens consumer w's turn when the one before it (w - 1, cyclically)
+  // arrives on it. The last consumer opens the first turn, every turn is answered, and consumer 0
+  // takes the answer to the last one at the end (no arrival is left pending). (Not at D = 256: there
+  // the barriers cost registers that O needs.)
   auto my_turn = [&] { if constexpr (C::PINGPONG) sync_named(1 + wg, 256); };
-  auto your_turn = [&] { if constexpr (C::PINGPONG) arrive_named(2 - wg, 256); };
-  if (wg == 1) your_turn();
+  auto your_turn = [&] { if constexpr (C::PINGPONG) arrive_named(CONSUMERS == 2 ? 2 - wg : 1 + (wg + 1) % CONSUMERS, 256); };
+  if (wg == CONSUMERS - 1) your_turn();
   const float c = logit_factor<FULL, DENSE>(p);
   const bool lane0 = laneid() == 0, leader = threadIdx.x % 128 == 0;
   auto &o_stage = o_stages[wg];  // (stage_o)
@@ -379,13 +384,13 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
       // O /= l into this consumer's staging tile, then one TMA store (the warps do not wait for
       // global stores); the leader first waits until the last tile's store has read the tile.
       if (leader) bulk_wait_read<0>();
-      sync_named(3 + wg, 128);
+      sync_named(1 + CONSUMERS + wg, 128);
       normalize_output(o, l);
       rt<T, 16, D> o16;
       warp::copy(o16, o);
       warp::store(o_stage, o16, 16 * (warpid() % 4), 0);
       warpgroup::fence_shared_writes();
-      sync_named(3 + wg, 128);
+      sync_named(1 + CONSUMERS + wg, 128);
       const int r0 = x.q0 + 64 * wg;
       if (rows_end == p.q_len || r0 + 64 <= rows_end) {
         if (leader && r0 < p.q_len) store_async(a.o, o_stage, {x.b, r0, x.h, 0});
@@ -399,8 +404,44 @@ __global__ __launch_bounds__(FwdH<T, D>::THREADS, 1) void fwd_sm90_kernel(const 
     store_lse(p, m, l, c, x.b, x.h, qw, rows_end);
   }
   if (stage_o && leader) bulk_wait<0>();  // the last store is done with shared memory
-  if (wg == 0) my_turn();  // the answer to consumer 1's last turn
+  if (wg == 0) my_turn();  // the answer to the last consumer's last turn
 #endif
+}
+
+template <typename T, int D, bool FULL, bool DENSE, int CONSUMERS> cudaError_t fwd_launch(const Params &p, cudaStream_t stream) {
+  using C = FwdH<T, D, CONSUMERS>;
+  typename C::Args a{p, {}, {}, {}, {}, false};
+  if (!make_tma_map(a.q, p.q, p.batch, p.q_len, p.q_heads, D) ||
+      !make_tma_map(a.o, p.o, p.batch, p.q_len, p.q_heads, D) ||
+      !make_tma_map(a.k, p.k, p.batch, p.kv_len, p.kv_heads, D) ||
+      !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
+    return cudaErrorInvalidValue;
+  const long long tiles = (p.q_len + C::BQ - 1) / C::BQ * (long long)p.q_heads * p.batch;
+  const long long listed = FULL && p.fwd_tiles ? (long long)fwd_tile_cap(p.q_len) * p.q_heads * p.batch : tiles;
+  int dev = 0, sms = 0, max_smem = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e != cudaSuccess) return e;
+  // (Plain attention always stages O at D <= 128: it fits, and the kernel takes it as known.)
+  a.stage_o = C::stages_o(p, FULL, size_t(max_smem));
+  if (!FULL && D <= 128 && !a.stage_o) return cudaErrorInvalidConfiguration;
+  if (listed + 2 * sms >= INT_MAX || p.tile_counter == nullptr) return cudaErrorInvalidValue;
+  auto kernel = p.bias ? fwd_sm90_kernel<T, D, FULL, DENSE, DENSE, CONSUMERS> : fwd_sm90_kernel<T, D, FULL, DENSE, false, CONSUMERS>;
+  const size_t smem = C::smem + C::extra_bytes(p, FULL, a.stage_o);
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (e == cudaSuccess) e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
+  if (e != cudaSuccess) return e;
+  kernel<<<unsigned(std::min<long long>(tiles, sms)), C::THREADS, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// Plain attention at D = 64 takes three consumers (192-row tiles) where the tiles are long: the third
+// warpgroup's softmax then overlaps the others' products (the exponentials weigh twice as much
+// against the products as at D = 128). Short sequences keep two: 192-row tiles pad short query
+// ranges more, and with the causal mask their diagonal blocks waste more of the tile.
+bool three_consumers(const Params &p) {
+  return p.q_len >= 2048 && p.kv_len >= 2048 && (!p.causal || p.q_len >= 8192);
 }
 
 }  // namespace
@@ -409,31 +450,9 @@ bool fwd_sm90_supported(const Params &p) { return p.head_dim == 64 || p.head_dim
 
 cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
   return dispatch<64, 128, 256>(p, [&]<typename T, int D, bool FULL, bool DENSE>() {
-    using C = FwdH<T, D>;
-    typename C::Args a{p, {}, {}, {}, {}, false};
-    if (!make_tma_map(a.q, p.q, p.batch, p.q_len, p.q_heads, D) ||
-        !make_tma_map(a.o, p.o, p.batch, p.q_len, p.q_heads, D) ||
-        !make_tma_map(a.k, p.k, p.batch, p.kv_len, p.kv_heads, D) ||
-        !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
-      return cudaErrorInvalidValue;
-    const long long tiles = (p.q_len + C::BQ - 1) / C::BQ * (long long)p.q_heads * p.batch;
-    const long long listed = FULL && p.fwd_tiles ? (long long)fwd_tile_cap(p.q_len) * p.q_heads * p.batch : tiles;
-    int dev = 0, sms = 0, max_smem = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    if (e != cudaSuccess) return e;
-    // (Plain attention always stages O at D <= 128: it fits, and the kernel takes it as known.)
-    a.stage_o = C::stages_o(p, FULL, size_t(max_smem));
-    if (!FULL && D <= 128 && !a.stage_o) return cudaErrorInvalidConfiguration;
-    if (listed + 2 * sms >= INT_MAX || p.tile_counter == nullptr) return cudaErrorInvalidValue;
-    auto kernel = p.bias ? fwd_sm90_kernel<T, D, FULL, DENSE, DENSE> : fwd_sm90_kernel<T, D, FULL, DENSE, false>;
-    const size_t smem = C::smem + C::extra_bytes(p, FULL, a.stage_o);
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (e == cudaSuccess) e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
-    if (e != cudaSuccess) return e;
-    kernel<<<unsigned(std::min<long long>(tiles, sms)), C::THREADS, smem, stream>>>(a);
-    return cudaGetLastError();
+    if constexpr (D == 64 && !FULL)
+      if (three_consumers(p)) return fwd_launch<T, D, FULL, DENSE, 3>(p, stream);
+    return fwd_launch<T, D, FULL, DENSE, 2>(p, stream);
   });
 }
 
