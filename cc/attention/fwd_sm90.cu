@@ -131,16 +131,17 @@ template <bool FULL> __device__ __forceinline__ KeyRule tile_rule(const Params &
 
 // A persistent kernel: one block per SM, each taking tiles (fwd_tile) one after the other from a
 // counter shared by the grid (the tiles of causal or packed attention differ in length), so that the
-// next tile's loads overlap this tile's last blocks and its output. Per block, 3 warpgroups:
+// next tile's loads overlap this tile's last blocks and its output. Per block, 3 warpgroups (4 with
+// three consumers, see three_consumers):
 //   producer warpgroup: warp 0 (one thread) loads each tile's Q once and streams its key/value
 //     blocks through a ring of STAGES slots (TMA), each slot guarded by a "full" semaphore (bytes
 //     landed) and an "empty" one (every consumer warp is done with it); warp 1 schedules: it takes
 //     the next tile from the counter and announces it in one of two slots (with segment ids, with the
 //     list of its key blocks, worked out by the warp's 32 lanes in parallel);
-//   two consumer warpgroups, 64 query rows each: S = Q K^T (wgmma, both operands in shared memory),
-//     online softmax in registers, O += P V (wgmma, P from registers), pipelined so that the softmax
-//     of one block overlaps the P V product of the previous, and the two take turns issuing their
-//     products (ping-pong), so that one's softmax runs while the tensor cores work for the other;
+//   CONSUMERS_ consumer warpgroups, 64 query rows each: S = Q K^T (wgmma, both operands in shared
+//     memory), online softmax in registers, O += P V (wgmma, P from registers), pipelined so that the
+//     softmax of one block overlaps the P V product of the previous, and they take turns issuing
+//     their products (ping-pong), so that one's softmax runs while the tensor cores work for another;
 //     each writes its rows of O through a staging tile and a TMA store (D <= 128).
 // setmaxnreg moves registers from the producer to the consumers. A tile whose rows see no key loads
 // nothing and stores O = 0, lse = -inf. Only the tiles that cut through a rule or a segment
