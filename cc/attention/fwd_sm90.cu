@@ -257,6 +257,8 @@ __global__ __launch_bounds__(FwdH<T, D, CONSUMERS_>::THREADS, 1) void fwd_sm90_k
   // arrives on it. The last consumer opens the first turn, every turn is answered, and consumer 0
   // takes the answer to the last one at the end (no arrival is left pending). (Not at D = 256: there
   // the barriers cost registers that O needs.)
+  // (With two consumers the next one's barrier is written 2 - wg: the same id as the cyclic form,
+  // which compiles to more instructions.)
   auto my_turn = [&] { if constexpr (C::PINGPONG) sync_named(1 + wg, 256); };
   auto your_turn = [&] { if constexpr (C::PINGPONG) arrive_named(CONSUMERS == 2 ? 2 - wg : 1 + (wg + 1) % CONSUMERS, 256); };
   if (wg == CONSUMERS - 1) your_turn();

@@ -26,23 +26,9 @@ def check_implementation(op: str, implementation, extra: tuple = ()) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_no_arch(op: str, capability: tuple[int, int]):
-    warnings.warn(
-        f"jax_tk's kernels are built for GPU architectures {', '.join(extension.kernel_archs())}; this GPU has "
-        f"compute capability {capability[0]}.{capability[1]}, so {op} runs the pure-JAX reference.",
-        RuntimeWarning,
-        stacklevel=4,
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_no_kernels(op: str):
-    warnings.warn(
-        f"jax_tk was installed without its CUDA kernels (no nvcc at build time); {op} runs the pure-JAX "
-        "reference on the GPU. Install the binary wheel, or reinstall on a machine with nvcc, to get the kernels.",
-        RuntimeWarning,
-        stacklevel=4,
-    )
+def _warn_once(message: str):
+    """Why an op runs the reference on this GPU, said once per message (at the op's caller)."""
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def use_kernel(op: str, implementation, unsupported_reason: str | None) -> bool:
@@ -71,10 +57,12 @@ def use_kernel(op: str, implementation, unsupported_reason: str | None) -> bool:
     if unsupported_reason is not None:
         return False
     if local_gpu and not extension.has_cuda_kernels():
-        _warn_no_kernels(op)
+        _warn_once(f"jax_tk was installed without its CUDA kernels (no nvcc at build time); {op} runs the pure-JAX "
+                   "reference on the GPU. Install the binary wheel, or reinstall on a machine with nvcc, to get the kernels.")
         return False
     if local_gpu and not extension.kernels_run_on(capability):
-        _warn_no_arch(op, capability)
+        _warn_once(f"jax_tk's kernels are built for GPU architectures {', '.join(extension.kernel_archs())}; this GPU "
+                   f"has compute capability {capability[0]}.{capability[1]}, so {op} runs the pure-JAX reference.")
         return False
     return True
 
