@@ -274,6 +274,13 @@ __global__ __launch_bounds__(FwdH<T, D, CONSUMERS_>::THREADS, 1) void fwd_sm90_k
     const BlockList &blocks = x.blocks;
     const int end = x.range.y, first = blocks.next(x.range.x);
     const int qw = x.q0 + 64 * wg + 16 * (warpid() % 4);  // this warp's first query row
+    // With three consumers (192-row tiles) the last key blocks of a causal tile can lie wholly past
+    // the diagonal for the first consumers' rows, and the last tile's last consumers can have no
+    // rows at all: a consumer multiplies the blocks before stop (at least one) and only passes the
+    // rest on (see drain). With 128-row tiles and 128-key blocks every block of the range reaches
+    // every consumer's rows.
+    constexpr bool SKIP = !FULL && CONSUMERS == 3;
+    const int stop = SKIP ? max(min(kv_block_range<FULL>(p, x.b, x.q0 + 64 * wg, 64, BK).y, end), first + 1) : end;
     rt_fl<16, BK> s;
     rt<T, 16, BK> pr;
     rt_fl<16, D> o;
@@ -309,7 +316,7 @@ __global__ __launch_bounds__(FwdH<T, D, CONSUMERS_>::THREADS, 1) void fwd_sm90_k
     };
     // In plain attention the blocks that cut through the rule are the range's last ones (as j grows,
     // a block's keys only move further past the causal diagonal and the keys' end): from mask_from on.
-    int mask_from = end;
+    int mask_from = stop;
     if constexpr (!FULL)
       while (mask_from > first && rule.partial(qw, 16, (mask_from - 1) * BK, BK)) mask_from--;
     auto mask = [&](int j, int info) {
@@ -340,7 +347,7 @@ __global__ __launch_bounds__(FwdH<T, D, CONSUMERS_>::THREADS, 1) void fwd_sm90_k
     softmax_step<true>(s, m, l, corr, c);
     warp::copy(pr, s);
 
-    for (int j_next; j < end; j = j_next) {
+    for (int j_next; j < stop; j = j_next) {
       load_block_bias(j);
       const ring_use<STAGES> prev = kv;
       ++kv;
@@ -381,6 +388,21 @@ __global__ __launch_bounds__(FwdH<T, D, CONSUMERS_>::THREADS, 1) void fwd_sm90_k
     warpgroup::wait<0>();
     warpgroup::fence_registers(o);
     if (lane0) arrive_empty(v_ring, last);
+    // drain: the blocks from stop on, whose keys none of these rows sees: released as they land, with
+    // a turn each (every consumer takes as many turns per tile as there are blocks, plus one). (Not
+    // unrolled: unrolled, the ring positions left the uniform registers, and the main loop slowed.)
+#pragma unroll 1
+    for (int jd = stop; SKIP && jd < end; jd++) {
+      const auto d = kv++;
+      wait_full(k_ring, d);
+      wait_full(v_ring, d);
+      if (lane0) {
+        arrive_empty(k_ring, d);
+        arrive_empty(v_ring, d);
+      }
+      my_turn();
+      your_turn();
+    }
     n = kv.n;
     warp::sum_lanes(l);  // (softmax_step kept each lane's part)
     if (stage_o) {
@@ -441,11 +463,10 @@ template <typename T, int D, bool FULL, bool DENSE, int CONSUMERS> cudaError_t f
 
 // Plain attention at D = 64 takes three consumers (192-row tiles) where the tiles are long: the third
 // warpgroup's softmax then overlaps the others' products (the exponentials weigh twice as much
-// against the products as at D = 128). Short sequences keep two: 192-row tiles pad short query
-// ranges more, and with the causal mask their diagonal blocks waste more of the tile.
-bool three_consumers(const Params &p) {
-  return p.q_len >= 2048 && p.kv_len >= 2048 && (!p.causal || p.q_len >= 8192);
-}
+// against the products as at D = 128). The rows a 192-row tile pads, and the key blocks its causal
+// diagonal adds, cost no products (a consumer stops at the last block its rows see). Below 1024 the
+// two kinds of tile have not been compared.
+bool three_consumers(const Params &p) { return p.q_len >= 1024 && p.kv_len >= 1024; }
 
 }  // namespace
 

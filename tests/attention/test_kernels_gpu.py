@@ -199,14 +199,19 @@ def test_kernels_vs_reference(b, t, s, n, kh, d, is_causal, dtype, variant):
     "b,t,s,n,kh,is_causal,dtype",
     [
         (1, 2048 + 67, 2048 + 300, 4, 2, False, BF16),  # a last tile of 67 rows, a partial key block
+        (2, 1024, 1100, 2, 1, False, BF16),  # a last tile of 64 rows: two consumers without rows
+        (2, 1024 + 5, 1024 + 5, 4, 4, True, F16),
         (2, 4096, 2053, 2, 2, False, F16),
+        (1, 2048 + 131, 2048 + 131, 2, 1, True, BF16),
+        (1, 3000, 4096 + 5, 4, 1, True, F16),  # more keys than queries
+        (1, 4096 + 70, 2100, 2, 2, True, BF16),  # more queries than keys
         (1, 8192 + 131, 8192 + 131, 2, 1, True, BF16),
     ],
 )
 def test_head_dim_64_long_sequences(b, t, s, n, kh, is_causal, dtype):
     """Plain attention at head dim 64 with long sequences: on H100/H200 the forward runs three consumer
-    warpgroups on tiles of 192 rows (fwd_sm90.cu, three_consumers: queries and keys from 2048, causal
-    from 8192 queries)."""
+    warpgroups on tiles of 192 rows (fwd_sm90.cu, three_consumers: queries and keys from 1024), where
+    with the causal mask a consumer stops before the key blocks its rows do not see."""
     q, k, v, dout = make_inputs(11 + t + s, b, t, s, n, kh, 64, dtype)
     dlse = random_dlse(12 + t, b, n, t)
     check_kernels(q, k, v, dout, dlse, scale=1.0 / math.sqrt(64), is_causal=is_causal)

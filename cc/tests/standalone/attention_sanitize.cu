@@ -201,7 +201,7 @@ int main() {
         run(2, 150, 90, 4, 2, 128, causal, hopper, WINDOW);
         run(2, 300, 300, 4, 2, 128, causal, hopper, DOCUMENTS);
         run(1, 300, 300, 2, 2, 64, causal, hopper, DOCUMENTS);
-        run(1, 2048 + 67, 2048 + 90, 1, 1, 64, causal, hopper);  // non-causal: three consumers (three_consumers)
+        run(1, 2048 + 67, 2048 + 90, 1, 1, 64, causal, hopper);  // three consumers (three_consumers); causal: a consumer stops early
       }
     }
   }
