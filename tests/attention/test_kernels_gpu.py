@@ -200,6 +200,8 @@ def test_kernels_vs_reference(b, t, s, n, kh, d, is_causal, dtype, variant):
     [
         (1, 2048 + 67, 2048 + 300, 4, 2, False, BF16),  # a last tile of 67 rows, a partial key block
         (2, 1024, 1100, 2, 1, False, BF16),  # a last tile of 64 rows: two consumers without rows
+        (4, 400, 400, 4, 2, True, BF16),  # a last tile of 16 rows
+        (2, 150, 500, 2, 2, False, F16),  # one tile, its third consumer with 22 rows
         (2, 1024 + 5, 1024 + 5, 4, 4, True, F16),
         (2, 4096, 2053, 2, 2, False, F16),
         (1, 2048 + 131, 2048 + 131, 2, 1, True, BF16),
@@ -209,8 +211,8 @@ def test_kernels_vs_reference(b, t, s, n, kh, d, is_causal, dtype, variant):
     ],
 )
 def test_head_dim_64_long_sequences(b, t, s, n, kh, is_causal, dtype):
-    """Plain attention at head dim 64 with long sequences: on H100/H200 the forward runs three consumer
-    warpgroups on tiles of 192 rows (fwd_sm90.cu, three_consumers: queries and keys from 1024), where
+    """Plain attention at head dim 64 past a few hundred rows: on H100/H200 the forward runs three consumer
+    warpgroups on tiles of 192 rows (fwd_sm90.cu, three_consumers: from 384 queries and keys), where
     with the causal mask a consumer stops before the key blocks its rows do not see."""
     q, k, v, dout = make_inputs(11 + t + s, b, t, s, n, kh, 64, dtype)
     dlse = random_dlse(12 + t, b, n, t)
