@@ -462,7 +462,7 @@ template <typename T, int D, bool FULL, bool DENSE, int CONSUMERS> cudaError_t f
 }
 
 // Plain attention at D = 64 takes three consumers (192-row tiles) where the queries then fall in fewer
-// tiles than in 128-row ones (from 384 queries, or 129-192): the third warpgroup's softmax overlaps
+// tiles than in 128-row ones (129-192 queries, and from 257): the third warpgroup's softmax overlaps
 // the others' products (the exponentials weigh twice as much against the products as at D = 128).
 // The rows a 192-row tile pads, and the key blocks its causal diagonal adds, cost no products (a
 // consumer stops at the last key block its rows see), but with as many tiles (128 or 256 queries:

@@ -212,7 +212,7 @@ def test_kernels_vs_reference(b, t, s, n, kh, d, is_causal, dtype, variant):
 )
 def test_head_dim_64_long_sequences(b, t, s, n, kh, is_causal, dtype):
     """Plain attention at head dim 64 past a few hundred rows: on H100/H200 the forward runs three consumer
-    warpgroups on tiles of 192 rows (fwd_sm90.cu, three_consumers: from 384 queries and keys), where
+    warpgroups on tiles of 192 rows (fwd_sm90.cu, three_consumers), where
     with the causal mask a consumer stops before the key blocks its rows do not see."""
     q, k, v, dout = make_inputs(11 + t + s, b, t, s, n, kh, 64, dtype)
     dlse = random_dlse(12 + t, b, n, t)
