@@ -1,9 +1,9 @@
 """The ``implementation=`` choice and the platform dispatch shared by every op.
 
 ``implementation=None`` runs the kernel where the configuration is supported (and the local GPU is one
-the kernels were built for) and the pure-JAX reference elsewhere; the choice between them is made per platform by ``platform_dependent``, so the
-same program lowers for CPU (the reference) and for CUDA (the kernel). ``"tk"`` forces the kernel
-(or raises), ``"xla"`` the reference.
+the kernels were built for) and the pure-JAX reference elsewhere; the choice between them is made per
+platform by ``platform_dependent``, so the same program lowers for CPU (the reference) and for CUDA
+(the kernel). ``"tk"`` forces the kernel (or raises), ``"xla"`` the reference.
 """
 from __future__ import annotations
 

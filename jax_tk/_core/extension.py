@@ -67,8 +67,7 @@ def kernel_archs() -> tuple[str, ...]:
     """The GPU architectures the kernels were compiled for, e.g. ``("80", "90a")``; () without them."""
     if _tk is None:
         return ()
-    archs = _tk.archs() if hasattr(_tk, "archs") else "80,90a"  # (built before archs() existed)
-    return tuple(a for a in archs.split(",") if a)
+    return tuple(a for a in _tk.archs().split(",") if a)
 
 
 def kernels_run_on(capability: tuple[int, int]) -> bool:
