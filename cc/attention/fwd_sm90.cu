@@ -1,5 +1,5 @@
 // Attention forward for Hopper (sm_90a): TMA, mbarriers, wgmma and warp specialization, in a
-// persistent kernel (fwd_sm90_kernel says how it is organized).
+// persistent kernel (FwdSm90, the kernel's parts on pipeline/kernel.cuh, says how it is organized).
 #include <algorithm>
 
 #include "common.cuh"
@@ -147,289 +147,306 @@ template <bool FULL> __device__ __forceinline__ KeyRule tile_rule(const Params &
 // nothing and stores O = 0, lse = -inf. Only the tiles that cut through a rule or a segment
 // boundary are masked elementwise (KeyRule, BlockList::one_segment). BIAS (with DENSE, when a bias
 // is given): the bias's code, whose registers a mask alone should not pay for.
-template <typename T, int D, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_ = 2>
-__global__ __launch_bounds__(FwdH<T, D, CONSUMERS_>::THREADS, 1) void fwd_sm90_kernel(const __grid_constant__ typename FwdH<T, D, CONSUMERS_>::Args a) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <typename T, int D, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_> struct FwdSm90 {
   using C = FwdH<T, D, CONSUMERS_>;
   // The masked kernels' tiles: those of Params::fwd_tiles and of the mask's blocks (attention.h).
   static_assert(!FULL || (C::BQ == FWD_TILE_ROWS && C::BK == (D <= 128 ? FWD_TILE_KEYS : FWD_TILE_KEYS_D256)));
   static_assert(!FULL || (MASK_BLOCK_ROWS % C::BQ == 0 && MASK_BLOCK_KEYS % C::BK == 0));  // (mask_code)
-  using R = typename C::Roles;
-  constexpr int BK = C::BK, STAGES = C::STAGES, QS = C::Q_STAGES, CONSUMERS = C::CONSUMERS;
-  extern __shared__ char smem_raw[];
-  auto &sm = align_shared<typename C::Shared>(smem_raw);
+  using Roles = typename C::Roles;
+  using Tile = TileSlot;
+  static constexpr int BK = C::BK, STAGES = C::STAGES, QS = C::Q_STAGES, CONSUMERS = C::CONSUMERS;
+  static constexpr bool DOCS = FULL && C::DOCS;
+  // In plain attention the warpgroup and the Q slot are made known to be warp-uniform
+  // (warp_uniform), so that the wgmma descriptors of Q stay in uniform registers instead of being
+  // moved there before each wgmma. (In the masked kernels it cost spills.)
+  __device__ __forceinline__ static int known_uniform(int x) { return FULL ? x : warp_uniform(x); }
+
+  const typename C::Args &a;
+  typename C::Shared &sm;
   const Params p = a.p;  // a copy: the fields it uses stay in registers (no reloads after each memory clobber)
   const int tiles = FULL && p.fwd_tiles ? fwd_tile_cap(p.q_len) * p.q_heads * p.batch : (p.q_len + C::BQ - 1) / C::BQ * p.q_heads * p.batch;
   const bool listed = FULL && (p.q_segment_ids || p.mask_blocks);  // (see fwd_tile)
   const bool stage_o = D <= 128 && (!FULL || a.stage_o);  // (always in plain attention: see fwd_sm90)
-  constexpr bool DOCS = FULL && C::DOCS;
   char *const bias_scratch = reinterpret_cast<char *>(&sm + 1);
-  auto *o_stages = reinterpret_cast<typename C::OTile *>(bias_scratch + C::bias_bytes(p));
-  uint32_t *lists = reinterpret_cast<uint32_t *>(o_stages + (stage_o ? CONSUMERS : 0));  // two slots of list_words words
+  typename C::OTile *const o_stages = reinterpret_cast<typename C::OTile *>(bias_scratch + C::bias_bytes(p));
+  uint32_t *const lists = reinterpret_cast<uint32_t *>(o_stages + (stage_o ? CONSUMERS : 0));  // two slots of list_words words
   const int list_words = int(block_list_bytes((p.kv_len + BK - 1) / BK) / 4);
-  auto read_tile = [&](int slot) {
+  const int wg = known_uniform(warpgroup::groupid());
+  const ring<QS> q_ring{sm.q_full, sm.q_empty};
+  const ring<STAGES> k_ring{sm.k_full, sm.k_empty}, v_ring{sm.v_full, sm.v_empty};  // (at the same positions)
+  int n = 0, nq = 0;  // key blocks, Q loads so far (the loader's, or this consumer's)
+  float c = 0.f;      // (the consumers') logit_factor
+
+  __device__ __forceinline__ tile_queue<TileSlot> queue() const { return {{sm.tile_full, sm.tile_empty}, sm.tile}; }
+  // full: the loader (and its bytes); empty: each consumer warp (and the loader)
+  __device__ __forceinline__ void init() const {
+    tk::init(q_ring, 1, CONSUMERS * 4);
+    tk::init(k_ring, v_ring, 1, CONSUMERS * 4);
+  }
+
+  __device__ __forceinline__ FwdTile read_tile(int slot) const {
     TileSlot x = sm.tile[slot];
     if constexpr (FULL) {
       if (!listed) x = tile_coords<FULL>(p, x.t, C::BQ);
       return fwd_tile<FULL, DOCS>(p, x, C::BQ, BK, lists + slot * list_words);
     }
     return FwdTile{x.b, x.h, x.q0, x.range, BlockList{x.range.x, x.range.y, nullptr, 0}, false, 0, p.q_len};
-  };
-  // In plain attention the warpgroup and the Q slot are made known to be warp-uniform
-  // (warp_uniform), so that the wgmma descriptors of Q stay in uniform registers instead of being
-  // moved there before each wgmma. (In the masked kernels it cost spills.)
-  const auto known_uniform = [](int x) { return FULL ? x : warp_uniform(x); };
-  const int wg = known_uniform(warpgroup::groupid());
-  const ring<QS> q_ring{sm.q_full, sm.q_empty};
-  const ring<STAGES> k_ring{sm.k_full, sm.k_empty}, v_ring{sm.v_full, sm.v_empty};  // (at the same positions)
-  const tile_queue<TileSlot> tiles_q{{sm.tile_full, sm.tile_empty}, sm.tile};
-  const auto &tile_ring = tiles_q.ring;
-
-  if (threadIdx.x == 0) {  // full: the loader (and its bytes); empty: each consumer warp (and the loader)
-    init(q_ring, 1, CONSUMERS * 4);
-    init(k_ring, v_ring, 1, CONSUMERS * 4);
-    init(tile_ring, 1, CONSUMERS * 4 + 1);
-    fence_barrier_init();
   }
-  __syncthreads();
 
-  if (wg == R::PRODUCER) {
-    R::enter_producer();
+  // The scheduler: the next tile from the counter (with segment ids or a mask, with the list of its
+  // key blocks, written by the warp's lanes into the slot's list).
+  __device__ __forceinline__ TileSlot schedule(int k, int slot) const {
     const Params &p = a.p;  // read where used: the producer's registers are few
-    if (R::warp() == 1) {  // the scheduler
-      for (int k = 0;; k++) {  // its k-th tile
-        const ring_use<2> at(k);
-        wait_empty(tile_ring, at);
-        int t = next_tile(p.tile_counter, k);
-        if (FULL && p.fwd_tiles && t < tiles && p.fwd_tiles[4 * t] < 0) t = tiles;  // (the list's unused entries come last)
-        TileSlot c{t, 0, 0, 0, {}, -1, p.q_len};
-        FwdTile x{};  // (the masked kernels need it only with segment ids: see TileSlot)
-        if (!FULL || (listed && t < tiles)) {
-          c = tile_coords<FULL>(p, min(t, tiles - 1), C::BQ);
-          c.t = t;
-          x = fwd_tile<FULL, DOCS>(p, c, C::BQ, BK, nullptr);
-        }
-        if (listed && t < tiles && !x.doc) {
-          write_block_list(lists + at.slot * list_words, x.range.x, x.range.y, 0, 1,
-                           [&](int j) { return pair_test<FULL, DENSE>(p, x.b, x.h, x.q0, C::BQ, j * BK, BK); });
-          __syncwarp();
-        }
-        c.range = x.range;
-        announce_tile(tiles_q, at, c);
-        if (t >= tiles) return;
-      }
+    int t = next_tile(p.tile_counter, k);
+    if (FULL && p.fwd_tiles && t < tiles && p.fwd_tiles[4 * t] < 0) t = tiles;  // (the list's unused entries come last)
+    TileSlot c{t, 0, 0, 0, {}, -1, p.q_len};
+    FwdTile x{};  // (the masked kernels need it only with segment ids: see TileSlot)
+    if (!FULL || (listed && t < tiles)) {
+      c = tile_coords<FULL>(p, min(t, tiles - 1), C::BQ);
+      c.t = t;
+      x = fwd_tile<FULL, DOCS>(p, c, C::BQ, BK, nullptr);
     }
-    if (threadIdx.x != CONSUMERS * 128) return;
-    // the loader
-    for (int nt = 0, n = 0, nq = 0;; nt++) {  // tiles, key blocks, Q loads so far
-      const ring_use<2> at(nt);
-      if (!wait_tile(tiles_q, at, tiles)) return;
-      const FwdTile x = read_tile(at.slot);
-      const int kvh = x.h / (p.q_heads / p.kv_heads);
-      const KeyRule rule = tile_rule<FULL>(p, x);
-      if (int j = x.blocks.next(x.range.x); j < x.range.y) {
-        const ring_use<QS> qa(nq);
-        nq++;
-        wait_empty(q_ring, qa);
-        arrive_expect_bytes(q_ring.full(qa), CONSUMERS * sizeof(sm.q[0][0].data));
-        for (int c = 0; c < CONSUMERS; c++) load_async(sm.q[qa.slot][c], a.q, {x.b, x.q0 + 64 * c, x.h, 0}, q_ring.full(qa));
-        for (int j_next; j < x.range.y; n++, j = j_next) {
-          const ring_use<STAGES> kv(n);
-          const int s = kv.slot, k0 = x.kbase + j * BK;
-          j_next = x.blocks.next(j + 1);
-          wait_empty(k_ring, kv);
-          if (FULL && C::LOADER_INFO)  // (released by the arrival)
-            sm.info[s] = j_next << MASK_BITS | tile_mask_bits<FULL, DENSE>(p, rule, x.blocks.uniform(j), x.q0, C::BQ, k0, BK);
-          arrive_expect_bytes(k_ring.full(kv), sizeof(sm.k[s].data));
-          load_async(sm.k[s], a.k, {x.b, k0, kvh, 0}, k_ring.full(kv));
-          wait_empty(v_ring, kv);
-          arrive_expect_bytes(v_ring.full(kv), sizeof(sm.v[s].data));
-          load_async(sm.v[s], a.v, {x.b, k0, kvh, 0}, v_ring.full(kv));
-        }
-      }
-      arrive_empty(tile_ring, at);
+    if (listed && t < tiles && !x.doc) {
+      write_block_list(lists + slot * list_words, x.range.x, x.range.y, 0, 1,
+                       [&](int j) { return pair_test<FULL, DENSE>(p, x.b, x.h, x.q0, C::BQ, j * BK, BK); });
+      __syncwarp();
     }
+    c.range = x.range;
+    return c;
   }
 
-  // consumers
-  R::enter_consumer();
+  // The loader: the tile's Q once, then its key/value blocks.
+  template <typename Release> __device__ __forceinline__ void load(int slot, Release release) {
+    const Params &p = a.p;
+    const FwdTile x = read_tile(slot);
+    const int kvh = x.h / (p.q_heads / p.kv_heads);
+    const KeyRule rule = tile_rule<FULL>(p, x);
+    if (int j = x.blocks.next(x.range.x); j < x.range.y) {
+      const ring_use<QS> qa(nq);
+      nq++;
+      wait_empty(q_ring, qa);
+      arrive_expect_bytes(q_ring.full(qa), CONSUMERS * sizeof(sm.q[0][0].data));
+      for (int c = 0; c < CONSUMERS; c++) load_async(sm.q[qa.slot][c], a.q, {x.b, x.q0 + 64 * c, x.h, 0}, q_ring.full(qa));
+      for (int j_next; j < x.range.y; n++, j = j_next) {
+        const ring_use<STAGES> kv(n);
+        const int s = kv.slot, k0 = x.kbase + j * BK;
+        j_next = x.blocks.next(j + 1);
+        wait_empty(k_ring, kv);
+        if (FULL && C::LOADER_INFO)  // (released by the arrival)
+          sm.info[s] = j_next << MASK_BITS | tile_mask_bits<FULL, DENSE>(p, rule, x.blocks.uniform(j), x.q0, C::BQ, k0, BK);
+        arrive_expect_bytes(k_ring.full(kv), sizeof(sm.k[s].data));
+        load_async(sm.k[s], a.k, {x.b, k0, kvh, 0}, k_ring.full(kv));
+        wait_empty(v_ring, kv);
+        arrive_expect_bytes(v_ring.full(kv), sizeof(sm.v[s].data));
+        load_async(sm.v[s], a.v, {x.b, k0, kvh, 0}, v_ring.full(kv));
+      }
+    }
+    release();
+  }
+
   // Turns: named barrier 1 + w opens consumer w's turn when the one before it (w - 1, cyclically)
   // arrives on it. The last consumer opens the first turn, every turn is answered, and consumer 0
   // takes the answer to the last one at the end (no arrival is left pending). (Not at D = 256: there
   // the barriers cost registers that O needs.)
   // (With two consumers the next one's barrier is written 2 - wg: the same id as the cyclic form,
   // which compiles to more instructions.)
-  auto my_turn = [&] { if constexpr (C::PINGPONG) sync_named(1 + wg, 256); };
-  auto your_turn = [&] { if constexpr (C::PINGPONG) arrive_named(CONSUMERS == 2 ? 2 - wg : 1 + (wg + 1) % CONSUMERS, 256); };
-  if (wg == CONSUMERS - 1) your_turn();
-  const float c = logit_factor<FULL, DENSE>(p);
-  const bool lane0 = laneid() == 0, leader = threadIdx.x % 128 == 0;
-  auto &o_stage = o_stages[wg];  // (stage_o)
-  for (int nt = 0, n = 0, nq = 0;; nt++) {  // tiles, key blocks, Q loads so far
-    const ring_use<2> at(nt);
-    if (!wait_tile(tiles_q, at, tiles)) break;
-    const int slot = at.slot;
-    const FwdTile x = read_tile(slot);
-    const KeyRule rule = tile_rule<FULL>(p, x);
-    const BlockList &blocks = x.blocks;
-    const int end = x.range.y, first = blocks.next(x.range.x);
-    const int qw = x.q0 + 64 * wg + 16 * (warpid() % 4);  // this warp's first query row
-    // With three consumers (192-row tiles) the last key blocks of a causal tile can lie wholly past
-    // the diagonal for the first consumers' rows, and the last tile's last consumers can have no
-    // rows at all: a consumer multiplies the blocks before stop (at least one) and only passes the
-    // rest on (see drain). With 128-row tiles and 128-key blocks every block of the range reaches
-    // every consumer's rows.
-    constexpr bool SKIP = !FULL && CONSUMERS == 3;
-    const int stop = SKIP ? max(min(kv_block_range<FULL>(p, x.b, x.q0 + 64 * wg, 64, BK).y, end), first + 1) : end;
-    rt_fl<16, BK> s;
-    rt<T, 16, BK> pr;
-    rt_fl<16, D> o;
-    col_vec<rt_fl<16, BK>> m, l, corr;
-    warp::zero(o);
-    warp::fill_vec(m, NEG_INF);
-    warp::fill_vec(l, 0.f);
-    if (first == end) {  // these rows see no key: O = 0, lse = -inf
-      if (lane0) arrive_empty(tile_ring, at);
-      store_output<T>(p, o, l, x.b, x.h, qw, 0, x.end);
-      store_lse(p, m, l, c, x.b, x.h, qw, x.end);
-      continue;
-    }
-    const ring_use<QS> qa(nq);
-    wait_full(q_ring, qa);
-    nq++;
-    const auto &q = sm.q[known_uniform(qa.slot)][wg];
+  __device__ __forceinline__ void my_turn() const {
+    if constexpr (C::PINGPONG) sync_named(1 + wg, 256);
+  }
+  __device__ __forceinline__ void your_turn() const {
+    if constexpr (C::PINGPONG) arrive_named(CONSUMERS == 2 ? 2 - wg : 1 + (wg + 1) % CONSUMERS, 256);
+  }
+  __device__ __forceinline__ void start() {
+    if (wg == CONSUMERS - 1) your_turn();
+    c = logit_factor<FULL, DENSE>(p);
+  }
+  __device__ __forceinline__ void finish() const {
+    if (stage_o && threadIdx.x % 128 == 0) bulk_wait<0>();  // the last store is done with shared memory
+    if (wg == 0) my_turn();  // the answer to the last consumer's last turn
+  }
 
-    // Software pipeline: while the tensor cores compute O += P_{j-1} V_{j-1}, the warps run the
-    // softmax of block j. S_j is issued first; wgmma groups complete in order.
-    // The key block after block j (blocks.next(j + 1)) and block j's masks: in the masked kernel with
-    // LOADER_INFO the loader, which walks the list, leaves both in j's slot (walking the list here, a
-    // loop inside the loop below, would hold up the products in flight; and most blocks need no mask).
-    constexpr bool from_loader = FULL && C::LOADER_INFO;
-    // (A document's tile counts its key blocks from its document's start: the base is read from the
-    // slot where a block needs a mask, not held in a register through the loop.)
-    // The bias (in log2 units, after cap_logits) first: the masks then hide what they hide. Block j's
-    // bias is loaded before its products are issued (no documents' tiles with dense operands).
-    RowBias<T, BK / 64> bias;
-    void *const scratch = bias_scratch + BIAS_SCRATCH * (4 * wg + warpid() % 4);
-    auto load_block_bias = [&](int j) {
-      if constexpr (BIAS) load_bias(bias, p, x.b, x.h, qw, j * BK);
-    };
-    // In plain attention the blocks that cut through the rule are the range's last ones (as j grows,
-    // a block's keys only move further past the causal diagonal and the keys' end): from mask_from on.
-    int mask_from = stop;
-    if constexpr (!FULL)
-      while (mask_from > first && rule.partial(qw, 16, (mask_from - 1) * BK, BK)) mask_from--;
-    auto mask = [&](int j, int info) {
-      if constexpr (!FULL) {
-        if (j >= mask_from) mask_rule<false>(s, rule, qw, j * BK);
-        return;
-      }
-      if constexpr (BIAS) add_bias(s, bias, scratch);
-      if (from_loader && (info & ((1 << MASK_BITS) - 1)) == 0) return;  // most blocks
-      const int k0 = (DOCS ? max(sm.tile[slot].kbase, 0) : 0) + j * BK;
-      const MaskNeed need = from_loader ? warp_mask_need(info, rule, qw, 16, k0, BK)
-                                        : mask_need<FULL, DENSE>(p, rule, blocks.uniform(j), qw, 16, k0, BK);
-      mask_logits<FULL, DENSE>(s, p, rule, need, x.b, x.h, qw, k0);
-    };
-    ring_pos<STAGES> kv(n);  // the key block in S (the one before it is in P)
-    load_block_bias(first);
-    wait_full(k_ring, kv);
-    int info = from_loader ? sm.info[kv.slot] : 0;
-    int j = from_loader ? info >> MASK_BITS : blocks.next(first + 1);
-    my_turn();
-    warpgroup::mma_ABt(s, q, sm.k[kv.slot], false);  // S_0 = Q K_0^T
-    your_turn();
-    warpgroup::wait<0>();
-    warpgroup::fence_registers(s);
-    if (lane0) arrive_empty(k_ring, kv);
-    cap_logits<FULL, DENSE>(s, p);
-    mask(first, info);
-    softmax_step<true>(s, m, l, corr, c);
-    warp::copy(pr, s);
+  // A consumer's 64 rows of a tile: S = Q K^T and the online softmax, O += P V, then O and lse out.
+  template <typename Release> __device__ __forceinline__ void consume(int slot, Release release);
 
-    for (int j_next; j < stop; j = j_next) {
-      load_block_bias(j);
-      const ring_use<STAGES> prev = kv;
-      ++kv;
-      wait_full(k_ring, kv);
-      if (from_loader) {
-        info = sm.info[kv.slot];
-        j_next = info >> MASK_BITS;
-      }
-      wait_full(v_ring, prev);
-      my_turn();
-      warpgroup::mma_ABt(s, q, sm.k[kv.slot], false);   // S_j = Q K_j^T
-      warpgroup::mma_AB(o, pr, sm.v[prev.slot], true);  // O += P_{j-1} V_{j-1}
-      your_turn();
-      if (!from_loader) j_next = blocks.next(j + 1);  // while the products run
-      warpgroup::wait<1>();  // S_j is ready
-      warpgroup::fence_registers(s);
-      if (lane0) arrive_empty(k_ring, kv);
-      cap_logits<FULL, DENSE>(s, p);
-      mask(j, info);
-      softmax_step<true>(s, m, l, corr, c);
-      warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done
-      warpgroup::fence_registers(o);
-      warpgroup::fence_registers(pr);
-      if (lane0) arrive_empty(v_ring, prev);
-      warp::mul_row(o, o, corr);
-      warp::copy(pr, s);
-    }
-    const int rows_end = DOCS ? sm.tile[slot].end : p.q_len;  // (see FwdTile)
-    if (lane0) {  // done with Q and with the tile's slot and list
-      arrive_empty(q_ring, qa);
-      arrive_empty(tile_ring, at);
-    }
-    const auto last = kv++;
-    wait_full(v_ring, last);
-    my_turn();
-    warpgroup::mma_AB(o, pr, sm.v[last.slot], true);
-    your_turn();
-    warpgroup::wait<0>();
-    warpgroup::fence_registers(o);
-    if (lane0) arrive_empty(v_ring, last);
-    // drain: the blocks from stop on, whose keys none of these rows sees: released as they land, with
-    // a turn each (every consumer takes as many turns per tile as there are blocks, plus one). (Not
-    // unrolled: unrolled, the ring positions left the uniform registers, and the main loop slowed.)
+  // The blocks from stop on, whose keys none of these rows sees: released as they land, with a turn
+  // each (every consumer takes as many turns per tile as there are blocks, plus one). (Not unrolled:
+  // unrolled, the ring positions left the uniform registers, and the main loop slowed.)
+  __device__ __forceinline__ void drain(ring_pos<STAGES> &kv, int stop, int end) const {
 #pragma unroll 1
-    for (int jd = stop; SKIP && jd < end; jd++) {
+    for (int jd = stop; jd < end; jd++) {
       const auto d = kv++;
       wait_full(k_ring, d);
       wait_full(v_ring, d);
-      if (lane0) {
+      if (laneid() == 0) {
         arrive_empty(k_ring, d);
         arrive_empty(v_ring, d);
       }
       my_turn();
       your_turn();
     }
-    n = kv.n;
-    warp::sum_lanes(l);  // (softmax_step kept each lane's part)
-    if (stage_o) {
-      // O /= l into this consumer's staging tile, then one TMA store (the warps do not wait for
-      // global stores); the leader first waits until the last tile's store has read the tile.
-      if (leader) bulk_wait_read<0>();
-      sync_named(1 + CONSUMERS + wg, 128);
-      normalize_output(o, l);
-      rt<T, 16, D> o16;
-      warp::copy(o16, o);
-      warp::store(o_stage, o16, 16 * (warpid() % 4), 0);
-      warpgroup::fence_shared_writes();
-      sync_named(1 + CONSUMERS + wg, 128);
-      const int r0 = x.q0 + 64 * wg;
-      if (rows_end == p.q_len || r0 + 64 <= rows_end) {
-        if (leader && r0 < p.q_len) store_async(a.o, o_stage, {x.b, r0, x.h, 0});
-      } else {  // a document's tile that ends inside these rows: the rows after it are the next tile's
-        store<128>(output_rows<T>(p, rows_end), o_stage, {x.b, r0, x.h, 0}, threadIdx.x % 128);
-      }
-      if (leader) bulk_commit();
-    } else {
-      store_output<T>(p, o, l, x.b, x.h, qw, 0, rows_end);
-    }
-    store_lse(p, m, l, c, x.b, x.h, qw, rows_end);
   }
-  if (stage_o && leader) bulk_wait<0>();  // the last store is done with shared memory
-  if (wg == 0) my_turn();  // the answer to the last consumer's last turn
+
+  // O /= l into this consumer's staging tile, then one TMA store (the warps do not wait for global
+  // stores); the leader first waits until the last tile's store has read the tile.
+  __device__ __forceinline__ void store_staged(rt_fl<16, D> &o, const col_vec<rt_fl<16, BK>> &l, const FwdTile &x,
+                                               int rows_end) const {
+    const bool leader = threadIdx.x % 128 == 0;
+    auto &o_stage = o_stages[wg];
+    if (leader) bulk_wait_read<0>();
+    sync_named(1 + CONSUMERS + wg, 128);
+    normalize_output(o, l);
+    rt<T, 16, D> o16;
+    warp::copy(o16, o);
+    warp::store(o_stage, o16, 16 * (warpid() % 4), 0);
+    warpgroup::fence_shared_writes();
+    sync_named(1 + CONSUMERS + wg, 128);
+    const int r0 = x.q0 + 64 * wg;
+    if (rows_end == p.q_len || r0 + 64 <= rows_end) {
+      if (leader && r0 < p.q_len) store_async(a.o, o_stage, {x.b, r0, x.h, 0});
+    } else {  // a document's tile that ends inside these rows: the rows after it are the next tile's
+      store<128>(output_rows<T>(p, rows_end), o_stage, {x.b, r0, x.h, 0}, threadIdx.x % 128);
+    }
+    if (leader) bulk_commit();
+  }
+};
+
+template <typename T, int D, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_>
+template <typename Release>
+__device__ __forceinline__ void FwdSm90<T, D, FULL, DENSE, BIAS, CONSUMERS_>::consume(int slot, Release release) {
+  const bool lane0 = laneid() == 0;
+  const FwdTile x = read_tile(slot);
+  const KeyRule rule = tile_rule<FULL>(p, x);
+  const BlockList &blocks = x.blocks;
+  const int end = x.range.y, first = blocks.next(x.range.x);
+  const int qw = x.q0 + 64 * wg + 16 * (warpid() % 4);  // this warp's first query row
+  // With three consumers (192-row tiles) the last key blocks of a causal tile can lie wholly past
+  // the diagonal for the first consumers' rows, and the last tile's last consumers can have no
+  // rows at all: a consumer multiplies the blocks before stop (at least one) and only passes the
+  // rest on (see drain). With 128-row tiles and 128-key blocks every block of the range reaches
+  // every consumer's rows.
+  constexpr bool SKIP = !FULL && CONSUMERS == 3;
+  const int stop = SKIP ? max(min(kv_block_range<FULL>(p, x.b, x.q0 + 64 * wg, 64, BK).y, end), first + 1) : end;
+  rt_fl<16, BK> s;
+  rt<T, 16, BK> pr;
+  rt_fl<16, D> o;
+  col_vec<rt_fl<16, BK>> m, l, corr;
+  warp::zero(o);
+  warp::fill_vec(m, NEG_INF);
+  warp::fill_vec(l, 0.f);
+  if (first == end) {  // these rows see no key: O = 0, lse = -inf
+    release();
+    store_output<T>(p, o, l, x.b, x.h, qw, 0, x.end);
+    store_lse(p, m, l, c, x.b, x.h, qw, x.end);
+    return;
+  }
+  const ring_use<QS> qa(nq);
+  wait_full(q_ring, qa);
+  nq++;
+  const auto &q = sm.q[known_uniform(qa.slot)][wg];
+
+  // Software pipeline: while the tensor cores compute O += P_{j-1} V_{j-1}, the warps run the
+  // softmax of block j. S_j is issued first; wgmma groups complete in order.
+  // The key block after block j (blocks.next(j + 1)) and block j's masks: in the masked kernel with
+  // LOADER_INFO the loader, which walks the list, leaves both in j's slot (walking the list here, a
+  // loop inside the loop below, would hold up the products in flight; and most blocks need no mask).
+  constexpr bool from_loader = FULL && C::LOADER_INFO;
+  // (A document's tile counts its key blocks from its document's start: the base is read from the
+  // slot where a block needs a mask, not held in a register through the loop.)
+  // The bias (in log2 units, after cap_logits) first: the masks then hide what they hide. Block j's
+  // bias is loaded before its products are issued (no documents' tiles with dense operands).
+  RowBias<T, BK / 64> bias;
+  void *const scratch = bias_scratch + BIAS_SCRATCH * (4 * wg + warpid() % 4);
+  auto load_block_bias = [&](int j) {
+    if constexpr (BIAS) load_bias(bias, p, x.b, x.h, qw, j * BK);
+  };
+  // In plain attention the blocks that cut through the rule are the range's last ones (as j grows,
+  // a block's keys only move further past the causal diagonal and the keys' end): from mask_from on.
+  int mask_from = stop;
+  if constexpr (!FULL)
+    while (mask_from > first && rule.partial(qw, 16, (mask_from - 1) * BK, BK)) mask_from--;
+  auto mask = [&](int j, int info) {
+    if constexpr (!FULL) {
+      if (j >= mask_from) mask_rule<false>(s, rule, qw, j * BK);
+      return;
+    }
+    if constexpr (BIAS) add_bias(s, bias, scratch);
+    if (from_loader && (info & ((1 << MASK_BITS) - 1)) == 0) return;  // most blocks
+    const int k0 = (DOCS ? max(sm.tile[slot].kbase, 0) : 0) + j * BK;
+    const MaskNeed need = from_loader ? warp_mask_need(info, rule, qw, 16, k0, BK)
+                                      : mask_need<FULL, DENSE>(p, rule, blocks.uniform(j), qw, 16, k0, BK);
+    mask_logits<FULL, DENSE>(s, p, rule, need, x.b, x.h, qw, k0);
+  };
+  ring_pos<STAGES> kv(n);  // the key block in S (the one before it is in P)
+  load_block_bias(first);
+  wait_full(k_ring, kv);
+  int info = from_loader ? sm.info[kv.slot] : 0;
+  int j = from_loader ? info >> MASK_BITS : blocks.next(first + 1);
+  my_turn();
+  warpgroup::mma_ABt(s, q, sm.k[kv.slot], false);  // S_0 = Q K_0^T
+  your_turn();
+  warpgroup::wait<0>();
+  warpgroup::fence_registers(s);
+  if (lane0) arrive_empty(k_ring, kv);
+  cap_logits<FULL, DENSE>(s, p);
+  mask(first, info);
+  softmax_step<true>(s, m, l, corr, c);
+  warp::copy(pr, s);
+
+  for (int j_next; j < stop; j = j_next) {
+    load_block_bias(j);
+    const ring_use<STAGES> prev = kv;
+    ++kv;
+    wait_full(k_ring, kv);
+    if (from_loader) {
+      info = sm.info[kv.slot];
+      j_next = info >> MASK_BITS;
+    }
+    wait_full(v_ring, prev);
+    my_turn();
+    warpgroup::mma_ABt(s, q, sm.k[kv.slot], false);   // S_j = Q K_j^T
+    warpgroup::mma_AB(o, pr, sm.v[prev.slot], true);  // O += P_{j-1} V_{j-1}
+    your_turn();
+    if (!from_loader) j_next = blocks.next(j + 1);  // while the products run
+    warpgroup::wait<1>();  // S_j is ready
+    warpgroup::fence_registers(s);
+    if (lane0) arrive_empty(k_ring, kv);
+    cap_logits<FULL, DENSE>(s, p);
+    mask(j, info);
+    softmax_step<true>(s, m, l, corr, c);
+    warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done
+    warpgroup::fence_registers(o);
+    warpgroup::fence_registers(pr);
+    if (lane0) arrive_empty(v_ring, prev);
+    warp::mul_row(o, o, corr);
+    warp::copy(pr, s);
+  }
+  const int rows_end = DOCS ? sm.tile[slot].end : p.q_len;  // (see FwdTile)
+  if (lane0) arrive_empty(q_ring, qa);  // done with Q and with the tile's slot and list
+  release();
+  const auto last = kv++;
+  wait_full(v_ring, last);
+  my_turn();
+  warpgroup::mma_AB(o, pr, sm.v[last.slot], true);
+  your_turn();
+  warpgroup::wait<0>();
+  warpgroup::fence_registers(o);
+  if (lane0) arrive_empty(v_ring, last);
+  if constexpr (SKIP) drain(kv, stop, end);
+  n = kv.n;
+  warp::sum_lanes(l);  // (softmax_step kept each lane's part)
+  if (stage_o) store_staged(o, l, x, rows_end);
+  else store_output<T>(p, o, l, x.b, x.h, qw, 0, rows_end);
+  store_lse(p, m, l, c, x.b, x.h, qw, rows_end);
+}
+
+// A persistent kernel (pipeline/kernel.cuh) of the parts above. BIAS (with DENSE, when a bias is
+// given): the bias's code, whose registers a mask alone should not pay for.
+template <typename T, int D, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_ = 2>
+__global__ __launch_bounds__(FwdH<T, D, CONSUMERS_>::THREADS, 1) void fwd_sm90_kernel(const __grid_constant__ typename FwdH<T, D, CONSUMERS_>::Args a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ char smem_raw[];
+  FwdSm90<T, D, FULL, DENSE, BIAS, CONSUMERS_> k{a, align_shared<typename FwdH<T, D, CONSUMERS_>::Shared>(smem_raw)};
+  persistent(k);
 #endif
 }
 

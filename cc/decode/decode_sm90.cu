@@ -67,34 +67,32 @@ template <int KEYS, int BOX, typename A> struct Box {
   }
 };
 
-template <typename T, int D, typename C>
-__global__ __launch_bounds__(C::THREADS, 1) void decode_sm90_kernel(const __grid_constant__ Args<T, C::BOX> a) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using R = typename C::Roles;
-  constexpr int KEYS = C::KEYS, STAGES = C::STAGES, CONSUMERS = 128 * R::CONSUMERS;  // (threads)
+// The kernel's parts (pipeline/kernel.cuh: single, one block of rows of one KV head per block).
+template <typename T, int D, typename C> struct DecodeSm90 {
+  using Roles = typename C::Roles;
+  using A = Args<T, C::BOX>;
+  static constexpr int KEYS = C::KEYS, STAGES = C::STAGES, CONSUMERS = 128 * Roles::CONSUMERS;  // (threads)
+  const A &a;
+  typename C::Shared &sm;
   const Params &p = a.p;
-  extern __shared__ __align__(1024) char smem_raw[];
-  auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
-  auto &stages = sm.stage[0];
+  typename C::Stage (&stages)[STAGES] = sm.stage[0];
   const ring<STAGES> kv{sm.full, sm.empty};
   const Block blk = block_of<C::ROWS, KEYS>(p);
   const int wg = warpgroup::groupid();
-  if (threadIdx.x == 0) {
-    init(kv, 128, R::CONSUMERS * 4);  // full: each producer thread; empty: each consumer warp
-    fence_barrier_init();
-  }
-  if (wg != R::PRODUCER) {
-    load_query<CONSUMERS>(sm.q, p, blk, threadIdx.x);
-    commit_group();
-  }
-  __syncthreads();
 
-  if (wg == R::PRODUCER) {
-    // Blocks of boxes go by TMA (the first warp's lanes issue one box each, the other threads only
-    // arrive: many small boxes issued by one thread held the producer back); any other by every
-    // thread's cp.async, row by row.
-    R::enter_producer();
-    using B = Box<KEYS, C::BOX, Args<T, C::BOX>>;
+  __device__ __forceinline__ void init() const { tk::init(kv, 128, Roles::CONSUMERS * 4); }  // full: each producer thread; empty: each consumer warp
+  __device__ __forceinline__ void before_sync() const {
+    if (wg != Roles::PRODUCER) {
+      load_query<CONSUMERS>(sm.q, p, blk, threadIdx.x);
+      commit_group();
+    }
+  }
+
+  // Blocks of boxes go by TMA (the first warp's lanes issue one box each, the other threads only
+  // arrive: many small boxes issued by one thread held the producer back); any other by every
+  // thread's cp.async, row by row.
+  __device__ __forceinline__ void produce() const {
+    using B = Box<KEYS, C::BOX, A>;
     const int tid = threadIdx.x % 128;
     for (ring_pos<STAGES> at(0); blk.j0 + at.n < blk.j1; ++at) {
       const int k0 = (blk.j0 + at.n) * KEYS;
@@ -119,76 +117,84 @@ __global__ __launch_bounds__(C::THREADS, 1) void decode_sm90_kernel(const __grid
     }
     commit_group();
     wait_group<0>();  // (no copy outlives its thread)
-    return;
   }
 
-  R::enter_consumer();
-  wait_group<0>();
-  warpgroup::fence_shared_writes();
-  sync_named(3, CONSUMERS);  // the query rows (the consumers' copies) have landed
-  const int t = warpid(), r_tile = TILE_ROWS * t;  // the warp's tile of 16 rows
-  const auto q = window<64, D>(sm.q, 64 * wg, 0);  // its warpgroup's rows
-
-  using s_tile = rt_fl<TILE_ROWS, KEYS>;
-  rv<int2, TILE_ROWS, typename col_vec<s_tile>::layout> row_keys;  // (as in decode.cu)
-  warp::map_index(row_keys, [&](int r) { return blk.R.row_keys(p, r_tile + r); });
-  const bool capped = p.softcap > 0.f;
-  const float c = capped ? 1.f : p.scale * LOG2E;
-  s_tile s;
-  rt<T, TILE_ROWS, KEYS> pr;
-  rt_fl<TILE_ROWS, D> o;
-  col_vec<s_tile> m, l, corr;
-  warp::zero(o);
-  warp::fill_vec(m, NEG_INF);
-  warp::fill_vec(l, 0.f);
-
-  // Turns: named barrier 1 + w opens consumer w's turn when the other arrives on it; consumer 1 opens
-  // the first, and consumer 0 takes the answer to the last one at the end.
-  auto my_turn = [&] { sync_named(1 + wg, CONSUMERS); };
-  auto your_turn = [&] { arrive_named(2 - wg, CONSUMERS); };
-  if (wg == 1) your_turn();
-  // Stage `at` holds its block (the producer's copies, for wgmma's async proxy).
-  auto ready = [&](ring_use<STAGES> at) {
-    wait_full(kv, at);
+  __device__ __forceinline__ void consume() const {
+    wait_group<0>();
     warpgroup::fence_shared_writes();
-  };
-  if (blk.j0 < blk.j1) {
-    ring_pos<STAGES> at(0);  // the block in S (the one before it is in P)
-    ready(at);
-    my_turn();
-    warpgroup::mma_ABt(s, q, stages[at.slot].k, false);
-    your_turn();
-    warpgroup::wait<0>();
-    warpgroup::fence_registers(s);
-    softmax_block(s, p, capped, blk, row_keys, blk.j0 * KEYS, m, l, corr, c);
-    warp::copy(pr, s);
-    for (int j = blk.j0 + 1; j < blk.j1; j++) {
-      const ring_use<STAGES> prev = at;
-      ++at;
+    sync_named(3, CONSUMERS);  // the query rows (the consumers' copies) have landed
+    const int t = warpid(), r_tile = TILE_ROWS * t;  // the warp's tile of 16 rows
+    const auto q = window<64, D>(sm.q, 64 * wg, 0);  // its warpgroup's rows
+
+    using s_tile = rt_fl<TILE_ROWS, KEYS>;
+    rv<int2, TILE_ROWS, typename col_vec<s_tile>::layout> row_keys;  // (as in decode.cu)
+    warp::map_index(row_keys, [&](int r) { return blk.R.row_keys(p, r_tile + r); });
+    const bool capped = p.softcap > 0.f;
+    const float c = capped ? 1.f : p.scale * LOG2E;
+    s_tile s;
+    rt<T, TILE_ROWS, KEYS> pr;
+    rt_fl<TILE_ROWS, D> o;
+    col_vec<s_tile> m, l, corr;
+    warp::zero(o);
+    warp::fill_vec(m, NEG_INF);
+    warp::fill_vec(l, 0.f);
+
+    // Turns: named barrier 1 + w opens consumer w's turn when the other arrives on it; consumer 1 opens
+    // the first, and consumer 0 takes the answer to the last one at the end.
+    auto my_turn = [&] { sync_named(1 + wg, CONSUMERS); };
+    auto your_turn = [&] { arrive_named(2 - wg, CONSUMERS); };
+    if (wg == 1) your_turn();
+    // Stage `at` holds its block (the producer's copies, for wgmma's async proxy).
+    auto ready = [&](ring_use<STAGES> at) {
+      wait_full(kv, at);
+      warpgroup::fence_shared_writes();
+    };
+    if (blk.j0 < blk.j1) {
+      ring_pos<STAGES> at(0);  // the block in S (the one before it is in P)
       ready(at);
       my_turn();
-      warpgroup::mma_ABt(s, q, stages[at.slot].k, false);    // S_j = Q K_j^T
-      warpgroup::mma_AB(o, pr, stages[prev.slot].v, true);  // O += P_{j-1} V_{j-1}
+      warpgroup::mma_ABt(s, q, stages[at.slot].k, false);
       your_turn();
-      warpgroup::wait<1>();  // S_j is ready
+      warpgroup::wait<0>();
       warpgroup::fence_registers(s);
-      softmax_block(s, p, capped, blk, row_keys, j * KEYS, m, l, corr, c);
-      warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done: its stage is free
-      warpgroup::fence_registers(o);
-      warpgroup::fence_registers(pr);
-      if (laneid() == 0) arrive_empty(kv, prev);
-      warp::mul_row(o, o, corr);
+      softmax_block(s, p, capped, blk, row_keys, blk.j0 * KEYS, m, l, corr, c);
       warp::copy(pr, s);
+      for (int j = blk.j0 + 1; j < blk.j1; j++) {
+        const ring_use<STAGES> prev = at;
+        ++at;
+        ready(at);
+        my_turn();
+        warpgroup::mma_ABt(s, q, stages[at.slot].k, false);    // S_j = Q K_j^T
+        warpgroup::mma_AB(o, pr, stages[prev.slot].v, true);  // O += P_{j-1} V_{j-1}
+        your_turn();
+        warpgroup::wait<1>();  // S_j is ready
+        warpgroup::fence_registers(s);
+        softmax_block(s, p, capped, blk, row_keys, j * KEYS, m, l, corr, c);
+        warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done: its stage is free
+        warpgroup::fence_registers(o);
+        warpgroup::fence_registers(pr);
+        if (laneid() == 0) arrive_empty(kv, prev);
+        warp::mul_row(o, o, corr);
+        warp::copy(pr, s);
+      }
+      my_turn();
+      warpgroup::mma_AB(o, pr, stages[at.slot].v, true);
+      your_turn();
+      warpgroup::wait<0>();
+      warpgroup::fence_registers(o);
     }
-    my_turn();
-    warpgroup::mma_AB(o, pr, stages[at.slot].v, true);
-    your_turn();
-    warpgroup::wait<0>();
-    warpgroup::fence_registers(o);
+    if (wg == 0) my_turn();  // the answer to consumer 1's last turn
+    sync_named(3, CONSUMERS);  // both are done with the stages, which finish() writes over
+    finish<T, D, C, CONSUMERS>(p, sm, blk, o, m, l, c, 0, t, threadIdx.x, [] { sync_named(3, CONSUMERS); });
   }
-  if (wg == 0) my_turn();  // the answer to consumer 1's last turn
-  sync_named(3, CONSUMERS);  // both are done with the stages, which finish() writes over
-  finish<T, D, C, CONSUMERS>(p, sm, blk, o, m, l, c, 0, t, threadIdx.x, [] { sync_named(3, CONSUMERS); });
+};
+
+template <typename T, int D, typename C>
+__global__ __launch_bounds__(C::THREADS, 1) void decode_sm90_kernel(const __grid_constant__ Args<T, C::BOX> a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) char smem_raw[];
+  DecodeSm90<T, D, C> k{a, *reinterpret_cast<typename C::Shared *>(smem_raw)};
+  single(k);
 #endif
 }
 

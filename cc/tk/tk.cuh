@@ -20,3 +20,4 @@
 #include "pipeline/ring.cuh"
 #include "pipeline/roles.cuh"
 #include "pipeline/scheduler.cuh"
+#include "pipeline/kernel.cuh"

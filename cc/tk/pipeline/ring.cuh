@@ -94,4 +94,12 @@ template <int S> __device__ __forceinline__ void arrive_empty(const ring<S> &r, 
   arrive(r.empty(u));
 }
 
+// A semaphore that completes one phase in the kernel's whole life (operands loaded once, results
+// handed over once): its waiters wait for that first phase.
+__device__ __forceinline__ void wait_once(semaphore &s) { wait(s, 0); }
+
+// The buffer of use n of N buffers taken in turn (a ring without semaphores, whose turns another
+// barrier orders).
+template <int N> __device__ __forceinline__ int buffer_of(int n) { return ring_use<N>(n).slot; }
+
 }  // namespace tk

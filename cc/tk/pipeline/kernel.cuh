@@ -1,0 +1,95 @@
+// A warp-specialized kernel from parts. The template owns what every such kernel shares: the
+// semaphores' set-up, the roles (roles.cuh: one producer warpgroup, CONSUMERS consumer warpgroups,
+// their register budgets) and, in a persistent kernel, the tile queue (scheduler.cuh) through which
+// one warp announces each tile to the loader and the consumers. The kernel supplies its parts as the
+// members of a struct K, of which each thread makes one object (its fields carry a role's state
+// from tile to tile, e.g. its ring positions):
+//
+//   using Roles = tk::roles<...>;   int wg;          the roles, and this thread's warpgroup
+//   void init();                                     one thread: init() of the kernel's own rings
+//
+// persistent(k): a grid of about one block per SM works through k.tiles tiles (scheduler.cuh):
+//   tile_queue<Tile> queue();                        the announcements' slots (in K's shared memory)
+//   int tiles;                                       the tile count: a Tile with t >= tiles ends
+//   Tile schedule(int n, int slot);                  the scheduler warp (32 lanes): the block's n-th
+//                                                    tile, before it is announced in `slot`
+//   void load(int slot, Release release);            the loader (one thread): the loads of the tile
+//                                                    announced in `slot`; release() frees the slot
+//   void start();                                    each consumer thread, before the first tile
+//   void consume(int slot, Release release);         each consumer warpgroup, the same tile; release()
+//                                                    (each warp, converged) frees the slot
+//   void finish();                                   each consumer thread, after the last tile
+// One thread of the producer warpgroup loads and one warp schedules; the other two warps leave.
+//
+// single(k): one block per tile, its coordinates from blockIdx:
+//   void before_sync();                              every thread, before the block's first barrier
+//                                                    (e.g. the consumers' own copies)
+//   void produce();  void consume();                 the producer warpgroup; each consumer warpgroup
+//
+// The semaphores that the parts wait on and arrive at belong to rings (ring.cuh), whose phases are
+// worked out there; a part names ring positions, never parities or slot arithmetic.
+#pragma once
+#include "roles.cuh"
+#include "scheduler.cuh"
+
+namespace tk {
+
+template <typename K> __device__ __forceinline__ void persistent(K &k) {
+  using R = typename K::Roles;
+  const auto q = k.queue();
+  if (threadIdx.x == 0) {  // the queue's full: the scheduler's lane 0; empty: each consumer warp, the loader
+    k.init();
+    init(q.ring, 1, R::CONSUMERS * 4 + 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (k.wg == R::PRODUCER) {
+    R::enter_producer();
+    if (R::warp() == 1) {  // the scheduler
+      for (int n = 0;; n++) {
+        const ring_use<2> at(n);
+        wait_empty(q.ring, at);
+        const auto x = k.schedule(n, at.slot);
+        announce_tile(q, at, x);
+        if (x.t >= k.tiles) return;
+      }
+    }
+    if (threadIdx.x != R::CONSUMERS * 128) return;
+    for (int n = 0;; n++) {  // the loader
+      const ring_use<2> at(n);
+      if (!wait_tile(q, at, k.tiles)) return;
+      k.load(at.slot, [&] { arrive_empty(q.ring, at); });
+    }
+  }
+
+  R::enter_consumer();
+  k.start();
+  for (int n = 0;; n++) {
+    const ring_use<2> at(n);
+    if (!wait_tile(q, at, k.tiles)) break;
+    k.consume(at.slot, [&] {
+      if (laneid() == 0) arrive_empty(q.ring, at);
+    });
+  }
+  k.finish();
+}
+
+template <typename K> __device__ __forceinline__ void single(K &k) {
+  using R = typename K::Roles;
+  if (threadIdx.x == 0) {
+    k.init();
+    fence_barrier_init();
+  }
+  k.before_sync();
+  __syncthreads();
+  if (k.wg == R::PRODUCER) {
+    R::enter_producer();
+    k.produce();
+    return;
+  }
+  R::enter_consumer();
+  k.consume();
+}
+
+}  // namespace tk
