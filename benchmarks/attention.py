@@ -42,8 +42,8 @@ FLOPs of these rows count only the visible (query, key) pairs of the mask ("usef
 heads, head_dim and causal flag and q_len = kv_len (a multiple of 128) chosen so that its useful FLOPs
 are closest to the feature row's (within about 2%; for ``gqa`` the same shape with 32 key/value heads).
 The table and the CSV column ``vs_plain`` give each feature row's TFLOP/s as a fraction of the same
-provider's on its plain row (``cudnn_packed`` against ``cudnn``'s); jax_tk aims at
->= 90%. The feature PNG shows TFLOP/s bars with the plain rows as black marks.
+provider's on its plain row (``cudnn_packed`` against ``cudnn``'s); jax_tk aims at >= 90%. The
+feature PNG shows TFLOP/s bars with the plain rows as black marks.
 
 What is timed (``--modes``; the same harness and method for every provider, see ``harness``):
 

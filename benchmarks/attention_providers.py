@@ -8,8 +8,8 @@
 - ``cudnn_packed``: cuDNN on the packed-document rows without a dense mask: before timing, each
   document becomes one row of a padded batch (``[documents, L, H, D]``, L the longest document
   rounded up to 128, zeros past each document's end), and ``jax.nn.dot_product_attention`` takes the
-  documents' lengths as ``query_seq_lengths``/``key_value_seq_lengths`` (cuDNN's padding mask, which
-  skips the blocks past a row's length). jax's public API has no way to cuDNN's packed ("THD")
+  documents' lengths as ``query_seq_lengths``/``key_value_seq_lengths`` (cuDNN's padding mask: each
+  row's attention ends at its length). jax's public API has no way to cuDNN's packed ("THD")
   layout, so this is the padded layout of the same problem; the check maps its results back;
 - ``fa3``: FlashAttention-3 through the ``flash-attn3-jax`` wheel (``flash_attn3_jax.flash_mha``;
   packed documents through ``flash_mha_varlen``), Hopper only, head_dim 128 only in the PyPI wheel

@@ -39,10 +39,6 @@ FA3_SPLITS = (1, 4, 16)
 LOGITS = "float32 [B, N, T_new, S] logits"
 
 
-def default_providers() -> list[str]:
-    return list(PROVIDERS)
-
-
 def bottom_right_mask(lengths, t_new: int, s: int):
     """Boolean ``[B, 1, T_new, S]``: query row i of sequence b (position ``lengths[b] - T_new + i``) sees
     key j iff ``j <= lengths[b] - T_new + i`` (which also keeps j < lengths[b])."""
@@ -114,6 +110,10 @@ FACTORIES = {
     "xla": functools.partial(_jax_nn_provider, "xla"),
 }
 PROVIDERS = tuple(FACTORIES)
+
+
+def default_providers() -> list[str]:
+    return list(PROVIDERS)
 
 
 def make_provider(name: str, cfg) -> Provider:

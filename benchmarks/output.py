@@ -81,7 +81,7 @@ def environment(timer: str = "wall") -> dict:
         "jax_tk_kernels": kernels,
         "commit": git_commit(),
         "timer": timer,
-        "peers": peers.versions(),
+        "peers": peers.versions() or "none",
         "python": platform.python_version(),
         "devices": len(jax.devices()),
     }
