@@ -6,7 +6,7 @@
 # AB_BASE and AB_TREES are source trees in the repository root (`git archive REV | tar -x -C ab_x`);
 # the working tree is a candidate too. Steps:
 #   1. builds them all at once, 90a only, without the test kernels (scripts/ab_build.sh);
-#   2. runs `python -m jax_tk.bench attention --providers jax_tk,cudnn --no-check --png none
+#   2. runs `python -m benchmarks attention --providers jax_tk,cudnn --no-check --png none
 #      bench-args` AB_ROUNDS times per build, builds alternating (scripts/ab.sh), into OUTDIR/bench.log;
 #   3. scores each candidate by its mean speed over the baseline's, row by row, over every jax_tk row
 #      of every round (OUTDIR/pick.txt);
@@ -22,7 +22,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"  # (the trees are relative to the repository root)
 export JAX_TK_CUDA_ARCHS=90a JAX_TK_TEST_KERNELS=OFF
 AB_TREES="$base ${AB_TREES:-}" AB_TIMEOUT=${AB_TIMEOUT:-150} "$here/scripts/ab.sh" "$out/bench.log" "${AB_ROUNDS:-2}" \
-  python3 -P -m jax_tk.bench attention --providers jax_tk,cudnn --no-check --png none --out "$out/bench" "$@"
+  python3 -P -m benchmarks attention --providers jax_tk,cudnn --no-check --png none --out "$out/bench" "$@"
 python3 - "$out/bench.log" "/tmp/$base" "${AB_MIN:-1.007}" >"$out/pick.txt" <<'PY'
 import collections, re, sys
 log, base, least = sys.argv[1], sys.argv[2], float(sys.argv[3])

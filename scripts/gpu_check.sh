@@ -90,6 +90,7 @@ if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
 fi
 
 if [ "${JAX_TK_BENCH:-0}" = "1" ]; then
-  python3 -P -m jax_tk.bench attention --out "$out" ${JAX_TK_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+  # (the benchmark is this tree's benchmarks/, after the build on the path)
+  PYTHONPATH="$PYTHONPATH:$(pwd)" python3 -P -m benchmarks attention --out "$out" ${JAX_TK_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
 fi
 exit $test_rc

@@ -14,12 +14,18 @@ FlashAttention-3's flash_attn3_jax.flash_mha (the flash-attn3-jax wheel).
 --launch-skip or to profile a warm call.
 """
 import argparse
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 
 import jax_tk
-from jax_tk.bench import document_lengths, segment_ids_from_lengths
+
+# The benchmark's documents, from benchmarks/ beside scripts/ (appended: the jax_tk being profiled,
+# e.g. an install on PYTHONPATH, stays the one imported).
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.attention_configs import document_lengths, segment_ids_from_lengths  # noqa: E402
 
 
 def main():

@@ -27,7 +27,7 @@ fi
 nocuda=$(echo "$PATH" | tr : '\n' | while read -r d; do [ -x "$d/nvcc" ] || echo "$d"; done | paste -sd: -)
 env PATH="$nocuda" sh -c 'command -v nvcc' && { echo "nvcc still on the PATH"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --target "$site" "$house"/jax_tk-*.whl || exit 1
-cp -r "$root/tests" "$root/examples" "$tree/"
+cp -r "$root/tests" "$root/examples" "$root/benchmarks" "$tree/"
 cd "$tree"
 env PATH="$nocuda" PYTHONPATH="$site" python3 -P -c \
   "import jax_tk; assert jax_tk.has_cuda_kernels(); print('jax_tk from', jax_tk.__file__)" | tee -a "$out/wheel_tests.log" || exit 1

@@ -1,4 +1,4 @@
-"""The decode benchmark (python -m jax_tk.bench decode): configurations and byte counts, the providers'
+"""The decode benchmark (python -m benchmarks decode): configurations and byte counts, the providers'
 masks and wiring (FlashAttention-3 through a stand-in module), inputs that do not fit, and tiny runs
 through the harness and the command line on CPU."""
 import importlib.machinery
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_tk
-from jax_tk.bench import cli, decode, decode_providers, harness, output
+from benchmarks import cli, decode, decode_providers, harness, output, peers
 
 TINY_TIMER = dict(reps=20, batch_ms=1, warmup_ms=1)
 C = decode.DecodeConfig
@@ -151,7 +151,7 @@ def _fake_fa3(calls):
 def test_fa3_best_of_num_splits_with_a_stand_in(monkeypatch):
     calls = []
     monkeypatch.setitem(sys.modules, "flash_attn3_jax", _fake_fa3(calls))
-    monkeypatch.setattr(decode_providers, "cuda_capability", lambda: "9.0")
+    monkeypatch.setattr(peers, "cuda_capability", lambda: "9.0")
     configs = [C(2, 64, 4, 2, 128, new_tokens=4), C(2, 64, 4, 2, 128, page_size=16), C(2, 64, 4, 2, 256)]
     results = _run(configs, ["fa3"])
     assert [r.status for r in results] == ["ok", "ok", "skipped"]

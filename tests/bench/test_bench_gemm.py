@@ -1,4 +1,4 @@
-"""The grouped and dense GEMM benchmarks (jax_tk/bench/ragged_dot.py, matmul.py): shapes, FLOP counts,
+"""The grouped and dense GEMM benchmarks (benchmarks/gemm.py: ragged_dot, matmul): shapes, FLOP counts,
 group sizes, the correctness checks, and tiny end-to-end runs on the CPU (CSV, table, report)."""
 import csv
 
@@ -7,17 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tk import bench
-from jax_tk.bench import _gemm, matmul, ragged_dot
-from jax_tk.bench._gemm import GemmConfig
+from benchmarks import cli, gemm, harness
+from benchmarks.gemm import GemmConfig
 
 
 def test_shapes_of_the_issue():
-    assert ragged_dot.SHAPES == {"mixtral": (16384, 4096, 14336, 8), "qwen": (16384, 2048, 1408, 64),
+    assert gemm.RAGGED_SHAPES == {"mixtral": (16384, 4096, 14336, 8), "qwen": (16384, 2048, 1408, 64),
                                  "deepseek": (32768, 7168, 2048, 64), "deepseek-v3": (131072, 7168, 2048, 256)}
-    assert matmul.SHAPES["cube8k"] == (8192, 8192, 8192)
-    assert set(matmul.SHAPES) == {"cube8k", *ragged_dot.SHAPES}
-    assert {"ragged_dot", "matmul"} <= set(bench.cli.load_ops())
+    assert gemm.MATMUL_SHAPES["cube8k"] == (8192, 8192, 8192)
+    assert set(gemm.MATMUL_SHAPES) == {"cube8k", *gemm.RAGGED_SHAPES}
+    assert {"ragged_dot", "matmul"} <= set(cli.load_ops())
 
 
 def test_flops():
@@ -30,14 +29,14 @@ def test_flops():
 
 @pytest.mark.parametrize("m,g", [(16384, 8), (131072, 256), (1000, 7)])
 def test_group_sizes(m, g):
-    u = _gemm.group_sizes(m, g, "uniform")
+    u = gemm.group_sizes(m, g, "uniform")
     assert u.sum() == m and u.max() - u.min() <= 1 and u.dtype == np.int32
-    d = _gemm.group_sizes(m, g, "dirichlet", seed=0)
+    d = gemm.group_sizes(m, g, "dirichlet", seed=0)
     assert d.sum() == m and len(d) == g and (d >= 0).all()
-    assert (d == _gemm.group_sizes(m, g, "dirichlet", seed=0)).all()  # fixed seed
+    assert (d == gemm.group_sizes(m, g, "dirichlet", seed=0)).all()  # fixed seed
     assert d.max() > 1.5 * m / g  # skewed
     with pytest.raises(ValueError):
-        _gemm.group_sizes(m, g, "zipf")
+        gemm.group_sizes(m, g, "zipf")
 
 
 def test_config_csv_round_trip():
@@ -47,15 +46,15 @@ def test_config_csv_round_trip():
 
 def test_checks_catch_wrong_results():
     cfg = GemmConfig("t", 300, 16, 24, 5, "dirichlet")
-    lhs, rhs, sizes, dout = _gemm.make_inputs(cfg, 1)[0]
+    lhs, rhs, sizes, dout = gemm.make_inputs(cfg, 1)[0]
     out = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
-    assert _gemm.check_fwd(cfg, lhs, rhs, out) < 1e-6
-    assert _gemm.check_fwd(cfg, lhs, rhs, out.at[3].add(1.0)) > 1e-3
+    assert gemm.check_fwd(cfg, lhs, rhs, out) < 1e-6
+    assert gemm.check_fwd(cfg, lhs, rhs, out.at[3].add(1.0)) > 1e-3
     dl, dr = jax.grad(lambda a, b: jnp.sum(jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)
                                            * dout.astype(jnp.float32)), argnums=(0, 1))(
         lhs.astype(jnp.float32), rhs.astype(jnp.float32))
-    assert _gemm.check_bwd(cfg, lhs, rhs, dout, dl, dr) < 1e-6
-    assert _gemm.check_bwd(cfg, lhs, rhs, dout, dl, dr * 1.1) > 1e-3
+    assert gemm.check_bwd(cfg, lhs, rhs, dout, dl, dr) < 1e-6
+    assert gemm.check_bwd(cfg, lhs, rhs, dout, dl, dr * 1.1) > 1e-3
 
 
 def _rows(path):
@@ -65,26 +64,26 @@ def _rows(path):
 
 @pytest.mark.parametrize("op,providers", [("ragged_dot", ("jax_tk", "lax", "dense")), ("matmul", ("jax_tk", "xla"))])
 def test_quick_run_cpu(op, providers, tmp_path, capsys):
-    if bench.has_gpu():
+    if harness.has_gpu():
         pytest.skip("the CPU run")
     out = tmp_path / "out"
-    assert bench.main([op, "--quick", "--modes", "fwd,bwd", "--out", str(out)]) == 0
+    assert cli.main([op, "--quick", "--modes", "fwd,bwd", "--providers", ",".join(providers), "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "== fwd" in text and "== bwd" in text and "tk/" in text
     rows = _rows(out / f"{op}.csv")
-    configs = len(ragged_dot.QUICK_SHAPES) * 2 if op == "ragged_dot" else len(matmul.QUICK_SHAPES)
+    configs = len(gemm.RAGGED_QUICK_SHAPES) * 2 if op == "ragged_dot" else len(gemm.MATMUL_QUICK_SHAPES)
     assert len(rows) == configs * len(providers) * 2
     for r in rows:
         assert r["status"] == "ok", r
         assert float(r["time_ms"]) > 0 and float(r["tflops"]) > 0
         assert float(r["rel_err"]) < 1e-2
-    assert bench.main(["report", str(out / f"{op}.csv"), "--op", op]) == 0
+    assert cli.main(["report", str(out / f"{op}.csv"), "--op", op]) == 0
     assert "== fwd" in capsys.readouterr().out
 
 
 def test_ratio_columns():
     c = GemmConfig("t", 64, 8, 8, 2, "uniform")
-    rs = [bench.Result(c, "jax_tk", "fwd", "ok", time_ms=1.0), bench.Result(c, "lax", "fwd", "ok", time_ms=2.0),
-          bench.Result(c, "dense", "fwd", "ok", time_ms=0.5)]
-    table = ragged_dot.format_table(rs, ["jax_tk", "lax", "dense"])
+    rs = [harness.Result(c, "jax_tk", "fwd", "ok", time_ms=1.0), harness.Result(c, "lax", "fwd", "ok", time_ms=2.0),
+          harness.Result(c, "dense", "fwd", "ok", time_ms=0.5)]
+    table = gemm.RAGGED_DOT.format_table(rs, ["jax_tk", "lax", "dense"])
     assert "2.00x" in table and "0.50x" in table

@@ -1,101 +1,20 @@
-"""The benchmark harness: the subcommand registry (a toy op through the whole path) and the fa3
-provider (unavailable without flash_attn3_jax; its wiring through a stand-in module, on CPU)."""
+"""The benchmark harness: the subcommand registry (a toy op through the whole path), wrong results,
+the timers, and the package's shape (outside the wheel, no private jax, no import loops)."""
+import ast
 import csv
 import dataclasses
-import importlib.machinery
 import math
-import sys
-import types
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tk import bench
-from jax_tk.bench import attention_providers, cli, harness, output
+from benchmarks import attention_configs, cli, harness, output, timers
+from helpers import REPO
 
 TINY_TIMER = dict(reps=20, batch_ms=1, warmup_ms=1)
-
-
-# ----------------------------------------------------------------------------------------------
-# FlashAttention-3
-# ----------------------------------------------------------------------------------------------
-
-
-def test_fa3_unavailable_without_the_module(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flash_attn3_jax", None)  # import raises ImportError
-    cfg = bench.AttentionConfig(batch=1, q_len=64, kv_len=64, heads=2, head_dim=128, causal=True)
-    with pytest.raises(bench.Unavailable, match="flash_attn3_jax"):
-        bench.make_provider("fa3", cfg)
-    assert issubclass(bench.Unavailable, bench.Skip)
-    results = bench.bench_attention([cfg], ["fa3", "xla"], ["fwd", "bwd"], log=None,
-                                    timer=bench.WallTimer(**TINY_TIMER))
-    by = {(r.provider, r.mode): r for r in results}
-    for mode in ("fwd", "bwd"):
-        assert by[("fa3", mode)].status == "skipped"
-        assert by[("fa3", mode)].note.startswith("unavailable: ") and "pip install" in by[("fa3", mode)].note
-        assert by[("xla", mode)].status == "ok"
-    assert "fa3" not in bench.default_providers()
-    assert "unavailable" in bench.format_table(results)
-
-
-def _fake_fa3(calls):
-    """A stand-in for flash_attn3_jax with its signatures, computing with jax_tk's reference."""
-    ref = bench.reference()
-
-    def window(w):
-        return None if tuple(w) == (-1, -1) else tuple(x if x >= 0 else 1 << 30 for x in w)
-
-    def flash_mha(q, k, v, softmax_scale=None, is_causal=False, window_size=(-1, -1)):
-        assert type(softmax_scale) is float and q.ndim == k.ndim == 4  # as the real one asserts
-        calls.append(("flash_mha", q.shape, k.shape, window_size))
-        return ref.attention(q, k, v, scale=softmax_scale, is_causal=is_causal,
-                             local_window_size=window(window_size))
-
-    def flash_mha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, seqused_k=None, max_seqlen_q=-1,
-                         max_seqlen_k=-1, softmax_scale=None, is_causal=False, window_size=(-1, -1)):
-        assert q.ndim == 3 and type(softmax_scale) is float
-        calls.append(("flash_mha_varlen", q.shape, max_seqlen_q))
-        ids = jnp.searchsorted(cu_seqlens_q[1:], jnp.arange(q.shape[0]), side="right")[None]
-        return ref.attention(q[None], k[None], v[None], scale=softmax_scale, is_causal=is_causal,
-                             local_window_size=window(window_size), q_segment_ids=ids,
-                             kv_segment_ids=ids)[0]
-
-    mod = types.ModuleType("flash_attn3_jax")
-    mod.__spec__ = importlib.machinery.ModuleSpec("flash_attn3_jax", None)
-    mod.flash_mha, mod.flash_mha_varlen = flash_mha, flash_mha_varlen
-    return mod
-
-
-def test_fa3_wiring_with_a_stand_in(monkeypatch):
-    calls = []
-    monkeypatch.setitem(sys.modules, "flash_attn3_jax", _fake_fa3(calls))
-    monkeypatch.setattr(attention_providers, "cuda_capability", lambda: "9.0")
-    assert bench.default_providers()[-1] == "fa3"
-    C = bench.AttentionConfig
-    gqa = C(2, 64, 64, 4, 128, True, feature="gqa", kv_heads=2)
-    win = C(1, 128, 128, 2, 128, True, feature="window", window=(32, 0))
-    docs = C(1, 128, 128, 2, 128, False, feature="documents", documents=4)
-    results = bench.bench_attention([gqa, win, docs], ["fa3"], ["fwd", "bwd"], log=None,
-                                    timer=bench.WallTimer(**TINY_TIMER))
-    for r in results:
-        assert r.status == "ok" and r.rel_err < 2e-2, r
-    assert ("flash_mha", (2, 64, 4, 128), (2, 64, 2, 128), (-1, -1)) in calls  # GQA: kv with 2 heads
-    assert ("flash_mha", (1, 128, 2, 128), (1, 128, 2, 128), (32, 0)) in calls
-    assert ("flash_mha_varlen", (128, 2, 128), int(docs.document_lengths().max())) in calls
-    # Not built for head_dim 64, no fp32, not off Hopper: skipped, not unavailable.
-    with pytest.raises(bench.Skip, match="head_dim 64") as e:
-        bench.make_provider("fa3", C(1, 64, 64, 2, 64, False))
-    assert not isinstance(e.value, bench.Unavailable)
-    monkeypatch.setenv("JAX_TK_FA3_HEAD_DIMS", "64,128")
-    assert bench.make_provider("fa3", C(1, 64, 64, 2, 64, False)).name == "fa3"
-    monkeypatch.setattr(attention_providers, "cuda_capability", lambda: "10.0")
-    with pytest.raises(bench.Skip, match="sm90"):
-        bench.make_provider("fa3", gqa)
-    monkeypatch.setattr(attention_providers, "cuda_capability", lambda: None)
-    with pytest.raises(bench.Unavailable, match="CUDA GPU"):
-        bench.make_provider("fa3", gqa)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,16 +102,17 @@ def toy_command():
 
 
 def test_registry_has_attention_and_report():
-    p = bench.build_parser()
-    assert "attention" in cli.COMMANDS and bench.COMMANDS["attention"].config_type is bench.AttentionConfig
+    p = cli.build_parser()
+    assert "attention" in cli.COMMANDS and cli.COMMANDS["attention"].config_type is attention_configs.AttentionConfig
+    assert {"decode", "ragged_dot", "matmul"} <= set(cli.COMMANDS)
     assert p.parse_args(["report", "x.csv"]).op == "report"
     with pytest.raises(ValueError):
         cli.register(dataclasses.replace(cli.COMMANDS["attention"], name="report"))
 
 
 def test_registered_op_runs_through_the_harness(toy_command, tmp_path, capsys):
-    assert "toy" in bench.build_parser().format_help()
-    assert bench.main(["toy", "--m", "32,64", "--out", str(tmp_path), "--png", "none"]) == 0
+    assert "toy" in cli.build_parser().format_help()
+    assert cli.main(["toy", "--m", "32,64", "--out", str(tmp_path), "--png", "none"]) == 0
     out = capsys.readouterr().out
     assert "== toy fwd ==" in out and "== toy bwd ==" in out and "unavailable: not installed" in out
     with open(tmp_path / "toy.csv") as f:
@@ -208,7 +128,7 @@ def test_registered_op_runs_through_the_harness(toy_command, tmp_path, capsys):
         if r["mode"] == "fwd":
             assert float(r["rel_err"]) < 1e-2
     # report finds the op from the CSV's columns (the attention columns are not there).
-    assert bench.main(["report", str(tmp_path / "toy.csv")]) == 0
+    assert cli.main(["report", str(tmp_path / "toy.csv")]) == 0
     assert "== toy fwd ==" in capsys.readouterr().out
     results, env = output.read_csv([str(tmp_path / "toy.csv")], MatmulConfig.from_row)
     assert {r.config for r in results} == {MatmulConfig(32, 64, 32), MatmulConfig(64, 64, 32)}
@@ -232,8 +152,7 @@ def test_wrong_results_are_not_timings(capsys):
 
 
 def test_copies_rotate_until_the_working_set_and_one_set_too_large_for_l2_is_alone():
-    from jax_tk.bench import timers
-
+    
     ws = timers.WORKING_SET_BYTES
     assert timers.copies_for(1) == timers.MAX_COPIES
     assert timers.copies_for(ws // 4) == 4
@@ -245,8 +164,7 @@ def test_copies_rotate_until_the_working_set_and_one_set_too_large_for_l2_is_alo
 def test_cupti_timer_holds_at_most_a_batch_of_outputs(monkeypatch):
     """The CUPTI profiler keeps all outputs of a run of calls alive: the timer splits the calls into
     runs whose outputs fit BATCH_OUTPUT_BYTES (a stand-in profiler here; the real one needs a GPU)."""
-    from jax_tk.bench import timers
-
+    
     runs = []
 
     class Profiler:  # the interface of jax.experimental.mosaic.gpu.profiler.measure
@@ -273,3 +191,66 @@ def test_cupti_timer_holds_at_most_a_batch_of_outputs(monkeypatch):
     runs.clear()
     monkeypatch.setattr(timers, "BATCH_OUTPUT_BYTES", out_bytes // 2)  # one call's outputs are more
     assert timer.measure(fn, sets[:1]).reps == 20 and runs == [1] * 20
+
+
+# ----------------------------------------------------------------------------------------------
+# The package's shape
+# ----------------------------------------------------------------------------------------------
+
+
+PACKAGE = REPO / "benchmarks"
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {p.stem: p for p in sorted(PACKAGE.glob("*.py"))}
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The modules ``path`` imports (dotted names; ``from a import b`` gives a and a.b), at the top or
+    inside a function."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def _package_imports(path: pathlib.Path, modules) -> set[str]:
+    """The package's modules that ``path`` imports."""
+    return {n.split(".")[1] for n in _imports(path) if n.startswith("benchmarks.") and n.split(".")[1] in modules}
+
+
+def test_no_import_loops():
+    modules = _modules()
+    graph = {m: _package_imports(p, modules) - {m} for m, p in modules.items()}
+    assert graph["__init__"] == set()  # importing the package imports none of its modules
+    assert graph["timers"] == set() and graph["harness"] == {"timers"}
+    state = {}
+
+    def visit(m, path):
+        if state.get(m) == "done":
+            return
+        assert state.get(m) != "open", f"import loop: {' -> '.join(path + [m])}"
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            visit(n, path + [m])
+        state[m] = "done"
+
+    for m in graph:
+        visit(m, [])
+
+
+def test_no_private_jax():
+    for path in sorted(PACKAGE.rglob("*")):
+        if path.is_file() and path.suffix in (".py", ".md"):
+            assert "jax._src" not in path.read_text(), path
+
+
+def test_outside_the_wheel():
+    text = (REPO / "pyproject.toml").read_text()
+    assert 'wheel.packages = ["jax_tk"]' in text
+    assert not (REPO / "jax_tk" / "bench").exists()
+    for path in (REPO / "jax_tk").rglob("*.py"):  # the library never needs its benchmark
+        assert not {n for n in _imports(path) if n.split(".")[0] == "benchmarks"}, path

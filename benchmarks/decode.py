@@ -2,11 +2,11 @@
 
 Command line::
 
-    python -m jax_tk.bench decode                 # the default set (a few minutes on an H100)
-    python -m jax_tk.bench decode --quick         # tiny shapes (seconds, CPU too)
-    python -m jax_tk.bench decode --batch 8,64 --cache 8k,32k --heads 32/8 --d 128 --new 1,4 \\
+    python -m benchmarks decode                 # the default set (a few minutes on an H100)
+    python -m benchmarks decode --quick         # tiny shapes (seconds, CPU too)
+    python -m benchmarks decode --batch 8,64 --cache 8k,32k --heads 32/8 --d 128 --new 1,4 \\
         --layout contiguous,paged16,paged64       # the product of the lists given
-    python -m jax_tk.bench decode --full          # every combination below (long)
+    python -m benchmarks decode --full          # every combination below (long)
 
 A configuration: batch B in {1, 8, 32, 64, 128}, cache length S in {2k, 8k, 32k, 128k} (every sequence
 holds S valid positions: the cache is full), query/key-value heads 32/8 or 64/8, head_dim 128 or 256,
@@ -44,10 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk.bench import cli, harness, output
-from jax_tk.bench.decode_providers import PEERS, PROVIDERS, default_providers, make_provider
-from jax_tk.bench.harness import Result, Skip
-from jax_tk.bench.timers import make_timer
+from benchmarks import cli, harness, output
+from benchmarks.decode_providers import PEERS, PROVIDERS, default_providers, make_provider
+from benchmarks.harness import Result, Skip
+from benchmarks.timers import make_timer
 
 DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp16": jnp.float16, "float16": jnp.float16}
 LAYOUTS = {"contiguous": 0, "paged16": 16, "paged64": 64}

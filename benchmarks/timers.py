@@ -128,10 +128,8 @@ class CuptiTimer:
         try:
             from jax.experimental.mosaic.gpu import profiler  # noqa: F401
         except Exception as e:  # pragma: no cover - GPU only
-            from jax_tk.bench.harness import short_error
-
-            raise RuntimeError(
-                f"--timer cupti needs jax.experimental.mosaic.gpu (a CUDA jaxlib): {short_error(e)}")
+            raise RuntimeError(f"--timer cupti needs jax.experimental.mosaic.gpu (a CUDA jaxlib): "
+                               f"{type(e).__name__}: {e}") from None
         self._profiler = profiler
         self.reps = max(int(reps), 1)
         self.warmup_s = warmup_ms * 1e-3

@@ -1,9 +1,32 @@
-"""What the grouped GEMM (``ragged_dot``) and dense GEMM (``matmul``) benchmarks share: the
-configuration, random inputs, group sizes, correctness checks on a slice, the table, the plot and
-the subcommand (``command``).
+"""GEMM benchmarks: the grouped GEMM of mixtures of experts (``ragged_dot``) and the dense GEMM
+(``matmul``), jax_tk against its peers, in one process, with one timer.
 
+    python -m benchmarks ragged_dot                         # every shape, uniform and skewed sizes
+    python -m benchmarks ragged_dot --shapes mixtral,qwen --dist dirichlet --modes fwd
+    python -m benchmarks ragged_dot --quick                 # tiny shapes (seconds, CPU too)
+    python -m benchmarks matmul                             # 8192^3 and the same shapes, dense
+    python -m benchmarks matmul --shapes cube8k --modes fwd
+
+Grouped shapes (bf16; ``m`` rows of ``k`` times one ``[k, n]`` matrix per expert):
+
+- ``mixtral``: 16384 x 4096 -> 14336, 8 experts (Mixtral-8x7B's up projection, 8k tokens top-2)
+- ``qwen``: 16384 x 2048 -> 1408, 64 experts (Qwen-MoE-like)
+- ``deepseek``: 32768 x 7168 -> 2048, 64 experts (DeepSeek-like)
+- ``deepseek-v3``: 256 experts, top-8 routing of 16k tokens: m = 16384 * 8 = 131072, k = 7168, n = 2048
+
+Group sizes (``--dist``): ``uniform`` (m / g each) and ``dirichlet`` (shares drawn from a Dirichlet
+with alpha 0.5, numpy seed 0: a few experts get most tokens, some almost none), passed as a traced
+int32 array to every provider. Dense shapes (``[m, k] @ [k, n]``): ``cube8k`` 8192 x 8192 x 8192 and
+the grouped shapes without their groups.
+
+Providers (``gemm_providers``): ragged_dot ``jax_tk``, ``lax`` (``jax.lax.ragged_dot``), ``dense``
+(XLA's GEMM of the same FLOPs, the ceiling), ``tokamax`` and ``jla`` where installed; matmul
+``jax_tk`` and ``xla``. Modes: ``fwd``; ``bwd`` (the backward alone: d lhs and d rhs); ``fwd_bwd``.
 FLOPs are counted the standard way: ``2*m*k*n`` for the forward (m = rows in groups), twice that
-for the backward alone (two GEMMs: d lhs and d rhs), three times for forward + backward.
+for the backward alone (two GEMMs), three times for forward + backward. The table gives ms and
+TFLOP/s per provider and jax_tk's speed over the baselines (ragged_dot: ``lax`` and ``dense``;
+matmul: ``xla``). Each timed result is checked on its first 256 rows (and 64 columns of one group's
+d rhs) against float32 products.
 """
 from __future__ import annotations
 
@@ -16,9 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk.bench import cli, harness, output
-from jax_tk.bench.harness import Result, fmt_tflops
-from jax_tk.bench.timers import make_timer
+from benchmarks import cli, gemm_providers, harness, output, peers
+from benchmarks.harness import Result, fmt_tflops
+from benchmarks.timers import make_timer
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 MODES = ("fwd", "bwd", "fwd_bwd")
@@ -242,28 +265,29 @@ def plot(results: Sequence[Result], path: str, env: dict, op: str) -> list[str]:
     return [path]
 
 
-def op_bench(make_provider) -> harness.OpBench:
-    """The harness's description of a GEMM benchmark (ragged_dot, matmul): inputs, bytes and the float32
-    checks are shared; ``make_provider`` differs."""
-    return harness.OpBench(
-        make_provider=make_provider, make_inputs=make_inputs, input_bytes=input_bytes,
-        check_fwd=lambda cfg, provider, args, out: check_fwd(cfg, args[0], args[1], out),
+def command(op: str, help: str, factories: dict, *, baselines: Sequence[str], shapes: dict, quick_shapes: dict,
+            make_configs: Callable, header_note: str = "", extra_arguments=None):
+    """Registers the subcommand ``python -m benchmarks OP`` of a GEMM benchmark; returns it and its
+    ``bench(configs, providers, modes, *, timer, check, on_result, log) -> results``.
+    ``factories``: the providers (name -> factory(cfg)), by default all but the peers that are not
+    installed; ``make_configs(shapes, names, args)`` turns the chosen shape names (and
+    ``extra_arguments``' options) into GemmConfigs."""
+    own = [p for p in factories if p not in peers.PEERS]
+    peer_names = [p for p in factories if p in peers.PEERS]
+
+    def default_providers() -> list[str]:
+        return own + peers.installed_peers(peer_names)
+    bench_op = harness.OpBench(
+        make_provider=lambda name, cfg: harness.factory(factories, name)(cfg), make_inputs=make_inputs,
+        input_bytes=input_bytes, check_fwd=lambda cfg, provider, args, out: check_fwd(cfg, args[0], args[1], out),
         check_bwd=lambda cfg, provider, args, dout, grads: check_bwd(cfg, args[0], args[1], dout, grads[0], grads[1]))
 
-
-def command(op: str, help: str, make_provider, *, shapes: dict, quick_shapes: dict, providers: Sequence[str],
-            baselines: Sequence[str], make_configs: Callable, header_note: str = "", extra_arguments=None):
-    """Registers the subcommand ``python -m jax_tk.bench OP`` of a GEMM benchmark; returns it and its
-    ``bench(configs, providers, modes, *, timer, check, on_result, log) -> results``.
-    ``make_configs(shapes, names, args)`` turns the chosen shape names (and ``extra_arguments``'
-    options) into GemmConfigs."""
-    bench_op = op_bench(make_provider)
-
-    def bench(configs: Sequence[GemmConfig], providers: Sequence[str] = providers,
+    def bench(configs: Sequence[GemmConfig], providers: Sequence[str] | None = None,
               modes: Sequence[str] = DEFAULT_MODES, *, timer=None, check: bool = True,
               on_result: Callable[[Result], None] | None = None,
               log: Callable[[str], None] | None = print) -> list[Result]:
-        return harness.run(bench_op, configs, providers, modes, timer=timer, check=check, on_result=on_result, log=log)
+        return harness.run(bench_op, configs, providers or default_providers(), modes, timer=timer, check=check,
+                           on_result=on_result, log=log)
 
     def table(results, shown=None) -> str:
         return format_table(results, shown or list(dict.fromkeys(r.provider for r in results)), baselines)
@@ -273,14 +297,16 @@ def command(op: str, help: str, make_provider, *, shapes: dict, quick_shapes: di
                        help=f"from {','.join(shapes)} (default all)")
         if extra_arguments is not None:
             extra_arguments(a)
-        cli.add_common_arguments(a, op=op, providers=providers, default_providers=",".join(providers),
+        cli.add_common_arguments(a, op=op, providers=tuple(factories),
+                                 default_providers=",".join(own) + (f", and {','.join(peer_names)} where installed"
+                                                                    if peer_names else ""),
                                  modes=MODES, default_modes=DEFAULT_MODES, dtypes=tuple(DTYPES),
                                  quick_help=f"tiny shapes {quick_shapes} (runs on CPU in seconds)")
 
     def run(args) -> int:
         chosen = quick_shapes if args.quick else shapes
         names = list(chosen) if args.quick or not args.shapes else args.shapes
-        shown = args.providers or list(providers)
+        shown = args.providers or default_providers()
         modes = args.modes or list(DEFAULT_MODES)
         reps = cli.reps_from(args)
         csv_path, png_path = cli.output_paths(args, op)
@@ -297,3 +323,46 @@ def command(op: str, help: str, make_provider, *, shapes: dict, quick_shapes: di
     cmd = cli.register(cli.Command(op, help, add_arguments, run, config_type=GemmConfig, format_table=table,
                                    plot=lambda results, path, env: plot(results, path, env, op)))
     return cmd, bench
+
+
+# ----------------------------------------------------------------------------------------------
+# The subcommands: ragged_dot and matmul
+# ----------------------------------------------------------------------------------------------
+
+
+RAGGED_SHAPES = {  # name: (m, k, n, groups)
+    "mixtral": (16384, 4096, 14336, 8),
+    "qwen": (16384, 2048, 1408, 64),
+    "deepseek": (32768, 7168, 2048, 64),
+    "deepseek-v3": (16384 * 8, 7168, 2048, 256),
+}
+RAGGED_QUICK_SHAPES = {"tiny": (256, 64, 128, 4), "tiny-many": (384, 32, 64, 32)}
+MATMUL_SHAPES = {"cube8k": (8192, 8192, 8192), **{name: s[:3] for name, s in RAGGED_SHAPES.items()}}
+MATMUL_QUICK_SHAPES = {"tiny": (128, 64, 96), "tiny-tall": (512, 32, 48)}
+
+
+def ragged_configs(shapes: dict, names: Sequence[str], dists: Sequence[str], dtype: str = "bf16") -> list[GemmConfig]:
+    return [GemmConfig(name, *shapes[name], dist=dist, dtype=dtype) for name in names for dist in dists]
+
+
+def matmul_configs(shapes: dict, names: Sequence[str], dtype: str = "bf16") -> list[GemmConfig]:
+    return [GemmConfig(name, *shapes[name], dtype=dtype) for name in names]
+
+
+def _dist_argument(a) -> None:
+    a.add_argument("--dist", type=cli.str_list(DISTRIBUTIONS), default=None,
+                   help="group sizes: uniform, dirichlet (default both)")
+
+
+RAGGED_DOT, bench_ragged_dot = command(
+    "ragged_dot", "grouped GEMM (mixture of experts) forward and backward", gemm_providers.RAGGED_FACTORIES,
+    baselines=gemm_providers.RAGGED_BASELINES,
+    shapes=RAGGED_SHAPES, quick_shapes=RAGGED_QUICK_SHAPES, extra_arguments=_dist_argument,
+    make_configs=lambda shapes, names, args: ragged_configs(shapes, names, args.dist or list(DISTRIBUTIONS),
+                                                            args.dtype),
+    header_note="; dense = XLA's [m,k]@[k,n], the ceiling")
+MATMUL, bench_matmul = command(
+    "matmul", "dense GEMM forward and backward", gemm_providers.MATMUL_FACTORIES,
+    baselines=gemm_providers.MATMUL_BASELINES,
+    shapes=MATMUL_SHAPES, quick_shapes=MATMUL_QUICK_SHAPES,
+    make_configs=lambda shapes, names, args: matmul_configs(shapes, names, args.dtype))

@@ -1,7 +1,7 @@
 """What a benchmark writes: the environment it ran in, CSV files, text tables and PNG plots.
 
 Every CSV row carries the environment (date, GPU, platform, jax/jaxlib/jax_tk versions, git commit,
-timer), the configuration's columns and the measurement (``harness.csv_fields``). CSV files are
+timer, the installed peers' versions), the configuration's columns and the measurement (``harness.csv_fields``). CSV files are
 written row by row as the run goes, so a cut-off run still leaves its numbers; ``read_csv`` reads
 them back into Results (the ``report`` subcommand merges several).
 """
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import csv
 import datetime
+import importlib.metadata
+import importlib.util
 import math
 import os
 import platform
@@ -17,9 +19,8 @@ from typing import Callable, Sequence
 
 import jax
 
-from jax_tk.bench.harness import ENV_FIELDS, MAX_REL_ERR, Result, csv_fields
-
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import peers
+from benchmarks.harness import ENV_FIELDS, MAX_REL_ERR, Result, csv_fields
 
 
 # ----------------------------------------------------------------------------------------------
@@ -28,16 +29,35 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 def git_commit(path: str | None = None) -> str:
-    """``git describe --always --dirty`` of the repository holding jax_tk; else the environment
-    variable JAX_TK_COMMIT (for copies of the tree without .git); else "unknown"."""
+    """``git describe --always --dirty`` of the repository holding the imported jax_tk (``path``: of
+    that folder); else the environment variable JAX_TK_COMMIT (for copies of the tree without .git,
+    such as a build installed into a folder of its own); else "unknown"."""
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"],
-                             cwd=path or _REPO, capture_output=True, text=True, timeout=10)
+                             cwd=path or _jax_tk_folder(), capture_output=True, text=True, timeout=10)
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
     return os.environ.get("JAX_TK_COMMIT") or "unknown"
+
+
+def _jax_tk_folder() -> str:
+    """The folder holding the jax_tk package that is timed (the source tree, or an install)."""
+    spec = importlib.util.find_spec("jax_tk")
+    if spec is None or not spec.origin:
+        return os.getcwd()
+    return os.path.dirname(os.path.dirname(os.path.abspath(spec.origin)))
+
+
+def _distribution_version(*names: str) -> str | None:
+    """The version of the first of these installed distributions (pip names), or None."""
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def environment(timer: str = "wall") -> dict:
@@ -48,7 +68,7 @@ def environment(timer: str = "wall") -> dict:
 
         tk_version = jax_tk.__version__
         kernels = jax_tk.has_cuda_kernels()
-    except Exception:  # pragma: no cover - jax_tk is this package
+    except Exception:  # noqa: BLE001 - a broken install still gets its numbers labelled
         tk_version, kernels = "unknown", False
     dev = jax.devices()[0]
     env = {
@@ -61,23 +81,26 @@ def environment(timer: str = "wall") -> dict:
         "jax_tk_kernels": kernels,
         "commit": git_commit(),
         "timer": timer,
+        "peers": peers.versions() or "none",
         "python": platform.python_version(),
         "devices": len(jax.devices()),
     }
-    try:
-        from jax._src.lib import cuda_versions  # not public; only informative
-
-        if cuda_versions is not None and dev.platform == "gpu":
-            env["cudnn"] = str(cuda_versions.cudnn_get_version())
-            env["cuda_runtime"] = str(cuda_versions.cuda_runtime_get_version())
-    except Exception:
-        pass
+    if dev.platform == "gpu":
+        # The versions of the NVIDIA wheels that jax[cuda12]/jax[cuda13] installs (informative only;
+        # a system-wide CUDA has no such record).
+        cudnn = _distribution_version("nvidia-cudnn-cu13", "nvidia-cudnn-cu12", "nvidia-cudnn")
+        runtime = _distribution_version("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu13",
+                                        "nvidia-cuda-runtime-cu12")
+        if cudnn:
+            env["cudnn"] = cudnn
+        if runtime:
+            env["cuda_runtime"] = runtime
     return env
 
 
 def env_header(env: dict) -> str:
     keys = ("date", "gpu", "platform", "jax", "jaxlib", "cudnn", "cuda_runtime", "jax_tk",
-            "jax_tk_kernels", "commit", "timer", "python")
+            "jax_tk_kernels", "commit", "timer", "peers", "python")
     return "  ".join(f"{k}={env[k]}" for k in keys if k in env)
 
 

@@ -32,11 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk.bench.timers import WORKING_SET_BYTES, WallTimer, copies_for, nbytes
+from benchmarks.timers import WORKING_SET_BYTES, WallTimer, copies_for, nbytes
 
 MODES = ("fwd", "bwd", "fwd_bwd")
 DEFAULT_MODES = ("fwd", "bwd")
-ENV_FIELDS = ("date", "gpu", "platform", "jax", "jaxlib", "jax_tk", "commit", "timer")
+ENV_FIELDS = ("date", "gpu", "platform", "jax", "jaxlib", "jax_tk", "commit", "timer", "peers")
 RESULT_FIELDS = ("provider", "mode", "status", "time_ms", "min_ms", "max_ms", "tflops", "flops",
                  "vs_plain", "reps", "calls_per_sample", "copies", "host_frac", "rel_err", "note")
 
@@ -70,7 +70,9 @@ class Provider:
     (XLA's [B, H, T, S] attention logits), described by ``scratch_what``; ``run`` skips the provider
     where they exceed ``max_scratch_bytes`` (``--xla-max-gb``). ``variants``: settings of one
     implementation to choose from (e.g. FlashAttention's number of KV splits): each is timed, and the
-    fastest correct one is reported, its note naming it (``fn`` is then not timed).
+    fastest correct one is reported, its note naming it (``fn`` is then not timed). ``restore(x)``:
+    where ``prepare`` changes the layout, maps an array of the provider's layout (a prepared input,
+    the output, a gradient) back to the benchmark's, for the op's correctness check.
     """
 
     name: str
@@ -82,10 +84,19 @@ class Provider:
     scratch_bytes: int = 0
     scratch_what: str = "scratch"
     variants: tuple["Provider", ...] = ()
+    restore: Callable | None = None
 
     @property
     def materializes_logits(self) -> bool:
         return self.scratch_bytes > 0
+
+
+def factory(factories: dict[str, Callable[..., Provider]], name: str) -> Callable[..., Provider]:
+    """An op's provider factory for ``name`` (``factories``: its registry, name -> factory); a
+    ValueError naming the choices for an unknown name."""
+    if name not in factories:
+        raise ValueError(f"unknown provider {name!r}; choose from {', '.join(factories)}")
+    return factories[name]
 
 
 @dataclasses.dataclass(frozen=True)

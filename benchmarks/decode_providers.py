@@ -31,17 +31,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_tk.bench.attention_providers import import_fa3
-from jax_tk.bench.harness import Provider, Skip, Unavailable, cuda_capability, has_gpu
+from benchmarks import peers
+from benchmarks.harness import Provider, Skip, Unavailable, factory, has_gpu
 
-PROVIDERS = ("jax_tk", "cudnn", "fa3", "xla")
 PEERS = ("cudnn", "fa3")  # the ratio column compares jax_tk with the faster of these
 FA3_SPLITS = (1, 4, 16)
 LOGITS = "float32 [B, N, T_new, S] logits"
-
-
-def default_providers() -> list[str]:
-    return list(PROVIDERS)
 
 
 def bottom_right_mask(lengths, t_new: int, s: int):
@@ -93,7 +88,7 @@ def _jax_nn_provider(name: str, cfg, scale: float) -> Provider:
 
 
 def _fa3_provider(cfg, scale: float) -> Provider:
-    fa3 = import_fa3(cfg, cuda_capability())
+    fa3 = peers.fa3(cfg)
 
     def variant(splits):
         def fn(q, k, v, lengths, page_table):
@@ -108,12 +103,18 @@ def _fa3_provider(cfg, scale: float) -> Provider:
                     note=f"flash_mha_with_kvcache, fastest of num_splits {'/'.join(map(str, FA3_SPLITS))}")
 
 
+FACTORIES = {
+    "jax_tk": _jax_tk_provider,
+    "cudnn": functools.partial(_jax_nn_provider, "cudnn"),
+    "fa3": _fa3_provider,
+    "xla": functools.partial(_jax_nn_provider, "xla"),
+}
+PROVIDERS = tuple(FACTORIES)
+
+
+def default_providers() -> list[str]:
+    return list(PROVIDERS)
+
+
 def make_provider(name: str, cfg) -> Provider:
-    scale = 1.0 / math.sqrt(cfg.head_dim)
-    if name == "jax_tk":
-        return _jax_tk_provider(cfg, scale)
-    if name in ("cudnn", "xla"):
-        return _jax_nn_provider(name, cfg, scale)
-    if name == "fa3":
-        return _fa3_provider(cfg, scale)
-    raise ValueError(f"unknown provider {name!r}; choose from {PROVIDERS}")
+    return factory(FACTORIES, name)(cfg, 1.0 / math.sqrt(cfg.head_dim))

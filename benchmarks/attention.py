@@ -1,20 +1,22 @@
-"""Attention benchmark: jax_tk against cuDNN, FlashAttention-3, XLA and Pallas, one process, one timer.
+"""Attention benchmark: jax_tk against cuDNN, FlashAttention-3, tokamax, jax-linear-attention, XLA and
+Pallas, in one process, with one timer.
 
 Command line::
 
-    python -m jax_tk.bench attention                      # the default sweep
-    python -m jax_tk.bench attention --quick              # a tiny sweep (seconds, CPU too)
-    python -m jax_tk.bench attention --d 128 --seq 4096,8192 --causal true --providers jax_tk,cudnn,fa3
-    python -m jax_tk.bench attention --features             # only the feature rows (see below)
-    python -m jax_tk.bench attention --features window --quick
-    python -m jax_tk.bench report out/bench/attention.csv other.csv --png merged.png
+    python -m benchmarks attention                      # the default sweep
+    python -m benchmarks attention --quick              # a tiny sweep (seconds, CPU too)
+    python -m benchmarks attention --d 128 --seq 4096,8192 --causal true --providers jax_tk,cudnn,fa3
+    python -m benchmarks attention --features             # only the feature rows (see below)
+    python -m benchmarks attention --features window --quick
+    python -m benchmarks report out/bench/attention.csv other.csv --png merged.png
 
 The sweep: head_dim in (64, 128), T = S in 512..16k, causal and not, B*T = 16k tokens, H*D = 2048,
-bf16. Default providers ``jax_tk,cudnn,xla,pallas``, and ``fa3`` where ``flash_attn3_jax`` is
-installed (``pip install flash-attn3-jax``; Hopper, head_dim 128). Every provider is described in
-``attention_providers``; one that fails for a configuration gets its error recorded and the sweep
-goes on; one that does not apply to it (``cudnn_packed`` without documents, Pallas with a window, FA3
-at head_dim 64) is recorded as skipped, and one whose package is missing as skipped, "unavailable".
+bf16. Default providers ``jax_tk,cudnn,xla,pallas``, and each peer that is installed: ``fa3``
+(``pip install flash-attn3-jax``; Hopper, head_dim 128), ``tokamax`` and ``jla`` (``pip install
+tokamax jax-linear-attention``). Every provider is described in ``attention_providers``; one that
+fails for a configuration gets its error recorded and the sweep goes on; one that does not apply to
+it (``cudnn_packed`` without documents, Pallas with a window, FA3 at head_dim 64, jla without the
+causal mask) is recorded as skipped, and one whose package is missing as skipped, "unavailable".
 
 Feature rows (``--features [gqa,window,documents,mask,bias]``). They replace the sweep in that run;
 they are not part of the default run (14 configurations x 5 providers at 16k tokens: compiling and
@@ -26,8 +28,9 @@ autotuning alone take minutes). bf16, D = 128, B*T = 16k tokens:
   ``jax.nn.dot_product_attention`` maps it to its sliding window of 4097 keys).
 - ``documents``: 8 documents of random lengths (numpy, seed 0) packed in one row of 16k,
   ``q_segment_ids = kv_segment_ids``, B = 1, H = 16, causal and not. jax_tk takes the segment ids;
-  ``cudnn`` and ``xla`` get the equivalent dense ``mask``; ``cudnn_packed`` the document offsets,
-  ``fa3`` (with ``--providers``) ``cu_seqlens``.
+  ``cudnn``, ``tokamax`` and ``xla`` get the equivalent dense ``mask``; ``cudnn_packed`` the documents
+  as a padded batch with sequence lengths, ``fa3`` (with ``--providers``) ``cu_seqlens``, ``jla`` the
+  segment ids.
 - ``mask``: the same documents, and (causal only) the causal mask alone, given to every provider as
   one dense boolean ``mask`` ``[B, 1, T, S]`` made inside the timed call (jax_tk too).
 - ``bias``: a random bf16 bias ``[1, H, T, S]`` (an input of the timed call; the backward returns its
@@ -39,8 +42,8 @@ FLOPs of these rows count only the visible (query, key) pairs of the mask ("usef
 heads, head_dim and causal flag and q_len = kv_len (a multiple of 128) chosen so that its useful FLOPs
 are closest to the feature row's (within about 2%; for ``gqa`` the same shape with 32 key/value heads).
 The table and the CSV column ``vs_plain`` give each feature row's TFLOP/s as a fraction of the same
-provider's on its plain row (``cudnn_packed`` against ``cudnn``'s); the issue's target for jax_tk is
->= 90%. The feature PNG shows TFLOP/s bars with the plain rows as black marks.
+provider's on its plain row (``cudnn_packed`` against ``cudnn``'s); jax_tk aims at >= 90%. The
+feature PNG shows TFLOP/s bars with the plain rows as black marks.
 
 What is timed (``--modes``; the same harness and method for every provider, see ``harness``):
 
@@ -78,16 +81,16 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jax_tk.bench import cli, harness, output
-from jax_tk.bench.attention_configs import (
+from benchmarks import cli, harness, output
+from benchmarks.attention_configs import (
     DTYPES, FEATURES, QUICK_HEAD_DIMS, QUICK_HIDDEN, QUICK_SEQ_LENS, QUICK_TOKENS, DEFAULT_HEAD_DIMS,
     DEFAULT_HIDDEN, DEFAULT_SEQ_LENS, DEFAULT_TOKENS, FEATURE_SIZES, QUICK_FEATURE_SIZES, AttentionConfig,
     feature_configs, sweep_configs)
-from jax_tk.bench.attention_providers import (
+from benchmarks.attention_providers import (
     DEFAULT_PROVIDERS, FEATURE_PROVIDERS, PROVIDERS, default_providers, make_provider)
-from jax_tk.bench.attention_report import format_table, plot, set_vs_plain
-from jax_tk.bench.harness import DEFAULT_MODES, MODES, Provider, Result
-from jax_tk.bench.timers import make_timer
+from benchmarks.attention_report import format_table, plot, set_vs_plain
+from benchmarks.harness import DEFAULT_MODES, MODES, Provider, Result
+from benchmarks.timers import make_timer
 
 
 def reference():
@@ -147,7 +150,13 @@ def _check_args(cfg: AttentionConfig, inputs):
         causal=cfg.causal, window=cfg.window)
 
 
+def _restored(provider: Provider, arrays):
+    """The provider's arrays in the benchmark's layout (``Provider.restore``)."""
+    return list(arrays) if provider.restore is None else [provider.restore(x) for x in arrays]
+
+
 def _check_fwd(cfg: AttentionConfig, provider: Provider, inputs, out) -> float:
+    inputs, (out,) = _restored(provider, inputs[:3]) + list(inputs[3:]), _restored(provider, [out])
     g, args, kw = _check_args(cfg, inputs)
     ref = _reference_fwd(*args, scale=provider.scale, **kw)
     return harness.rel_err([_slice0(out, g)], [ref])
@@ -156,9 +165,10 @@ def _check_fwd(cfg: AttentionConfig, provider: Provider, inputs, out) -> float:
 def _check_bwd(cfg: AttentionConfig, provider: Provider, inputs, dout, grads) -> float:
     """dq, dk, dv (on bias rows the bias's gradient, summed over the batch, is not checked here; the
     GPU tests check it)."""
+    inputs = _restored(provider, inputs[:3]) + list(inputs[3:])
+    (dout,), (dq, dk, dv) = _restored(provider, [dout]), _restored(provider, grads[:3])
     g, args, kw = _check_args(cfg, inputs)
     ref = _reference_bwd(*args, _slice0(dout, g), scale=provider.scale, **kw)
-    dq, dk, dv = grads[:3]
     return harness.rel_err([_slice0(dq, g), _slice0(dk), _slice0(dv)], ref)
 
 
@@ -201,8 +211,8 @@ def add_arguments(a) -> None:
                         "--tokens B*T, --d the head dim; not part of the default run")
     cli.add_common_arguments(
         a, op="attention", providers=PROVIDERS, modes=MODES, default_modes=DEFAULT_MODES,
-        dtypes=DTYPES, default_providers=f"{','.join(DEFAULT_PROVIDERS)}, and fa3 where flash_attn3_jax "
-                                         "is installed",
+        dtypes=DTYPES, default_providers=f"{','.join(DEFAULT_PROVIDERS)}, and the peers fa3, tokamax, jla "
+                                         "where installed",
         quick_help=f"tiny sweep: D={QUICK_HEAD_DIMS}, T={QUICK_SEQ_LENS}, tokens={QUICK_TOKENS}, "
                    f"hidden={QUICK_HIDDEN} (runs on CPU in seconds)",
         stem_help="; OUT/attention_features.* with --features")

@@ -11,9 +11,9 @@ import math
 import os
 from typing import Sequence
 
-from jax_tk.bench import output
-from jax_tk.bench.attention_configs import AttentionConfig, plain_baseline
-from jax_tk.bench.harness import Result, fmt_tflops
+from benchmarks import output
+from benchmarks.attention_configs import AttentionConfig, plain_baseline
+from benchmarks.harness import Result, fmt_tflops
 
 # The plain baseline of a provider that only runs feature rows (cudnn_packed) is another provider's.
 BASELINE_PROVIDER = {"cudnn_packed": "cudnn"}
@@ -79,7 +79,7 @@ _SWEEP_COLUMNS = (
 def _format_features(results: Sequence[Result], providers: Sequence[str]) -> str:
     """Per mode: one row per feature configuration (its plain baseline first), ``ms (TFLOP/s)`` per
     provider and, on feature rows, the TFLOP/s as a percentage of the same provider's on the plain
-    baseline (the issue's target: >= 90%)."""
+    baseline (jax_tk aims at >= 90%)."""
     by_key = {(r.config, r.provider, r.mode): r for r in results}
     for r in results:
         set_vs_plain(r, by_key)

@@ -1,7 +1,7 @@
-"""The command line: ``python -m jax_tk.bench <op> [options]`` and ``python -m jax_tk.bench report``.
+"""The command line: ``python -m benchmarks <op> [options]`` and ``python -m benchmarks report``.
 
 Each op registers one ``Command`` (its options, how to run it, how to read its CSVs back and print
-and plot them). Adding an op: write ``jax_tk/bench/<op>.py`` ending in ``register(Command(...))``;
+and plot them). Adding an op: write ``benchmarks/<op>.py`` ending in ``register(Command(...))``;
 the modules of this package are found and imported when the command line starts (no list to edit).
 
 Options every op shares (``add_common_arguments``): ``--providers``, ``--modes``, ``--dtype``,
@@ -16,11 +16,11 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from jax_tk.bench import output
-from jax_tk.bench.timers import MIN_REPS, TIMERS
+from benchmarks import output
+from benchmarks.timers import MIN_REPS, TIMERS
 
 # The harness's own modules; every other module of the package may register an op's subcommand.
-HARNESS_MODULES = ("cli", "harness", "output", "timers")
+HARNESS_MODULES = ("cli", "harness", "output", "peers", "timers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ COMMANDS: dict[str, Command] = {}
 
 
 def register(command: Command) -> Command:
-    """Makes ``command`` a subcommand of ``python -m jax_tk.bench`` (replacing one of that name)."""
+    """Makes ``command`` a subcommand of ``python -m benchmarks`` (replacing one of that name)."""
     if command.name == "report":
         raise ValueError("'report' is the harness's own subcommand")
     COMMANDS[command.name] = command
@@ -54,7 +54,7 @@ def load_ops() -> dict[str, Command]:
     for name in sorted(os.listdir(package)):
         module, ext = os.path.splitext(name)
         if ext == ".py" and not module.startswith("_") and module not in HARNESS_MODULES:
-            importlib.import_module(f"jax_tk.bench.{module}")
+            importlib.import_module(f"{__package__}.{module}")
     return COMMANDS
 
 
@@ -162,9 +162,10 @@ def run_and_write(command: Command, *, env: dict, header: Sequence[str], csv_pat
 
 def build_parser() -> argparse.ArgumentParser:
     commands = load_ops()
-    p = argparse.ArgumentParser(prog="python -m jax_tk.bench",
-                                description="Benchmarks of jax_tk against its peers (cuDNN, "
-                                            "FlashAttention-3, XLA, Pallas), in one process, one timer.")
+    p = argparse.ArgumentParser(prog="python -m benchmarks",
+                                description="Benchmarks of jax_tk against its peers (cuDNN, FlashAttention-3, "
+                                            "tokamax, jax-linear-attention, XLA, Pallas), in one process, "
+                                            "one timer.")
     sub = p.add_subparsers(dest="op", required=True)
     for c in commands.values():
         c.add_arguments(sub.add_parser(c.name, help=c.help))

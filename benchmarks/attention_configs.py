@@ -286,7 +286,7 @@ def sweep_configs(head_dims: Sequence[int], seq_lens: Sequence[int], causals: Se
 
 @dataclasses.dataclass(frozen=True)
 class FeatureSizes:
-    """Shapes of the feature rows (issue #4): B*T = ``tokens``, bf16."""
+    """Shapes of the feature rows: B*T = ``tokens``, bf16."""
 
     tokens: int = DEFAULT_TOKENS
     head_dim: int = 128
@@ -359,7 +359,7 @@ def feature_configs(features: Sequence[str] = FEATURES, causals: Sequence[bool] 
                         rows.append(AttentionConfig(max(1, sizes.tokens // t), t, t, hq, d, causal, dtype,
                                                     feature="gqa", kv_heads=hkv))
                 elif feature == "window":
-                    if not causal:  # the issue's row: causal + sliding window
+                    if not causal:  # a sliding window comes with the causal mask
                         continue
                     rows.append(AttentionConfig(1, sizes.tokens, sizes.tokens, sizes.heads, d, True, dtype,
                                                 feature="window", window=sizes.window))
