@@ -431,7 +431,6 @@ def main(argv=None):
         print(f"resumed from {ckpt_path} at step {step}")
 
     tokens_per_step = args.batch * config.seq
-    # Speeds of "tk" where no kernel runs are those of jax_tk's pure-JAX reference.
     reference = args.attention == "reference" or (args.attention == "tk" and not runs_kernels(config.dtype))
     note = " (no GPU kernel runs here: jax_tk's pure-JAX reference attention)" if reference else ""
     print(f"backend {backend} ({jax.devices()[0].device_kind}), attention {args.attention}{note}, "
