@@ -42,6 +42,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe  # noqa: E402  (examples/moe.py)
 
+import jax_tk  # noqa: E402
+
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
@@ -140,6 +142,9 @@ def bench(devices: int, tokens_per_device: int, width: int, hidden: int, experts
     import time
 
     p = jax.tree.map(lambda w: w.astype(jnp.bfloat16), example_params(jax.random.key(0), width, hidden, experts))
+    if not (jax.default_backend() == "gpu" and jax_tk.has_cuda_kernels()):
+        print("no GPU kernel runs here: the grouped GEMMs are jax_tk's pure-JAX reference, so these speeds "
+              "are not those of jax_tk's kernels")
     result = {}
     for n in sorted({1, devices}):
         mesh = jax.make_mesh((n,), ("expert",), devices=jax.devices()[:n])

@@ -324,6 +324,9 @@ def main(argv=None):
           f"prompt {args.prompt_len}, new {args.new_tokens}, {args.loop} loop, "
           f"{'paged cache (pages of %d)' % page_size if page_size else 'contiguous cache'} for tk, "
           f"temperature {args.temperature}, {args.devices} device(s)")
+    if "tk" in args.attention and not train_gpt.runs_kernels(config.dtype):
+        print("no GPU kernel runs here: tk is jax_tk's pure-JAX reference, so the speeds below compare "
+              "pure-JAX paths, not jax_tk's kernels")
     results, failed = {}, []
     for attention in args.attention:
         if attention == "cudnn" and backend != "gpu":

@@ -273,6 +273,9 @@ def run(args) -> dict:
     batch = args.batch or data
     log(f"jax {jax.__version__} on {used} x {devices[0].device_kind}; {layout}; "
         f"{cfg}; batch {batch} x {cfg.seq} tokens")
+    if not (on_gpu and jax_tk.has_cuda_kernels() and cfg.dtype in ("bfloat16", "float16")):
+        log("no GPU kernel runs here: attention is jax_tk's pure-JAX reference, so the speeds below are "
+            "not those of jax_tk's kernels")
 
     with jax.set_mesh(mesh):  # explicit sharding wants the mesh in context
         return _train(args, cfg, mesh, specs, batch_spec, loss, batch)

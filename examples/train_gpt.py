@@ -108,6 +108,13 @@ def count_params(params) -> int:
     return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
 
 
+def runs_kernels(dtype: str) -> bool:
+    """Whether jax_tk's GPU kernels run here for this compute dtype. Elsewhere (a CPU, a jax_tk built
+    without its kernels, float32) jax_tk runs its pure-JAX reference: the speed lines then say so, so
+    that they are not read as the kernels' speed."""
+    return jax.default_backend() == "gpu" and jax_tk.has_cuda_kernels() and dtype in ("bfloat16", "float16")
+
+
 def attend(q, k, v, attention: str):
     """Causal self-attention of [batch, seq, heads, head_dim] tensors by the chosen implementation."""
     if attention == "tk":
@@ -424,7 +431,9 @@ def main(argv=None):
         print(f"resumed from {ckpt_path} at step {step}")
 
     tokens_per_step = args.batch * config.seq
-    print(f"backend {backend} ({jax.devices()[0].device_kind}), attention {args.attention}, "
+    reference = args.attention == "reference" or (args.attention == "tk" and not runs_kernels(config.dtype))
+    note = " (no GPU kernel runs here: jax_tk's pure-JAX reference attention)" if reference else ""
+    print(f"backend {backend} ({jax.devices()[0].device_kind}), attention {args.attention}{note}, "
           f"{count_params(params) / 1e6:.2f}M parameters, {config}, batch {args.batch}, "
           f"{len(train_data) / 1e3:.0f} KB of training text")
 
@@ -525,7 +534,8 @@ def main(argv=None):
               f"validation loss {val_points[-1][1]:.4f}")
     if timed_steps:
         print(f"throughput: {tokens_per_s:,.0f} tokens/s over {timed_steps} steps "
-              f"(after the first), {tokens_per_step} tokens per step")
+              f"(after the first), {tokens_per_step} tokens per step"
+              + ("; the speed of jax_tk's pure-JAX reference attention, not of its kernels" if reference else ""))
     print(f"wrote {png} and {ckpt_path}")
 
     sample = None
