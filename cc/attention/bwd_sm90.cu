@@ -217,13 +217,14 @@ template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE
   });
   const KeyRule rule = key_rule<FULL>(p, b);
   const int n_steps = qblocks.count() * group;
-  const ring<STAGES> steps{sm.full, sm.empty};
+  int *const locks = reinterpret_cast<int *>(p.workspace + C::stats(p, p.batch, 0, 0));  // deterministic turns
 
   // The deterministic mode's turns: read where they are tested (a flag kept in a register across the
   // loop changed the plain kernel's schedule and cost it 2%).
   __device__ __forceinline__ bool det() const { return FULL ? DET : p.deterministic; }
-  // The deterministic turns' counters, after the workspace's stats rows.
-  __device__ __forceinline__ int *locks() const { return reinterpret_cast<int *>(p.workspace + C::stats(p, p.batch, 0, 0)); }
+  // The rings (ring.cuh), formed where they are used (as the forward's: a base and constant offsets):
+  // the steps' Q, dO and statistics; each consumer's dQ tile.
+  __device__ __forceinline__ ring<STAGES> steps() const { return {sm.full, sm.empty}; }
   __device__ __forceinline__ ring<1> dq_ring(int c) const { return ring<1>{&sm.dq_full[c], &sm.dq_empty[c]}; }
   // The steps, in order: for each query head g of the group, the listed query blocks i.
   __device__ __forceinline__ void advance(int &g, int &i) const {
@@ -236,7 +237,7 @@ template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE
   __device__ __forceinline__ void init() const {
     tk::init(sm.kv_full, 1);
     tk::init(sm.kv_out, CONSUMERS * 128);  // one arrival per consumer thread: dK and dV are in shared memory
-    tk::init(steps, 32, CONSUMERS * 128);  // full: each lane of the producer warp; empty: each consumer thread
+    tk::init(steps(), 32, CONSUMERS * 128);  // full: each lane of the producer warp; empty: each consumer thread
     for (int c = 0; c < CONSUMERS; c++) tk::init(dq_ring(c), 128, 1);  // full: each thread of consumer c; empty: the writer
   }
   __device__ __forceinline__ void before_sync() const {}
@@ -264,7 +265,7 @@ template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE
       if (det()) {  // the additions are done: hand the turn on
         bulk_wait<0>();
         __threadfence();
-        atomicAdd(locks() + (size_t(b) * p.q_heads + h) * n_qblocks + i, CONSUMERS);
+        atomicAdd(locks + (size_t(b) * p.q_heads + h) * n_qblocks + i, CONSUMERS);
       }
     }
     bulk_wait<0>();  // the copy engine has finished with shared memory
@@ -282,20 +283,20 @@ template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE
       const int h = kvh * group + g;
       const ring_use<STAGES> at(it);
       const int s = at.slot;
-      wait_empty(steps, at);
+      wait_empty(steps(), at);
       if (loader) {
         if constexpr (SEG) {  // for the consumers (see next_step); the mask's block is this head's own
           const bool uniform = qblocks.uniform(i) && mask_code<FULL, DENSE>(p, b, h, i * BQ, k0) == MASK_FULL;
           sm.step[s] = {g, i << MASK_BITS | tile_mask_bits<FULL, DENSE>(p, rule, uniform, i * BQ, BQ, k0, BK)};
         }
-        expect_bytes(steps.full(at), sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
-        load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, steps.full(at));
-        load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, steps.full(at));
+        expect_bytes(steps().full(at), sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
+        load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, steps().full(at));
+        load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, steps().full(at));
       }
       // The rows' statistics: 128 floats, one float4 per lane, each lane's stores released by its own
       // arrival (so that every write and read is ordered by a release and an acquire of its own thread).
       reinterpret_cast<float4 *>(sm.stats[s])[laneid()] = reinterpret_cast<const float4 *>(p.workspace + C::stats(p, b, h, i))[laneid()];
-      arrive_full(steps, at);
+      arrive_full(steps(), at);
     }
     if (loader) {  // dK and dV, once the consumers have put them in the tiles of K and V
       wait_once(sm.kv_out);
@@ -340,7 +341,7 @@ __device__ __forceinline__ void BwdSm90<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>:
   // would make ptxas serialize them all (C7518).
   auto issue_logits = [&](int step) {
     const int slot = known_uniform(ring_use<STAGES>(step).slot);
-    if (step < n_steps) wait_full(steps, step);
+    if (step < n_steps) wait_full(steps(), step);
     warpgroup::mma_ABt(s, k_rows, sm.q[slot], false);
   };
   // The bias^T of a step (BIAS), loaded as its S^T is issued (at the end of the step before), so
@@ -409,7 +410,7 @@ __device__ __forceinline__ void BwdSm90<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>:
     // writer warp from shared memory (STAGED), or from the registers. With Params::deterministic the
     // warpgroup first waits for its turn (the key blocks before this one); the turn is handed on once
     // the additions are done.
-    int *lock = locks() + (size_t(b) * p.q_heads + h) * n_qblocks + i;
+    int *lock = locks + (size_t(b) * p.q_heads + h) * n_qblocks + i;
     const auto wait_for_turn = [&] {
       if (leader)
         while (load_acquire(lock) < CONSUMERS * blocks_before<FULL, DENSE>(p, b, kvh, i, j, BK)) __nanosleep(32);
@@ -435,7 +436,7 @@ __device__ __forceinline__ void BwdSm90<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>:
         warpgroup::wait<0>();
       }
       warpgroup::fence_registers(dq);
-      if (part == 0) arrive_empty(steps, it);  // this thread is done with the slot (Q, dO and the statistics)
+      if (part == 0) arrive_empty(steps(), it);  // this thread is done with the slot (Q, dO and the statistics)
       if constexpr (C::STAGED) {  // (one part)
         if (det()) wait_for_turn();  // the writer adds once all threads have arrived
         wait_empty(dq_ring(wg), it);  // the writer has read the last step's tile

@@ -172,16 +172,20 @@ template <typename T, int D, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_> s
   uint32_t *const lists = reinterpret_cast<uint32_t *>(o_stages + (stage_o ? CONSUMERS : 0));  // two slots of list_words words
   const int list_words = int(block_list_bytes((p.kv_len + BK - 1) / BK) / 4);
   const int wg = known_uniform(warpgroup::groupid());
-  const ring<QS> q_ring{sm.q_full, sm.q_empty};
-  const ring<STAGES> k_ring{sm.k_full, sm.k_empty}, v_ring{sm.v_full, sm.v_empty};  // (at the same positions)
+  // The rings (ring.cuh), formed where they are used: from the shared struct, each semaphore's address
+  // is then a base and a constant offset (members holding the pointers made the compiler form each
+  // address in full, in the main loop too). K and V go at the same positions.
+  __device__ __forceinline__ ring<QS> q_ring() const { return {sm.q_full, sm.q_empty}; }
+  __device__ __forceinline__ ring<STAGES> k_ring() const { return {sm.k_full, sm.k_empty}; }
+  __device__ __forceinline__ ring<STAGES> v_ring() const { return {sm.v_full, sm.v_empty}; }
   int n = 0, nq = 0;  // key blocks, Q loads so far (the loader's, or this consumer's)
   float c = 0.f;      // (the consumers') logit_factor
 
   __device__ __forceinline__ tile_queue<TileSlot> queue() const { return {{sm.tile_full, sm.tile_empty}, sm.tile}; }
   // full: the loader (and its bytes); empty: each consumer warp (and the loader)
   __device__ __forceinline__ void init() const {
-    tk::init(q_ring, 1, CONSUMERS * 4);
-    tk::init(k_ring, v_ring, 1, CONSUMERS * 4);
+    tk::init(q_ring(), 1, CONSUMERS * 4);
+    tk::init(k_ring(), v_ring(), 1, CONSUMERS * 4);
   }
 
   __device__ __forceinline__ FwdTile read_tile(int slot) const {
@@ -224,21 +228,21 @@ template <typename T, int D, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_> s
     if (int j = x.blocks.next(x.range.x); j < x.range.y) {
       const ring_use<QS> qa(nq);
       nq++;
-      wait_empty(q_ring, qa);
-      arrive_expect_bytes(q_ring.full(qa), CONSUMERS * sizeof(sm.q[0][0].data));
-      for (int c = 0; c < CONSUMERS; c++) load_async(sm.q[qa.slot][c], a.q, {x.b, x.q0 + 64 * c, x.h, 0}, q_ring.full(qa));
+      wait_empty(q_ring(), qa);
+      arrive_expect_bytes(q_ring().full(qa), CONSUMERS * sizeof(sm.q[0][0].data));
+      for (int c = 0; c < CONSUMERS; c++) load_async(sm.q[qa.slot][c], a.q, {x.b, x.q0 + 64 * c, x.h, 0}, q_ring().full(qa));
       for (int j_next; j < x.range.y; n++, j = j_next) {
         const ring_use<STAGES> kv(n);
         const int s = kv.slot, k0 = x.kbase + j * BK;
         j_next = x.blocks.next(j + 1);
-        wait_empty(k_ring, kv);
+        wait_empty(k_ring(), kv);
         if (FULL && C::LOADER_INFO)  // (released by the arrival)
           sm.info[s] = j_next << MASK_BITS | tile_mask_bits<FULL, DENSE>(p, rule, x.blocks.uniform(j), x.q0, C::BQ, k0, BK);
-        arrive_expect_bytes(k_ring.full(kv), sizeof(sm.k[s].data));
-        load_async(sm.k[s], a.k, {x.b, k0, kvh, 0}, k_ring.full(kv));
-        wait_empty(v_ring, kv);
-        arrive_expect_bytes(v_ring.full(kv), sizeof(sm.v[s].data));
-        load_async(sm.v[s], a.v, {x.b, k0, kvh, 0}, v_ring.full(kv));
+        arrive_expect_bytes(k_ring().full(kv), sizeof(sm.k[s].data));
+        load_async(sm.k[s], a.k, {x.b, k0, kvh, 0}, k_ring().full(kv));
+        wait_empty(v_ring(), kv);
+        arrive_expect_bytes(v_ring().full(kv), sizeof(sm.v[s].data));
+        load_async(sm.v[s], a.v, {x.b, k0, kvh, 0}, v_ring().full(kv));
       }
     }
     release();
@@ -275,11 +279,11 @@ template <typename T, int D, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_> s
 #pragma unroll 1
     for (int jd = stop; jd < end; jd++) {
       const auto d = kv++;
-      wait_full(k_ring, d);
-      wait_full(v_ring, d);
+      wait_full(k_ring(), d);
+      wait_full(v_ring(), d);
       if (laneid() == 0) {
-        arrive_empty(k_ring, d);
-        arrive_empty(v_ring, d);
+        arrive_empty(k_ring(), d);
+        arrive_empty(v_ring(), d);
       }
       my_turn();
       your_turn();
@@ -340,7 +344,7 @@ __device__ __forceinline__ void FwdSm90<T, D, FULL, DENSE, BIAS, CONSUMERS_>::co
     return;
   }
   const ring_use<QS> qa(nq);
-  wait_full(q_ring, qa);
+  wait_full(q_ring(), qa);
   nq++;
   const auto &q = sm.q[known_uniform(qa.slot)][wg];
 
@@ -378,7 +382,7 @@ __device__ __forceinline__ void FwdSm90<T, D, FULL, DENSE, BIAS, CONSUMERS_>::co
   };
   ring_pos<STAGES> kv(n);  // the key block in S (the one before it is in P)
   load_block_bias(first);
-  wait_full(k_ring, kv);
+  wait_full(k_ring(), kv);
   int info = from_loader ? sm.info[kv.slot] : 0;
   int j = from_loader ? info >> MASK_BITS : blocks.next(first + 1);
   my_turn();
@@ -386,7 +390,7 @@ __device__ __forceinline__ void FwdSm90<T, D, FULL, DENSE, BIAS, CONSUMERS_>::co
   your_turn();
   warpgroup::wait<0>();
   warpgroup::fence_registers(s);
-  if (lane0) arrive_empty(k_ring, kv);
+  if (lane0) arrive_empty(k_ring(), kv);
   cap_logits<FULL, DENSE>(s, p);
   mask(first, info);
   softmax_step<true>(s, m, l, corr, c);
@@ -396,12 +400,12 @@ __device__ __forceinline__ void FwdSm90<T, D, FULL, DENSE, BIAS, CONSUMERS_>::co
     load_block_bias(j);
     const ring_use<STAGES> prev = kv;
     ++kv;
-    wait_full(k_ring, kv);
+    wait_full(k_ring(), kv);
     if (from_loader) {
       info = sm.info[kv.slot];
       j_next = info >> MASK_BITS;
     }
-    wait_full(v_ring, prev);
+    wait_full(v_ring(), prev);
     my_turn();
     warpgroup::mma_ABt(s, q, sm.k[kv.slot], false);   // S_j = Q K_j^T
     warpgroup::mma_AB(o, pr, sm.v[prev.slot], true);  // O += P_{j-1} V_{j-1}
@@ -409,28 +413,28 @@ __device__ __forceinline__ void FwdSm90<T, D, FULL, DENSE, BIAS, CONSUMERS_>::co
     if (!from_loader) j_next = blocks.next(j + 1);  // while the products run
     warpgroup::wait<1>();  // S_j is ready
     warpgroup::fence_registers(s);
-    if (lane0) arrive_empty(k_ring, kv);
+    if (lane0) arrive_empty(k_ring(), kv);
     cap_logits<FULL, DENSE>(s, p);
     mask(j, info);
     softmax_step<true>(s, m, l, corr, c);
     warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done
     warpgroup::fence_registers(o);
     warpgroup::fence_registers(pr);
-    if (lane0) arrive_empty(v_ring, prev);
+    if (lane0) arrive_empty(v_ring(), prev);
     warp::mul_row(o, o, corr);
     warp::copy(pr, s);
   }
   const int rows_end = DOCS ? sm.tile[slot].end : p.q_len;  // (see FwdTile)
-  if (lane0) arrive_empty(q_ring, qa);  // done with Q and with the tile's slot and list
+  if (lane0) arrive_empty(q_ring(), qa);  // done with Q and with the tile's slot and list
   release();
   const auto last = kv++;
-  wait_full(v_ring, last);
+  wait_full(v_ring(), last);
   my_turn();
   warpgroup::mma_AB(o, pr, sm.v[last.slot], true);
   your_turn();
   warpgroup::wait<0>();
   warpgroup::fence_registers(o);
-  if (lane0) arrive_empty(v_ring, last);
+  if (lane0) arrive_empty(v_ring(), last);
   if constexpr (SKIP) drain(kv, stop, end);
   n = kv.n;
   warp::sum_lanes(l);  // (softmax_step kept each lane's part)

@@ -76,11 +76,12 @@ template <typename T, int D, typename C> struct DecodeSm90 {
   typename C::Shared &sm;
   const Params &p = a.p;
   typename C::Stage (&stages)[STAGES] = sm.stage[0];
-  const ring<STAGES> kv{sm.full, sm.empty};
+  // The ring (ring.cuh), formed where it is used: each semaphore's address a base and a constant offset.
+  __device__ __forceinline__ ring<STAGES> kv() const { return {sm.full, sm.empty}; }
   const Block blk = block_of<C::ROWS, KEYS>(p);
   const int wg = warpgroup::groupid();
 
-  __device__ __forceinline__ void init() const { tk::init(kv, 128, Roles::CONSUMERS * 4); }  // full: each producer thread; empty: each consumer warp
+  __device__ __forceinline__ void init() const { tk::init(kv(), 128, Roles::CONSUMERS * 4); }  // full: each producer thread; empty: each consumer warp
   __device__ __forceinline__ void before_sync() const {
     if (wg != Roles::PRODUCER) {
       load_query<CONSUMERS>(sm.q, p, blk, threadIdx.x);
@@ -99,20 +100,20 @@ template <typename T, int D, typename C> struct DecodeSm90 {
       auto &stage = stages[at.slot];
       B box;
       const bool bulk = box.find(a, blk, k0);  // (the table reads, before the wait)
-      wait_empty(kv, at);
+      wait_empty(kv(), at);
       if (bulk) {
-        if (tid == 0) arrive_expect_bytes(kv.full(at), sizeof(stage));
+        if (tid == 0) arrive_expect_bytes(kv().full(at), sizeof(stage));
         __syncwarp();
         if (tid < B::COUNT) {
-          load_rows_async(stage.k, C::BOX * tid, a.k, {box.at.x, box.at.y, blk.h, 0}, kv.full(at));
-          load_rows_async(stage.v, C::BOX * tid, a.v, {box.at.x, box.at.y, blk.h, 0}, kv.full(at));
+          load_rows_async(stage.k, C::BOX * tid, a.k, {box.at.x, box.at.y, blk.h, 0}, kv().full(at));
+          load_rows_async(stage.v, C::BOX * tid, a.v, {box.at.x, box.at.y, blk.h, 0}, kv().full(at));
         }
-        if (tid != 0) arrive(kv.full(at));
+        if (tid != 0) arrive(kv().full(at));
       } else {
         KeyRows<T, D, KEYS, 128> rows;
         rows.find(p, blk.b, k0, blk.R.valid);
         rows.load(stage, p, blk.h);
-        arrive_copies(kv.full(at));
+        arrive_copies(kv().full(at));
       }
     }
     commit_group();
@@ -146,7 +147,7 @@ template <typename T, int D, typename C> struct DecodeSm90 {
     if (wg == 1) your_turn();
     // Stage `at` holds its block (the producer's copies, for wgmma's async proxy).
     auto ready = [&](ring_use<STAGES> at) {
-      wait_full(kv, at);
+      wait_full(kv(), at);
       warpgroup::fence_shared_writes();
     };
     if (blk.j0 < blk.j1) {
@@ -173,7 +174,7 @@ template <typename T, int D, typename C> struct DecodeSm90 {
         warpgroup::wait<0>();  // P_{j-1} V_{j-1} is done: its stage is free
         warpgroup::fence_registers(o);
         warpgroup::fence_registers(pr);
-        if (laneid() == 0) arrive_empty(kv, prev);
+        if (laneid() == 0) arrive_empty(kv(), prev);
         warp::mul_row(o, o, corr);
         warp::copy(pr, s);
       }

@@ -80,13 +80,14 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
   typename C::Shared &sm;
   const int wg = warpgroup::groupid();
   const int tiles = INT_MAX;  // (the scheduler ends with t = INT_MAX)
-  const ring<STAGES> slots{sm.full, sm.empty};
+  // The ring (ring.cuh), formed where it is used: each semaphore's address a base and a constant offset.
+  __device__ __forceinline__ ring<STAGES> slots() const { return {sm.full, sm.empty}; }
   GroupWalk<TM, TN> walk;  // (the scheduler's)
   int n = 0, staged = 0;   // ring uses, pieces of out staged so far
 
   __device__ __forceinline__ tile_queue<TileSlot> queue() const { return {{sm.tile_full, sm.tile_empty}, sm.tile}; }
   // full: the loader (and its bytes); empty: each consumer warp
-  __device__ __forceinline__ void init() const { tk::init(slots, 1, CONSUMERS * 4); }
+  __device__ __forceinline__ void init() const { tk::init(slots(), 1, CONSUMERS * 4); }
 
   // Block b takes tiles b, b + G, b + 2G, ... (common.cuh orders them).
   __device__ __forceinline__ TileSlot schedule(int k, int) {
@@ -101,15 +102,15 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
     for (int j = 0; j < count; j++, n++) {
       const ring_use<STAGES> u(n);
       const int s = u.slot, k0 = j * TK;
-      wait_empty(slots, u);
-      arrive_expect_bytes(slots.full(u), sizeof(sm.a[s].data) + sizeof(sm.b[s].data));
+      wait_empty(slots(), u);
+      arrive_expect_bytes(slots().full(u), sizeof(sm.a[s].data) + sizeof(sm.b[s].data));
       if constexpr (KIND == CONTRACT) {
-        load_async(sm.a[s], a.a, {0, x.r0 + k0, 0, x.m0}, slots.full(u));
-        load_async(sm.b[s], a.b, {0, x.r0 + k0, 0, x.n0}, slots.full(u));
+        load_async(sm.a[s], a.a, {0, x.r0 + k0, 0, x.m0}, slots().full(u));
+        load_async(sm.b[s], a.b, {0, x.r0 + k0, 0, x.n0}, slots().full(u));
       } else {
-        load_async(sm.a[s], a.a, {0, x.m0, 0, k0}, slots.full(u));
-        if constexpr (KIND == RAGGED) load_async(sm.b[s], a.b, {x.group, k0, 0, x.n0}, slots.full(u));
-        else load_async(sm.b[s], a.b, {x.group, x.n0, 0, k0}, slots.full(u));
+        load_async(sm.a[s], a.a, {0, x.m0, 0, k0}, slots().full(u));
+        if constexpr (KIND == RAGGED) load_async(sm.b[s], a.b, {x.group, k0, 0, x.n0}, slots().full(u));
+        else load_async(sm.b[s], a.b, {x.group, x.n0, 0, k0}, slots().full(u));
       }
     }
   }
@@ -118,7 +119,7 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
   // step, zero the next group's rows of both operands (each consumer its panel of A and half of B's
   // panels: both read all of B, hence the barrier).
   __device__ __forceinline__ void step(rt_fl<16, TN> &acc, const TileSlot &x, int j, ring_pos<STAGES> u, bool accumulate) {
-    wait_full(slots, u);
+    wait_full(slots(), u);
     const int s = u.slot;
     if constexpr (KIND == CONTRACT) {
       const int valid = x.r1 - (x.r0 + j * TK);  // rows of this step in the group (>= 1)
@@ -159,11 +160,11 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
         ++pos;
         step(acc, x, j, pos, true);
         warpgroup::wait<1>();  // the step before is done: free its slot
-        if (laneid() == 0) arrive_empty(slots, prev);
+        if (laneid() == 0) arrive_empty(slots(), prev);
       }
       warpgroup::wait<0>();
       warpgroup::fence_registers(acc);
-      if (laneid() == 0) arrive_empty(slots, pos);
+      if (laneid() == 0) arrive_empty(slots(), pos);
       ++pos;
     }
     n = pos.n;
