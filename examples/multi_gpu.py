@@ -14,7 +14,7 @@ Two runs of a small byte-level transformer (RMSNorm, rotary positions, grouped-q
 
 ``--mode ring``
     Long context: a mesh ``("data", "sp")``; each sequence is split over ``sp`` in the zig-zag
-    layout (``jax_tk.ring.zigzag``: device i holds chunks i and 2n-1-i, which balances the causal
+    layout (``jax_tk.zigzag``: device i holds chunks i and 2n-1-i, which balances the causal
     work) and the model runs inside ``shard_map``, its attention being ``jax_tk.ring_attention``.
 
 Examples::
@@ -298,7 +298,7 @@ def _train(args, cfg, mesh, specs, batch_spec, loss, batch) -> dict:
     positions = np.broadcast_to(np.arange(cfg.seq, dtype=np.int32), (batch, cfg.seq))
     if args.mode == "ring":
         # Zig-zag order: every per-position input is permuted the same way (once, on the host).
-        order = jax_tk.ring.zigzag_indices(cfg.seq, mesh.shape["sp"])
+        order = jax_tk.zigzag_indices(cfg.seq, mesh.shape["sp"])
         positions = positions[:, order]
     in_sharding = NamedSharding(mesh, batch_spec)
     pos = put_global(np.ascontiguousarray(positions), in_sharding)

@@ -1,24 +1,24 @@
 """jax_tk.attention: scaled dot-product attention on jax_tk's kernels, differentiable and jit-friendly.
 
-The op: input checks (trace time), the static spec of a call, the kernel/reference dispatch on the
-core, partitioning over batch and heads, and the custom_vjp. The kernels' operands are worked out in
-``launch``; the pure-JAX reference is ``reference``.
+The public functions hand their arguments to ``compat.normalize`` (checks and normalization, once) and
+run the call it describes: the static spec of the call, the kernel/reference dispatch on the core,
+partitioning over batch and heads, the custom_vjp, the short-query path on ``jax_tk.decode``'s public
+API, and ``implementation="cudnn"`` (``jax.nn.dot_product_attention``). The kernels' operands are
+worked out in ``launch``; the pure-JAX reference is ``reference``.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import numpy as np
 import jax.numpy as jnp
 
-from jax_tk._core import checks, dispatch, sharding
+from jax_tk import decode
+from jax_tk._core import dispatch, sharding
 from jax_tk.attention import compat, launch, reference
 from jax_tk.attention.launch import Masks
-
-FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,46 +35,6 @@ class AttentionSpec:
     window: tuple[int, int] | None = None
     softcap: float | None = None
     deterministic: bool = False  # backward: same bits every run (the Hopper kernel orders its dq sums)
-
-
-# ----------------------------------------------------------------------------------------------
-# Input checks (trace time)
-# ----------------------------------------------------------------------------------------------
-
-
-def check_inputs(query, key, value, scale, is_causal, implementation, op="attention", extra=("cudnn",),
-                 empty_ok=(0, 1)):
-    """The checks that attention and ring_attention share (``op`` names the function in the errors,
-    ``extra`` its implementations beyond None, "tk" and "xla", ``empty_ok`` the dims that may be 0:
-    batch and sequence); returns the scale."""
-    for name, x in zip(("query", "key", "value"), (query, key, value)):
-        checks.float_array(op, name, x, 4, "[batch, seq, heads, head_dim]", FLOAT_DTYPES, empty_ok)
-    if not (query.dtype == key.dtype == value.dtype):
-        raise TypeError(
-            f"jax_tk.{op}: query, key and value must have the same dtype, got "
-            f"{query.dtype}, {key.dtype}, {value.dtype}"
-        )
-    if key.shape != value.shape:
-        raise ValueError(
-            f"jax_tk.{op}: key and value must have the same shape, got {tuple(key.shape)} "
-            f"and {tuple(value.shape)}"
-        )
-    b, _, n, d = query.shape
-    kb, _, kh, kd = key.shape
-    if kb != b:
-        raise ValueError(f"jax_tk.{op}: batch of key/value ({kb}) != batch of query ({b})")
-    if kd != d:
-        raise ValueError(f"jax_tk.{op}: head_dim of key/value ({kd}) != head_dim of query ({d})")
-    if n % kh != 0:
-        raise ValueError(
-            f"jax_tk.{op}: the number of query heads ({n}) must be a multiple of the number "
-            f"of key/value heads ({kh})"
-        )
-    scale = checks.positive_float(op, "scale", scale)
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"jax_tk.{op}: is_causal must be a bool, got {is_causal!r}")
-    dispatch.check_implementation(op, implementation, extra=extra)
-    return 1.0 / math.sqrt(d) if scale is None else scale
 
 
 def use_kernel(query, key, implementation, bias=None, softcap=None) -> bool:
@@ -134,6 +94,15 @@ def layouts(mask_labels: str = "b n t s", bias_labels: str | None = None):
 FWD_LAYOUT, BWD_LAYOUT = layouts()
 
 
+def plan_attention(axis_sizes, q_spec, q_shape, kv_shape) -> sharding.Plan:
+    """How ``jax_tk.attention`` splits a call under ``jit`` whose query ``[B, T, N, D]`` is sharded as
+    ``q_spec`` (a ``PartitionSpec``) over a mesh with ``axis_sizes`` (``{axis name: size}``), key/value
+    of shape ``kv_shape``. Returns a ``Plan``: ``batch`` and ``heads`` are the mesh axes that split B
+    and N; with fewer key/value heads than head shards, ``split_grouped`` is False and each key/value
+    head is shared by ``group_share`` consecutive head shards."""
+    return sharding.plan(FWD_LAYOUT, axis_sizes, q_spec, [q_shape, kv_shape])
+
+
 def fwd_local(spec: AttentionSpec, query, key, value, *rest):
     """The forward on one device's shards: the kernel on CUDA, the reference elsewhere. ``rest``: the
     five entries of Masks, then the bias."""
@@ -167,7 +136,10 @@ def _dense_layouts(query, key, masks, bias):
 
 
 def fwd(spec: AttentionSpec, query, key, value, masks=None, bias=None):
-    """(out, lse), partitioned over batch and heads under jit with sharded inputs."""
+    """(out, lse), partitioned over batch and heads under jit with sharded inputs (a few queries over
+    many keys: jax_tk.decode's kernel, see :func:`takes_decode`)."""
+    if takes_decode(query, key, spec, masks, bias):
+        return _decode_fwd(query, key, value, spec)
     layout, _ = _dense_layouts(query, key, masks, bias)
     return sharding.call(layout, fwd_local, spec, query, key, value, *(masks or Masks()), bias)
 
@@ -206,25 +178,81 @@ def _attention_bwd(spec, residuals, cotangents):
 attention_vjp.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids, query_seq_lengths,
-                   key_value_seq_lengths, logits_soft_cap):
-    """Validates the masking/soft-cap options; returns them normalized (window as a pair of ints)."""
-    b, t, s = query.shape[0], query.shape[1], key.shape[1]
-    local_window_size = checks.window("attention", local_window_size, t, s)
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("jax_tk.attention: give both q_segment_ids and kv_segment_ids, or neither")
-    for name, x, shape in (("q_segment_ids", q_segment_ids, (b, t)), ("kv_segment_ids", kv_segment_ids, (b, s)),
-                           ("query_seq_lengths", query_seq_lengths, (b,)),
-                           ("key_value_seq_lengths", key_value_seq_lengths, (b,))):
-        if x is None:
-            continue
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"jax_tk.attention: {name} must be an integer array, got {type(x).__name__}")
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise TypeError(f"jax_tk.attention: {name} must have an integer dtype (int32), got {x.dtype}")
-        if tuple(x.shape) != shape:
-            raise ValueError(f"jax_tk.attention: {name} must have shape {shape}, got {tuple(x.shape)}")
-    return local_window_size, checks.positive_float("attention", "logits_soft_cap", logits_soft_cap)
+# Short queries against long keys (decoding through the plain API): jax_tk.decode's kernel reads each
+# key once per KV head and splits the keys over the SMs, where the forward's 128-row tiles would be
+# mostly padding. It takes the kernel calls whose masking it means the same way: no causal mask and no
+# window (decode aligns positions at the end of the keys), no segment ids, lengths, bias or mask. The
+# backward stays attention's, from the lse that decode returns.
+DECODE_MAX_QUERIES = 16
+DECODE_MIN_KEYS = 512
+
+
+def takes_decode(query, key, spec: AttentionSpec, masks=None, bias=None) -> bool:
+    if not spec.use_kernel or spec.is_causal or spec.window is not None or bias is not None:
+        return False
+    if masks is not None and any(m is not None for m in masks):
+        return False
+    return (query.shape[1] <= DECODE_MAX_QUERIES and key.shape[1] >= DECODE_MIN_KEYS
+            and decode.kernel_unsupported_reason(query, key) is None)
+
+
+def _decode_fwd(query, key, value, spec: AttentionSpec):
+    """(out, lse) through jax_tk.decode, every key valid (the kernel on CUDA, as the attention kernel
+    would have run; decode's reference elsewhere)."""
+    lengths = jnp.full((query.shape[0],), key.shape[1], jnp.int32)
+    return decode.attention_with_lse(query, key, value, lengths, scale=spec.scale, is_causal=False,
+                                     logits_soft_cap=spec.softcap)
+
+
+# ----------------------------------------------------------------------------------------------
+# A normalized call: nothing to compute, jax.nn's cuDNN path, or the op
+# ----------------------------------------------------------------------------------------------
+
+
+def _run(call: compat.Call):
+    """(out, lse) of a normalized call (rank 4)."""
+    query, key, value = call.query, call.key, call.value
+    if 0 in (query.shape[0], query.shape[1], key.shape[1]):  # nothing to compute (no row sees a key)
+        b, t, n, _ = query.shape
+        return (dispatch.zeros(query.shape, query.dtype, query, key, value),
+                dispatch.zeros((b, n, t), jnp.float32, query, key, value) - jnp.inf)
+    if call.implementation == "cudnn":
+        return _cudnn_attention_with_lse(call)
+    spec = AttentionSpec(call.scale, call.is_causal, use_kernel(query, key, call.implementation, call.bias, call.softcap),
+                         call.window, call.softcap, call.deterministic)
+    masks = Masks(call.q_segment_ids, call.kv_segment_ids, call.query_seq_lengths, call.key_value_seq_lengths,
+                  call.mask)
+    return attention_vjp(query, key, value, spec, _masks(masks), call.bias)
+
+
+def _cudnn_attention_with_lse(call: compat.Call):
+    """``jax.nn.dot_product_attention(..., implementation="cudnn", return_residual=True)``; returns
+    ``(out, lse)`` with lse ``[batch, heads, q_len]`` float32 (jax.nn's residual is the natural-log
+    log-sum-exp of the scaled logits, ``[batch, q_len, heads]`` in the input dtype; cuDNN's backward
+    ignores its cotangent, so it is returned under stop_gradient)."""
+    for name, unsupported in (("q_segment_ids/kv_segment_ids", call.q_segment_ids is not None),
+                              ("logits_soft_cap", call.softcap is not None),
+                              ("deterministic_backward=True", call.deterministic)):
+        if unsupported:
+            raise ValueError(f"jax_tk.attention(implementation='cudnn'): {name} is not supported by "
+                             "jax.nn.dot_product_attention; use implementation=None, 'tk' or 'xla'")
+    lengths = [None if x is None else jnp.asarray(x).astype(jnp.int32)
+               for x in (call.query_seq_lengths, call.key_value_seq_lengths)]
+    try:
+        out, residual = jax.nn.dot_product_attention(
+            call.query, call.key, call.value, call.bias, call.mask, scale=call.scale, is_causal=call.is_causal,
+            query_seq_lengths=lengths[0], key_value_seq_lengths=lengths[1], local_window_size=call.window,
+            implementation="cudnn", return_residual=True)
+    except RuntimeError as e:  # e.g. no cuDNN on this machine
+        raise RuntimeError(f"jax_tk.attention(implementation='cudnn'): jax.nn.dot_product_attention failed: {e} "
+                           "(cuDNN attention needs an NVIDIA GPU; use implementation=None, 'tk' or 'xla')") from e
+    lse = jax.lax.stop_gradient(jnp.swapaxes(residual, 1, 2).astype(jnp.float32))
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# The public functions
+# ----------------------------------------------------------------------------------------------
 
 
 def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
@@ -244,62 +272,13 @@ def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, i
       jax.nn).
     """
     del broadcast_dropout  # (meaningless without dropout)
-    reproducible = compat.reproducible_backward(deterministic, deterministic_backward, dropout_rate, dropout_rng)
-    compat.check_dropout(dropout_rate, dropout_rng, deterministic)
-    query, key, value, bias = (compat.as_array(x) for x in (query, key, value, bias))
-    batch = compat.leading_batch(query, key, value)
-    if batch is not None:  # [*batch, seq, heads, head_dim]: the batch dims run as one
-        t, s, nb = query.shape[-3], key.shape[-3], math.prod(batch)
-        out, lse = attention_with_lse(
-            *(x.reshape((nb,) + x.shape[-3:]) for x in (query, key, value)), compat.flat_dense("bias", bias, batch),
-            compat.flat_dense("mask", mask, batch), scale=scale, is_causal=is_causal,
-            local_window_size=local_window_size,
-            q_segment_ids=compat.flat_exact("q_segment_ids", q_segment_ids, batch + (t,), batch),
-            kv_segment_ids=compat.flat_exact("kv_segment_ids", kv_segment_ids, batch + (s,), batch),
-            query_seq_lengths=compat.flat_exact("query_seq_lengths", query_seq_lengths, batch, batch),
-            key_value_seq_lengths=compat.flat_exact("key_value_seq_lengths", key_value_seq_lengths, batch, batch),
-            logits_soft_cap=logits_soft_cap, implementation=implementation, deterministic_backward=reproducible)
-        return out.reshape(batch + out.shape[1:]), lse.reshape(batch + lse.shape[1:])
-    if compat.unbatched(query, key, value):  # [seq, heads, head_dim]: a batch of one
-        full = (1, query.shape[1], query.shape[0], key.shape[0])
-        out, lse = attention_with_lse(
-            query[None], key[None], value[None], compat.dense_4d("bias", bias, full),
-            compat.dense_4d("mask", mask, full), scale=scale, is_causal=is_causal,
-            local_window_size=local_window_size, q_segment_ids=compat.add_batch(q_segment_ids, 1),
-            kv_segment_ids=compat.add_batch(kv_segment_ids, 1),
-            query_seq_lengths=compat.add_batch(query_seq_lengths, 0),
-            key_value_seq_lengths=compat.add_batch(key_value_seq_lengths, 0), logits_soft_cap=logits_soft_cap,
-            implementation=implementation, deterministic_backward=reproducible)
-        return out[0], lse[0]
-    array_scale = scale if compat.is_array_scale(scale) else None
-    if array_scale is not None:
-        compat.check_array_scale(array_scale)
-    cudnn = isinstance(implementation, str) and implementation == "cudnn"
-    scale = check_inputs(query, key, value, 1.0 if array_scale is not None else scale, is_causal, implementation)
-    full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
-    bias, mask = compat.dense_4d("bias", bias, full), compat.dense_4d("mask", mask, full)
-    window, cap = _check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids,
-                                 query_seq_lengths, key_value_seq_lengths, logits_soft_cap)
-    # 64-bit ids and lengths become exact int32 ones before anything else reads them.
-    q_segment_ids, kv_segment_ids = compat.segment_ids_int32(q_segment_ids, kv_segment_ids)
-    query_seq_lengths = compat.lengths_int32(query_seq_lengths, query.shape[1])
-    key_value_seq_lengths = compat.lengths_int32(key_value_seq_lengths, key.shape[1])
-    if array_scale is not None:  # logits = (scale * q) k^T: the op runs with scale 1.0
-        query = compat.fold_scale(query, array_scale)
-    if 0 in (query.shape[0], query.shape[1], key.shape[1]):  # nothing to compute (no row sees a key)
-        b, t, n, _ = query.shape
-        return (dispatch.zeros(query.shape, query.dtype, query, key, value),
-                dispatch.zeros((b, n, t), jnp.float32, query, key, value) - jnp.inf)
-    if cudnn:
-        return compat.cudnn_attention_with_lse(
-            query, key, value, bias, mask, scale=float(scale), is_causal=bool(is_causal), window=window,
-            q_segment_ids=q_segment_ids, softcap=cap, deterministic=reproducible,
-            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
-    spec = AttentionSpec(float(scale), bool(is_causal), use_kernel(query, key, implementation, bias, cap),
-                         window, cap, reproducible)
-    masks = Masks(q_segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths, mask)
-    masks = None if all(x is None for x in masks) else masks
-    return attention_vjp(query, key, value, spec, masks, bias)
+    call = compat.normalize(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap, implementation=implementation,
+        deterministic_backward=deterministic_backward, deterministic=deterministic, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng)
+    return call.restore(*_run(call))
 
 
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, local_window_size=None,
@@ -379,14 +358,13 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     """
     if not isinstance(return_residual, (bool, np.bool_)):
         raise TypeError(f"jax_tk.attention: return_residual must be a bool, got {return_residual!r}")
-    del precision  # (see the docstring)
-    query, key, value = compat.flax_options(query, key, value, dtype, module, qk_attn_weights_einsum,
-                                            attn_weights_value_einsum)
-    out, lse = attention_with_lse(
+    del precision, broadcast_dropout  # (see the docstring; meaningless without dropout)
+    call = compat.normalize(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap,
-        implementation=implementation, deterministic_backward=deterministic_backward, deterministic=deterministic,
-        dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
-    )
+        key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap, implementation=implementation,
+        deterministic_backward=deterministic_backward, deterministic=deterministic, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng, dtype=dtype, module=module, qk_attn_weights_einsum=qk_attn_weights_einsum,
+        attn_weights_value_einsum=attn_weights_value_einsum)
+    out, lse = call.restore(*_run(call))
     return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out

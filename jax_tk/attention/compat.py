@@ -1,16 +1,165 @@
-"""Drop-in helpers of jax_tk.attention (what makes it take what jax.nn.dot_product_attention and
-Flax's ``attention_fn`` take): numpy inputs, rank-3 inputs, several leading batch dims, a traced
-``scale``, 64-bit segment ids and lengths, the ``implementation="cudnn"`` passthrough to
-``jax.nn.dot_product_attention``, ``bias``/``mask`` shapes, and Flax's keywords."""
+"""The arguments of jax_tk.attention, checked and normalized once (trace time).
+
+:func:`normalize` turns everything ``jax_tk.attention`` and ``attention_with_lse`` accept into one
+:class:`Call`, the rank-4 form the op runs: what ``jax.nn.dot_product_attention`` and Flax's
+``attention_fn`` take (numpy inputs, rank-3 inputs, several leading batch dims, a traced ``scale``,
+``bias``/``mask`` shapes, Flax's keywords and dropout arguments), 64-bit segment ids and lengths, and
+the checks of every argument. Nothing here runs the op.
+"""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk._core import checks
+from jax_tk._core import checks, dispatch
+
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# The normalized call
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call of jax_tk.attention, checked, in the form the op runs.
+
+    query ``[batch, q_len, heads, head_dim]`` (a traced scale already folded in), key and value
+    ``[batch, kv_len, kv_heads, head_dim]``; bias and mask rank 4 (each dim 1 or full), the mask
+    boolean; segment ids and lengths int32 or None; ``window`` ``(left, right)`` or None; ``softcap`` a
+    float or None; ``deterministic``: the reproducible backward. ``batch``: the caller's batch dims,
+    which :meth:`restore` gives the results back (None: the call was rank 4 already; ``()``: rank 3).
+    """
+
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    bias: jax.Array | None
+    mask: jax.Array | None
+    q_segment_ids: jax.Array | None
+    kv_segment_ids: jax.Array | None
+    query_seq_lengths: jax.Array | None
+    key_value_seq_lengths: jax.Array | None
+    scale: float
+    is_causal: bool
+    window: tuple[int, int] | None
+    softcap: float | None
+    implementation: str | None
+    deterministic: bool
+    batch: tuple[int, ...] | None
+
+    def restore(self, out, lse):
+        """``(out [batch, q_len, heads, head_dim], lse [batch, heads, q_len])`` in the caller's batch dims."""
+        if self.batch is None:
+            return out, lse
+        return out.reshape(self.batch + out.shape[1:]), lse.reshape(self.batch + lse.shape[1:])
+
+
+def normalize(query, key, value, bias, mask, *, scale, is_causal, local_window_size, q_segment_ids, kv_segment_ids,
+              query_seq_lengths, key_value_seq_lengths, logits_soft_cap, implementation, deterministic_backward,
+              deterministic, dropout_rate, dropout_rng, dtype=None, module=None, qk_attn_weights_einsum=None,
+              attn_weights_value_einsum=None) -> Call:
+    """The arguments of ``jax_tk.attention`` (Flax's keywords included) checked and normalized in one
+    pass: raises the ``TypeError``/``ValueError``/``NotImplementedError`` that names a bad argument."""
+    query, key, value = flax_options(query, key, value, dtype, module, qk_attn_weights_einsum,
+                                     attn_weights_value_einsum)
+    reproducible = reproducible_backward(deterministic, deterministic_backward, dropout_rate, dropout_rng)
+    check_dropout(dropout_rate, dropout_rng, deterministic)
+    query, key, value, bias = (as_array(x) for x in (query, key, value, bias))
+    ids, lengths = (q_segment_ids, kv_segment_ids), (query_seq_lengths, key_value_seq_lengths)
+    batch = leading_batch(query, key, value)
+    if batch is not None:  # [*batch, seq, heads, head_dim]: the batch dims run as one
+        t, s = query.shape[-3], key.shape[-3]
+        query, key, value = (x.reshape((math.prod(batch),) + x.shape[-3:]) for x in (query, key, value))
+        bias, mask = flat_dense("bias", bias, batch), flat_dense("mask", mask, batch)
+        ids = (flat_exact("q_segment_ids", ids[0], batch + (t,), batch),
+               flat_exact("kv_segment_ids", ids[1], batch + (s,), batch))
+        lengths = (flat_exact("query_seq_lengths", lengths[0], batch, batch),
+                   flat_exact("key_value_seq_lengths", lengths[1], batch, batch))
+    elif unbatched(query, key, value):  # [seq, heads, head_dim]: a batch of one
+        batch = ()
+        query, key, value = query[None], key[None], value[None]
+        ids, lengths = tuple(add_batch(x, 1) for x in ids), tuple(add_batch(x, 0) for x in lengths)
+    array_scale = scale if is_array_scale(scale) else None
+    if array_scale is not None:
+        check_array_scale(array_scale)
+    scale = check_inputs(query, key, value, 1.0 if array_scale is not None else scale, is_causal, implementation)
+    full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+    bias, mask = dense_4d("bias", bias, full), dense_4d("mask", mask, full)
+    window, cap = check_masking(query, key, local_window_size, *ids, *lengths, logits_soft_cap)
+    # 64-bit ids and lengths become exact int32 ones before anything else reads them.
+    ids = segment_ids_int32(*ids)
+    lengths = lengths_int32(lengths[0], query.shape[1]), lengths_int32(lengths[1], key.shape[1])
+    if array_scale is not None:  # logits = (scale * q) k^T: the op runs with scale 1.0
+        query = fold_scale(query, array_scale)
+    return Call(query, key, value, bias, mask, *ids, *lengths, float(scale), bool(is_causal), window, cap,
+                implementation, reproducible, batch)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks of rank-4 inputs and of the masking options
+# ----------------------------------------------------------------------------------------------
+
+
+def check_inputs(query, key, value, scale, is_causal, implementation, op="attention", extra=("cudnn",),
+                 empty_ok=(0, 1)):
+    """The checks that attention and ring_attention share (``op`` names the function in the errors,
+    ``extra`` its implementations beyond None, "tk" and "xla", ``empty_ok`` the dims that may be 0:
+    batch and sequence); returns the scale."""
+    for name, x in zip(("query", "key", "value"), (query, key, value)):
+        checks.float_array(op, name, x, 4, "[batch, seq, heads, head_dim]", FLOAT_DTYPES, empty_ok)
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            f"jax_tk.{op}: query, key and value must have the same dtype, got "
+            f"{query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    if key.shape != value.shape:
+        raise ValueError(
+            f"jax_tk.{op}: key and value must have the same shape, got {tuple(key.shape)} "
+            f"and {tuple(value.shape)}"
+        )
+    b, _, n, d = query.shape
+    kb, _, kh, kd = key.shape
+    if kb != b:
+        raise ValueError(f"jax_tk.{op}: batch of key/value ({kb}) != batch of query ({b})")
+    if kd != d:
+        raise ValueError(f"jax_tk.{op}: head_dim of key/value ({kd}) != head_dim of query ({d})")
+    if n % kh != 0:
+        raise ValueError(
+            f"jax_tk.{op}: the number of query heads ({n}) must be a multiple of the number "
+            f"of key/value heads ({kh})"
+        )
+    scale = checks.positive_float(op, "scale", scale)
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"jax_tk.{op}: is_causal must be a bool, got {is_causal!r}")
+    dispatch.check_implementation(op, implementation, extra=extra)
+    return 1.0 / math.sqrt(d) if scale is None else scale
+
+
+def check_masking(query, key, local_window_size, q_segment_ids, kv_segment_ids, query_seq_lengths,
+                  key_value_seq_lengths, logits_soft_cap):
+    """Validates the masking/soft-cap options; returns the window (a pair of ints or None) and the cap."""
+    b, t, s = query.shape[0], query.shape[1], key.shape[1]
+    local_window_size = checks.window("attention", local_window_size, t, s)
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("jax_tk.attention: give both q_segment_ids and kv_segment_ids, or neither")
+    for name, x, shape in (("q_segment_ids", q_segment_ids, (b, t)), ("kv_segment_ids", kv_segment_ids, (b, s)),
+                           ("query_seq_lengths", query_seq_lengths, (b,)),
+                           ("key_value_seq_lengths", key_value_seq_lengths, (b,))):
+        if x is None:
+            continue
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"jax_tk.attention: {name} must be an integer array, got {type(x).__name__}")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"jax_tk.attention: {name} must have an integer dtype (int32), got {x.dtype}")
+        if tuple(x.shape) != shape:
+            raise ValueError(f"jax_tk.attention: {name} must have shape {shape}, got {tuple(x.shape)}")
+    return local_window_size, checks.positive_float("attention", "logits_soft_cap", logits_soft_cap)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,37 +345,6 @@ def lengths_int32(lengths, seq_len: int):
     """Lengths of any integer dtype as int32 with the same meaning (values past int32 clamped to
     [0, seq_len] first, never wrapped)."""
     return None if lengths is None else checks.to_int32(lengths, 0, seq_len)
-
-
-# ----------------------------------------------------------------------------------------------
-# implementation="cudnn": jax.nn.dot_product_attention's cuDNN path
-# ----------------------------------------------------------------------------------------------
-
-
-def cudnn_attention_with_lse(query, key, value, bias, mask, *, scale, is_causal, window, q_segment_ids, softcap,
-                             deterministic, query_seq_lengths, key_value_seq_lengths):
-    """``jax.nn.dot_product_attention(..., implementation="cudnn", return_residual=True)`` on rank-4
-    inputs (``bias``/``mask`` rank 4 or None); returns ``(out, lse)`` with lse ``[batch, heads, q_len]``
-    float32 (jax.nn's residual is the natural-log log-sum-exp of the scaled logits, ``[batch, q_len,
-    heads]`` in the input dtype; cuDNN's backward ignores its cotangent, so it is returned under
-    stop_gradient)."""
-    for name, unsupported in (("q_segment_ids/kv_segment_ids", q_segment_ids is not None),
-                              ("logits_soft_cap", softcap is not None), ("deterministic_backward=True", deterministic)):
-        if unsupported:
-            raise ValueError(f"jax_tk.attention(implementation='cudnn'): {name} is not supported by "
-                             "jax.nn.dot_product_attention; use implementation=None, 'tk' or 'xla'")
-    lengths = [None if x is None else jnp.asarray(x).astype(jnp.int32)
-               for x in (query_seq_lengths, key_value_seq_lengths)]
-    try:
-        out, residual = jax.nn.dot_product_attention(
-            query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=lengths[0],
-            key_value_seq_lengths=lengths[1], local_window_size=window, implementation="cudnn",
-            return_residual=True)
-    except RuntimeError as e:  # e.g. no cuDNN on this machine
-        raise RuntimeError(f"jax_tk.attention(implementation='cudnn'): jax.nn.dot_product_attention failed: {e} "
-                           "(cuDNN attention needs an NVIDIA GPU; use implementation=None, 'tk' or 'xla')") from e
-    lse = jax.lax.stop_gradient(jnp.swapaxes(residual, 1, 2).astype(jnp.float32))
-    return out, lse
 
 
 # ----------------------------------------------------------------------------------------------

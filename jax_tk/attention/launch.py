@@ -360,38 +360,8 @@ def visible_pairs(spec, masks, t: int, s: int):
     return rule[:, None] if m.mask is None else rule[:, None] & m.mask
 
 
-# Short queries against long keys (decoding through the plain API): the decode kernel reads each key
-# once per KV head and splits the keys over the SMs, where the forward's 128-row tiles would be mostly
-# padding. It takes the calls whose masking it means the same way: no causal mask and no window (the
-# decode kernel aligns positions at the end of the keys), no segment ids and no lengths.
-DECODE_MAX_QUERIES = 16
-DECODE_MIN_KEYS = 512
-
-
-def takes_decode(query, key, spec, masks) -> bool:
-    from jax_tk.decode import launch as decode_launch
-
-    if spec.is_causal or spec.window is not None or (masks is not None and any(m is not None for m in masks)):
-        return False
-    return (query.shape[1] <= DECODE_MAX_QUERIES and key.shape[1] >= DECODE_MIN_KEYS
-            and decode_launch.kernel_unsupported_reason(query, key) is None)
-
-
-def _decode_fwd(query, key, value, spec):
-    from jax_tk.decode import launch as decode_launch
-    from jax_tk.decode.api import DecodeSpec
-
-    lengths = jnp.full((query.shape[0],), key.shape[1], jnp.int32)
-    return decode_launch.kernel(query, key, value, lengths, None, DecodeSpec(spec.scale, False, True, None, spec.softcap),
-                                with_lse=True)
-
-
 def fwd_kernel(query, key, value, spec, out_init=None, variant=None, masks=None, bias=None):
-    """(out, lse) of the forward kernel (the decode kernel for short queries, see takes_decode, unless a
-    test asks for a variant or poisons the outputs). ``out_init`` (tests): buffers aliased to (out, lse,
-    scratch)."""
-    if out_init is None and variant is None and bias is None and takes_decode(query, key, spec, masks):
-        return _decode_fwd(query, key, value, spec)
+    """(out, lse) of the forward kernel. ``out_init`` (tests): buffers aliased to (out, lse, scratch)."""
     out_types = (
         jax.ShapeDtypeStruct(query.shape, query.dtype),
         lse_shape(query),

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tk._core import checks, dispatch, sharding
-from jax_tk.attention import api, launch
+from jax_tk.attention import api, compat, launch
 from jax_tk.attention.api import AttentionSpec
 
 __all__ = ["ring_attention", "ring_attention_with_lse", "zigzag", "unzigzag", "zigzag_indices"]
@@ -56,10 +56,10 @@ LAYOUTS = ("contiguous", "zigzag")
 
 def _chunk(seq_len: int, axis_size: int) -> int:
     if not checks.is_int(axis_size) or axis_size < 1:
-        raise ValueError(f"jax_tk.ring.zigzag: axis_size must be an int >= 1, got {axis_size!r}")
+        raise ValueError(f"jax_tk.zigzag: axis_size must be an int >= 1, got {axis_size!r}")
     if seq_len % (2 * axis_size):
         raise ValueError(
-            f"jax_tk.ring.zigzag: the sequence length ({seq_len}) must be a multiple of "
+            f"jax_tk.zigzag: the sequence length ({seq_len}) must be a multiple of "
             f"2 * axis_size ({2 * axis_size})"
         )
     return seq_len // (2 * axis_size)
@@ -77,7 +77,7 @@ def zigzag_indices(seq_len: int, axis_size: int) -> np.ndarray:
 
 def _axis(x, axis) -> int:
     if not checks.is_int(axis) or not -x.ndim <= axis < x.ndim:
-        raise ValueError(f"jax_tk.ring.zigzag: axis {axis!r} is out of range for an array of rank {x.ndim}")
+        raise ValueError(f"jax_tk.zigzag: axis {axis!r} is out of range for an array of rank {x.ndim}")
     return int(axis) % x.ndim
 
 
@@ -350,8 +350,8 @@ def ring_attention_with_lse(
 ):
     """Like :func:`ring_attention`, and also returns the float32 log-sum-exp ``[batch, heads, q_len]``
     of the local query rows over the whole (global) key sequence. Both outputs are differentiable."""
-    scale = api.check_inputs(query, key, value, scale, is_causal, implementation, op="ring_attention", extra=(),
-                             empty_ok=())
+    scale = compat.check_inputs(query, key, value, scale, is_causal, implementation, op="ring_attention", extra=(),
+                                empty_ok=())
     if layout not in LAYOUTS:
         raise ValueError(f"jax_tk.ring_attention: layout must be one of {LAYOUTS}, got {layout!r}")
     try:

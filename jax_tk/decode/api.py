@@ -158,7 +158,26 @@ def attention(query, key_cache, value_cache, cache_lengths, *, page_table=None, 
     batch axes (a pool split over its pages would be gathered).
 
     Returns:
-      ``[batch, T_new, heads, head_dim]`` in the query's dtype.
+      ``[batch, T_new, heads, head_dim]`` in the query's dtype (:func:`attention_with_lse` also returns
+      the log-sum-exp of each row).
+    """
+    return attention_with_lse(query, key_cache, value_cache, cache_lengths, page_table=page_table, scale=scale,
+                              is_causal=is_causal, local_window_size=local_window_size,
+                              logits_soft_cap=logits_soft_cap, implementation=implementation)[0]
+
+
+def attention_with_lse(query, key_cache, value_cache, cache_lengths, *, page_table=None, scale=None, is_causal=True,
+                       local_window_size=None, logits_soft_cap=None, implementation=None):
+    """Like :func:`attention`, and also returns the float32 log-sum-exp of each query row.
+
+    Returns:
+      ``(out, lse)``: ``out`` ``[batch, T_new, heads, head_dim]`` in the query's dtype; ``lse``
+      ``[batch, heads, T_new]`` float32, the natural log of the softmax denominator of the row's scaled
+      (and soft-capped) logits over the keys it sees, ``-inf`` for a row that sees no key. Both are
+      differentiable. Results over disjoint sets of keys (e.g. a prefix cache shared by the batch and
+      each sequence's own cache) merge exactly: with ``lse = logaddexp(lse_a, lse_b)``, ``out =
+      exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b`` (the weights per row and head, moved to
+      ``[batch, T_new, heads, 1]``).
     """
     _float_array(_OP, "query", query, "[batch, T_new, heads, head_dim]", empty_ok=(0, 1))
     b, t, n, h = query.shape
@@ -186,25 +205,34 @@ def attention(query, key_cache, value_cache, cache_lengths, *, page_table=None, 
     use = dispatch.use_kernel(_OP, implementation, launch.kernel_unsupported_reason(query, key_cache))
     spec = DecodeSpec(scale, bool(is_causal), use, window, softcap, page_size)
     if b == 0 or t == 0:
-        return dispatch.zeros(query.shape, query.dtype, query, key_cache, value_cache)
+        return (dispatch.zeros(query.shape, query.dtype, query, key_cache, value_cache),
+                dispatch.zeros((b, n, t), jnp.float32, query, key_cache, value_cache) - jnp.inf)
     return _attention(spec, query, key_cache, value_cache, cache_lengths, _page_table_int32(page_table))
+
+
+def kernel_unsupported_reason(query, key_cache) -> str | None:
+    """Why the decode kernel cannot take a call with this query and key cache (contiguous or paged,
+    shaped as :func:`attention` takes them), as ``implementation="tk"``'s error names it; None if it
+    can, and then ``implementation=None`` runs it on a CUDA GPU that jax_tk's kernels were built for."""
+    return launch.kernel_unsupported_reason(query, key_cache)
 
 
 # The gradient (query and caches) is the reference's, on every platform: decoding rarely differentiates,
 # and the reference's memory, [batch, heads, T_new, cache], is small for few new tokens.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_table):
+    """(out, lse)."""
     layout = _ATTENTION_LAYOUT if page_table is None else _PAGED_ATTENTION_LAYOUT
-    return sharding.call(layout, _local_results, spec, query, key_cache, value_cache, cache_lengths, page_table)[0]
+    return sharding.call(layout, _local, spec, query, key_cache, value_cache, cache_lengths, page_table)
 
 
 def _attention_fwd(spec, *args):
     return _attention(spec, *args), args
 
 
-def _attention_bwd(spec, args, dout):
+def _attention_bwd(spec, args, cotangents):
     layout = _BWD_LAYOUT if args[-1] is None else _PAGED_BWD_LAYOUT
-    grads = sharding.call(layout, _bwd_local, spec, *args, dout, result_like=(0, 1, 2))
+    grads = sharding.call(layout, _bwd_local, spec, *args, *cotangents, result_like=(0, 1, 2))
     return (*grads, None, None)
 
 
@@ -212,24 +240,25 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _local(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_table):
-    """The call on one device's arrays: the kernel on CUDA where it takes the call, else the reference."""
+    """(out, lse) on one device's arrays: the kernel on CUDA where it takes the call, else the reference."""
     def reference_fn(q, k, v, lengths, table):
-        return reference.attention(q, k, v, lengths, scale=spec.scale, page_table=table, is_causal=spec.is_causal,
-                                   local_window_size=spec.window, logits_soft_cap=spec.softcap)
+        return reference.attention_with_lse(q, k, v, lengths, scale=spec.scale, page_table=table,
+                                            is_causal=spec.is_causal, local_window_size=spec.window,
+                                            logits_soft_cap=spec.softcap)
 
     def kernel_fn(q, k, v, lengths, table):
-        return launch.kernel(q, k, v, lengths, table, spec)
+        return launch.kernel(q, k, v, lengths, table, spec, with_lse=True)
 
     return dispatch.platform_dispatch(spec.use_kernel, kernel_fn, reference_fn, query, key_cache, value_cache,
                                       cache_lengths, page_table)
 
 
-def _bwd_local(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_table, dout):
+def _bwd_local(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_table, dout, dlse):
     def f(q, k, v):
-        return reference.attention(q, k, v, cache_lengths, scale=spec.scale, page_table=page_table,
-                                   is_causal=spec.is_causal, local_window_size=spec.window,
-                                   logits_soft_cap=spec.softcap)
-    return jax.vjp(f, query, key_cache, value_cache)[1](dout)
+        return reference.attention_with_lse(q, k, v, cache_lengths, scale=spec.scale, page_table=page_table,
+                                            is_causal=spec.is_causal, local_window_size=spec.window,
+                                            logits_soft_cap=spec.softcap)
+    return jax.vjp(f, query, key_cache, value_cache)[1]((dout, dlse))
 
 
 def update_kv_cache(cache, new, cache_lengths, *, page_table=None):
@@ -310,19 +339,15 @@ def _update_local(static, cache, new, cache_lengths, page_table):
 # [batch, T_new, kv_heads, head_dim], are gathered; the pool never is), which keeps the replicas equal.
 # ----------------------------------------------------------------------------------------------
 
-_ATTENTION_LAYOUT = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", "b", "b m"), outputs=("b t n d",),
-                                    heads="n", grouped="k")
+_ATTENTION_LAYOUT = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", "b", "b m"),
+                                    outputs=("b t n d", "b n t"), heads="n", grouped="k")
 _PAGED_ATTENTION_LAYOUT = sharding.Layout(inputs=("b t n d", "p r k d", "p r k d", "b", "b m"),
-                                          outputs=("b t n d",), heads="n", grouped="k")
-# The gradient: the query's, and the caches' (a paged pool's summed over the batch axes it is replicated
-# over).
-_BWD_LAYOUT = sharding.Layout(inputs=_ATTENTION_LAYOUT.inputs + ("b t n d",), outputs=("b t n d", "b s k d", "b s k d"),
-                              heads="n", grouped="k")
-_PAGED_BWD_LAYOUT = sharding.Layout(inputs=_PAGED_ATTENTION_LAYOUT.inputs + ("b t n d",),
+                                          outputs=("b t n d", "b n t"), heads="n", grouped="k")
+# The gradient (from the cotangents of out and lse): the query's, and the caches' (a paged pool's summed
+# over the batch axes it is replicated over).
+_BWD_LAYOUT = sharding.Layout(inputs=_ATTENTION_LAYOUT.inputs + ("b t n d", "b n t"),
+                              outputs=("b t n d", "b s k d", "b s k d"), heads="n", grouped="k")
+_PAGED_BWD_LAYOUT = sharding.Layout(inputs=_PAGED_ATTENTION_LAYOUT.inputs + ("b t n d", "b n t"),
                                     outputs=("b t n d", "p r k d", "p r k d"), heads="n", grouped="k", summed=(1, 2))
 _UPDATE_LAYOUT = sharding.Layout(inputs=("b s k d", "b t k d", "b", "b m"), outputs=("b s k d",), heads="k")
 _PAGED_UPDATE_LAYOUT = sharding.Layout(inputs=("p r k d", "b t k d", "b", "b m"), outputs=("p r k d",), heads="k")
-
-
-def _local_results(spec: DecodeSpec, *args):
-    return (_local(spec, *args),)

@@ -51,7 +51,17 @@ def visibility(cache_lengths, t_new: int, s: int, *, is_causal: bool, local_wind
 
 def attention(query, key_cache, value_cache, cache_lengths, *, scale: float, page_table=None,
               is_causal: bool = True, local_window_size=None, logits_soft_cap=None):
-    """Softmax attention of the last ``T_new`` positions of each sequence over its cache, in float32.
+    """Softmax attention of the last ``T_new`` positions of each sequence over its cache, in float32:
+    the output of :func:`attention_with_lse`."""
+    return attention_with_lse(query, key_cache, value_cache, cache_lengths, scale=scale, page_table=page_table,
+                              is_causal=is_causal, local_window_size=local_window_size,
+                              logits_soft_cap=logits_soft_cap)[0]
+
+
+def attention_with_lse(query, key_cache, value_cache, cache_lengths, *, scale: float, page_table=None,
+                       is_causal: bool = True, local_window_size=None, logits_soft_cap=None):
+    """Softmax attention of the last ``T_new`` positions of each sequence over its cache, in float32,
+    and the log-sum-exp of each row.
 
     Args:
       query: ``[B, T_new, N, H]``.
@@ -61,7 +71,9 @@ def attention(query, key_cache, value_cache, cache_lengths, *, scale: float, pag
       scale, is_causal, local_window_size ``(left, right)``, logits_soft_cap: see ``visibility`` and
         ``jax_tk.decode.attention``.
     Returns:
-      ``[B, T_new, N, H]`` in ``query.dtype``; a row that sees no key gives 0.
+      ``(out, lse)``: out ``[B, T_new, N, H]`` in ``query.dtype``, lse ``[B, N, T_new]`` float32 (natural
+      log of the softmax denominator of the scaled, soft-capped logits); a row that sees no key gives 0
+      and lse ``-inf``.
     """
     if page_table is not None:
         key_cache, value_cache = gather_pages(key_cache, page_table), gather_pages(value_cache, page_table)
@@ -87,4 +99,7 @@ def attention(query, key_cache, value_cache, cache_lengths, *, scale: float, pag
     denom = jnp.sum(unnormalized, axis=-1, keepdims=True)
     probs = unnormalized / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v, precision=jax.lax.Precision.HIGHEST)
-    return out.reshape(b, t, n, h).astype(query.dtype)
+    # (the log of a row that sees no key is taken of 1, so that its gradient is 0, not NaN)
+    seen = denom > 0
+    lse = jnp.where(seen, jnp.log(jnp.where(seen, denom, 1.0)) + row_max, -jnp.inf)  # [B, K, G, T, 1]
+    return out.reshape(b, t, n, h).astype(query.dtype), lse.reshape(b, n, t)

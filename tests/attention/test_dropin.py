@@ -428,3 +428,42 @@ def test_empty_batch_or_sequences(b, t, s):
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
     with pytest.raises(ValueError, match="query has an empty dimension"):
         jax_tk.attention(q[:, :, :0], k[:, :, :0], v[:, :, :0])
+
+
+# ----------------------------------------------------------------------------------------------
+# One normalization pass
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [(6,), (), (3, 2)], ids=["rank4", "rank3", "rank5"])
+@pytest.mark.parametrize("fn", ["attention", "attention_with_lse"])
+def test_arguments_are_normalized_once(monkeypatch, batch, fn):
+    """Every form of call is checked and normalized in one pass (compat.normalize, once), which hands
+    the op rank-4 arrays, and the results come back in the caller's batch dims."""
+    from jax_tk.attention import api
+
+    calls, runs = [], []
+    real_normalize, real_run = compat.normalize, api._run
+    monkeypatch.setattr(compat, "normalize", lambda *a, **kw: calls.append(1) or real_normalize(*a, **kw))
+    monkeypatch.setattr(api, "_run", lambda call: runs.append(call.query.shape) or real_run(call))
+    q, k, v = (x.reshape(batch + x.shape[1:]) if batch else x[0] for x in _qkv(14, b=6))
+    mask = jnp.asarray(np.random.default_rng(14).random((8, 8)) < 0.7)
+    result = getattr(jax_tk, fn)(q, k, v, mask=mask, is_causal=True)
+    out = result[0] if fn == "attention_with_lse" else result
+    assert len(calls) == 1 and len(runs) == 1 and len(runs[0]) == 4
+    assert out.shape == q.shape
+    want = reference.attention_with_lse(*(x.reshape((-1,) + x.shape[-3:]) for x in (q, k, v)), scale=16 ** -0.5,
+                                        is_causal=True, mask=mask)[0]
+    _close(out.reshape(want.shape), want)
+
+
+def test_compat_does_not_run_the_op():
+    """compat.py normalizes only: it imports nothing of the op (api, launch, ring)."""
+    import ast
+    import pathlib
+
+    tree = ast.parse(pathlib.Path(compat.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not imported & {"api", "launch", "ring", "jax_tk.attention", "jax_tk.attention.api"}, imported

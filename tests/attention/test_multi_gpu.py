@@ -162,11 +162,11 @@ def test_ring_attention_matches_single_device(layout, causal):
     args = _inputs(2, b, t, n, kh, d)
 
     def ring(q, k, v):
-        return jax_tk.ring.ring_attention_with_lse(q, k, v, axis_name="sp", is_causal=causal, layout=layout)
+        return jax_tk.ring_attention_with_lse(q, k, v, axis_name="sp", is_causal=causal, layout=layout)
 
     seq, lse_spec = P(None, "sp"), P(None, None, "sp")
     smap = jax.shard_map(ring, mesh=mesh, in_specs=(seq, seq, seq), out_specs=(seq, lse_spec))
-    perm = jax_tk.ring.zigzag_indices(t, n_dev) if layout == "zigzag" else np.arange(t)
+    perm = jax_tk.zigzag_indices(t, n_dev) if layout == "zigzag" else np.arange(t)
     inv = np.argsort(perm)
     moved = [jnp.take(x, perm, axis=2 if x.ndim == 3 else 1) for x in args]
     put = [jax.device_put(x, NamedSharding(mesh, lse_spec if x.ndim == 3 else seq)) for x in moved]

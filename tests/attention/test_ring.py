@@ -15,7 +15,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
 from jax_tk.attention import reference
-from jax_tk.ring import unzigzag, zigzag, zigzag_indices
+from jax_tk import unzigzag, zigzag, zigzag_indices
 
 from helpers import CHILD_ENV as _CHILD_ENV, attention_inputs, have_devices as _have_devices, rel_err, run_in_subprocess
 
@@ -46,7 +46,7 @@ def _ring_fn(mesh, axis, layout, causal, batch_axis=None):
     seq = P(batch_axis, axis)
 
     def local(q, k, v):
-        return jax_tk.ring.ring_attention_with_lse(
+        return jax_tk.ring_attention_with_lse(
             q, k, v, axis_name=axis, is_causal=causal, layout=layout
         )
 

@@ -17,7 +17,6 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from jax_tk import sharding
 from jax_tk.attention import reference
 from helpers import (N_DEVICES, attention_inputs, collectives, have_devices as _have_devices,
                      load_example, rel_err, run_in_subprocess)
@@ -422,13 +421,13 @@ class TestSharding:
 
     def test_plan(self):
         sizes = {"data": 2, "model": 4}
-        plan = sharding.plan_attention(sizes, P("data", None, "model"), (4, 8, 8, 64), (4, 8, 4, 64))
+        plan = jax_tk.plan_attention(sizes, P("data", None, "model"), (4, 8, 8, 64), (4, 8, 4, 64))
         assert (plan.batch, plan.heads, plan.split_grouped) == (("data",), ("model",), True)
-        plan = sharding.plan_attention(sizes, P("data", None, "model"), (4, 8, 8, 64), (4, 8, 2, 64))
+        plan = jax_tk.plan_attention(sizes, P("data", None, "model"), (4, 8, 8, 64), (4, 8, 2, 64))
         assert (plan.heads, plan.split_grouped, plan.group_share) == (("model",), False, 2)
-        plan = sharding.plan_attention(sizes, P(None, None, "model"), (4, 8, 6, 64), (4, 8, 6, 64))
+        plan = jax_tk.plan_attention(sizes, P(None, None, "model"), (4, 8, 6, 64), (4, 8, 6, 64))
         assert plan.heads == ()  # 6 heads do not split 4 ways: gathered
-        plan = sharding.plan_attention(sizes, P(None, "model"), (4, 8, 8, 64), (4, 8, 8, 64))
+        plan = jax_tk.plan_attention(sizes, P(None, "model"), (4, 8, 8, 64), (4, 8, 8, 64))
         assert (plan.batch, plan.heads) == ((), ())  # sequence sharding: gathered
 
 
