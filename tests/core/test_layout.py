@@ -22,14 +22,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "jax_tk"
-# jax_tk/bench, the benchmark harness, is outside both rules: it is not an op (it compares the ops, so
-# it imports their insides) and it reads a private JAX field for its report.
-NOT_OPS = ("bench",)
 
 
 def _ops() -> list[str]:
     return sorted(p.name for p in PACKAGE.iterdir()
-                  if (p / "__init__.py").is_file() and not p.name.startswith("_") and p.name not in NOT_OPS)
+                  if (p / "__init__.py").is_file() and not p.name.startswith("_"))
 
 
 def _exports(op: str) -> set[str]:
@@ -42,9 +39,6 @@ def _exports(op: str) -> set[str]:
 
 def _modules(root: Path):
     for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(PACKAGE).parts
-        if len(rel) > 1 and rel[0] in NOT_OPS:
-            continue
         yield path, ast.parse(path.read_text(), filename=str(path))
 
 
