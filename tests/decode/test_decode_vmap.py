@@ -64,7 +64,7 @@ def _inputs(seed, in_axes, paged, dtype=F32, h=H):
     return out
 
 
-def _fake_call(seen, query, key_cache, value_cache, lengths, table, spec, parts, out_init=None):
+def _fake_call(seen, query, key_cache, value_cache, lengths, table, spec, parts, variant, out_init=None):
     """The kernel call's contract on the reference: (out, lse [B, N, T]); any per-row value serves as
     the lse here, as the test checks where each row lands."""
     seen.append((query.shape, key_cache.shape, table.shape))
