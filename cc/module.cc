@@ -18,7 +18,8 @@ namespace nb = nanobind;
 #define JAX_TK_ARCHS ""
 #endif
 
-// The ops, one entry each: (namespace and FFI-target owner, the prefix of its header's lists).
+// The ops, one entry each (and each one's header included above): (its namespace, the prefix of its
+// header's lists).
 #define JAX_TK_OPS(op) op(attention, ATTENTION) op(decode, DECODE) op(gemm, GEMM)
 
 #ifdef JAX_TK_WITH_CUDA

@@ -99,7 +99,7 @@ def kernels_run_on(capability: tuple[int, int]) -> bool:
 
 def takes_sm90_kernels(capability: tuple[int, int] | None, variant: int) -> bool:
     """Whether a call with kernel ``variant`` (``dispatch.kernel_variant``) runs the sm_90a kernels on a
-    GPU of this compute capability (None: no local GPU, so not known to): as the handlers decide."""
+    GPU of this compute capability (False for None: no local GPU), as the handlers decide."""
     return variant == contract("core")["VARIANT_AUTO"] and capability == _SM90 and kernels_run_on(capability)
 
 
