@@ -31,9 +31,9 @@
 #define JAX_TK_CUDA_HEADERS 1
 #endif
 
-#define JAX_TK_CONSTEXPR_INT(NAME, VALUE) constexpr int NAME = VALUE;
 // `constexpr int NAME = VALUE;` for every entry of an op's contract list.
 #define JAX_TK_DECLARE_CONTRACT(LIST) LIST(JAX_TK_CONSTEXPR_INT)
+#define JAX_TK_CONSTEXPR_INT(NAME, VALUE) constexpr int NAME = VALUE;
 
 namespace jax_tk::core {
 

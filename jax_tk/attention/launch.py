@@ -23,7 +23,6 @@ BWD_TARGET = ffi.target("jax_tk_attention_bwd")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-
 def contract() -> dict[str, int]:
     return extension.contract("attention")
 

@@ -3,6 +3,8 @@ header's list against the compiled extension, the formulas), the kernel variant,
 dispatch, the FFI call's test target, and the sharding driver (on 8 CPU devices, in a subprocess unless
 this process has them)."""
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,8 +21,10 @@ from jax_tk._core.ffi import kernel_call
 # ----------------------------------------------------------------------------------------------
 
 
-# Every contract header of the source tree: cc/<name>/<name>.h (the ops', and cc/core/core.h).
-CONTRACTS = sorted(p.parent.name for p in (REPO / "cc").glob("*/*.h") if p.stem == p.parent.name)
+# Every contract header: cc/<name>/<name>.h of the source tree (the ops', and cc/core/core.h), or where
+# the tests run outside it, the copies installed with the package.
+CONTRACTS = (sorted(p.parent.name for p in (REPO / "cc").glob("*/*.h") if p.stem == p.parent.name)
+             or sorted(p.stem for p in pathlib.Path(extension.header_path("core")).parent.glob("*.h")))
 
 
 def test_header_constants_parse():
