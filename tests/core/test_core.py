@@ -99,7 +99,8 @@ def test_kernel_variant_from_the_environment(monkeypatch):
     core = extension.contract("core")
     monkeypatch.delenv(dispatch.KERNELS_ENV, raising=False)
     assert dispatch.kernel_variant() == core["VARIANT_AUTO"]
-    for value, name in (("auto", "VARIANT_AUTO"), ("sm80", "VARIANT_SM80"), (" SM86 ", "VARIANT_SM86"), ("", "VARIANT_AUTO")):
+    cases = (("auto", "VARIANT_AUTO"), ("sm80", "VARIANT_SM80"), (" SM86 ", "VARIANT_SM86"), ("", "VARIANT_AUTO"))
+    for value, name in cases:
         monkeypatch.setenv(dispatch.KERNELS_ENV, value)
         assert dispatch.kernel_variant() == core[name]
     assert dispatch.kernel_variant("sm80") == core["VARIANT_SM80"]  # (an argument wins over the environment)
