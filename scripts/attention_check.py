@@ -12,12 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_tk._core import dispatch
 from jax_tk.attention import reference
 from jax_tk.attention.api import AttentionSpec
 from jax_tk.attention.launch import Masks, bwd_kernel, bwd_workspace_shape, fwd_kernel
 
 # the fastest kernels for this GPU, the same with the deterministic backward, and the mma.sync ones
-VARIANTS = {"auto": 0, "det": 0, "sm80": 1}
+# (the kernels as JAX_TK_KERNELS names them)
+VARIANTS = {"auto": "auto", "det": "auto", "sm80": "sm80"}
 
 
 def rel(a, b):
@@ -42,7 +44,7 @@ def check(b, t, s, n, kh, d, causal, dtype, variant="auto", seed=0, window=None,
     do = jax.random.normal(ks[3], (b, t, n, d), dtype)
     dlse = jax.random.normal(ks[4], (b, n, t), jnp.float32)
     spec = AttentionSpec(1.0 / np.sqrt(d), causal, True, window, softcap, deterministic=variant == "det")
-    variant = VARIANTS[variant]
+    variant = dispatch.kernel_variant(VARIANTS[variant])
     m = Masks() if masks is None else masks
     nan = lambda shape, dt: jnp.full(shape, jnp.nan, dt)
 

@@ -10,9 +10,16 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+
+from jax_tk._core import extension
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 F32 = jnp.float32
+# For tests of the kernel path's operands (lowering for CUDA, workspace shapes): they need the formulas of
+# the compiled extension, which a source tree that was never built lacks (every op then runs its reference).
+needs_extension = pytest.mark.skipif(not extension.available(),
+                                     reason="needs the compiled extension jax_tk._tk (pip install -e .)")
 
 
 def randn(rng, shape, dtype):

@@ -1,33 +1,36 @@
-// Parameters of the attention kernels, shared by the FFI handlers and every kernel variant.
+// Parameters of the attention kernels, shared by the FFI handlers and every kernel variant, and the
+// contract with Python (jax_tk/attention/launch.py; the list's format: cc/core/core.h).
 #pragma once
-#include <cuda_runtime.h>
-
+#include <cstddef>
 #include <cstdint>
+
+#include "core/core.h"
 
 namespace jax_tk::attention {
 
 enum class DType { bf16, fp16 };
 
-// The contract with Python (jax_tk/attention/launch.py): every number both sides must agree on is a
-// `constexpr int NAME = value;` line here, which Python reads through the extension (or from this
-// file's text where the extension was not built); the formulas below use only these.
-constexpr int SEGMENT_GRANULE = 64;      // rows per entry of Params::q_segment_ranges / kv_segment_ranges
-constexpr int HEAD_DIMS_SM80 = 64 | 128;        // head dims of every GPU's kernels (a set of powers of 2)
-constexpr int HEAD_DIMS_SM90 = 64 | 128 | 256;  // ... and of the sm_90a kernels
-constexpr int FWD_TILE_ROWS = 128;       // sm_90a forward: query rows per tile (Params::fwd_tiles)
-constexpr int FWD_TILE_KEYS = 128;       // ... keys per key block, head_dim <= 128
-constexpr int FWD_TILE_KEYS_D256 = 64;   // ... keys per key block, head_dim 256
-constexpr int FWD_DOCS_MAX_HEAD_DIM = 128;  // documents' own tiles (Params::fwd_tiles) up to this head_dim
-constexpr int FWD_TILES_PER_BLOCK = 2;   // Params::fwd_tiles entries per FWD_TILE_ROWS query rows
-constexpr int BWD_BLOCK_KEYS = 128;      // sm_90a backward: keys per block (Params::block_order), head_dim <= 128
-constexpr int BWD_BLOCK_KEYS_D256 = 64;  // ... head_dim 256
-constexpr int BWD_QUERY_ROWS = 64;       // ... query rows per step, and per dq tile of the workspace
-constexpr int MASK_BLOCK_ROWS = 128;     // the boolean mask's block summary (Params::mask_blocks): query rows
-constexpr int MASK_BLOCK_KEYS = 128;     // ... and keys per block (every kernel's blocks lie inside one; the bias
-                                         // is padded to whole blocks)
-constexpr int MASK_EMPTY = 0;           // ... its codes: no pair of the block visible,
-constexpr int MASK_FULL = 1;            //   every pair visible,
-constexpr int MASK_MIXED = 2;           //   some
+// clang-format off
+#define JAX_TK_ATTENTION_CONTRACT(X)                                                                       \
+  X(SEGMENT_GRANULE, 64)        /* rows per entry of Params::q_segment_ranges / kv_segment_ranges */       \
+  X(HEAD_DIMS_SM80, 64 | 128)   /* head dims of every GPU's kernels (a set of powers of 2) */              \
+  X(HEAD_DIMS_SM90, 64 | 128 | 256)  /* ... and of the sm_90a kernels */                                   \
+  X(FWD_TILE_ROWS, 128)         /* sm_90a forward: query rows per tile (Params::fwd_tiles) */              \
+  X(FWD_TILE_KEYS, 128)         /* ... keys per key block, head_dim <= 128 */                              \
+  X(FWD_TILE_KEYS_D256, 64)     /* ... keys per key block, head_dim 256 */                                 \
+  X(FWD_DOCS_MAX_HEAD_DIM, 128) /* documents' own tiles (Params::fwd_tiles) up to this head_dim */         \
+  X(FWD_TILES_PER_BLOCK, 2)     /* Params::fwd_tiles entries per FWD_TILE_ROWS query rows */               \
+  X(BWD_BLOCK_KEYS, 128)        /* sm_90a backward: keys per block (Params::block_order), head_dim <= 128 */ \
+  X(BWD_BLOCK_KEYS_D256, 64)    /* ... head_dim 256 */                                                     \
+  X(BWD_QUERY_ROWS, 64)         /* ... query rows per step, and per dq tile of the workspace */            \
+  X(MASK_BLOCK_ROWS, 128)       /* the boolean mask's block summary (Params::mask_blocks): query rows */   \
+  X(MASK_BLOCK_KEYS, 128)       /* ... and keys per block (every kernel's blocks lie inside one; the bias  \
+                                   is padded to whole blocks) */                                           \
+  X(MASK_EMPTY, 0)              /* ... its codes: no pair of the block visible, */                         \
+  X(MASK_FULL, 1)               /*   every pair visible, */                                                \
+  X(MASK_MIXED, 2)              /*   some */
+// clang-format on
+JAX_TK_DECLARE_CONTRACT(JAX_TK_ATTENTION_CONTRACT)
 
 struct Params {
   DType dtype;
@@ -96,27 +99,40 @@ struct Params {
 // Entries of Params::fwd_tiles per (batch entry, query head): room for the fixed grid's 128-row tiles,
 // or for documents' tiles (one more than the grid's per document at most: jax_tk/attention/launch.py takes
 // the grid where they do not fit).
-__host__ __device__ inline int fwd_tile_cap(int q_len) {
+JAX_TK_HD inline int fwd_tile_cap(int q_len) {
   return FWD_TILES_PER_BLOCK * ((q_len + FWD_TILE_ROWS - 1) / FWD_TILE_ROWS);
 }
 // The (batch, head) entry of a dense operand with `batch` and `heads` entries (Params::mask_bits and
 // mask_blocks, Params::bias) that batch entry b (of the folded batch) and query head h read.
-__host__ __device__ inline size_t dense_index(const Params &p, int b, int h, int batch, int heads) {
+JAX_TK_HD inline size_t dense_index(const Params &p, int b, int h, int batch, int heads) {
   const int entry = b / p.entry_batch, mb = batch > 1 ? b % p.entry_batch : 0;
   return (size_t(entry) * batch + mb) * heads + (heads > 1 ? h : 0);
 }
 // The bias's rows and columns: whole blocks of MASK_BLOCK_ROWS x MASK_BLOCK_KEYS.
-__host__ __device__ inline int padded_rows(int q_len) { return (q_len + MASK_BLOCK_ROWS - 1) / MASK_BLOCK_ROWS * MASK_BLOCK_ROWS; }
-__host__ __device__ inline int padded_keys(int kv_len) { return (kv_len + MASK_BLOCK_KEYS - 1) / MASK_BLOCK_KEYS * MASK_BLOCK_KEYS; }
+JAX_TK_HD inline int padded_rows(int q_len) { return (q_len + MASK_BLOCK_ROWS - 1) / MASK_BLOCK_ROWS * MASK_BLOCK_ROWS; }
+JAX_TK_HD inline int padded_keys(int kv_len) { return (kv_len + MASK_BLOCK_KEYS - 1) / MASK_BLOCK_KEYS * MASK_BLOCK_KEYS; }
 // Words per row of Params::mask_bits: whole blocks of MASK_BLOCK_KEYS keys, so that no key block of a
 // kernel reads past its row.
-__host__ __device__ inline int mask_words(int kv_len) {
+JAX_TK_HD inline int mask_words(int kv_len) {
   return (kv_len + MASK_BLOCK_KEYS - 1) / MASK_BLOCK_KEYS * (MASK_BLOCK_KEYS / 32);
 }
 // The rows of a block of Params::block_order: the backward's key blocks.
 inline int bwd_order_rows(int head_dim) { return head_dim <= 128 ? BWD_BLOCK_KEYS : BWD_BLOCK_KEYS_D256; }
 inline bool head_dim_in(int head_dim, int dims) { return (head_dim & (head_dim - 1)) == 0 && (head_dim & dims) != 0; }
 
+// Size of Params::workspace in 4-byte words (the caller allocates it; it is also what Python asks for).
+// Per (batch, head, 64-row query block): an fp32 64 x head_dim dq tile, the rows' lse (log2 units)
+// and delta (64 floats each), one int.
+JAX_TK_HD inline size_t bwd_sm90_workspace_words(int batch, int q_len, int q_heads, int head_dim) {
+  constexpr int R = BWD_QUERY_ROWS;
+  return size_t(batch) * q_heads * ((q_len + R - 1) / R) * (R * head_dim + 2 * R + 1);
+}
+
+// The formulas Python calls (jax_tk._tk.attention.<name>).
+#define JAX_TK_ATTENTION_FORMULAS(F) \
+  F(fwd_tile_cap) F(padded_rows) F(padded_keys) F(mask_words) F(bwd_order_rows) F(bwd_sm90_workspace_words)
+
+#ifdef JAX_TK_CUDA_HEADERS
 // The mma.sync kernels (sm_80 and newer). Return the launch error, if any.
 cudaError_t fwd_sm80(const Params &p, cudaStream_t stream);
 cudaError_t bwd_sm80(const Params &p, cudaStream_t stream);
@@ -126,12 +142,6 @@ bool fwd_sm90_supported(const Params &p);
 cudaError_t fwd_sm90(const Params &p, cudaStream_t stream);
 bool bwd_sm90_supported(const Params &p);
 cudaError_t bwd_sm90(const Params &p, cudaStream_t stream);
-// Size of Params::workspace in 4-byte words (the caller allocates it; it is also what Python asks for).
-// Per (batch, head, 64-row query block): an fp32 64 x head_dim dq tile, the rows' lse (log2 units)
-// and delta (64 floats each), one int.
-__host__ __device__ inline size_t bwd_sm90_workspace_words(int batch, int q_len, int q_heads, int head_dim) {
-  constexpr int R = BWD_QUERY_ROWS;
-  return size_t(batch) * q_heads * ((q_len + R - 1) / R) * (R * head_dim + 2 * R + 1);
-}
+#endif
 
 }  // namespace jax_tk::attention

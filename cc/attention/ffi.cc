@@ -85,8 +85,8 @@ ffi::Error check_qkv(Params &p, Lead &lead, const ffi::AnyBuffer &q, const ffi::
   if (qd[3] <= 0 || qd[3] > 256 || !attention::head_dim_in(int(qd[3]), attention::HEAD_DIMS_SM90))
     return invalid("attention kernels take head_dim 64 or 128 (and 256 on H100/H200)");
   for (auto d : {lead.count * qd[0], qd[1], qd[2], kd[1], kd[2]})
-    if (d <= 0 || d >= (int64_t(1) << 31)) return invalid("attention dimensions must be in [1, 2^31)");
-  if (qd[1] * qd[2] * qd[3] >= (int64_t(1) << 31) || kd[1] * kd[2] * kd[3] >= (int64_t(1) << 31))
+    if (d <= 0 || d > core::MAX_INDEX) return invalid("attention dimensions must be in [1, 2^31)");
+  if (qd[1] * qd[2] * qd[3] > core::MAX_INDEX || kd[1] * kd[2] * kd[3] > core::MAX_INDEX)
     return invalid("one batch entry of query or key must have fewer than 2^31 elements");
   lead.batch = qd[0];
   p.entry_batch = int(qd[0]);  // (fold() multiplies p.batch, not this)
@@ -207,7 +207,7 @@ ffi::Error check_bias(Params &p, const Lead &lead, const ffi::AnyBuffer &q, cons
 
 // Extra... is empty in the production targets; the test targets take ffi::RemainingArgs there: the
 // buffers that tests alias to the outputs to poison them (see jax_tk/_core/ffi.py), ignored here.
-// variant: 0 = the fastest kernels for the device, 1 = the mma.sync (sm_80) kernels everywhere.
+// variant: cc/core/core.h's VARIANT_* (pick_kernels).
 template <typename... Extra>
 ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_lengths,
@@ -233,14 +233,15 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   if (auto e = check_rows(p, lead, *lse, "lse"); e.failure()) return e;
   if (tile_counter->element_type() != ffi::DataType::S32 || !lead.matches(*tile_counter, {1}))
     return invalid("tile_counter must be int32 " + lead.shape({1}));  // (the kernel uses its first int)
-  if (auto e = check_device(8, 0); e.failure()) return e;
+  Kernels kernels;
+  if (auto e = pick_kernels(variant, kernels); e.failure()) return e;
   fold(p, lead);
   p.scale = scale;
   p.causal = is_causal != 0;
   p.o = o->untyped_data();
   p.lse = static_cast<float *>(lse->untyped_data());
   p.tile_counter = static_cast<int *>(tile_counter->untyped_data());
-  if (variant == 0 && use_sm90() && attention::fwd_sm90_supported(p))
+  if (kernels.sm90 && attention::fwd_sm90_supported(p))
     return cuda_error(attention::fwd_sm90(p, stream), "attention forward (sm_90a)");
   if (!attention::head_dim_in(p.head_dim, attention::HEAD_DIMS_SM80))
     return invalid("head_dim " + std::to_string(p.head_dim) + ": the forward kernel runs on H100/H200 (sm_90a) only");
@@ -288,7 +289,8 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   const int64_t words = attention::bwd_sm90_workspace_words(p.batch, p.q_len, p.q_heads, p.head_dim);
   if (workspace->element_type() != ffi::DataType::F32 || !lead.matches(*workspace, {words}))
     return invalid("workspace must be float32 " + lead.shape({words}));
-  if (auto e = check_device(8, 0); e.failure()) return e;
+  Kernels kernels;
+  if (auto e = pick_kernels(variant, kernels); e.failure()) return e;
   fold(p, lead);
   p.scale = scale;
   p.causal = is_causal != 0;
@@ -308,7 +310,7 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
     if (zero_dbias)
       if (auto e = cuda_error(cudaMemsetAsync(p.dbias, 0, bytes, stream), "dbias"); e.failure()) return e;
   }
-  if (variant == 0 && use_sm90() && attention::bwd_sm90_supported(p))
+  if (kernels.sm90 && attention::bwd_sm90_supported(p))
     return cuda_error(attention::bwd_sm90(p, stream), "attention backward (sm_90a)");
   if (!attention::head_dim_in(p.head_dim, attention::HEAD_DIMS_SM80))
     return invalid("head_dim " + std::to_string(p.head_dim) + ": the backward kernel runs on H100/H200 (sm_90a) only");
@@ -376,28 +378,17 @@ template <bool TEST> auto bwd_binding() {
 }  // namespace
 
 namespace attention {
-OpExports exports();
+FfiTargets ffi_targets();
 }
 
 JAX_TK_DEFINE_HANDLERS(AttentionFwd, fwd_impl, fwd_binding);
 JAX_TK_DEFINE_HANDLERS(AttentionBwd, bwd_impl, bwd_binding);
 
-OpExports attention::exports() {  // (declared by cc/module.cc)
-  return {"attention",
-          {{"jax_tk_attention_fwd", reinterpret_cast<void *>(AttentionFwd)},
-           {"jax_tk_attention_bwd", reinterpret_cast<void *>(AttentionBwd)},
-           {"jax_tk_attention_fwd_test", reinterpret_cast<void *>(AttentionFwdTest)},
-           {"jax_tk_attention_bwd_test", reinterpret_cast<void *>(AttentionBwdTest)}},
-          {
-#define JAX_TK_CONSTANT(name) {#name, attention::name}
-              JAX_TK_CONSTANT(SEGMENT_GRANULE), JAX_TK_CONSTANT(HEAD_DIMS_SM80), JAX_TK_CONSTANT(HEAD_DIMS_SM90),
-              JAX_TK_CONSTANT(FWD_TILE_ROWS), JAX_TK_CONSTANT(FWD_TILE_KEYS), JAX_TK_CONSTANT(FWD_TILE_KEYS_D256),
-              JAX_TK_CONSTANT(FWD_DOCS_MAX_HEAD_DIM), JAX_TK_CONSTANT(FWD_TILES_PER_BLOCK),
-              JAX_TK_CONSTANT(BWD_BLOCK_KEYS), JAX_TK_CONSTANT(BWD_BLOCK_KEYS_D256), JAX_TK_CONSTANT(BWD_QUERY_ROWS),
-              JAX_TK_CONSTANT(MASK_BLOCK_ROWS), JAX_TK_CONSTANT(MASK_BLOCK_KEYS), JAX_TK_CONSTANT(MASK_EMPTY),
-              JAX_TK_CONSTANT(MASK_FULL), JAX_TK_CONSTANT(MASK_MIXED),
-#undef JAX_TK_CONSTANT
-          }};
+FfiTargets attention::ffi_targets() {  // (declared by cc/module.cc)
+  return {{"jax_tk_attention_fwd", reinterpret_cast<void *>(AttentionFwd)},
+          {"jax_tk_attention_bwd", reinterpret_cast<void *>(AttentionBwd)},
+          {"jax_tk_attention_fwd_test", reinterpret_cast<void *>(AttentionFwdTest)},
+          {"jax_tk_attention_bwd_test", reinterpret_cast<void *>(AttentionBwdTest)}};
 }
 
 }  // namespace jax_tk

@@ -1,25 +1,28 @@
 // Parameters of the decode-attention kernels, shared by the FFI handler and the kernels, and the
-// contract with Python (jax_tk/decode/launch.py): every number both sides must agree on is a
-// `constexpr int NAME = value;` line here.
+// contract with Python (jax_tk/decode/launch.py; the list's format: cc/core/core.h).
 #pragma once
-#include <cuda_runtime.h>
-
 #include <cstddef>
+
+#include "core/core.h"
 
 namespace jax_tk::decode {
 
 enum class DType { bf16, fp16 };
 
-constexpr int HEAD_DIMS = 64 | 128 | 256;  // head dims of the kernel (a set of powers of 2), every GPU
-constexpr int TILE_ROWS = 16;     // query rows per warp: (query heads of one KV head) x (new tokens) ...
-constexpr int MAX_TILE_ROWS = 128;  // ... and at most this many per thread block (TILE_ROWS x 2^k; before Hopper,
-                                    // head_dim 256 runs 128 of them as two blocks of 64) ...
-constexpr int MAX_SPLITS = 128;   // parts a sequence's cache may be split into (the split-KV grid)
-constexpr int SPLIT_MIN_KEYS = 128;  // ... each covering at least this many positions of the capacity
-constexpr int SMALL_GPU_SMEM = 99 * 1024;  // shared memory a block may take on sm_86 / sm_89 GPUs: every
-                                           // head dim and block size has a config within it
-constexpr int TARGET_BLOCKS = 132;   // thread blocks of one wave (one per SM of an H100/H200): the split count
-                                     // stays within it; a larger grid takes blocks of two per SM
+// clang-format off
+#define JAX_TK_DECODE_CONTRACT(X)                                                                          \
+  X(HEAD_DIMS, 64 | 128 | 256)  /* head dims of the kernel (a set of powers of 2), every GPU */            \
+  X(TILE_ROWS, 16)         /* query rows per warp: (query heads of one KV head) x (new tokens) ... */      \
+  X(MAX_TILE_ROWS, 128)    /* ... and at most this many per thread block (TILE_ROWS x 2^k; before Hopper,  \
+                              head_dim 256 runs 128 of them as two blocks of 64) */                        \
+  X(MAX_SPLITS, 128)       /* parts a sequence's cache may be split into (the split-KV grid) */            \
+  X(SPLIT_MIN_KEYS, 128)   /* ... each covering at least this many positions of the capacity */            \
+  X(SMALL_GPU_SMEM, 99 * 1024)  /* shared memory a block may take on sm_86 / sm_89 GPUs: every head dim    \
+                                   and block size has a config within it (VARIANT_SM86 keeps to it) */     \
+  X(TARGET_BLOCKS, 132)    /* thread blocks of one wave (one per SM of an H100/H200): the split count      \
+                              stays within it; a larger grid takes blocks of two per SM */
+// clang-format on
+JAX_TK_DECLARE_CONTRACT(JAX_TK_DECODE_CONTRACT)
 
 struct Params {
   DType dtype;
@@ -50,20 +53,25 @@ struct Params {
 
 // Workspace of a split call, in 4-byte words: each part's log-sum-exp (log2 units) of every query row,
 // [splits, batch, q_len, q_heads], then its normalized output, [splits, batch, q_len, q_heads, head_dim].
-__host__ __device__ inline size_t workspace_words(int splits, int batch, int q_len, int q_heads, int head_dim) {
+JAX_TK_HD inline size_t workspace_words(int splits, int batch, int q_len, int q_heads, int head_dim) {
   return splits > 1 ? size_t(splits) * batch * q_len * q_heads * (head_dim + 1) : 0;
 }
 // Query rows of one thread block, of a sequence's `rows` = (query heads per KV head) x (new tokens):
 // the fewest TILE_ROWS x 2^k that hold them, at most the maximum; more rows take more blocks.
-__host__ __device__ constexpr int block_rows(int rows) {
+JAX_TK_HD constexpr int block_rows(int rows) {
   int n = TILE_ROWS;
   while (n < rows && n < MAX_TILE_ROWS) n *= 2;
   return n;
 }
 inline bool head_dim_supported(int head_dim) { return (head_dim & (head_dim - 1)) == 0 && (head_dim & HEAD_DIMS) != 0; }
 
+// The formulas Python calls (jax_tk._tk.decode.<name>).
+#define JAX_TK_DECODE_FORMULAS(F) F(workspace_words) F(block_rows)
+
+#ifdef JAX_TK_CUDA_HEADERS
 // The kernel (mma.sync and cp.async: sm_80 and newer; wgmma on sm_90a), and the merge of the parts when
 // splits > 1.
 cudaError_t decode(const Params &p, cudaStream_t stream);
+#endif
 
 }  // namespace jax_tk::decode

@@ -7,9 +7,9 @@
 // [batch]; page_table int32 [batch, max_pages] (paged) or shape (0,) (contiguous). Results: out (the
 // query's shape and dtype), lse float32 [batch, q_heads, q_len] and the workspace, float32
 // [max(workspace_words(), 1)]. Attributes:
-// scale, is_causal, window_left, window_right (-1: unbounded), softcap (0: none), splits.
-// JAX_TK_DECODE_VARIANT in the environment, to test on Hopper the kernels of other GPUs: sm80, the
-// mma.sync kernels; small, those in the shared memory of sm_86 and sm_89 GPUs (SMALL_GPU_SMEM).
+// scale, is_causal, window_left, window_right (-1: unbounded), softcap (0: none), splits, and variant
+// (cc/core/core.h's VARIANT_*: on Hopper, VARIANT_SM80 runs the kernels of other GPUs, VARIANT_SM86
+// those within the shared memory of sm_86 and sm_89 GPUs, SMALL_GPU_SMEM).
 #include "decode/decode.h"
 #include "ffi/common.h"
 
@@ -31,21 +31,21 @@ ffi::Error check_cache(Params &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer 
   if (pd.size() == 1 && pd[0] == 0) {  // contiguous
     if (kd[0] != p.batch) return invalid("a contiguous cache must be [batch, max_seq_len, kv_heads, head_dim]");
     p.capacity = int(kd[1]);
-    if (kd[0] * kd[1] >= (int64_t(1) << 31)) return invalid("batch * max_seq_len must be below 2^31");
+    if (kd[0] * kd[1] > core::MAX_INDEX) return invalid("batch * max_seq_len must be below 2^31");
   } else {
     if (pd.size() != 2 || pd[0] != p.batch || pd[1] <= 0) return invalid("page_table must be int32 [batch, max_pages]");
-    if (kd[1] <= 0 || pd[1] * kd[1] >= (int64_t(1) << 31)) return invalid("max_pages * page_size must be in [1, 2^31)");
+    if (kd[1] <= 0 || pd[1] * kd[1] > core::MAX_INDEX) return invalid("max_pages * page_size must be in [1, 2^31)");
     p.page_table = static_cast<const int *>(page_table.untyped_data());
     p.num_pages = int(kd[0]);
     p.page_size = int(kd[1]);
     p.max_pages = int(pd[1]);
     p.capacity = p.max_pages * p.page_size;
-    if (kd[0] * kd[1] >= (int64_t(1) << 31)) return invalid("num_pages * page_size must be below 2^31");
+    if (kd[0] * kd[1] > core::MAX_INDEX) return invalid("num_pages * page_size must be below 2^31");
     if ((p.page_size & (p.page_size - 1)) == 0)
       for (p.page_shift = 0; (1 << p.page_shift) < p.page_size;) p.page_shift++;
   }
   for (auto d : kd)
-    if (d >= (int64_t(1) << 31)) return invalid("cache dimensions must be below 2^31");
+    if (d > core::MAX_INDEX) return invalid("cache dimensions must be below 2^31");
   if (p.capacity <= 0) return invalid("the cache must hold at least one position");
   p.k = k.untyped_data();
   p.v = v.untyped_data();
@@ -60,7 +60,7 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                        ffi::AnyBuffer page_table, Extra..., ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                        ffi::Result<ffi::AnyBuffer> workspace,
                        float scale, int32_t is_causal, int32_t window_left, int32_t window_right, float softcap,
-                       int32_t splits) {
+                       int32_t splits, int32_t variant) {
   Params p{};
   if (q.element_type() == ffi::DataType::BF16) p.dtype = decode::DType::bf16;
   else if (q.element_type() == ffi::DataType::F16) p.dtype = decode::DType::fp16;
@@ -68,7 +68,7 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   auto qd = q.dimensions();
   if (qd.size() != 4) return invalid("query must be [batch, q_len, q_heads, head_dim]");
   for (auto d : qd)
-    if (d <= 0 || d >= (int64_t(1) << 31)) return invalid("query dimensions must be in [1, 2^31)");
+    if (d <= 0 || d > core::MAX_INDEX) return invalid("query dimensions must be in [1, 2^31)");
   p.batch = int(qd[0]); p.q_len = int(qd[1]); p.q_heads = int(qd[2]); p.head_dim = int(qd[3]);
   if (!decode::head_dim_supported(p.head_dim)) return invalid("the decode kernel takes head_dim 64, 128 or 256");
   if (auto e = check_cache(p, q, k, v, page_table); e.failure()) return e;
@@ -85,7 +85,8 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
     return invalid("workspace must be float32 [max(workspace_words, 1)]");
   if (window_left < -1 || window_right < -1) return invalid("window_left and window_right must be >= -1");
   if (!(softcap >= 0.f) || softcap == __builtin_huge_valf()) return invalid("softcap must be finite and >= 0");
-  if (auto e = check_device(8, 0); e.failure()) return e;
+  Kernels kernels;
+  if (auto e = pick_kernels(variant, kernels); e.failure()) return e;
   p.lengths = static_cast<const int *>(lengths.untyped_data());
   p.scale = scale;
   p.causal = is_causal != 0;
@@ -93,11 +94,8 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   p.window_right = window_right;
   p.softcap = softcap;
   p.splits = splits;
-  p.sm90 = use_sm90("JAX_TK_DECODE_VARIANT");
-  if (const char *v = std::getenv("JAX_TK_DECODE_VARIANT"); v && std::string(v) == "small") {
-    p.sm90 = false;
-    p.smem_limit = decode::SMALL_GPU_SMEM;
-  }
+  p.sm90 = kernels.sm90;
+  p.smem_limit = kernels.small_smem ? decode::SMALL_GPU_SMEM : 0;
   p.q = q.untyped_data();
   p.o = o->untyped_data();
   p.lse = static_cast<float *>(lse->untyped_data());
@@ -126,7 +124,8 @@ template <bool TEST> auto binding() {
         .template Attr<int32_t>("window_left")
         .template Attr<int32_t>("window_right")
         .template Attr<float>("softcap")
-        .template Attr<int32_t>("splits");
+        .template Attr<int32_t>("splits")
+        .template Attr<int32_t>("variant");
   };
   return bind<TEST>(head, tail);
 }
@@ -134,21 +133,13 @@ template <bool TEST> auto binding() {
 }  // namespace
 
 namespace decode {
-OpExports exports();
+FfiTargets ffi_targets();
 }
 
 JAX_TK_DEFINE_HANDLERS(Decode, decode_impl, binding);
 
-OpExports decode::exports() {  // (declared by cc/module.cc)
-  return {"decode",
-          {{"jax_tk_decode", reinterpret_cast<void *>(Decode)}, {"jax_tk_decode_test", reinterpret_cast<void *>(DecodeTest)}},
-          {
-#define JAX_TK_CONSTANT(name) {#name, decode::name}
-              JAX_TK_CONSTANT(HEAD_DIMS), JAX_TK_CONSTANT(TILE_ROWS), JAX_TK_CONSTANT(MAX_TILE_ROWS),
-              JAX_TK_CONSTANT(MAX_SPLITS), JAX_TK_CONSTANT(SPLIT_MIN_KEYS),
-              JAX_TK_CONSTANT(TARGET_BLOCKS),
-#undef JAX_TK_CONSTANT
-          }};
+FfiTargets decode::ffi_targets() {  // (declared by cc/module.cc)
+  return {{"jax_tk_decode", reinterpret_cast<void *>(Decode)}, {"jax_tk_decode_test", reinterpret_cast<void *>(DecodeTest)}};
 }
 
 }  // namespace jax_tk

@@ -1,26 +1,23 @@
-// Small helpers for the FFI handlers: errors, shape checks, the device's compute capability.
+// Small helpers for the FFI handlers: errors, shape checks, and which kernels a call runs.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "core/core.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_tk {
 
 namespace ffi = xla::ffi;
 
-// What an op gives cc/module.cc: its FFI targets and its contract constants (cc/<op>/<op>.h), which
-// jax_tk/_core/extension.py registers and reads.
-struct OpExports {
-  const char *op;
-  std::vector<std::pair<const char *, void *>> targets;  // FFI target name, XLA_FFI_Handler*
-  std::vector<std::pair<const char *, int>> constants;
-};
+// An op's FFI targets, which cc/module.cc registers (jax_tk/_core/extension.py hands them to XLA):
+// jax_tk::<op>::ffi_targets() in cc/<op>/ffi.cc. (The op's contract constants and formulas come from
+// its header: cc/core/core.h.)
+using FfiTargets = std::vector<std::pair<const char *, void *>>;  // FFI target name, XLA_FFI_Handler*
 
 inline ffi::Error invalid(const std::string &msg) { return ffi::Error::InvalidArgument("jax_tk: " + msg); }
 
@@ -41,28 +38,29 @@ template <typename A, typename B> bool same_type_and_dims(const A &a, const B &b
 }
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-// The current device must have compute capability >= major.minor.
-inline ffi::Error check_device(int major, int minor) {
-  int dev = 0, ma = 0, mi = 0;
-  if (auto e = cudaGetDevice(&dev); e != cudaSuccess) return cuda_error(e, "cudaGetDevice");
-  cudaDeviceGetAttribute(&ma, cudaDevAttrComputeCapabilityMajor, dev);
-  cudaDeviceGetAttribute(&mi, cudaDevAttrComputeCapabilityMinor, dev);
-  if (ma * 10 + mi < major * 10 + minor)
-    return invalid("this kernel needs compute capability " + std::to_string(major) + "." + std::to_string(minor) +
-                   " or newer, the device has " + std::to_string(ma) + "." + std::to_string(mi));
-  return ffi::Error::Success();
-}
-
-// Whether the current device runs the sm_90a kernels: compute capability 9.0 exactly (sm_90a code runs
-// there only). `variant_env`, when set to "sm80" in the environment, keeps the mma.sync kernels on every
-// GPU (to test them on Hopper).
-inline bool use_sm90(const char *variant_env = nullptr) {
-  if (const char *v = variant_env ? std::getenv(variant_env) : nullptr; v && std::string(v) == "sm80") return false;
+// The kernels a call runs, from the device and the call's `variant` attribute (cc/core/core.h's
+// VARIANT_*). The one place of the rule (jax_tk/_core/extension.py's kernels_run_on and
+// takes_sm90_kernels say the same in Python): every kernel needs compute capability 8.0 or newer, and
+// the sm_90a kernels run at 9.0 exactly (sm_90a code runs on no other GPU), for VARIANT_AUTO only.
+struct Kernels {
+  bool sm90 = false;        // the sm_90a kernels (else the mma.sync ones)
+  bool small_smem = false;  // keep to the shared memory of sm_86 / sm_89 GPUs (VARIANT_SM86)
+};
+inline ffi::Error pick_kernels(int32_t variant, Kernels &k) {
+  if (variant != core::VARIANT_AUTO && variant != core::VARIANT_SM80 && variant != core::VARIANT_SM86)
+    return invalid("unknown kernel variant " + std::to_string(variant));
   int dev = 0, major = 0, minor = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  return major == 9 && minor == 0;
+  if (auto e = cudaGetDevice(&dev); e != cudaSuccess) return cuda_error(e, "cudaGetDevice");
+  if (auto e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev); e != cudaSuccess)
+    return cuda_error(e, "cudaDeviceGetAttribute");
+  if (auto e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev); e != cudaSuccess)
+    return cuda_error(e, "cudaDeviceGetAttribute");
+  if (major < 8)
+    return invalid("the kernels need compute capability 8.0 or newer, the device has " + std::to_string(major) + "." +
+                   std::to_string(minor));
+  k.sm90 = variant == core::VARIANT_AUTO && major == 9 && minor == 0;
+  k.small_smem = variant == core::VARIANT_SM86;
+  return ffi::Error::Success();
 }
 
 // A handler's production and test bindings from one operand list: head() returns the binding up to

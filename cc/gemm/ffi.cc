@@ -31,7 +31,7 @@ bool dims_are(const ffi::AnyBuffer &x, std::initializer_list<int64_t> want) {
 // buffers that tests alias to the output to poison it), ignored here.
 template <typename... Extra>
 ffi::Error ragged_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer group_sizes, Extra...,
-                       ffi::Result<ffi::AnyBuffer> out, int32_t mode, int32_t b_transposed) {
+                       ffi::Result<ffi::AnyBuffer> out, int32_t mode, int32_t b_transposed, int32_t variant) {
   Params p{};
   if (a.element_type() != b.element_type()) return invalid("gemm: a and b must have the same dtype");
   if (a.element_type() == ffi::DataType::BF16) p.dtype = gemm::DType::bf16;
@@ -65,7 +65,7 @@ ffi::Error ragged_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, 
                      std::to_string(n) + "]");
   }
   for (auto d : {m, k, n, g})
-    if (d >= INT_MAX) return invalid("gemm: every dimension must be below 2^31");
+    if (d > core::MAX_INDEX) return invalid("gemm: every dimension must be below 2^31");
   if (k % gemm::DIM_MULTIPLE != 0 || n % gemm::DIM_MULTIPLE != 0)
     return invalid("gemm: k and n must be multiples of " + std::to_string(gemm::DIM_MULTIPLE) + ", got k = " +
                    std::to_string(k) + ", n = " + std::to_string(n));
@@ -76,13 +76,14 @@ ffi::Error ragged_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, 
   if (gemm::tile_bound(p, gemm::SM80_TILE_M, gemm::SM80_TILE_N) >= INT_MAX / 2 ||
       gemm::tile_bound(p, gemm::SM90_TILE_M, gemm::SM90_TILE_N) >= INT_MAX / 2)
     return invalid("gemm: too many output tiles (more than 2^30)");
-  if (auto e = check_device(8, 0); e.failure()) return e;
+  Kernels kernels;
+  if (auto e = pick_kernels(variant, kernels); e.failure()) return e;
 
   const size_t out_bytes = size_t(out->element_count()) * (p.out_f32 ? 4 : 2);
   if (out_bytes == 0) return ffi::Error::Success();
   if (k == 0 || g == 0 || m == 0)  // (mode 0: k = 0 or no groups; mode 1: no rows) out is all zeros
     return cuda_error(cudaMemsetAsync(p.out, 0, out_bytes, stream), "gemm: clearing out");
-  if (use_sm90("JAX_TK_GEMM_VARIANT")) return cuda_error(gemm::ragged_sm90(p, stream), "gemm (sm_90a)");
+  if (kernels.sm90) return cuda_error(gemm::ragged_sm90(p, stream), "gemm (sm_90a)");
   return cuda_error(gemm::ragged_sm80(p, stream), "gemm");
 }
 
@@ -97,31 +98,26 @@ template <bool TEST> auto ragged_binding() {
         .Arg<ffi::AnyBuffer>();  // group_sizes
   };
   auto tail = [](auto &&x) {
-    return std::move(x).template Ret<ffi::AnyBuffer>().template Attr<int32_t>("mode").template Attr<int32_t>("b_transposed");
+    return std::move(x)
+        .template Ret<ffi::AnyBuffer>()
+        .template Attr<int32_t>("mode")
+        .template Attr<int32_t>("b_transposed")
+        .template Attr<int32_t>("variant");
   };
-  if constexpr (TEST) return tail(head().RemainingArgs());
-  else return tail(head());
+  return bind<TEST>(head, tail);
 }
 
 }  // namespace
 
 namespace gemm {
-OpExports exports();
+FfiTargets ffi_targets();
 }
 
 JAX_TK_DEFINE_HANDLERS(GemmRagged, ragged_impl, ragged_binding);
 
-OpExports gemm::exports() {  // (declared by cc/module.cc)
-  return {"gemm",
-          {{"jax_tk_gemm_ragged", reinterpret_cast<void *>(GemmRagged)},
-           {"jax_tk_gemm_ragged_test", reinterpret_cast<void *>(GemmRaggedTest)}},
-          {
-#define JAX_TK_CONSTANT(name) {#name, gemm::name}
-              JAX_TK_CONSTANT(MODE_RAGGED), JAX_TK_CONSTANT(MODE_CONTRACT), JAX_TK_CONSTANT(DIM_MULTIPLE),
-              JAX_TK_CONSTANT(SM90_TILE_M), JAX_TK_CONSTANT(SM90_TILE_N), JAX_TK_CONSTANT(SM90_TILE_K),
-              JAX_TK_CONSTANT(SM80_TILE_M), JAX_TK_CONSTANT(SM80_TILE_N), JAX_TK_CONSTANT(SM80_TILE_K),
-#undef JAX_TK_CONSTANT
-          }};
+FfiTargets gemm::ffi_targets() {  // (declared by cc/module.cc)
+  return {{"jax_tk_gemm_ragged", reinterpret_cast<void *>(GemmRagged)},
+          {"jax_tk_gemm_ragged_test", reinterpret_cast<void *>(GemmRaggedTest)}};
 }
 
 }  // namespace jax_tk

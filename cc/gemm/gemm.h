@@ -3,7 +3,9 @@
 //
 // FFI targets "jax_tk_gemm_ragged" and "jax_tk_gemm_ragged_test" (the same handler plus trailing
 // operands that it ignores: tests alias poisoned buffers to the output through them).
-//   operands  a, b, group_sizes (int32 [g]);  one result: out;  int32 attributes mode, b_transposed.
+//   operands  a, b, group_sizes (int32 [g]);  one result: out;  int32 attributes mode, b_transposed
+//   and variant (cc/core/core.h's VARIANT_*: VARIANT_AUTO takes the sm_90a kernel on H100/H200, the
+//   others the mma.sync one everywhere).
 //   mode MODE_RAGGED (jax.lax.ragged_dot):
 //     a [m, k]; b [g, k, n] (b_transposed = 0) or b [g, n, k] (b_transposed = 1); out [m, n].
 //     Group i owns the rows [off_i, off_i + size_i) of a and out, off = exclusive cumsum of the
@@ -18,24 +20,25 @@
 //   tensor copies need 16-byte row strides); m is free. Zero-sized dimensions are allowed.
 //   Every array is contiguous, row-major, 16-byte aligned. No workspace: the kernels walk the
 //   groups themselves (no tile counter, no host synchronization).
-// Environment: JAX_TK_GEMM_VARIANT=sm80 makes the handler run the mma.sync kernels on every GPU
-// (tests use it to check those kernels on Hopper); read at each call.
 #pragma once
-#include <cuda_runtime.h>
+#include "core/core.h"
 
 namespace jax_tk::gemm {
 
-// The contract with Python: `constexpr int NAME = value;` lines, read through the extension (or
-// from this file's text where the extension was not built).
-constexpr int MODE_RAGGED = 0;     // attribute mode: out [m, n] = a @ b[group of the row]
-constexpr int MODE_CONTRACT = 1;   // attribute mode: out [g, k, n] = a[rows_i]^T @ b[rows_i]
-constexpr int DIM_MULTIPLE = 8;    // k and n must be multiples of this
-constexpr int SM90_TILE_M = 128;   // output tile of the sm_90a kernel (rows of out, or of out[i] in
-constexpr int SM90_TILE_N = 256;   //   MODE_CONTRACT) ...
-constexpr int SM90_TILE_K = 64;    // ... and its steps along the contraction
-constexpr int SM80_TILE_M = 128;   // output tile of the mma.sync kernel
-constexpr int SM80_TILE_N = 128;
-constexpr int SM80_TILE_K = 32;
+// The contract with Python (the list's format: cc/core/core.h).
+// clang-format off
+#define JAX_TK_GEMM_CONTRACT(X)                                                                            \
+  X(MODE_RAGGED, 0)     /* attribute mode: out [m, n] = a @ b[group of the row] */                         \
+  X(MODE_CONTRACT, 1)   /* attribute mode: out [g, k, n] = a[rows_i]^T @ b[rows_i] */                      \
+  X(DIM_MULTIPLE, 8)    /* k and n must be multiples of this */                                            \
+  X(SM90_TILE_M, 128)   /* output tile of the sm_90a kernel (rows of out, or of out[i] in MODE_CONTRACT) */ \
+  X(SM90_TILE_N, 256)                                                                                      \
+  X(SM90_TILE_K, 64)    /* ... and its steps along the contraction */                                      \
+  X(SM80_TILE_M, 128)   /* output tile of the mma.sync kernel */                                           \
+  X(SM80_TILE_N, 128)                                                                                      \
+  X(SM80_TILE_K, 32)
+// clang-format on
+JAX_TK_DECLARE_CONTRACT(JAX_TK_GEMM_CONTRACT)
 
 enum class DType { bf16, fp16 };
 
@@ -59,9 +62,14 @@ inline long long tile_bound(const Params &p, int tm, int tn) {
   return ((p.m + tm - 1) / tm + (long long)p.groups + 1) * nt;
 }
 
+// (Python needs no formula of the kernels.)
+#define JAX_TK_GEMM_FORMULAS(F)
+
+#ifdef JAX_TK_CUDA_HEADERS
 // The kernels. Both take any Params the handler accepts (m, k, n, groups >= 1) and return the
 // launch error, if any.
 cudaError_t ragged_sm80(const Params &p, cudaStream_t stream);  // mma.sync, cp.async (sm_80 and newer)
 cudaError_t ragged_sm90(const Params &p, cudaStream_t stream);  // TMA, wgmma, warp-specialized (sm_90a)
+#endif
 
 }  // namespace jax_tk::gemm

@@ -1,13 +1,17 @@
-"""The ``implementation=`` choice and the platform dispatch shared by every op.
+"""The ``implementation=`` choice, the kernel variant, and the platform dispatch shared by every op.
 
 ``implementation=None`` runs the kernel where the configuration is supported (and the local GPU is one
 the kernels were built for) and the pure-JAX reference elsewhere; the choice between them is made per
 platform by ``platform_dependent``, so the same program lowers for CPU (the reference) and for CUDA
 (the kernel). ``"tk"`` forces the kernel (or raises), ``"xla"`` the reference.
+
+Which kernels a call runs on the GPU is one environment variable, ``JAX_TK_KERNELS`` (see
+:func:`kernel_variant`), passed to every kernel as its FFI call's ``variant`` attribute.
 """
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections.abc import Callable
 
@@ -17,12 +21,37 @@ import jax.numpy as jnp
 from jax_tk._core import extension
 
 IMPLEMENTATIONS = (None, "tk", "xla")
+KERNELS_ENV = "JAX_TK_KERNELS"
+# Its values and the variant codes (cc/core/core.h's VARIANT_*) they stand for.
+KERNELS = {"auto": "VARIANT_AUTO", "sm80": "VARIANT_SM80", "sm86": "VARIANT_SM86"}
+
+
+def kernel_variant(kernels: str | None = None) -> int:
+    """The ``variant`` attribute of the kernels' FFI calls: the code of ``kernels``, or where None of the
+    environment variable ``JAX_TK_KERNELS``:
+
+    - unset or ``auto``: the fastest kernels for the device (the sm_90a ones on H100/H200);
+    - ``sm80``: the portable mma.sync kernels on every GPU (to test or time them on Hopper);
+    - ``sm86``: as ``sm80``, and within the shared memory of sm_86/sm_89 GPUs (RTX 30xx/40xx, A10, L4),
+      where a kernel sizes itself by it (decode): what those GPUs run, on a larger one.
+
+    The variable is read when a call is traced: set it before tracing (``jax.jit`` caches traced
+    calls, so a change applies to functions traced afterwards only)."""
+    name = os.environ.get(KERNELS_ENV, "auto") if kernels is None else kernels
+    key = name.strip().lower() or "auto"
+    if key not in KERNELS:
+        where = f"{KERNELS_ENV}={name!r}" if kernels is None else f"kernels {name!r}"
+        raise ValueError(f"jax_tk: {where}: expected one of {', '.join(KERNELS)}")
+    return extension.contract("core")[KERNELS[key]]
 
 
 def check_implementation(op: str, implementation, extra: tuple = ()) -> None:
     """``implementation`` must be one of IMPLEMENTATIONS or of the op's own ``extra`` choices."""
     if implementation not in IMPLEMENTATIONS + extra:
         raise ValueError(f"jax_tk.{op}: implementation must be one of {IMPLEMENTATIONS + extra}, got {implementation!r}")
+
+
+_NO_KERNELS = "installed without nvcc, on a machine without a GPU, or with JAX_TK_CUDA=OFF"
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,9 +71,13 @@ def use_kernel(op: str, implementation, unsupported_reason: str | None) -> bool:
     if implementation == "tk":
         if unsupported_reason is not None:
             raise ValueError(f"jax_tk.{op}(implementation='tk'): unsupported {unsupported_reason}")
+        if not extension.available():
+            raise RuntimeError(f"jax_tk.{op}(implementation='tk'): this copy of jax_tk has no compiled extension "
+                               "(run from a source tree that was never built): install the package, e.g. "
+                               "`pip install -e .`")
         if not extension.has_cuda_kernels():
             raise RuntimeError(f"jax_tk.{op}(implementation='tk'): jax_tk was built without CUDA kernels "
-                               "(no nvcc at install time)")
+                               f"({_NO_KERNELS})")
         if not local_gpu:
             raise RuntimeError(f"jax_tk.{op}(implementation='tk') needs a CUDA GPU")
         if not extension.kernels_run_on(capability):
@@ -54,11 +87,12 @@ def use_kernel(op: str, implementation, unsupported_reason: str | None) -> bool:
         return True
     # implementation=None: the kernel where it applies. Without local CUDA devices the kernel is still
     # emitted in the CUDA branch, so that programs exported or lowered for CUDA use it.
-    if unsupported_reason is not None:
+    # Without the extension (a bare source tree) the kernel's operands cannot be worked out: the reference.
+    if unsupported_reason is not None or not extension.available():
         return False
     if local_gpu and not extension.has_cuda_kernels():
-        _warn_once(f"jax_tk was installed without its CUDA kernels (no nvcc at build time); {op} runs the pure-JAX "
-                   "reference on the GPU. Install the binary wheel, or reinstall on a machine with nvcc, to get the kernels.")
+        _warn_once(f"jax_tk was installed without its CUDA kernels ({_NO_KERNELS}); {op} runs the pure-JAX "
+                   "reference on the GPU. Install the binary wheel, or reinstall here with nvcc, to get the kernels.")
         return False
     if local_gpu and not extension.kernels_run_on(capability):
         _warn_once(f"jax_tk's kernels are built for GPU architectures {', '.join(extension.kernel_archs())}; this GPU "

@@ -1,20 +1,20 @@
 """The attention kernels' operands: what Python works out for them and how they are called.
 
-The numbers the kernels and this file share (block sizes, the workspace's layout, the head dims)
-come from ``cc/attention/attention.h`` through ``jax_tk._core.extension.contract``; nothing here
-copies them.
+The numbers the kernels and this file share (block sizes, the head dims, the mask's block codes)
+come from ``cc/attention/attention.h`` through ``jax_tk._core.extension.contract``, and its formulas
+(the workspace's size, the bias's padding, the mask's words) through ``extension.formulas``; nothing
+here copies them.
 """
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk._core import extension, ffi
+from jax_tk._core import dispatch, extension, ffi
 from jax_tk._core.ffi import kernel_call
 from jax_tk.attention import reference
 
@@ -22,18 +22,13 @@ FWD_TARGET = ffi.target("jax_tk_attention_fwd")
 BWD_TARGET = ffi.target("jax_tk_attention_bwd")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 
-# Kernel variants: 0 = the fastest for the device (sm_90a kernels on H100/H200, chosen by the FFI
-# handler from the device), 1 = the mma.sync (sm_80) kernels on every GPU. Tests and benchmarks use 1
-# to check and time the portable path; JAX_TK_ATTENTION_KERNELS=sm80 makes it the default.
-VARIANT_AUTO, VARIANT_SM80 = 0, 1
-
 
 def contract() -> dict[str, int]:
     return extension.contract("attention")
 
 
-def default_variant() -> int:
-    return VARIANT_SM80 if os.environ.get("JAX_TK_ATTENTION_KERNELS", "").lower() == "sm80" else VARIANT_AUTO
+def formulas():
+    return extension.formulas("attention")
 
 
 def _head_dims(mask: int) -> tuple[int, ...]:
@@ -52,7 +47,7 @@ def kernel_unsupported_reason(query, key, bias=None, softcap=None) -> str | None
     if d in everywhere:
         return None
     if d in hopper:
-        if extension.cuda_device_capability() != (9, 0) or default_variant() != VARIANT_AUTO:
+        if not extension.takes_sm90_kernels(extension.cuda_device_capability(), dispatch.kernel_variant()):
             return f"head_dim {d} (kernels on H100/H200 only; elsewhere the kernels take {everywhere})"
         return None
     return f"head_dim {d} (the kernels take {everywhere}, and {hopper} on H100/H200)"
@@ -74,11 +69,6 @@ class Masks(NamedTuple):
 # The per-block summary of a boolean mask
 # ----------------------------------------------------------------------------------------------
 
-# mask_block_summary's codes (attention.h's MASK_EMPTY, MASK_FULL, MASK_MIXED): every (query, key) pair
-# of the block hidden, every one visible, or both.
-BLOCK_EMPTY, BLOCK_FULL, BLOCK_MIXED = 0, 1, 2
-
-
 def _blocks_reduce(x, axis, n, block, op, pad):
     """``op`` (jnp.any / jnp.all) over blocks of ``block`` along ``axis`` (of full size ``n``; a size of
     1 is broadcast: each block sees that one value), padding the last block with ``pad`` (neutral)."""
@@ -95,12 +85,14 @@ def _blocks_reduce(x, axis, n, block, op, pad):
 def mask_block_summary(mask, q_len: int, kv_len: int, rows: int, keys: int):
     """int8 ``[mask batch, mask heads, ceil(q_len / rows), ceil(kv_len / keys)]`` for a boolean mask of
     rank 4 (dims 1 or ``[batch, heads, q_len, kv_len]``; the size-1 batch/heads dims stay 1): for each
-    block of ``rows`` queries and ``keys`` keys, BLOCK_EMPTY where the mask hides every pair (the kernel
-    skips the block), BLOCK_FULL where it shows every one (no elementwise mask needed there), else
-    BLOCK_MIXED. Pairs past the ends of the sequences (the last blocks' padding) do not count."""
+    block of ``rows`` queries and ``keys`` keys, the contract's MASK_EMPTY where the mask hides every
+    pair (the kernel skips the block), MASK_FULL where it shows every one (no elementwise mask needed
+    there), else MASK_MIXED. Pairs past the ends of the sequences (the last blocks' padding) do not
+    count."""
+    c = contract()
     any_ = _blocks_reduce(_blocks_reduce(mask, 2, q_len, rows, jnp.any, False), 3, kv_len, keys, jnp.any, False)
     all_ = _blocks_reduce(_blocks_reduce(mask, 2, q_len, rows, jnp.all, True), 3, kv_len, keys, jnp.all, True)
-    return jnp.where(~any_, BLOCK_EMPTY, jnp.where(all_, BLOCK_FULL, BLOCK_MIXED)).astype(jnp.int8)
+    return jnp.where(~any_, c["MASK_EMPTY"], jnp.where(all_, c["MASK_FULL"], c["MASK_MIXED"])).astype(jnp.int8)
 
 
 def mask_summary(mask, q_len, kv_len):
@@ -114,7 +106,7 @@ def mask_bits(mask, q_len, kv_len):
     """uint32 ``[mask batch, mask heads, q_len, words]`` (``Params::mask_bits``): bit ``j % 32`` of word
     ``j // 32`` of a row is the mask of key j, the row padded with zeros to whole blocks of
     MASK_BLOCK_KEYS keys (attention.h's ``mask_words``)."""
-    words = padded_rows_keys(q_len, kv_len)[1] // 32
+    words = formulas().mask_words(kv_len)
     m = jnp.broadcast_to(mask, (*mask.shape[:2], q_len, kv_len))
     m = jnp.pad(m, ((0, 0), (0, 0), (0, 0), (0, 32 * words - kv_len))).reshape(*m.shape[:3], words, 32)
     return jnp.sum(m.astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
@@ -152,8 +144,7 @@ def fwd_order_blocks(head_dim):
 
 def bwd_order_blocks(head_dim):
     """The sm_90a backward's blocks: (keys per block, query rows per step)."""
-    c = contract()
-    return c["BWD_BLOCK_KEYS"] if head_dim <= 128 else c["BWD_BLOCK_KEYS_D256"], c["BWD_QUERY_ROWS"]
+    return formulas().bwd_order_rows(head_dim), contract()["BWD_QUERY_ROWS"]
 
 
 # Heads per group of the block order (block_order). Groups of 4 heads ran packed documents faster
@@ -210,7 +201,7 @@ def fwd_tiles(q_ids, kv_ids, q_ranges, kv_ranges, causal, heads, group, head_dim
     q_block, kv_block = fwd_order_blocks(head_dim)
     b, t = q_ids.shape
     qblocks = -(-t // q_block)
-    cap = c["FWD_TILES_PER_BLOCK"] * qblocks  # fwd_tile_cap
+    cap = formulas().fwd_tile_cap(t)
     n = b * heads * cap
     # (-1, 0, 0, -1), from an iota: a custom_partitioning rule traces this and takes no constants
     unused = -(jnp.arange(4, dtype=jnp.int32) % 3 == 0).astype(jnp.int32)
@@ -290,8 +281,8 @@ def _attributes(spec, variant: int) -> dict:
 
 
 def _call(target, out_types, args, spec, out_init, variant, masks, order, bias, **attrs):
-    variant = default_variant() if variant is None else variant
-    if variant == VARIANT_SM80:
+    variant = dispatch.kernel_variant() if variant is None else variant
+    if variant != extension.contract("core")["VARIANT_AUTO"]:
         order = None  # (only the Hopper kernels take it)
     q, k = args[0], args[1]
     operands = (*args, *mask_operands(masks, q.shape[1], k.shape[1], order), bias_operand(bias, q, k))
@@ -307,12 +298,11 @@ def lse_shape(query):
 
 
 def bwd_workspace_shape(query):
-    """The sm_90a backward's workspace (``bwd_sm90_workspace_words``): per (batch, head, block of R =
-    BWD_QUERY_ROWS query rows) an fp32 R x head_dim dq accumulator tile, R lse and R delta values and
+    """The sm_90a backward's workspace (attention.h's ``bwd_sm90_workspace_words``): per (batch, head,
+    block of BWD_QUERY_ROWS query rows) an fp32 dq accumulator tile, the rows' lse and delta values and
     one int32."""
     b, t, n, d = query.shape
-    r = contract()["BWD_QUERY_ROWS"]
-    return jax.ShapeDtypeStruct((b * n * -(-t // r) * (r * d + 2 * r + 1),), jnp.float32)
+    return jax.ShapeDtypeStruct((formulas().bwd_sm90_workspace_words(b, t, n, d),), jnp.float32)
 
 
 def bias_operand(bias, query, key):
@@ -330,8 +320,7 @@ def bias_operand(bias, query, key):
 
 def padded_rows_keys(q_len: int, kv_len: int) -> tuple[int, int]:
     """attention.h's ``padded_rows`` and ``padded_keys``: whole blocks of MASK_BLOCK_ROWS x MASK_BLOCK_KEYS."""
-    c = contract()
-    return -(-q_len // c["MASK_BLOCK_ROWS"]) * c["MASK_BLOCK_ROWS"], -(-kv_len // c["MASK_BLOCK_KEYS"]) * c["MASK_BLOCK_KEYS"]
+    return formulas().padded_rows(q_len), formulas().padded_keys(kv_len)
 
 
 def dbias_from_kernel(dbias, bias, query, key, visible=None):

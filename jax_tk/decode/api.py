@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk._core import checks, dispatch, sharding
+from jax_tk._core import checks, dispatch, extension, sharding
 from jax_tk.decode import launch, reference
 
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -82,7 +82,7 @@ def _check_cache(op, key_cache, value_cache, batch, page_table, names=("key_cach
         raise ValueError(f"jax_tk.{op}: page_table must have shape [batch={batch}, max_pages >= 1], got "
                          f"{tuple(page_table.shape)}")
     page_size = key_cache.shape[1]
-    if page_table.shape[1] * page_size >= 2 ** 31:
+    if page_table.shape[1] * page_size > extension.MAX_INDEX:
         raise ValueError(f"jax_tk.{op}: max_pages * page_size = {page_table.shape[1] * page_size} positions do "
                          "not fit int32")
     return page_table.shape[1] * page_size, page_size
@@ -98,7 +98,7 @@ def _lengths(op, cache_lengths, batch):
     _int_array(op, "cache_lengths", cache_lengths, (batch,))
     # Positions are int32 (as in the kernels): a length past int32 saturates instead of wrapping (a length
     # <= 0 means no key, whatever its value).
-    return jnp.asarray(checks.to_int32(cache_lengths, 0, 2 ** 31 - 1))
+    return jnp.asarray(checks.to_int32(cache_lengths, 0, extension.MAX_INDEX))
 
 
 def _page_table_int32(page_table):
@@ -106,7 +106,7 @@ def _page_table_int32(page_table):
     if page_table is None or jnp.dtype(page_table.dtype) == jnp.int32:
         return page_table
     if jnp.dtype(page_table.dtype).itemsize > 4:
-        page_table = jnp.where((page_table < 0) | (page_table >= 2 ** 31), -1, page_table)
+        page_table = jnp.where((page_table < 0) | (page_table > extension.MAX_INDEX), -1, page_table)
     return jnp.asarray(page_table).astype(jnp.int32)
 
 
@@ -200,7 +200,7 @@ def attention_with_lse(query, key_cache, value_cache, cache_lengths, *, page_tab
         raise TypeError(f"jax_tk.{_OP}: is_causal must be a bool, got {is_causal!r}")
     # Positions count from the length as given, which may exceed the capacity: only the right side of a
     # window is bounded by the cache.
-    window = checks.window(_OP, local_window_size, 2 ** 31 - 1, capacity)
+    window = checks.window(_OP, local_window_size, extension.MAX_INDEX, capacity)
     softcap = checks.positive_float(_OP, "logits_soft_cap", logits_soft_cap)
     use = dispatch.use_kernel(_OP, implementation, launch.kernel_unsupported_reason(query, key_cache))
     spec = DecodeSpec(scale, bool(is_causal), use, window, softcap, page_size)

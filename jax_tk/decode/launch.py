@@ -1,7 +1,8 @@
 """The decode kernel's operands: the split count, the workspace, and the call.
 
-The numbers the kernel and this file share (head dims, the split heuristic's constants, the workspace
-layout) come from ``cc/decode/decode.h`` through ``jax_tk._core.extension.contract``.
+The numbers the kernel and this file share (head dims, the split heuristic's constants) come from
+``cc/decode/decode.h`` through ``jax_tk._core.extension.contract``, and its formulas (the rows of a
+thread block, the workspace's size) through ``extension.formulas``.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk._core import extension, ffi
+from jax_tk._core import dispatch, extension, ffi
 from jax_tk._core.ffi import broadcast_mapped, kernel_call, map_entries
 
 TARGET = ffi.target("jax_tk_decode")
@@ -23,6 +24,10 @@ def contract() -> dict[str, int]:
     return extension.contract("decode")
 
 
+def formulas():
+    return extension.formulas("decode")
+
+
 def kernel_unsupported_reason(query, key_cache) -> str | None:
     """Why the decode kernel cannot take this call (``key_cache``: contiguous or paged), or None if it can."""
     if not any(query.dtype == d for d in KERNEL_DTYPES):
@@ -30,19 +35,9 @@ def kernel_unsupported_reason(query, key_cache) -> str | None:
     d, dims = query.shape[-1], contract()["HEAD_DIMS"]
     if d & (d - 1) or not d & dims:
         return f"head_dim {d} (the decode kernel takes {tuple(1 << i for i in range(dims.bit_length()) if dims >> i & 1)})"
-    if key_cache.shape[0] * key_cache.shape[1] >= 2 ** 31:  # (the kernel's row indices are int32)
+    if key_cache.shape[0] * key_cache.shape[1] > extension.MAX_INDEX:  # (the kernel's row indices are int32)
         return f"a cache of {key_cache.shape[0] * key_cache.shape[1]} rows (the decode kernel takes fewer than 2^31)"
     return None
-
-
-def block_rows(rows: int) -> int:
-    """cc/decode/decode.h block_rows(): the query rows of one thread block, of a sequence's ``rows`` =
-    (query heads per KV head) x (new tokens)."""
-    c = contract()
-    n = c["TILE_ROWS"]
-    while n < rows and n < c["MAX_TILE_ROWS"]:
-        n *= 2
-    return n
 
 
 def splits(batch: int, t_new: int, heads: int, kv_heads: int, capacity: int) -> int:
@@ -52,37 +47,44 @@ def splits(batch: int, t_new: int, heads: int, kv_heads: int, capacity: int) -> 
     is not split."""
     c = contract()
     rows = heads // kv_heads * t_new
-    blocks = batch * kv_heads * math.ceil(rows / block_rows(rows))
+    blocks = batch * kv_heads * math.ceil(rows / formulas().block_rows(rows))
     want = c["TARGET_BLOCKS"] // blocks
     return max(1, min(want, c["MAX_SPLITS"], capacity // c["SPLIT_MIN_KEYS"]))
 
 
-def workspace_words(parts: int, batch: int, t_new: int, heads: int, head_dim: int) -> int:
-    """cc/decode/decode.h workspace_words(): each part's lse and output of every query row."""
-    return parts * batch * t_new * heads * (head_dim + 1) if parts > 1 else 0
-
-
 def kernel(query, key_cache, value_cache, cache_lengths, page_table, spec, out_init=None, parts=None,
-           with_lse=False):
+           with_lse=False, variant=None):
     """The decode kernel's output (and with ``with_lse`` its log-sum-exp ``[batch, heads, T_new]``, float32,
     -inf for a row that sees no key). ``page_table`` None: a contiguous cache. ``parts`` overrides the
-    split count (tests); ``out_init`` (tests): buffers aliased to (out, lse, workspace). Under ``vmap``
-    the mapped entries run as one launch (``_fold``)."""
+    split count (tests); ``out_init`` (tests): buffers aliased to (out, lse, workspace); ``variant``:
+    the kernels (``dispatch.kernel_variant``; None: from ``JAX_TK_KERNELS``). Under ``vmap`` the mapped
+    entries run as one launch (``_fold``)."""
     table = page_table if page_table is not None else jnp.zeros((0,), jnp.int32)
     args = (query, key_cache, value_cache, cache_lengths, table)
-    out, lse = _call(*args, spec, parts, out_init) if out_init is not None else _batched(spec, parts)(*args)
+    variant = dispatch.kernel_variant() if variant is None else variant
+    if out_init is not None:
+        out, lse = _call(*args, spec, parts, variant, out_init)
+    else:
+        out, lse = _batched(spec, parts, variant)(*args)
     return (out, lse) if with_lse else out
 
 
-def _call(query, key_cache, value_cache, cache_lengths, table, spec, parts, out_init=None):
+def workspace_words(parts: int, batch: int, t_new: int, heads: int, head_dim: int) -> int:
+    """The workspace's float32 words (at least 1: an FFI result cannot be empty here; decode.h's
+    ``workspace_words``, 0 for an unsplit call, says what it holds)."""
+    return max(formulas().workspace_words(parts, batch, t_new, heads, head_dim), 1)
+
+
+def _call(query, key_cache, value_cache, cache_lengths, table, spec, parts, variant, out_init=None):
     b, t, n, h = query.shape
     capacity = key_cache.shape[1] * (table.shape[1] if spec.page_size is not None else 1)
     parts = splits(b, t, n, key_cache.shape[2], capacity) if parts is None else parts
     out_types = (jax.ShapeDtypeStruct(query.shape, query.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32),
-                 jax.ShapeDtypeStruct((max(workspace_words(parts, b, t, n, h), 1),), jnp.float32))
+                 jax.ShapeDtypeStruct((workspace_words(parts, b, t, n, h),), jnp.float32))
     left, right = spec.window if spec.window is not None else (-1, -1)
     attributes = dict(scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal), window_left=np.int32(left),
-                      window_right=np.int32(right), softcap=np.float32(spec.softcap or 0.0), splits=np.int32(parts))
+                      window_right=np.int32(right), softcap=np.float32(spec.softcap or 0.0), splits=np.int32(parts),
+                      variant=np.int32(variant))
     out, lse, _ = kernel_call(TARGET, out_types, (query, key_cache, value_cache, cache_lengths, table), attributes,
                               out_init=out_init)
     return out, lse
@@ -94,10 +96,10 @@ def _call(query, key_cache, value_cache, cache_lengths, table, spec, parts, out_
 
 
 @functools.lru_cache(maxsize=None)
-def _batched(spec, parts):
+def _batched(spec, parts, variant):
     @jax.custom_batching.custom_vmap
     def fn(query, key_cache, value_cache, cache_lengths, table):
-        return _call(query, key_cache, value_cache, cache_lengths, table, spec, parts)
+        return _call(query, key_cache, value_cache, cache_lengths, table, spec, parts, variant)
 
     @fn.def_vmap
     def rule(axis_size, in_batched, *args):
@@ -126,7 +128,7 @@ def _fold(fn, paged: bool, e: int, in_batched, args):
         return jnp.moveaxis(out.reshape(b, t, n, e, h), 3, 0), jnp.moveaxis(lse.reshape(b, n, e, t), 2, 0)
     cache_mapped = k_mapped or v_mapped
     rows = math.prod((key_cache if k_mapped else value_cache).shape[:3]) if cache_mapped else 0
-    if (not paged and not cache_mapped) or rows >= 2 ** 31:
+    if (not paged and not cache_mapped) or rows > extension.MAX_INDEX:
         return map_entries(fn, in_batched, args)
     query, lengths = broadcast_mapped(query, q_mapped, e), broadcast_mapped(lengths, l_mapped, e)
     b = query.shape[1]

@@ -1,7 +1,7 @@
 """The grouped GEMM kernel's operands and attributes, and how its calls are batched under ``vmap``.
 
 One FFI target, ``jax_tk_gemm_ragged``, takes ``a``, ``b`` and ``group_sizes`` (int32 ``[g]``) and
-two int attributes:
+three int attributes, ``variant`` (the kernels: ``dispatch.kernel_variant``) and:
 
 - ``mode=MODE_RAGGED`` (0, rows grouped): a ``[m, k]``, b ``[g, k, n]`` (``b_transposed=0``) or ``[g, n, k]``
   (``b_transposed=1``); out ``[m, n]``: group i owns rows ``[off_i, off_i + size_i)`` (``off`` the
@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk._core import extension, ffi
+from jax_tk._core import dispatch, extension, ffi
 from jax_tk._core.ffi import broadcast_mapped, kernel_call, map_entries
 
 TARGET = ffi.target("jax_tk_gemm_ragged")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
-MAX_ROWS = 2**31 - 1  # row indices are int32 in the kernel
+MAX_ROWS = extension.MAX_INDEX  # row indices are int32 in the kernel
 
 
 def contract() -> dict[str, int]:
@@ -67,23 +67,24 @@ def kernel_unsupported_reason(dtype, k: int, n: int, groups: int, rows: int) -> 
     return None
 
 
-def _raw_call(mode: int, a, b, group_sizes, out_shape, out_dtype, b_transposed: bool, out_init=None):
+def _raw_call(mode: int, a, b, group_sizes, out_shape, out_dtype, b_transposed: bool, variant: int, out_init=None):
     """One launch of the kernel (``out_init``, tests only: a buffer aliased to the output)."""
     out_types = (jax.ShapeDtypeStruct(tuple(out_shape), jnp.dtype(out_dtype)),)
-    attributes = dict(mode=np.int32(mode), b_transposed=np.int32(bool(b_transposed)))
+    attributes = dict(mode=np.int32(mode), b_transposed=np.int32(bool(b_transposed)), variant=np.int32(variant))
     (out,) = kernel_call(TARGET, out_types, (a, b, group_sizes.astype(jnp.int32)), attributes,
                          out_init=None if out_init is None else (out_init,))
     return out
 
 
-def _rows_call(a, b, group_sizes, out_dtype, b_transposed, out_init=None):
+def _rows_call(a, b, group_sizes, out_dtype, b_transposed, variant, out_init=None):
     n = b.shape[1] if b_transposed else b.shape[2]
-    return _raw_call(contract()["MODE_RAGGED"], a, b, group_sizes, (a.shape[0], n), out_dtype, b_transposed, out_init)
+    return _raw_call(contract()["MODE_RAGGED"], a, b, group_sizes, (a.shape[0], n), out_dtype, b_transposed, variant,
+                     out_init)
 
 
-def _contracting_call(a, b, group_sizes, out_dtype, out_init=None):
+def _contracting_call(a, b, group_sizes, out_dtype, variant, out_init=None):
     shape = (group_sizes.shape[0], a.shape[1], b.shape[1])
-    return _raw_call(contract()["MODE_CONTRACT"], a, b, group_sizes, shape, out_dtype, False, out_init)
+    return _raw_call(contract()["MODE_CONTRACT"], a, b, group_sizes, shape, out_dtype, False, variant, out_init)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,10 +93,10 @@ def _contracting_call(a, b, group_sizes, out_dtype, out_init=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _rows_fn(out_dtype: str, b_transposed: bool):
+def _rows_fn(out_dtype: str, b_transposed: bool, variant: int):
     @jax.custom_batching.custom_vmap
     def fn(a, b, group_sizes):
-        return _rows_call(a, b, group_sizes, out_dtype, b_transposed)
+        return _rows_call(a, b, group_sizes, out_dtype, b_transposed, variant)
 
     @fn.def_vmap
     def rule(axis_size, in_batched, a, b, group_sizes):
@@ -138,10 +139,10 @@ def _row_groups(sizes, m: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _contracting_fn(out_dtype: str):
+def _contracting_fn(out_dtype: str, variant: int):
     @jax.custom_batching.custom_vmap
     def fn(a, b, group_sizes):
-        return _contracting_call(a, b, group_sizes, out_dtype)
+        return _contracting_call(a, b, group_sizes, out_dtype, variant)
 
     @fn.def_vmap
     def rule(axis_size, in_batched, a, b, group_sizes):
@@ -169,15 +170,18 @@ def _contracting_fn(out_dtype: str):
 # ----------------------------------------------------------------------------------------------
 
 
-def ragged_dot(a, b, group_sizes, *, out_dtype, b_transposed=False, out_init=None):
-    """Mode 0: ``out[r] = a[r] @ b[group(r)]`` (``b[group(r)]^T`` with ``b_transposed``), [m, n]."""
+def ragged_dot(a, b, group_sizes, *, out_dtype, b_transposed=False, out_init=None, variant=None):
+    """Mode 0: ``out[r] = a[r] @ b[group(r)]`` (``b[group(r)]^T`` with ``b_transposed``), [m, n].
+    ``variant``: the kernels (``dispatch.kernel_variant``; None: from ``JAX_TK_KERNELS``)."""
+    variant = dispatch.kernel_variant() if variant is None else variant
     if out_init is not None:  # (tests: no vmap)
-        return _rows_call(a, b, group_sizes, out_dtype, b_transposed, out_init)
-    return _rows_fn(jnp.dtype(out_dtype).name, bool(b_transposed))(a, b, group_sizes)
+        return _rows_call(a, b, group_sizes, out_dtype, b_transposed, variant, out_init)
+    return _rows_fn(jnp.dtype(out_dtype).name, bool(b_transposed), variant)(a, b, group_sizes)
 
 
-def ragged_contracting(a, b, group_sizes, *, out_dtype, out_init=None):
-    """Mode 1: ``out[i] = a[rows_i]^T @ b[rows_i]``, [g, k, n]."""
+def ragged_contracting(a, b, group_sizes, *, out_dtype, out_init=None, variant=None):
+    """Mode 1: ``out[i] = a[rows_i]^T @ b[rows_i]``, [g, k, n]. ``variant``: as in :func:`ragged_dot`."""
+    variant = dispatch.kernel_variant() if variant is None else variant
     if out_init is not None:
-        return _contracting_call(a, b, group_sizes, out_dtype, out_init)
-    return _contracting_fn(jnp.dtype(out_dtype).name)(a, b, group_sizes)
+        return _contracting_call(a, b, group_sizes, out_dtype, variant, out_init)
+    return _contracting_fn(jnp.dtype(out_dtype).name, variant)(a, b, group_sizes)

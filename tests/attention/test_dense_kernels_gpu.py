@@ -19,9 +19,9 @@ import jax_tk
 from helpers import rel_err
 from jax_tk._core import extension
 from jax_tk.attention import launch
-from jax_tk.attention.launch import VARIANT_AUTO, VARIANT_SM80, Masks
-from test_kernels_gpu import (BF16, F16, F32, assert_close, assert_lse_close, check_kernels, kernel_fwd_bwd, make_inputs,
-                              make_masks, random_dlse, reference_fwd_bwd)
+from jax_tk.attention.launch import Masks
+from test_kernels_gpu import (BF16, F16, F32, VARIANT_AUTO, VARIANT_SM80, assert_close, assert_lse_close, check_kernels,
+                              kernel_fwd_bwd, make_inputs, make_masks, random_dlse, reference_fwd_bwd)
 
 pytestmark = pytest.mark.gpu
 

@@ -18,12 +18,14 @@ import pytest
 import jax_tk
 from jax_tk.attention import reference
 import helpers
-from jax_tk._core import extension
+from jax_tk._core import dispatch, extension
 from jax_tk.attention.api import AttentionSpec
 from jax_tk.attention.launch import (
-    BWD_TARGET, FWD_TARGET, VARIANT_AUTO, VARIANT_SM80, Masks, bwd_kernel, bwd_workspace_shape, fwd_kernel,
-    padded_rows_keys,
+    BWD_TARGET, FWD_TARGET, Masks, bwd_kernel, bwd_workspace_shape, fwd_kernel, padded_rows_keys,
 )
+
+# The kernels' variant attributes (JAX_TK_KERNELS's values): the fastest for this GPU, the mma.sync ones.
+VARIANT_AUTO, VARIANT_SM80 = dispatch.kernel_variant("auto"), dispatch.kernel_variant("sm80")
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 RTOL = 1e-2  # out, dq, dk, dv: norm(x - ref) / norm(ref)

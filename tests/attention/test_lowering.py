@@ -5,8 +5,8 @@ Operands: forward q, k, v, then the seven masking operands (q_segment_ids, kv_se
 kv_lengths, then the segment ranges q_segment_ranges [b, ceil(t/64), 2] and kv_segment_ranges, then
 the Hopper kernel's block order: int32, shape (0,) when absent); backward q, k, v, out, lse, dout,
 dlse, then the same seven (the block order of the backward's blocks).
-Attributes: scale, is_causal, variant, window_left, window_right (-1: unbounded; at most the sequence's
-length), softcap (0: none)."""
+Attributes: scale, is_causal, variant (cc/core/core.h's VARIANT_*, from JAX_TK_KERNELS), window_left,
+window_right (-1: unbounded; at most the sequence's length), softcap (0: none)."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +21,12 @@ import numpy as np
 import pytest
 
 import jax_tk
+from helpers import needs_extension
+from jax_tk._core import extension
 from jax_tk.attention import reference
 from jax_tk.attention.launch import BWD_TARGET, FWD_TARGET
+
+pytestmark = needs_extension  # (the kernels' operands come from the extension's formulas)
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TARGETS = (FWD_TARGET, BWD_TARGET)
@@ -236,6 +240,7 @@ def test_grad_contains_backward_call(lower, dtype, is_causal):
     for call in (fwd, bwd):
         assert np.float32(call.attr_float("scale")) == np.float32(0.2)
         assert call.attr_int("is_causal") == int(is_causal)
+        assert call.attr_int("variant") == extension.contract("core")["VARIANT_AUTO"]
         assert_no_masking(call)
     assert bwd.attr_int("deterministic") == 0
 
@@ -524,8 +529,15 @@ def test_block_order_operand(lower, deterministic):
     assert bwd.operand_types[-4] == (ABSENT if deterministic else ORDER_BWD)
 
 
-def test_no_block_order_for_the_mma_sync_kernels(monkeypatch):
-    monkeypatch.setenv("JAX_TK_ATTENTION_KERNELS", "sm80")
-    fn = lambda q, k, v, qs, ks: jax_tk.attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks)
-    (fwd,) = tk_calls(lower_jit(fn, *_abstract(B_, T_, S_), _ids((B_, T_)), _ids((B_, S_))), FWD_TARGET)
-    assert fwd.operand_types[-4] == ABSENT
+@pytest.mark.parametrize("kernels", ["sm80", "sm86"])
+def test_no_block_order_for_the_mma_sync_kernels(monkeypatch, kernels):
+    """JAX_TK_KERNELS, read at trace time, is every call's variant attribute; the mma.sync kernels take
+    no block order."""
+    monkeypatch.setenv("JAX_TK_KERNELS", kernels)
+    fn = lambda q, k, v, qs, ks: jnp.sum(jax_tk.attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks).astype(F32))
+    text = lower_jit(jax.grad(fn, argnums=(0, 1, 2)), *_abstract(B_, T_, S_), _ids((B_, T_)), _ids((B_, S_)))
+    (fwd,) = tk_calls(text, FWD_TARGET)
+    (bwd,) = tk_calls(text, BWD_TARGET)
+    assert fwd.operand_types[-4] == ABSENT and bwd.operand_types[-4] == ABSENT
+    want = extension.contract("core")["VARIANT_SM80" if kernels == "sm80" else "VARIANT_SM86"]
+    assert fwd.attr_int("variant") == want and bwd.attr_int("variant") == want

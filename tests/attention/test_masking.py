@@ -10,7 +10,7 @@ import pytest
 
 import jax_tk
 from jax_tk.attention import reference
-from helpers import rel_err
+from helpers import needs_extension, rel_err
 
 F32 = jnp.float32
 
@@ -124,6 +124,7 @@ def test_empty_rows_give_zero_and_no_nan():
     assert not np.asarray(dq[0, 4:]).any()
 
 
+@needs_extension
 def test_masking_uses_the_kernel():
     """The kernels take every masking option: implementation=None lowers to them for CUDA, and "tk"
     is refused here only for want of a GPU/the compiled kernels, not for the options."""

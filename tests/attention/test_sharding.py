@@ -19,7 +19,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jax_tk
 from jax_tk.attention import reference
 from helpers import (N_DEVICES, attention_inputs, collectives, have_devices as _have_devices,
-                     load_example, rel_err, run_in_subprocess)
+                     load_example, needs_extension, rel_err, run_in_subprocess)
 
 @pytest.mark.skipif(_have_devices(), reason="this process has the devices: the tests run here")
 def test_in_subprocess():
@@ -331,6 +331,7 @@ class TestSharding:
         _check_close((out,), (want,), BF16, ("out",))
         assert _spec_axes(out.sharding.spec, 4) == _spec_axes(spec, 4)
 
+    @needs_extension
     def test_cuda_lowering_runs_kernel_on_local_shards(self):
         # Without a GPU: export for CUDA and look at the kernel calls. With explicit sharding the
         # custom calls sit inside the shard_map (sdy.manual_computation) and take the local shapes.

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import needs_extension
 from jax_tk.attention.launch import block_order, bwd_order_blocks, fwd_order_blocks, fwd_tiles, segment_ranges
 
 
@@ -34,6 +35,7 @@ def _work_numpy(q_ids, kv_ids, row_block, col_block, causal, by_queries):
     return work.reshape(-1)
 
 
+@needs_extension
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("forward", [True, False], ids=["fwd", "bwd"])
@@ -92,6 +94,7 @@ def _fwd_tiles_numpy(ids, heads, causal, head_dim=128):
     return np.asarray(fwd_tiles(x, x, r, r, causal, heads, 2, head_dim)).reshape(-1, 4)
 
 
+@needs_extension
 @pytest.mark.parametrize("causal", [False, True])
 def test_fwd_tiles_of_documents(causal):
     """Sorted ids, the same for queries and keys: every row belongs to exactly one tile of its own
@@ -132,6 +135,7 @@ def test_fwd_tiles_of_documents(causal):
         assert np.all(np.diff(work[group_of == g][::2]) <= 0)
 
 
+@needs_extension
 @pytest.mark.parametrize("case", ["unsorted", "different_kv", "too_many", "head_dim_256"])
 def test_fwd_tiles_fall_back_to_the_grid(case):
     """Ids that are not the same sorted runs for queries and keys, more documents than the room
@@ -163,6 +167,7 @@ def test_fwd_tiles_fall_back_to_the_grid(case):
     assert np.all(tiles[n:] == [-1, 0, 0, -1])
 
 
+@needs_extension
 def test_fwd_tiles_trace_without_constants():
     """(See test_block_order_traces_without_constants.)"""
     ids = jnp.zeros((2, 300), jnp.int32)

@@ -1,6 +1,9 @@
-"""The op-agnostic core (jax_tk._core), tried with a toy op that has no kernel: the contract read
-from an op's header, the implementation= dispatch, the FFI call's test target, and the sharding driver
-(on 8 CPU devices, in a subprocess unless this process has them)."""
+"""The op-agnostic core (jax_tk._core), tried with a toy op that has no kernel: the contracts (each
+header's list against the compiled extension, the formulas), the kernel variant, the implementation=
+dispatch, the FFI call's test target, and the sharding driver (on 8 CPU devices, in a subprocess unless
+this process has them)."""
+
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from helpers import attention_inputs, have_devices, rel_err, run_in_subprocess
+from helpers import REPO, attention_inputs, have_devices, needs_extension, rel_err, run_in_subprocess
 from jax_tk._core import checks, dispatch, extension, sharding
 from jax_tk._core.ffi import kernel_call
 
@@ -18,23 +21,104 @@ from jax_tk._core.ffi import kernel_call
 # ----------------------------------------------------------------------------------------------
 
 
+# Every contract header: cc/<name>/<name>.h of the source tree (the ops', and cc/core/core.h), or where
+# the tests run outside it, the copies installed with the package.
+CONTRACTS = (sorted(p.parent.name for p in (REPO / "cc").glob("*/*.h") if p.stem == p.parent.name)
+             or sorted(p.stem for p in pathlib.Path(extension.header_path("core")).parent.glob("*.h")))
+
+
 def test_header_constants_parse():
     c = extension.header_constants("attention")
     assert c["SEGMENT_GRANULE"] == 64
     assert c["HEAD_DIMS_SM80"] == 64 | 128 and c["HEAD_DIMS_SM90"] == 64 | 128 | 256
     assert all(isinstance(v, int) for v in c.values())
+    assert {"core", "attention", "decode", "gemm"} <= set(CONTRACTS)
+    assert extension.header_constants("decode")["SMALL_GPU_SMEM"] == 99 * 1024
 
 
-@pytest.mark.skipif(not extension.has_cuda_kernels(), reason="without the extension, contract() is the header's")
-def test_contract_is_the_compiled_one():
-    """With the extension, the constants are those the kernels were compiled with, and they equal the
-    header's (a stale build would differ)."""
-    assert extension.contract("attention") == extension.header_constants("attention")
+def test_header_parser_reads_the_list_only(tmp_path, monkeypatch):
+    """Entries of the X-macro list, with expressions, comments over several lines and the line
+    continuations; nothing from comments or from other macros."""
+    header = tmp_path / "toy.h"
+    header.write_text("\n".join([
+        "// X(FROM_A_COMMENT, 1) and #define JAX_TK_TOY_CONTRACT(X) in a comment",
+        "#define JAX_TK_TOY_CONTRACT(X)                       \\",
+        "  X(PLAIN, 64)       /* a comment                  \\",
+        "                        on two lines (with X(NOT, 3)) */ \\",
+        "  /* a comment line */                             \\",
+        "  X(BITS, 64 | 128)  /* a set */                   \\",
+        "  X(EXPR, (1 << 10) - 3 * (2 + 1))",
+        "#define JAX_TK_TOY_FORMULAS(F) F(f)",
+        "  X(AFTER_THE_LIST, 9)",
+    ]))
+    monkeypatch.setattr(extension, "header_path", lambda op: str(header))
+    assert extension.header_constants("toy") == {"PLAIN": 64, "BITS": 192, "EXPR": 1015}
+
+
+@needs_extension
+@pytest.mark.parametrize("op", CONTRACTS)
+def test_header_and_compiled_contract_agree(op):
+    """The values the extension was compiled with equal the header's (a stale build, or a parser that
+    misreads an entry, would differ); the extension knows exactly the contracts of the source tree."""
+    compiled = extension._tk.contract()
+    assert sorted(compiled) == CONTRACTS
+    assert compiled[op] == extension.header_constants(op)
+    assert extension.contract(op) == compiled[op]
+
+
+@needs_extension
+def test_formulas_come_from_the_extension():
+    attention, decode = extension.formulas("attention"), extension.formulas("decode")
+    # per (batch, head, 64-row block): a 64 x head_dim fp32 tile, 64 lse and 64 delta values, one int
+    assert attention.bwd_sm90_workspace_words(2, 100, 4, 64) == 2 * 4 * 2 * (64 * 64 + 2 * 64 + 1)
+    assert (attention.padded_rows(129), attention.padded_keys(1), attention.mask_words(129)) == (256, 128, 8)
+    assert (attention.fwd_tile_cap(129), attention.bwd_order_rows(128), attention.bwd_order_rows(256)) == (4, 128, 64)
+    assert decode.workspace_words(1, 2, 3, 4, 64) == 0 and decode.workspace_words(3, 2, 1, 4, 64) == 3 * 2 * 4 * 65
+    assert [decode.block_rows(r) for r in (1, 16, 17, 100, 1000)] == [16, 16, 32, 128, 128]
+
+
+def test_without_the_extension(monkeypatch):
+    """A source tree that was never built: constants from the headers, no formulas, the reference for
+    implementation=None and a clear error for "tk"."""
+    monkeypatch.setattr(extension, "_tk", None)
+    assert extension.contract.__wrapped__("gemm") == extension.header_constants("gemm")
+    assert not extension.available() and not extension.has_cuda_kernels()
+    with pytest.raises(RuntimeError, match="install the package"):
+        extension.formulas("attention")
+    assert dispatch.use_kernel("toy_bare", None, None) is False
+    with pytest.raises(RuntimeError, match=r"toy_bare\(implementation='tk'\): .*install the package"):
+        dispatch.use_kernel("toy_bare", "tk", None)
 
 
 def test_missing_op_header():
     with pytest.raises(FileNotFoundError, match="nope"):
         extension.header_constants("nope")
+
+
+def test_kernel_variant_from_the_environment(monkeypatch):
+    core = extension.contract("core")
+    monkeypatch.delenv(dispatch.KERNELS_ENV, raising=False)
+    assert dispatch.kernel_variant() == core["VARIANT_AUTO"]
+    cases = (("auto", "VARIANT_AUTO"), ("sm80", "VARIANT_SM80"), (" SM86 ", "VARIANT_SM86"), ("", "VARIANT_AUTO"))
+    for value, name in cases:
+        monkeypatch.setenv(dispatch.KERNELS_ENV, value)
+        assert dispatch.kernel_variant() == core[name]
+    assert dispatch.kernel_variant("sm80") == core["VARIANT_SM80"]  # (an argument wins over the environment)
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "hopper")
+    with pytest.raises(ValueError, match="JAX_TK_KERNELS='hopper': expected one of auto, sm80, sm86"):
+        dispatch.kernel_variant()
+    assert len(set(core[v] for v in dispatch.KERNELS.values())) == 3
+
+
+def test_sm90_kernels_only_at_9_0_and_for_auto(monkeypatch):
+    core = extension.contract("core")
+    monkeypatch.setattr(extension, "kernel_archs", lambda: ("80", "90a"))
+    assert extension.takes_sm90_kernels((9, 0), core["VARIANT_AUTO"])
+    assert not extension.takes_sm90_kernels((9, 0), core["VARIANT_SM80"])
+    assert not extension.takes_sm90_kernels((9, 0), core["VARIANT_SM86"])
+    assert not any(extension.takes_sm90_kernels(c, core["VARIANT_AUTO"]) for c in ((8, 0), (8, 9), (10, 0), None))
+    monkeypatch.setattr(extension, "kernel_archs", lambda: ("80",))  # a build without sm_90a code
+    assert not extension.takes_sm90_kernels((9, 0), core["VARIANT_AUTO"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -62,6 +146,7 @@ def test_kernels_run_on_the_architectures_built_for(monkeypatch):
     assert not extension.kernels_run_on((9, 0))
 
 
+@needs_extension
 def test_a_gpu_the_kernels_were_not_built_for_runs_the_reference(monkeypatch):
     """On a GPU without kernel code (e.g. compute capability 10.0 for a build of 8.0 and 9.0a, which
     holds no PTX), implementation=None warns and runs the reference; "tk" raises."""
@@ -77,7 +162,7 @@ def test_a_gpu_the_kernels_were_not_built_for_runs_the_reference(monkeypatch):
     assert dispatch.use_kernel("toy_arch", "tk", None) is True
 
 
-@pytest.mark.skipif(not extension.has_cuda_kernels(), reason="needs the extension")
+@pytest.mark.skipif(not extension.has_cuda_kernels(), reason="needs the CUDA kernels")
 def test_the_build_reports_its_architectures():
     assert extension.kernel_archs() and all(a in ("80", "86", "89", "90a") for a in extension.kernel_archs())
     cap = extension.cuda_device_capability()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_tk
-from helpers import randn, rel_err
+from helpers import needs_extension, randn, rel_err
 
 BF16 = jnp.bfloat16
 TARGETS = ("jax_tk_attention_fwd", "jax_tk_attention_bwd", "jax_tk_decode", "jax_tk_gemm_ragged")
@@ -34,6 +34,7 @@ def test_export_checks_name_every_kernel():
     assert all(any(t in n for n in names) for t in TARGETS), names
 
 
+@needs_extension
 def test_export_for_cuda_needs_and_takes_the_checks():
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _args()]
     fn = jax.jit(_step)

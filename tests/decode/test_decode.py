@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_tk
-from helpers import randn, rel_err
+from helpers import needs_extension, randn, rel_err
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TOL = {F32: 1e-5, BF16: 1e-2, F16: 2e-3}
@@ -229,13 +229,14 @@ def test_decoding_loop_donated(kind, paged):
         np.testing.assert_array_equal(np.asarray(full_k[i, :start[i] + steps]), np.asarray(seq_k[i, :start[i] + steps]))
 
 
+@needs_extension
 def test_block_rows_and_splits():
-    """The grid's arithmetic (cc/decode/decode.h's block_rows, mirrored): a thread block takes the fewest
-    16 x 2^k of a sequence's query rows per KV head that hold them, at most 128, and the parts fill one
-    wave of 132 blocks."""
+    """The grid's arithmetic (cc/decode/decode.h's block_rows, through the extension): a thread block
+    takes the fewest 16 x 2^k of a sequence's query rows per KV head that hold them, at most 128, and
+    the parts fill one wave of 132 blocks."""
     from jax_tk.decode import launch
 
-    assert [launch.block_rows(r) for r in (1, 4, 16, 17, 20, 32, 33, 64, 65, 128, 256)] == \
+    assert [launch.formulas().block_rows(r) for r in (1, 4, 16, 17, 20, 32, 33, 64, 65, 128, 256)] == \
         [16, 16, 16, 32, 32, 32, 64, 64, 128, 128, 128]
     # 8 sequences x 8 KV heads x one block of 64 rows (4 query heads x 16 new tokens): 2 parts
     assert launch.splits(8, 16, 32, 8, 32768) == 2

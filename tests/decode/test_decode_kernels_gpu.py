@@ -3,8 +3,9 @@ shuffled, stray NaN pages), ragged lengths in one batch (0, shorter than T_new, 
 16/64/256, T_new 1-16, GQA ratios 1-16, windows, soft cap, head dims 64/128/256, bf16 and fp16, split
 counts 1 to many. The cache past each length is NaN, and the output and workspace are poisoned with
 NaN before the kernel runs: every element must be written, and nothing unread may leak in. Blocks of
-128 query rows take a kernel of their own on Hopper; ``JAX_TK_DECODE_VARIANT=sm80`` runs the one of
-other GPUs there too (test_sm80_kernel_for_128_rows)."""
+128 query rows take a kernel of their own on Hopper; the ``sm80`` kernels (``JAX_TK_KERNELS``'s value,
+passed here as the launch's variant) run the one of other GPUs there too (test_sm80_kernel_for_128_rows),
+and ``sm86`` the configs of GPUs with less shared memory (test_small_gpu_configs)."""
 import functools
 
 import jax
@@ -14,6 +15,7 @@ import pytest
 
 import jax_tk
 from helpers import nan, randn, rel_err, scan_step
+from jax_tk._core import dispatch
 from jax_tk.decode import launch, reference
 from jax_tk.decode.api import DecodeSpec
 from test_decode import poison_past, to_pages
@@ -23,12 +25,13 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TOL = {BF16: 1.2e-2, F16: 3e-3}
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "parts"))
-def kernel(q, k, v, lengths, table, *, spec, parts):
+@functools.partial(jax.jit, static_argnames=("spec", "parts", "kernels"))
+def kernel(q, k, v, lengths, table, *, spec, parts, kernels="auto"):
     b, t, n, h = q.shape
-    words = max(launch.workspace_words(parts, b, t, n, h), 1)
+    words = launch.workspace_words(parts, b, t, n, h)
     out_init = (nan(q.shape, q.dtype), nan((b, n, t), F32), nan((words,), F32))
-    return launch.kernel(q, k, v, lengths, table, spec, out_init=out_init, parts=parts, with_lse=True)
+    return launch.kernel(q, k, v, lengths, table, spec, out_init=out_init, parts=parts, with_lse=True,
+                         variant=dispatch.kernel_variant(kernels))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -50,7 +53,7 @@ def want(q, k, v, lengths, table, *, spec):
 
 
 def check(seed, b, t, n, kh, h, lengths, dtype, *, page_size=None, causal=True, window=None, softcap=None,
-          parts=(1, 3, None)):
+          parts=(1, 3, None), kernels="auto"):
     rng = np.random.default_rng(seed)
     lengths = np.asarray(lengths)
     unit = page_size or 1
@@ -65,7 +68,7 @@ def check(seed, b, t, n, kh, h, lengths, dtype, *, page_size=None, causal=True, 
     ref, ref_lse = (np.asarray(x) for x in want(q, k, v, lens, table, spec=spec))
     for p in parts:
         p = launch.splits(b, t, n, kh, s) if p is None else p
-        out, lse = kernel(q, k, v, lens, table, spec=spec, parts=p)
+        out, lse = kernel(q, k, v, lens, table, spec=spec, parts=p, kernels=kernels)
         out, lse = np.asarray(out.astype(F32)), np.asarray(lse)
         assert np.isfinite(out).all(), f"splits={p}: {np.isnan(out).sum()} NaN (unwritten or leaked)"
         err = rel_err(out, ref)
@@ -137,19 +140,17 @@ def test_options(opts, h, t):
 
 @pytest.mark.parametrize("h", [64, 128])
 @pytest.mark.parametrize("opts", [dict(), dict(page_size=16, window=(300, 0)), dict(causal=False, softcap=10.0)], ids=str)
-def test_sm80_kernel_for_128_rows(opts, h, monkeypatch):
-    # the mma.sync kernel that takes 128-row blocks on GPUs before Hopper, run on this one (read at each call)
-    monkeypatch.setenv("JAX_TK_DECODE_VARIANT", "sm80")
-    check(7, 3, 16, 16, 2, h, (0, 1300, 2047), BF16, **opts)
+def test_sm80_kernel_for_128_rows(opts, h):
+    # the mma.sync kernel that takes 128-row blocks on GPUs before Hopper, run on this one
+    check(7, 3, 16, 16, 2, h, (0, 1300, 2047), BF16, kernels="sm80", **opts)
 
 
 @pytest.mark.parametrize("h", [64, 128, 256])
 @pytest.mark.parametrize("t, page_size", [(1, None), (8, 16), (32, 64)])  # 4, 32 and 128 query rows per KV head
-def test_small_gpu_configs(h, t, page_size, monkeypatch):
+def test_small_gpu_configs(h, t, page_size):
     # the configs of GPUs with less shared memory per block (sm_86, sm_89: fewer stages at head dim 256,
-    # 128 rows as blocks of 64, of 32 at head dim 256), run on this one (read at each call)
-    monkeypatch.setenv("JAX_TK_DECODE_VARIANT", "small")
-    check(9, 3, t, 16, 4, h, (0, 700, 2053), BF16, page_size=page_size)
+    # 128 rows as blocks of 64, of 32 at head dim 256), run on this one
+    check(9, 3, t, 16, 4, h, (0, 700, 2053), BF16, page_size=page_size, kernels="sm86")
 
 
 def test_many_splits_short_lengths():

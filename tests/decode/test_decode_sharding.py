@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from helpers import collectives, have_devices as _have_devices, randn, rel_err, run_in_subprocess
+from helpers import collectives, have_devices as _have_devices, needs_extension, randn, rel_err, run_in_subprocess
 
 F32 = jnp.float32
 
@@ -294,6 +294,7 @@ def test_sharded_decoding_loop_donated(kind, paged):
 # ----------------------------------------------------------------------------------------------
 
 
+@needs_extension
 @needs_devices
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_cuda_lowering_runs_kernel_on_local_shards(paged):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_tk
-from helpers import randn, rel_err
+from helpers import needs_extension, randn, rel_err
 from jax_tk._core import sharding
 from jax_tk.decode import launch, reference
 from jax_tk.decode.api import DecodeSpec
@@ -64,7 +64,7 @@ def _inputs(seed, in_axes, paged, dtype=F32, h=H):
     return out
 
 
-def _fake_call(seen, query, key_cache, value_cache, lengths, table, spec, parts, out_init=None):
+def _fake_call(seen, query, key_cache, value_cache, lengths, table, spec, parts, variant, out_init=None):
     """The kernel call's contract on the reference: (out, lse [B, N, T]); any per-row value serves as
     the lse here, as the test checks where each row lands."""
     seen.append((query.shape, key_cache.shape, table.shape))
@@ -133,6 +133,7 @@ def test_nested_vmap_of_the_query(fake_kernel):
 
 @pytest.mark.parametrize("in_axes,loop", [((0, None, None, None), False), ((0, 0, 0, 0), False),
                                           ((0, None, None, 0), True)], ids=["query", "all", "query_and_lengths"])
+@needs_extension
 def test_vmap_lowers_to_one_launch(monkeypatch, in_axes, loop):
     """The CUDA lowering of a vmapped jax_tk.decode.attention: one custom call, in a loop only where
     folding would copy the cache. (Auto partitioning, on with several devices, is turned off: programs

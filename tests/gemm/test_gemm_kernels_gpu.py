@@ -4,8 +4,8 @@ against a float64 numpy reference of the same (rounded) inputs.
 The target's contract is at the top of cc/gemm/gemm.h. The output is poisoned with NaN before each
 run (the ``_test`` target, whose trailing operand is aliased to the output), so an element the kernel
 forgets to write shows up as NaN; the rows of ``a`` (and ``b`` in mode 1) past the groups' sum hold
-inf, so a kernel that lets them into a product shows NaN/inf too. ``JAX_TK_GEMM_VARIANT=sm80`` runs
-the mma.sync kernels on Hopper as well.
+inf, so a kernel that lets them into a product shows NaN/inf too. The ``sm80`` variant (the call's
+``variant`` attribute, ``JAX_TK_KERNELS``'s value) runs the mma.sync kernels on Hopper as well.
 """
 import functools
 import zlib
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import helpers
-from jax_tk._core import extension
+from jax_tk._core import dispatch, extension
 from jax_tk._core.ffi import kernel_call
 
 TARGET = "jax_tk_gemm_ragged"
@@ -28,13 +28,15 @@ def contract():
     return extension.contract("gemm")
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "out_dtype", "out_shape"))
-def kernel(a, b, sizes, *, kind, out_dtype, out_shape):
+@functools.partial(jax.jit, static_argnames=("kind", "out_dtype", "out_shape", "kernels"))
+def kernel(a, b, sizes, *, kind, out_dtype, out_shape, kernels="auto"):
     c = contract()
     mode = c["MODE_CONTRACT"] if kind == CONTRACT else c["MODE_RAGGED"]
     out_init = (jnp.full(out_shape, jnp.nan, out_dtype),)
-    (out,) = kernel_call(TARGET, (jax.ShapeDtypeStruct(out_shape, out_dtype),), (a, b, sizes),
-                         {"mode": np.int32(mode), "b_transposed": np.int32(kind == RAGGED_BT)}, out_init=out_init)
+    attributes = {"mode": np.int32(mode), "b_transposed": np.int32(kind == RAGGED_BT),
+                  "variant": np.int32(dispatch.kernel_variant(kernels))}
+    (out,) = kernel_call(TARGET, (jax.ShapeDtypeStruct(out_shape, out_dtype),), (a, b, sizes), attributes,
+                         out_init=out_init)
     return out
 
 
@@ -80,13 +82,14 @@ def make_inputs(seed, m, k, n, sizes, kind, dtype):
     return a.astype(np_dtype), b.astype(np_dtype), np.asarray(sizes, np.int32)
 
 
-def check(m, k, n, sizes, kind, dtype=BF16, out_dtype=None, seed=None):
+def check(m, k, n, sizes, kind, dtype=BF16, out_dtype=None, seed=None, kernels="auto"):
     out_dtype = out_dtype or dtype
     g = len(sizes)
     seed = zlib.crc32(repr((m, k, n, tuple(sizes), kind, jnp.dtype(dtype).name)).encode()) if seed is None else seed
     a, b, gs = make_inputs(seed, m, k, n, sizes, kind, dtype)
     out_shape = (g, k, n) if kind == CONTRACT else (m, n)
-    got = np.asarray(kernel(a, b, gs, kind=kind, out_dtype=out_dtype, out_shape=out_shape)).astype(np.float64)
+    got = np.asarray(kernel(a, b, gs, kind=kind, out_dtype=out_dtype, out_shape=out_shape, kernels=kernels))
+    got = got.astype(np.float64)
     want = reference(a, b, sizes, kind)
     assert got.shape == want.shape
     bad = ~np.isfinite(got)
@@ -106,12 +109,8 @@ def check(m, k, n, sizes, kind, dtype=BF16, out_dtype=None, seed=None):
 
 
 @pytest.fixture(params=["auto", "sm80"])
-def variant(request, monkeypatch):
-    """The kernels the handler picks for this GPU, or the mma.sync ones (read at each call)."""
-    if request.param == "sm80":
-        monkeypatch.setenv("JAX_TK_GEMM_VARIANT", "sm80")
-    else:
-        monkeypatch.delenv("JAX_TK_GEMM_VARIANT", raising=False)
+def kernels(request):
+    """The kernels the handler picks for this GPU, or the mma.sync ones."""
     return request.param
 
 
@@ -149,39 +148,37 @@ def _case_id(c):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", [RAGGED, RAGGED_BT, CONTRACT])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_kernels_vs_reference(case, kind, variant):
+def test_kernels_vs_reference(case, kind, kernels):
     m, k, n, sizes = case
     i = CASES.index(case)
     dtype = (BF16, F16)[i % 2]
     out_dtype = (None, F32)[(i // 2) % 2]
-    check(m, k, n, sizes, kind, dtype, out_dtype)
+    check(m, k, n, sizes, kind, dtype, out_dtype, kernels=kernels)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [None, F32], ids=["same", "f32"])
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("kind", [RAGGED, RAGGED_BT, CONTRACT])
-def test_dtypes(kind, dtype, out_dtype, variant):
-    check(520, 264, 392, [100, 0, 333, 7], kind, dtype, out_dtype)
+def test_dtypes(kind, dtype, out_dtype, kernels):
+    check(520, 264, 392, [100, 0, 333, 7], kind, dtype, out_dtype, kernels=kernels)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", [RAGGED, CONTRACT])
-def test_deterministic(kind, variant):
+def test_deterministic(kind, kernels):
     """No atomics: the same bits every run."""
-    a = check(1000, 256, 512, _sizes(4, 16, 1000), kind)
-    b = check(1000, 256, 512, _sizes(4, 16, 1000), kind)
+    a = check(1000, 256, 512, _sizes(4, 16, 1000), kind, kernels=kernels)
+    b = check(1000, 256, 512, _sizes(4, 16, 1000), kind, kernels=kernels)
     np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.gpu
-def test_hopper_matches_sm80(monkeypatch):
+def test_hopper_matches_sm80():
     """The two kernels agree closely (both fp32 accumulation; the order of sums differs)."""
     sizes = _sizes(5, 12, 3000, fill=0.9)
-    monkeypatch.delenv("JAX_TK_GEMM_VARIANT", raising=False)
     x = check(3000, 320, 640, sizes, RAGGED, out_dtype=F32)
-    monkeypatch.setenv("JAX_TK_GEMM_VARIANT", "sm80")
-    y = check(3000, 320, 640, sizes, RAGGED, out_dtype=F32)
+    y = check(3000, 320, 640, sizes, RAGGED, out_dtype=F32, kernels="sm80")
     assert helpers.rel_err(x, y) < 1e-5
 
 
@@ -201,5 +198,3 @@ def test_contract_constants():
     """The header's contract (what Python reads without the extension) has what the tests use."""
     c = extension.header_constants("gemm")
     assert c["MODE_RAGGED"] == 0 and c["MODE_CONTRACT"] == 1 and c["DIM_MULTIPLE"] == 8
-    if extension.has_cuda_kernels():
-        assert contract() == c

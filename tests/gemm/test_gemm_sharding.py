@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from helpers import collectives, have_devices as _have_devices, load_example, randn, rel_err, run_in_subprocess
+from helpers import (collectives, have_devices as _have_devices, load_example, needs_extension, randn, rel_err,
+                     run_in_subprocess)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -111,6 +112,7 @@ class TestSharding:
         want_da, want_db = vjp(dout)
         assert rel_err(out, want_out) < 1e-2 and rel_err(da, want_da) < 1e-2 and rel_err(db, want_db) < 1e-2
 
+    @needs_extension
     def test_cuda_lowering_runs_kernel_on_local_shards(self):
         from jax_tk.gemm import launch
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_tk
-from helpers import randn, rel_err
+from helpers import needs_extension, randn, rel_err
 from jax_tk.gemm import api, launch, reference
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -303,10 +303,13 @@ def fake_kernel(monkeypatch):
     real kernel runs (tests/gemm/test_ragged_dot_gpu.py)."""
     if jax.default_backend() != "cpu":
         pytest.skip("the stand-in replaces the kernel on CPU runs")
+    if not launch.extension.available():
+        pytest.skip("without the compiled extension every op runs its reference")
     launches = []
 
-    def raw_call(mode, a, b, sizes, out_shape, out_dtype, b_transposed, out_init=None):
+    def raw_call(mode, a, b, sizes, out_shape, out_dtype, b_transposed, variant, out_init=None):
         assert sizes.dtype == jnp.int32 and a.dtype == b.dtype and a.dtype in (BF16, F16)
+        assert variant == launch.dispatch.kernel_variant()
         launches.append((mode, a.shape, b.shape, sizes.shape, bool(b_transposed)))
         if mode == launch.contract()["MODE_RAGGED"]:
             out = reference.ragged_dot(a, b, sizes, out_dtype=out_dtype, rhs_transposed=b_transposed)
@@ -421,6 +424,7 @@ def _export_text(f, *args):
     return jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=disabled)(*args).mlir_module()
 
 
+@needs_extension
 @pytest.mark.skipif(launch.extension.has_cuda_kernels() and not launch.extension.has_target(launch.TARGET),
                     reason="this build has no grouped GEMM kernel: the reference is lowered")
 def test_cuda_lowering_has_the_custom_call():
@@ -431,8 +435,9 @@ def test_cuda_lowering_has_the_custom_call():
         jnp.ones((m, n), BF16)), lhs, rhs, gs)
     calls = re.findall(r'custom_call @jax_tk_gemm_ragged\(.*', text)
     assert len(calls) == 2, text[-3000:]
-    attrs = re.findall(r"b_transposed = (\d+) : i32.*?mode = (\d+) : i32", text)
-    assert sorted(attrs) == [("0", "1"), ("1", "0")], attrs
+    attrs = re.findall(r"b_transposed = (\d+) : i32.*?mode = (\d+) : i32.*?variant = (\d+) : i32", text)
+    auto = str(launch.extension.contract("core")["VARIANT_AUTO"])
+    assert sorted(attrs) == [("0", "1", auto), ("1", "0", auto)], attrs
     fwd = _export_text(lambda a, b, s: jax_tk.ragged_dot(a, b, s, preferred_element_type=F32), lhs, rhs, gs)
     (call,) = re.findall(r"custom_call @jax_tk_gemm_ragged\(.*", fwd)
     assert "-> tensor<37x16xf32>" in call and "tensor<5xi32>" in call, call
@@ -442,6 +447,7 @@ def test_cuda_lowering_has_the_custom_call():
     assert "jax_tk_gemm_ragged" not in _export_text(jax_tk.ragged_dot, odd_lhs, odd_rhs, gs)
 
 
+@needs_extension
 @pytest.mark.skipif(launch.extension.has_cuda_kernels() and not launch.extension.has_target(launch.TARGET),
                     reason="this build has no grouped GEMM kernel: the reference is lowered")
 @pytest.mark.parametrize("rhs_axis", [0, None])
