@@ -286,13 +286,16 @@ def dense_rank(flat):
     return jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.cumsum(change, dtype=jnp.int32))
 
 
+_INT32 = np.iinfo(np.int32)  # (the ids' dtype range, not a kernel limit: that is extension.MAX_INDEX)
+
+
 def _host_ids_narrowed(ids, other, name):
     """A numpy 64-bit ``ids`` beside a JAX ``other`` without x64 (jnp would truncate it): as int32 when
     its values fit, else an error (its values past int32 would need a joint relabelling with traced ids)."""
     if not (isinstance(ids, np.ndarray) and _is_64bit(ids)) or isinstance(other, np.ndarray) or \
             jax.config.jax_enable_x64:
         return ids
-    if ids.size and (ids.min() < -2 ** 31 or ids.max() >= 2 ** 31):
+    if ids.size and (ids.min() < _INT32.min or ids.max() > _INT32.max):
         raise ValueError(f"jax_tk.attention: {name} is a numpy {ids.dtype} array with values outside int32 and the "
                          "other segment ids a JAX array: pass both as numpy arrays, or enable jax_enable_x64")
     return ids.astype(np.int32)
@@ -309,7 +312,7 @@ def _signed_beside_uint32(q_ids, kv_ids):
     def fix(x, dtype):
         x = jnp.asarray(x)
         if dtype == np.uint32:
-            return jnp.where(x < np.uint32(2 ** 31), x.astype(jnp.int32), -1)
+            return jnp.where(x <= np.uint32(_INT32.max), x.astype(jnp.int32), -1)
         return jnp.where(x >= 0, x.astype(jnp.int32), -2)
 
     return fix(q_ids, kinds[0]), fix(kv_ids, kinds[1])
