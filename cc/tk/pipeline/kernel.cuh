@@ -27,7 +27,11 @@
 //   void produce();  void consume();                 the producer warpgroup; each consumer warpgroup
 //
 // The semaphores that the parts wait on and arrive at belong to rings (ring.cuh), whose phases are
-// worked out there; a part names ring positions, never parities or slot arithmetic.
+// worked out there; a part names ring positions, never parities or slot arithmetic. Views of shared
+// memory (rings, the queue) are formed where they are used, from the shared struct, never held in a
+// variable across a loop: then each semaphore's address is the shared base plus a constant offset, in
+// uniform registers; held, its pointers were formed in full, in per-thread registers, in the main
+// loops (a few instructions and register moves per block of keys, about 1% of the forward).
 #pragma once
 #include "roles.cuh"
 #include "scheduler.cuh"
@@ -36,10 +40,9 @@ namespace tk {
 
 template <typename K> __device__ __forceinline__ void persistent(K &k) {
   using R = typename K::Roles;
-  const auto q = k.queue();
   if (threadIdx.x == 0) {  // the queue's full: the scheduler's lane 0; empty: each consumer warp, the loader
     k.init();
-    init(q.ring, 1, R::CONSUMERS * 4 + 1);
+    init(k.queue().ring, 1, R::CONSUMERS * 4 + 1);
     fence_barrier_init();
   }
   __syncthreads();
@@ -49,17 +52,17 @@ template <typename K> __device__ __forceinline__ void persistent(K &k) {
     if (R::warp() == 1) {  // the scheduler
       for (int n = 0;; n++) {
         const ring_use<2> at(n);
-        wait_empty(q.ring, at);
+        wait_empty(k.queue().ring, at);
         const auto x = k.schedule(n, at.slot);
-        announce_tile(q, at, x);
+        announce_tile(k.queue(), at, x);
         if (x.t >= k.tiles) return;
       }
     }
     if (threadIdx.x != R::CONSUMERS * 128) return;
     for (int n = 0;; n++) {  // the loader
       const ring_use<2> at(n);
-      if (!wait_tile(q, at, k.tiles)) return;
-      k.load(at.slot, [&] { arrive_empty(q.ring, at); });
+      if (!wait_tile(k.queue(), at, k.tiles)) return;
+      k.load(at.slot, [&] { arrive_empty(k.queue().ring, at); });
     }
   }
 
@@ -67,9 +70,9 @@ template <typename K> __device__ __forceinline__ void persistent(K &k) {
   k.start();
   for (int n = 0;; n++) {
     const ring_use<2> at(n);
-    if (!wait_tile(q, at, k.tiles)) break;
+    if (!wait_tile(k.queue(), at, k.tiles)) break;
     k.consume(at.slot, [&] {
-      if (laneid() == 0) arrive_empty(q.ring, at);
+      if (laneid() == 0) arrive_empty(k.queue().ring, at);
     });
   }
   k.finish();
