@@ -91,9 +91,9 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
   load_async<NT>(sm.q, g.Q, {b, q0, h, 0}, tid);
   load_async<NT>(sm.dout, g.dO, {b, q0, h, 0}, tid);
   commit(kv);  // (a group before the ring's)
-  if (first < end) fill(first, kv.slot(0));  // use 0 (a ring of two slots fills one use ahead)
+  if (first < end) fill(first, kv.slot(0));  // the prologue (a ring of two: use 0 alone)
   commit(kv);
-  wait_full(kv);  // the query rows have landed
+  wait_full(kv);  // Q and dO have landed
 
   // delta = rowsum(dO * O) - dlse, for this warp's rows; the dK/dV kernel reads it back.
   using vec = col_vec<rt_fl<16, BK>>;
@@ -207,8 +207,8 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
     return step;
   };
   const int first = next(0);
-  const cp_async_ring<2> qs;  // the steps' query blocks (use n: the n-th step taken); K and V join use 0's group
-  if (first < n_steps) prefetch(first, qs.slot(0));  // use 0 (a ring of two slots fills one use ahead)
+  const cp_async_ring<2> qs;  // the steps' query blocks: use n is the n-th step taken (K and V join use 0)
+  if (first < n_steps) prefetch(first, qs.slot(0));  // the prologue (a ring of two: use 0 alone)
   commit(qs);
 
   rt_fl<16, 16> dk[D / 16], dv[D / 16];

@@ -49,7 +49,7 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
   };
   load_async<NT>(sm.q, Q, {b, q0, h, 0}, tid);
   commit(kv);  // (a group before the ring's)
-  if (first < end) fill(first, kv.slot(0));  // use 0 (a ring of two slots fills one use ahead)
+  if (first < end) fill(first, kv.slot(0));  // the prologue (a ring of two: use 0 alone)
   commit(kv);
   wait_full(kv);  // the query rows have landed
 

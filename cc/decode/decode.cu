@@ -12,9 +12,9 @@
 //   second small kernel (merge_kernel).
 // - Inside a block every group of TILES warps (one warp with a single tile) is an independent
 //   flash-decoding worker over its own key blocks (blocks g, g + GROUPS, ... of the part): a cp.async
-//   ring of STAGES blocks of K and V of its own, filled by its warps together and synchronized by the
-//   group's own named barrier, no block-wide barrier in the key loop (a ring per group, not
-//   tk/pipeline's block-wide one). S = Q K^T and O += P V run on mma.sync (on wgmma for a group of a
+//   ring of STAGES blocks of K and V of its own (tk::cp_async_ring), filled by its warps together and
+//   synchronized by the group's own named barrier, no block-wide barrier in the key loop (a ring per
+//   group, not one for the block). S = Q K^T and O += P V run on mma.sync (on wgmma for a group of a
 //   whole warpgroup on sm_90a); the online softmax is the tile language's. At the end the groups
 //   merge their (max, sum, O) through shared memory (common.cuh). On sm_90a blocks of 128 rows take a
 //   kernel of their own, warp-specialized (decode_sm90.cu).
@@ -110,7 +110,7 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
     }
     commit(kv);
   }
-  if (block_of(kv.AHEAD) < j1) find(kv.AHEAD);  // (step 0 loads it)
+  if (block_of(kv.AHEAD) < j1) find(kv.AHEAD);  // (the rows of the block step 0 loads)
   wait_full(kv);  // the query rows have landed
 
   const int r_tile = TILE_ROWS * t;
@@ -147,7 +147,7 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
     const int k0 = block_of(n) * KEYS;
     if (block_of(n + kv.AHEAD) < j1) next.load(slots[kv.fill_slot(n + kv.AHEAD)], p, blk.h);
     commit(kv);
-    if (block_of(n + kv.AHEAD + 1) < j1) find(n + kv.AHEAD + 1);  // (step n + 1 loads it)
+    if (block_of(n + kv.AHEAD + 1) < j1) find(n + kv.AHEAD + 1);  // (the rows of the block step n + 1 loads)
     wait_full(kv, [&] {
       if constexpr (WGMMA) warpgroup::fence_shared_writes();  // the copies, for wgmma's (async) proxy
       group_sync();

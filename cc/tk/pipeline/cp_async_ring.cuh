@@ -1,28 +1,31 @@
 // A cp.async stage ring (sm_80+): blocks of data stream through STAGES slots of shared memory that
-// the threads fill themselves with cp.async (tk::load_async). There are no semaphores: each use's
-// copies are one commit group, cp.async.wait_group says when a thread's own copies have landed, and a
-// barrier (the block's, or the kernel's for the threads that share the ring) makes them everyone's.
+// the threads fill themselves with cp.async (tk::load_async). No semaphores: a use's copies are one
+// commit group, cp.async.wait_group tells a thread that its own copies have landed, and a barrier (the
+// block's, or that of the threads that share the ring) makes them everyone's.
 //
-// Use n = 0, 1, 2, ... of the ring (cp_async_ring::n) takes slot n mod STAGES. Step n of a kernel's
-// loop reads use n and fills use n + STAGES - 1, whose slot, (n - 1) mod STAGES, step n - 1 read. A
-// step commits its group even where it has nothing to fill (an empty group), so that the groups
-// committed after use n are known whatever the data:
-//   prologue       fill uses 0 .. STAGES - 2, a group each (they are in slots 0 .. STAGES - 2);
-//   step n, refill::before_wait (the slot it refills was released at the end of step n - 1):
-//                  fill use n + STAGES - 1, commit;
-//                  wait_group(STAGES - 1), barrier: use n has landed (only uses n + 1 .. n + STAGES - 1
-//                  may be pending);
-//                  read slot n mod STAGES;
-//                  barrier (release): every thread is done with it before step n + 1 refills it;
-//   step n, refill::after_wait (one barrier a step; one use fewer in flight):
-//                  wait_group(STAGES - 2), barrier: use n has landed, and every thread is done with
-//                  slot (n - 1) mod STAGES;
-//                  fill use n + STAGES - 1, commit;
-//                  read slot n mod STAGES.
-// Groups committed before the prologue (e.g. a block's query rows) are older than every use: they
-// have landed when use 0 has, and with refill::before_wait a wait right after the prologue (uses
-// 0 .. STAGES - 2 pending) is for them alone. A block waits for all its copies (drain) before it
-// exits or puts the slots to another use.
+// Use u = 0, 1, 2, ... of the ring lives in slot u mod STAGES. Step n of a kernel's loop reads use n
+// and fills use n + AHEAD (AHEAD = STAGES - 1), whose slot, (n - 1) mod STAGES, step n - 1 read. Every
+// step commits a group, an empty one where it has nothing to fill, so that the groups committed after
+// use n are known whatever the data:
+//   prologue   uses 0 .. AHEAD - 1, a group each (in slots 0 .. AHEAD - 1);
+//   step n, refill::before_wait:
+//              fill use n + AHEAD, commit;
+//              wait_full: wait_group(AHEAD) (only uses n + 1 .. n + AHEAD may be pending), barrier;
+//              read slot n mod STAGES;
+//              release: barrier (every thread is done with the slot before step n + 1 refills it);
+//   step n, refill::after_wait (one barrier a step, one use fewer in flight):
+//              wait_full: wait_group(AHEAD - 1), barrier (which also says that every thread is done
+//              with slot (n - 1) mod STAGES);
+//              fill use n + AHEAD, commit;
+//              read slot n mod STAGES.
+// Groups committed before the prologue (a block's query rows) are older than every use: they have
+// landed once use 0 has, and with refill::before_wait a wait_full right after the prologue is for them
+// alone. drain: all of a thread's copies have landed (before the block exits or reuses the slots).
+//
+// The ring holds no state. A kernel keeps its step count n (often its loop counter already) and
+// writes its prologue and steps as above, `if (there is a block) fill it; commit(ring);`, its own
+// copies in place: a prologue that took them as a callback would change the order in which the
+// compiler inlines the kernel's code, and with it the kernel's machine code.
 #pragma once
 #include "../ops/memory/cp_async.cuh"
 
@@ -37,29 +40,30 @@ struct sync_block {
   __device__ __forceinline__ void operator()() const { __syncthreads(); }
 };
 
-// The position of a kernel's loop in the ring: step n reads use n. A plain count; the slots are
-// worked out from it where they are used (the kernel indexes its own arrays of shared tiles).
 template <int STAGES_, refill ORDER_ = refill::before_wait> struct cp_async_ring {
-  static constexpr int STAGES = STAGES_;
+  static constexpr int STAGES = STAGES_, AHEAD = STAGES - 1;
   static constexpr refill ORDER = ORDER_;
   static_assert(STAGES >= 2);
-  // Groups that may still be pending once use n has landed (at the step's wait).
-  static constexpr int IN_FLIGHT = ORDER == refill::before_wait ? STAGES - 1 : STAGES - 2;
-  __device__ __forceinline__ static int slot(int n) { return n % STAGES; }  // the slot of use n (read)
-  static constexpr int AHEAD = STAGES - 1;
-  __device__ __forceinline__ static int fill_slot(int u) {  // the slot of use u >= AHEAD (filled)
+  // Groups that may still be pending once use n has landed (at step n's wait).
+  static constexpr int IN_FLIGHT = ORDER == refill::before_wait ? AHEAD : AHEAD - 1;
+  // The slot of use u (u >= 0).
+  __device__ __forceinline__ static int slot(int u) { return u % STAGES; }
+  // The same for a use u >= AHEAD that a step fills, from the use the kernel works out anyway (the
+  // compiler then shares the sum). In a ring of two: the slot other than that of use u - 1, which the
+  // step reads (the compiler derives it from the read slot).
+  __device__ __forceinline__ static int fill_slot(int u) {
     if constexpr (STAGES == 2) return slot(u - AHEAD) ^ 1;
     else return slot(u);
   }
 };
 
 // Ends a group: the copies this thread issued since the last commit (a use's, or data loaded before
-// the ring's first use).
+// the prologue).
 template <int S, refill O> __device__ __forceinline__ void commit(const cp_async_ring<S, O> &) { commit_group(); }
 
 // Use n has landed for every thread that shares the ring (right after the prologue with
-// refill::before_wait: the groups committed before it have): this thread's copies, then the
-// barrier. A kernel that must order the copies for another proxy (wgmma reads shared memory through
+// refill::before_wait: the groups committed before it have): this thread's copies, then the barrier
+// `sync`. A kernel that must order the copies for another proxy (wgmma reads shared memory through
 // the async proxy) does so in `sync`, before its barrier.
 template <int S, refill O, typename Sync = sync_block>
 __device__ __forceinline__ void wait_full(const cp_async_ring<S, O> &, Sync sync = {}) {
@@ -75,7 +79,7 @@ __device__ __forceinline__ void release(const cp_async_ring<S, O> &, Sync sync =
   sync();
 }
 
-// No copy of this thread is still landing (before the block exits, or reuses the slots).
+// All of this thread's copies have landed (before the block exits, or puts the slots to another use).
 template <int S, refill O> __device__ __forceinline__ void drain(const cp_async_ring<S, O> &) { wait_group<0>(); }
 
 }  // namespace tk
