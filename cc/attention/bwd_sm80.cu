@@ -83,16 +83,17 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
   auto next = [&](int j) { return next_kv_block<FULL, DENSE>(p, b, h, q0, BQ, j, end, BK); };
   const int first = next(range.x);
 
+  const cp_async_ring<2> kv;  // the key/value blocks: use n is the n-th block visited
+  auto fill = [&](int j, int slot) {
+    load_async<NT>(sm.k[slot], g.K, {b, j * BK, kvh, 0}, tid);
+    load_async<NT>(sm.v[slot], g.V, {b, j * BK, kvh, 0}, tid);
+  };
   load_async<NT>(sm.q, g.Q, {b, q0, h, 0}, tid);
   load_async<NT>(sm.dout, g.dO, {b, q0, h, 0}, tid);
-  commit_group();
-  if (first < end) {
-    load_async<NT>(sm.k[0], g.K, {b, first * BK, kvh, 0}, tid);
-    load_async<NT>(sm.v[0], g.V, {b, first * BK, kvh, 0}, tid);
-  }
-  commit_group();
-  wait_group<1>();
-  __syncthreads();
+  commit(kv);  // (a group before the ring's)
+  if (first < end) fill(first, kv.slot(0));  // the prologue (a ring of two: use 0 alone)
+  commit(kv);
+  wait_full(kv);  // Q and dO have landed
 
   // delta = rowsum(dO * O) - dlse, for this warp's rows; the dK/dV kernel reads it back.
   using vec = col_vec<rt_fl<16, BK>>;
@@ -120,14 +121,10 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
   rt<T, 16, BK> ds, dcap;
 
   for (int n = 0, j = first; j < end; n++) {
-    const int buf = n % 2, k0 = j * BK, j_next = next(j + 1);
-    if (j_next < end) {
-      load_async<NT>(sm.k[buf ^ 1], g.K, {b, j_next * BK, kvh, 0}, tid);
-      load_async<NT>(sm.v[buf ^ 1], g.V, {b, j_next * BK, kvh, 0}, tid);
-    }
-    commit_group();
-    wait_group<1>();
-    __syncthreads();
+    const int buf = kv.slot(n), k0 = j * BK, j_next = next(j + 1);
+    if (j_next < end) fill(j_next, kv.fill_slot(n + kv.AHEAD));
+    commit(kv);
+    wait_full(kv);
 
     logits_and_dp<D>(s, dp, sm.q, sm.dout, sm.k[buf], sm.v[buf], 16 * w);  // S = Q K^T, dP = dO V^T
     // P = exp2(S * scale * log2 e - lse2), 0 where masked; dS = P * (dP - delta) (times the cap's
@@ -149,7 +146,7 @@ __global__ __launch_bounds__(DQ<T, D>::THREADS) void dq_kernel(const __grid_cons
       warp::load(kc, sm.k[buf], 0, 16 * n);
       warp::mma_AB(dq[n], ds, kc, dq[n]);
     }
-    __syncthreads();
+    release(kv);
     j = j_next;
   }
 #pragma unroll
@@ -210,8 +207,9 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
     return step;
   };
   const int first = next(0);
-  if (first < n_steps) prefetch(first, 0);
-  commit_group();
+  const cp_async_ring<2> qs;  // the steps' query blocks: use n is the n-th step taken (K and V join use 0)
+  if (first < n_steps) prefetch(first, qs.slot(0));  // the prologue (a ring of two: use 0 alone)
+  commit(qs);
 
   rt_fl<16, 16> dk[D / 16], dv[D / 16];
 #pragma unroll
@@ -224,12 +222,11 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
   row_vec<rt_fl<16, BQ>> lse2, delta;
 
   for (int n = 0, step = first; step < n_steps; n++) {
-    const int buf = n % 2, h = kvh * group + step / qb_count, q0 = (qb_first + step % qb_count) * BQ;
+    const int buf = qs.slot(n), h = kvh * group + step / qb_count, q0 = (qb_first + step % qb_count) * BQ;
     const int step_next = next(step + 1);
-    if (step_next < n_steps) prefetch(step_next, buf ^ 1);
-    commit_group();
-    wait_group<1>();
-    __syncthreads();
+    if (step_next < n_steps) prefetch(step_next, qs.fill_slot(n + qs.AHEAD));
+    commit(qs);
+    wait_full(qs);
 
     logits_and_dp<D>(s, dp, sm.k, sm.v, sm.q[buf], sm.dout[buf], 16 * w);  // S^T = K Q^T, dP^T = V dO^T
     // P^T = exp2(S^T * scale * log2 e - lse2[query]), 0 where masked (and for query rows past the end).
@@ -259,10 +256,10 @@ __global__ __launch_bounds__(DKV<T, D>::THREADS) void dkdv_kernel(const __grid_c
       warp::load(qc, sm.q[buf], 0, 16 * n);
       warp::mma_AB(dk[n], pt, qc, dk[n]);
     }
-    __syncthreads();
+    release(qs);
     step = step_next;
   }
-  wait_group<0>();  // no copy may still be landing when the block exits
+  drain(qs);  // no copy may still be landing when the block exits
 #pragma unroll
   for (int n = 0; n < D / 16; n++) {
     warp::mul(dk[n], dk[n], p.scale);

@@ -1,9 +1,9 @@
 // Attention forward on mma.sync (sm_80+), FlashAttention-2 style.
 // A block of 4 warps owns 64 query rows of one (batch, head), 16 rows a warp. Key/value blocks of 64
-// rows stream through a double-buffered cp.async ring; each warp computes S = Q K^T, keeps a running
-// row max and sum (online softmax in base 2), and accumulates O += P V in fp32. Only the key blocks
-// the rows may see are visited (causal, window, lengths); blocks that cross a mask boundary, and
-// every block with segment ids, are masked elementwise.
+// rows stream through a cp.async ring of two slots (tk::cp_async_ring); each warp computes S = Q K^T,
+// keeps a running row max and sum (online softmax in base 2), and accumulates O += P V in fp32. Only
+// the key blocks the rows may see are visited (causal, window, lengths); blocks that cross a mask
+// boundary, and every block with segment ids, are masked elementwise.
 #include "common.cuh"
 
 namespace jax_tk::attention {
@@ -42,15 +42,16 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
   auto next = [&](int j) { return next_kv_block<FULL, DENSE>(p, b, h, q0, BQ, j, end, BK); };
   const int first = next(range.x);
 
+  const cp_async_ring<2> kv;  // the key/value blocks: use n is the n-th block visited
+  auto fill = [&](int j, int slot) {
+    load_async<NT>(sm.k[slot], K, {b, j * BK, kvh, 0}, tid);
+    load_async<NT>(sm.v[slot], V, {b, j * BK, kvh, 0}, tid);
+  };
   load_async<NT>(sm.q, Q, {b, q0, h, 0}, tid);
-  commit_group();
-  if (first < end) {
-    load_async<NT>(sm.k[0], K, {b, first * BK, kvh, 0}, tid);
-    load_async<NT>(sm.v[0], V, {b, first * BK, kvh, 0}, tid);
-  }
-  commit_group();
-  wait_group<1>();
-  __syncthreads();
+  commit(kv);  // (a group before the ring's)
+  if (first < end) fill(first, kv.slot(0));  // the prologue (a ring of two: use 0 alone)
+  commit(kv);
+  wait_full(kv);  // the query rows have landed
 
   rt<T, 16, 16> q[D / 16];  // this warp's 16 query rows
 #pragma unroll
@@ -66,14 +67,10 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
   warp::fill_vec(l, 0.f);
 
   for (int n = 0, j = first; j < end; n++) {
-    const int buf = n % 2, k0 = j * BK, j_next = next(j + 1);
-    if (j_next < end) {  // prefetch the next key/value block into the other buffer
-      load_async<NT>(sm.k[buf ^ 1], K, {b, j_next * BK, kvh, 0}, tid);
-      load_async<NT>(sm.v[buf ^ 1], V, {b, j_next * BK, kvh, 0}, tid);
-    }
-    commit_group();
-    wait_group<1>();
-    __syncthreads();
+    const int buf = kv.slot(n), k0 = j * BK, j_next = next(j + 1);
+    if (j_next < end) fill(j_next, kv.fill_slot(n + kv.AHEAD));  // prefetch the next key/value block
+    commit(kv);
+    wait_full(kv);
 
     // S = Q K^T (raw logits: the softmax scales them, see logit_factor).
     warp::zero(s);
@@ -97,7 +94,7 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
       warp::mul_row(o[n], o[n], corr);
       warp::mma_AB(o[n], pr, vt, o[n]);
     }
-    __syncthreads();  // everyone is done with `buf` before it is refilled
+    release(kv);  // everyone is done with `buf` before it is refilled
     j = j_next;
   }
 

@@ -12,9 +12,9 @@
 //   second small kernel (merge_kernel).
 // - Inside a block every group of TILES warps (one warp with a single tile) is an independent
 //   flash-decoding worker over its own key blocks (blocks g, g + GROUPS, ... of the part): a cp.async
-//   ring of STAGES blocks of K and V of its own, filled by its warps together and synchronized by the
-//   group's own named barrier, no block-wide barrier in the key loop (a ring per group, not
-//   tk/pipeline's block-wide one). S = Q K^T and O += P V run on mma.sync (on wgmma for a group of a
+//   ring of STAGES blocks of K and V of its own (tk::cp_async_ring), filled by its warps together and
+//   synchronized by the group's own named barrier, no block-wide barrier in the key loop (a ring per
+//   group, not one for the block). S = Q K^T and O += P V run on mma.sync (on wgmma for a group of a
 //   whole warpgroup on sm_90a); the online softmax is the tile language's. At the end the groups
 //   merge their (max, sum, O) through shared memory (common.cuh). On sm_90a blocks of 128 rows take a
 //   kernel of their own, warp-specialized (decode_sm90.cu).
@@ -80,8 +80,9 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
     if constexpr (TILES == 1) __syncwarp();
     else sync_named(1 + g, 32 * TILES);
   };
+  const cp_async_ring<STAGES> kv;  // the group's key blocks: use n is its n-th block
   load_query<C::THREADS>(sm.q, p, blk, tid);
-  commit_group();
+  commit(kv);  // (a group before the ring's)
 
   // On sm_90a a group of one whole warpgroup (four tiles, 64 rows) multiplies on wgmma, both
   // products' operands straight from shared memory (the query rows and the ring's K and V; P from
@@ -93,7 +94,7 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
   constexpr bool WGMMA = false;
 #endif
 
-  auto &ring = sm.stage[g];
+  auto &slots = sm.stage[g];
   auto block_of = [&](int n) { return j0 + g + GROUPS * n; };  // the group's n-th key block
   KeyRows<T, D, KEYS, 32 * TILES> next;  // the rows of the next block to load (this warp's share)
   Pages<KEYS> pages(p, blk.b, j0 + g, GROUPS);
@@ -102,16 +103,15 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
     else next.find(p, blk.b, block_of(n) * KEYS, R.valid);
   };
 #pragma unroll
-  for (int n = 0; n < STAGES - 1; n++) {
-    if (block_of(n) < j1) {
-      find(n);
-      next.load(ring[n], p, blk.h);
+  for (int u = 0; u < kv.AHEAD; u++) {  // the ring's prologue
+    if (block_of(u) < j1) {
+      find(u);
+      next.load(slots[kv.slot(u)], p, blk.h);
     }
-    commit_group();
+    commit(kv);
   }
-  if (block_of(STAGES - 1) < j1) find(STAGES - 1);
-  wait_group<STAGES - 1>();  // the query rows (the oldest group) have landed
-  __syncthreads();
+  if (block_of(kv.AHEAD) < j1) find(kv.AHEAD);  // (the rows of the block step 0 loads)
+  wait_full(kv);  // the query rows have landed
 
   const int r_tile = TILE_ROWS * t;
   rt<T, 16, 16> q[C::Q_IN_REGISTERS && !WGMMA ? D / 16 : 1];
@@ -145,13 +145,14 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
       continue;
     }
     const int k0 = block_of(n) * KEYS;
-    if (block_of(n + STAGES - 1) < j1) next.load(ring[(n + STAGES - 1) % STAGES], p, blk.h);
-    commit_group();
-    if (block_of(n + STAGES) < j1) find(n + STAGES);
-    wait_group<STAGES - 1>();
-    if constexpr (WGMMA) warpgroup::fence_shared_writes();  // the copies, for wgmma's (async) proxy
-    group_sync();
-    const auto &cur = ring[n % STAGES];
+    if (block_of(n + kv.AHEAD) < j1) next.load(slots[kv.fill_slot(n + kv.AHEAD)], p, blk.h);
+    commit(kv);
+    if (block_of(n + kv.AHEAD + 1) < j1) find(n + kv.AHEAD + 1);  // (the rows of the block step n + 1 loads)
+    wait_full(kv, [&] {
+      if constexpr (WGMMA) warpgroup::fence_shared_writes();  // the copies, for wgmma's (async) proxy
+      group_sync();
+    });
+    const auto &cur = slots[kv.slot(n)];
 
     s_tile s;
     if constexpr (WGMMA) {
@@ -191,9 +192,9 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
         warp::mma_AB(o[d], pr, vt, o[d]);
       }
     }
-    group_sync();  // every warp of the group is done with this stage before it is refilled
+    release(kv, group_sync);  // every warp of the group is done with this stage before it is refilled
   }
-  wait_group<0>();
+  drain(kv);
   __syncwarp();
   finish<T, D, C, C::THREADS>(p, sm, blk, whole, m, l, c, g, t, tid, [] { __syncthreads(); });
 }

@@ -3,12 +3,13 @@
 //
 // A persistent grid (a few blocks per SM) takes the tiles in the order of common.cuh (block b: t =
 // b, b + G, ...; warp 0 finds each tile's group, GroupWalk). A tile is 128 x 128 of out, 4 warps of
-// 64 x 64; steps of 32 along the contraction come into shared memory with cp.async, 3 stages deep.
-// The loads zero-fill what lies outside the tile's group rows or past the arrays' columns (so the
-// products need no masks, and CONTRACT's steps see only their group's rows); warps then read
-// fragments with ldmatrix (transposing where the operand is M- or N-major) and multiply them with
-// mma.sync m16n8k16 into fp32 registers, which go straight to global memory, rows and columns
-// outside the tile's part of out skipped.
+// 64 x 64; steps of 32 along the contraction come into shared memory with cp.async, through a ring
+// of 3 slots (tk::cp_async_ring, refilled after the wait: one barrier a step). The loads zero-fill
+// what lies outside the tile's group rows or past the arrays' columns (so the products need no
+// masks, and CONTRACT's steps see only their group's rows); warps then read fragments with ldmatrix
+// (transposing where the operand is M- or N-major) and multiply them with mma.sync m16n8k16 into
+// fp32 registers, which go straight to global memory, rows and columns outside the tile's part of
+// out skipped.
 #include <algorithm>
 #include <climits>
 
@@ -83,17 +84,17 @@ __global__ __launch_bounds__(Sm80<T, KIND>::THREADS) void ragged_sm80_kernel(con
     };
     rt_fl<64, 64> acc;
     warp::zero(acc);
+    const cp_async_ring<STAGES, refill::after_wait> steps;  // use j: step j along the contraction
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; s++) {
-      if (s < count) load(s, s);
-      commit_group();
+    for (int u = 0; u < steps.AHEAD; u++) {  // the ring's prologue
+      if (u < count) load(u, steps.slot(u));
+      commit(steps);
     }
     for (int j = 0; j < count; j++) {
-      wait_group<STAGES - 2>();  // step j has landed (this thread's copies) ...
-      __syncthreads();           // ... everyone's; and step j - 1's slot is free
-      if (j + STAGES - 1 < count) load(j + STAGES - 1, (j + STAGES - 1) % STAGES);
-      commit_group();
-      const int s = j % STAGES;
+      wait_full(steps);  // step j has landed (everyone's copies), and step j - 1's slot is free
+      if (j + steps.AHEAD < count) load(j + steps.AHEAD, steps.fill_slot(j + steps.AHEAD));
+      commit(steps);
+      const int s = steps.slot(j);
       if constexpr (KIND == CONTRACT) {
         rt<T, TK, 64, col_l> fa, fb;
         warp::load(fa, sm.a[s], 0, 64 * wm);
@@ -112,7 +113,7 @@ __global__ __launch_bounds__(Sm80<T, KIND>::THREADS) void ragged_sm80_kernel(con
         warp::mma_ABt(acc, fa, fb, acc);
       }
     }
-    wait_group<0>();
+    drain(steps);
 
     // out: rows of the tile's group (CONTRACT: rows < k of out[group]), columns < n
     const int rows = KIND == CONTRACT ? p.k : x.r1;

@@ -34,7 +34,69 @@ enum Op {
   // filled with 1.0f first)
   CHUNKS_STORE = 42, CHUNKS_STORE_T = 43,
   ROW_SUM_LANES = 44,  // vec = row sums of a and b: row_sum_lane over a, then b (each lane's part), then sum_lanes
+  // 16-bit: uses n < param of a cp.async ring (cp_async_ring) of 2 or 3 slots, refilled before or
+  // after the wait: use n is a with its rows rotated up by n; out = b + sum_n (n + 1) use_n
+  RING_BEFORE_2 = 45, RING_BEFORE_3 = 46, RING_AFTER_3 = 47,
 };
+
+// The RING_* ops: the warp streams the uses through the ring's slots and adds each one up as it
+// reads it. b comes in a group of its own before the ring's (with refill::before_wait the wait after
+// the prologue is for it; otherwise it is read once every copy has landed).
+template <typename T, typename L, int R, int C, int STAGES, refill ORDER>
+__device__ void ring_op(const TileOpArgs &x, st<T, R, C> *slots, st<T, R, C> &sb) {
+  using tile = st<T, R, C>;
+  const cp_async_ring<STAGES, ORDER> ring;
+  const T *A = static_cast<const T *>(x.a);
+  const int uses = int(x.param);
+  auto fill = [&](int n, int slot) {
+    constexpr int row_chunks = C / tile::chunk;
+    for (int i = laneid(); i < R * row_chunks; i += 32) {
+      const int r = i / row_chunks, c = i % row_chunks * tile::chunk;
+      cp_async16(&slots[slot](r, c), A + (r + n) % R * C + c, true);
+    }
+  };
+  rt_fl<R, C, L> acc, f;
+  rt<T, R, C, L> t;
+  warp::zero(acc);
+  auto add_b = [&] {
+    warp::load(t, sb);
+    warp::copy(f, t);
+    warp::add(acc, acc, f);
+  };
+  load_async<32>(sb, gl<const T>::make(static_cast<const T *>(x.b), 1, R, 1, C), {}, laneid());
+  commit(ring);
+#pragma unroll
+  for (int u = 0; u < ring.AHEAD; u++) {
+    if (u < uses) fill(u, ring.slot(u));
+    commit(ring);
+  }
+  if constexpr (ORDER == refill::before_wait) {
+    wait_full(ring);
+    add_b();
+  }
+  for (int n = 0; n < uses; n++) {
+    if constexpr (ORDER == refill::before_wait) {
+      if (n + ring.AHEAD < uses) fill(n + ring.AHEAD, ring.fill_slot(n + ring.AHEAD));
+      commit(ring);
+      wait_full(ring);
+    } else {
+      wait_full(ring);
+      if (n + ring.AHEAD < uses) fill(n + ring.AHEAD, ring.fill_slot(n + ring.AHEAD));
+      commit(ring);
+    }
+    warp::load(t, slots[ring.slot(n)]);
+    warp::copy(f, t);
+    warp::mul(f, f, float(n + 1));
+    warp::add(acc, acc, f);
+    if constexpr (ORDER == refill::before_wait) release(ring);
+  }
+  drain(ring);
+  if constexpr (ORDER == refill::after_wait) {
+    __syncwarp();
+    add_b();
+  }
+  warp::store(gl<float>::make(x.out, 1, R, 1, C), acc, {});
+}
 
 template <typename T, typename L, int R, int C>
 __device__ void run(const TileOpArgs &x, st<T, R, C> &sa, st<T, R, C> &sb) {
@@ -185,8 +247,22 @@ __device__ void run(const TileOpArgs &x, st<T, R, C> &sa, st<T, R, C> &sb) {
   warp::store(OUT, r, {});
 }
 
+template <typename T, typename L, int R, int C> __device__ void run_ring(const TileOpArgs &x, st<T, R, C> &sb) {
+  if constexpr (is_16bit<T>) {
+    __shared__ st<T, R, C> slots[3];
+    if (x.op == RING_BEFORE_2) ring_op<T, L, R, C, 2, refill::before_wait>(x, slots, sb);
+    if (x.op == RING_BEFORE_3) ring_op<T, L, R, C, 3, refill::before_wait>(x, slots, sb);
+    if (x.op == RING_AFTER_3) ring_op<T, L, R, C, 3, refill::after_wait>(x, slots, sb);
+  }
+}
+
 template <typename T, int R, int C> __global__ void tile_op_kernel(const __grid_constant__ TileOpArgs x) {
   __shared__ st<T, R, C> sa, sb;
+  if (x.op >= RING_BEFORE_2) {
+    if (x.layout == 0) run_ring<T, row_l, R, C>(x, sb);
+    else run_ring<T, col_l, R, C>(x, sb);
+    return;
+  }
   if (x.layout == 0) run<T, row_l, R, C>(x, sa, sb);
   else run<T, col_l, R, C>(x, sa, sb);
 }

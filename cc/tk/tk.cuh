@@ -17,6 +17,7 @@
 #include "ops/warp/softmax.cuh"
 #include "ops/warpgroup/fragments.cuh"
 #include "ops/warpgroup/wgmma.cuh"
+#include "pipeline/cp_async_ring.cuh"
 #include "pipeline/ring.cuh"
 #include "pipeline/roles.cuh"
 #include "pipeline/scheduler.cuh"

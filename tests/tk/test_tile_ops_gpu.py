@@ -24,7 +24,7 @@ OPS = dict(
     SUB_ROW=20, MUL_ROW=21, DIV_ROW=22, ADD_COL=23, SUB_COL=24, MUL_COL=25, DIV_COL=26, TRIL=27,
     TRIU=28, BOUNDS=29, MMA_AB=30, MMA_ABT=31, MMA_ATB=32, MMA_ATBT=33, FILL=34, ZERO=35, CAST=36,
     SHARED_ST=37, KEEP_BITS=38, KEEP_BITS_BY_COL=39, CHUNKS=40, CHUNKS_T=41, CHUNKS_STORE=42, CHUNKS_STORE_T=43,
-    ROW_SUM_LANES=44,
+    ROW_SUM_LANES=44, RING_BEFORE_2=45, RING_BEFORE_3=46, RING_AFTER_3=47,
 )
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 RTOL = {"float32": 2e-6, "bfloat16": 8e-3, "float16": 1e-3}
@@ -226,3 +226,19 @@ def test_chunks_store(op, dtype):
     want = want.T if op == "CHUNKS_STORE_T" else want
     np.testing.assert_array_equal(got[:30], want[:30])
     np.testing.assert_array_equal(got[30:], ones[30:])
+
+
+@pytest.mark.parametrize("uses", [0, 1, 2, 3, 8])
+@pytest.mark.parametrize("layout", [0, 1], ids=["row", "col"])
+@pytest.mark.parametrize("op", ["RING_BEFORE_2", "RING_BEFORE_3", "RING_AFTER_3"])
+def test_cp_async_ring(op, layout, uses):
+    """Blocks streamed through a cp.async stage ring (tk::cp_async_ring) of two or three slots, refilled
+    before or after the wait: use n is a with its rows rotated up by n (so every use differs from the
+    ones a wrong slot or an early read would show), b a group loaded before the ring's; out = b +
+    sum_n (n + 1) use_n."""
+    a, b, v = inputs("bfloat16", (32, 64), seed=13 + uses)
+    out, _ = run_op(op, a, b, v, layout, param=uses)
+    want = b.astype(np.float32)
+    for n in range(uses):
+        want = want + (n + 1) * np.roll(a.astype(np.float32), -n, axis=0)
+    close(out, want, "float32", rtol=1e-5, atol=1e-4)
