@@ -63,11 +63,24 @@ CHILD_ENV = "JAX_TK_MULTIDEVICE_CHILD"
 
 
 # The child imports the jax_tk this process imported: an editable install's import redirect (a
-# meta-path finder) would otherwise send a checkout's tests (e.g. a git worktree's) to the installed tree.
+# meta-path finder) would otherwise send a checkout's tests (e.g. a git worktree's) to the installed
+# tree. Its compiled modules, which an editable install keeps in its build folder (found only through
+# that redirect), are loaded from the files this process loaded.
+def _loaded_extensions() -> dict:
+    import jax_tk
+
+    names = ("jax_tk._tk", "jax_tk._tk_tests")
+    return {n: sys.modules[n].__file__ for n in names if getattr(sys.modules.get(n), "__file__", None)}
+
+
 _CHILD = (
-    "import sys; "
+    "import sys, importlib.util; "
     "sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != 'ScikitBuildRedirectingFinder']; "
     f"sys.path.insert(0, {str(pathlib.Path(__import__('jax_tk').__file__).resolve().parents[1])!r}); "
+    f"exts = {_loaded_extensions()!r}\n"
+    "for name, path in exts.items():\n"
+    "    spec = importlib.util.spec_from_file_location(name, path); m = importlib.util.module_from_spec(spec)\n"
+    "    sys.modules[name] = m; spec.loader.exec_module(m)\n"
     "import pytest; sys.argv[0] = 'pytest'; sys.exit(pytest.main(sys.argv[1:]))"
 )
 

@@ -188,22 +188,26 @@ __device__ __forceinline__ int load_acquire(const int *x) {
 // operands, the boolean mask and the bias (see dispatch), in the kernels for any options only; BIAS
 // (with DENSE, when a bias is given): the bias's code, whose registers a mask alone should not pay
 // for (they made the mask's backward up to 40% slower).
-template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE, bool BIAS> struct BwdSm90 {
+template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE, bool BIAS>
+__global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const __grid_constant__ typename BwdH<T, D>::Args a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = BwdH<T, D>;
-  using Roles = typename C::Roles;
-  static constexpr int BK = C::BK, BQ = C::BQ, STAGES = C::STAGES, CONSUMERS = C::CONSUMERS;
+  using R = typename C::Roles;
+  constexpr int BK = C::BK, BQ = C::BQ, STAGES = C::STAGES, CONSUMERS = C::CONSUMERS;
   static_assert(BQ == BWD_BQ);
+  extern __shared__ char smem_raw[];
+  auto &sm = align_shared<typename C::Shared>(smem_raw);
+  const Params &p = a.p;
+  // The deterministic mode's turns: read where they are tested (a flag kept in a register across the
+  // loop changed the plain kernel's schedule and cost it 2%).
+  const auto det = [&] { return FULL ? DET : p.deterministic; };
+  const int3 at = block_coords<FULL>(p, a.order_pairs, blockIdx.x, (p.kv_len + BK - 1) / BK);
+  const int b = at.x, kvh = at.y, j = at.z, k0 = j * BK;
+  const int group = p.q_heads / p.kv_heads, n_qblocks = (p.q_len + BQ - 1) / BQ;
   // At D <= 128 the warpgroup and the ring slots are made known to be warp-uniform (warp_uniform),
   // so that the wgmma descriptors stay in uniform registers instead of being worked out per thread
   // and moved there before each wgmma. (At D = 256 it cost more in spills than it saved.)
-  __device__ __forceinline__ static int known_uniform(int x) { return D <= 128 ? warp_uniform(x) : x; }
-
-  const typename C::Args &a;
-  typename C::Shared &sm;
-  const Params &p = a.p;
-  const int3 coords = block_coords<FULL>(p, a.order_pairs, blockIdx.x, (p.kv_len + BK - 1) / BK);
-  const int b = coords.x, kvh = coords.y, j = coords.z, k0 = j * BK;
-  const int group = p.q_heads / p.kv_heads, n_qblocks = (p.q_len + BQ - 1) / BQ;
+  const auto known_uniform = [](int x) { return D <= 128 ? warp_uniform(x) : x; };
   const int wg = known_uniform(warpgroup::groupid());
   // The query blocks that see these keys (with segment ids: listed once, see BlockList; without,
   // every block of the range sees some of them), and the (query head, query block) pairs this block
@@ -217,62 +221,52 @@ template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE
   });
   const KeyRule rule = key_rule<FULL>(p, b);
   const int n_steps = qblocks.count() * group;
-  int *const locks = reinterpret_cast<int *>(p.workspace + C::stats(p, p.batch, 0, 0));  // deterministic turns
-
-  // The deterministic mode's turns: read where they are tested (a flag kept in a register across the
-  // loop changed the plain kernel's schedule and cost it 2%).
-  __device__ __forceinline__ bool det() const { return FULL ? DET : p.deterministic; }
-  // The rings (ring.cuh), formed where they are used (as the forward's: a base and constant offsets):
-  // the steps' Q, dO and statistics; each consumer's dQ tile.
-  __device__ __forceinline__ ring<STAGES> steps() const { return {sm.full, sm.empty}; }
-  __device__ __forceinline__ ring<1> dq_ring(int c) const { return ring<1>{&sm.dq_full[c], &sm.dq_empty[c]}; }
   // The steps, in order: for each query head g of the group, the listed query blocks i.
-  __device__ __forceinline__ void advance(int &g, int &i) const {
+  auto advance = [&](int &g, int &i) {
     if ((i = qblocks.next(i + 1)) >= qr.y) {  // on to the next query head
       i = qblocks.next(qr.x);
       g++;
     }
-  }
+  };
 
-  __device__ __forceinline__ void init() const {
-    tk::init(sm.kv_full, 1);
-    tk::init(sm.kv_out, CONSUMERS * 128);  // one arrival per consumer thread: dK and dV are in shared memory
-    tk::init(steps(), 32, CONSUMERS * 128);  // full: each lane of the producer warp; empty: each consumer thread
-    for (int c = 0; c < CONSUMERS; c++) tk::init(dq_ring(c), 128, 1);  // full: each thread of consumer c; empty: the writer
+  const ring<STAGES> steps{sm.full, sm.empty};
+  const auto dq_ring = [&](int c) { return ring<1>{&sm.dq_full[c], &sm.dq_empty[c]}; };
+  if (threadIdx.x == 0) {
+    init(sm.kv_full, 1);
+    init(sm.kv_out, CONSUMERS * 128);  // one arrival per consumer thread: dK and dV are in shared memory
+    init(steps, 32, CONSUMERS * 128);  // full: each lane of the producer warp; empty: each consumer thread
+    for (int c = 0; c < CONSUMERS; c++) init(dq_ring(c), 128, 1);  // full: each thread of consumer c; empty: the writer
+    fence_barrier_init();
   }
-  __device__ __forceinline__ void before_sync() const {}
+  __syncthreads();
 
-  __device__ __forceinline__ void produce() const {
-    // (Its warps by block warp number: Roles::warp(), warpid() % 4, compiles to other producer code.)
-    if (C::STAGED && warpid() == CONSUMERS * 4 + 1 && laneid() == 0) return write_dq();
-    if (warpid() == CONSUMERS * 4) load();
-  }
-
-  // The dQ writer (one thread): adds each consumer's dQ tile to the accumulator in global memory.
-  __device__ __forceinline__ void write_dq() const {
-    static_assert(CONSUMERS == 2);
-    for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++, advance(g, i)) {
-      const int h = kvh * group + g;
-      for (int c = 0; c < CONSUMERS; c++) {  // (deterministic: the consumers have waited for the turn)
-        wait_full(dq_ring(c), it);
-        reduce_add_async(p.workspace + C::dq_tile(p, b, h, i, c), sm.dq[c], sizeof(sm.dq[c]));
-        bulk_commit();
+  int *locks = reinterpret_cast<int *>(p.workspace + C::stats(p, p.batch, 0, 0));  // deterministic turns
+  if (wg == R::PRODUCER) {
+    R::enter_producer();
+    // (Its warps by block warp number: R::warp(), warpid() % 4, compiles to other producer code.)
+    if (C::STAGED && warpid() == CONSUMERS * 4 + 1 && laneid() == 0) {  // the dQ writer
+      static_assert(CONSUMERS == 2);
+      for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++, advance(g, i)) {
+        const int h = kvh * group + g;
+        for (int c = 0; c < CONSUMERS; c++) {  // (deterministic: the consumers have waited for the turn)
+          wait_full(dq_ring(c), it);
+          reduce_add_async(p.workspace + C::dq_tile(p, b, h, i, c), sm.dq[c], sizeof(sm.dq[c]));
+          bulk_commit();
+        }
+        bulk_wait_read<1>();  // consumer 0's tile is read: it may store the next one
+        arrive_empty(dq_ring(0), it);
+        bulk_wait_read<0>();
+        arrive_empty(dq_ring(1), it);
+        if (det()) {  // the additions are done: hand the turn on
+          bulk_wait<0>();
+          __threadfence();
+          atomicAdd(locks + (size_t(b) * p.q_heads + h) * n_qblocks + i, CONSUMERS);
+        }
       }
-      bulk_wait_read<1>();  // consumer 0's tile is read: it may store the next one
-      arrive_empty(dq_ring(0), it);
-      bulk_wait_read<0>();
-      arrive_empty(dq_ring(1), it);
-      if (det()) {  // the additions are done: hand the turn on
-        bulk_wait<0>();
-        __threadfence();
-        atomicAdd(locks + (size_t(b) * p.q_heads + h) * n_qblocks + i, CONSUMERS);
-      }
+      bulk_wait<0>();  // the copy engine has finished with shared memory
+      return;
     }
-    bulk_wait<0>();  // the copy engine has finished with shared memory
-  }
-
-  // The loader warp: K and V once, each step's Q, dO and statistics, and at the end dK and dV.
-  __device__ __forceinline__ void load() const {
+    if (warpid() != CONSUMERS * 4) return;
     const bool loader = laneid() == 0;
     if (loader && n_steps > 0) {
       arrive_expect_bytes(sm.kv_full, sizeof(sm.k.data) + sizeof(sm.v.data));
@@ -283,20 +277,20 @@ template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE
       const int h = kvh * group + g;
       const ring_use<STAGES> at(it);
       const int s = at.slot;
-      wait_empty(steps(), at);
+      wait_empty(steps, at);
       if (loader) {
         if constexpr (SEG) {  // for the consumers (see next_step); the mask's block is this head's own
           const bool uniform = qblocks.uniform(i) && mask_code<FULL, DENSE>(p, b, h, i * BQ, k0) == MASK_FULL;
           sm.step[s] = {g, i << MASK_BITS | tile_mask_bits<FULL, DENSE>(p, rule, uniform, i * BQ, BQ, k0, BK)};
         }
-        expect_bytes(steps().full(at), sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
-        load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, steps().full(at));
-        load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, steps().full(at));
+        expect_bytes(steps.full(at), sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
+        load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, steps.full(at));
+        load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, steps.full(at));
       }
       // The rows' statistics: 128 floats, one float4 per lane, each lane's stores released by its own
       // arrival (so that every write and read is ordered by a release and an acquire of its own thread).
       reinterpret_cast<float4 *>(sm.stats[s])[laneid()] = reinterpret_cast<const float4 *>(p.workspace + C::stats(p, b, h, i))[laneid()];
-      arrive_full(steps(), at);
+      arrive_full(steps, at);
     }
     if (loader) {  // dK and dV, once the consumers have put them in the tiles of K and V
       wait_once(sm.kv_out);
@@ -305,28 +299,12 @@ template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE
       bulk_commit();
       bulk_wait_read<0>();  // (the writes are done by the kernel's end)
     }
+    return;
   }
 
-  // With a block list (whose next() is a loop) the consumers take the next step's (g, i) from the
-  // producer, in its slot (whose full barrier they have passed in issue_logits), and each step's mask
-  // bits there.
-  __device__ __forceinline__ void next_step(int it, int &g, int &i) const {
-    if constexpr (SEG) {
-      const int2 x = sm.step[ring_use<STAGES>(it).slot];
-      g = x.x;
-      i = x.y >> MASK_BITS;
-    } else {
-      advance(g, i);
-    }
-  }
-
-  __device__ __forceinline__ void consume() const;
-};
-
-// consumers: warpgroup wg owns keys k0 + row0 .. + 64 (this warp 16 of them from kw) and the columns
-// col0 .. + KV_COLS of their dK and dV
-template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE, bool BIAS>
-__device__ __forceinline__ void BwdSm90<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>::consume() const {
+  // consumers: warpgroup wg owns keys k0 + row0 .. + 64 (this warp 16 of them from kw) and the
+  // columns col0 .. + KV_COLS of their dK and dV
+  R::enter_consumer();
   const int row0 = 64 * (wg / C::SPLIT), col0 = C::KV_COLS * (wg % C::SPLIT);
   const int kw = k0 + row0 + 16 * (warpid() % 4);
   const bool writes_ds = wg % C::SPLIT == 0;  // one of the warpgroups that share the keys
@@ -341,7 +319,7 @@ __device__ __forceinline__ void BwdSm90<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>:
   // would make ptxas serialize them all (C7518).
   auto issue_logits = [&](int step) {
     const int slot = known_uniform(ring_use<STAGES>(step).slot);
-    if (step < n_steps) wait_full(steps(), step);
+    if (step < n_steps) wait_full(steps, step);
     warpgroup::mma_ABt(s, k_rows, sm.q[slot], false);
   };
   // The bias^T of a step (BIAS), loaded as its S^T is issued (at the end of the step before), so
@@ -361,7 +339,18 @@ __device__ __forceinline__ void BwdSm90<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>:
 
   // wgmma groups in flight are listed in [brackets]; they complete in order.
   // One loop over the steps (query head g, query block i): ptxas keeps the wgmmas in flight across
-  // one back edge, not across nested loops (C7514); hence next_step.
+  // one back edge, not across nested loops (C7514). So with a block list (whose next() is a loop) the
+  // consumers take the next step's (g, i) from the producer, in its slot (whose full barrier they
+  // have passed in issue_logits), and each step's mask bits there.
+  auto next_step = [&](int it, int &g, int &i) {
+    if constexpr (SEG) {
+      const int2 x = sm.step[ring_use<STAGES>(it).slot];
+      g = x.x;
+      i = x.y >> MASK_BITS;
+    } else {
+      advance(g, i);
+    }
+  };
   load_step_bias(0, 0, qblocks.next(qr.x));
   for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++, next_step(it, g, i)) {
     const int h = kvh * group + g;
@@ -436,7 +425,7 @@ __device__ __forceinline__ void BwdSm90<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>:
         warpgroup::wait<0>();
       }
       warpgroup::fence_registers(dq);
-      if (part == 0) arrive_empty(steps(), it);  // this thread is done with the slot (Q, dO and the statistics)
+      if (part == 0) arrive_empty(steps, it);  // this thread is done with the slot (Q, dO and the statistics)
       if constexpr (C::STAGED) {  // (one part)
         if (det()) wait_for_turn();  // the writer adds once all threads have arrived
         wait_empty(dq_ring(wg), it);  // the writer has read the last step's tile
@@ -474,15 +463,6 @@ __device__ __forceinline__ void BwdSm90<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>:
   warp::store(sm.v, dv, kw - k0, col0);
   warpgroup::fence_shared_writes();
   arrive(sm.kv_out);
-}
-
-// One block per key block (pipeline/kernel.cuh: single) of the parts above.
-template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE, bool BIAS>
-__global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const __grid_constant__ typename BwdH<T, D>::Args a) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ char smem_raw[];
-  BwdSm90<T, D, FULL, SEG, CAP, DET, DENSE, BIAS> k{a, align_shared<typename BwdH<T, D>::Shared>(smem_raw)};
-  single(k);
 #endif
 }
 
