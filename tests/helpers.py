@@ -64,13 +64,16 @@ CHILD_ENV = "JAX_TK_MULTIDEVICE_CHILD"
 
 # The child imports the jax_tk this process imported: an editable install's import redirect (a
 # meta-path finder) would otherwise send a checkout's tests (e.g. a git worktree's) to the installed
-# tree. Its compiled modules, which an editable install keeps in its build folder (found only through
-# that redirect), are loaded from the files this process loaded.
+# tree. Its compiled modules, where an editable install keeps them in its build folder (found only
+# through that redirect), are loaded from the files this process loaded.
 def _loaded_extensions() -> dict:
     import jax_tk
 
+    package = pathlib.Path(jax_tk.__file__).resolve().parent
     names = ("jax_tk._tk", "jax_tk._tk_tests")
-    return {n: sys.modules[n].__file__ for n in names if getattr(sys.modules.get(n), "__file__", None)}
+    files = {n: getattr(sys.modules.get(n), "__file__", None) for n in names}
+    # (those beside the package's sources are found the usual way)
+    return {n: f for n, f in files.items() if f and pathlib.Path(f).resolve().parent != package}
 
 
 _CHILD = (
