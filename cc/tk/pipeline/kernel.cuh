@@ -30,8 +30,8 @@
 // worked out there; a part names ring positions, never parities or slot arithmetic. Views of shared
 // memory (rings, the queue) are formed where they are used, from the shared struct, never held in a
 // variable across a loop: then each semaphore's address is the shared base plus a constant offset, in
-// uniform registers; held, its pointers were formed in full, in per-thread registers, in the main
-// loops (a few instructions and register moves per block of keys, about 1% of the forward).
+// uniform registers; held, its pointers are formed in full, in per-thread registers, inside the main
+// loops.
 #pragma once
 #include "roles.cuh"
 #include "scheduler.cuh"
