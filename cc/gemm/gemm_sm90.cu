@@ -70,76 +70,79 @@ template <int KIND, int TK> __device__ __forceinline__ int steps(const Params &p
   else return x.group >= 0 ? (p.k + TK - 1) / TK : 0;
 }
 
-template <typename T, typename TO, int KIND>
-__global__ __launch_bounds__(Sm90<T, TO, KIND>::THREADS, 1) void ragged_sm90_kernel(const __grid_constant__ typename Sm90<T, TO, KIND>::Args a) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The kernel's parts (pipeline/kernel.cuh: persistent). Each thread's object keeps its role's place in
+// the ring and, in the consumers, the pieces of out staged so far.
+template <typename T, typename TO, int KIND> struct RaggedSm90 {
   using C = Sm90<T, TO, KIND>;
-  using R = typename C::Roles;
-  constexpr int TM = C::TM, TN = C::TN, TK = C::TK, STAGES = C::STAGES, CONSUMERS = C::CONSUMERS;
-  extern __shared__ char smem_raw[];
-  auto &sm = align_shared<typename C::Shared>(smem_raw);
+  using Roles = typename C::Roles;
+  static constexpr int TM = C::TM, TN = C::TN, TK = C::TK, STAGES = C::STAGES, CONSUMERS = C::CONSUMERS;
+  const typename C::Args &a;
+  typename C::Shared &sm;
   const int wg = warpgroup::groupid();
-  const ring<STAGES> slots{sm.full, sm.empty};
-  const tile_queue<TileSlot> tiles_q{{sm.tile_full, sm.tile_empty}, sm.tile};
-  const auto &tile_ring = tiles_q.ring;
+  const int tiles = INT_MAX;  // (the scheduler ends with t = INT_MAX)
+  // The ring (ring.cuh), formed where it is used: each semaphore's address a base and a constant offset.
+  __device__ __forceinline__ ring<STAGES> slots() const { return {sm.full, sm.empty}; }
+  GroupWalk<TM, TN> walk;  // (the scheduler's)
+  int n = 0, staged = 0;   // ring uses, pieces of out staged so far
 
-  if (threadIdx.x == 0) {  // full: the loader (and its bytes); empty: each consumer warp (and the loader)
-    init(slots, 1, CONSUMERS * 4);
-    init(tile_ring, 1, CONSUMERS * 4 + 1);
-    fence_barrier_init();
+  __device__ __forceinline__ tile_queue<TileSlot> queue() const { return {{sm.tile_full, sm.tile_empty}, sm.tile}; }
+  // full: the loader (and its bytes); empty: each consumer warp
+  __device__ __forceinline__ void init() const { tk::init(slots(), 1, CONSUMERS * 4); }
+
+  // Block b takes tiles b, b + G, b + 2G, ... (common.cuh orders them).
+  __device__ __forceinline__ TileSlot schedule(int k, int) {
+    const long long t = blockIdx.x + (long long)k * gridDim.x;
+    return t < INT_MAX ? walk.find(a.p, int(t)) : TileSlot{INT_MAX, 0, 0, 0, 0, 0};
   }
-  __syncthreads();
 
-  if (wg == R::PRODUCER) {
-    R::enter_producer();
-    if (R::warp() == 1) {  // the scheduler
-      GroupWalk<TM, TN> walk;
-      for (int k = 0;; k++) {
-        const ring_use<2> at(k);
-        wait_empty(tile_ring, at);
-        const long long t = blockIdx.x + (long long)k * gridDim.x;
-        const TileSlot x = t < INT_MAX ? walk.find(a.p, int(t)) : TileSlot{INT_MAX, 0, 0, 0, 0, 0};
-        announce_tile(tiles_q, at, x);
-        if (x.t == INT_MAX) return;
-      }
-    }
-    if (threadIdx.x != CONSUMERS * 128) return;
-    // the loader
-    for (int nt = 0, n = 0;; nt++) {  // tiles, ring uses so far
-      const ring_use<2> at(nt);
-      if (!wait_tile(tiles_q, at, INT_MAX)) return;
-      const TileSlot x = sm.tile[at.slot];
-      arrive_empty(tile_ring, at);
-      const int count = steps<KIND, TK>(a.p, x);
-      for (int j = 0; j < count; j++, n++) {
-        const ring_use<STAGES> u(n);
-        const int s = u.slot, k0 = j * TK;
-        wait_empty(slots, u);
-        arrive_expect_bytes(slots.full(u), sizeof(sm.a[s].data) + sizeof(sm.b[s].data));
-        if constexpr (KIND == CONTRACT) {
-          load_async(sm.a[s], a.a, {0, x.r0 + k0, 0, x.m0}, slots.full(u));
-          load_async(sm.b[s], a.b, {0, x.r0 + k0, 0, x.n0}, slots.full(u));
-        } else {
-          load_async(sm.a[s], a.a, {0, x.m0, 0, k0}, slots.full(u));
-          if constexpr (KIND == RAGGED) load_async(sm.b[s], a.b, {x.group, k0, 0, x.n0}, slots.full(u));
-          else load_async(sm.b[s], a.b, {x.group, x.n0, 0, k0}, slots.full(u));
-        }
+  template <typename Release> __device__ __forceinline__ void load(int slot, Release release) {
+    const TileSlot x = sm.tile[slot];
+    release();
+    const int count = steps<KIND, TK>(a.p, x);
+    for (int j = 0; j < count; j++, n++) {
+      const ring_use<STAGES> u(n);
+      const int s = u.slot, k0 = j * TK;
+      wait_empty(slots(), u);
+      arrive_expect_bytes(slots().full(u), sizeof(sm.a[s].data) + sizeof(sm.b[s].data));
+      if constexpr (KIND == CONTRACT) {
+        load_async(sm.a[s], a.a, {0, x.r0 + k0, 0, x.m0}, slots().full(u));
+        load_async(sm.b[s], a.b, {0, x.r0 + k0, 0, x.n0}, slots().full(u));
+      } else {
+        load_async(sm.a[s], a.a, {0, x.m0, 0, k0}, slots().full(u));
+        if constexpr (KIND == RAGGED) load_async(sm.b[s], a.b, {x.group, k0, 0, x.n0}, slots().full(u));
+        else load_async(sm.b[s], a.b, {x.group, x.n0, 0, k0}, slots().full(u));
       }
     }
   }
 
-  // consumers
-  R::enter_consumer();
-  const Params &p = a.p;
-  const bool lane0 = laneid() == 0, leader = threadIdx.x % 128 == 0;
-  const int w = warpid() % 4, tid = threadIdx.x % 128;
-  int n = 0, staged = 0;  // ring uses, pieces of out staged so far
-  for (int nt = 0;; nt++) {
-    const ring_use<2> at(nt);
-    if (!wait_tile(tiles_q, at, INT_MAX)) break;
-    const TileSlot x = sm.tile[at.slot];
+  // Step j (ring position u) into acc, after making its slot ready: in CONTRACT, at the group's last
+  // step, zero the next group's rows of both operands (each consumer its panel of A and half of B's
+  // panels: both read all of B, hence the barrier).
+  __device__ __forceinline__ void step(rt_fl<16, TN> &acc, const TileSlot &x, int j, ring_pos<STAGES> u, bool accumulate) {
+    wait_full(slots(), u);
+    const int s = u.slot;
+    if constexpr (KIND == CONTRACT) {
+      const int valid = x.r1 - (x.r0 + j * TK);  // rows of this step in the group (>= 1)
+      if (valid < TK) {
+        const int tid = threadIdx.x % 128;
+        C::zero_rows(sm.a[s].panel(wg), valid, tid);
+        C::zero_rows(sm.b[s].panel(2 * wg), valid, tid);
+        C::zero_rows(sm.b[s].panel(2 * wg + 1), valid, tid);
+        warpgroup::fence_shared_writes();
+        sync_named(1, 128 * CONSUMERS);
+      }
+    }
+    if constexpr (KIND == CONTRACT) warpgroup::mma_AtB(acc, window<TK, 64>(sm.a[s], 0, 64 * wg), sm.b[s], accumulate);
+    else if constexpr (KIND == RAGGED) warpgroup::mma_AB(acc, window<64, TK>(sm.a[s], 64 * wg, 0), sm.b[s], accumulate);
+    else warpgroup::mma_ABt(acc, window<64, TK>(sm.a[s], 64 * wg, 0), sm.b[s], accumulate);
+  }
+
+  __device__ __forceinline__ void start() const {}
+  template <typename Release> __device__ __forceinline__ void consume(int slot, Release release) {
+    const Params &p = a.p;
+    const TileSlot x = sm.tile[slot];
     __syncwarp();
-    if (lane0) arrive_empty(tile_ring, at);
+    release();
     const int count = steps<KIND, TK>(p, x);
     const int row0 = x.m0 + 64 * wg;  // this consumer's first row of out (of out[group] in CONTRACT)
     // A consumer whose rows are all past the group's end (or past k) stores nothing. (It computes
@@ -147,49 +150,34 @@ __global__ __launch_bounds__(Sm90<T, TO, KIND>::THREADS, 1) void ragged_sm90_ker
     // and serialized wgmmas in every tile; such rows come only at a group's end.)
     const bool active = KIND == CONTRACT ? row0 < p.k : row0 < x.r1;
     rt_fl<16, TN> acc;
-    // Step j (ring position u) into acc, after making its slot ready: in CONTRACT, at the group's
-    // last step, zero the next group's rows of both operands (each consumer its panel of A and half
-    // of B's panels: both read all of B, hence the barrier).
-    auto step = [&](int j, ring_pos<STAGES> u, bool accumulate) {
-      wait_full(slots, u);
-      const int s = u.slot;
-      if constexpr (KIND == CONTRACT) {
-        const int valid = x.r1 - (x.r0 + j * TK);  // rows of this step in the group (>= 1)
-        if (valid < TK) {
-          C::zero_rows(sm.a[s].panel(wg), valid, tid);
-          C::zero_rows(sm.b[s].panel(2 * wg), valid, tid);
-          C::zero_rows(sm.b[s].panel(2 * wg + 1), valid, tid);
-          warpgroup::fence_shared_writes();
-          sync_named(1, 128 * CONSUMERS);
-        }
-      }
-      if constexpr (KIND == CONTRACT) warpgroup::mma_AtB(acc, window<TK, 64>(sm.a[s], 0, 64 * wg), sm.b[s], accumulate);
-      else if constexpr (KIND == RAGGED) warpgroup::mma_AB(acc, window<64, TK>(sm.a[s], 64 * wg, 0), sm.b[s], accumulate);
-      else warpgroup::mma_ABt(acc, window<64, TK>(sm.a[s], 64 * wg, 0), sm.b[s], accumulate);
-    };
     ring_pos<STAGES> pos(n);
     if (count == 0) {
       warp::zero(acc);
     } else {  // one product in flight while the next step is awaited
-      step(0, pos, false);
+      step(acc, x, 0, pos, false);
       for (int j = 1; j < count; j++) {
         const ring_pos<STAGES> prev = pos;
         ++pos;
-        step(j, pos, true);
+        step(acc, x, j, pos, true);
         warpgroup::wait<1>();  // the step before is done: free its slot
-        if (lane0) arrive_empty(slots, prev);
+        if (laneid() == 0) arrive_empty(slots(), prev);
       }
       warpgroup::wait<0>();
       warpgroup::fence_registers(acc);
-      if (lane0) arrive_empty(slots, pos);
+      if (laneid() == 0) arrive_empty(slots(), pos);
       ++pos;
     }
     n = pos.n;
-    if (!active) continue;
+    if (active) store_out(acc, x, row0);
+  }
 
-    // Out: 128 bytes of columns at a time through this consumer's two staging tiles. The leader
-    // first waits until the TMA store that last read the tile has read it (at most one store, the
-    // other tile's, stays in flight); a tile stored by the threads needs every store done.
+  // Out: 128 bytes of columns at a time through this consumer's two staging tiles. The leader first
+  // waits until the TMA store that last read the tile has read it (at most one store, the other
+  // tile's, stays in flight); a tile stored by the threads needs every store done.
+  __device__ __forceinline__ void store_out(const rt_fl<16, TN> &acc, const TileSlot &x, int row0) {
+    const Params &p = a.p;
+    const bool leader = threadIdx.x % 128 == 0;
+    const int w = warpid() % 4, tid = threadIdx.x % 128;
     constexpr int COLS = C::OUT_COLS;
     const bool by_rows = KIND != CONTRACT && row0 + 64 > x.r1 && x.r1 < p.m;  // the next group's rows follow
 #pragma unroll
@@ -229,7 +217,19 @@ __global__ __launch_bounds__(Sm90<T, TO, KIND>::THREADS, 1) void ragged_sm90_ker
       }
     }
   }
-  if (leader) bulk_wait<0>();  // the last stores are done with shared memory (and global memory)
+
+  // The last stores are done with shared memory (and global memory).
+  __device__ __forceinline__ void finish() const {
+    if (threadIdx.x % 128 == 0) bulk_wait<0>();
+  }
+};
+
+template <typename T, typename TO, int KIND>
+__global__ __launch_bounds__(Sm90<T, TO, KIND>::THREADS, 1) void ragged_sm90_kernel(const __grid_constant__ typename Sm90<T, TO, KIND>::Args a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ char smem_raw[];
+  RaggedSm90<T, TO, KIND> k{a, align_shared<typename Sm90<T, TO, KIND>::Shared>(smem_raw)};
+  persistent(k);
 #endif
 }
 
