@@ -176,6 +176,18 @@ __device__ __forceinline__ int load_acquire(const int *x) {
   return v;
 }
 
+// The block's share of the work (key block j of key/value head kvh of batch entry b), worked out by
+// every thread before the roles split.
+struct BwdBlock {
+  int b, kvh, j;
+  int2 qr;            // the query blocks that see these keys: with segment ids those listed (see
+  BlockList qblocks;  // BlockList); without, every block of the range sees some of them
+  KeyRule rule;
+  int group;          // query heads per key/value head
+  int n_steps;        // the (query head, query block) pairs visited: for each head g, the listed i
+  int *locks;         // the deterministic turns' locks (see BwdH::stats)
+};
+
 // The masked kernels (FULL) come in four: SEG and CAP say whether per-pair tests (segment ids, a
 // boolean mask) and a soft cap may be given (otherwise they are known to be absent): windows and
 // lengths alone (neither), per-pair tests without a cap (SEG), and any options with a cap (both);
@@ -188,123 +200,149 @@ __device__ __forceinline__ int load_acquire(const int *x) {
 // operands, the boolean mask and the bias (see dispatch), in the kernels for any options only; BIAS
 // (with DENSE, when a bias is given): the bias's code, whose registers a mask alone should not pay
 // for (they made the mask's backward up to 40% slower).
-template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE, bool BIAS>
-__global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const __grid_constant__ typename BwdH<T, D>::Args a) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+//
+// The parts of the kernel below: static functions of the block's share (BwdBlock, by value), each
+// forming its views of shared memory in place. Written as member functions reading the fields of the
+// kernel's object, ptxas grew the dense-mask kernel's main loop by 4%; with the steps' ring returned
+// by a function, it spilled in the plain kernel's.
+template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE, bool BIAS> struct BwdParts {
   using C = BwdH<T, D>;
-  using R = typename C::Roles;
-  constexpr int BK = C::BK, BQ = C::BQ, STAGES = C::STAGES, CONSUMERS = C::CONSUMERS;
+  using Args = typename C::Args;
+  using Shared = typename C::Shared;
+  static constexpr int BK = C::BK, BQ = C::BQ, STAGES = C::STAGES, CONSUMERS = C::CONSUMERS;
   static_assert(BQ == BWD_BQ);
-  extern __shared__ char smem_raw[];
-  auto &sm = align_shared<typename C::Shared>(smem_raw);
-  const Params &p = a.p;
-  // The deterministic mode's turns: read where they are tested (a flag kept in a register across the
-  // loop changed the plain kernel's schedule and cost it 2%).
-  const auto det = [&] { return FULL ? DET : p.deterministic; };
-  const int3 at = block_coords<FULL>(p, a.order_pairs, blockIdx.x, (p.kv_len + BK - 1) / BK);
-  const int b = at.x, kvh = at.y, j = at.z, k0 = j * BK;
-  const int group = p.q_heads / p.kv_heads, n_qblocks = (p.q_len + BQ - 1) / BQ;
   // At D <= 128 the warpgroup and the ring slots are made known to be warp-uniform (warp_uniform),
   // so that the wgmma descriptors stay in uniform registers instead of being worked out per thread
   // and moved there before each wgmma. (At D = 256 it cost more in spills than it saved.)
-  const auto known_uniform = [](int x) { return D <= 128 ? warp_uniform(x) : x; };
-  const int wg = known_uniform(warpgroup::groupid());
-  // The query blocks that see these keys (with segment ids: listed once, see BlockList; without,
-  // every block of the range sees some of them), and the (query head, query block) pairs this block
-  // visits.
-  const int2 qr = q_block_range<FULL>(p, b, k0, BK, BQ);
-  char *const bias_scratch = reinterpret_cast<char *>(&sm + 1);
-  const BlockList qblocks = list_blocks(reinterpret_cast<uint32_t *>(bias_scratch + C::bias_bytes(p)), qr.x, qr.y, SEG, [&](int i) {
-    const int2 r = kv_block_range<FULL>(p, b, i * BQ, BQ, BK);
-    const SegmentTest x = group_test<FULL, DENSE>(p, b, kvh, i, j, BK);
-    return SegmentTest{x.meet && j >= r.x && j < r.y, x.one};  // (takes part: sees)
-  });
-  const KeyRule rule = key_rule<FULL>(p, b);
-  const int n_steps = qblocks.count() * group;
-  // The steps, in order: for each query head g of the group, the listed query blocks i.
-  auto advance = [&](int &g, int &i) {
-    if ((i = qblocks.next(i + 1)) >= qr.y) {  // on to the next query head
-      i = qblocks.next(qr.x);
+  __device__ __forceinline__ static int known_uniform(int x) { return D <= 128 ? warp_uniform(x) : x; }
+  // The deterministic mode's turns: read where they are tested (a flag kept in a register across the
+  // loop changed the plain kernel's schedule and cost it 2%).
+  __device__ __forceinline__ static bool det(const Params &p) { return FULL ? DET : p.deterministic; }
+  // The rings (ring.cuh): the steps' Q, dO and statistics, `ring<STAGES> steps{sm.full, sm.empty}`
+  // (formed in place, see above); each consumer's dQ tile.
+  __device__ __forceinline__ static ring<1> dq_ring(Shared &sm, int c) { return {&sm.dq_full[c], &sm.dq_empty[c]}; }
+  // The deterministic turns' lock of (batch entry b, query head h, query block i).
+  __device__ __forceinline__ static int *lock(const Params &p, const BwdBlock &x, int h, int i) {
+    return x.locks + (size_t(x.b) * p.q_heads + h) * ((p.q_len + BQ - 1) / BQ) + i;
+  }
+  // The next step: the next listed query block, or the first of the next query head.
+  __device__ __forceinline__ static void advance(const BwdBlock &x, int &g, int &i) {
+    if ((i = x.qblocks.next(i + 1)) >= x.qr.y) {
+      i = x.qblocks.next(x.qr.x);
       g++;
     }
-  };
-
-  const ring<STAGES> steps{sm.full, sm.empty};
-  const auto dq_ring = [&](int c) { return ring<1>{&sm.dq_full[c], &sm.dq_empty[c]}; };
-  if (threadIdx.x == 0) {
-    init(sm.kv_full, 1);
-    init(sm.kv_out, CONSUMERS * 128);  // one arrival per consumer thread: dK and dV are in shared memory
-    init(steps, 32, CONSUMERS * 128);  // full: each lane of the producer warp; empty: each consumer thread
-    for (int c = 0; c < CONSUMERS; c++) init(dq_ring(c), 128, 1);  // full: each thread of consumer c; empty: the writer
-    fence_barrier_init();
   }
-  __syncthreads();
+  __device__ __forceinline__ static BwdBlock block(const Args &a, Shared &sm) {
+    const Params &p = a.p;
+    const int3 at = block_coords<FULL>(p, a.order_pairs, blockIdx.x, (p.kv_len + BK - 1) / BK);
+    const int b = at.x, kvh = at.y, j = at.z;
+    const int2 qr = q_block_range<FULL>(p, b, j * BK, BK, BQ);
+    const BlockList qblocks = list_blocks(reinterpret_cast<uint32_t *>(bias_scratch(sm) + C::bias_bytes(p)), qr.x, qr.y, SEG, [&](int i) {
+      const int2 r = kv_block_range<FULL>(p, b, i * BQ, BQ, BK);
+      const SegmentTest x = group_test<FULL, DENSE>(p, b, kvh, i, j, BK);
+      return SegmentTest{x.meet && j >= r.x && j < r.y, x.one};  // (takes part: sees)
+    });
+    const int group = p.q_heads / p.kv_heads;
+    int *const locks = reinterpret_cast<int *>(p.workspace + C::stats(p, p.batch, 0, 0));
+    return {b, kvh, j, qr, qblocks, key_rule<FULL>(p, b), group, qblocks.count() * group, locks};
+  }
+  __device__ __forceinline__ static char *bias_scratch(Shared &sm) { return reinterpret_cast<char *>(&sm + 1); }
 
-  int *locks = reinterpret_cast<int *>(p.workspace + C::stats(p, p.batch, 0, 0));  // deterministic turns
-  if (wg == R::PRODUCER) {
-    R::enter_producer();
-    // (Its warps by block warp number: R::warp(), warpid() % 4, compiles to other producer code.)
-    if (C::STAGED && warpid() == CONSUMERS * 4 + 1 && laneid() == 0) {  // the dQ writer
-      static_assert(CONSUMERS == 2);
-      for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++, advance(g, i)) {
-        const int h = kvh * group + g;
-        for (int c = 0; c < CONSUMERS; c++) {  // (deterministic: the consumers have waited for the turn)
-          wait_full(dq_ring(c), it);
-          reduce_add_async(p.workspace + C::dq_tile(p, b, h, i, c), sm.dq[c], sizeof(sm.dq[c]));
-          bulk_commit();
-        }
-        bulk_wait_read<1>();  // consumer 0's tile is read: it may store the next one
-        arrive_empty(dq_ring(0), it);
-        bulk_wait_read<0>();
-        arrive_empty(dq_ring(1), it);
-        if (det()) {  // the additions are done: hand the turn on
-          bulk_wait<0>();
-          __threadfence();
-          atomicAdd(locks + (size_t(b) * p.q_heads + h) * n_qblocks + i, CONSUMERS);
-        }
+  __device__ __forceinline__ static void init(Shared &sm) {
+    tk::init(sm.kv_full, 1);
+    tk::init(sm.kv_out, CONSUMERS * 128);  // one arrival per consumer thread: dK and dV are in shared memory
+    tk::init(ring<STAGES>{sm.full, sm.empty}, 32, CONSUMERS * 128);  // full: each lane of the producer warp; empty: each consumer thread
+    for (int c = 0; c < CONSUMERS; c++) tk::init(dq_ring(sm, c), 128, 1);  // full: each thread of consumer c; empty: the writer
+  }
+
+  // The dQ writer (one thread): adds each consumer's dQ tile to the accumulator in global memory.
+  __device__ __forceinline__ static void write_dq(const Params &p, Shared &sm, const BwdBlock x) {
+    static_assert(CONSUMERS == 2);
+    for (int it = 0, g = 0, i = x.qblocks.next(x.qr.x); it < x.n_steps; it++, advance(x, g, i)) {
+      const int h = x.kvh * x.group + g;
+      for (int c = 0; c < CONSUMERS; c++) {  // (deterministic: the consumers have waited for the turn)
+        wait_full(dq_ring(sm, c), it);
+        reduce_add_async(p.workspace + C::dq_tile(p, x.b, h, i, c), sm.dq[c], sizeof(sm.dq[c]));
+        bulk_commit();
       }
-      bulk_wait<0>();  // the copy engine has finished with shared memory
-      return;
+      bulk_wait_read<1>();  // consumer 0's tile is read: it may store the next one
+      arrive_empty(dq_ring(sm, 0), it);
+      bulk_wait_read<0>();
+      arrive_empty(dq_ring(sm, 1), it);
+      if (det(p)) {  // the additions are done: hand the turn on
+        bulk_wait<0>();
+        __threadfence();
+        atomicAdd(lock(p, x, h, i), CONSUMERS);
+      }
     }
-    if (warpid() != CONSUMERS * 4) return;
+    bulk_wait<0>();  // the copy engine has finished with shared memory
+  }
+
+  // The loader warp: K and V once, each step's Q, dO and statistics, and at the end dK and dV.
+  __device__ __forceinline__ static void load(const Args &a, Shared &sm, const BwdBlock x) {
+    const Params &p = a.p;
+    const int k0 = x.j * BK;
     const bool loader = laneid() == 0;
-    if (loader && n_steps > 0) {
+    const ring<STAGES> steps{sm.full, sm.empty};
+    if (loader && x.n_steps > 0) {
       arrive_expect_bytes(sm.kv_full, sizeof(sm.k.data) + sizeof(sm.v.data));
-      load_async(sm.k, a.k, {b, k0, kvh, 0}, sm.kv_full);
-      load_async(sm.v, a.v, {b, k0, kvh, 0}, sm.kv_full);
+      load_async(sm.k, a.k, {x.b, k0, x.kvh, 0}, sm.kv_full);
+      load_async(sm.v, a.v, {x.b, k0, x.kvh, 0}, sm.kv_full);
     }
-    for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++, advance(g, i)) {  // the consumers' steps
-      const int h = kvh * group + g;
+    for (int it = 0, g = 0, i = x.qblocks.next(x.qr.x); it < x.n_steps; it++, advance(x, g, i)) {  // the consumers' steps
+      const int h = x.kvh * x.group + g;
       const ring_use<STAGES> at(it);
       const int s = at.slot;
       wait_empty(steps, at);
       if (loader) {
         if constexpr (SEG) {  // for the consumers (see next_step); the mask's block is this head's own
-          const bool uniform = qblocks.uniform(i) && mask_code<FULL, DENSE>(p, b, h, i * BQ, k0) == MASK_FULL;
-          sm.step[s] = {g, i << MASK_BITS | tile_mask_bits<FULL, DENSE>(p, rule, uniform, i * BQ, BQ, k0, BK)};
+          const bool uniform = x.qblocks.uniform(i) && mask_code<FULL, DENSE>(p, x.b, h, i * BQ, k0) == MASK_FULL;
+          sm.step[s] = {g, i << MASK_BITS | tile_mask_bits<FULL, DENSE>(p, x.rule, uniform, i * BQ, BQ, k0, BK)};
         }
         expect_bytes(steps.full(at), sizeof(sm.q[s].data) + sizeof(sm.dout[s].data));
-        load_async(sm.q[s], a.q, {b, i * BQ, h, 0}, steps.full(at));
-        load_async(sm.dout[s], a.dout, {b, i * BQ, h, 0}, steps.full(at));
+        load_async(sm.q[s], a.q, {x.b, i * BQ, h, 0}, steps.full(at));
+        load_async(sm.dout[s], a.dout, {x.b, i * BQ, h, 0}, steps.full(at));
       }
       // The rows' statistics: 128 floats, one float4 per lane, each lane's stores released by its own
       // arrival (so that every write and read is ordered by a release and an acquire of its own thread).
-      reinterpret_cast<float4 *>(sm.stats[s])[laneid()] = reinterpret_cast<const float4 *>(p.workspace + C::stats(p, b, h, i))[laneid()];
+      reinterpret_cast<float4 *>(sm.stats[s])[laneid()] = reinterpret_cast<const float4 *>(p.workspace + C::stats(p, x.b, h, i))[laneid()];
       arrive_full(steps, at);
     }
     if (loader) {  // dK and dV, once the consumers have put them in the tiles of K and V
       wait_once(sm.kv_out);
-      store_async(a.dk, sm.k, {b, k0, kvh, 0});
-      store_async(a.dv, sm.v, {b, k0, kvh, 0});
+      store_async(a.dk, sm.k, {x.b, k0, x.kvh, 0});
+      store_async(a.dv, sm.v, {x.b, k0, x.kvh, 0});
       bulk_commit();
       bulk_wait_read<0>();  // (the writes are done by the kernel's end)
     }
-    return;
   }
 
-  // consumers: warpgroup wg owns keys k0 + row0 .. + 64 (this warp 16 of them from kw) and the
-  // columns col0 .. + KV_COLS of their dK and dV
-  R::enter_consumer();
+  // With a block list (whose next() is a loop) the consumers take the next step's (g, i) from the
+  // producer, in its slot (whose full barrier they have passed in issue_logits), and each step's mask
+  // bits there: ptxas keeps the wgmmas in flight across one back edge, not across nested loops (C7514).
+  __device__ __forceinline__ static void next_step(Shared &sm, const BwdBlock &x, int it, int &g, int &i) {
+    if constexpr (SEG) {
+      const int2 y = sm.step[ring_use<STAGES>(it).slot];
+      g = y.x;
+      i = y.y >> MASK_BITS;
+    } else {
+      advance(x, g, i);
+    }
+  }
+
+  __device__ __forceinline__ static void consume(const Args &a, Shared &sm, const BwdBlock x, int wg);
+  template <typename RT> __device__ __forceinline__ static void store_dkv(Shared &sm, RT &dk, RT &dv, float scale, int kw, int col0);
+};
+
+// consumers: warpgroup wg owns keys k0 + row0 .. + 64 (this warp 16 of them from kw) and the columns
+// col0 .. + KV_COLS of their dK and dV
+template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE, bool BIAS>
+__device__ __forceinline__ void BwdParts<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>::consume(const Args &a, Shared &sm, const BwdBlock x, const int wg) {
+  const Params &p = a.p;
+  const int b = x.b, kvh = x.kvh, j = x.j, k0 = j * BK, n_steps = x.n_steps, group = x.group;
+  const KeyRule &rule = x.rule;
+  const int n_qblocks = (p.q_len + BQ - 1) / BQ;
+  const ring<STAGES> steps{sm.full, sm.empty};
   const int row0 = 64 * (wg / C::SPLIT), col0 = C::KV_COLS * (wg % C::SPLIT);
   const int kw = k0 + row0 + 16 * (warpid() % 4);
   const bool writes_ds = wg % C::SPLIT == 0;  // one of the warpgroups that share the keys
@@ -325,7 +363,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
   // The bias^T of a step (BIAS), loaded as its S^T is issued (at the end of the step before), so
   // that the loads land while the dQ product and additions run.
   std::conditional_t<C::STAGE_BIAS, ColBias<T>, rt<T, 16, BQ>> bias;
-  void *const scratch = bias_scratch + BIAS_SCRATCH * (4 * wg + warpid() % 4);
+  void *const scratch = bias_scratch(sm) + BIAS_SCRATCH * (4 * wg + warpid() % 4);
   auto load_step_bias = [&](int step, int g, int i) {
     if (BIAS && step < n_steps) {
       if constexpr (C::STAGE_BIAS) load_bias(bias, p, b, kvh * group + g, i * BQ, kw);
@@ -337,22 +375,10 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     issue_logits(0);
   }
 
-  // wgmma groups in flight are listed in [brackets]; they complete in order.
-  // One loop over the steps (query head g, query block i): ptxas keeps the wgmmas in flight across
-  // one back edge, not across nested loops (C7514). So with a block list (whose next() is a loop) the
-  // consumers take the next step's (g, i) from the producer, in its slot (whose full barrier they
-  // have passed in issue_logits), and each step's mask bits there.
-  auto next_step = [&](int it, int &g, int &i) {
-    if constexpr (SEG) {
-      const int2 x = sm.step[ring_use<STAGES>(it).slot];
-      g = x.x;
-      i = x.y >> MASK_BITS;
-    } else {
-      advance(g, i);
-    }
-  };
-  load_step_bias(0, 0, qblocks.next(qr.x));
-  for (int it = 0, g = 0, i = qblocks.next(qr.x); it < n_steps; it++, next_step(it, g, i)) {
+  // wgmma groups in flight are listed in [brackets]; they complete in order. One loop over the steps
+  // (query head g, query block i; see next_step).
+  load_step_bias(0, 0, x.qblocks.next(x.qr.x));
+  for (int it = 0, g = 0, i = x.qblocks.next(x.qr.x); it < n_steps; it++, next_step(sm, x, it, g, i)) {
     const int h = kvh * group + g;
     const int q0 = i * BQ, slot = known_uniform(ring_use<STAGES>(it).slot);
     auto &ds_tile = sm.ds[known_uniform(buffer_of<2>(it))];
@@ -399,7 +425,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     // writer warp from shared memory (STAGED), or from the registers. With Params::deterministic the
     // warpgroup first waits for its turn (the key blocks before this one); the turn is handed on once
     // the additions are done.
-    int *lock = locks + (size_t(b) * p.q_heads + h) * n_qblocks + i;
+    int *const lock = x.locks + (size_t(b) * p.q_heads + h) * n_qblocks + i;
     const auto wait_for_turn = [&] {
       if (leader)
         while (load_acquire(lock) < CONSUMERS * blocks_before<FULL, DENSE>(p, b, kvh, i, j, BK)) __nanosleep(32);
@@ -417,7 +443,7 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
         issue_logits(it + 1);  // [dQ, S'] (SPLIT = 2: [dV, dK, dQ, S'])
         if constexpr (BIAS) {
           int g1 = g, i1 = i;
-          next_step(it + 1, g1, i1);
+          next_step(sm, x, it + 1, g1, i1);
           load_step_bias(it + 1, g1, i1);
         }
         warpgroup::wait<1>();  // [S']
@@ -427,20 +453,20 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
       warpgroup::fence_registers(dq);
       if (part == 0) arrive_empty(steps, it);  // this thread is done with the slot (Q, dO and the statistics)
       if constexpr (C::STAGED) {  // (one part)
-        if (det()) wait_for_turn();  // the writer adds once all threads have arrived
-        wait_empty(dq_ring(wg), it);  // the writer has read the last step's tile
+        if (det(p)) wait_for_turn();  // the writer adds once all threads have arrived
+        wait_empty(dq_ring(sm, wg), it);  // the writer has read the last step's tile
         warpgroup::store_fragments(sm.dq[wg], dq);
         warpgroup::fence_shared_writes();
-        arrive_full(dq_ring(wg), it);
+        arrive_full(dq_ring(sm, wg), it);
       } else {
-        if (part == 0 && det()) {
+        if (part == 0 && det(p)) {
           wait_for_turn();
           sync_named(2 + wg, 128);
         }
         warpgroup::reduce_add_fragments(dq_tile + part * BQ * C::DQ_PART, dq);
       }
     }
-    if (!C::STAGED && det()) {
+    if (!C::STAGED && det(p)) {
       __threadfence();  // this thread's additions are done before the turn moves on
       sync_named(2 + wg, 128);
       if (leader) {
@@ -450,19 +476,53 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
     }
   }
   warpgroup::wait<0>();  // the extra S^T
-  // dK and dV are read only here, after the last wait (fencing them in the loop makes ptxas
-  // serialize the wgmmas). They go out through the shared tiles of K and V, free once both consumers
-  // are done with them (the dQ product reads all keys), by the loader's TMA stores: stored from the
-  // registers pair by pair (half-filled sectors), they took 6-7 us of every block's life (a timeline
-  // of the blocks at B = 8, T = 2k), about 3 steps' time.
+  store_dkv(sm, dk, dv, p.scale, kw - k0, col0);
+}
+
+// dK and dV are read only here, after the last wait (fencing them in the loop makes ptxas serialize
+// the wgmmas). They go out through the shared tiles of K and V, free once both consumers are done
+// with them (the dQ product reads all keys), by the loader's TMA stores: stored from the registers
+// pair by pair (half-filled sectors), they took 6-7 us of every block's life (a timeline of the
+// blocks at B = 8, T = 2k), about 3 steps' time.
+template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE, bool BIAS>
+template <typename RT>
+__device__ __forceinline__ void BwdParts<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>::store_dkv(Shared &sm, RT &dk, RT &dv, float scale, int row, int col0) {
   warpgroup::fence_registers(dk);
   warpgroup::fence_registers(dv);
-  warp::mul(dk, dk, p.scale);
+  warp::mul(dk, dk, scale);
   sync_named(1, 128 * CONSUMERS);
-  warp::store(sm.k, dk, kw - k0, col0);
-  warp::store(sm.v, dv, kw - k0, col0);
+  warp::store(sm.k, dk, row, col0);
+  warp::store(sm.v, dv, row, col0);
   warpgroup::fence_shared_writes();
   arrive(sm.kv_out);
+}
+
+// One block per key block (pipeline/kernel.cuh: single) of the parts above.
+template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE, bool BIAS> struct BwdSm90 {
+  using Parts = BwdParts<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>;
+  using Roles = typename BwdH<T, D>::Roles;
+  const typename Parts::Args &a;
+  typename Parts::Shared &sm;
+  const BwdBlock x;
+  const int wg;
+  __device__ __forceinline__ void init() const { Parts::init(sm); }
+  __device__ __forceinline__ void before_sync() const {}
+  __device__ __forceinline__ void produce() const {
+    // (Its warps by block warp number: Roles::warp(), warpid() % 4, compiles to other producer code.)
+    if (BwdH<T, D>::STAGED && warpid() == Parts::CONSUMERS * 4 + 1 && laneid() == 0) Parts::write_dq(a.p, sm, x);
+    if (warpid() == Parts::CONSUMERS * 4) Parts::load(a, sm, x);
+  }
+  __device__ __forceinline__ void consume() const { Parts::consume(a, sm, x, wg); }
+};
+template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE, bool BIAS>
+__global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const __grid_constant__ typename BwdH<T, D>::Args a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using K = BwdSm90<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>;
+  extern __shared__ char smem_raw[];
+  auto &sm = align_shared<typename BwdH<T, D>::Shared>(smem_raw);
+  const BwdBlock x = K::Parts::block(a, sm);
+  K k{a, sm, x, K::Parts::known_uniform(warpgroup::groupid())};
+  single(k);
 #endif
 }
 
