@@ -41,7 +41,7 @@ def visibility(t, s, *, is_causal=False, local_window_size=None, q_segment_ids=N
 
 def attention_with_lse(query, key, value, *, scale: float, is_causal: bool, local_window_size=None,
                        q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None,
-                       key_value_seq_lengths=None, logits_soft_cap=None, bias=None, mask=None):
+                       key_value_seq_lengths=None, logits_soft_cap=None, bias=None, mask=None, sinks=None):
     """Softmax attention in float32.
 
     Args:
@@ -54,10 +54,13 @@ def attention_with_lse(query, key, value, *, scale: float, is_causal: bool, loca
         the soft cap (any float dtype; computed in float32, its gradient in its own dtype and shape).
       mask: boolean, rank 4, broadcastable to [B, N, T, S]: False hides the key from the query row,
         combined with the rules of ``visibility``.
+      sinks: None, or [N] floats, one logit per query head that joins every row's softmax denominator
+        and has no value (attention sinks, as in gpt-oss): p_j = exp(l_j) / (exp(sink) + sum_j exp(l_j)).
+        Computed in float32; its gradient in its own dtype.
     Returns:
       out: [B, T, N, D] in query.dtype; lse: [B, N, T] float32, the natural-log log-sum-exp of each
-      query row's visible logits. A row that sees no key gets out = 0 and lse = -inf, and zero
-      gradients (never NaN).
+      query row's visible logits (and of its sink). A row that sees no key gets out = 0 and lse = -inf
+      (with sinks: lse = its sink), and zero gradients in query, key and value (never NaN).
     """
     b, t, n, d = query.shape
     s, kh = key.shape[1], key.shape[2]
@@ -78,10 +81,16 @@ def attention_with_lse(query, key, value, *, scale: float, is_causal: bool, loca
     # branch that jnp.where discards produces inf or NaN (their gradients would leak through). A bias
     # of -inf acts like a mask (a row of them sees no key).
     logits = jnp.where(visible, logits, -jnp.inf)
-    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, n, 1, 1)
+    if sink is not None:  # (in the max too, so that a large sink cannot overflow the exp)
+        row_max = jnp.maximum(row_max, sink)
+    row_max = jax.lax.stop_gradient(row_max)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     unnormalized = jnp.exp(logits - row_max)
     denom = jnp.sum(unnormalized, axis=-1)
+    if sink is not None:
+        denom = denom + jnp.exp(sink - row_max)[..., 0]
     seen = denom > 0
     safe_denom = jnp.where(seen, denom, 1.0)
     probs = unnormalized / safe_denom[..., None]

@@ -266,7 +266,8 @@ def update_kv_cache(cache, new, cache_lengths, *, page_table=None):
     ``cache_lengths[b] .. cache_lengths[b] + T_new - 1`` of each sequence b, and returns the cache.
 
     ``cache_lengths`` are the lengths BEFORE appending (the caller adds ``T_new`` afterwards, then calls
-    ``attention`` with the new lengths). Call it once for the key cache and once for the value cache.
+    ``attention`` with the new lengths). Call it once for the key cache and once for the value cache
+    (for ``mla_attention``, once for its one latent cache: ``new`` ``[batch, T_new, 1, D]``).
 
     Contiguous cache ``[batch, max_seq_len, kv_heads, head_dim]``: one scatter. Paged cache
     ``[num_pages, page_size, kv_heads, head_dim]`` with ``page_table`` ``[batch, max_pages]``: one scatter

@@ -229,3 +229,58 @@ def test_custom_scale_and_lse(dtype, scale):
             assert _rel_err(out, ref_out) < TOL[dtype], msg
             assert _rel_err(out, r["nn"]) < TOL[dtype], msg
             np.testing.assert_allclose(_f64(lse), ref_lse, rtol=1e-5, atol=1e-5, err_msg=msg)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention sinks (the reference only)
+# ----------------------------------------------------------------------------------------------
+
+
+def _sink_oracle(q, k, v, scale, sinks, is_causal, kv_lengths):
+    """(out, lse) in float32, densely: each head's sink is one more logit column of every row, whose
+    weight is dropped from the output; query i sees key j < kv_lengths[b] (and j <= i if causal)."""
+    b, t, n, _ = q.shape
+    s, g = k.shape[1], n // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    i, j = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+    visible = (j[None] < kv_lengths[:, None, None]) & ((j <= i)[None] if is_causal else True)  # [B, T, S]
+    logits = jnp.einsum("btnd,bsnd->bnts", q, k, precision="highest") * scale
+    logits = jnp.where(visible[:, None], logits, -1e30)  # (an empty row's key weights are exp(-1e30 - sink) = 0)
+    full = jnp.concatenate([jnp.broadcast_to(sinks[None, :, None, None], (b, n, t, 1)), logits], axis=-1)
+    lse = jax.nn.logsumexp(full, axis=-1)
+    out = jnp.einsum("bnts,bsnd->btnd", jnp.exp(full - lse[..., None])[..., 1:], v, precision="highest")
+    return out, lse
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_reference_sinks(is_causal):
+    """sinks [heads] join each row's softmax denominator (no value): out, lse, and the gradients in q,
+    k, v and sinks equal a dense oracle; a row that sees no key (key length 0) gives 0 and lse = its
+    sink; a sink far above the logits (100) does not overflow; sinks=None is the plain softmax."""
+    b, t, s, n, kh, d = 3, 9, 13, 4, 2, 16
+    q, k, v, dout, dlse = _qkv(50, b, t, s, n, kh, d, F32, cotangents=True)
+    sinks = jnp.array([0.3, -2.0, 100.0, 1.5], F32)
+    kv_lengths = jnp.array([13, 0, 6], jnp.int32)
+
+    def grad(fn):
+        def f(q, k, v, sinks):
+            out, lse = fn(q, k, v, sinks)
+            return jnp.sum(out * dout) + jnp.sum(lse * dlse), (out, lse)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True))
+
+    grads, (out, lse) = grad(lambda q, k, v, sk: reference.attention_with_lse(
+        q, k, v, scale=0.3, is_causal=is_causal, key_value_seq_lengths=kv_lengths, sinks=sk))(q, k, v, sinks)
+    want_grads, (want_out, want_lse) = grad(
+        lambda q, k, v, sk: _sink_oracle(q, k, v, 0.3, sk, is_causal, kv_lengths))(q, k, v, sinks)
+    assert _rel_err(out, want_out) < 1e-5
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(out[1]).any()
+    np.testing.assert_array_equal(np.asarray(lse[1]), np.broadcast_to(np.asarray(sinks)[:, None], (n, t)))
+    for name, g, w in zip(("q", "k", "v", "sinks"), grads, want_grads):
+        assert np.isfinite(np.asarray(g)).all() and _rel_err(g, w) < 1e-5, name
+    # a sink of -inf is no sink
+    none, minus_inf = jax.jit(lambda q, k, v: [reference.attention_with_lse(q, k, v, scale=0.3, is_causal=is_causal,
+                                                                            sinks=sk)
+                                               for sk in (None, jnp.full((n,), -jnp.inf))])(q, k, v)
+    np.testing.assert_allclose(np.asarray(minus_inf[0]), np.asarray(none[0]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(minus_inf[1]), np.asarray(none[1]), rtol=1e-6, atol=1e-6)

@@ -169,3 +169,68 @@ def test_kernel_lse_through_the_public_api(paged):
     seen = np.isfinite(np.asarray(want_lse))
     np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(want_lse)[seen], rtol=2e-2, atol=2e-2)
     assert rel_err(out.astype(F32), want_out) < 1.2e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention sinks (the reference only: jax_tk.decode.reference)
+# ----------------------------------------------------------------------------------------------
+
+
+def _sink_oracle(q, k, v, lengths, scale, sinks, is_causal):
+    """(out, lse) in float32, densely: each head's sink is one more logit column of every row, whose
+    weight is dropped from the output; positions and masks written out (row i of sequence b at
+    p = lengths[b] - T + i sees keys j < lengths[b], j <= p if causal, none if p < 0)."""
+    b, t, n, _ = q.shape
+    g = n // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    p = lengths[:, None] - t + jnp.arange(t)[None, :]
+    j = jnp.arange(k.shape[1])[None, None, :]
+    visible = (j < lengths[:, None, None]) & (p[:, :, None] >= 0)
+    if is_causal:
+        visible &= j <= p[:, :, None]
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision="highest") * scale
+    logits = jnp.where(visible[:, None], logits, -1e30)  # (an empty row's key weights are exp(-1e30 - sink) = 0)
+    full = jnp.concatenate([jnp.broadcast_to(sinks[None, :, None, None], (b, n, t, 1)), logits], axis=-1)
+    lse = jax.nn.logsumexp(full, axis=-1)
+    out = jnp.einsum("bnts,bsnh->btnh", jnp.exp(full - lse[..., None])[..., 1:], v, precision="highest")
+    return out, lse
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_reference_sinks(paged):
+    """sinks [heads] join each row's softmax denominator (no value): out and lse, and the gradients in
+    query, caches and sinks, equal a dense oracle; a row that sees no key gives 0 and lse = its sink; a
+    sink far above the logits (100) does not overflow."""
+    from jax_tk.decode import reference
+
+    rng = np.random.default_rng(13)
+    b, t, n, kh, h, s = 3, 4, 4, 2, 32, 32
+    q, k, v = randn(rng, (b, t, n, h), F32), randn(rng, (b, s, kh, h), F32), randn(rng, (b, s, kh, h), F32)
+    sinks = jnp.array([0.5, -1.0, 100.0, 2.0], F32)
+    lens = jnp.array([0, 3, 29], jnp.int32)
+    dout, dlse = randn(rng, (b, t, n, h), F32), randn(rng, (b, n, t), F32)
+    kc, vc, table = (k, v, None) if not paged else to_pages(rng, k, v, 16, extra_pages=0)
+
+    def loss(fn):
+        def f(q, k, v, sinks):
+            out, lse = fn(q, k, v, sinks)
+            return jnp.sum(out * dout) + jnp.sum(lse * dlse), (out, lse)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True))
+
+    grads, (out, lse) = loss(lambda q, k, v, sk: reference.attention_with_lse(
+        q, k, v, lens, scale=0.2, page_table=table, sinks=sk))(q, kc, vc, sinks)
+    gather = (lambda x: x) if table is None else (lambda x: reference.gather_pages(x, table))
+    want_grads, (want_out, want_lse) = loss(lambda q, k, v, sk: _sink_oracle(
+        q, gather(k), gather(v), lens, 0.2, sk, True))(q, kc, vc, sinks)
+    assert rel_err(out, want_out) < 1e-5
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(out[0]).any() and not np.asarray(out[1, 0]).any()  # length 0; p < 0
+    np.testing.assert_array_equal(np.asarray(lse[0]), np.broadcast_to(np.asarray(sinks)[:, None], (n, t)))
+    for name, g, w in zip(("q", "k", "v", "sinks"), grads, want_grads):
+        assert np.isfinite(np.asarray(g)).all() and rel_err(g, w) < 1e-5, name
+    # The MLA reference passes sinks through: values = the first v_head_dim dims of the latent rows.
+    mla, want = jax.jit(lambda q, c: (
+        reference.mla_attention_with_lse(q, c, lens, scale=0.2, v_head_dim=16, page_table=table, sinks=sinks),
+        reference.attention_with_lse(q, c, c[..., :16], lens, scale=0.2, page_table=table, sinks=sinks)))(q, kc[:, :, :1])
+    np.testing.assert_array_equal(np.asarray(mla[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(mla[1]), np.asarray(want[1]))
