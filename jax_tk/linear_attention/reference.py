@@ -83,8 +83,15 @@ def step(q, k, v, g, beta, state, *, scale: float, use_qk_l2norm: bool = False):
     return o.astype(v.dtype), state
 
 
-def _initial(initial_state, n: int, hv: int, kd: int, vd: int):
-    return jnp.zeros((n, hv, kd, vd), F32) if initial_state is None else initial_state.astype(F32)
+def _start(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm: bool):
+    """What both paths start from: the float32 inputs (``_prepare``), the initial states ``[N, HV, K,
+    V]`` (zeros where None), and the state the scan starts with: the initial states of the batch, or
+    for packed sequences a placeholder that the first sequence's replaces at once."""
+    (b, _, _, kd), (hv, vd) = q.shape, v.shape[2:]
+    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    init = jnp.zeros((n, hv, kd, vd), F32) if initial_state is None else initial_state.astype(F32)
+    state0 = init if cu_seqlens is None else jnp.zeros((1, hv, kd, vd), F32)
+    return _prepare(q, k, v, g, beta, use_qk_l2norm), init, state0
 
 
 def _sequences(cu_seqlens):
@@ -106,19 +113,14 @@ def recurrent(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlens=
     Returns:
       ``(o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] float32 or None)``.
     """
-    b, t, _, kd = q.shape
-    hv, vd = v.shape[2:]
-    q32, k32, v32, g32, b32 = _prepare(q, k, v, g, beta, use_qk_l2norm)
-    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    init = _initial(initial_state, n, hv, kd, vd)
-    if cu_seqlens is None:
-        state0, resets = init, None
-    else:
+    t = q.shape[1]
+    (q32, k32, v32, g32, b32), init, state0 = _start(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm)
+    resets = None
+    if cu_seqlens is not None:
         # resets[t]: the sequence that starts at token t (its state replaced by its initial one), else -1.
         starts, lengths = _sequences(cu_seqlens)
         resets = jnp.full((t,), -1, jnp.int32).at[jnp.where(lengths > 0, starts, t)].set(
-            jnp.arange(n, dtype=jnp.int32), mode="drop")
-        state0 = jnp.zeros((1, hv, kd, vd), F32)
+            jnp.arange(init.shape[0], dtype=jnp.int32), mode="drop")
     keep_states = cu_seqlens is not None and output_final_state
 
     def body(state, xs):
@@ -176,19 +178,22 @@ def chunked(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlens=No
     """The recurrence ``chunk_size`` tokens at a time (see the module's docstring); arguments and
     results as :func:`recurrent`. T need not be a multiple of the chunk: the tail is padded with tokens
     that leave the state unchanged (``k = 0``, ``g = 0``, ``beta = 0``) and the output sliced."""
-    b, t, _, kd = q.shape
+    b, t = q.shape[:2]
     hv, vd = v.shape[2:]
-    q32, k32, v32, g32, b32 = _prepare(q, k, v, g, beta, use_qk_l2norm)
-    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    init = _initial(initial_state, n, hv, kd, vd)
+    (q32, k32, v32, g32, b32), init, state0 = _start(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm)
     if cu_seqlens is None:
-        chunks, resets, state0 = -(-t // chunk_size), None, init
-        place = lambda x: x
+        chunks, resets, pos = -(-t // chunk_size), None, None
     else:
         pos, chunks, resets, last, lengths = _varlen_layout(cu_seqlens, t, chunk_size)
-        state0 = jnp.zeros((1, hv, kd, vd), F32)
-        place = lambda x: None if x is None else jnp.zeros((1, chunks * chunk_size, *x.shape[2:]), F32).at[:, pos].set(x)
-    split = lambda x: None if x is None else _to_chunks(place(x), chunks, chunk_size)
+
+    def split(x):
+        """``[B, chunks, HV, chunk, ...]``, packed sequences moved to chunks of their own first."""
+        if x is None:
+            return None
+        if pos is not None:
+            x = jnp.zeros((1, chunks * chunk_size, *x.shape[2:]), F32).at[:, pos].set(x)
+        return _to_chunks(x, chunks, chunk_size)
+
     qc, kc, vc, gc, bc = map(split, (q32, k32, v32, g32, b32))  # g, beta: [B, chunks, HV, chunk]
     o, final, states = _chunk_scan(qc, kc, vc, gc, bc, state0, init, resets, scale,
                                    keep_states=cu_seqlens is not None and output_final_state)
@@ -208,9 +213,9 @@ def unit_lower_inverse(a):
     The inverse of ``[[X, 0], [Y, Z]]`` is ``[[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]]``: with ``inv`` holding
     the inverses of the diagonal blocks of size s (and zeros elsewhere), ``inv - inv (a's lower-left
     s-blocks of the diagonal blocks of size 2s) inv`` holds those of size 2s. From s = 1 (the identity)
-    to L, each step is two matrix products: XLA's triangular solve loops over rows instead (tens of
-    times slower on a CPU), and every block is the exact inverse of its block, as stable as substitution
-    (unlike a series in powers of ``a``, whose terms can grow without bound)."""
+    to L, each step is two matrix products, where XLA's triangular solve loops over the rows (tens of
+    times slower on a CPU). Each step's blocks are inverses of blocks of ``I + a``, whose entries stay
+    those of the inverse: no series in powers of ``a``, whose terms can grow without bound."""
     length = a.shape[-1]
     if length & (length - 1):
         raise ValueError(f"jax_tk.linear_attention: the chunk ({length} tokens) must be a power of 2")
