@@ -20,7 +20,7 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 TOL, GRAD_TOL = 2e-5, 1e-4
 
 
-def inputs(seed, b, t, h, hv, kd, vd, *, dtype=F32, n_states=None, delta=True, g_range=(-0.6, -0.01), k_scale=1.0):
+def inputs(seed, b, t, h, hv, kd, vd, *, dtype=F32, n_states=None, delta=True, g_range=(-0.12, -0.002), k_scale=1.0):
     """q, k [b, t, h, kd] (k times ``k_scale``), v [b, t, hv, vd] in ``dtype``; g [b, t, hv] (log decays in
     ``g_range``), beta [b, t, hv] in (0, 1) (None for simple GLA), an initial state [n_states or b, hv, kd,
     vd] float32, and float32 cotangents for o and the final state. (Without l2 normalization, a small
