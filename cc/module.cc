@@ -11,6 +11,7 @@
 #include "core/core.h"
 #include "decode/decode.h"
 #include "gemm/gemm.h"
+#include "linear_attention/linear_attention.h"
 
 namespace nb = nanobind;
 
@@ -20,7 +21,7 @@ namespace nb = nanobind;
 
 // The ops, one entry each (and each one's header included above): (its namespace, the prefix of its
 // header's lists).
-#define JAX_TK_OPS(op) op(attention, ATTENTION) op(decode, DECODE) op(gemm, GEMM)
+#define JAX_TK_OPS(op) op(attention, ATTENTION) op(decode, DECODE) op(gemm, GEMM) op(linear_attention, LINEAR_ATTENTION)
 
 #ifdef JAX_TK_WITH_CUDA
 #include "ffi/common.h"

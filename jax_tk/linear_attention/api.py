@@ -1,0 +1,242 @@
+"""jax_tk.linear_attention: the gated delta rule and simple GLA (chunked, over whole sequences) and
+their one-token decoding steps.
+
+Trace-time checks and the ``implementation=`` choice. The CUDA kernels are not written yet: every call
+runs the pure-JAX paths of ``reference`` (the chunked one by default, the token-by-token recurrence on
+request), and their gradients are JAX's autodiff of them.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tk._core import checks, dispatch, extension
+from jax_tk.linear_attention import reference
+
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_GDR, _GLA = "linear_attention.gated_delta_rule", "linear_attention.simple_gla"
+_GDR_STEP, _GLA_STEP = "linear_attention.gated_delta_rule_step", "linear_attention.simple_gla_step"
+
+
+def chunk_size() -> int:
+    """Tokens per chunk of the chunked path: the op's contract constant ``CHUNK``
+    (``cc/linear_attention/linear_attention.h``), the chunk the kernels will take too."""
+    return extension.contract("linear_attention")["CHUNK"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks (trace time)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_qkv(op, q, k, v, lead: str):
+    """q, k ``[lead, H, K]`` and v ``[lead, HV, V]``, of one float dtype, ``HV % H == 0``."""
+    rank = lead.count(",") + 3
+    checks.float_array(op, "q", q, rank, f"[{lead}, heads, K]", FLOAT_DTYPES)
+    checks.float_array(op, "k", k, rank, f"[{lead}, heads, K]", FLOAT_DTYPES)
+    checks.float_array(op, "v", v, rank, f"[{lead}, value_heads, V]", FLOAT_DTYPES)
+    if k.shape != q.shape:
+        raise ValueError(f"jax_tk.{op}: k must have q's shape {tuple(q.shape)} ([{lead}, heads, K]), got "
+                         f"{tuple(k.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"jax_tk.{op}: q, k and v must have one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if v.shape[:-2] != q.shape[:-2]:
+        raise ValueError(f"jax_tk.{op}: [{lead}] of v {tuple(v.shape[:-2])} != that of q and k "
+                         f"{tuple(q.shape[:-2])}")
+    h, hv = q.shape[-2], v.shape[-2]
+    if hv % h != 0:
+        raise ValueError(f"jax_tk.{op}: the number of value heads ({hv}) must be a multiple of the number of "
+                         f"q/k heads ({h}): value head j uses q/k head j // (value_heads // heads)")
+
+
+def _check_gate(op, name, x, v, lead: str):
+    """A per-token, per-value-head scalar: ``[lead, HV]``, float."""
+    checks.float_array(op, name, x, v.ndim - 1, f"[{lead}, value_heads]", FLOAT_DTYPES)
+    if x.shape != v.shape[:-1]:
+        raise ValueError(f"jax_tk.{op}: {name} must have shape [{lead}, value_heads] = {tuple(v.shape[:-1])}, "
+                         f"got {tuple(x.shape)}")
+
+
+def _check_state(op, name, state, shape, n_is: str):
+    checks.float_array(op, name, state, 4, "[N, value_heads, K, V]", FLOAT_DTYPES)
+    if state.shape != shape:
+        raise ValueError(f"jax_tk.{op}: {name} must have shape [N, value_heads, K, V] = {shape} (N = {n_is}), "
+                         f"got {tuple(state.shape)}")
+
+
+def _check_bool(op, name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"jax_tk.{op}: {name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def _scale(op, scale, kd: int) -> float:
+    scale = checks.positive_float(op, "scale", scale)
+    return 1.0 / math.sqrt(kd) if scale is None else scale
+
+
+def _cu_seqlens(op, cu_seqlens, b: int, t: int):
+    """``cu_seqlens`` as int32 (None stays None); checked where its values are known at trace time."""
+    if cu_seqlens is None:
+        return None
+    checks.array(op, "cu_seqlens", cu_seqlens, 1, "[N + 1]")
+    if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+        raise TypeError(f"jax_tk.{op}: cu_seqlens must have an integer dtype (int32), got {cu_seqlens.dtype}")
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError(f"jax_tk.{op}: cu_seqlens must hold N + 1 >= 2 offsets, got shape {tuple(cu_seqlens.shape)}")
+    if b != 1:
+        raise ValueError(f"jax_tk.{op}: cu_seqlens packs the sequences along T of a batch of 1, got batch {b}")
+    try:
+        values = np.asarray(cu_seqlens)
+    except jax.errors.TracerArrayConversionError:
+        values = None  # traced: the caller vouches for them (see the docstrings)
+    if values is not None and (values[0] != 0 or values[-1] != t or np.any(np.diff(values) < 0)):
+        raise ValueError(f"jax_tk.{op}: cu_seqlens must rise from 0 to T = {t} (never falling), got {values.tolist()}")
+    # (values past [0, T], possible only traced, are clamped: they then index no token out of bounds)
+    return jnp.asarray(checks.to_int32(cu_seqlens, 0, t))
+
+
+def _sequence_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, implementation):
+    """Checks a whole-sequence call; returns ``(scale, int32 cu_seqlens or None, the path to run)``."""
+    lead = "batch, T"
+    _check_qkv(op, q, k, v, lead)
+    _check_gate(op, "g", g, v, lead)
+    if beta is not None:
+        _check_gate(op, "beta", beta, v, lead)
+    (b, t, _, kd), (hv, vd) = q.shape, v.shape[2:]
+    cu = _cu_seqlens(op, cu_seqlens, b, t)
+    n = b if cu is None else cu.shape[0] - 1
+    if initial_state is not None:
+        n_is = "batch" if cu is None else "the number of sequences of cu_seqlens"
+        _check_state(op, "initial_state", initial_state, (n, hv, kd, vd), n_is)
+    _check_bool(op, "output_final_state", output_final_state)
+    return _scale(op, scale, kd), cu, _path(op, implementation)
+
+
+def _path(op, implementation):
+    """The function that runs the call: ``reference.chunked`` (None, "xla") or ``reference.recurrent``."""
+    dispatch.check_implementation(op, implementation, ("reference",))
+    if implementation == "tk":
+        raise NotImplementedError(f"jax_tk.{op}(implementation='tk'): the linear-attention CUDA kernels are not "
+                                  "built yet (not in this release); implementation=None or 'xla' runs the chunked "
+                                  "XLA path, 'reference' the token-by-token recurrence")
+    if implementation == "reference":
+        return reference.recurrent
+    return lambda *args, **kwargs: reference.chunked(*args, **kwargs, chunk_size=chunk_size())
+
+
+# ----------------------------------------------------------------------------------------------
+# The ops
+# ----------------------------------------------------------------------------------------------
+
+
+def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                     use_qk_l2norm=False, implementation=None):
+    """The gated delta rule (Gated DeltaNet), with the semantics of flash-linear-attention's
+    ``chunk_gated_delta_rule``.
+
+    A state ``S`` ``[K, V]`` per sequence and value head runs through the tokens; at token t::
+
+        S <- S * exp(g_t)
+        u_t = beta_t * (v_t - S^T k_t)
+        S <- S + k_t u_t^T
+        o_t = scale * S^T q_t
+
+    Args:
+      q, k: ``[batch, T, heads, K]``, bfloat16, float16 or float32.
+      v: ``[batch, T, value_heads, V]``, the dtype of q and k; ``value_heads`` a multiple of ``heads``
+        (grouped value heads: value head j uses q/k head ``j // (value_heads // heads)``).
+      g: ``[batch, T, value_heads]``, the log decay of the state (finite, <= 0), any float dtype.
+      beta: ``[batch, T, value_heads]``, the delta rule's write strength (usually in [0, 1]).
+      scale: output multiplier (a Python float), default ``K ** -0.5``.
+      initial_state: ``[N, value_heads, K, V]`` (N = batch, or the number of sequences of
+        ``cu_seqlens``), any float dtype, read as float32; None starts from zeros.
+      output_final_state: also return the state after each sequence's last token.
+      cu_seqlens: ``[N + 1]`` integers, with ``batch == 1``: the T tokens pack N sequences, sequence n
+        being tokens ``cu_seqlens[n] .. cu_seqlens[n+1] - 1``, each starting from its own initial state
+        (no token sees another sequence's). The offsets must rise from 0 to T (checked where they are
+        known at trace time; traced ones are trusted); a sequence may be empty.
+      use_qk_l2norm: normalize q and k over K first, as flash-linear-attention's ``use_qk_l2norm_in_kernel``:
+        ``x / sqrt(sum(x**2) + 1e-6)``, in float32.
+      implementation: ``None`` or ``"xla"``: the chunked XLA path (chunks of ``chunk_size()`` = 64
+        tokens, matrix products inside a chunk and a scan over chunks); ``"reference"``: the recurrence
+        one token at a time (float32, slow on long sequences: the tests' oracle); ``"tk"``: the CUDA
+        kernels, which are not in this release yet (raises ``NotImplementedError``).
+
+    Arithmetic is float32 on every path. Differentiable in q, k, v, g, beta and initial_state (JAX's
+    autodiff of the path that runs). Works under ``jit`` and ``vmap``.
+
+    Returns:
+      ``(o, final_state)``: o ``[batch, T, value_heads, V]`` in v's dtype; final_state
+      ``[N, value_heads, K, V]`` float32, or None unless ``output_final_state``.
+    """
+    scale, cu, run = _sequence_call(_GDR, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                    implementation)
+    l2 = _check_bool(_GDR, "use_qk_l2norm", use_qk_l2norm)
+    return run(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu,
+               output_final_state=bool(output_final_state), use_qk_l2norm=l2)
+
+
+def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+               implementation=None):
+    """Simple gated linear attention (a scalar decay per head), with the semantics of
+    flash-linear-attention's ``chunk_simple_gla``. At token t::
+
+        S <- S * exp(g_t) + k_t v_t^T
+        o_t = scale * S^T q_t
+
+    This is the core of Mamba-2's SSD (state space duality) layer, with ``q = C``, ``k = B``,
+    ``v = dt * x`` and ``g = dt * A`` (per head: A < 0 a scalar, dt > 0 the step of each token); its
+    ``D * x`` skip term and gating are outside.
+
+    Arguments, results, paths and gradients as :func:`gated_delta_rule` (without beta and l2
+    normalization): q, k ``[batch, T, heads, K]``, v ``[batch, T, value_heads, V]`` (``value_heads`` a
+    multiple of ``heads``; flash-linear-attention's op has them equal), g ``[batch, T, value_heads]``.
+    """
+    scale, cu, run = _sequence_call(_GLA, q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
+                                    implementation)
+    return run(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu,
+               output_final_state=bool(output_final_state))
+
+
+def _step_call(op, q, k, v, g, beta, state, scale):
+    lead = "batch"
+    _check_qkv(op, q, k, v, lead)
+    _check_gate(op, "g", g, v, lead)
+    if beta is not None:
+        _check_gate(op, "beta", beta, v, lead)
+    (b, _, kd), (hv, vd) = q.shape, v.shape[1:]
+    _check_state(op, "state", state, (b, hv, kd, vd), "batch")
+    return _scale(op, scale, kd)
+
+
+def gated_delta_rule_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
+    """One new token per sequence of :func:`gated_delta_rule` (decoding): the recurrence's step, as a
+    few fused XLA operations (element-wise products and two reductions over K; no kernel), exactly
+    what the recurrence does at each token.
+
+    Args:
+      q, k: ``[batch, heads, K]``; v: ``[batch, value_heads, V]`` (one dtype, bfloat16, float16 or
+        float32); g, beta: ``[batch, value_heads]``; state: ``[batch, value_heads, K, V]`` (the
+        ``final_state`` of a :func:`gated_delta_rule` call, or of the previous step), read as float32.
+      scale, use_qk_l2norm: as :func:`gated_delta_rule`.
+
+    Returns:
+      ``(o [batch, value_heads, V] in v's dtype, new_state [batch, value_heads, K, V] float32)``. With
+      a float32 state the carry keeps its type, so the step can be the body of a ``lax.scan`` over
+      generated tokens. Differentiable in every input.
+    """
+    scale = _step_call(_GDR_STEP, q, k, v, g, beta, state, scale)
+    l2 = _check_bool(_GDR_STEP, "use_qk_l2norm", use_qk_l2norm)
+    return reference.step(q, k, v, g, beta, state, scale=scale, use_qk_l2norm=l2)
+
+
+def simple_gla_step(q, k, v, g, state, *, scale=None):
+    """One new token per sequence of :func:`simple_gla` (decoding): ``S <- S * exp(g) + k v^T``,
+    ``o = scale * S^T q``, as a few fused XLA operations. Shapes and results as
+    :func:`gated_delta_rule_step` (without beta)."""
+    scale = _step_call(_GLA_STEP, q, k, v, g, None, state, scale)
+    return reference.step(q, k, v, g, None, state, scale=scale)

@@ -1,0 +1,161 @@
+"""CPU tests of jax_tk.linear_attention's API: the decoding steps against the recurrence (in a
+``lax.scan`` after a chunked prefill), vmap and jit, the implementation= choice, and every input check."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tk
+from helpers import rel_err
+from jax_tk import linear_attention as la
+from test_linear_attention import SHAPE, TOL, evaluate, inputs
+
+F16, F32 = jnp.float16, jnp.float32
+
+
+@pytest.mark.parametrize("delta", [True, False])
+def test_steps_match_the_recurrence(delta):
+    """Steps in a lax.scan (the decoding loop), after a chunked prefill of 40 tokens for the delta rule
+    (from the initial state for simple GLA): outputs and states equal the recurrence's over all 49."""
+    q, k, v, g, beta, state, _ = inputs(20, 2, 49, 2, 4, 16, 16, delta=delta)
+    prefill = 40 if delta else 0
+
+    @jax.jit
+    def generate(q, k, v, g, beta, state):
+        head = lambda x: None if x is None else x[:, :prefill]
+        o = jnp.zeros((q.shape[0], 0, *v.shape[2:]), v.dtype)
+        if prefill:
+            o, state = la.gated_delta_rule(*map(head, (q, k, v, g, beta)), initial_state=state,
+                                           output_final_state=True, use_qk_l2norm=True)
+
+        def body(s, xs):
+            qt, kt, vt, gt, bt = xs
+            if delta:
+                return la.gated_delta_rule_step(qt, kt, vt, gt, bt, s, use_qk_l2norm=True)[::-1]
+            return la.simple_gla_step(qt, kt, vt, gt, s)[::-1]
+
+        tail = lambda x: None if x is None else jnp.moveaxis(x[:, prefill:], 1, 0)
+        state, o_steps = jax.lax.scan(body, state, tuple(map(tail, (q, k, v, g, beta))))
+        return jnp.concatenate([o, jnp.moveaxis(o_steps, 0, 1)], axis=1), state
+
+    o, s = generate(q, k, v, g, beta, state)
+    (o_ref, s_ref), _ = evaluate(q, k, v, g, beta, state, implementation="reference", use_qk_l2norm=delta)
+    assert s.dtype == F32 and o.shape == v.shape
+    assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
+
+
+def test_step_dtypes_and_default_scale():
+    """A float16 step: the output in float16, the state float32; the default scale is K ** -0.5."""
+    q, k, v, g, beta, state, _ = inputs(21, 3, 1, 1, 2, 4, 8)
+    cast = lambda x: x[:, 0].astype(F16)
+    o, s = jax.jit(la.gated_delta_rule_step)(cast(q), cast(k), cast(v), g[:, 0], beta[:, 0], state)
+    assert o.dtype == F16 and s.dtype == F32
+    o2, s2 = jax.jit(functools.partial(la.gated_delta_rule_step, scale=0.125))(cast(q), cast(k), cast(v), g[:, 0],
+                                                                                beta[:, 0], state)
+    np.testing.assert_array_equal(s, s2)  # (the scale reads the state; it does not write it)
+    assert rel_err(o2.astype(F32) * 4, o.astype(F32)) < 2e-3  # default 4 ** -0.5 = 4 * 0.125
+
+
+def test_vmap_and_implementations():
+    """vmap over the batch (each example a batch of 1) equals the batched call; "xla" is the default
+    path; no final state unless asked."""
+    q, k, v, g, beta, state, ct = inputs(3, **SHAPE)  # (the batched call's compilation is shared)
+
+    def one(q, k, v, g, beta, state):
+        o, f = la.gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial_state=state[None],
+                                   output_final_state=True, use_qk_l2norm=True, implementation="xla")
+        return o[0], f[0]
+
+    o_mapped, f_mapped = jax.jit(jax.vmap(one))(q, k, v, g, beta, state)
+    (o, f), _ = evaluate(q, k, v, g, beta, state, ct, use_qk_l2norm=True)
+    np.testing.assert_allclose(o_mapped, o, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(f_mapped, f, rtol=1e-6, atol=1e-6)
+    assert jax.eval_shape(lambda: la.gated_delta_rule(q, k, v, g, beta))[1] is None
+
+
+def test_exported_from_the_package():
+    assert jax_tk.linear_attention is la
+    assert {"gated_delta_rule", "simple_gla", "gated_delta_rule_step", "simple_gla_step"} <= set(la.__all__)
+
+
+def test_the_kernels_are_not_there_yet():
+    q, k, v, g, beta, _, _ = inputs(23, 1, 8, 1, 1, 4, 4)
+    with pytest.raises(NotImplementedError, match=r"gated_delta_rule\(implementation='tk'\).*not built yet"):
+        la.gated_delta_rule(q, k, v, g, beta, implementation="tk")
+    with pytest.raises(NotImplementedError, match="not built yet"):
+        la.simple_gla(q, k, v, g, implementation="tk")
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        la.gated_delta_rule(q, k, v, g, beta, implementation="cuda")
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks: every bad argument raises, at trace time, naming it
+# ----------------------------------------------------------------------------------------------
+
+B, T, H, HV, K, V = 1, 8, 2, 4, 4, 6
+
+
+def good(**changes):
+    """Valid gated_delta_rule arguments (numpy: checked, never computed), with ``changes``."""
+    z = lambda *shape, dtype=np.float32: np.zeros(shape, dtype)
+    args = dict(q=z(B, T, H, K), k=z(B, T, H, K), v=z(B, T, HV, V), g=z(B, T, HV), beta=z(B, T, HV))
+    args.update(changes)
+    return args
+
+
+BAD = [
+    (dict(q=np.zeros((B, T, K), np.float32)), ValueError, "q must have rank 4"),
+    (dict(q=np.zeros((B, T, H, K), np.int32)), TypeError, "q must be bfloat16, float16 or float32"),
+    (dict(q="q"), TypeError, "q must be an array"),
+    (dict(k=np.zeros((B, T, H, K + 1), np.float32)), ValueError, "k must have q's shape"),
+    (dict(v=np.zeros((B, T, HV, V), np.float16)), TypeError, "one dtype"),
+    (dict(v=np.zeros((B, T + 1, HV, V), np.float32)), ValueError, r"\[batch, T\] of v"),
+    (dict(v=np.zeros((B, T, 3, V), np.float32)), ValueError, "multiple of the number of q/k heads"),
+    (dict(g=np.zeros((B, T, H), np.float32)), ValueError, "g must have shape"),
+    (dict(g=np.zeros((B, T, HV), np.float64)), TypeError, "g must be bfloat16"),
+    (dict(beta=np.zeros((B, T, HV, 1), np.float32)), ValueError, "beta must have rank 3"),
+    (dict(q=np.zeros((B, 0, H, K), np.float32), k=np.zeros((B, 0, H, K), np.float32)), ValueError, "empty"),
+    (dict(initial_state=np.zeros((B, HV, K, V + 1), np.float32)), ValueError,
+     r"initial_state must have shape.*N = batch"),
+    (dict(initial_state=np.zeros((B, HV, K), np.float32)), ValueError, "initial_state must have rank 4"),
+    (dict(cu_seqlens=np.array([0, 3, 8], np.float32)), TypeError, "integer dtype"),
+    (dict(cu_seqlens=np.array([[0, 8]], np.int32)), ValueError, "cu_seqlens must have rank 1"),
+    (dict(cu_seqlens=np.array([0], np.int32)), ValueError, "N \\+ 1 >= 2"),
+    (dict(cu_seqlens=np.array([0, 3, 7], np.int32)), ValueError, "rise from 0 to T = 8"),
+    (dict(cu_seqlens=np.array([0, 5, 3, 8], np.int32)), ValueError, "never falling"),
+    (dict(cu_seqlens=np.array([1, 8], np.int32)), ValueError, "rise from 0"),
+    (dict(cu_seqlens=np.array([0, 3, 8], np.int32), initial_state=np.zeros((1, HV, K, V), np.float32)),
+     ValueError, "number of sequences of cu_seqlens"),
+    (dict(scale=-1.0), ValueError, "scale must be a positive float"),
+    (dict(scale="big"), TypeError, "scale must be a Python float"),
+    (dict(output_final_state=1), TypeError, "output_final_state must be a bool"),
+    (dict(use_qk_l2norm="yes"), TypeError, "use_qk_l2norm must be a bool"),
+]
+
+
+@pytest.mark.parametrize("changes,error,match", BAD)
+def test_bad_inputs(changes, error, match):
+    with pytest.raises(error, match=match):
+        la.gated_delta_rule(**good(**changes))
+
+
+def test_cu_seqlens_needs_a_batch_of_one():
+    args = good(**{x: np.zeros((2, *good()[x].shape[1:]), np.float32) for x in ("q", "k", "v", "g", "beta")})
+    with pytest.raises(ValueError, match="batch of 1, got batch 2"):
+        la.gated_delta_rule(**args, cu_seqlens=np.array([0, 8], np.int32))
+
+
+def test_bad_simple_gla_and_step_inputs():
+    a = good()
+    with pytest.raises(ValueError, match="simple_gla: g must have shape"):
+        la.simple_gla(a["q"], a["k"], a["v"], a["g"][..., :H])
+    state = np.zeros((B, HV, K, V), np.float32)
+    step = lambda x: x[:, 0]
+    with pytest.raises(ValueError, match="gated_delta_rule_step: q must have rank 3"):
+        la.gated_delta_rule_step(a["q"], a["k"], step(a["v"]), step(a["g"]), step(a["beta"]), state)
+    with pytest.raises(ValueError, match=r"simple_gla_step: state must have shape .*\(1, 4, 4, 6\)"):
+        la.simple_gla_step(step(a["q"]), step(a["k"]), step(a["v"]), step(a["g"]), state[..., :3])
+    with pytest.raises(ValueError, match="gated_delta_rule_step: beta must have shape"):
+        la.gated_delta_rule_step(step(a["q"]), step(a["k"]), step(a["v"]), step(a["g"]), step(a["g"])[:, :2], state)
