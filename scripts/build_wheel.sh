@@ -35,7 +35,7 @@ while [ $# -gt 0 ]; do
     --offline) offline=1; isolation=0 ;;
     --no-build-isolation) isolation=0 ;;
     --check) check=${2:?--check needs a wheel}; [[ $check = /* ]] || check=$caller/$check; shift ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     -*) echo "unknown option $1" >&2; exit 2 ;;
     *) out=$1 ;;
   esac
