@@ -141,6 +141,21 @@ else
   pipflags+=(-C "build-dir=build/wheel/{wheel_tag}")
 fi
 
+# The XLA FFI headers the handlers are compiled against: the oldest jax the package supports (the
+# floor of pyproject.toml's "jax>=..."). jaxlib accepts handlers of its own FFI API version or older,
+# so a wheel built against a newer jax's headers fails to register on an older jaxlib (a build with
+# jax 0.12's headers, API 0.5, is refused by jax 0.11's 0.4).
+jax_floor=$(grep -oE '"jax>=[0-9.]+"' pyproject.toml | head -1 | grep -oE '[0-9.]+[0-9]')
+if [ "$isolation" = 1 ]; then
+  printf 'jax==%s.*\njaxlib==%s.*\n' "$jax_floor" "$jax_floor" >"$raw/constraints.txt"
+  export PIP_CONSTRAINT=$raw/constraints.txt  # (pip applies it to the isolated build environment)
+else
+  have=$("$py" -c "import jax; print(jax.__version__)")
+  if [ "$(printf '%s\n' "$have" "$jax_floor.99" | sort -V | head -1)" != "$have" ]; then
+    echo "warning: building against jax $have's FFI headers: the wheel needs jax >= $have at run time" \
+         "(with build isolation it is built against jax $jax_floor, the oldest supported)" >&2
+  fi
+fi
 export JAX_TK_CUDA=ON  # a wheel without its kernels would be a mistake: fail without nvcc
 export JAX_TK_CUDA_ARCHS=${JAX_TK_CUDA_ARCHS:-80;90a}
 export JAX_TK_TEST_KERNELS=${JAX_TK_TEST_KERNELS:-OFF}
