@@ -249,6 +249,8 @@ def test_no_private_jax():
 
 
 def test_outside_the_wheel():
+    if not (REPO / "pyproject.toml").is_file():
+        pytest.skip("reads the package's sources: needs a source checkout (not a copy of tests/ beside a wheel)")
     text = (REPO / "pyproject.toml").read_text()
     assert 'wheel.packages = ["jax_tk"]' in text
     assert not list((REPO / "jax_tk" / "bench").glob("*.py"))  # (a stale __pycache__ may stay behind)
