@@ -16,7 +16,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from jax_tk import decode
-from jax_tk._core import dispatch, sharding
+from jax_tk._core import dispatch, sharding, sinks as sinks_
 from jax_tk.attention import compat, launch, reference
 from jax_tk.attention.launch import Masks
 
@@ -209,8 +209,17 @@ def _decode_fwd(query, key, value, spec: AttentionSpec):
 # ----------------------------------------------------------------------------------------------
 
 
-def _run(call: compat.Call):
-    """(out, lse) of a normalized call (rank 4)."""
+def _run(call: compat.Call, sinks=None):
+    """(out, lse) of a normalized call (rank 4), with the attention sinks (``_core.sinks``) if given."""
+    sinks = sinks_.check("attention", sinks, call.query.shape[2])
+    if sinks is not None and call.implementation == "cudnn":
+        raise ValueError("jax_tk.attention(implementation='cudnn'): sinks are not supported by "
+                         "jax.nn.dot_product_attention (its lse carries no gradient); use implementation=None, "
+                         "'tk' or 'xla'")
+    return sinks_.apply(*_run_without_sinks(call), sinks)
+
+
+def _run_without_sinks(call: compat.Call):
     query, key, value = call.query, call.key, call.value
     if 0 in (query.shape[0], query.shape[1], key.shape[1]):  # nothing to compute (no row sees a key)
         b, t, n, _ = query.shape
@@ -259,13 +268,13 @@ def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, i
                        local_window_size=None, q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None,
                        key_value_seq_lengths=None, logits_soft_cap=None, implementation=None,
                        deterministic_backward=None, deterministic=None, dropout_rate=None, dropout_rng=None,
-                       broadcast_dropout=True):
+                       broadcast_dropout=True, sinks=None):
     """Like :func:`attention`, and also returns the float32 log-sum-exp of each query row.
 
     Returns:
       ``(out, lse)``: ``out`` is ``[batch, q_len, q_heads, head_dim]`` in the input dtype, ``lse`` is
       ``[batch, q_heads, q_len]`` float32 (natural log of the softmax denominator of the scaled
-      logits; ``-inf`` for a row that sees no key); rank-3 inputs give ``[q_len, q_heads, head_dim]``
+      logits, the sink's term included; ``-inf`` for a row that sees no key, its sink with sinks); rank-3 inputs give ``[q_len, q_heads, head_dim]``
       and ``[q_heads, q_len]``, several batch dims ``[*batch, ...]``. Both are differentiable, except
       the lse of ``implementation="cudnn"`` (jax.nn's residual: cuDNN's backward ignores its
       cotangent, so it is returned under ``stop_gradient``; it is also rounded to the input dtype by
@@ -278,14 +287,15 @@ def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, i
         key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap, implementation=implementation,
         deterministic_backward=deterministic_backward, deterministic=deterministic, dropout_rate=dropout_rate,
         dropout_rng=dropout_rng)
-    return call.restore(*_run(call))
+    return call.restore(*_run(call, sinks))
 
 
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, local_window_size=None,
               q_segment_ids=None, kv_segment_ids=None, query_seq_lengths=None, key_value_seq_lengths=None,
               logits_soft_cap=None, implementation=None, deterministic_backward=None, return_residual=False,
               deterministic=None, dropout_rate=None, dropout_rng=None, broadcast_dropout=True, dtype=None,
-              precision=None, module=None, qk_attn_weights_einsum=None, attn_weights_value_einsum=None):
+              precision=None, module=None, qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
+              sinks=None):
     """Scaled dot-product attention, ``softmax(scale * query @ key^T + bias) @ value``.
 
     Same layout and meaning as :func:`jax.nn.dot_product_attention` (README: "Differences from
@@ -340,6 +350,11 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         Dropout is not implemented: an active one (``dropout_rate > 0`` and not ``deterministic``) raises
         ``NotImplementedError``, never ignored. ``deterministic=True`` given with no dropout argument
         keeps its former jax_tk meaning, ``deterministic_backward=True`` (with a DeprecationWarning).
+      sinks: ``[q_heads]`` floats (attention sinks, as in gpt-oss), or None: one learned logit per query
+        head that joins every row's softmax denominator and has no value, ``p_j = exp(l_j) / (exp(sink)
+        + sum_j exp(l_j))``. Differentiable (its gradient in its own dtype); combines with every option
+        (not with ``implementation="cudnn"``). Applied exactly to the kernel's output and log-sum-exp:
+        ``out * exp(lse - logaddexp(lse, sink))``, one elementwise pass over the output.
       dtype, precision, module, qk_attn_weights_einsum, attn_weights_value_einsum: the other keywords
         Flax passes to an ``attention_fn``. ``dtype`` casts query, key and value to it; ``precision`` is
         ignored (products accumulate in float32, and the float32 reference computes them at full
@@ -366,5 +381,5 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         deterministic_backward=deterministic_backward, deterministic=deterministic, dropout_rate=dropout_rate,
         dropout_rng=dropout_rng, dtype=dtype, module=module, qk_attn_weights_einsum=qk_attn_weights_einsum,
         attn_weights_value_einsum=attn_weights_value_einsum)
-    out, lse = call.restore(*_run(call))
+    out, lse = call.restore(*_run(call, sinks))
     return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out

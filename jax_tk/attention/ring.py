@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk._core import checks, dispatch, sharding
+from jax_tk._core import checks, dispatch, sharding, sinks as sinks_
 from jax_tk.attention import api, compat, launch
 from jax_tk.attention.api import AttentionSpec
 
@@ -347,6 +347,7 @@ def ring_attention_with_lse(
     scale=None,
     layout="contiguous",
     implementation=None,
+    sinks=None,
 ):
     """Like :func:`ring_attention`, and also returns the float32 log-sum-exp ``[batch, heads, q_len]``
     of the local query rows over the whole (global) key sequence. Both outputs are differentiable."""
@@ -374,9 +375,10 @@ def ring_attention_with_lse(
         )
     use_kernel = api.use_kernel(query, key, implementation)
     spec = RingSpec(axis_name, n, float(scale), bool(is_causal), layout, use_kernel, _ring_perm(axis_name, n))
+    sinks = sinks_.check("ring_attention", sinks, query.shape[2])
     if n == 1:
-        return api.attention_vjp(query, key, value, spec.block(spec.is_causal))
-    return _ring(query, key, value, spec)
+        return sinks_.apply(*api.attention_vjp(query, key, value, spec.block(spec.is_causal)), sinks)
+    return sinks_.apply(*_ring(query, key, value, spec), sinks)  # (the sink joins the merged softmax)
 
 
 def ring_attention(
@@ -389,6 +391,7 @@ def ring_attention(
     scale=None,
     layout="contiguous",
     implementation=None,
+    sinks=None,
 ):
     """Attention over a sequence sharded across the mesh axis ``axis_name`` (call inside shard_map).
 
@@ -403,6 +406,7 @@ def ring_attention(
         ``"contiguous"`` (device i holds the i-th block) or ``"zigzag"`` (device i holds chunks i and
         2n-1-i; see :func:`zigzag`), which balances the work.
       implementation: as in :func:`jax_tk.attention` (``None``, ``"tk"`` or ``"xla"``).
+      sinks: ``[q_heads]`` floats or None: attention sinks, as in :func:`jax_tk.attention`.
 
     Returns:
       The local block of the output, ``[batch, q_len, q_heads, head_dim]``, equal to the
@@ -417,4 +421,5 @@ def ring_attention(
         scale=scale,
         layout=layout,
         implementation=implementation,
+        sinks=sinks,
     )[0]

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk._core import checks, dispatch, extension, sharding
+from jax_tk._core import checks, dispatch, extension, sharding, sinks as sinks_
 from jax_tk.decode import launch, reference
 
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -116,7 +116,7 @@ def _page_table_int32(page_table):
 
 
 def attention(query, key_cache, value_cache, cache_lengths, *, page_table=None, scale=None, is_causal=True,
-              local_window_size=None, logits_soft_cap=None, implementation=None):
+              local_window_size=None, logits_soft_cap=None, implementation=None, sinks=None):
     """Attention of the newest ``T_new`` tokens of each sequence over its KV cache (decoding / serving).
 
     Semantics follow FlashAttention's ``flash_attn_with_kvcache``; layouts follow
@@ -139,6 +139,9 @@ def attention(query, key_cache, value_cache, cache_lengths, *, page_table=None, 
         cache). ``False``: every valid key.
       local_window_size: ``(left, right)`` (or one int for both): row i sees keys ``p - left <= j <= p + right``.
       logits_soft_cap: logits become ``cap * tanh(logits / cap)``.
+      sinks: ``[heads]`` floats (attention sinks, as in gpt-oss), or None: one logit per query head in
+        every row's softmax denominator, with no value; as in :func:`jax_tk.attention` (applied exactly to
+        the kernel's output and log-sum-exp).
       implementation: ``None``: the decode kernel on CUDA GPUs where it takes the call (bfloat16/float16,
         head_dim 64, 128 or 256), the pure-JAX reference elsewhere; ``"tk"``: the kernel or an error;
         ``"xla"``: the reference.
@@ -163,11 +166,11 @@ def attention(query, key_cache, value_cache, cache_lengths, *, page_table=None, 
     """
     return attention_with_lse(query, key_cache, value_cache, cache_lengths, page_table=page_table, scale=scale,
                               is_causal=is_causal, local_window_size=local_window_size,
-                              logits_soft_cap=logits_soft_cap, implementation=implementation)[0]
+                              logits_soft_cap=logits_soft_cap, implementation=implementation, sinks=sinks)[0]
 
 
 def attention_with_lse(query, key_cache, value_cache, cache_lengths, *, page_table=None, scale=None, is_causal=True,
-                       local_window_size=None, logits_soft_cap=None, implementation=None):
+                       local_window_size=None, logits_soft_cap=None, implementation=None, sinks=None):
     """Like :func:`attention`, and also returns the float32 log-sum-exp of each query row.
 
     Returns:
@@ -204,10 +207,12 @@ def attention_with_lse(query, key_cache, value_cache, cache_lengths, *, page_tab
     softcap = checks.positive_float(_OP, "logits_soft_cap", logits_soft_cap)
     use = dispatch.use_kernel(_OP, implementation, launch.kernel_unsupported_reason(query, key_cache))
     spec = DecodeSpec(scale, bool(is_causal), use, window, softcap, page_size)
+    sinks = sinks_.check(_OP, sinks, n)
     if b == 0 or t == 0:
         return (dispatch.zeros(query.shape, query.dtype, query, key_cache, value_cache),
                 dispatch.zeros((b, n, t), jnp.float32, query, key_cache, value_cache) - jnp.inf)
-    return _attention(spec, query, key_cache, value_cache, cache_lengths, _page_table_int32(page_table))
+    return sinks_.apply(*_attention(spec, query, key_cache, value_cache, cache_lengths, _page_table_int32(page_table)),
+                        sinks)
 
 
 def kernel_unsupported_reason(query, key_cache) -> str | None:

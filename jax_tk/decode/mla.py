@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk._core import checks, dispatch, sharding
+from jax_tk._core import checks, dispatch, sharding, sinks as sinks_
 from jax_tk.decode import api, reference
 
 _OP = "decode.mla_attention"
@@ -45,7 +45,7 @@ def kernel_unsupported_reason(query, latent_cache) -> str | None:
 
 
 def mla_attention(query, latent_cache, cache_lengths, *, page_table=None, v_head_dim=512, scale=None,
-                  is_causal=True, implementation=None):
+                  is_causal=True, implementation=None, sinks=None):
     """Multi-head latent attention of the newest ``T_new`` tokens of each sequence over its latent cache
     (DeepSeek's MLA at decode time, with the semantics of FlashMLA's ``flash_mla_with_kvcache``).
 
@@ -72,6 +72,7 @@ def mla_attention(query, latent_cache, cache_lengths, *, page_table=None, v_head
         ``1/sqrt(192)`` times a YaRN factor).
       is_causal: row i sees keys ``j <= p`` (bottom-right aligned: a single new token sees the whole
         cache). ``False``: every valid key.
+      sinks: ``[heads]`` floats or None: attention sinks, as in :func:`jax_tk.decode.attention`.
       implementation: ``None`` or ``"xla"``: the pure-JAX reference (float32 math), on every platform
         for now; ``"tk"``: the kernel, which does not exist yet, so a ``ValueError``.
 
@@ -90,11 +91,11 @@ def mla_attention(query, latent_cache, cache_lengths, *, page_table=None, v_head
       returns the log-sum-exp of each row).
     """
     return mla_attention_with_lse(query, latent_cache, cache_lengths, page_table=page_table, v_head_dim=v_head_dim,
-                                  scale=scale, is_causal=is_causal, implementation=implementation)[0]
+                                  scale=scale, is_causal=is_causal, implementation=implementation, sinks=sinks)[0]
 
 
 def mla_attention_with_lse(query, latent_cache, cache_lengths, *, page_table=None, v_head_dim=512, scale=None,
-                           is_causal=True, implementation=None):
+                           is_causal=True, implementation=None, sinks=None):
     """Like :func:`mla_attention`, and also returns the float32 log-sum-exp of each query row.
 
     Returns:
@@ -127,10 +128,11 @@ def mla_attention_with_lse(query, latent_cache, cache_lengths, *, page_table=Non
         raise TypeError(f"jax_tk.{_OP}: is_causal must be a bool, got {is_causal!r}")
     use = dispatch.use_kernel(_OP, implementation, kernel_unsupported_reason(query, latent_cache))
     spec = MlaSpec(scale, bool(is_causal), int(v_head_dim), use, page_size)
+    sinks = sinks_.check(_OP, sinks, n)
     if b == 0 or t == 0:
         return (dispatch.zeros((b, t, n, spec.v_head_dim), query.dtype, query, latent_cache),
                 dispatch.zeros((b, n, t), jnp.float32, query, latent_cache) - jnp.inf)
-    return _mla(spec, query, latent_cache, cache_lengths, api._page_table_int32(page_table))
+    return sinks_.apply(*_mla(spec, query, latent_cache, cache_lengths, api._page_table_int32(page_table)), sinks)
 
 
 # As decode.attention's: the gradient is the reference's on every platform (decoding rarely

@@ -41,13 +41,13 @@ def _inputs(seed, b, t, s, n, kh, d, dtype):
 _rel = rel_err
 
 
-def _ring_fn(mesh, axis, layout, causal, batch_axis=None):
+def _ring_fn(mesh, axis, layout, causal, batch_axis=None, sinks=None):
     """Ring attention over arrays whose sequence (already in ``layout`` order) is split over ``axis``."""
     seq = P(batch_axis, axis)
 
     def local(q, k, v):
         return jax_tk.ring_attention_with_lse(
-            q, k, v, axis_name=axis, is_causal=causal, layout=layout
+            q, k, v, axis_name=axis, is_causal=causal, layout=layout, sinks=sinks
         )
 
     return jax.shard_map(
@@ -55,9 +55,9 @@ def _ring_fn(mesh, axis, layout, causal, batch_axis=None):
     )
 
 
-def _ref(causal):
+def _ref(causal, sinks=None):
     return lambda q, k, v: reference.attention_with_lse(
-        q, k, v, scale=q.shape[-1] ** -0.5, is_causal=causal
+        q, k, v, scale=q.shape[-1] ** -0.5, is_causal=causal, sinks=sinks
     )
 
 
@@ -127,6 +127,13 @@ class TestRing:
     def test_ring_sizes(self, ring):
         args = _inputs(2, 1, 4 * ring, 4 * ring, 2, 2, 16, F32)
         _compare(_ring_fn(_mesh1(ring), "sp", "zigzag", True), _ref(True), args, 1e-5, "zigzag", ring)
+
+    def test_sinks(self):
+        # The sink joins the softmax merged over the ring: each device's rows, once.
+        ring, sinks = 4, jnp.array([0.5, 3.0, -1.0, 2.0], F32)
+        args = _inputs(4, 2, 8 * ring, 8 * ring, 4, 2, 32, F32)
+        _compare(_ring_fn(_mesh1(ring), "sp", "zigzag", True, sinks=sinks), _ref(True, sinks), args, 1e-5,
+                 "zigzag", ring)
 
     def test_different_query_and_key_lengths(self):
         ring = 4
