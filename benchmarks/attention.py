@@ -123,30 +123,31 @@ def _slice0(x, heads: int = 1):
     return x[0:1, :, 0:heads, :]
 
 
-def _reference(q, k, v, bias, seg, scale, causal, window):
+def _reference(q, k, v, bias, seg, sinks, scale, causal, window):
     return reference().attention(q, k, v, bias=bias, scale=scale, is_causal=causal, local_window_size=window,
-                                 q_segment_ids=seg, kv_segment_ids=seg)
+                                 q_segment_ids=seg, kv_segment_ids=seg, sinks=sinks)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "window"))
-def _reference_fwd(q, k, v, bias, seg, *, scale, causal, window):
-    return _reference(q, k, v, bias, seg, scale, causal, window)
+def _reference_fwd(q, k, v, bias, seg, sinks, *, scale, causal, window):
+    return _reference(q, k, v, bias, seg, sinks, scale, causal, window)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "window"))
-def _reference_bwd(q, k, v, bias, seg, dout, *, scale, causal, window):
-    f = lambda q, k, v: _reference(q, k, v, bias, seg, scale, causal, window)
+def _reference_bwd(q, k, v, bias, seg, sinks, dout, *, scale, causal, window):
+    f = lambda q, k, v: _reference(q, k, v, bias, seg, sinks, scale, causal, window)
     return jax.vjp(f, q, k, v)[1](dout)
 
 
 def _check_args(cfg: AttentionConfig, inputs):
-    """The check looks at batch 0, key/value head 0 and the query heads that share it (q, k, v and the
-    bias sliced so; the mask of ``as_mask`` rows is the same causal flag and segment ids)."""
+    """The check looks at batch 0, key/value head 0 and the query heads that share it (q, k, v, the
+    bias and the sinks sliced so; the mask of ``as_mask`` rows is the same causal flag and segment ids)."""
     g = cfg.heads // cfg.kv_heads
     seg = cfg.segment_ids()
     seg = None if seg is None else jnp.asarray(seg[0:1])
     bias = inputs[3][:, 0:g] if cfg.bias else None
-    return g, (_slice0(inputs[0], g), _slice0(inputs[1]), _slice0(inputs[2]), bias, seg), dict(
+    sinks = None if cfg.sink_values() is None else jnp.asarray(cfg.sink_values()[0:g])
+    return g, (_slice0(inputs[0], g), _slice0(inputs[1]), _slice0(inputs[2]), bias, seg, sinks), dict(
         causal=cfg.causal, window=cfg.window)
 
 

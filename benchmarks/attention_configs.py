@@ -17,7 +17,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-FEATURES = ("gqa", "window", "documents", "mask", "bias")
+FEATURES = ("gqa", "window", "documents", "mask", "bias", "sinks")
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp16": jnp.float16, "float16": jnp.float16}
 
@@ -147,6 +147,7 @@ class AttentionConfig:
     doc_seed: int = 0
     as_mask: bool = False  # the causal mask and the documents go to every provider as a dense boolean mask
     bias: bool = False  # every provider takes a random additive bias [1, heads, q_len, kv_len]
+    sinks: bool = False  # attention sinks [heads] (sink_values; only jax_tk takes them, the others skip)
 
     def __post_init__(self):
         if self.kv_heads is None:
@@ -181,6 +182,10 @@ class AttentionConfig:
         if not self.documents:
             return None
         return _document_lengths_cached(self.q_len, self.documents, self.doc_seed, self.batch)
+
+    def sink_values(self) -> np.ndarray | None:
+        """The sinks of a ``sinks`` row, ``[heads]`` float32 from -2 to 2 (None elsewhere)."""
+        return np.linspace(-2.0, 2.0, self.heads, dtype=np.float32) if self.sinks else None
 
     def segment_ids(self) -> np.ndarray | None:
         """[batch, q_len] int32 segment ids (the same for queries and keys), or None."""
@@ -217,6 +222,8 @@ class AttentionConfig:
             parts.append("as a mask")
         if self.bias:
             parts.append("+ bias")
+        if self.sinks:
+            parts.append("+ sinks")
         return " ".join(parts)
 
     def label(self) -> str:
@@ -227,7 +234,7 @@ class AttentionConfig:
 
     # The CSV columns (harness.csv_fields puts them between the environment and the measurement).
     CSV_FIELDS = ("dtype", "batch", "q_len", "kv_len", "heads", "head_dim", "causal",
-                  "feature", "kv_heads", "window", "documents", "doc_seed", "as_mask", "bias")
+                  "feature", "kv_heads", "window", "documents", "doc_seed", "as_mask", "bias", "sinks")
 
     def csv_row(self) -> dict:
         return {
@@ -236,7 +243,7 @@ class AttentionConfig:
             "feature": self.feature, "kv_heads": self.kv_heads,
             "window": "" if self.window is None else f"{self.window[0]}:{self.window[1]}",
             "documents": self.documents or "", "doc_seed": self.doc_seed if self.documents else "",
-            "as_mask": self.as_mask or "", "bias": self.bias or "",
+            "as_mask": self.as_mask or "", "bias": self.bias or "", "sinks": self.sinks or "",
         }
 
     @classmethod
@@ -251,7 +258,7 @@ class AttentionConfig:
                    kv_heads=int(row["kv_heads"]) if row.get("kv_heads") else None,
                    window=window, documents=int(row.get("documents") or 0),
                    doc_seed=int(row.get("doc_seed") or 0), as_mask=row.get("as_mask") == "True",
-                   bias=row.get("bias") == "True")
+                   bias=row.get("bias") == "True", sinks=row.get("sinks") == "True")
 
 
 @functools.lru_cache(maxsize=None)
@@ -342,7 +349,9 @@ def feature_configs(features: Sequence[str] = FEATURES, causals: Sequence[bool] 
     - ``mask``: the same documents given to every provider as a dense boolean mask (``as_mask``),
       causal and not, and the causal mask alone as a mask (causal only);
     - ``bias``: an additive bias ``[1, H, T, S]``, T = S = ``sizes.bias_seq_len``, B = tokens // T,
-      causal and not.
+      causal and not;
+    - ``sinks``: attention sinks ``[H]`` (``sinks=``), at the shape of the bias rows, causal and not
+      (its baseline: the same call without them).
     """
     bad = [f for f in features if f not in FEATURES]
     if bad:
@@ -373,7 +382,8 @@ def feature_configs(features: Sequence[str] = FEATURES, causals: Sequence[bool] 
                 else:
                     t = sizes.bias_seq_len
                     rows.append(AttentionConfig(max(1, sizes.tokens // t), t, t, sizes.heads, d, causal, dtype,
-                                                feature="bias", bias=True))
+                                                feature=feature, bias=feature == "bias",
+                                                sinks=feature == "sinks"))
     if not baselines:
         return rows
     out: list[AttentionConfig] = []

@@ -67,7 +67,7 @@ def _logits(p: Provider, cfg: AttentionConfig) -> Provider:
 
 def _tk_mask_kwargs(cfg: AttentionConfig) -> dict:
     """jax_tk.attention's masking options for a configuration (segment ids as device constants; none
-    on ``as_mask`` rows, whose masking is the dense mask)."""
+    on ``as_mask`` rows, whose masking is the dense mask), and its sinks."""
     kw = {}
     if cfg.window is not None:
         kw["local_window_size"] = cfg.window
@@ -75,6 +75,8 @@ def _tk_mask_kwargs(cfg: AttentionConfig) -> dict:
     if seg is not None and not cfg.as_mask:
         ids = jnp.asarray(seg)
         kw["q_segment_ids"] = kw["kv_segment_ids"] = ids
+    if cfg.sinks:
+        kw["sinks"] = jnp.asarray(cfg.sink_values())
     return kw
 
 
@@ -331,4 +333,6 @@ def make_provider(name: str, cfg: AttentionConfig) -> Provider:
         raise Skip("no segment-id option")
     if name in NO_MASK_OR_BIAS and (cfg.as_mask or cfg.bias):
         raise Skip("no mask option" if cfg.as_mask else "no bias option")
+    if cfg.sinks and not name.startswith("jax_tk"):
+        raise Skip("no sinks option")
     return make(cfg, 1.0 / math.sqrt(cfg.head_dim))

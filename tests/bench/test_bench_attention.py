@@ -455,15 +455,18 @@ def test_features_quick_run_cpu(tmp_path, capsys):
     csv_path, png_path = tmp_path / "attention_features.csv", tmp_path / "attention_features.png"
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
-    # gqa, window, documents, mask (documents and causal as a mask), bias (causal), and their plain
-    # baselines (4: documents and mask share one, the causal mask and the bias another), x providers
-    # x 2 modes.
-    assert len(rows) == 10 * len(providers) * 2
+    # gqa, window, documents, mask (documents and causal as a mask), bias (causal), sinks (causal), and
+    # their plain baselines (4: documents and mask share one, the causal mask, the bias and the sinks
+    # another), x providers x 2 modes.
+    assert len(rows) == 11 * len(providers) * 2
     assert {r["feature"] for r in rows} == {"plain", *attention_configs.FEATURES}
     for r in rows:
         if r["provider"] == "cudnn_packed":
             want = "error" if r["feature"] == "documents" else "skipped"  # no cuDNN on CPU
             assert r["status"] == want and r["note"], r
+            continue
+        if r["feature"] == "sinks" and r["provider"] != "jax_tk":  # (only jax_tk takes sinks)
+            assert r["status"] == "skipped" and "sinks" in r["note"], r
             continue
         assert r["status"] == "ok", r
         assert float(r["tflops"]) > 0 and float(r["rel_err"]) < 2e-2
