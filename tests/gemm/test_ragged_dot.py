@@ -131,6 +131,27 @@ def test_group_sizes_clipped_not_wrapped():
     np.testing.assert_allclose(got, numpy_ragged_dot(lhs, rhs, [4, 0, 9, 7]), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_nan_rows_past_the_groups(implementation):
+    """Rows of lhs past sum(group_sizes) may hold anything (a padded buffer): they give 0, and no NaN
+    reaches the output or any gradient (the reference selects rows, it does not multiply by a one-hot)."""
+    m, k, n, sizes = 24, 8, 6, [5, 0, 11]
+    lhs, rhs, gs, dout = inputs(5, m, k, n, sizes)
+    lhs = lhs.at[16:].set(jnp.nan)
+
+    def f(lhs, rhs):
+        return jax_tk.ragged_dot(lhs, rhs, gs, implementation=implementation)
+
+    out, vjp = jax.vjp(f, lhs, rhs)
+    assert np.all(np.asarray(out[16:]) == 0) and np.all(np.isfinite(out))
+    np.testing.assert_allclose(out[:16], numpy_ragged_dot(lhs[:16], rhs, sizes), atol=1e-4, rtol=1e-5)
+    dlhs, drhs = vjp(dout)
+    assert np.all(np.isfinite(dlhs)) and np.all(np.isfinite(drhs))
+    assert np.all(np.asarray(dlhs[16:]) == 0)
+    _, vjp_clean = jax.vjp(f, lhs.at[16:].set(0.0), rhs)
+    np.testing.assert_allclose(drhs, vjp_clean(dout)[1], atol=1e-5, rtol=1e-5)  # the padding has no effect
+
+
 @pytest.mark.skipif(not hasattr(jax, "enable_x64"), reason="needs jax.enable_x64")
 def test_group_sizes_64_bit_arrays():
     """With 64-bit JAX arrays (x64 on): clipped in 64 bits, never wrapped (-2**32 + 5 is not 5)."""
