@@ -445,7 +445,7 @@ def test_arguments_are_normalized_once(monkeypatch, batch, fn):
     calls, runs = [], []
     real_normalize, real_run = compat.normalize, api._run
     monkeypatch.setattr(compat, "normalize", lambda *a, **kw: calls.append(1) or real_normalize(*a, **kw))
-    monkeypatch.setattr(api, "_run", lambda call: runs.append(call.query.shape) or real_run(call))
+    monkeypatch.setattr(api, "_run", lambda call, sinks=None: runs.append(call.query.shape) or real_run(call, sinks))
     q, k, v = (x.reshape(batch + x.shape[1:]) if batch else x[0] for x in _qkv(14, b=6))
     mask = jnp.asarray(np.random.default_rng(14).random((8, 8)) < 0.7)
     result = getattr(jax_tk, fn)(q, k, v, mask=mask, is_causal=True)
