@@ -1,5 +1,12 @@
-import jax
-import pytest
+import os
+
+# Several test processes (pytest-xdist) share a GPU: each takes memory as it needs it instead of 75% of
+# it up front (set before JAX starts its backends, below).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Float32 references mean float32: on GPUs, XLA's default matmul precision would use TF32 (about
 # 1e-3 relative error), which the tests' 1e-5 comparisons with jax.nn (and the kernels' fp32
