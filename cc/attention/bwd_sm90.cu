@@ -221,9 +221,9 @@ template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE
   // The rings (ring.cuh): the steps' Q, dO and statistics, `ring<STAGES> steps{sm.full, sm.empty}`
   // (formed in place, see above); each consumer's dQ tile.
   __device__ __forceinline__ static ring<1> dq_ring(Shared &sm, int c) { return {&sm.dq_full[c], &sm.dq_empty[c]}; }
-  // The deterministic turns' lock of (batch entry b, query head h, query block i).
-  __device__ __forceinline__ static int *lock(const Params &p, const BwdBlock &x, int h, int i) {
-    return x.locks + (size_t(x.b) * p.q_heads + h) * ((p.q_len + BQ - 1) / BQ) + i;
+  // The deterministic turns' lock of (batch entry x.b, query head h, query block i of n_qblocks).
+  __device__ __forceinline__ static int *lock(const Params &p, const BwdBlock &x, int h, int i, int n_qblocks) {
+    return x.locks + (size_t(x.b) * p.q_heads + h) * n_qblocks + i;
   }
   // The next step: the next listed query block, or the first of the next query head.
   __device__ __forceinline__ static void advance(const BwdBlock &x, int &g, int &i) {
@@ -272,7 +272,7 @@ template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE
       if (det(p)) {  // the additions are done: hand the turn on
         bulk_wait<0>();
         __threadfence();
-        atomicAdd(lock(p, x, h, i), CONSUMERS);
+        atomicAdd(lock(p, x, h, i, (p.q_len + BQ - 1) / BQ), CONSUMERS);
       }
     }
     bulk_wait<0>();  // the copy engine has finished with shared memory
@@ -425,7 +425,7 @@ __device__ __forceinline__ void BwdParts<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>
     // writer warp from shared memory (STAGED), or from the registers. With Params::deterministic the
     // warpgroup first waits for its turn (the key blocks before this one); the turn is handed on once
     // the additions are done.
-    int *const lock = x.locks + (size_t(b) * p.q_heads + h) * n_qblocks + i;
+    int *const lock = BwdParts::lock(p, x, h, i, n_qblocks);
     const auto wait_for_turn = [&] {
       if (leader)
         while (load_acquire(lock) < CONSUMERS * blocks_before<FULL, DENSE>(p, b, kvh, i, j, BK)) __nanosleep(32);
