@@ -50,6 +50,21 @@ def rel_err(x, ref, floor=0.0):
     return num / den if den > 0 else num
 
 
+def sink_attention_oracle(q, k, v, visible, scale, sinks):
+    """(out, lse) in float32, densely, with attention sinks: each head's sink is one more logit column of
+    every row, whose weight is dropped from the output. q ``[B, T, N, D]``, k and v ``[B, S, K, D]``
+    (grouped heads repeated), visible ``[B, T, S]`` booleans (the caller's masking rule), sinks ``[N]``."""
+    b, t, n, _ = q.shape
+    g = n // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    logits = jnp.einsum("btnd,bsnd->bnts", q, k, precision="highest") * scale
+    logits = jnp.where(visible[:, None], logits, -1e30)  # (an empty row's key weights are exp(-1e30 - sink) = 0)
+    full = jnp.concatenate([jnp.broadcast_to(sinks[None, :, None, None], (b, n, t, 1)), logits], axis=-1)
+    lse = jax.nn.logsumexp(full, axis=-1)
+    out = jnp.einsum("bnts,bsnd->btnd", jnp.exp(full - lse[..., None])[..., 1:], v, precision="highest")
+    return out, lse
+
+
 def nan(shape, dtype):
     """A poisoned buffer: outputs aliased to it must all be written."""
     return jnp.full(shape, jnp.nan, dtype)

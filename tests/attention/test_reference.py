@@ -10,7 +10,7 @@ import pytest
 
 import jax_tk
 from jax_tk.attention import reference
-from helpers import attention_inputs, rel_err
+from helpers import attention_inputs, rel_err, sink_attention_oracle
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TOL = {F32: 1e-5, BF16: 1e-2, F16: 2e-3}
@@ -237,19 +237,11 @@ def test_custom_scale_and_lse(dtype, scale):
 
 
 def _sink_oracle(q, k, v, scale, sinks, is_causal, kv_lengths):
-    """(out, lse) in float32, densely: each head's sink is one more logit column of every row, whose
-    weight is dropped from the output; query i sees key j < kv_lengths[b] (and j <= i if causal)."""
-    b, t, n, _ = q.shape
-    s, g = k.shape[1], n // k.shape[2]
-    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
-    i, j = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+    """The dense oracle (helpers.sink_attention_oracle): query i sees key j < kv_lengths[b] (and j <= i
+    if causal)."""
+    i, j = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
     visible = (j[None] < kv_lengths[:, None, None]) & ((j <= i)[None] if is_causal else True)  # [B, T, S]
-    logits = jnp.einsum("btnd,bsnd->bnts", q, k, precision="highest") * scale
-    logits = jnp.where(visible[:, None], logits, -1e30)  # (an empty row's key weights are exp(-1e30 - sink) = 0)
-    full = jnp.concatenate([jnp.broadcast_to(sinks[None, :, None, None], (b, n, t, 1)), logits], axis=-1)
-    lse = jax.nn.logsumexp(full, axis=-1)
-    out = jnp.einsum("bnts,bsnd->btnd", jnp.exp(full - lse[..., None])[..., 1:], v, precision="highest")
-    return out, lse
+    return sink_attention_oracle(q, k, v, visible, scale, sinks)
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_tk
-from helpers import randn, rel_err
+from helpers import randn, rel_err, sink_attention_oracle
 from test_decode import to_pages
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -177,23 +177,14 @@ def test_kernel_lse_through_the_public_api(paged):
 
 
 def _sink_oracle(q, k, v, lengths, scale, sinks, is_causal):
-    """(out, lse) in float32, densely: each head's sink is one more logit column of every row, whose
-    weight is dropped from the output; positions and masks written out (row i of sequence b at
-    p = lengths[b] - T + i sees keys j < lengths[b], j <= p if causal, none if p < 0)."""
-    b, t, n, _ = q.shape
-    g = n // k.shape[2]
-    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
-    p = lengths[:, None] - t + jnp.arange(t)[None, :]
+    """The dense oracle (helpers.sink_attention_oracle), positions and masks written out: row i of
+    sequence b at p = lengths[b] - T + i sees keys j < lengths[b], j <= p if causal, none if p < 0."""
+    p = lengths[:, None] - q.shape[1] + jnp.arange(q.shape[1])[None, :]
     j = jnp.arange(k.shape[1])[None, None, :]
     visible = (j < lengths[:, None, None]) & (p[:, :, None] >= 0)
     if is_causal:
         visible &= j <= p[:, :, None]
-    logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision="highest") * scale
-    logits = jnp.where(visible[:, None], logits, -1e30)  # (an empty row's key weights are exp(-1e30 - sink) = 0)
-    full = jnp.concatenate([jnp.broadcast_to(sinks[None, :, None, None], (b, n, t, 1)), logits], axis=-1)
-    lse = jax.nn.logsumexp(full, axis=-1)
-    out = jnp.einsum("bnts,bsnh->btnh", jnp.exp(full - lse[..., None])[..., 1:], v, precision="highest")
-    return out, lse
+    return sink_attention_oracle(q, k, v, visible, scale, sinks)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
