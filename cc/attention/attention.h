@@ -81,6 +81,11 @@ struct Params {
   const int *q_lengths = nullptr;           // [batch]: i < q_lengths[b]; nullptr: none
   const int *kv_lengths = nullptr;          // [batch]: j < kv_lengths[b]; nullptr: none
   float softcap = 0.f;                      // logits := cap * tanh(logits / cap) (after scaling); 0: none
+  // Attention sinks (forward): float32 [entries, q_heads] at dense_index(b, h, 1, q_heads), one logit
+  // per query head that joins every row's softmax denominator and has no value; the forward's out and
+  // lse include it, so the backward, from them, needs nothing more. A non-finite one: no sink.
+  // nullptr: none.
+  const float *sinks = nullptr;
   const void *q, *k, *v;
   void *o;          // forward output; backward input (the forward's output)
   float *lse;       // [batch, q_heads, q_len]: forward output, backward input

@@ -489,15 +489,30 @@ __device__ __forceinline__ void store_output(const Params &p, RT &o, const V &l,
   normalize_output(o, l);
   tk::warp::store(output_rows<T>(p, rows_end), o, {b, qw, h, d0});
 }
-// (m in units of 1 / c, as softmax_step keeps it.)
+// The sink's logit of batch entry b, query head h, in log2 units (Params::sinks; -inf: none).
+__device__ __forceinline__ float sink2(const Params &p, int b, int h) {
+  if (!p.sinks) return NEG_INF;
+  const float s = p.sinks[dense_index(p, b, h, 1, p.q_heads)];
+  return isfinite(s) ? s * LOG2E : NEG_INF;
+}
+// The rows' log-sum-exp out (with the sink s2 of sink2(); m in units of 1 / c, as softmax_step keeps
+// it), then, with a sink, l := the divisor of the rows' O (l / Sunk::factor; 0 where the row saw no
+// key). Call it before the output's store.
 template <typename V>
-__device__ __forceinline__ void store_lse(const Params &p, const V &m, const V &l, float c, int b, int h, int qw,
+__device__ __forceinline__ void store_lse(const Params &p, const V &m, V &l, float c, float s2, int b, int h, int qw,
                                           int rows_end = INT_MAX) {
   using namespace tk;
+  auto lse2 = [=](float mx, float x) { return x > 0.f ? mx * c + warp::fn::log2(x) : NEG_INF; };
   V lse;
-  warp::map_vec(lse, m, l, [=](float mx, float x) { return x > 0.f ? (mx * c + warp::fn::log2(x)) * LN2 : NEG_INF; });
+  warp::map_vec(lse, m, l, [=](float mx, float x) { return (s2 == NEG_INF ? lse2(mx, x) : warp::with_sink(lse2(mx, x), s2).lse2) * LN2; });
   const int end = min(p.q_len, rows_end);
   if (qw < end) warp::store(p.lse + (size_t(b) * p.q_heads + h) * p.q_len + qw, lse, end - qw);
+  if (s2 != NEG_INF) {
+    warp::map_vec(l, m, l, [=](float mx, float x) {
+      const float f = warp::with_sink(lse2(mx, x), s2).factor;
+      return f > 0.f ? x / f : 0.f;
+    });
+  }
 }
 
 }  // namespace jax_tk::attention

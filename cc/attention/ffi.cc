@@ -18,7 +18,8 @@
 // MASK_BLOCK_ROWS), ceil(kv_len / MASK_BLOCK_KEYS)]), both of shape (0,) without one; then a bias, as
 // Params::bias ([bias batch, bias heads, padded_rows(q_len), padded_keys(kv_len)] of the inputs' dtype,
 // the batch 1 or batch, the heads 1 or q_heads; shape (0,) without one), whose gradient the backward
-// returns as its last result (dbias, Params::dbias; shape (0,) without a bias). Attributes
+// returns as its last result (dbias, Params::dbias; shape (0,) without a bias); then in the forward the
+// attention sinks (check_sinks). Attributes
 // window_left, window_right (-1: unbounded) and softcap (0: none); the backward's zero_dbias: 1, the
 // handler zeroes dbias before the kernel writes the blocks some query sees; 0, it leaves the other
 // blocks as they were (for a caller that masks them out itself: a memset of [batch, heads, T, S]
@@ -205,6 +206,16 @@ ffi::Error check_bias(Params &p, const Lead &lead, const ffi::AnyBuffer &q, cons
   return ffi::Error::Success();
 }
 
+// The forward's attention sinks (Params::sinks): float32 [..., q_heads] (one row per vmapped entry), or
+// shape (0,) (or that broadcast under vmap) without them.
+ffi::Error check_sinks(Params &p, const Lead &lead, const ffi::AnyBuffer &sinks) {
+  if (elements(sinks) == 0) return ffi::Error::Success();
+  if (sinks.element_type() != ffi::DataType::F32 || !lead.matches(sinks, {p.q_heads}))
+    return invalid("sinks must be float32 " + lead.shape({p.q_heads}) + " (one logit per query head)");
+  p.sinks = static_cast<const float *>(sinks.untyped_data());
+  return ffi::Error::Success();
+}
+
 // Extra... is empty in the production targets; the test targets take ffi::RemainingArgs there: the
 // buffers that tests alias to the outputs to poison them (see jax_tk/_core/ffi.py), ignored here.
 // variant: cc/core/core.h's VARIANT_* (pick_kernels).
@@ -213,7 +224,7 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer q_lengths,
                     ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ranges, ffi::AnyBuffer kv_segment_ranges,
                     ffi::AnyBuffer block_order, ffi::AnyBuffer mask_bits, ffi::AnyBuffer mask_blocks, ffi::AnyBuffer bias,
-                    Extra..., ffi::Result<ffi::AnyBuffer> o,
+                    ffi::AnyBuffer sinks, Extra..., ffi::Result<ffi::AnyBuffer> o,
                     ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> tile_counter, float scale, int32_t is_causal, int32_t variant,
                     int32_t window_left, int32_t window_right, float softcap) {
   Params p{};
@@ -229,6 +240,7 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
     return e;
   if (auto e = check_mask(p, lead, mask_bits, mask_blocks); e.failure()) return e;
   if (auto e = check_bias(p, lead, q, bias); e.failure()) return e;
+  if (auto e = check_sinks(p, lead, sinks); e.failure()) return e;
   if (!same_type_and_dims(*o, q)) return invalid("output must have the query's shape and dtype");
   if (auto e = check_rows(p, lead, *lse, "lse"); e.failure()) return e;
   if (tile_counter->element_type() != ffi::DataType::S32 || !lead.matches(*tile_counter, {1}))
@@ -343,7 +355,9 @@ auto common_attributes(auto &&b) {
 auto qkv(auto &&b) { return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>(); }
 
 template <bool TEST> auto fwd_binding() {
-  auto head = [] { return masking_operands(qkv(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())); };
+  auto head = [] {
+    return masking_operands(qkv(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())).template Arg<ffi::AnyBuffer>();  // sinks
+  };
   auto tail = [](auto &&b) {
     return common_attributes(std::move(b)
                                  .template Ret<ffi::AnyBuffer>()    // out

@@ -98,9 +98,9 @@ __global__ __launch_bounds__(Fwd<T, D>::THREADS) void fwd_kernel(const __grid_co
     j = j_next;
   }
 
+  store_lse(p, m, l, logit_factor<FULL, DENSE>(p), sink2(p, b, h), b, h, qw);  // (with a sink, l grows)
 #pragma unroll
   for (int n = 0; n < D / 16; n++) store_output<T>(p, o[n], l, b, h, qw, 16 * n);
-  store_lse(p, m, l, logit_factor<FULL, DENSE>(p), b, h, qw);
 }
 
 }  // namespace

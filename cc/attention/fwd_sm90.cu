@@ -337,10 +337,10 @@ __device__ __forceinline__ void FwdSm90<T, D, FULL, DENSE, BIAS, CONSUMERS_>::co
   warp::zero(o);
   warp::fill_vec(m, NEG_INF);
   warp::fill_vec(l, 0.f);
-  if (first == end) {  // these rows see no key: O = 0, lse = -inf
+  if (first == end) {  // these rows see no key: O = 0, lse = -inf (or the sink)
     release();
+    store_lse(p, m, l, c, sink2(p, x.b, x.h), x.b, x.h, qw, x.end);
     store_output<T>(p, o, l, x.b, x.h, qw, 0, x.end);
-    store_lse(p, m, l, c, x.b, x.h, qw, x.end);
     return;
   }
   const ring_use<QS> qa(nq);
@@ -438,9 +438,9 @@ __device__ __forceinline__ void FwdSm90<T, D, FULL, DENSE, BIAS, CONSUMERS_>::co
   if constexpr (SKIP) drain(kv, stop, end);
   n = kv.n;
   warp::sum_lanes(l);  // (softmax_step kept each lane's part)
+  store_lse(p, m, l, c, sink2(p, x.b, x.h), x.b, x.h, qw, rows_end);  // (with a sink, l grows)
   if (stage_o) store_staged(o, l, x, rows_end);
   else store_output<T>(p, o, l, x.b, x.h, qw, 0, rows_end);
-  store_lse(p, m, l, c, x.b, x.h, qw, rows_end);
 }
 
 // A persistent kernel (pipeline/kernel.cuh) of the parts above. BIAS (with DENSE, when a bias is

@@ -254,6 +254,13 @@ __device__ __forceinline__ void store_lse(const Params &p, size_t row, float lse
   p.lse[((size_t)b * p.q_heads + head) * p.q_len + token] = lse2 == NEG_INF ? NEG_INF : lse2 * LN2;
 }
 
+// The sink's logit (log2 units; -inf: none) of query row `row` of [batch, q_len, q_heads].
+__device__ __forceinline__ float sink2(const Params &p, size_t row) {
+  if (!p.sinks) return NEG_INF;
+  const float s = p.sinks[row / ((size_t)p.q_len * p.q_heads) * p.sinks_stride + row % p.q_heads];
+  return isfinite(s) ? s * LOG2E : NEG_INF;
+}
+
 // The end of a block. Warp t of group g leaves its tile's rows in the group's stages (Partial: O / l
 // and the rows' log-sum-exp, from m in units of 1 / c and l of its online softmax). A lone group's
 // rows are final: each warp stores its own. Otherwise the groups' rows are merged through their
@@ -279,7 +286,9 @@ __device__ __forceinline__ void finish(const Params &p, typename C::Shared &sm, 
   warp::map_vec(lse, m, l, [=](float mx, float x) { return x > 0.f ? mx * c + warp::fn::log2(x) : NEG_INF; });
   warp::store(mine.lse, lse, TILE_ROWS);
 
-  // Row r (of the block) with its log-sum-exp goes out, output row by row in pairs of columns.
+  // Row r (of the block) with its log-sum-exp goes out, output row by row in pairs of columns. An
+  // unsplit call's rows are final: the sink joins them here (a split one's, in merge_kernel).
+  const bool final = p.splits == 1;
   const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
   float *ws_o = p.workspace + p.splits * q_rows;
   auto store_row = [&](int r, float lse) {
@@ -296,20 +305,29 @@ __device__ __forceinline__ void finish(const Params &p, typename C::Shared &sm, 
   if constexpr (GROUPS == 1) {
     __syncwarp();
     const int lane = laneid(), r0 = TILE_ROWS * t;
-    if (lane < TILE_ROWS && k.R.real(r0 + lane)) store_row(r0 + lane, mine.lse[lane]);
+    if (lane < TILE_ROWS && k.R.real(r0 + lane)) {
+      const float lse = mine.lse[lane], s2 = final ? sink2(p, k.row_index(p, r0 + lane)) : NEG_INF;
+      const warp::Sunk x = s2 == NEG_INF ? warp::Sunk{lse, 1.f} : warp::with_sink(lse, s2);
+      store_row(r0 + lane, x.lse2);
+      mine.lse[lane] = x.factor;  // (from here on, the row's output factor)
+    }
+    __syncwarp();
     for (int i = lane; i < TILE_ROWS * D / 2; i += 32) {
       const int r = i / (D / 2), d = (i % (D / 2)) * 2;
-      if (k.R.real(r0 + r)) store_pair(r0 + r, d, {mine.o(r, d), mine.o(r, d + 1)});
+      const float f = mine.lse[r];
+      if (k.R.real(r0 + r)) store_pair(r0 + r, d, {f * mine.o(r, d), f * mine.o(r, d + 1)});
     }
   } else {
     // Row r gets sum_x weight[x][r] O_x with weight = 2^(lse_x - lse) (0 for a group that saw nothing),
-    // lse the log-sum-exp of the groups' (-inf if none saw a key).
+    // lse the log-sum-exp of the groups' and the sink's, a group of its own with no value (-inf if
+    // none saw a key and there is no sink).
     sync();
     if (tid < ROWS) {
       const int tile = TILES == 1 ? 0 : tid / TILE_ROWS, r = TILES == 1 ? tid : tid % TILE_ROWS;
-      float mx = NEG_INF;
+      const float s2 = final && k.R.real(tid) ? sink2(p, k.row_index(p, tid)) : NEG_INF;
+      float mx = s2;
       for (int x = 0; x < GROUPS; x++) mx = fmaxf(mx, partial(x, tile).lse[r]);
-      float sum = 0.f;
+      float sum = s2 == NEG_INF ? 0.f : warp::fn::exp2(s2 - mx);
       for (int x = 0; x < GROUPS; x++) {
         const float e = mx == NEG_INF ? 0.f : warp::fn::exp2(partial(x, tile).lse[r] - mx);
         sm.weight[x][tid] = e;

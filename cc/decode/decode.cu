@@ -199,8 +199,9 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
   finish<T, D, C, C::THREADS>(p, sm, blk, whole, m, l, c, g, t, tid, [] { __syncthreads(); });
 }
 
-// out = sum_s 2^(lse_s - lse) O_s over the parts s of every query row (one warp a row); 0 for a row
-// that no part saw a key of. The kernel is a few memory latencies long, so it issues its loads
+// out = sum_s 2^(lse_s - lse) O_s over the parts s of every query row (one warp a row), lse the
+// log-sum-exp of the parts' and the sink's (a part of its own with no value); 0 for a row that no part
+// saw a key of. The kernel is a few memory latencies long, so it issues its loads
 // together: the outputs of BATCH parts (lane l: columns l, l + 32, ...) before the lse of every part
 // (lane l: parts l, l + 32, ...), and only then waits for any of them. Typical split counts take one
 // batch.
@@ -228,6 +229,8 @@ template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel
   }
   // (across the lanes of a quad, then across the quads: all 32 lanes)
   mx = warp::across_lanes<warp::op::max, ortho_l>(warp::across_lanes<warp::op::max, align_l>(mx));
+  const float s2 = sink2(p, row);
+  mx = fmaxf(mx, s2);
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < PER_LANE; i++) {
@@ -235,6 +238,7 @@ template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel
     sum += x[i];
   }
   sum = warp::across_lanes<warp::op::sum, ortho_l>(warp::across_lanes<warp::op::sum, align_l>(sum));
+  if (s2 != NEG_INF) sum += warp::fn::exp2(s2 - mx);
   float acc[COLS] = {};
   for (int s0 = 0; s0 < p.splits; s0 += BATCH) {
     if (s0 > 0) load_batch(s0, v);

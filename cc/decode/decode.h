@@ -41,6 +41,11 @@ struct Params {
   bool causal;
   int window_left = -1, window_right = -1;  // -1: unbounded on that side
   float softcap = 0.f;                      // logits := cap * tanh(logits / cap) (after scaling); 0: none
+  // Attention sinks: float32 logits, of query head h of sequence b at sinks[b * sinks_stride + h] (the
+  // stride 0: the same for every sequence, or q_heads), each joining its rows' softmax denominator
+  // with no value; a non-finite one: no sink. nullptr: none.
+  const float *sinks = nullptr;
+  int sinks_stride = 0;
   const void *q, *k, *v;
   void *o;
   float *lse;  // [batch, q_heads, q_len]: each row's log-sum-exp (natural log; -inf where it sees no key)

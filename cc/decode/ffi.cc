@@ -4,7 +4,8 @@
 //
 // Operands: query [batch, q_len, q_heads, head_dim]; key_cache and value_cache, contiguous [batch,
 // capacity, kv_heads, head_dim] or paged [num_pages, page_size, kv_heads, head_dim]; lengths int32
-// [batch]; page_table int32 [batch, max_pages] (paged) or shape (0,) (contiguous). Results: out (the
+// [batch]; page_table int32 [batch, max_pages] (paged) or shape (0,) (contiguous); the attention sinks,
+// float32 [q_heads] or [batch, q_heads] (Params::sinks), or shape (0,) without them. Results: out (the
 // query's shape and dtype), lse float32 [batch, q_heads, q_len] and the workspace, float32
 // [max(workspace_words(), 1)]. Attributes:
 // scale, is_causal, window_left, window_right (-1: unbounded), softcap (0: none), splits, and variant
@@ -57,7 +58,7 @@ ffi::Error check_cache(Params &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer 
 // that tests alias to the outputs to poison them), ignored here.
 template <typename... Extra>
 ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer lengths,
-                       ffi::AnyBuffer page_table, Extra..., ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                       ffi::AnyBuffer page_table, ffi::AnyBuffer sinks, Extra..., ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                        ffi::Result<ffi::AnyBuffer> workspace,
                        float scale, int32_t is_causal, int32_t window_left, int32_t window_right, float softcap,
                        int32_t splits, int32_t variant) {
@@ -78,6 +79,13 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   auto ld = lse->dimensions();
   if (lse->element_type() != ffi::DataType::F32 || ld.size() != 3 || ld[0] != p.batch || ld[1] != p.q_heads || ld[2] != p.q_len)
     return invalid("lse must be float32 [batch, q_heads, q_len]");
+  if (auto sd = sinks.dimensions(); sd.size() != 1 || sd[0] != 0) {
+    if (sinks.element_type() != ffi::DataType::F32 || sd.size() < 1 || sd.size() > 2 || sd.back() != p.q_heads ||
+        (sd.size() == 2 && sd[0] != p.batch))
+      return invalid("sinks must be float32 [q_heads] or [batch, q_heads]");
+    p.sinks = static_cast<const float *>(sinks.untyped_data());
+    p.sinks_stride = sd.size() == 2 ? p.q_heads : 0;
+  }
   if (splits < 1 || splits > decode::MAX_SPLITS) return invalid("splits must be in [1, MAX_SPLITS]");
   const size_t words = decode::workspace_words(splits, p.batch, p.q_len, p.q_heads, p.head_dim);
   auto wd = workspace->dimensions();
@@ -112,7 +120,8 @@ template <bool TEST> auto binding() {
         .Arg<ffi::AnyBuffer>()   // key_cache
         .Arg<ffi::AnyBuffer>()   // value_cache
         .Arg<ffi::AnyBuffer>()   // lengths
-        .Arg<ffi::AnyBuffer>();  // page_table
+        .Arg<ffi::AnyBuffer>()   // page_table
+        .Arg<ffi::AnyBuffer>();  // sinks
   };
   auto tail = [](auto &&b) {
     return std::move(b)

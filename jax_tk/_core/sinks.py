@@ -1,11 +1,15 @@
 """Attention sinks: one learned logit per query head that joins every row's softmax denominator and
 has no value (gpt-oss): ``p_j = exp(l_j) / (exp(sink) + sum_j exp(l_j))``.
 
-A softmax with a sink is the one without it, rescaled: with ``lse`` the log of the denominator without
-the sink, ``lse' = logaddexp(lse, sink)`` and every weight shrinks by ``exp(lse - lse')``. So the ops
-apply the sink exactly to the ``(out, lse)`` their kernels (or references) return, which also gives
-the sink's gradient (``-sum over rows of exp(sink - lse') * (rowsum(dout * out) - dlse)``) through
-the kernels' own backward, which takes the lse's cotangent.
+The attention and decode kernels take the sinks themselves: their ``(out, lse)`` include them. The
+backward of a softmax with sinks is the one without them, run from that ``(out, lse)`` (``P = exp(S -
+lse)`` is then the softmax with the sink), plus the sink's own gradient, ``-sum over rows of
+exp(sink - lse) * delta`` with ``delta = rowsum(dout * out) - dlse`` (:func:`grad`), which the attention
+backward kernel computes anyway.
+
+Elsewhere (ring attention's merged softmax, a call with nothing to compute, MLA's reference) a softmax
+with a sink is the one without it, rescaled (:func:`apply`): with ``lse`` the log of the denominator
+without the sink, ``lse' = logaddexp(lse, sink)`` and every weight shrinks by ``exp(lse - lse')``.
 """
 from __future__ import annotations
 
@@ -44,3 +48,19 @@ def apply(out, lse, sinks):
     gap = jnp.where(jnp.isneginf(new_lse), -jnp.inf, lse - jnp.where(jnp.isneginf(new_lse), 0.0, new_lse))
     factor = jnp.swapaxes(jnp.exp(gap), 1, 2)[..., None]  # [batch, T, heads, 1]
     return (out.astype(jnp.float32) * factor).astype(out.dtype), new_lse
+
+
+def delta(out, dout, dlse):
+    """``rowsum(dout * out) - dlse``, float32 ``[batch, heads, T]`` (out, dout ``[batch, T, heads, D]``)."""
+    d = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), dout.astype(jnp.float32))
+    return d - dlse.astype(jnp.float32)
+
+
+def grad(sinks, lse, delta):
+    """The sinks' gradient, float32 ``[heads]``, from a softmax with them: its ``lse`` (which includes
+    them) and the rows' ``delta`` (:func:`delta`), both ``[batch, heads, T]``. A sink of ``-inf`` (no
+    sink) gets 0; a finite sink makes every lse finite."""
+    s = sinks[None, :, None]
+    finite = jnp.isfinite(s)
+    weight = jnp.where(finite, jnp.exp(jnp.where(finite, s, 0.0) - jnp.where(finite, lse, 0.0)), 0.0)
+    return -(weight * delta).sum(axis=(0, 2))

@@ -27,6 +27,9 @@ class AttentionSpec:
 
     window: ``(left, right)`` (ints >= 0, as given to ``local_window_size``) or None.
     softcap: the logit soft cap (a positive float) or None.
+    sinks: the call has attention sinks (``_core.sinks``): the forward kernel takes them, so its out and
+      lse include them, and the backward also returns ``delta = rowsum(dout * out) - dlse``, from which
+      the sinks' gradient follows.
     """
 
     scale: float
@@ -35,6 +38,7 @@ class AttentionSpec:
     window: tuple[int, int] | None = None
     softcap: float | None = None
     deterministic: bool = False  # backward: same bits every run (the Hopper kernel orders its dq sums)
+    sinks: bool = False
 
 
 def use_kernel(query, key, implementation, bias=None, softcap=None) -> bool:
@@ -55,20 +59,21 @@ def _reference_options(spec: AttentionSpec, masks: Masks | None) -> dict:
                 logits_soft_cap=spec.softcap, mask=masks.mask)
 
 
-def _fwd_reference(query, key, value, spec: AttentionSpec, masks=None, bias=None):
-    return reference.attention_with_lse(query, key, value, bias=bias, **_reference_options(spec, masks))
+def _fwd_reference(query, key, value, spec: AttentionSpec, masks=None, bias=None, sinks=None):
+    return reference.attention_with_lse(query, key, value, bias=bias, sinks=sinks, **_reference_options(spec, masks))
 
 
-def _bwd_reference(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, masks=None, bias=None):
-    del out, lse
-    f = functools.partial(reference.attention_with_lse, **_reference_options(spec, masks))
+def _bwd_reference(query, key, value, out, lse, dout, dlse, spec: AttentionSpec, masks=None, bias=None, sinks=None):
+    # (the forward's lse includes the sinks: the reference with them has the same softmax)
+    f = functools.partial(reference.attention_with_lse, sinks=sinks, **_reference_options(spec, masks))
     if bias is None:
         _, vjp = jax.vjp(f, query, key, value)
     else:
         # dbias per device, like the kernels' (sharding sums it over the devices that share the bias)
         bias = dispatch.vary_as(bias, query)
         _, vjp = jax.vjp(lambda q, k, v, b: f(q, k, v, bias=b), query, key, value, bias)
-    return vjp((dout, dlse))
+    grads = vjp((dout, dlse))
+    return (*grads, sinks_.delta(out, dout, dlse)) if spec.sinks else grads
 
 
 # The arrays of the op for the partitioning (jax_tk._core.sharding): batch "b" and query heads "n"
@@ -80,13 +85,14 @@ _MASK_LABELS = ("b t", "b s", "b", "b")
 
 
 @functools.lru_cache(maxsize=None)
-def layouts(mask_labels: str = "b n t s", bias_labels: str | None = None):
-    """(forward, backward) layouts; with ``bias_labels``, the backward also returns dbias."""
+def layouts(mask_labels: str = "b n t s", bias_labels: str | None = None, sinks: bool = False):
+    """(forward, backward) layouts; with ``bias_labels``, the backward also returns dbias; with sinks,
+    the forward takes them (``[q_heads]``) and the backward also returns delta (``[batch, q_heads, q_len]``)."""
     extra = (*_MASK_LABELS, mask_labels, bias_labels or "b n t s")
-    fwd = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", *extra), outputs=("b t n d", "b n t"),
+    fwd = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", *extra, "n"), outputs=("b t n d", "b n t"),
                           heads="n", grouped="k")
-    grads = ("b t n d", "b s k d", "b s k d") + ((bias_labels,) if bias_labels else ())
-    bwd = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", "b t n d", "b n t", "b t n d", "b n t", *extra),
+    grads = ("b t n d", "b s k d", "b s k d") + ((bias_labels,) if bias_labels else ()) + (("b n t",) if sinks else ())
+    bwd = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", "b t n d", "b n t", "b t n d", "b n t", *extra, "n"),
                           outputs=grads, heads="n", grouped="k", summed=(3,) if bias_labels else ())
     return fwd, bwd
 
@@ -105,74 +111,80 @@ def plan_attention(axis_sizes, q_spec, q_shape, kv_shape) -> sharding.Plan:
 
 def fwd_local(spec: AttentionSpec, query, key, value, *rest):
     """The forward on one device's shards: the kernel on CUDA, the reference elsewhere. ``rest``: the
-    five entries of Masks, then the bias."""
-    masks, bias = _masks(rest[:5]), rest[5]
+    five entries of Masks, the bias, then the sinks (None without them)."""
+    masks, bias, sinks = _masks(rest[:5]), rest[5], rest[6] if len(rest) > 6 else None
     return dispatch.platform_dispatch(
         spec.use_kernel,
-        lambda q, k, v, m, b: launch.fwd_kernel(q, k, v, spec, masks=m, bias=b),
-        lambda q, k, v, m, b: _fwd_reference(q, k, v, spec, m, b),
-        query, key, value, masks, bias)
+        lambda q, k, v, m, b, s: launch.fwd_kernel(q, k, v, spec, masks=m, bias=b, sinks=s),
+        lambda q, k, v, m, b, s: _fwd_reference(q, k, v, spec, m, b, s),
+        query, key, value, masks, bias, sinks)
 
 
 def bwd_local(spec: AttentionSpec, query, key, value, out, lse, dout, dlse, *rest):
-    """The backward on one device's shards: (dq, dk, dv), and dbias with a bias."""
-    masks, bias = _masks(rest[:5]), rest[5]
+    """The backward on one device's shards: (dq, dk, dv), then dbias with a bias, then delta with sinks
+    (``rest``: the five entries of Masks, the bias, then with sinks the sinks)."""
+    masks, bias, sinks = _masks(rest[:5]), rest[5], rest[6] if len(rest) > 6 else None
     return dispatch.platform_dispatch(
         spec.use_kernel,
-        lambda *a: launch.bwd_kernel(*a[:7], spec, masks=a[7], bias=a[8]),
-        lambda *a: _bwd_reference(*a[:7], spec, a[7], a[8]),
-        query, key, value, out, lse, dout, dlse, masks, bias)
+        lambda *a: launch.bwd_kernel(*a[:7], spec, masks=a[7], bias=a[8], with_delta=spec.sinks),
+        lambda *a: _bwd_reference(*a[:7], spec, a[7], a[8], a[9]),
+        query, key, value, out, lse, dout, dlse, masks, bias, sinks)
 
 
 def _masks(entries):
     return Masks(*entries) if any(m is not None for m in entries) else None
 
 
-def _dense_layouts(query, key, masks, bias):
+def _dense_layouts(query, key, masks, bias, sinks=False):
     full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
     mask = None if masks is None else masks.mask
     return layouts(compat.dense_labels(mask.shape, full) if mask is not None else "b n t s",
-                   compat.dense_labels(bias.shape, full) if bias is not None else None)
+                   compat.dense_labels(bias.shape, full) if bias is not None else None, sinks)
 
 
-def fwd(spec: AttentionSpec, query, key, value, masks=None, bias=None):
+def fwd(spec: AttentionSpec, query, key, value, masks=None, bias=None, sinks=None):
     """(out, lse), partitioned over batch and heads under jit with sharded inputs (a few queries over
     many keys: jax_tk.decode's kernel, see :func:`takes_decode`)."""
     if takes_decode(query, key, spec, masks, bias):
-        return _decode_fwd(query, key, value, spec)
-    layout, _ = _dense_layouts(query, key, masks, bias)
-    return sharding.call(layout, fwd_local, spec, query, key, value, *(masks or Masks()), bias)
+        return _decode_fwd(query, key, value, spec, sinks)
+    layout, _ = _dense_layouts(query, key, masks, bias, spec.sinks)
+    return sharding.call(layout, fwd_local, spec, query, key, value, *(masks or Masks()), bias, sinks)
 
 
-def bwd(spec: AttentionSpec, query, key, value, out, lse, dout, dlse, masks=None, bias=None):
-    """(dq, dk, dv) and with a bias dbias, partitioned like :func:`fwd` (each gradient sharded like
-    its input)."""
-    _, layout = _dense_layouts(query, key, masks, bias)
-    like = (0, 1, 2) + ((len(layout.inputs) - 1,) if bias is not None else ())
+def bwd(spec: AttentionSpec, query, key, value, out, lse, dout, dlse, masks=None, bias=None, sinks=None):
+    """(dq, dk, dv), then dbias with a bias, then delta with sinks (``spec.sinks``), partitioned like
+    :func:`fwd` (each gradient sharded like its input, delta like lse)."""
+    _, layout = _dense_layouts(query, key, masks, bias, spec.sinks)
+    like = (0, 1, 2) + ((len(layout.inputs) - 2,) if bias is not None else ()) + ((4,) if spec.sinks else ())
     return sharding.call(layout, bwd_local, spec, query, key, value, out, lse, dout, dlse, *(masks or Masks()), bias,
-                         result_like=like)
+                         sinks, result_like=like)
 
 
 # masks (segment ids, lengths: integer arrays; the boolean mask) is an input of the custom_vjp like
 # query/key/value, so that it may be traced; its cotangent is None (not differentiable). The bias is
-# differentiable: its cotangent has its own (broadcast) shape.
+# differentiable: its cotangent has its own (broadcast) shape. The sinks (float32 [q_heads], with
+# spec.sinks) are differentiable too.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def attention_vjp(query, key, value, spec: AttentionSpec, masks=None, bias=None):
-    return fwd(spec, query, key, value, masks, bias)
+def attention_vjp(query, key, value, spec: AttentionSpec, masks=None, bias=None, sinks=None):
+    return fwd(spec, query, key, value, masks, bias, sinks)
 
 
-def _attention_fwd(query, key, value, spec, masks=None, bias=None):
-    out, lse = attention_vjp(query, key, value, spec, masks, bias)
-    return (out, lse), (query, key, value, out, lse, masks, bias)
+def _attention_fwd(query, key, value, spec, masks=None, bias=None, sinks=None):
+    out, lse = attention_vjp(query, key, value, spec, masks, bias, sinks)
+    return (out, lse), (query, key, value, out, lse, masks, bias, sinks)
 
 
 def _attention_bwd(spec, residuals, cotangents):
     # The log-sum-exp's cotangent enters as dS = P * (dP - (rowsum(dO * O) - dlse)), so the kernel
-    # takes it as one more input and both outputs stay differentiable at no extra cost.
-    query, key, value, out, lse, masks, bias = residuals
+    # takes it as one more input and both outputs stay differentiable at no extra cost. With sinks,
+    # out and lse include them, so P is the rows' softmax with the sink and the kernel needs nothing
+    # more; the sinks' gradient comes from the delta it returns.
+    query, key, value, out, lse, masks, bias, sinks = residuals
     dout, dlse = cotangents
-    grads = bwd(spec, query, key, value, out, lse, dout, dlse, masks, bias)
-    return (*grads[:3], None, dispatch.sum_as(grads[3], bias) if bias is not None else None)
+    grads = bwd(spec, query, key, value, out, lse, dout, dlse, masks, bias, sinks)
+    dbias = dispatch.sum_as(grads[3], bias) if bias is not None else None
+    dsinks = sinks_.grad(sinks, lse, grads[-1]) if sinks is not None else None
+    return (*grads[:3], None, dbias, dsinks)
 
 
 attention_vjp.defvjp(_attention_fwd, _attention_bwd)
@@ -196,12 +208,12 @@ def takes_decode(query, key, spec: AttentionSpec, masks=None, bias=None) -> bool
             and decode.kernel_unsupported_reason(query, key) is None)
 
 
-def _decode_fwd(query, key, value, spec: AttentionSpec):
+def _decode_fwd(query, key, value, spec: AttentionSpec, sinks=None):
     """(out, lse) through jax_tk.decode, every key valid (the kernel on CUDA, as the attention kernel
     would have run; decode's reference elsewhere)."""
     lengths = jnp.full((query.shape[0],), key.shape[1], jnp.int32)
     return decode.attention_with_lse(query, key, value, lengths, scale=spec.scale, is_causal=False,
-                                     logits_soft_cap=spec.softcap)
+                                     logits_soft_cap=spec.softcap, sinks=sinks)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,22 +228,18 @@ def _run(call: compat.Call, sinks=None):
         raise ValueError("jax_tk.attention(implementation='cudnn'): sinks are not supported by "
                          "jax.nn.dot_product_attention (its lse carries no gradient); use implementation=None, "
                          "'tk' or 'xla'")
-    return sinks_.apply(*_run_without_sinks(call), sinks)
-
-
-def _run_without_sinks(call: compat.Call):
     query, key, value = call.query, call.key, call.value
     if 0 in (query.shape[0], query.shape[1], key.shape[1]):  # nothing to compute (no row sees a key)
         b, t, n, _ = query.shape
-        return (dispatch.zeros(query.shape, query.dtype, query, key, value),
-                dispatch.zeros((b, n, t), jnp.float32, query, key, value) - jnp.inf)
+        return sinks_.apply(dispatch.zeros(query.shape, query.dtype, query, key, value),
+                            dispatch.zeros((b, n, t), jnp.float32, query, key, value) - jnp.inf, sinks)
     if call.implementation == "cudnn":
         return _cudnn_attention_with_lse(call)
     spec = AttentionSpec(call.scale, call.is_causal, use_kernel(query, key, call.implementation, call.bias, call.softcap),
-                         call.window, call.softcap, call.deterministic)
+                         call.window, call.softcap, call.deterministic, sinks is not None)
     masks = Masks(call.q_segment_ids, call.kv_segment_ids, call.query_seq_lengths, call.key_value_seq_lengths,
                   call.mask)
-    return attention_vjp(query, key, value, spec, _masks(masks), call.bias)
+    return attention_vjp(query, key, value, spec, _masks(masks), call.bias, sinks)
 
 
 def _cudnn_attention_with_lse(call: compat.Call):

@@ -280,12 +280,12 @@ def _attributes(spec, variant: int) -> dict:
                 softcap=np.float32(spec.softcap if spec.softcap is not None else 0.0))
 
 
-def _call(target, out_types, args, spec, out_init, variant, masks, order, bias, **attrs):
+def _call(target, out_types, args, spec, out_init, variant, masks, order, bias, extra=(), **attrs):
     variant = dispatch.kernel_variant() if variant is None else variant
     if variant != extension.contract("core")["VARIANT_AUTO"]:
         order = None  # (only the Hopper kernels take it)
     q, k = args[0], args[1]
-    operands = (*args, *mask_operands(masks, q.shape[1], k.shape[1], order), bias_operand(bias, q, k))
+    operands = (*args, *mask_operands(masks, q.shape[1], k.shape[1], order), bias_operand(bias, q, k), *extra)
     # Under vmap the handlers fold the mapped dimensions (in front of every operand) into the batch:
     # one launch for the whole vmapped call.
     return kernel_call(target, out_types, operands, {**_attributes(spec, variant), **attrs},
@@ -349,8 +349,9 @@ def visible_pairs(spec, masks, t: int, s: int):
     return rule[:, None] if m.mask is None else rule[:, None] & m.mask
 
 
-def fwd_kernel(query, key, value, spec, out_init=None, variant=None, masks=None, bias=None):
-    """(out, lse) of the forward kernel. ``out_init`` (tests): buffers aliased to (out, lse, scratch)."""
+def fwd_kernel(query, key, value, spec, out_init=None, variant=None, masks=None, bias=None, sinks=None):
+    """(out, lse) of the forward kernel. ``out_init`` (tests): buffers aliased to (out, lse, scratch).
+    ``sinks``: float32 ``[q_heads]`` (attention sinks, in out and lse) or None."""
     out_types = (
         jax.ShapeDtypeStruct(query.shape, query.dtype),
         lse_shape(query),
@@ -359,13 +360,17 @@ def fwd_kernel(query, key, value, spec, out_init=None, variant=None, masks=None,
     # (a document's tiles are not aligned to the mask's blocks: with a mask, the fixed grid's)
     order = functools.partial(fwd_tiles, causal=spec.is_causal, heads=query.shape[2], group=ORDER_GROUP_HEADS,
                               head_dim=query.shape[3], documents=masks is None or masks.mask is None)
-    out, lse, _ = _call(FWD_TARGET, out_types, (query, key, value), spec, out_init, variant, masks, order, bias)
+    sinks = jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    out, lse, _ = _call(FWD_TARGET, out_types, (query, key, value), spec, out_init, variant, masks, order, bias,
+                        extra=(sinks,))
     return out, lse
 
 
-def bwd_kernel(query, key, value, out, lse, dout, dlse, spec, out_init=None, variant=None, masks=None, bias=None):
+def bwd_kernel(query, key, value, out, lse, dout, dlse, spec, out_init=None, variant=None, masks=None, bias=None,
+               with_delta=False):
     """(dq, dk, dv) of the backward kernel, given the forward's out and lse and the cotangents (with a
-    bias, also its gradient: ``(dq, dk, dv, dbias)``)."""
+    bias, also its gradient: ``(dq, dk, dv, dbias)``; with ``with_delta``, then the rows' ``rowsum(dout
+    * out) - dlse``, float32 ``[batch, heads, T]``, which the kernel computes first)."""
     b, t, n, _ = query.shape
     dbias_shape = (0,) if bias is None else (b, n, *padded_rows_keys(t, key.shape[1]))
     out_types = (
@@ -388,10 +393,11 @@ def bwd_kernel(query, key, value, out, lse, dout, dlse, spec, out_init=None, var
     # no query sees (the kernel leaves their blocks unwritten) in the same pass, so the handler need
     # not zero dbias first.
     summed = bias is not None and bool(_broadcast_axes(bias.shape, (b, n, t, key.shape[1])))
-    dq, dk, dv, _, _, dbias = _call(BWD_TARGET, out_types, (query, key, value, out, lse, dout, dlse), spec, out_init,
+    dq, dk, dv, delta, _, dbias = _call(BWD_TARGET, out_types, (query, key, value, out, lse, dout, dlse), spec, out_init,
                                     variant, masks, order, bias, deterministic=np.int32(spec.deterministic),
                                     zero_dbias=np.int32(not summed))
-    if bias is None:
-        return dq, dk, dv
-    visible = visible_pairs(spec, masks, t, key.shape[1]) if summed else None
-    return dq, dk, dv, dbias_from_kernel(dbias, bias, query, key, visible)
+    grads = (dq, dk, dv)
+    if bias is not None:
+        visible = visible_pairs(spec, masks, t, key.shape[1]) if summed else None
+        grads += (dbias_from_kernel(dbias, bias, query, key, visible),)
+    return grads + (delta,) if with_delta else grads

@@ -209,10 +209,9 @@ def attention_with_lse(query, key_cache, value_cache, cache_lengths, *, page_tab
     spec = DecodeSpec(scale, bool(is_causal), use, window, softcap, page_size)
     sinks = sinks_.check(_OP, sinks, n)
     if b == 0 or t == 0:
-        return (dispatch.zeros(query.shape, query.dtype, query, key_cache, value_cache),
-                dispatch.zeros((b, n, t), jnp.float32, query, key_cache, value_cache) - jnp.inf)
-    return sinks_.apply(*_attention(spec, query, key_cache, value_cache, cache_lengths, _page_table_int32(page_table)),
-                        sinks)
+        return sinks_.apply(dispatch.zeros(query.shape, query.dtype, query, key_cache, value_cache),
+                            dispatch.zeros((b, n, t), jnp.float32, query, key_cache, value_cache) - jnp.inf, sinks)
+    return _attention(spec, query, key_cache, value_cache, cache_lengths, _page_table_int32(page_table), sinks)
 
 
 def kernel_unsupported_reason(query, key_cache) -> str | None:
@@ -225,10 +224,10 @@ def kernel_unsupported_reason(query, key_cache) -> str | None:
 # The gradient (query and caches) is the reference's, on every platform: decoding rarely differentiates,
 # and the reference's memory, [batch, heads, T_new, cache], is small for few new tokens.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_table):
-    """(out, lse)."""
+def _attention(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_table, sinks):
+    """(out, lse); ``sinks`` float32 ``[heads]`` or None."""
     layout = _ATTENTION_LAYOUT if page_table is None else _PAGED_ATTENTION_LAYOUT
-    return sharding.call(layout, _local, spec, query, key_cache, value_cache, cache_lengths, page_table)
+    return sharding.call(layout, _local, spec, query, key_cache, value_cache, cache_lengths, page_table, sinks)
 
 
 def _attention_fwd(spec, *args):
@@ -236,34 +235,40 @@ def _attention_fwd(spec, *args):
 
 
 def _attention_bwd(spec, args, cotangents):
-    layout = _BWD_LAYOUT if args[-1] is None else _PAGED_BWD_LAYOUT
-    grads = sharding.call(layout, _bwd_local, spec, *args, *cotangents, result_like=(0, 1, 2))
-    return (*grads, None, None)
+    paged, sinks = args[4] is not None, args[5] is not None
+    grads = sharding.call(_bwd_layout(paged, sinks), _bwd_local, spec, *args, *cotangents,
+                          result_like=(0, 1, 2, None)[:3 + sinks])
+    return (*grads[:3], None, None, grads[3] if sinks else None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _local(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_table):
-    """(out, lse) on one device's arrays: the kernel on CUDA where it takes the call, else the reference."""
-    def reference_fn(q, k, v, lengths, table):
-        return reference.attention_with_lse(q, k, v, lengths, scale=spec.scale, page_table=table,
-                                            is_causal=spec.is_causal, local_window_size=spec.window,
-                                            logits_soft_cap=spec.softcap)
+def _reference(spec: DecodeSpec, cache_lengths, page_table, sinks):
+    return functools.partial(reference.attention_with_lse, cache_lengths=cache_lengths, scale=spec.scale,
+                             page_table=page_table, is_causal=spec.is_causal, local_window_size=spec.window,
+                             logits_soft_cap=spec.softcap, sinks=sinks)
 
-    def kernel_fn(q, k, v, lengths, table):
-        return launch.kernel(q, k, v, lengths, table, spec, with_lse=True)
+
+def _local(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_table, sinks):
+    """(out, lse) on one device's arrays: the kernel on CUDA where it takes the call, else the reference."""
+    def reference_fn(q, k, v, lengths, table, s):
+        return _reference(spec, lengths, table, s)(q, k, v)
+
+    def kernel_fn(q, k, v, lengths, table, s):
+        return launch.kernel(q, k, v, lengths, table, spec, with_lse=True, sinks=s)
 
     return dispatch.platform_dispatch(spec.use_kernel, kernel_fn, reference_fn, query, key_cache, value_cache,
-                                      cache_lengths, page_table)
+                                      cache_lengths, page_table, sinks)
 
 
-def _bwd_local(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_table, dout, dlse):
-    def f(q, k, v):
-        return reference.attention_with_lse(q, k, v, cache_lengths, scale=spec.scale, page_table=page_table,
-                                            is_causal=spec.is_causal, local_window_size=spec.window,
-                                            logits_soft_cap=spec.softcap)
-    return jax.vjp(f, query, key_cache, value_cache)[1]((dout, dlse))
+def _bwd_local(spec: DecodeSpec, query, key_cache, value_cache, cache_lengths, page_table, sinks, dout, dlse):
+    """The reference's gradient in the query and the caches, then with sinks in them."""
+    if sinks is None:
+        f = _reference(spec, cache_lengths, page_table, None)
+        return jax.vjp(f, query, key_cache, value_cache)[1]((dout, dlse))
+    f = lambda q, k, v, s: _reference(spec, cache_lengths, page_table, s)(q, k, v)
+    return jax.vjp(f, query, key_cache, value_cache, dispatch.vary_as(sinks, query))[1]((dout, dlse))
 
 
 def update_kv_cache(cache, new, cache_lengths, *, page_table=None):
@@ -345,15 +350,21 @@ def _update_local(static, cache, new, cache_lengths, page_table):
 # [batch, T_new, kv_heads, head_dim], are gathered; the pool never is), which keeps the replicas equal.
 # ----------------------------------------------------------------------------------------------
 
-_ATTENTION_LAYOUT = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", "b", "b m"),
+_ATTENTION_LAYOUT = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", "b", "b m", "n"),
                                     outputs=("b t n d", "b n t"), heads="n", grouped="k")
-_PAGED_ATTENTION_LAYOUT = sharding.Layout(inputs=("b t n d", "p r k d", "p r k d", "b", "b m"),
+_PAGED_ATTENTION_LAYOUT = sharding.Layout(inputs=("b t n d", "p r k d", "p r k d", "b", "b m", "n"),
                                           outputs=("b t n d", "b n t"), heads="n", grouped="k")
-# The gradient (from the cotangents of out and lse): the query's, and the caches' (a paged pool's summed
-# over the batch axes it is replicated over).
-_BWD_LAYOUT = sharding.Layout(inputs=_ATTENTION_LAYOUT.inputs + ("b t n d", "b n t"),
-                              outputs=("b t n d", "b s k d", "b s k d"), heads="n", grouped="k")
-_PAGED_BWD_LAYOUT = sharding.Layout(inputs=_PAGED_ATTENTION_LAYOUT.inputs + ("b t n d", "b n t"),
-                                    outputs=("b t n d", "p r k d", "p r k d"), heads="n", grouped="k", summed=(1, 2))
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_layout(paged: bool, sinks: bool) -> sharding.Layout:
+    """The gradient (from the cotangents of out and lse): the query's, the caches' (a paged pool's summed
+    over the batch axes it is replicated over), then with sinks theirs (summed over the batch axes)."""
+    forward = _PAGED_ATTENTION_LAYOUT if paged else _ATTENTION_LAYOUT
+    cache = "p r k d" if paged else "b s k d"
+    summed = ((1, 2) if paged else ()) + ((3,) if sinks else ())
+    return sharding.Layout(inputs=forward.inputs + ("b t n d", "b n t"),
+                           outputs=("b t n d", cache, cache) + (("n",) if sinks else ()), heads="n", grouped="k",
+                           summed=summed)
 _UPDATE_LAYOUT = sharding.Layout(inputs=("b s k d", "b t k d", "b", "b m"), outputs=("b s k d",), heads="k")
 _PAGED_UPDATE_LAYOUT = sharding.Layout(inputs=("p r k d", "b t k d", "b", "b m"), outputs=("p r k d",), heads="k")

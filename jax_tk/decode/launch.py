@@ -53,19 +53,22 @@ def splits(batch: int, t_new: int, heads: int, kv_heads: int, capacity: int) -> 
 
 
 def kernel(query, key_cache, value_cache, cache_lengths, page_table, spec, out_init=None, parts=None,
-           with_lse=False, variant=None):
+           with_lse=False, variant=None, sinks=None):
     """The decode kernel's output (and with ``with_lse`` its log-sum-exp ``[batch, heads, T_new]``, float32,
-    -inf for a row that sees no key). ``page_table`` None: a contiguous cache. ``parts`` overrides the
-    split count (tests); ``out_init`` (tests): buffers aliased to (out, lse, workspace); ``variant``:
-    the kernels (``dispatch.kernel_variant``; None: from ``JAX_TK_KERNELS``). Under ``vmap`` the mapped
-    entries run as one launch (``_fold``)."""
+    -inf for a row that sees no key). ``page_table`` None: a contiguous cache. ``sinks``: float32
+    ``[heads]`` (attention sinks, in out and lse) or None. ``parts`` overrides the split count (tests);
+    ``out_init`` (tests): buffers aliased to (out, lse, workspace); ``variant``: the kernels
+    (``dispatch.kernel_variant``; None: from ``JAX_TK_KERNELS``). Under ``vmap`` the mapped entries run
+    as one launch (``_fold``)."""
     table = page_table if page_table is not None else jnp.zeros((0,), jnp.int32)
     args = (query, key_cache, value_cache, cache_lengths, table)
+    if sinks is not None:
+        args += (sinks.astype(jnp.float32),)
     variant = dispatch.kernel_variant() if variant is None else variant
     if out_init is not None:
-        out, lse = _call(*args, spec, parts, variant, out_init)
+        out, lse = _call(*args, spec=spec, parts=parts, variant=variant, out_init=out_init)
     else:
-        out, lse = _batched(spec, parts, variant)(*args)
+        out, lse = _batched(spec, parts, variant, sinks is not None)(*args)
     return (out, lse) if with_lse else out
 
 
@@ -75,7 +78,7 @@ def workspace_words(parts: int, batch: int, t_new: int, heads: int, head_dim: in
     return max(formulas().workspace_words(parts, batch, t_new, heads, head_dim), 1)
 
 
-def _call(query, key_cache, value_cache, cache_lengths, table, spec, parts, variant, out_init=None):
+def _call(query, key_cache, value_cache, cache_lengths, table, sinks=None, *, spec, parts, variant, out_init=None):
     b, t, n, h = query.shape
     capacity = key_cache.shape[1] * (table.shape[1] if spec.page_size is not None else 1)
     parts = splits(b, t, n, key_cache.shape[2], capacity) if parts is None else parts
@@ -85,8 +88,9 @@ def _call(query, key_cache, value_cache, cache_lengths, table, spec, parts, vari
     attributes = dict(scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal), window_left=np.int32(left),
                       window_right=np.int32(right), softcap=np.float32(spec.softcap or 0.0), splits=np.int32(parts),
                       variant=np.int32(variant))
-    out, lse, _ = kernel_call(TARGET, out_types, (query, key_cache, value_cache, cache_lengths, table), attributes,
-                              out_init=out_init)
+    sinks = jnp.zeros((0,), jnp.float32) if sinks is None else sinks
+    out, lse, _ = kernel_call(TARGET, out_types, (query, key_cache, value_cache, cache_lengths, table, sinks),
+                              attributes, out_init=out_init)
     return out, lse
 
 
@@ -96,10 +100,12 @@ def _call(query, key_cache, value_cache, cache_lengths, table, spec, parts, vari
 
 
 @functools.lru_cache(maxsize=None)
-def _batched(spec, parts, variant):
-    @jax.custom_batching.custom_vmap
-    def fn(query, key_cache, value_cache, cache_lengths, table):
-        return _call(query, key_cache, value_cache, cache_lengths, table, spec, parts, variant)
+def _batched(spec, parts, variant, with_sinks: bool):
+    call = functools.partial(_call, spec=spec, parts=parts, variant=variant)
+    if with_sinks:
+        fn = jax.custom_batching.custom_vmap(lambda q, k, v, lengths, table, sinks: call(q, k, v, lengths, table, sinks))
+    else:
+        fn = jax.custom_batching.custom_vmap(lambda q, k, v, lengths, table: call(q, k, v, lengths, table))
 
     @fn.def_vmap
     def rule(axis_size, in_batched, *args):
@@ -119,12 +125,20 @@ def _fold(fn, paged: bool, e: int, in_batched, args):
       outside its pool stays outside: the kernel reads it as zeros).
     - A contiguous cache that is not mapped beside mapped lengths would be copied once per entry to
       stack it, and a stack of 2^31 cache rows or more is past the kernel's indices: one launch per
-      entry (``lax.map``)."""
-    query, key_cache, value_cache, lengths, table = args
-    q_mapped, k_mapped, v_mapped, l_mapped, t_mapped = in_batched
+      entry (``lax.map``).
+    - The sinks (``[heads]``, or ``[batch, heads]`` as this stacking makes them) follow the heads: to
+      ``[..., N * E]``, or the sequences: to ``[E * B, N]``."""
+    query, key_cache, value_cache, lengths, table = args[:5]
+    q_mapped, k_mapped, v_mapped, l_mapped, t_mapped = in_batched[:5]
+    sinks, s_mapped = (args[5], in_batched[5]) if len(args) > 5 else (None, False)
     if not (k_mapped or v_mapped or l_mapped or t_mapped):
+        query = broadcast_mapped(query, q_mapped, e)  # (only the sinks may be mapped)
         b, t, n, h = query.shape[1:]
-        out, lse = fn(jnp.moveaxis(query, 0, 3).reshape(b, t, n * e, h), key_cache, value_cache, lengths, table)
+        extra = ()
+        if sinks is not None:  # head n * E + i: entry i's head n
+            s = jnp.moveaxis(broadcast_mapped(sinks, s_mapped, e), 0, -1)
+            extra = (s.reshape(*s.shape[:-2], n * e),)
+        out, lse = fn(jnp.moveaxis(query, 0, 3).reshape(b, t, n * e, h), key_cache, value_cache, lengths, table, *extra)
         return jnp.moveaxis(out.reshape(b, t, n, e, h), 3, 0), jnp.moveaxis(lse.reshape(b, n, e, t), 2, 0)
     cache_mapped = k_mapped or v_mapped
     rows = math.prod((key_cache if k_mapped else value_cache).shape[:3]) if cache_mapped else 0
@@ -141,5 +155,9 @@ def _fold(fn, paged: bool, e: int, in_batched, args):
         key_cache, value_cache = (x.reshape(-1, *x.shape[2:]) for x in (key_cache, value_cache))
     if paged:
         table = broadcast_mapped(table, t_mapped or cache_mapped, e).reshape(e * b, -1)
-    out, lse = fn(query.reshape(e * b, *query.shape[2:]), key_cache, value_cache, lengths.reshape(-1), table)
+    extra = ()
+    if sinks is not None:  # one row per sequence
+        s = broadcast_mapped(sinks, s_mapped, e)
+        extra = (jnp.broadcast_to(s.reshape(e, -1, s.shape[-1]), (e, b, s.shape[-1])).reshape(e * b, -1),)
+    out, lse = fn(query.reshape(e * b, *query.shape[2:]), key_cache, value_cache, lengths.reshape(-1), table, *extra)
     return out.reshape(e, b, *out.shape[1:]), lse.reshape(e, b, *lse.shape[1:])

@@ -45,4 +45,18 @@ template <typename RT, typename V> __device__ __forceinline__ void normalize_out
   mul_row(o, o, inv_l);
 }
 
+// Attention sinks: a logit per row that joins the softmax's denominator and has no value. Given a row's
+// log-sum-exp lse2 and the sink's logit sink2 (both in log2 units; -inf: no key, no sink), the row's
+// log-sum-exp with the sink, and the factor its (normalized) output takes: 2^(lse2 - lse2 with it),
+// which is <= 1 and 0 for a row that saw no key. Neither overflows however far the two lie apart.
+struct Sunk {
+  float lse2, factor;
+};
+__device__ __forceinline__ Sunk with_sink(float lse2, float sink2) {
+  const float hi = fmaxf(lse2, sink2), lo = fminf(lse2, sink2);
+  if (hi == NEG_INF) return {NEG_INF, 0.f};
+  const float e = fn::exp2(lo - hi);  // in [0, 1]
+  return {hi + fn::log2(1.f + e), __fdividef(fn::exp2(lse2 - hi), 1.f + e)};
+}
+
 }  // namespace tk::warp
