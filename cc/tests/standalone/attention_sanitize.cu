@@ -75,6 +75,8 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
   p.v = device_random<__nv_bfloat16>(nk, rng);
   p.dout = device_random<__nv_bfloat16>(nq, rng);
   p.dlse = device_random<float>(nr, rng);
+  p.entry_batch = b;
+  if (causal) p.sinks = device_random<float>(n, rng);  // (the forward's epilogue with attention sinks)
   void *o, *dq, *dk, *dv;
   float *lse, *delta;
   CHECK(cudaMalloc(&o, nq * 2)); CHECK(cudaMalloc(&dq, nq * 2));
@@ -165,6 +167,7 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
   CHECK(cudaDeviceSynchronize());
   const void *buffers[] = {p.q, p.k, p.v, p.dout, p.dlse, o, dq, dk, dv, lse, delta, workspace, tile_counter};
   for (const void *x : buffers) CHECK(cudaFree(const_cast<void *>(x)));
+  if (p.sinks) CHECK(cudaFree(const_cast<float *>(p.sinks)));
   for (int *x : ints) CHECK(cudaFree(x));
   for (int *x : mask) CHECK(cudaFree(x));
   if (dbias) {

@@ -31,6 +31,7 @@ struct Case {
   bool causal = true;
   int left = -1, right = -1;
   float softcap = 0.f;
+  bool sinks = false;  // attention sinks: one logit per query head (Params::sinks)
 };
 
 template <typename T> T *upload(const std::vector<T> &host) {
@@ -100,6 +101,12 @@ int run(const Case &c, bool sm90, int smem_limit = 0) {
   p.scale = 1.f / std::sqrt(float(d));
   p.causal = c.causal; p.window_left = c.left; p.window_right = c.right; p.softcap = c.softcap;
   p.q = upload(q); p.k = upload(k); p.v = upload(v);
+  std::vector<float> sinks(n_count, -INFINITY);
+  if (c.sinks) {
+    for (float &x : sinks) x = dist(rng);
+    sinks[0] = 30.f;  // (one that takes nearly all the weight)
+    p.sinks = upload(sinks);
+  }
   p.o = upload(std::vector<bf16>(q.size(), __float2bfloat16(nan)));
   const size_t lse_n = size_t(b_count) * n_count * t_count;
   p.lse = upload(std::vector<float>(lse_n, nan));
@@ -136,9 +143,11 @@ int run(const Case &c, bool sm90, int smem_limit = 0) {
           logit[j] = s;
           m = std::max(m, s);
         }
-        double sum = 0;
+        const double seen_max = m, sink = sinks[n];  // (-inf: no sink)
+        m = std::max(m, sink);
+        double sum = m == -INFINITY ? 0.0 : std::exp(sink - m);
         std::fill(acc.begin(), acc.end(), 0.0);
-        for (int j = 0; j < length && m > -INFINITY; j++) {
+        for (int j = 0; j < length && seen_max > -INFINITY; j++) {
           if (logit[j] == -INFINITY) continue;
           const double w = std::exp(logit[j] - m);
           sum += w;
@@ -152,7 +161,7 @@ int run(const Case &c, bool sm90, int smem_limit = 0) {
           lse_err = std::max(lse_err, std::abs(*got_lse - (m + std::log(sum))));
         }
         for (int i = 0; i < d; i++) {
-          const double want = m == -INFINITY ? 0.0 : acc[i] / sum;
+          const double want = seen_max == -INFINITY ? 0.0 : acc[i] / sum;
           const float got = __bfloat162float(o[((size_t(b) * t_count + t) * n_count + n) * d + i]);
           finite = finite && std::isfinite(got);
           num += (got - want) * (got - want);
@@ -161,12 +170,12 @@ int run(const Case &c, bool sm90, int smem_limit = 0) {
       }
   const double err = finite ? std::sqrt(num / std::max(den, 1e-30)) : INFINITY;
   const bool ok = err < 1e-2 && lse_err < 1e-2;
-  const void *buffers[] = {p.page_table, p.lengths, p.q, p.k, p.v, p.o, p.lse, p.workspace};
+  const void *buffers[] = {p.page_table, p.lengths, p.q, p.k, p.v, p.o, p.lse, p.workspace, p.sinks};
   for (const void *x : buffers)
     if (x) CHECK(cudaFree(const_cast<void *>(x)));
-  std::printf("%s B=%d T=%d heads %d/%d D=%d cap=%d page=%d splits=%d%s: rel err %.3g, lse err %.3g\n",
+  std::printf("%s B=%d T=%d heads %d/%d D=%d cap=%d page=%d splits=%d%s%s: rel err %.3g, lse err %.3g\n",
               ok ? "ok  " : "FAIL", b_count, t_count, n_count, k_count, d, c.capacity, c.page_size, c.splits,
-              sm90 ? " (sm_90a)" : smem_limit ? " (small)" : "", err, lse_err);
+              c.sinks ? " sinks" : "", sm90 ? " (sm_90a)" : smem_limit ? " (small)" : "", err, lse_err);
   return ok ? 0 : 1;
 }
 
@@ -208,6 +217,12 @@ int main() {
     failed += run({16, 8, 1, 64, {9, 700, 333}, 720, 0, 3, false, -1, -1, 20.f}, sm90);
     failed += run({16, 8, 1, 256, {200, 77}, 256, 64, 2}, sm90);  // head dim 256 (elsewhere two blocks of 64)
     if (!hopper) break;
+  }
+  // attention sinks: one part and several (the merge), a block of several row tiles, 128 rows
+  for (int splits : {1, 3}) {
+    check({2, 4, 2, 64, {0, 1, 77}, 77, 0, splits, true, -1, -1, 0.f, true});
+    check({16, 4, 1, 128, {300, 1}, 320, 0, splits, true, -1, -1, 0.f, true});
+    for (bool sm90 : {hopper, false}) failed += run({16, 8, 1, 128, {0, 500}, 512, 16, splits, true, -1, -1, 0.f, true}, sm90);
   }
   // the configs of GPUs with less shared memory (SMALL_GPU_SMEM): head dim 256 in one and two tiles,
   // 128 rows as blocks of 64, 64 rows at D=256 as blocks of 32
