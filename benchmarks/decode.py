@@ -14,7 +14,10 @@ T_new in {1, 4, 16} new tokens per sequence (causal, bottom-right aligned; 16 as
 decoding), bf16; the cache contiguous ``[B, S, K, H]`` or paged (pages of 16 or 64 rows,
 ``[B*S/page, page, K, H]``, the page table a random permutation so that a sequence's pages are
 scattered over the pool). Configurations whose inputs do not fit in ``--max-gb`` (default 60% of the
-GPU's memory) are skipped.
+GPU's memory) are skipped. ``--sinks``: every configuration runs twice, without and with attention
+sinks (gpt-oss: one logit per query head in every row's softmax denominator, ``sink_values``); only
+jax_tk takes them (the peers' sinks rows are skipped, "unsupported"), and the table gives the cost of
+the sinks, jax_tk's time with them over its time on the same configuration without.
 
 The default set (``--full`` for the whole product): the grid B x S at 32/8 heads, head_dim 128,
 T_new 1, contiguous; and at (B, S) = (8, 32k) and (64, 8k) one row for each other setting: 64/8 heads,
@@ -57,6 +60,8 @@ CACHES = (2048, 8192, 32768, 131072)
 HEADS = ((32, 8), (64, 8))
 HEAD_DIMS = (128, 256)
 NEW_TOKENS = (1, 4, 16)
+# The sinks' values: a fixed seed, so that every configuration of a head count gets the same ones.
+SINK_SEED = 0
 # Where the default set varies one setting at a time: (batch, cache length).
 VARIATION_POINTS = ((8, 32768), (64, 8192))
 
@@ -68,8 +73,9 @@ CPU_MAX_BYTES = 4e9
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """One benchmarked problem. ``page_size`` 0: contiguous cache. ``ceiling_tbs``: the read bandwidth
-    measured in the run (not part of the configuration's identity)."""
+    """One benchmarked problem. ``page_size`` 0: contiguous cache. ``sinks``: with attention sinks
+    (``sink_values``). ``ceiling_tbs``: the read bandwidth measured in the run (not part of the
+    configuration's identity)."""
 
     batch: int
     cache_len: int
@@ -79,6 +85,7 @@ class DecodeConfig:
     new_tokens: int = 1
     page_size: int = 0
     dtype: str = "bf16"
+    sinks: bool = False
     ceiling_tbs: float = dataclasses.field(default=math.nan, compare=False)
 
     def __post_init__(self):
@@ -111,6 +118,15 @@ class DecodeConfig:
     def layout(self) -> str:
         return f"paged{self.page_size}" if self.page_size else "contiguous"
 
+    def sink_values(self) -> np.ndarray | None:
+        """The sinks of a ``sinks`` row, ``[heads]`` float32 standard normal (None elsewhere): the scale
+        of the logits here (unit-variance q and k, scale 1/sqrt(D)). The kernel's cost does not depend
+        on the values; at S in the thousands they change the output by well under the check's
+        tolerance (a sink against S keys), so the check only sees them at small S (the tests)."""
+        if not self.sinks:
+            return None
+        return np.random.default_rng(SINK_SEED).standard_normal(self.heads).astype(np.float32)
+
     def cache_bytes(self) -> int:
         """The valid keys and values (every sequence is full)."""
         return 2 * self.batch * self.cache_len * self.kv_heads * self.head_dim * self.itemsize
@@ -132,15 +148,15 @@ class DecodeConfig:
 
     def label(self) -> str:
         return (f"B={self.batch} S={self.cache_len} H={self.heads}/{self.kv_heads}kv D={self.head_dim} "
-                f"T_new={self.new_tokens} {self.layout}")
+                f"T_new={self.new_tokens} {self.layout}" + (" + sinks" if self.sinks else ""))
 
     CSV_FIELDS = ("dtype", "batch", "cache_len", "heads", "kv_heads", "head_dim", "new_tokens", "page_size",
-                  "bytes", "ceiling_tbs")
+                  "sinks", "bytes", "ceiling_tbs")
 
     def csv_row(self) -> dict:
         return {"dtype": self.dtype, "batch": self.batch, "cache_len": self.cache_len, "heads": self.heads,
                 "kv_heads": self.kv_heads, "head_dim": self.head_dim, "new_tokens": self.new_tokens,
-                "page_size": self.page_size, "bytes": self.bytes(),
+                "page_size": self.page_size, "sinks": self.sinks or "", "bytes": self.bytes(),
                 "ceiling_tbs": harness.fmt_num(self.ceiling_tbs, 4)}
 
     @classmethod
@@ -148,6 +164,7 @@ class DecodeConfig:
         ceiling = row.get("ceiling_tbs") or ""
         return cls(int(row["batch"]), int(row["cache_len"]), int(row["heads"]), int(row["kv_heads"]),
                    int(row["head_dim"]), int(row["new_tokens"]), int(row["page_size"] or 0), row["dtype"],
+                   sinks=row.get("sinks") == "True",  # (CSVs from before the column: no sinks)
                    ceiling_tbs=float(ceiling) if ceiling else math.nan)
 
 
@@ -187,6 +204,11 @@ def default_configs(quick: bool = False, dtype: str = "bf16") -> list[DecodeConf
         b, s = points[0]
         configs += [DecodeConfig(b, s, n, k, d, 4, 0, dtype), DecodeConfig(b, s, n, k, d, 1, 16, dtype)]
     return configs
+
+
+def with_sinks(configs: Sequence[DecodeConfig]) -> list[DecodeConfig]:
+    """Each configuration followed by the same with sinks (the table's pairs)."""
+    return [c2 for c in configs for c2 in (c, dataclasses.replace(c, sinks=True))]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,19 +251,22 @@ def make_inputs(cfg: DecodeConfig, copies: int, max_bytes: float = math.inf, see
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "g"))
-def _reference0(q, k, v, lengths, table, *, scale, g):
-    """The float32 reference on sequence 0 and key/value head 0 (with its g query heads)."""
+def _reference0(q, k, v, lengths, table, sinks, *, scale, g):
+    """The float32 reference on sequence 0 and key/value head 0 (with its g query heads, and their
+    ``sinks`` ``[g]`` or None)."""
     from jax_tk.decode import reference
 
     if table is not None:
         k, v = reference.gather_pages(k, table[:1]), reference.gather_pages(v, table[:1])
-    return reference.attention(q[:1, :, :g], k[:1, :, :1], v[:1, :, :1], lengths[:1], scale=scale, is_causal=True)
+    return reference.attention(q[:1, :, :g], k[:1, :, :1], v[:1, :, :1], lengths[:1], scale=scale, is_causal=True,
+                               sinks=sinks)
 
 
 def check_fwd(cfg: DecodeConfig, provider, inputs, out) -> float:
     g = cfg.heads // cfg.kv_heads
     q, k, v, lengths, table = inputs
-    ref = _reference0(q, k, v, lengths, table, scale=provider.scale, g=g)
+    sinks = None if cfg.sink_values() is None else jnp.asarray(cfg.sink_values()[:g])
+    ref = _reference0(q, k, v, lengths, table, sinks, scale=provider.scale, g=g)
     return harness.rel_err([out[:1, :, :g]], [ref])
 
 
@@ -286,6 +311,17 @@ def _speedup(by_key, cfg) -> str:
     return f"{min(peers) / tk.time_ms:.2f}x"
 
 
+def _sinks_cost(by_key, cfg) -> str:
+    """A sinks row: jax_tk's time over its time on the same configuration without sinks, - 1."""
+    if not cfg.sinks:
+        return ""
+    tk = by_key.get((cfg, "jax_tk", "fwd"))
+    base = by_key.get((dataclasses.replace(cfg, sinks=False), "jax_tk", "fwd"))
+    if tk is None or base is None or tk.status != "ok" or base.status != "ok":
+        return "-"
+    return f"{tk.time_ms / base.time_ms - 1:+.1%}"
+
+
 def _of_ceiling(by_key, cfg) -> str:
     tk = by_key.get((cfg, "jax_tk", "fwd"))
     if tk is None or tk.status != "ok" or not cfg.ceiling_tbs > 0:
@@ -299,11 +335,13 @@ _COLUMNS = (
     ("T", 2, lambda c, m: c.new_tokens), ("layout", 10, lambda c, m: c.layout),
     ("MB", 8, lambda c, m: f"{c.bytes() / 1e6:.4g}"),
 )
+_SINKS_COLUMN = ("sinks", 5, lambda c, m: "sinks" if c.sinks else "")
 
 
 def format_table(results: Sequence[Result], providers: Sequence[str] | None = None) -> str:
     """One row per configuration: ``µs (TB/s)`` per provider, jax_tk's speed-up over the faster of
-    cudnn/fa3, and jax_tk's TB/s as a fraction of the measured read ceiling."""
+    cudnn/fa3, and jax_tk's TB/s as a fraction of the measured read ceiling; where there are sinks
+    rows, a column marking them and one with their cost (``_sinks_cost``)."""
     if not results:
         return "(no results)"
     providers = providers or list(dict.fromkeys(r.provider for r in results))
@@ -312,12 +350,16 @@ def format_table(results: Sequence[Result], providers: Sequence[str] | None = No
     ceilings = sorted({c.ceiling_tbs for c in configs if c.ceiling_tbs == c.ceiling_tbs})
     title = ("decode attention, µs (TB/s of cache + query + output); read ceiling "
              + (", ".join(f"{x:.3g}" for x in ceilings) or "not measured") + " TB/s")
-    lines = output.format_grid(title, _COLUMNS, configs, providers, "fwd", by_key, _cell, " µs (TB/s)", 18)
-    # the two ratio columns after the grid's rows
-    lines[1] += " vs peer | of ceil"
+    sinks = any(c.sinks for c in configs)
+    columns = _COLUMNS + (_SINKS_COLUMN,) if sinks else _COLUMNS
+    lines = output.format_grid(title, columns, configs, providers, "fwd", by_key, _cell, " µs (TB/s)", 18)
+    # the ratio columns after the grid's rows
+    lines[1] += " vs peer | of ceil" + (" | sinks cost" if sinks else "")
     lines[2] = "-" * len(lines[1])
     for i, cfg in enumerate(configs):
         lines[3 + i] += f" {_speedup(by_key, cfg):>7} | {_of_ceiling(by_key, cfg):>7}"
+        if sinks:
+            lines[3 + i] += f" | {_sinks_cost(by_key, cfg):>10}"
     lines += output.format_problems(results)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -338,9 +380,10 @@ def plot(results: Sequence[Result], path: str, env: dict) -> list[str]:
     for ax, key in zip(axes.flat, panels):
         rows = [r for r in ok if (r.config.heads, r.config.kv_heads, r.config.head_dim, r.config.new_tokens,
                                   r.config.page_size) == key]
-        for (prov, b) in sorted({(r.provider, r.config.batch) for r in rows}):
-            pts = sorted((r.config.cache_len, tbs(r)) for r in rows if r.provider == prov and r.config.batch == b)
-            ax.plot(*zip(*pts), "o-", ms=3, label=f"{prov} B={b}")
+        for (prov, b, sk) in sorted({(r.provider, r.config.batch, r.config.sinks) for r in rows}):
+            pts = sorted((r.config.cache_len, tbs(r)) for r in rows
+                         if (r.provider, r.config.batch, r.config.sinks) == (prov, b, sk))
+            ax.plot(*zip(*pts), "o--" if sk else "o-", ms=3, label=f"{prov}{' + sinks' if sk else ''} B={b}")
         ceil = [r.config.ceiling_tbs for r in rows if r.config.ceiling_tbs == r.config.ceiling_tbs]
         if ceil:
             ax.axhline(max(ceil), ls="--", color="k", lw=0.8, label="read ceiling")
@@ -395,6 +438,9 @@ def add_arguments(a) -> None:
                    help="the whole product of the lists (long); with no list and no --full, the grid of batch "
                         "sizes x cache lengths at the default heads, head dim, new tokens and layout, plus, at a "
                         "few points of that grid, one row for each other setting of these")
+    a.add_argument("--sinks", action="store_true",
+                   help="run every configuration twice, without and with attention sinks (only jax_tk takes "
+                        "them; the table gives their cost against the same call without)")
     a.add_argument("--max-gb", type=float, default=None,
                    help="skip configurations whose inputs exceed this (default 60%% of the GPU's memory; 4 on CPU)")
     a.add_argument("--xla-max-gb", type=float, default=20.0,
@@ -415,6 +461,11 @@ def _device_bytes() -> float | None:
 
 def configs_from(args) -> list[DecodeConfig]:
     dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(args.dtype, args.dtype)
+    configs = _configs_from_lists(args, dtype)
+    return with_sinks(configs) if args.sinks else configs
+
+
+def _configs_from_lists(args, dtype: str) -> list[DecodeConfig]:
     lists = (args.batch, args.cache, args.heads, args.d, args.new, args.layout)
     if not args.full and all(x is None for x in lists):
         return default_configs(args.quick, dtype)
@@ -446,7 +497,8 @@ def run_decode(args) -> int:
     env = output.environment(timer.name)
     header = [f"# jax_tk decode benchmark: {output.env_header(env)}",
               f"# providers={','.join(providers)} configurations={len(configs)} reps={reps} "
-              f"max inputs {max_bytes / 1e9:.3g} GB; bytes = 2*B*S*K*H*itemsize (valid K and V) + query + output",
+              f"max inputs {max_bytes / 1e9:.3g} GB{'; each without and with sinks' if args.sinks else ''}; "
+              "bytes = 2*B*S*K*H*itemsize (valid K and V) + query + output",
               f"# read ceiling: jnp.sum over {ceiling_bytes / 2**30:.3g} GiB bf16: {ceiling:.3g} TB/s"]
     bench = functools.partial(bench_decode, configs, providers, timer=timer, check=not args.no_check,
                               max_bytes=max_bytes, xla_max_bytes=args.xla_max_gb * 1e9)

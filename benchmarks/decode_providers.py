@@ -21,6 +21,10 @@ bottom-right aligned for T_new > 1 (a new token sees itself and everything befor
   page_size, K, H]``, as ours). Timed with ``num_splits`` 1, 4 and 16 (KV split into that many parts
   combined afterwards); the fastest is reported. The PyPI wheel (0.2.3) is built for Hopper and
   head_dim 128 only (``JAX_TK_FA3_HEAD_DIMS`` for a source build with more).
+
+Attention sinks (``cfg.sinks``, the values ``cfg.sink_values()``): jax_tk passes them to
+``jax_tk.decode.attention(sinks=...)``; neither jax.nn nor ``flash_mha_with_kvcache`` has an option for
+them, so the peers' sinks rows are skipped ("unsupported") rather than timed without them.
 """
 from __future__ import annotations
 
@@ -35,6 +39,9 @@ from benchmarks import peers
 from benchmarks.harness import Provider, Skip, Unavailable, factory, has_gpu
 
 PEERS = ("cudnn", "fa3")  # the ratio column compares jax_tk with the faster of these
+# What each peer calls, for the note of its skipped sinks rows.
+NO_SINKS = {"cudnn": "jax.nn.dot_product_attention", "xla": "jax.nn.dot_product_attention",
+            "fa3": "flash_mha_with_kvcache"}
 FA3_SPLITS = (1, 4, 16)
 LOGITS = "float32 [B, N, T_new, S] logits"
 
@@ -51,14 +58,16 @@ def _jax_tk_provider(cfg, scale: float) -> Provider:
 
     gpu = has_gpu()
     impl = "tk" if gpu else None
+    sinks = None if cfg.sink_values() is None else jnp.asarray(cfg.sink_values())
 
     def fn(q, k, v, lengths, page_table):
         return jax_tk.decode.attention(q, k, v, lengths, page_table=page_table, scale=scale, is_causal=True,
-                                       implementation=impl)
+                                       implementation=impl, sinks=sinks)
 
+    with_sinks = ", sinks" if cfg.sinks else ""
     if gpu:
-        return Provider("jax_tk", fn, scale, note="implementation='tk'")
-    return Provider("jax_tk", fn, scale, note="no GPU: implementation=None (pure-JAX reference)",
+        return Provider("jax_tk", fn, scale, note=f"implementation='tk'{with_sinks}")
+    return Provider("jax_tk", fn, scale, note=f"no GPU: implementation=None (pure-JAX reference){with_sinks}",
                     scratch_bytes=cfg.logits_bytes(), scratch_what=LOGITS)
 
 
@@ -117,4 +126,9 @@ def default_providers() -> list[str]:
 
 
 def make_provider(name: str, cfg) -> Provider:
-    return factory(FACTORIES, name)(cfg, 1.0 / math.sqrt(cfg.head_dim))
+    make = factory(FACTORIES, name)
+    # Every provider but jax_tk (a new peer too, until it passes them), before its own checks: no
+    # sinks is the reason for the whole row.
+    if cfg.sinks and name != "jax_tk":
+        raise Skip(f"unsupported: {NO_SINKS.get(name, name)} has no attention sinks")
+    return make(cfg, 1.0 / math.sqrt(cfg.head_dim))

@@ -43,6 +43,28 @@ def test_csv_round_trip():
     back = C.from_row({k: str(v) for k, v in c.csv_row().items()})
     assert back == c and back.ceiling_tbs == 3.1
     assert C(1, 64, 2, 2, 64, ceiling_tbs=1.0) == C(1, 64, 2, 2, 64)  # the ceiling is not identity
+    s = C(3, 2048, 64, 8, 256, 4, 64, "bf16", sinks=True, ceiling_tbs=3.1)
+    row = {k: str(v) for k, v in s.csv_row().items()}
+    assert row["sinks"] == "True" and C.from_row(row) == s and s != C(3, 2048, 64, 8, 256, 4, 64, "bf16")
+    old = {k: str(v) for k, v in c.csv_row().items() if k != "sinks"}  # a CSV from before the column
+    assert C.from_row(old) == c and not C.from_row(old).sinks
+
+
+def test_sinks_configs():
+    c = C(8, 4096, 32, 8, 128)
+    s = decode.with_sinks([c])
+    assert s == [c, C(8, 4096, 32, 8, 128, sinks=True)]
+    assert "sinks" in s[1].label() and "sinks" not in c.label() and s[1].bytes() == c.bytes()
+    assert c.sink_values() is None
+    v = s[1].sink_values()
+    assert v.dtype == np.float32 and v.shape == (32,) and 0.5 < v.std() < 2  # the logits' scale
+    # the same values for every configuration of a head count
+    np.testing.assert_array_equal(v, C(1, 128, 32, 4, 64, new_tokens=4, page_size=16, sinks=True).sink_values())
+    p = cli.build_parser()
+    assert decode.configs_from(p.parse_args(["decode", "--quick", "--sinks"])) == \
+        decode.with_sinks(decode.default_configs(quick=True))
+    assert decode.configs_from(p.parse_args(["decode", "--batch", "2", "--cache", "1k", "--sinks"])) == \
+        [C(2, 1024, 32, 8, 128), C(2, 1024, 32, 8, 128, sinks=True)]
 
 
 def test_default_configs():
@@ -100,6 +122,46 @@ def test_tiny_run_cpu(tmp_path):
     if output.pyplot() is not None:
         paths = decode.plot(results, str(tmp_path / "decode.png"), {"gpu": "cpu"})
         assert paths and (tmp_path / "decode.png").stat().st_size > 1000
+
+
+# A short cache (a sink against 32 keys) and 8 query heads per key/value head: the sinks move the
+# checked output by far more than the check's tolerance.
+SINKS_SAMPLE = C(2, 32, 8, 1, 64, sinks=True)
+
+
+def test_sinks_rows_cpu():
+    """jax_tk takes the sinks and passes the check against the reference with them; the peers are
+    skipped as unsupported (not timed without sinks); the table gives the sinks' cost."""
+    configs = decode.with_sinks([C(2, 32, 8, 1, 64), C(2, 32, 8, 1, 64, page_size=16)])
+    results = _run(configs, ["jax_tk", "xla", "cudnn", "fa3"])
+    by = {(r.config, r.provider): r for r in results}
+    for c in configs:
+        assert by[(c, "jax_tk")].status == "ok" and by[(c, "jax_tk")].rel_err < 1e-2, by[(c, "jax_tk")]
+        if c.sinks:
+            assert "sinks" in by[(c, "jax_tk")].note
+            for p in ("xla", "cudnn", "fa3"):
+                r = by[(c, p)]
+                assert r.status == "skipped" and "unsupported" in r.note and "sinks" in r.note, r
+    assert by[(configs[0], "xla")].status == "ok"
+    table = decode.format_table(results)
+    assert "sinks cost" in table and "attention sinks" in table
+    cost_rows = [ln for ln in table.splitlines()[3:] if " sinks |" in ln]  # (after the header)
+    assert len(cost_rows) == 2 and all(ln.rstrip().endswith("%") for ln in cost_rows)
+
+
+def test_check_sees_the_sinks(monkeypatch):
+    """The reference with the sinks differs from the one without, and jax_tk with its sinks dropped is
+    reported "wrong"."""
+    c = SINKS_SAMPLE
+    q, k, v, lengths, table, _ = decode.make_inputs(c, 1)[0]
+    sinks = jnp.asarray(c.sink_values()[:8])
+    with_ = decode._reference0(q, k, v, lengths, table, sinks, scale=0.125, g=8)
+    without = decode._reference0(q, k, v, lengths, table, None, scale=0.125, g=8)
+    assert harness.rel_err([without], [with_]) > 2 * harness.MAX_REL_ERR
+    real = jax_tk.decode.attention
+    monkeypatch.setattr(jax_tk.decode, "attention", lambda *a, sinks=None, **kw: real(*a, **kw))
+    r = _run([c], ["jax_tk"])[0]
+    assert r.status == "wrong" and r.rel_err > harness.MAX_REL_ERR
 
 
 def test_wrong_provider_is_not_a_timing(monkeypatch):
@@ -179,3 +241,19 @@ def test_command_line_quick(tmp_path, capsys):
     assert len(results) == 4 and all(r.status == "ok" for r in results)
     assert all(r.config.ceiling_tbs > 0 for r in results)
     assert cli.detect_op(str(tmp_path / "decode.csv")).name == "decode"
+
+
+def test_command_line_quick_sinks(tmp_path, capsys):
+    rc = cli.main(["decode", "--quick", "--sinks", "--batch", "2", "--cache", "64", "--out", str(tmp_path),
+                   "--png", "none"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "sinks cost" in out and "without and with sinks" in out
+    results, _ = output.read_csv([str(tmp_path / "decode.csv")], C.from_row)
+    configs = list(dict.fromkeys(r.config for r in results))
+    assert configs == decode.with_sinks([C(2, 64, 4, 2, 64)])  # both rows, read back from the CSV
+    tk = {r.config.sinks: r for r in results if r.provider == "jax_tk"}
+    assert tk[False].status == "ok" and tk[True].status == "ok" and tk[True].rel_err < 1e-2
+    assert all(r.status == "skipped" for r in results if r.config.sinks and r.provider != "jax_tk")
+    merged = cli.main(["report", str(tmp_path / "decode.csv")])
+    assert merged == 0 and "sinks cost" in capsys.readouterr().out
