@@ -4,7 +4,8 @@ FFI custom calls with the right operands and attributes, and only where the kern
 Operands: forward q, k, v, then the seven masking operands (q_segment_ids, kv_segment_ids, q_lengths,
 kv_lengths, then the segment ranges q_segment_ranges [b, ceil(t/64), 2] and kv_segment_ranges, then
 the Hopper kernel's block order: int32, shape (0,) when absent); backward q, k, v, out, lse, dout,
-dlse, then the same seven (the block order of the backward's blocks).
+dlse, then the same seven (the block order of the backward's blocks). Both then take the boolean mask's
+two and the bias; the forward last the attention sinks (float32 [q_heads], shape (0,) without them).
 Attributes: scale, is_causal, variant (cc/core/core.h's VARIANT_*, from JAX_TK_KERNELS), window_left,
 window_right (-1: unbounded; at most the sequence's length), softcap (0: none)."""
 from __future__ import annotations
@@ -66,6 +67,7 @@ class CustomCall:
     result_types: list[str]
     attrs: dict[str, tuple[str, str]]  # name -> (printed value, type)
     line: str
+    sinks: str | None = None  # the forward's last operand's type (tk_calls takes it off the operands)
 
     def attr_float(self, name):
         value, typ = self.attrs[name]
@@ -106,7 +108,13 @@ def custom_calls(text: str) -> list[CustomCall]:
 
 
 def tk_calls(text: str, target: str | None = None) -> list[CustomCall]:
+    """jax_tk's calls; the forward's last operand, the attention sinks, goes to ``sinks`` (so that both
+    directions end with the masking operands)."""
     calls = [c for c in custom_calls(text) if c.target.startswith("jax_tk")]
+    for c in calls:
+        if c.target == FWD_TARGET:
+            c.operands.pop()
+            c.sinks = c.operand_types.pop()
     return [c for c in calls if target is None or c.target == target]
 
 
@@ -183,12 +191,27 @@ def test_forward_custom_call(lower, dtype, is_causal, scale):
     (call,) = tk_calls(text, FWD_TARGET)
     assert tk_calls(text, BWD_TARGET) == []
     assert len(call.operands) == 13
+    assert call.sinks == tensor_type((0,), F32)  # no sinks
     assert call.operand_types == [tensor_type((b, t, n, d), dtype)] + [tensor_type((b, s, kh, d), dtype)] * 2 + no_masks(dtype)
     assert call.result_types == [tensor_type((b, t, n, d), dtype), tensor_type((b, n, t), F32), TILE_COUNTER]
     expected_scale = 1.0 / math.sqrt(d) if scale is None else scale
     assert np.float32(call.attr_float("scale")) == np.float32(expected_scale)
     assert call.attr_int("is_causal") == int(is_causal)
     assert_no_masking(call)
+
+
+def test_sinks_operand(lower):
+    """The sinks go to the forward kernel as float32 [q_heads]; the backward needs nothing more (it runs
+    from the forward's out and lse, which include them)."""
+    q, k, v = _abstract(2, 16, 24, 4, 2, 64, BF16)
+    sinks = jax.ShapeDtypeStruct((4,), BF16)  # (any float dtype: the op takes float32 to the kernel)
+    f = lambda q, k, v, s: jax.grad(lambda *a: jax_tk.attention(*a, sinks=s, is_causal=True).astype(F32).sum(),
+                                    argnums=(0, 1, 2))(q, k, v)
+    text = lower(f, q, k, v, sinks)
+    (fwd,) = tk_calls(text, FWD_TARGET)
+    (bwd,) = tk_calls(text, BWD_TARGET)
+    assert fwd.sinks == tensor_type((4,), F32)
+    assert len(bwd.operands) == 17
 
 
 @pytest.mark.parametrize("d", [64, 128])
