@@ -220,6 +220,7 @@ template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel
   };
   float v[BATCH][COLS];
   load_batch(0, v);
+  const float sink = sink_of(p, row);  // (read with the parts' loads, used after them)
   float x[PER_LANE], mx = NEG_INF;
 #pragma unroll
   for (int i = 0; i < PER_LANE; i++) {
@@ -229,7 +230,7 @@ template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel
   }
   // (across the lanes of a quad, then across the quads: all 32 lanes)
   mx = warp::across_lanes<warp::op::max, ortho_l>(warp::across_lanes<warp::op::max, align_l>(mx));
-  const float s2 = sink2(p, row);
+  const float s2 = log2_units(sink);
   mx = fmaxf(mx, s2);
   float sum = 0.f;
 #pragma unroll
