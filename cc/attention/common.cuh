@@ -491,9 +491,7 @@ __device__ __forceinline__ void store_output(const Params &p, RT &o, const V &l,
 }
 // The sink's logit of batch entry b, query head h, in log2 units (Params::sinks; -inf: none).
 __device__ __forceinline__ float sink2(const Params &p, int b, int h) {
-  if (!p.sinks) return NEG_INF;
-  const float s = p.sinks[dense_index(p, b, h, 1, p.q_heads)];
-  return isfinite(s) ? s * LOG2E : NEG_INF;
+  return p.sinks ? tk::warp::sink_log2(p.sinks[dense_index(p, b, h, 1, p.q_heads)]) : NEG_INF;
 }
 // The rows' log-sum-exp out (with the sink s2 of sink2(); m in units of 1 / c, as softmax_step keeps
 // it), then, with a sink, l := the divisor of the rows' O (l / Sunk::factor; 0 where the row saw no

@@ -254,14 +254,12 @@ __device__ __forceinline__ void store_lse(const Params &p, size_t row, float lse
   p.lse[((size_t)b * p.q_heads + head) * p.q_len + token] = lse2 == NEG_INF ? NEG_INF : lse2 * LN2;
 }
 
-// The sink of query row `row` of [batch, q_len, q_heads] as given (-inf: none), and a sink's logit in
-// log2 units (-inf for a non-finite one: no sink). (Two steps, so that a kernel can issue the read
-// early and wait for it late.)
+// The sink of query row `row` of [batch, q_len, q_heads] as given (-inf: none), then in log2 units
+// (warp::sink_log2). (Two steps, so that a kernel can issue the read early and wait for it late.)
 __device__ __forceinline__ float sink_of(const Params &p, size_t row) {
   return p.sinks ? p.sinks[row / ((size_t)p.q_len * p.q_heads) * p.sinks_stride + row % p.q_heads] : NEG_INF;
 }
-__device__ __forceinline__ float log2_units(float sink) { return isfinite(sink) ? sink * LOG2E : NEG_INF; }
-__device__ __forceinline__ float sink2(const Params &p, size_t row) { return log2_units(sink_of(p, row)); }
+__device__ __forceinline__ float sink2(const Params &p, size_t row) { return warp::sink_log2(sink_of(p, row)); }
 
 // The end of a block. Warp t of group g leaves its tile's rows in the group's stages (Partial: O / l
 // and the rows' log-sum-exp, from m in units of 1 / c and l of its online softmax). A lone group's

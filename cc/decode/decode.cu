@@ -230,7 +230,7 @@ template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel
   }
   // (across the lanes of a quad, then across the quads: all 32 lanes)
   mx = warp::across_lanes<warp::op::max, ortho_l>(warp::across_lanes<warp::op::max, align_l>(mx));
-  const float s2 = log2_units(sink);
+  const float s2 = warp::sink_log2(sink);
   mx = fmaxf(mx, s2);
   float sum = 0.f;
 #pragma unroll

@@ -49,6 +49,8 @@ template <typename RT, typename V> __device__ __forceinline__ void normalize_out
 // log-sum-exp lse2 and the sink's logit sink2 (both in log2 units; -inf: no key, no sink), the row's
 // log-sum-exp with the sink, and the factor its (normalized) output takes: 2^(lse2 - lse2 with it),
 // which is <= 1 and 0 for a row that saw no key. Neither overflows however far the two lie apart.
+// A sink's logit in log2 units, as with_sink takes it: -inf for a non-finite one (no sink).
+__device__ __forceinline__ float sink_log2(float sink) { return isfinite(sink) ? sink * LOG2E : NEG_INF; }
 struct Sunk {
   float lse2, factor;
 };
