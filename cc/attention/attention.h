@@ -15,9 +15,11 @@ enum class DType { bf16, fp16 };
   X(SEGMENT_GRANULE, 64)        /* rows per entry of Params::q_segment_ranges / kv_segment_ranges */       \
   X(HEAD_DIMS_SM80, 64 | 128)   /* head dims of every GPU's kernels (a set of powers of 2) */              \
   X(HEAD_DIMS_SM90, 64 | 128 | 256)  /* ... and of the sm_90a kernels */                                   \
+  X(MLA_HEAD_DIM_QK, 192)       /* the one pair of unequal head dims (query/key, value), MLA's: the */     \
+  X(MLA_HEAD_DIM_V, 128)        /*   sm_90a forward's (every other kernel takes equal ones) */             \
   X(FWD_TILE_ROWS, 128)         /* sm_90a forward: query rows per tile (Params::fwd_tiles) */              \
   X(FWD_TILE_KEYS, 128)         /* ... keys per key block, head_dim <= 128 */                              \
-  X(FWD_TILE_KEYS_D256, 64)     /* ... keys per key block, head_dim 256 */                                 \
+  X(FWD_TILE_KEYS_D256, 64)     /* ... keys per key block, head_dim above 128 */                           \
   X(FWD_DOCS_MAX_HEAD_DIM, 128) /* documents' own tiles (Params::fwd_tiles) up to this head_dim */         \
   X(FWD_TILES_PER_BLOCK, 2)     /* Params::fwd_tiles entries per FWD_TILE_ROWS query rows */               \
   X(BWD_BLOCK_KEYS, 128)        /* sm_90a backward: keys per block (Params::block_order), head_dim <= 128 */ \
@@ -34,8 +36,10 @@ JAX_TK_DECLARE_CONTRACT(JAX_TK_ATTENTION_CONTRACT)
 
 struct Params {
   DType dtype;
-  int batch, q_len, kv_len, q_heads, kv_heads, head_dim;  // q: [batch, q_len, q_heads, head_dim]
-  float scale;                                            // k, v: [batch, kv_len, kv_heads, head_dim]
+  int batch, q_len, kv_len, q_heads, kv_heads, head_dim;  // q, k: [batch, q_len or kv_len, q_heads or kv_heads, head_dim]
+  int v_head_dim;  // v: [batch, kv_len, kv_heads, v_head_dim], o: [batch, q_len, q_heads, v_head_dim]
+                   // (head_dim, but in the MLA pair: see has_kernel_dims)
+  float scale;
   bool causal;                                            // query i sees keys j <= i
   // Masking options (reference.visibility defines them; every rule must hold for query i to see key j):
   // (The defaults mean "no masking", also for a value-initialized Params p{}.)
@@ -124,6 +128,11 @@ JAX_TK_HD inline int mask_words(int kv_len) {
 // The rows of a block of Params::block_order: the backward's key blocks.
 inline int bwd_order_rows(int head_dim) { return head_dim <= 128 ? BWD_BLOCK_KEYS : BWD_BLOCK_KEYS_D256; }
 inline bool head_dim_in(int head_dim, int dims) { return (head_dim & (head_dim - 1)) == 0 && (head_dim & dims) != 0; }
+// Whether some kernel takes query/key head dim d and value head dim dv: equal ones of HEAD_DIMS_SM90,
+// or the MLA pair (the sm_90a forward only).
+inline bool has_kernel_dims(int d, int dv) {
+  return d == dv ? head_dim_in(d, HEAD_DIMS_SM90) : d == MLA_HEAD_DIM_QK && dv == MLA_HEAD_DIM_V;
+}
 
 // Size of Params::workspace in 4-byte words (the caller allocates it; it is also what Python asks for).
 // Per (batch, head, 64-row query block): an fp32 64 x head_dim dq tile, the rows' lse (log2 units)

@@ -476,7 +476,7 @@ __device__ __forceinline__ void store_dbias(const RT &ds, const Params &p, int b
 
 // The output O as a global view whose rows end at rows_end (or q_len): stores skip the rows past it.
 template <typename T> __device__ __forceinline__ tk::gl<T> output_rows(const Params &p, int rows_end = INT_MAX) {
-  auto O = tk::gl<T>::make(static_cast<T *>(p.o), p.batch, p.q_len, p.q_heads, p.head_dim);
+  auto O = tk::gl<T>::make(static_cast<T *>(p.o), p.batch, p.q_len, p.q_heads, p.v_head_dim);
   O.dims[1] = min(p.q_len, rows_end);
   return O;
 }

@@ -74,7 +74,7 @@ ffi::Error check_qkv(Params &p, Lead &lead, const ffi::AnyBuffer &q, const ffi::
   const size_t r = qa.size();
   if (r < 4 || ka.size() != r || v.dimensions().size() != r)
     return invalid("query, key and value must be [..., batch, seq, heads, head_dim], of one rank");
-  if (!same_dims(k, v)) return invalid("key and value must have the same shape");
+  if (!same_lead_dims(k, v)) return invalid("key and value must have the same shape but their head dims");
   lead.dims.assign(qa.begin(), qa.end() - 4);
   for (size_t i = 0; i + 4 < r; i++) {
     if (ka[i] != qa[i]) return invalid("query and key/value disagree on their leading (vmapped) dimensions");
@@ -83,8 +83,10 @@ ffi::Error check_qkv(Params &p, Lead &lead, const ffi::AnyBuffer &q, const ffi::
   const int64_t *qd = qa.begin() + (r - 4), *kd = ka.begin() + (r - 4);
   if (qd[0] != kd[0] || qd[3] != kd[3]) return invalid("query and key/value disagree on batch or head_dim");
   if (kd[2] == 0 || qd[2] % kd[2] != 0) return invalid("query heads must be a multiple of key/value heads");
-  if (qd[3] <= 0 || qd[3] > 256 || !attention::head_dim_in(int(qd[3]), attention::HEAD_DIMS_SM90))
-    return invalid("attention kernels take head_dim 64 or 128 (and 256 on H100/H200)");
+  const int64_t dv = v.dimensions().back();
+  if (qd[3] <= 0 || qd[3] > 256 || dv <= 0 || !attention::has_kernel_dims(int(qd[3]), int(dv)))
+    return invalid("attention kernels take head_dim 64 or 128 (and 256 on H100/H200), and the value's head_dim "
+                   "the same, or 192 with a value head_dim of 128 (H100/H200, forward)");
   for (auto d : {lead.count * qd[0], qd[1], qd[2], kd[1], kd[2]})
     if (d <= 0 || d > core::MAX_INDEX) return invalid("attention dimensions must be in [1, 2^31)");
   if (qd[1] * qd[2] * qd[3] > core::MAX_INDEX || kd[1] * kd[2] * kd[3] > core::MAX_INDEX)
@@ -92,6 +94,7 @@ ffi::Error check_qkv(Params &p, Lead &lead, const ffi::AnyBuffer &q, const ffi::
   lead.batch = qd[0];
   p.entry_batch = int(qd[0]);  // (fold() multiplies p.batch, not this)
   p.batch = int(qd[0]); p.q_len = int(qd[1]); p.q_heads = int(qd[2]); p.head_dim = int(qd[3]);
+  p.v_head_dim = int(dv);
   p.kv_len = int(kd[1]); p.kv_heads = int(kd[2]);
   p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data();
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v)) return invalid("inputs must be 16-byte aligned");
@@ -241,7 +244,8 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   if (auto e = check_mask(p, lead, mask_bits, mask_blocks); e.failure()) return e;
   if (auto e = check_bias(p, lead, q, bias); e.failure()) return e;
   if (auto e = check_sinks(p, lead, sinks); e.failure()) return e;
-  if (!same_type_and_dims(*o, q)) return invalid("output must have the query's shape and dtype");
+  if (o->element_type() != q.element_type() || !same_lead_dims(*o, q) || o->dimensions().back() != p.v_head_dim)
+    return invalid("output must have the query's dtype and shape, with the value's head_dim");
   if (auto e = check_rows(p, lead, *lse, "lse"); e.failure()) return e;
   if (tile_counter->element_type() != ffi::DataType::S32 || !lead.matches(*tile_counter, {1}))
     return invalid("tile_counter must be int32 " + lead.shape({1}));  // (the kernel uses its first int)
@@ -255,8 +259,9 @@ ffi::Error fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   p.tile_counter = static_cast<int *>(tile_counter->untyped_data());
   if (kernels.sm90 && attention::fwd_sm90_supported(p))
     return cuda_error(attention::fwd_sm90(p, stream), "attention forward (sm_90a)");
-  if (!attention::head_dim_in(p.head_dim, attention::HEAD_DIMS_SM80))
-    return invalid("head_dim " + std::to_string(p.head_dim) + ": the forward kernel runs on H100/H200 (sm_90a) only");
+  if (!attention::head_dim_in(p.head_dim, attention::HEAD_DIMS_SM80) || p.v_head_dim != p.head_dim)
+    return invalid("head_dims " + std::to_string(p.head_dim) + ", " + std::to_string(p.v_head_dim) +
+                   ": the forward kernel runs on H100/H200 (sm_90a) only");
   return cuda_error(attention::fwd_sm80(p, stream), "attention forward");
 }
 
@@ -273,6 +278,8 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   Params p{};
   Lead lead;
   if (auto e = check_qkv(p, lead, q, k, v); e.failure()) return e;
+  if (p.v_head_dim != p.head_dim)  // (jax_tk pads the value's head dim to the query's for it)
+    return invalid("the backward kernels take a value head_dim equal to the query's");
   if (auto e = check_masking(p, lead, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, q_segment_ranges,
                              kv_segment_ranges, window_left, window_right, softcap);
       e.failure())

@@ -20,29 +20,33 @@ struct alignas(16) TileSlot {
   int kbase, end;  // a document's tile: its keys' base and its document's end (Params::fwd_tiles); -1, q_len otherwise
 };
 
+// D: the query's and key's head dim, DV: the value's and output's (D but in MLA's pair, 192 and 128).
 // CONSUMERS_ = 3 (plain attention at D = 64, see three_consumers): tiles of 192 rows, and a third
 // warpgroup's softmax to overlap the others' products; its S, P and O fit the 160 registers that four
 // warpgroups leave each consumer.
-template <typename T, int D, int CONSUMERS_ = 2> struct FwdH {
-  static_assert(CONSUMERS_ == 2 || (CONSUMERS_ == 3 && D == 64));
+template <typename T, int D, int DV, int CONSUMERS_> struct FwdH {
+  static_assert(CONSUMERS_ == 2 || (CONSUMERS_ == 3 && D == 64 && DV == 64));
   using Roles = std::conditional_t<CONSUMERS_ == 3, roles<3, /*PRODUCER_REGS=*/32, /*CONSUMER_REGS=*/160>,
                                    roles<2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>>;
   static constexpr int CONSUMERS = Roles::CONSUMERS, THREADS = Roles::THREADS, BQ = 64 * CONSUMERS;
-  static constexpr int BK = D <= 128 ? 128 : 64;  // D = 256: O takes 128 registers, K/V tiles 32 KB
+  // D above 128: K/V tiles of 128 keys take too much space (D = 256: 32 KB each, and O takes 128
+  // registers; D = 192: the next tile's Q, and a staging tile for O, need the room).
+  static constexpr int BK = D <= 128 ? 128 : 64;
   static constexpr int STAGES = D <= 64 ? 4 : 2;
-  static constexpr int Q_STAGES = D <= 128 ? 2 : 1;  // the next tile's Q loads during this one (not at D = 256: space)
-  static constexpr bool PINGPONG = D <= 128;  // the consumers take turns issuing their products
+  static constexpr int Q_STAGES = DV <= 128 ? 2 : 1;  // the next tile's Q loads during this one (not at D = 256: space)
+  static constexpr bool PINGPONG = DV <= 128;  // the consumers take turns issuing their products
   // In the masked kernel the loader tells the consumers, with each key block, the next listed one and
   // the masks it needs (see the consumers' loop); at D = 256 they work both out themselves (the other
   // way costs spills there).
-  static constexpr bool LOADER_INFO = D <= 128;
+  static constexpr bool LOADER_INFO = DV <= 128;
   // The masked kernel takes documents' tiles (Params::fwd_tiles) at D <= 128 (at D = 256 the
   // registers they need spill in the consumers' loop; jax_tk gives it tiles of the fixed grid only).
-  static constexpr bool DOCS = D <= 128;
-  using OTile = st<T, 64, D>;
+  static constexpr bool DOCS = D <= FWD_DOCS_MAX_HEAD_DIM;
+  using OTile = st<T, 64, DV>;
   struct Shared {
     st<T, 64, D> q[Q_STAGES][CONSUMERS];
-    st<T, BK, D> k[STAGES], v[STAGES];
+    st<T, BK, D> k[STAGES];
+    st<T, BK, DV> v[STAGES];
     // Rings (ring.cuh): Q of a tile (both consumers' rows); K and V of a key block (in step, but V is
     // freed later); the tiles announced by the scheduler (scheduler.cuh).
     semaphore q_full[Q_STAGES], q_empty[Q_STAGES], k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
@@ -58,7 +62,7 @@ template <typename T, int D, int CONSUMERS_ = 2> struct FwdH {
     bool stage_o;  // see stages_o
   };
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
-  // Shared memory after Shared (and the bias's scratch): at D <= 128 a staging tile of O per consumer
+  // Shared memory after Shared (and the bias's scratch): at DV <= 128 a staging tile of O per consumer
   // (O goes out through it and one TMA store, instead of each thread's global stores), then with
   // segment ids the block lists of the two announced tiles. Where both do not fit (D = 128: keys past
   // 256k with segment ids; a bias), the consumers store O themselves.
@@ -68,7 +72,7 @@ template <typename T, int D, int CONSUMERS_ = 2> struct FwdH {
   // With a bias, first each consumer warp's scratch tile (see RowBias).
   __host__ __device__ static size_t bias_bytes(const Params &p) { return p.bias ? CONSUMERS * 4 * BIAS_SCRATCH : 0; }
   static bool stages_o(const Params &p, bool full, size_t max_smem) {
-    return D <= 128 && smem + bias_bytes(p) + CONSUMERS * sizeof(OTile) + lists_bytes(p, full) <= max_smem;
+    return DV <= 128 && smem + bias_bytes(p) + CONSUMERS * sizeof(OTile) + lists_bytes(p, full) <= max_smem;
   }
   static size_t extra_bytes(const Params &p, bool full, bool stage_o) {
     return bias_bytes(p) + (stage_o ? CONSUMERS * sizeof(OTile) : 0) + lists_bytes(p, full);
@@ -142,13 +146,13 @@ template <bool FULL> __device__ __forceinline__ KeyRule tile_rule(const Params &
 //     memory), online softmax in registers, O += P V (wgmma, P from registers), pipelined so that the
 //     softmax of one block overlaps the P V product of the previous, and they take turns issuing
 //     their products (ping-pong), so that one's softmax runs while the tensor cores work for another;
-//     each writes its rows of O through a staging tile and a TMA store (D <= 128).
+//     each writes its rows of O through a staging tile and a TMA store (DV <= 128).
 // setmaxnreg moves registers from the producer to the consumers. A tile whose rows see no key loads
 // nothing and stores O = 0, lse = -inf. Only the tiles that cut through a rule or a segment
 // boundary are masked elementwise (KeyRule, BlockList::one_segment). BIAS (with DENSE, when a bias
 // is given): the bias's code, whose registers a mask alone should not pay for.
-template <typename T, int D, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_> struct FwdSm90 {
-  using C = FwdH<T, D, CONSUMERS_>;
+template <typename T, int D, int DV, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_> struct FwdSm90 {
+  using C = FwdH<T, D, DV, CONSUMERS_>;
   // The masked kernels' tiles: those of Params::fwd_tiles and of the mask's blocks (attention.h).
   static_assert(!FULL || (C::BQ == FWD_TILE_ROWS && C::BK == (D <= 128 ? FWD_TILE_KEYS : FWD_TILE_KEYS_D256)));
   static_assert(!FULL || (MASK_BLOCK_ROWS % C::BQ == 0 && MASK_BLOCK_KEYS % C::BK == 0));  // (mask_code)
@@ -166,7 +170,7 @@ template <typename T, int D, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_> s
   const Params p = a.p;  // a copy: the fields it uses stay in registers (no reloads after each memory clobber)
   const int tiles = FULL && p.fwd_tiles ? fwd_tile_cap(p.q_len) * p.q_heads * p.batch : (p.q_len + C::BQ - 1) / C::BQ * p.q_heads * p.batch;
   const bool listed = FULL && (p.q_segment_ids || p.mask_blocks);  // (see fwd_tile)
-  const bool stage_o = D <= 128 && (!FULL || a.stage_o);  // (always in plain attention: see fwd_sm90)
+  const bool stage_o = DV <= 128 && (!FULL || a.stage_o);  // (always in plain attention: see fwd_sm90)
   char *const bias_scratch = reinterpret_cast<char *>(&sm + 1);
   typename C::OTile *const o_stages = reinterpret_cast<typename C::OTile *>(bias_scratch + C::bias_bytes(p));
   uint32_t *const lists = reinterpret_cast<uint32_t *>(o_stages + (stage_o ? CONSUMERS : 0));  // two slots of list_words words
@@ -292,14 +296,14 @@ template <typename T, int D, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_> s
 
   // O /= l into this consumer's staging tile, then one TMA store (the warps do not wait for global
   // stores); the leader first waits until the last tile's store has read the tile.
-  __device__ __forceinline__ void store_staged(rt_fl<16, D> &o, const col_vec<rt_fl<16, BK>> &l, const FwdTile &x,
+  __device__ __forceinline__ void store_staged(rt_fl<16, DV> &o, const col_vec<rt_fl<16, BK>> &l, const FwdTile &x,
                                                int rows_end) const {
     const bool leader = threadIdx.x % 128 == 0;
     auto &o_stage = o_stages[wg];
     if (leader) bulk_wait_read<0>();
     sync_named(1 + CONSUMERS + wg, 128);
     normalize_output(o, l);
-    rt<T, 16, D> o16;
+    rt<T, 16, DV> o16;
     warp::copy(o16, o);
     warp::store(o_stage, o16, 16 * (warpid() % 4), 0);
     warpgroup::fence_shared_writes();
@@ -314,11 +318,12 @@ template <typename T, int D, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_> s
   }
 };
 
-template <typename T, int D, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_>
+template <typename T, int D, int DV, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_>
 template <typename Release>
-__device__ __forceinline__ void FwdSm90<T, D, FULL, DENSE, BIAS, CONSUMERS_>::consume(int slot, Release release) {
+__device__ __forceinline__ void FwdSm90<T, D, DV, FULL, DENSE, BIAS, CONSUMERS_>::consume(int slot, Release release) {
   const bool lane0 = laneid() == 0;
   const FwdTile x = read_tile(slot);
+  const float s2 = sink2(p, x.b, x.h);  // (read now: its latency passes under the tile's products)
   const KeyRule rule = tile_rule<FULL>(p, x);
   const BlockList &blocks = x.blocks;
   const int end = x.range.y, first = blocks.next(x.range.x);
@@ -332,14 +337,14 @@ __device__ __forceinline__ void FwdSm90<T, D, FULL, DENSE, BIAS, CONSUMERS_>::co
   const int stop = SKIP ? max(min(kv_block_range<FULL>(p, x.b, x.q0 + 64 * wg, 64, BK).y, end), first + 1) : end;
   rt_fl<16, BK> s;
   rt<T, 16, BK> pr;
-  rt_fl<16, D> o;
+  rt_fl<16, DV> o;
   col_vec<rt_fl<16, BK>> m, l, corr;
   warp::zero(o);
   warp::fill_vec(m, NEG_INF);
   warp::fill_vec(l, 0.f);
   if (first == end) {  // these rows see no key: O = 0, lse = -inf (or the sink)
     release();
-    store_lse(p, m, l, c, sink2(p, x.b, x.h), x.b, x.h, qw, x.end);
+    store_lse(p, m, l, c, s2, x.b, x.h, qw, x.end);
     store_output<T>(p, o, l, x.b, x.h, qw, 0, x.end);
     return;
   }
@@ -438,29 +443,29 @@ __device__ __forceinline__ void FwdSm90<T, D, FULL, DENSE, BIAS, CONSUMERS_>::co
   if constexpr (SKIP) drain(kv, stop, end);
   n = kv.n;
   warp::sum_lanes(l);  // (softmax_step kept each lane's part)
-  store_lse(p, m, l, c, sink2(p, x.b, x.h), x.b, x.h, qw, rows_end);  // (with a sink, l grows)
+  store_lse(p, m, l, c, s2, x.b, x.h, qw, rows_end);  // (with a sink, l grows)
   if (stage_o) store_staged(o, l, x, rows_end);
   else store_output<T>(p, o, l, x.b, x.h, qw, 0, rows_end);
 }
 
 // A persistent kernel (pipeline/kernel.cuh) of the parts above. BIAS (with DENSE, when a bias is
 // given): the bias's code, whose registers a mask alone should not pay for.
-template <typename T, int D, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_ = 2>
-__global__ __launch_bounds__(FwdH<T, D, CONSUMERS_>::THREADS, 1) void fwd_sm90_kernel(const __grid_constant__ typename FwdH<T, D, CONSUMERS_>::Args a) {
+template <typename T, int D, int DV, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_>
+__global__ __launch_bounds__(FwdH<T, D, DV, CONSUMERS_>::THREADS, 1) void fwd_sm90_kernel(const __grid_constant__ typename FwdH<T, D, DV, CONSUMERS_>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem_raw[];
-  FwdSm90<T, D, FULL, DENSE, BIAS, CONSUMERS_> k{a, align_shared<typename FwdH<T, D, CONSUMERS_>::Shared>(smem_raw)};
+  FwdSm90<T, D, DV, FULL, DENSE, BIAS, CONSUMERS_> k{a, align_shared<typename FwdH<T, D, DV, CONSUMERS_>::Shared>(smem_raw)};
   persistent(k);
 #endif
 }
 
-template <typename T, int D, bool FULL, bool DENSE, int CONSUMERS> cudaError_t fwd_launch(const Params &p, cudaStream_t stream) {
-  using C = FwdH<T, D, CONSUMERS>;
+template <typename T, int D, int DV, bool FULL, bool DENSE, int CONSUMERS> cudaError_t fwd_launch(const Params &p, cudaStream_t stream) {
+  using C = FwdH<T, D, DV, CONSUMERS>;
   typename C::Args a{p, {}, {}, {}, {}, false};
   if (!make_tma_map(a.q, p.q, p.batch, p.q_len, p.q_heads, D) ||
-      !make_tma_map(a.o, p.o, p.batch, p.q_len, p.q_heads, D) ||
+      !make_tma_map(a.o, p.o, p.batch, p.q_len, p.q_heads, DV) ||
       !make_tma_map(a.k, p.k, p.batch, p.kv_len, p.kv_heads, D) ||
-      !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D))
+      !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, DV))
     return cudaErrorInvalidValue;
   const long long tiles = (p.q_len + C::BQ - 1) / C::BQ * (long long)p.q_heads * p.batch;
   const long long listed = FULL && p.fwd_tiles ? (long long)fwd_tile_cap(p.q_len) * p.q_heads * p.batch : tiles;
@@ -469,11 +474,11 @@ template <typename T, int D, bool FULL, bool DENSE, int CONSUMERS> cudaError_t f
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (e != cudaSuccess) return e;
-  // (Plain attention always stages O at D <= 128: it fits, and the kernel takes it as known.)
+  // (Plain attention always stages O at DV <= 128: it fits, and the kernel takes it as known.)
   a.stage_o = C::stages_o(p, FULL, size_t(max_smem));
-  if (!FULL && D <= 128 && !a.stage_o) return cudaErrorInvalidConfiguration;
+  if (!FULL && DV <= 128 && !a.stage_o) return cudaErrorInvalidConfiguration;
   if (listed + 2 * sms >= INT_MAX || p.tile_counter == nullptr) return cudaErrorInvalidValue;
-  auto kernel = p.bias ? fwd_sm90_kernel<T, D, FULL, DENSE, DENSE, CONSUMERS> : fwd_sm90_kernel<T, D, FULL, DENSE, false, CONSUMERS>;
+  auto kernel = p.bias ? fwd_sm90_kernel<T, D, DV, FULL, DENSE, DENSE, CONSUMERS> : fwd_sm90_kernel<T, D, DV, FULL, DENSE, false, CONSUMERS>;
   const size_t smem = C::smem + C::extra_bytes(p, FULL, a.stage_o);
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (e == cudaSuccess) e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
@@ -494,13 +499,17 @@ bool three_consumers(const Params &p) {
 
 }  // namespace
 
-bool fwd_sm90_supported(const Params &p) { return p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256; }
+bool fwd_sm90_supported(const Params &p) { return has_kernel_dims(p.head_dim, p.v_head_dim); }
 
 cudaError_t fwd_sm90(const Params &p, cudaStream_t stream) {
+  if (p.v_head_dim != p.head_dim)  // (MLA's pair, the one unequal one: has_kernel_dims)
+    return dispatch<MLA_HEAD_DIM_QK>(p, [&]<typename T, int D, bool FULL, bool DENSE>() {
+      return fwd_launch<T, D, MLA_HEAD_DIM_V, FULL, DENSE, 2>(p, stream);
+    });
   return dispatch<64, 128, 256>(p, [&]<typename T, int D, bool FULL, bool DENSE>() {
     if constexpr (D == 64 && !FULL)
-      if (three_consumers(p)) return fwd_launch<T, D, FULL, DENSE, 3>(p, stream);
-    return fwd_launch<T, D, FULL, DENSE, 2>(p, stream);
+      if (three_consumers(p)) return fwd_launch<T, D, D, FULL, DENSE, 3>(p, stream);
+    return fwd_launch<T, D, D, FULL, DENSE, 2>(p, stream);
   });
 }
 

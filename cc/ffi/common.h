@@ -33,6 +33,14 @@ template <typename A, typename B> bool same_dims(const A &a, const B &b) {
     if (x[i] != y[i]) return false;
   return true;
 }
+// The same dimensions but the last (which may differ).
+template <typename A, typename B> bool same_lead_dims(const A &a, const B &b) {
+  auto x = a.dimensions(), y = b.dimensions();
+  if (x.size() != y.size() || x.size() == 0) return false;
+  for (size_t i = 0; i + 1 < x.size(); i++)
+    if (x[i] != y[i]) return false;
+  return true;
+}
 template <typename A, typename B> bool same_type_and_dims(const A &a, const B &b) {
   return a.element_type() == b.element_type() && same_dims(a, b);
 }

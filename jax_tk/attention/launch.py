@@ -35,8 +35,16 @@ def _head_dims(mask: int) -> tuple[int, ...]:
     return tuple(1 << i for i in range(mask.bit_length()) if mask >> i & 1)
 
 
-def kernel_unsupported_reason(query, key, bias=None, softcap=None) -> str | None:
-    """Why the CUDA kernels cannot take this configuration, or None if they can."""
+def mla_pair() -> tuple[int, int]:
+    """The one pair of unequal head dims (query/key, value) with a kernel of its own: the sm_90a forward's."""
+    c = contract()
+    return c["MLA_HEAD_DIM_QK"], c["MLA_HEAD_DIM_V"]
+
+
+def kernel_unsupported_reason(query, key, bias=None, softcap=None, value=None) -> str | None:
+    """Why the CUDA kernels cannot take this configuration, or None if they can. A value head dim
+    below the query's runs on the kernels of the query's (its columns padded, see :func:`fwd_kernel`),
+    or MLA's pair (192, 128) on H100/H200."""
     del key
     if bias is not None and softcap:
         return "bias with logits_soft_cap (the kernels do not combine them; the pure-JAX reference does)"
@@ -44,13 +52,31 @@ def kernel_unsupported_reason(query, key, bias=None, softcap=None) -> str | None
         return f"dtype {query.dtype} (the kernel takes bfloat16 and float16)"
     c, d = contract(), query.shape[-1]
     everywhere, hopper = _head_dims(c["HEAD_DIMS_SM80"]), _head_dims(c["HEAD_DIMS_SM90"])
+    sm90 = lambda: extension.takes_sm90_kernels(extension.cuda_device_capability(), dispatch.kernel_variant())
+    if value is not None and (d, value.shape[-1]) == mla_pair():
+        return None if sm90() else f"head dims {mla_pair()} (kernels on H100/H200 only)"
     if d in everywhere:
         return None
     if d in hopper:
-        if not extension.takes_sm90_kernels(extension.cuda_device_capability(), dispatch.kernel_variant()):
+        if not sm90():
             return f"head_dim {d} (kernels on H100/H200 only; elsewhere the kernels take {everywhere})"
         return None
-    return f"head_dim {d} (the kernels take {everywhere}, and {hopper} on H100/H200)"
+    return f"head_dim {d} (the kernels take {everywhere}, and {hopper} on H100/H200, and {mla_pair()} with value head dims)"
+
+
+def _pad_dim(x, d: int):
+    """x with its last dim padded with zeros to d."""
+    return x if x.shape[-1] == d else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
+
+
+def _bwd_head_dim(d: int, dv: int) -> int:
+    """The head dim the backward kernel runs a call at: the query's where the value's is the same or
+    padded to it, else (MLA's pair: no backward kernel of its own yet) the next kernel head dim up,
+    every operand's columns padded with zeros (which add nothing to the logits or the values)."""
+    if dv == d:
+        return d
+    dims = _head_dims(contract()["HEAD_DIMS_SM90"])
+    return min(x for x in dims if x >= d)
 
 
 class Masks(NamedTuple):
@@ -351,9 +377,15 @@ def visible_pairs(spec, masks, t: int, s: int):
 
 def fwd_kernel(query, key, value, spec, out_init=None, variant=None, masks=None, bias=None, sinks=None):
     """(out, lse) of the forward kernel. ``out_init`` (tests): buffers aliased to (out, lse, scratch).
-    ``sinks``: float32 ``[q_heads]`` (attention sinks, in out and lse) or None."""
+    ``sinks``: float32 ``[q_heads]`` (attention sinks, in out and lse) or None. A value head dim below
+    the query's, but in MLA's pair, is padded to it (zero columns, sliced off the output)."""
+    d, dv = query.shape[-1], value.shape[-1]
+    if dv != d and (d, dv) != mla_pair():
+        assert out_init is None
+        out, lse = fwd_kernel(query, key, _pad_dim(value, d), spec, None, variant, masks, bias, sinks)
+        return out[..., :dv], lse
     out_types = (
-        jax.ShapeDtypeStruct(query.shape, query.dtype),
+        jax.ShapeDtypeStruct((*query.shape[:-1], dv), query.dtype),
         lse_shape(query),
         jax.ShapeDtypeStruct((1,), jnp.int32),  # workspace: the Hopper kernel's tile counter
     )
@@ -370,7 +402,15 @@ def bwd_kernel(query, key, value, out, lse, dout, dlse, spec, out_init=None, var
                with_delta=False):
     """(dq, dk, dv) of the backward kernel, given the forward's out and lse and the cotangents (with a
     bias, also its gradient: ``(dq, dk, dv, dbias)``; with ``with_delta``, then the rows' ``rowsum(dout
-    * out) - dlse``, float32 ``[batch, heads, T]``, which the kernel computes first)."""
+    * out) - dlse``, float32 ``[batch, heads, T]``, which the kernel computes first). Unequal head dims
+    run at :func:`_bwd_head_dim`, the gradients sliced back."""
+    d, dv = query.shape[-1], value.shape[-1]
+    if dv != d:
+        assert out_init is None
+        dk_ = _bwd_head_dim(d, dv)
+        padded = [_pad_dim(x, dk_) for x in (query, key, value, out)] + [lse, _pad_dim(dout, dk_), dlse]
+        grads = bwd_kernel(*padded, spec, None, variant, masks, bias, with_delta)
+        return (grads[0][..., :d], grads[1][..., :d], grads[2][..., :dv], *grads[3:])
     b, t, n, _ = query.shape
     dbias_shape = (0,) if bias is None else (b, n, *padded_rows_keys(t, key.shape[1]))
     out_types = (

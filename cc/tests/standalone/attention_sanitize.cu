@@ -67,7 +67,7 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
   std::mt19937 rng(b * 1000 + t + s + d);
   Params p{};
   p.dtype = DType::bf16;
-  p.batch = b; p.q_len = t; p.kv_len = s; p.q_heads = n; p.kv_heads = kh; p.head_dim = d;
+  p.batch = b; p.q_len = t; p.kv_len = s; p.q_heads = n; p.kv_heads = kh; p.head_dim = d; p.v_head_dim = d;
   p.scale = 0.125f; p.causal = causal;
   size_t nq = size_t(b) * t * n * d, nk = size_t(b) * s * kh * d, nr = size_t(b) * n * t;
   p.q = device_random<__nv_bfloat16>(nq, rng);
