@@ -18,8 +18,8 @@ enum class DType { bf16, fp16 };
   X(MLA_HEAD_DIM_QK, 192)       /* the one pair of unequal head dims (query/key, value), MLA's: the */     \
   X(MLA_HEAD_DIM_V, 128)        /*   sm_90a forward's (every other kernel takes equal ones) */             \
   X(FWD_TILE_ROWS, 128)         /* sm_90a forward: query rows per tile (Params::fwd_tiles) */              \
-  X(FWD_TILE_KEYS, 128)         /* ... keys per key block, head_dim <= 128 */                              \
-  X(FWD_TILE_KEYS_D256, 64)     /* ... keys per key block, head_dim above 128 */                           \
+  X(FWD_TILE_KEYS, 128)         /* ... keys per key block (fwd_tile_keys), head_dim up to 192 */           \
+  X(FWD_TILE_KEYS_D256, 64)     /* ... keys per key block, head_dim 256 */                                 \
   X(FWD_DOCS_MAX_HEAD_DIM, 128) /* documents' own tiles (Params::fwd_tiles) up to this head_dim */         \
   X(FWD_TILES_PER_BLOCK, 2)     /* Params::fwd_tiles entries per FWD_TILE_ROWS query rows */               \
   X(BWD_BLOCK_KEYS, 128)        /* sm_90a backward: keys per block (Params::block_order), head_dim <= 128 */ \
@@ -125,6 +125,8 @@ JAX_TK_HD inline int padded_keys(int kv_len) { return (kv_len + MASK_BLOCK_KEYS 
 JAX_TK_HD inline int mask_words(int kv_len) {
   return (kv_len + MASK_BLOCK_KEYS - 1) / MASK_BLOCK_KEYS * (MASK_BLOCK_KEYS / 32);
 }
+// The sm_90a forward's keys per key block (its tiles' columns, Params::fwd_tiles).
+JAX_TK_HD constexpr int fwd_tile_keys(int head_dim) { return head_dim < 256 ? FWD_TILE_KEYS : FWD_TILE_KEYS_D256; }
 // The rows of a block of Params::block_order: the backward's key blocks.
 inline int bwd_order_rows(int head_dim) { return head_dim <= 128 ? BWD_BLOCK_KEYS : BWD_BLOCK_KEYS_D256; }
 inline bool head_dim_in(int head_dim, int dims) { return (head_dim & (head_dim - 1)) == 0 && (head_dim & dims) != 0; }
@@ -144,7 +146,7 @@ JAX_TK_HD inline size_t bwd_sm90_workspace_words(int batch, int q_len, int q_hea
 
 // The formulas Python calls (jax_tk._tk.attention.<name>).
 #define JAX_TK_ATTENTION_FORMULAS(F) \
-  F(fwd_tile_cap) F(padded_rows) F(padded_keys) F(mask_words) F(bwd_order_rows) F(bwd_sm90_workspace_words)
+  F(fwd_tile_cap) F(fwd_tile_keys) F(padded_rows) F(padded_keys) F(mask_words) F(bwd_order_rows) F(bwd_sm90_workspace_words)
 
 #ifdef JAX_TK_CUDA_HEADERS
 // The mma.sync kernels (sm_80 and newer). Return the launch error, if any.

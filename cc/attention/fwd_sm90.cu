@@ -29,11 +29,9 @@ template <typename T, int D, int DV, int CONSUMERS_> struct FwdH {
   using Roles = std::conditional_t<CONSUMERS_ == 3, roles<3, /*PRODUCER_REGS=*/32, /*CONSUMER_REGS=*/160>,
                                    roles<2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>>;
   static constexpr int CONSUMERS = Roles::CONSUMERS, THREADS = Roles::THREADS, BQ = 64 * CONSUMERS;
-  // D above 128: K/V tiles of 128 keys take too much space (D = 256: 32 KB each, and O takes 128
-  // registers; D = 192: the next tile's Q, and a staging tile for O, need the room).
-  static constexpr int BK = D <= 128 ? 128 : 64;
+  static constexpr int BK = fwd_tile_keys(D);  // (D = 256: 64, as O takes 128 registers and K/V tiles 32 KB)
   static constexpr int STAGES = D <= 64 ? 4 : 2;
-  static constexpr int Q_STAGES = DV <= 128 ? 2 : 1;  // the next tile's Q loads during this one (not at D = 256: space)
+  static constexpr int Q_STAGES = D <= 128 ? 2 : 1;  // the next tile's Q loads during this one (not above: space)
   static constexpr bool PINGPONG = DV <= 128;  // the consumers take turns issuing their products
   // In the masked kernel the loader tells the consumers, with each key block, the next listed one and
   // the masks it needs (see the consumers' loop); at D = 256 they work both out themselves (the other
@@ -62,17 +60,19 @@ template <typename T, int D, int DV, int CONSUMERS_> struct FwdH {
     bool stage_o;  // see stages_o
   };
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
-  // Shared memory after Shared (and the bias's scratch): at DV <= 128 a staging tile of O per consumer
-  // (O goes out through it and one TMA store, instead of each thread's global stores), then with
-  // segment ids the block lists of the two announced tiles. Where both do not fit (D = 128: keys past
-  // 256k with segment ids; a bias), the consumers store O themselves.
+  static_assert(smem <= MAX_SHARED_BYTES);
+  // Shared memory after Shared (and the bias's scratch): where it fits (D <= 128) a staging tile of O
+  // per consumer (O goes out through it and one TMA store, instead of each thread's global stores),
+  // then with segment ids the block lists of the two announced tiles. Where both do not fit (D = 128:
+  // keys past 256k with segment ids; a bias), the consumers store O themselves.
+  static constexpr bool STAGE_O = smem + CONSUMERS * sizeof(OTile) <= MAX_SHARED_BYTES;
   static size_t lists_bytes(const Params &p, bool full) {
     return full && (p.q_segment_ids || p.mask_blocks) ? 2 * block_list_bytes((p.kv_len + BK - 1) / BK) : 0;
   }
   // With a bias, first each consumer warp's scratch tile (see RowBias).
   __host__ __device__ static size_t bias_bytes(const Params &p) { return p.bias ? CONSUMERS * 4 * BIAS_SCRATCH : 0; }
   static bool stages_o(const Params &p, bool full, size_t max_smem) {
-    return DV <= 128 && smem + bias_bytes(p) + CONSUMERS * sizeof(OTile) + lists_bytes(p, full) <= max_smem;
+    return STAGE_O && smem + bias_bytes(p) + CONSUMERS * sizeof(OTile) + lists_bytes(p, full) <= max_smem;
   }
   static size_t extra_bytes(const Params &p, bool full, bool stage_o) {
     return bias_bytes(p) + (stage_o ? CONSUMERS * sizeof(OTile) : 0) + lists_bytes(p, full);
@@ -146,7 +146,7 @@ template <bool FULL> __device__ __forceinline__ KeyRule tile_rule(const Params &
 //     memory), online softmax in registers, O += P V (wgmma, P from registers), pipelined so that the
 //     softmax of one block overlaps the P V product of the previous, and they take turns issuing
 //     their products (ping-pong), so that one's softmax runs while the tensor cores work for another;
-//     each writes its rows of O through a staging tile and a TMA store (DV <= 128).
+//     each writes its rows of O through a staging tile and a TMA store (where it fits: STAGE_O).
 // setmaxnreg moves registers from the producer to the consumers. A tile whose rows see no key loads
 // nothing and stores O = 0, lse = -inf. Only the tiles that cut through a rule or a segment
 // boundary are masked elementwise (KeyRule, BlockList::one_segment). BIAS (with DENSE, when a bias
@@ -154,7 +154,7 @@ template <bool FULL> __device__ __forceinline__ KeyRule tile_rule(const Params &
 template <typename T, int D, int DV, bool FULL, bool DENSE, bool BIAS, int CONSUMERS_> struct FwdSm90 {
   using C = FwdH<T, D, DV, CONSUMERS_>;
   // The masked kernels' tiles: those of Params::fwd_tiles and of the mask's blocks (attention.h).
-  static_assert(!FULL || (C::BQ == FWD_TILE_ROWS && C::BK == (D <= 128 ? FWD_TILE_KEYS : FWD_TILE_KEYS_D256)));
+  static_assert(!FULL || C::BQ == FWD_TILE_ROWS);
   static_assert(!FULL || (MASK_BLOCK_ROWS % C::BQ == 0 && MASK_BLOCK_KEYS % C::BK == 0));  // (mask_code)
   using Roles = typename C::Roles;
   using Tile = TileSlot;
@@ -170,7 +170,7 @@ template <typename T, int D, int DV, bool FULL, bool DENSE, bool BIAS, int CONSU
   const Params p = a.p;  // a copy: the fields it uses stay in registers (no reloads after each memory clobber)
   const int tiles = FULL && p.fwd_tiles ? fwd_tile_cap(p.q_len) * p.q_heads * p.batch : (p.q_len + C::BQ - 1) / C::BQ * p.q_heads * p.batch;
   const bool listed = FULL && (p.q_segment_ids || p.mask_blocks);  // (see fwd_tile)
-  const bool stage_o = DV <= 128 && (!FULL || a.stage_o);  // (always in plain attention: see fwd_sm90)
+  const bool stage_o = C::STAGE_O && (!FULL || a.stage_o);  // (always in plain attention: see fwd_sm90)
   char *const bias_scratch = reinterpret_cast<char *>(&sm + 1);
   typename C::OTile *const o_stages = reinterpret_cast<typename C::OTile *>(bias_scratch + C::bias_bytes(p));
   uint32_t *const lists = reinterpret_cast<uint32_t *>(o_stages + (stage_o ? CONSUMERS : 0));  // two slots of list_words words
@@ -474,9 +474,9 @@ template <typename T, int D, int DV, bool FULL, bool DENSE, int CONSUMERS> cudaE
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (e != cudaSuccess) return e;
-  // (Plain attention always stages O at DV <= 128: it fits, and the kernel takes it as known.)
+  // (Plain attention always stages O where it can: it fits, and the kernel takes it as known.)
   a.stage_o = C::stages_o(p, FULL, size_t(max_smem));
-  if (!FULL && DV <= 128 && !a.stage_o) return cudaErrorInvalidConfiguration;
+  if (!FULL && C::STAGE_O && !a.stage_o) return cudaErrorInvalidConfiguration;
   if (listed + 2 * sms >= INT_MAX || p.tile_counter == nullptr) return cudaErrorInvalidValue;
   auto kernel = p.bias ? fwd_sm90_kernel<T, D, DV, FULL, DENSE, DENSE, CONSUMERS> : fwd_sm90_kernel<T, D, DV, FULL, DENSE, false, CONSUMERS>;
   const size_t smem = C::smem + C::extra_bytes(p, FULL, a.stage_o);

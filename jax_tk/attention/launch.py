@@ -165,7 +165,7 @@ def block_spans(ranges, block):
 def fwd_order_blocks(head_dim):
     """The sm_90a forward's tiles: (query rows, keys per key block)."""
     c = contract()
-    return c["FWD_TILE_ROWS"], c["FWD_TILE_KEYS"] if head_dim <= 128 else c["FWD_TILE_KEYS_D256"]
+    return c["FWD_TILE_ROWS"], formulas().fwd_tile_keys(head_dim)
 
 
 def bwd_order_blocks(head_dim):
