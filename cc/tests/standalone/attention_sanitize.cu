@@ -62,25 +62,28 @@ std::vector<int *> boolean_mask(Params &p, std::mt19937 &rng) {
   return {bits_d, reinterpret_cast<int *>(codes_d)};
 }
 
+// vd: the value's head dim (0: d); with MLA's pair (vd != d) only the forward runs, as only it takes that.
 int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mask masked = NONE,
-        bool deterministic = false) {
+        bool deterministic = false, int vd = 0) {
+  vd = vd ? vd : d;
   std::mt19937 rng(b * 1000 + t + s + d);
   Params p{};
   p.dtype = DType::bf16;
-  p.batch = b; p.q_len = t; p.kv_len = s; p.q_heads = n; p.kv_heads = kh; p.head_dim = d; p.v_head_dim = d;
+  p.batch = b; p.q_len = t; p.kv_len = s; p.q_heads = n; p.kv_heads = kh; p.head_dim = d; p.v_head_dim = vd;
   p.scale = 0.125f; p.causal = causal;
   size_t nq = size_t(b) * t * n * d, nk = size_t(b) * s * kh * d, nr = size_t(b) * n * t;
+  size_t no = size_t(b) * t * n * vd, nv = size_t(b) * s * kh * vd;
   p.q = device_random<__nv_bfloat16>(nq, rng);
   p.k = device_random<__nv_bfloat16>(nk, rng);
-  p.v = device_random<__nv_bfloat16>(nk, rng);
-  p.dout = device_random<__nv_bfloat16>(nq, rng);
+  p.v = device_random<__nv_bfloat16>(nv, rng);
+  p.dout = device_random<__nv_bfloat16>(no, rng);
   p.dlse = device_random<float>(nr, rng);
   p.entry_batch = b;
   if (causal) p.sinks = device_random<float>(n, rng);  // (the forward's epilogue with attention sinks)
   void *o, *dq, *dk, *dv;
   float *lse, *delta;
-  CHECK(cudaMalloc(&o, nq * 2)); CHECK(cudaMalloc(&dq, nq * 2));
-  CHECK(cudaMalloc(&dk, nk * 2)); CHECK(cudaMalloc(&dv, nk * 2));
+  CHECK(cudaMalloc(&o, no * 2)); CHECK(cudaMalloc(&dq, nq * 2));
+  CHECK(cudaMalloc(&dk, nk * 2)); CHECK(cudaMalloc(&dv, nv * 2));
   CHECK(cudaMalloc(&lse, nr * 4)); CHECK(cudaMalloc(&delta, nr * 4));
   float *workspace;
   CHECK(cudaMalloc(&workspace, bwd_sm90_workspace_words(b, t, n, d) * 4));
@@ -163,7 +166,7 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
   }
   CHECK(hopper ? fwd_sm90(p, 0) : fwd_sm80(p, 0));
   p.block_order = ordered && !deterministic ? ints[7] : nullptr;
-  CHECK(hopper ? bwd_sm90(p, 0) : bwd_sm80(p, 0));
+  if (vd == d) CHECK(hopper ? bwd_sm90(p, 0) : bwd_sm80(p, 0));
   CHECK(cudaDeviceSynchronize());
   const void *buffers[] = {p.q, p.k, p.v, p.dout, p.dlse, o, dq, dk, dv, lse, delta, workspace, tile_counter};
   for (const void *x : buffers) CHECK(cudaFree(const_cast<void *>(x)));
@@ -175,7 +178,7 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
     CHECK(cudaFree(const_cast<void *>(p.bias)));
   }
   const char *masks[] = {"", " masked", " segments", " window", " documents", " mask and bias"};
-  std::printf("ok b=%d t=%d s=%d n=%d kh=%d d=%d causal=%d %s%s%s\n", b, t, s, n, kh, d, causal,
+  std::printf("ok b=%d t=%d s=%d n=%d kh=%d d=%d dv=%d causal=%d %s%s%s\n", b, t, s, n, kh, d, vd, causal,
               hopper ? "sm90" : "sm80", masks[masked], deterministic ? " deterministic" : "");
   return 0;
 }
@@ -205,6 +208,7 @@ int main() {
         run(2, 300, 300, 4, 2, 128, causal, hopper, DOCUMENTS);
         run(1, 300, 300, 2, 2, 64, causal, hopper, DOCUMENTS);
         run(1, 2048 + 67, 2048 + 90, 1, 1, 64, causal, hopper);  // three consumers (three_consumers); causal: a consumer stops early
+        for (Mask m : {NONE, ALL, SEGMENTS, DENSE}) run(2, 150, 200, 4, 2, MLA_HEAD_DIM_QK, causal, hopper, m, false, MLA_HEAD_DIM_V);
       }
     }
   }
