@@ -8,6 +8,7 @@ Command line::
     python -m benchmarks attention --d 128 --seq 4096,8192 --causal true --providers jax_tk,cudnn,fa3
     python -m benchmarks attention --features             # only the feature rows (see below)
     python -m benchmarks attention --features window --quick
+    python -m benchmarks attention --features mla          # MLA's head dims 192/128 (fwd, fwd_bwd)
     python -m benchmarks report out/bench/attention.csv other.csv --png merged.png
 
 The sweep: head_dim in (64, 128), T = S in 512..16k, causal and not, B*T = 16k tokens, H*D = 2048,
@@ -18,9 +19,9 @@ fails for a configuration gets its error recorded and the sweep goes on; one tha
 it (``cudnn_packed`` without documents, Pallas with a window, FA3 at head_dim 64, jla without the
 causal mask) is recorded as skipped, and one whose package is missing as skipped, "unavailable".
 
-Feature rows (``--features [gqa,window,documents,mask,bias]``). They replace the sweep in that run;
-they are not part of the default run (14 configurations x 5 providers at 16k tokens: compiling and
-autotuning alone take minutes). bf16, D = 128, B*T = 16k tokens:
+Feature rows (``--features [gqa,window,documents,mask,bias,sinks,mla]``). They replace the sweep in
+that run; they are not part of the default run (tens of configurations x 5 providers at 16k tokens:
+compiling and autotuning alone take minutes). bf16, D = 128 (MLA: 192/128), B*T = 16k tokens:
 
 - ``gqa``: 32 query heads, 8 key/value heads, T = S in 4k (B = 4) and 16k (B = 1), causal and not;
   key/value are passed with 8 heads to every provider.
@@ -35,19 +36,30 @@ autotuning alone take minutes). bf16, D = 128, B*T = 16k tokens:
   one dense boolean ``mask`` ``[B, 1, T, S]`` made inside the timed call (jax_tk too).
 - ``bias``: a random bf16 bias ``[1, H, T, S]`` (an input of the timed call; the backward returns its
   gradient), T = S = 4k, B = 4, H = 16, causal and not: jax_tk, cuDNN and XLA.
+- ``sinks``: attention sinks ``[H]`` at the bias rows' shape (jax_tk only; the others skip).
+- ``mla``: MLA's training attention (DeepSeek-V2/V3): query/key head dim 192, value head dim 128
+  (``key`` ``[B, S, H, 192]``, ``value`` ``[B, S, H, 128]``, output ``[B, T, H, 128]``, scale
+  1/sqrt(192)), causal, T = S in 2k, 4k, 8k, 16k, B = 16k // T, H = 16 and 128 with as many key/value
+  heads: 8 rows. FLOPs ``2*B*H*(D + Dv)*visible`` (``visible``: the causal pairs), backward 2.5x. No
+  plain baseline (an equal-dims problem is another problem): the table gives jax_tk's speed-up over
+  the fastest peer instead. A run of MLA rows alone times ``fwd`` and ``fwd_bwd`` unless ``--modes``
+  says otherwise, and its default providers are jax_tk, xla and the installed peers. How each
+  provider takes the unequal head dims (or why it is skipped) is in ``attention_providers``.
 
 FLOPs of these rows count only the visible (query, key) pairs of the mask ("useful FLOPs"): forward
-``4*B*H*D*visible``, backward 2.5x; ``visible`` is counted on the host in O(T) per document
-(``visible_pairs``). Each feature row follows a ``plain`` row: plain attention with the same batch,
-heads, head_dim and causal flag and q_len = kv_len (a multiple of 128) chosen so that its useful FLOPs
-are closest to the feature row's (within about 2%; for ``gqa`` the same shape with 32 key/value heads).
+``4*B*H*D*visible`` (``2*B*H*(D + Dv)*visible`` for MLA), backward 2.5x; ``visible`` is counted on the
+host in O(T) per document (``visible_pairs``). Each feature row but MLA's follows a ``plain`` row:
+plain attention with the same batch, heads, head_dim and causal flag and q_len = kv_len (a multiple of
+128) chosen so that its useful FLOPs are closest to the feature row's (within about 2%; for ``gqa`` the
+same shape with 32 key/value heads).
 The table and the CSV column ``vs_plain`` give each feature row's TFLOP/s as a fraction of the same
 provider's on its plain row (``cudnn_packed`` against ``cudnn``'s); jax_tk aims at >= 90%. The
 feature PNG shows TFLOP/s bars with the plain rows as black marks.
 
 What is timed (``--modes``; the same harness and method for every provider, see ``harness``):
 
-- ``fwd``: the forward pass, ``out = f(q, k, v)``; FLOPs ``4*B*H*T*S*D``, halved when causal.
+- ``fwd``: the forward pass, ``out = f(q, k, v)``; FLOPs ``4*B*H*T*S*D`` (``2*B*H*T*S*(D + Dv)`` where
+  the value's head dim ``Dv`` differs), halved when causal.
 - ``bwd``: the backward pass alone, as FlashAttention's and cuDNN's benchmarks report it: the forward
   runs once, untimed, through ``jax.vjp``; the timed program is the jitted VJP function applied to
   the output cotangent (it reads the saved residuals and writes dq, dk, dv). FLOPs 2.5x forward.
@@ -83,11 +95,11 @@ import jax.numpy as jnp
 
 from benchmarks import cli, harness, output
 from benchmarks.attention_configs import (
-    DTYPES, FEATURES, QUICK_HEAD_DIMS, QUICK_HIDDEN, QUICK_SEQ_LENS, QUICK_TOKENS, DEFAULT_HEAD_DIMS,
+    DTYPES, FEATURES, MLA_MODES, QUICK_HEAD_DIMS, QUICK_HIDDEN, QUICK_SEQ_LENS, QUICK_TOKENS, DEFAULT_HEAD_DIMS,
     DEFAULT_HIDDEN, DEFAULT_SEQ_LENS, DEFAULT_TOKENS, FEATURE_SIZES, QUICK_FEATURE_SIZES, AttentionConfig,
     feature_configs, sweep_configs)
 from benchmarks.attention_providers import (
-    DEFAULT_PROVIDERS, FEATURE_PROVIDERS, PROVIDERS, default_providers, make_provider)
+    DEFAULT_PROVIDERS, FEATURE_PROVIDERS, PROVIDERS, default_providers, feature_providers, make_provider)
 from benchmarks.attention_report import format_table, plot, set_vs_plain
 from benchmarks.harness import DEFAULT_MODES, MODES, Provider, Result
 from benchmarks.timers import make_timer
@@ -106,8 +118,8 @@ def reference():
 
 
 def _input_shapes(cfg: AttentionConfig) -> list[tuple]:
-    """(q, k, v, [bias,] dout)."""
-    return [cfg.shape_q, cfg.shape_kv, cfg.shape_kv] + ([cfg.bias_shape] if cfg.bias else []) + [cfg.shape_q]
+    """(q, k, v, [bias,] dout); v and dout (the output's cotangent) with the value's head dim."""
+    return [cfg.shape_q, cfg.shape_kv, cfg.shape_v] + ([cfg.bias_shape] if cfg.bias else []) + [cfg.shape_out]
 
 
 def _input_bytes(cfg: AttentionConfig) -> int:
@@ -207,9 +219,11 @@ def add_arguments(a) -> None:
     a.add_argument("--features", nargs="?", const=",".join(FEATURES), default=None,
                    type=cli.str_list(FEATURES), metavar="LIST",
                    help=f"run only the feature rows (from {','.join(FEATURES)}; all when no LIST), each "
-                        "with a plain baseline at about the same useful FLOPs, instead of the sweep; "
-                        f"default providers {','.join(FEATURE_PROVIDERS)}; --seq sets the gqa lengths, "
-                        "--tokens B*T, --d the head dim; not part of the default run")
+                        "with a plain baseline at about the same useful FLOPs (mla: none; its table gives "
+                        "jax_tk's speed-up over the fastest peer), instead of the sweep; default providers "
+                        f"{','.join(FEATURE_PROVIDERS)} (mla alone: jax_tk,xla and the installed peers; "
+                        f"modes {','.join(MLA_MODES)}); --seq sets the gqa and mla lengths, --tokens B*T, --d "
+                        "the head dim (not mla's: 192/128); not part of the default run")
     cli.add_common_arguments(
         a, op="attention", providers=PROVIDERS, modes=MODES, default_modes=DEFAULT_MODES,
         dtypes=DTYPES, default_providers=f"{','.join(DEFAULT_PROVIDERS)}, and the peers fa3, tokamax, jla "
@@ -225,8 +239,9 @@ def run_attention(args) -> int:
     causals = args.causal or [False, True]
     tokens = args.tokens or (QUICK_TOKENS if quick else DEFAULT_TOKENS)
     hidden = args.hidden or (QUICK_HIDDEN if quick else DEFAULT_HIDDEN)
-    providers = args.providers or (list(FEATURE_PROVIDERS) if features else default_providers())
-    modes = args.modes or list(DEFAULT_MODES)
+    providers = args.providers or (feature_providers(features) if features else default_providers())
+    mla_only = bool(features) and set(features) == {"mla"}
+    modes = args.modes or list(MLA_MODES if mla_only else DEFAULT_MODES)
     dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(args.dtype, args.dtype)
     reps = cli.reps_from(args)
     csv_path, png_path = cli.output_paths(args, "attention_features" if features else "attention")
@@ -234,10 +249,12 @@ def run_attention(args) -> int:
     if features:
         sizes = QUICK_FEATURE_SIZES if quick else FEATURE_SIZES
         sizes = dataclasses.replace(sizes, tokens=args.tokens or sizes.tokens,
-                                    gqa_seq_lens=tuple(args.seq or sizes.gqa_seq_lens))
+                                    gqa_seq_lens=tuple(args.seq or sizes.gqa_seq_lens),
+                                    mla_seq_lens=tuple(args.seq or sizes.mla_seq_lens))
         configs = feature_configs(features, causals, sizes=sizes, head_dims=args.d, dtype=dtype)
-        flops_note = ("FLOPs: useful only, fwd 4*B*H*D*(visible query-key pairs), bwd 2.5x fwd; % = "
-                      "TFLOP/s relative to the plain row of about the same useful FLOPs")
+        flops_note = ("FLOPs: useful only, fwd 2*B*H*(D+Dv)*(visible query-key pairs) (= 4*B*H*D*visible "
+                      "where Dv = D), bwd 2.5x fwd, fwd_bwd 3.5x fwd; % = TFLOP/s relative to the plain row "
+                      "of about the same useful FLOPs")
         what = f"features={','.join(features)} tokens={sizes.tokens}"
     else:
         head_dims = args.d or (QUICK_HEAD_DIMS if quick else DEFAULT_HEAD_DIMS)

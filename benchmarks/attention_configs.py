@@ -1,11 +1,13 @@
 """Attention benchmark configurations: the problems, the sweep, the feature rows, and their FLOPs.
 
 FLOPs are counted the standard way (FlashAttention's benchmarks): forward ``4*B*H*T*S*D``, halved
-when causal; backward 2.5x forward; forward+backward 3.5x. Feature rows (grouped KV, sliding window,
-packed documents, masks given as a dense boolean mask, an additive bias) count only the (query, key)
-pairs their mask leaves visible ("useful FLOPs"),
-counted on the host in O(T) per document (``visible_pairs``); each is compared with a plain row of
-about the same useful FLOPs (``plain_baseline``).
+when causal; backward 2.5x forward; forward+backward 3.5x. With a value head dim ``Dv`` unlike the
+query/key head dim ``D`` (MLA: 192 and 128) the forward's two products are ``2*T*S*D`` (Q K^T) and
+``2*T*S*Dv`` (P V): ``2*B*H*T*S*(D + Dv)``, which is ``4*B*H*T*S*D`` when they are equal. Feature rows
+(grouped KV, sliding window, packed documents, masks given as a dense boolean mask, an additive bias,
+sinks, MLA's head dims) count only the (query, key) pairs their mask leaves visible ("useful FLOPs"),
+counted on the host in O(T) per document (``visible_pairs``); each but the MLA rows is compared with
+a plain row of about the same useful FLOPs (``plain_baseline``).
 """
 from __future__ import annotations
 
@@ -17,7 +19,12 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-FEATURES = ("gqa", "window", "documents", "mask", "bias", "sinks")
+FEATURES = ("gqa", "window", "documents", "mask", "bias", "sinks", "mla")
+# Feature rows without a plain baseline: MLA's rows are compared with the peers running the same
+# head dims (the ratio to the best peer), not with an equal-dims problem of other FLOPs.
+NO_BASELINE = ("mla",)
+# The modes of a run of MLA rows alone (the issue's rows: the forward, and forward + backward).
+MLA_MODES = ("fwd", "fwd_bwd")
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp16": jnp.float16, "float16": jnp.float16}
 
@@ -38,18 +45,29 @@ QUICK_HIDDEN = 128
 
 
 def attention_flops(batch: int, q_len: int, kv_len: int, heads: int, head_dim: int,
-                    causal: bool, mode: str = "fwd") -> float:
+                    causal: bool, mode: str = "fwd", v_head_dim: int | None = None) -> float:
     """FLOPs of attention counted the standard way (FlashAttention's benchmarks).
 
-    Forward: two matrix products of ``2*T*S*D`` each per (batch, head), ``4*B*H*T*S*D``, halved when
-    causal; backward 2.5x the forward (five matrix products against two); forward+backward 3.5x.
+    Forward: two matrix products per (batch, head), ``2*T*S*D`` (Q K^T) and ``2*T*S*Dv`` (P V), so
+    ``2*B*H*T*S*(D + Dv)`` (``4*B*H*T*S*D`` when ``v_head_dim`` is None or equal), halved when causal;
+    backward 2.5x the forward (five matrix products against two); forward+backward 3.5x.
     """
     if mode not in MODE_FLOP_FACTOR:
         raise ValueError(f"mode must be one of {tuple(MODE_FLOP_FACTOR)}, got {mode!r}")
-    fwd = 4.0 * batch * heads * q_len * kv_len * head_dim
+    fwd = 2.0 * batch * heads * q_len * kv_len * (head_dim + (head_dim if v_head_dim is None else v_head_dim))
     if causal:
         fwd /= 2.0
     return fwd * MODE_FLOP_FACTOR[mode]
+
+
+def useful_flops(heads: int, head_dim: int, visible: int, mode: str = "fwd",
+                 v_head_dim: int | None = None) -> float:
+    """FLOPs of the (query, key) pairs a mask leaves visible (``visible``, summed over the batch):
+    forward ``2*H*(D + Dv)*visible`` (``4*H*D*visible`` for equal head dims), backward 2.5x."""
+    if mode not in MODE_FLOP_FACTOR:
+        raise ValueError(f"mode must be one of {tuple(MODE_FLOP_FACTOR)}, got {mode!r}")
+    dv = head_dim if v_head_dim is None else v_head_dim
+    return 2.0 * heads * (head_dim + dv) * visible * MODE_FLOP_FACTOR[mode]
 
 
 def visible_pairs(q_len: int, kv_len: int, *, causal: bool = False, window=None,
@@ -148,10 +166,13 @@ class AttentionConfig:
     as_mask: bool = False  # the causal mask and the documents go to every provider as a dense boolean mask
     bias: bool = False  # every provider takes a random additive bias [1, heads, q_len, kv_len]
     sinks: bool = False  # attention sinks [heads] (sink_values; only jax_tk takes them, the others skip)
+    v_head_dim: int | None = None  # the value's (and the output's) head dim; None: = head_dim (normalized)
 
     def __post_init__(self):
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.window is not None:
@@ -167,7 +188,27 @@ class AttentionConfig:
 
     @property
     def shape_kv(self):
+        """The key's shape (and the value's where the head dims are equal: ``shape_v``)."""
         return (self.batch, self.kv_len, self.kv_heads, self.head_dim)
+
+    @property
+    def shape_v(self):
+        return (self.batch, self.kv_len, self.kv_heads, self.v_head_dim)
+
+    @property
+    def shape_out(self):
+        """The output's shape (and its cotangent's): the query's with the value's head dim."""
+        return (self.batch, self.q_len, self.heads, self.v_head_dim)
+
+    @property
+    def mla(self) -> bool:
+        """The value's head dim differs from the query's and key's (MLA: 192 and 128)."""
+        return self.v_head_dim != self.head_dim
+
+    @property
+    def d_label(self) -> str:
+        """``128``, or ``192/128`` (query/key, value) where they differ."""
+        return f"{self.head_dim}/{self.v_head_dim}" if self.mla else str(self.head_dim)
 
     @property
     def jnp_dtype(self):
@@ -199,10 +240,8 @@ class AttentionConfig:
     def flops(self, mode: str) -> float:
         if not self.useful:
             return attention_flops(self.batch, self.q_len, self.kv_len, self.heads, self.head_dim,
-                                   self.causal, mode)
-        if mode not in MODE_FLOP_FACTOR:
-            raise ValueError(f"mode must be one of {tuple(MODE_FLOP_FACTOR)}, got {mode!r}")
-        return 4.0 * self.heads * self.head_dim * self.visible() * MODE_FLOP_FACTOR[mode]
+                                   self.causal, mode, self.v_head_dim)
+        return useful_flops(self.heads, self.head_dim, self.visible(), mode, self.v_head_dim)
 
     @property
     def bias_shape(self):
@@ -228,13 +267,14 @@ class AttentionConfig:
 
     def label(self) -> str:
         h = f"H={self.heads}" + (f"/{self.kv_heads}kv" if self.kv_heads != self.heads else "")
-        text = f"B={self.batch} T={self.q_len} S={self.kv_len} {h} D={self.head_dim} {self.mask_label()}"
+        text = f"B={self.batch} T={self.q_len} S={self.kv_len} {h} D={self.d_label} {self.mask_label()}"
         return f"[{self.feature}] {text}" if self.feature else text
 
 
     # The CSV columns (harness.csv_fields puts them between the environment and the measurement).
     CSV_FIELDS = ("dtype", "batch", "q_len", "kv_len", "heads", "head_dim", "causal",
-                  "feature", "kv_heads", "window", "documents", "doc_seed", "as_mask", "bias", "sinks")
+                  "feature", "kv_heads", "window", "documents", "doc_seed", "as_mask", "bias", "sinks",
+                  "v_head_dim")
 
     def csv_row(self) -> dict:
         return {
@@ -244,6 +284,7 @@ class AttentionConfig:
             "window": "" if self.window is None else f"{self.window[0]}:{self.window[1]}",
             "documents": self.documents or "", "doc_seed": self.doc_seed if self.documents else "",
             "as_mask": self.as_mask or "", "bias": self.bias or "", "sinks": self.sinks or "",
+            "v_head_dim": self.v_head_dim,
         }
 
     @classmethod
@@ -258,7 +299,9 @@ class AttentionConfig:
                    kv_heads=int(row["kv_heads"]) if row.get("kv_heads") else None,
                    window=window, documents=int(row.get("documents") or 0),
                    doc_seed=int(row.get("doc_seed") or 0), as_mask=row.get("as_mask") == "True",
-                   bias=row.get("bias") == "True", sinks=row.get("sinks") == "True")
+                   bias=row.get("bias") == "True", sinks=row.get("sinks") == "True",
+                   # (CSVs from before the column: the value's head dim is the query's)
+                   v_head_dim=int(row["v_head_dim"]) if row.get("v_head_dim") else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -304,15 +347,25 @@ class FeatureSizes:
     documents: int = 8
     doc_seed: int = 0
     bias_seq_len: int = 4096  # bias rows: T = S (B = tokens // T; the bias is [1, heads, T, S])
+    mla_head_dims: tuple[int, int] = (192, 128)  # MLA rows: query/key head dim, value head dim
+    mla_heads: tuple[int, ...] = (16, 128)  # (as many key/value heads as query heads)
+    mla_seq_lens: tuple[int, ...] = (2048, 4096, 8192, 16384)
 
 
 FEATURE_SIZES = FeatureSizes()
 QUICK_FEATURE_SIZES = FeatureSizes(tokens=QUICK_TOKENS, head_dim=64, gqa_heads=(4, 2),
-                                   gqa_seq_lens=(128, 256), heads=2, window=(64, 0), documents=8, bias_seq_len=128)
+                                   gqa_seq_lens=(128, 256), heads=2, window=(64, 0), documents=8, bias_seq_len=128,
+                                   mla_heads=(2,), mla_seq_lens=(128,))
 
 
 def _align_for(t: float) -> int:
     return 128 if t >= 1024 else 16
+
+
+def has_baseline(cfg: AttentionConfig) -> bool:
+    """Whether ``cfg`` is a feature row compared with a plain row (``plain_baseline``): not the sweep,
+    not a plain row itself, not an MLA row (``NO_BASELINE``)."""
+    return cfg.feature not in ("", "plain", *NO_BASELINE)
 
 
 def plain_baseline(cfg: AttentionConfig, batch: int | None = None) -> AttentionConfig:
@@ -320,7 +373,7 @@ def plain_baseline(cfg: AttentionConfig, batch: int | None = None) -> AttentionC
     as ``cfg``: same batch (or ``batch`` rows, e.g. one per packed document), heads, head_dim, causal
     flag and dtype, and q_len = kv_len chosen (a multiple of 128, or of 16 under 1024) so that its
     visible pairs are closest to ``cfg``'s. For a grouped-KV row that is the same shape with as many
-    key/value heads as query heads."""
+    key/value heads as query heads. (MLA rows have none: ``has_baseline``.)"""
     batch = batch or cfg.batch
     per_row = cfg.visible() / batch
     if cfg.causal:  # T (T + 1) / 2 = per_row
@@ -336,10 +389,20 @@ def plain_baseline(cfg: AttentionConfig, batch: int | None = None) -> AttentionC
                            head_dim=cfg.head_dim, causal=cfg.causal, dtype=cfg.dtype, feature="plain")
 
 
+def mla_configs(sizes: FeatureSizes = FEATURE_SIZES, dtype: str = "bf16") -> list[AttentionConfig]:
+    """MLA's training attention (DeepSeek-V2/V3): causal, query/key head dim 192 and value head dim 128
+    (``sizes.mla_head_dims``), as many key/value heads as query heads (``sizes.mla_heads``: 16 and
+    128), T = S in ``sizes.mla_seq_lens`` (2k to 16k), batch = tokens // T: 8 rows by default."""
+    d, dv = sizes.mla_head_dims
+    return [AttentionConfig(max(1, sizes.tokens // t), t, t, h, d, True, dtype, feature="mla", v_head_dim=dv)
+            for h in sizes.mla_heads for t in sizes.mla_seq_lens]
+
+
 def feature_configs(features: Sequence[str] = FEATURES, causals: Sequence[bool] = (False, True), *,
                     sizes: FeatureSizes = FEATURE_SIZES, head_dims: Sequence[int] | None = None,
                     dtype: str = "bf16", baselines: bool = True) -> list[AttentionConfig]:
-    """The feature rows, each preceded by its plain baseline (``plain_baseline``; each baseline once):
+    """The feature rows, each but the MLA rows preceded by its plain baseline (``plain_baseline``;
+    each baseline once):
 
     - ``gqa``: grouped KV, ``sizes.gqa_heads`` = (32 query, 8 key/value) heads, T = S in
       ``sizes.gqa_seq_lens``, batch = tokens // T, causal and not;
@@ -351,7 +414,9 @@ def feature_configs(features: Sequence[str] = FEATURES, causals: Sequence[bool] 
     - ``bias``: an additive bias ``[1, H, T, S]``, T = S = ``sizes.bias_seq_len``, B = tokens // T,
       causal and not;
     - ``sinks``: attention sinks ``[H]`` (``sinks=``), at the shape of the bias rows, causal and not
-      (its baseline: the same call without them).
+      (its baseline: the same call without them);
+    - ``mla``: ``mla_configs`` (causal only; their own head dims, whatever ``head_dims`` says; no
+      plain baseline: they are compared with the peers at the same head dims).
     """
     bad = [f for f in features if f not in FEATURES]
     if bad:
@@ -360,6 +425,10 @@ def feature_configs(features: Sequence[str] = FEATURES, causals: Sequence[bool] 
     rows: list[AttentionConfig] = []
     for d in head_dims:
         for feature in features:
+            if feature == "mla":  # (once, at its own head dims; causal only)
+                if d == head_dims[0] and any(causals):
+                    rows += mla_configs(sizes, dtype)
+                continue
             for causal in causals:
                 causal = bool(causal)
                 if feature == "gqa":
@@ -388,8 +457,8 @@ def feature_configs(features: Sequence[str] = FEATURES, causals: Sequence[bool] 
         return rows
     out: list[AttentionConfig] = []
     for cfg in rows:
-        base = plain_baseline(cfg)
-        if base not in out:
+        base = plain_baseline(cfg) if has_baseline(cfg) else None
+        if base is not None and base not in out:
             out.append(base)
         out.append(cfg)
     return out

@@ -17,7 +17,8 @@
 - ``tokamax``: ``tokamax.dot_product_attention(..., implementation="mosaic")`` (its Pallas Mosaic GPU
   kernel), with the arguments of ``jax.nn.dot_product_attention`` (documents as the same dense mask);
 - ``jla``: jax-linear-attention's ``jla.ops.mosaic_gpu.attention.flash_attention`` (Pallas Mosaic
-  GPU, Hopper): causal only, queries and keys of one length, head_dim 64 or 128; documents as
+  GPU, Hopper): causal only, queries and keys of one length, the head dims its own
+  ``supported(q, k, v)`` takes (given the value's own shape); documents as
   ``segment_ids``, the window ``(left, 0)`` as ``sliding_window=left + 1`` (it counts the query);
 - ``xla``: ``jax.nn.dot_product_attention(implementation="xla")``; skipped where its ``[B, H, T, S]``
   float32 logits (``T*S*B*H*4`` bytes) would exceed ``--xla-max-gb``;
@@ -29,12 +30,35 @@
   ``jax.experimental.pallas.ops.gpu.attention.mha``.
 
 The peers (fa3, tokamax, jla: ``peers``) are recorded as skipped, "unavailable: ...", where their
-package is not installed or there is no CUDA GPU. Every provider takes ``(q, k, v)`` as ``[B, T, H, D]``
-and ``[B, S, Hkv, D]`` (grouped KV passed with its fewer heads), and on bias rows ``(q, k, v, bias)``
+package is not installed or there is no CUDA GPU. Every provider takes ``(q, k, v)`` as ``[B, T, H, D]``,
+``[B, S, Hkv, D]`` and ``[B, S, Hkv, Dv]`` (grouped KV passed with its fewer heads; ``Dv = D`` but on
+MLA's rows), and on bias rows ``(q, k, v, bias)``
 with ``bias`` ``[1, H, T, S]``, and is timed by the same harness in the same way. On rows with
 ``as_mask`` every provider that takes a mask (jax_tk, cuDNN, tokamax, XLA) gets the causal mask and
 the documents as one dense boolean mask ``[B, 1, T, S]``, built inside the timed call
 (``dense_mask``); the others are skipped there.
+
+Value head dim unlike the query's (MLA's rows: query/key 192, value 128; the output ``[B, T, H, 128]``):
+
+- ``jax_tk``, ``jax_tk_auto``: ``jax_tk.attention`` takes the value with its own head dim;
+- ``cudnn``: skipped. ``jax.nn.dot_product_attention`` refuses a value whose shape is not the key's
+  (its own check, before any implementation). The cuDNN wrapper it calls for
+  ``implementation="cudnn"`` does take unequal head dims (cuDNN's MLA: cuDNN >= 9.10, Hopper), but it
+  is private to jax, and this benchmark uses jax's public API only;
+- ``xla``: jax.nn refuses it for XLA too (and its XLA path reshapes the output to the query's head
+  dim), so this row is jax_tk's pure-JAX reference, ``jax_tk.attention.reference.attention``, jitted:
+  float32 logits and products at HIGHEST precision, not jax.nn's bf16 ones, so it is slower than the
+  ``xla`` rows at equal head dims (the note says so);
+- ``tokamax``: ``tokamax.dot_product_attention`` documents a value (and output) head dim of its own,
+  and its Mosaic kernel sizes the value's and the output's tiles by it: it gets the value as it is;
+- ``jla``: its own ``supported(q, k, v)`` gets the value's true shape and decides (the MLA issue says
+  it takes 192/128; where it does not, the row is skipped with its reason);
+- ``fa3``: ``flash_attn3_jax.flash_mha`` declares its output with the query's shape and its lowering
+  asserts that key and value have one shape (0.2.x; its PyPI wheel has head dim 128 only besides):
+  skipped, after asking the installed module (``jax.eval_shape``) what output shape it gives;
+- ``pallas``, ``pallas_triton``, ``cudnn_packed``: skipped (one head dim for query, key and value; jax
+  0.10's ``attention_mgpu`` checks the key's shape twice and never the value's, so it would not refuse
+  such a value itself; ``cudnn_packed`` goes through jax.nn).
 """
 from __future__ import annotations
 
@@ -53,12 +77,21 @@ from benchmarks.harness import Provider, Skip, factory, has_gpu, short_error
 DEFAULT_PROVIDERS = ("jax_tk", "cudnn", "xla", "pallas")  # and the installed peers: default_providers()
 PEERS = ("fa3", "tokamax", "jla")
 FEATURE_PROVIDERS = ("jax_tk", "jax_tk_auto", "cudnn", "cudnn_packed", "xla")
+MLA_PROVIDERS = ("jax_tk", "xla")  # and the installed peers: feature_providers(["mla"]) (cudnn: skipped there)
 LOGITS = "T*S*B*H*4"  # what XLA and the reference materialize (Provider.scratch_what)
 
 
 def default_providers() -> list[str]:
     """The plain sweep's providers: DEFAULT_PROVIDERS, and the peers that are installed."""
     return list(DEFAULT_PROVIDERS) + peers.installed_peers(PEERS)
+
+
+def feature_providers(features) -> list[str]:
+    """A feature run's providers: FEATURE_PROVIDERS; for MLA's rows alone MLA_PROVIDERS and the installed
+    peers (the rows' ratio is against the fastest peer)."""
+    if features and set(features) == {"mla"}:
+        return list(MLA_PROVIDERS) + peers.installed_peers(PEERS)
+    return list(FEATURE_PROVIDERS)
 
 
 def _logits(p: Provider, cfg: AttentionConfig) -> Provider:
@@ -131,9 +164,8 @@ def _jax_tk_provider(cfg: AttentionConfig, scale: float, auto: bool = False) -> 
     # if not, this provider times the reference, which holds [B, H, T, S] float32 logits like XLA.
     probe = _with_mask_and_bias(cfg, functools.partial(jax_tk.attention, scale=scale, is_causal=causal,
                                                        implementation="tk", **kw), dense_mask(cfg) if cfg.as_mask else None)
-    shapes = [jax.ShapeDtypeStruct(cfg.shape_q, cfg.jnp_dtype)] + 2 * [
-        jax.ShapeDtypeStruct(cfg.shape_kv, cfg.jnp_dtype)] + ([jax.ShapeDtypeStruct(cfg.bias_shape, cfg.jnp_dtype)]
-                                                             if cfg.bias else [])
+    shapes = [jax.ShapeDtypeStruct(s, cfg.jnp_dtype) for s in (cfg.shape_q, cfg.shape_kv, cfg.shape_v)] + (
+        [jax.ShapeDtypeStruct(cfg.bias_shape, cfg.jnp_dtype)] if cfg.bias else [])
     try:
         jax.eval_shape(probe, *shapes)
     except Exception as e:  # noqa: BLE001 - the kernel refused: the reference runs
@@ -158,10 +190,35 @@ def _jax_nn_style(name: str, attention, cfg: AttentionConfig, scale: float, **kw
     return Provider(name, _with_mask_and_bias(cfg, base, mask), scale, note=note)
 
 
+NO_JAX_NN = "jax.nn.dot_product_attention refuses a value head dim unlike the key's"
+
+
 def _jax_nn_provider(name: str, cfg: AttentionConfig, scale: float) -> Provider:
-    """``jax.nn.dot_product_attention(implementation=name)`` (cudnn, xla)."""
+    """``jax.nn.dot_product_attention(implementation=name)`` (cudnn, xla); at unequal head dims, which
+    jax.nn refuses: cudnn skipped, xla ``_xla_unequal_dims``."""
+    if cfg.mla and name == "cudnn":
+        raise Skip(f"{NO_JAX_NN} (jax's cuDNN wrapper that takes it is private)")
+    if cfg.mla:
+        return _xla_unequal_dims(cfg, scale)
     p = _jax_nn_style(name, jax.nn.dot_product_attention, cfg, scale, implementation=name)
     return _logits(p, cfg) if name == "xla" else p
+
+
+def _reference_jax_nn(query, key, value, bias=None, mask=None, *, scale, is_causal, local_window_size=None):
+    """jax_tk's pure-JAX reference with jax.nn.dot_product_attention's arguments."""
+    from jax_tk.attention import reference
+
+    return reference.attention(query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
+                               local_window_size=local_window_size)
+
+
+def _xla_unequal_dims(cfg: AttentionConfig, scale: float) -> Provider:
+    """XLA at a value head dim unlike the query's (MLA): jax_tk's pure-JAX reference, jitted (by the
+    harness, as every provider), since jax.nn refuses the value for XLA too."""
+    p = _jax_nn_style("xla", _reference_jax_nn, cfg, scale)
+    note = (f"{NO_JAX_NN}: jax_tk.attention.reference.attention jitted instead (float32 at HIGHEST precision, "
+            "slower than jax.nn's bf16 XLA path)")
+    return _logits(dataclasses.replace(p, note="; ".join(filter(None, [note, p.note]))), cfg)
 
 
 def _tokamax_provider(cfg: AttentionConfig, scale: float) -> Provider:
@@ -226,6 +283,8 @@ def _fa3_provider(cfg: AttentionConfig, scale: float) -> Provider:
     fa3 = peers.fa3(cfg)
     kw = dict(softmax_scale=float(scale), is_causal=cfg.causal,
               window_size=(-1, -1) if cfg.window is None else tuple(cfg.window))
+    if cfg.mla:
+        _fa3_check_unequal_dims(fa3, cfg, kw)
     if not cfg.documents:
         return Provider("fa3", functools.partial(fa3.flash_mha, **kw), scale, note="flash_attn3_jax.flash_mha")
     lengths = cfg.document_lengths()
@@ -242,6 +301,23 @@ def _fa3_provider(cfg: AttentionConfig, scale: float) -> Provider:
     return Provider("fa3", fn, scale, note="flash_attn3_jax.flash_mha_varlen (cu_seqlens = documents)")
 
 
+def _fa3_check_unequal_dims(fa3, cfg: AttentionConfig, kw: dict) -> None:
+    """Skip unless the installed ``flash_mha`` gives the output the value's head dim (0.2.x declares it
+    with the query's shape, and its lowering asserts that key and value have one shape)."""
+    if cfg.documents:
+        raise Skip("unequal head dims: flash_mha_varlen not tried")
+    spec = lambda shape: jax.ShapeDtypeStruct(shape, cfg.jnp_dtype)
+    try:
+        out = jax.eval_shape(functools.partial(fa3.flash_mha, **kw), spec(cfg.shape_q), spec(cfg.shape_kv),
+                             spec(cfg.shape_v))
+    except Exception as e:  # noqa: BLE001 - it refuses the shapes
+        raise Skip(f"flash_mha refuses value head dim {cfg.v_head_dim} with {cfg.head_dim}: "
+                   f"{short_error(e, 160)}") from None
+    if tuple(out.shape) != cfg.shape_out:
+        raise Skip(f"flash_attn3_jax.flash_mha gives its output the query's shape {tuple(out.shape)}, not "
+                   f"{cfg.shape_out} (key and value of one shape only)")
+
+
 def _jla_provider(cfg: AttentionConfig, scale: float) -> Provider:
     """jax-linear-attention's ``flash_attention(q, k, v, *, segment_ids, sliding_window, scale)``:
     causal grouped-query attention on ``[B, T, H, D]`` with keys as long as the queries; skipped
@@ -252,7 +328,7 @@ def _jla_provider(cfg: AttentionConfig, scale: float) -> Provider:
     if cfg.q_len != cfg.kv_len:
         raise Skip("keys as long as the queries only")
     spec = lambda shape: jax.ShapeDtypeStruct(shape, cfg.jnp_dtype)
-    reason = attention.supported(spec(cfg.shape_q), spec(cfg.shape_kv), spec(cfg.shape_kv))
+    reason = attention.supported(spec(cfg.shape_q), spec(cfg.shape_kv), spec(cfg.shape_v))
     if reason is not None:
         raise Skip(reason)
     kw = dict(scale=float(scale))
@@ -323,6 +399,7 @@ PROVIDERS = tuple(FACTORIES)
 NO_WINDOW = ("pallas", "pallas_triton", "cudnn_packed")
 NO_DOCUMENTS = ("pallas", "pallas_triton")
 NO_MASK_OR_BIAS = ("pallas", "pallas_triton", "cudnn_packed", "fa3", "jla")
+NO_UNEQUAL_HEAD_DIMS = ("pallas", "pallas_triton", "cudnn_packed")
 
 
 def make_provider(name: str, cfg: AttentionConfig) -> Provider:
@@ -335,4 +412,6 @@ def make_provider(name: str, cfg: AttentionConfig) -> Provider:
         raise Skip("no mask option" if cfg.as_mask else "no bias option")
     if cfg.sinks and not name.startswith("jax_tk"):
         raise Skip("no sinks option")
+    if cfg.mla and name in NO_UNEQUAL_HEAD_DIMS:
+        raise Skip(f"one head dim for query, key and value (value head dim {cfg.v_head_dim} with {cfg.head_dim})")
     return make(cfg, 1.0 / math.sqrt(cfg.head_dim))

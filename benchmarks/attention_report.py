@@ -2,7 +2,8 @@
 
 Tables: per mode, one row per configuration, ``ms (TFLOP/s)`` per provider and jax_tk's speed-up over
 cuDNN; feature rows with the TFLOP/s as a percentage of the same provider's on the plain row of about
-the same useful FLOPs (``vs_plain``). Plots: TFLOP/s against sequence length, one panel per head_dim x
+the same useful FLOPs (``vs_plain``); MLA's rows (no plain row) in a table of their own with jax_tk's
+speed-up over the fastest peer. Plots: TFLOP/s against sequence length, one panel per head_dim x
 causal x mode; for feature rows, bars per row and provider with the plain rows as black marks.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 from typing import Sequence
 
 from benchmarks import output
-from benchmarks.attention_configs import AttentionConfig, plain_baseline
+from benchmarks.attention_configs import AttentionConfig, has_baseline, plain_baseline
 from benchmarks.harness import Result, fmt_tflops
 
 # The plain baseline of a provider that only runs feature rows (cudnn_packed) is another provider's.
@@ -23,7 +24,7 @@ def set_vs_plain(r: Result, by_key: dict) -> None:
     """Fills ``r.vs_plain`` (TFLOP/s over the plain baseline's, same provider and mode) for a feature
     row whose baseline is in ``by_key`` ({(config, provider, mode): Result}) and ran."""
     c = r.config
-    if r.status != "ok" or c.feature in ("", "plain") or not math.isnan(r.vs_plain):
+    if r.status != "ok" or not has_baseline(c) or not math.isnan(r.vs_plain):
         return
     base = by_key.get((plain_baseline(c), BASELINE_PROVIDER.get(r.provider, r.provider), r.mode))
     if base is not None and base.status == "ok" and base.tflops > 0:
@@ -43,19 +44,23 @@ def read_csv(paths: Sequence[str]) -> tuple[list[Result], dict]:
 
 def format_table(results: Sequence[Result], providers: Sequence[str] | None = None) -> str:
     """Per mode: one row per configuration, ``ms (TFLOP/s)`` per provider, and jax_tk's speed-up over
-    cuDNN (cudnn time / jax_tk time, = the ratio of their TFLOP/s; > 1: jax_tk is faster)."""
+    cuDNN (cudnn time / jax_tk time, = the ratio of their TFLOP/s; > 1: jax_tk is faster); MLA's rows
+    apart, with jax_tk's speed-up over the fastest peer."""
     if not results:
         return "(no results)"
     if providers is None:
         providers = list(dict.fromkeys(r.provider for r in results))
     lines = []
     sweep = [r for r in results if not r.config.feature]
-    features = [r for r in results if r.config.feature]
+    features = [r for r in results if r.config.feature and r.config.feature != "mla"]
+    mla = [r for r in results if r.config.feature == "mla"]
+    ran = lambda rs: [p for p in providers if any(r.provider == p for r in rs)]
     if sweep:
-        lines.append(_format_sweep(sweep, [p for p in providers if any(r.provider == p for r in sweep)]))
+        lines.append(_format_sweep(sweep, ran(sweep)))
     if features:
-        lines.append(_format_features(features, [p for p in providers
-                                                 if any(r.provider == p for r in features)]))
+        lines.append(_format_features(features, ran(features)))
+    if mla:
+        lines.append(_format_mla(mla, ran(mla)))
     lines += output.format_problems(results)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -67,13 +72,50 @@ def _fmt_gflop(x: float) -> str:
 _FEATURE_COLUMNS = (
     ("feature", 9, lambda c, m: c.feature), ("mask", 28, lambda c, m: c.mask_label()),
     ("T", 6, lambda c, m: c.q_len), ("B", 3, lambda c, m: c.batch), ("H", 3, lambda c, m: c.heads),
-    ("Hkv", 3, lambda c, m: c.kv_heads), ("D", 4, lambda c, m: c.head_dim),
+    ("Hkv", 3, lambda c, m: c.kv_heads), ("D", 4, lambda c, m: c.d_label),
     ("GFLOP", 7, lambda c, m: _fmt_gflop(c.flops(m) / 1e9)),
 )
 _SWEEP_COLUMNS = (
-    ("D", 4, lambda c, m: c.head_dim), ("causal", 6, lambda c, m: c.causal), ("T", 6, lambda c, m: c.q_len),
+    ("D", 4, lambda c, m: c.d_label), ("causal", 6, lambda c, m: c.causal), ("T", 6, lambda c, m: c.q_len),
     ("S", 6, lambda c, m: c.kv_len), ("B", 4, lambda c, m: c.batch), ("H", 4, lambda c, m: c.heads),
 )
+_MLA_COLUMNS = (
+    ("D", 7, lambda c, m: c.d_label), ("mask", 6, lambda c, m: c.mask_label()), ("T", 6, lambda c, m: c.q_len),
+    ("B", 3, lambda c, m: c.batch), ("H", 4, lambda c, m: c.heads), ("Hkv", 4, lambda c, m: c.kv_heads),
+    ("GFLOP", 7, lambda c, m: _fmt_gflop(c.flops(m) / 1e9)),
+)
+
+
+def best_peer(by_key: dict, cfg, mode: str) -> Result | None:
+    """The fastest timed result of a provider other than jax_tk's (``jax_tk``, ``jax_tk_auto``) on
+    ``cfg`` in ``mode`` (``by_key``: {(config, provider, mode): Result}), or None."""
+    ok = [r for (c, p, m), r in by_key.items()
+          if c == cfg and m == mode and not p.startswith("jax_tk") and r.status == "ok"]
+    return min(ok, key=lambda r: r.time_ms, default=None)
+
+
+def vs_best_peer(by_key: dict, cfg, mode: str) -> str:
+    """``1.23x cudnn``: the fastest peer's time over jax_tk's (> 1: jax_tk is faster), "-" where either
+    did not run."""
+    tk, peer = by_key.get((cfg, "jax_tk", mode)), best_peer(by_key, cfg, mode)
+    if tk is None or tk.status != "ok" or peer is None:
+        return "-"
+    return f"{peer.time_ms / tk.time_ms:.2f}x {peer.provider}"
+
+
+def _format_mla(results: Sequence[Result], providers: Sequence[str]) -> str:
+    """Per mode: one row per MLA configuration, ``ms (TFLOP/s)`` per provider, and jax_tk's speed-up
+    over the fastest peer (``vs_best_peer``)."""
+    by_key = {(r.config, r.provider, r.mode): r for r in results}
+    configs = list(dict.fromkeys(r.config for r in results))
+    lines = []
+    for mode in dict.fromkeys(r.mode for r in results):
+        title = (f"== mla, {mode}: time per call in ms (TFLOP/s of useful FLOPs, 2*B*H*(D+Dv)*visible pairs "
+                 "per forward); tk/best = the fastest peer's time / jax_tk's (> 1: jax_tk is faster) ==")
+        lines += output.format_grid(title, _MLA_COLUMNS, configs, providers, mode, by_key,
+                                    lambda r: f"{r.time_ms:.3f} ({fmt_tflops(r.tflops)})", " ms (TF/s)", 22,
+                                    extra=("tk/best", 16, lambda c, m: vs_best_peer(by_key, c, m)))
+    return "\n".join(lines)
 
 
 def _format_features(results: Sequence[Result], providers: Sequence[str]) -> str:
@@ -170,15 +212,18 @@ def _plot_features(plt, results: Sequence[Result], path: str, env: dict) -> bool
                     continue
                 x = i - 0.4 + (k + 0.5) * width
                 ax.bar(x, r.tflops, width, color=f"C{k % 10}", label=p)
-                base = by_key.get((plain_baseline(cfg), BASELINE_PROVIDER.get(p, p), mode))
+                base = (by_key.get((plain_baseline(cfg), BASELINE_PROVIDER.get(p, p), mode))
+                        if has_baseline(cfg) else None)
                 if base is not None and base.status == "ok":
                     ax.hlines(base.tflops, x - width / 2, x + width / 2, colors="k", linewidth=1.5)
         ax.set_xticks(range(len(configs)))
         ax.set_xticklabels([f"{c.feature}\n{c.mask_label().replace(' (seed', chr(10) + '(seed')}\n"
-                            f"T={c.q_len} H={c.heads}/{c.kv_heads}" for c in configs], fontsize=7)
+                            f"T={c.q_len} H={c.heads}/{c.kv_heads}" + (f"\nD={c.d_label}" if c.mla else "")
+                            for c in configs], fontsize=7)
         ax.set_ylabel("TFLOP/s (useful FLOPs)")
         ax.set_title(f"{mode}: bars = feature rows, black lines = plain attention at about the same "
-                     "useful FLOPs", fontsize=9)
+                     "useful FLOPs" + (" (mla: none)" if any(c.feature == "mla" for c in configs) else ""),
+                     fontsize=9)
         ax.set_ylim(bottom=0)
         ax.grid(True, axis="y", alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()

@@ -18,6 +18,12 @@ from benchmarks import attention_report as report
 ROOT = str(REPO)
 
 
+def _tk_takes_mla() -> bool:
+    from test_bench_attention_mla import _tk_takes_mla as takes
+
+    return takes()
+
+
 def test_flops_forward():
     # Two matrix products per (batch, head): Q K^T and P V, each 2*T*S*D.
     b, t, s, h, d = 2, 256, 512, 4, 64
@@ -259,7 +265,8 @@ def test_feature_configs_default():
     feats = [c for c in configs if c.feature != "plain"]
     assert {c.feature for c in feats} == set(attention_configs.FEATURES)
     for c in configs:
-        assert c.dtype == "bf16" and c.head_dim == 128 and c.batch * c.q_len <= 16384
+        assert c.dtype == "bf16" and c.batch * c.q_len <= 16384
+        assert (c.head_dim, c.v_head_dim) == ((192, 128) if c.feature == "mla" else (128, 128))
     gqa = [c for c in feats if c.feature == "gqa"]
     assert sorted((c.q_len, c.batch, c.causal) for c in gqa) == [
         (4096, 4, False), (4096, 4, True), (16384, 1, False), (16384, 1, True)]
@@ -271,10 +278,10 @@ def test_feature_configs_default():
     for c in docs:
         assert (c.batch, c.q_len, c.heads, c.documents) == (1, 16384, 16, 8)
         assert c.segment_ids().shape == (1, 16384)
-    # Each feature row comes after its plain baseline; baselines appear once.
+    # Each feature row but MLA's comes after its plain baseline; baselines appear once.
     assert len(set(configs)) == len(configs)
     for i, c in enumerate(configs):
-        if c.feature == "plain":
+        if c.feature in ("plain", "mla"):
             continue
         base = attention_configs.plain_baseline(c)
         assert base in configs[:i]
@@ -457,9 +464,10 @@ def test_features_quick_run_cpu(tmp_path, capsys):
         rows = list(csv.DictReader(f))
     # gqa, window, documents, mask (documents and causal as a mask), bias (causal), sinks (causal), and
     # their plain baselines (4: documents and mask share one, the causal mask, the bias and the sinks
-    # another), x providers x 2 modes.
-    assert len(rows) == 11 * len(providers) * 2
+    # another), and one MLA row (no baseline), x providers x 2 modes.
+    assert len(rows) == 12 * len(providers) * 2
     assert {r["feature"] for r in rows} == {"plain", *attention_configs.FEATURES}
+    tk_takes_mla = _tk_takes_mla()
     for r in rows:
         if r["provider"] == "cudnn_packed":
             want = "error" if r["feature"] == "documents" else "skipped"  # no cuDNN on CPU
@@ -468,9 +476,14 @@ def test_features_quick_run_cpu(tmp_path, capsys):
         if r["feature"] == "sinks" and r["provider"] != "jax_tk":  # (only jax_tk takes sinks)
             assert r["status"] == "skipped" and "sinks" in r["note"], r
             continue
+        if r["feature"] == "mla" and r["provider"] == "jax_tk" and not tk_takes_mla:
+            assert r["status"] == "error" and "same shape" in r["note"], r  # (until the library takes it)
+            continue
         assert r["status"] == "ok", r
         assert float(r["tflops"]) > 0 and float(r["rel_err"]) < 2e-2
-        if r["feature"] != "plain":
+        if r["feature"] == "mla":
+            assert r["v_head_dim"] == "128" and r["head_dim"] == "192" and r["vs_plain"] == ""
+        elif r["feature"] != "plain":
             assert float(r["vs_plain"]) > 0
     win = [r for r in rows if r["feature"] == "window"][0]
     assert win["window"] == "64:0"

@@ -119,6 +119,29 @@ def test_fa3_wiring_with_a_stand_in(monkeypatch):
         providers.make_provider("fa3", gqa)
 
 
+def test_fa3_skips_mla_where_flash_mha_gives_the_querys_head_dim(monkeypatch):
+    """flash_attn3_jax 0.2.x declares flash_mha's output with the query's shape (and its lowering asserts
+    that key and value have one shape): at 192/128 the provider asks the installed module for the output
+    shape and skips; the PyPI wheel (head dim 128 only) is skipped before that."""
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_attn3_jax", _fake_fa3(calls))
+    monkeypatch.setattr(peers, "cuda_capability", lambda: "9.0")
+    mla = C(2, 64, 64, 2, 192, True, feature="mla", v_head_dim=128)
+    with pytest.raises(harness.Skip, match="head_dim 192"):
+        providers.make_provider("fa3", mla)
+    monkeypatch.setenv("JAX_TK_FA3_HEAD_DIMS", "128,192")
+    fa3 = sys.modules["flash_attn3_jax"]
+    real = fa3.flash_mha
+    fa3.flash_mha = lambda q, k, v, **kw: jnp.zeros(q.shape, q.dtype) + real(q, k, k, **kw)  # the query's shape
+    with pytest.raises(harness.Skip, match="query's shape") as e:
+        providers.make_provider("fa3", mla)
+    assert not isinstance(e.value, harness.Unavailable)
+    fa3.flash_mha = real  # one that gives the value's head dim is timed
+    results = _run([mla], ["fa3"])
+    assert all(r.status == "ok" and r.rel_err < 2e-2 for r in results), results
+    assert ("flash_mha", (2, 64, 2, 192), (2, 64, 2, 192), (-1, -1)) in calls
+
+
 # ----------------------------------------------------------------------------------------------
 # tokamax
 # ----------------------------------------------------------------------------------------------
@@ -163,6 +186,16 @@ def test_tokamax_attention_with_a_stand_in(monkeypatch, hopper):
     assert ("attention", "mosaic", (1, 128, 2, 64), (32, 0), None, False) in calls
     assert ("attention", "mosaic", (1, 128, 2, 64), None, (1, 1, 128, 128), False) in calls  # documents: a mask
     assert any(c[0] == "attention" and c[5] for c in calls)  # the bias
+
+
+def test_tokamax_takes_mlas_value_as_it_is(monkeypatch, hopper):
+    """tokamax documents a value (and output) head dim of its own: at 192/128 it gets v [B, S, K, 128]."""
+    calls = []
+    monkeypatch.setitem(sys.modules, "tokamax", _fake_tokamax(calls))
+    mla = C(2, 64, 64, 2, 192, True, feature="mla", v_head_dim=128)
+    results = _run([mla], ["tokamax"])
+    assert all(r.status == "ok" and r.rel_err < 2e-2 for r in results), results
+    assert calls and {c[:3] for c in calls} == {("attention", "mosaic", (2, 64, 2, 192))}
 
 
 def test_tokamax_ragged_dot_with_a_stand_in(monkeypatch, hopper):
@@ -236,6 +269,21 @@ def test_jla_attention_with_a_stand_in(monkeypatch, hopper):
     assert ("flash_attention", (2, 64, 2, 64), None, None) in calls  # GQA: kv with its 2 heads
     assert ("flash_attention", (1, 128, 2, 64), 33, None) in calls  # (32, 0): 33 keys with the query
     assert ("flash_attention", (1, 128, 2, 64), None, (1, 128)) in calls
+
+
+def test_jla_gets_mlas_true_value_shape(monkeypatch, hopper):
+    """jla's own supported(q, k, v) sees v [B, S, K, 128], and flash_attention gets it."""
+    calls, asked = [], []
+    _fake_jla(monkeypatch, calls)
+    mod = sys.modules["jla.ops.mosaic_gpu.attention"]
+    mod.supported = lambda q, k, v: asked.append((q.shape, k.shape, v.shape))
+    fa = mod.flash_attention
+    mod.flash_attention = lambda q, k, v, **kw: (calls.append(("v", v.shape)), fa(q, k, v, **kw))[1]
+    mla = C(2, 64, 64, 2, 192, True, feature="mla", v_head_dim=128)
+    results = _run([mla], ["jla"])
+    assert all(r.status == "ok" and r.rel_err < 2e-2 for r in results), results
+    assert asked == [((2, 64, 2, 192), (2, 64, 2, 192), (2, 64, 2, 128))]
+    assert ("v", (2, 64, 2, 128)) in calls
 
 
 def test_jla_skips_what_its_kernels_refuse(monkeypatch, hopper):
