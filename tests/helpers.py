@@ -28,14 +28,16 @@ def randn(rng, shape, dtype):
     return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(jnp.dtype(dtype)))
 
 
-def attention_inputs(seed, b, t, s, n, kh, d, dtype, cotangents=False, cotangent_dtype=None):
-    """q ``[b, t, n, d]``, k and v ``[b, s, kh, d]`` in ``dtype``; with ``cotangents``, also dout
-    ``[b, t, n, d]`` and dlse ``[b, n, t]`` (in ``cotangent_dtype``, default ``dtype``)."""
+def attention_inputs(seed, b, t, s, n, kh, d, dtype, cotangents=False, cotangent_dtype=None, dv=None):
+    """q ``[b, t, n, d]``, k ``[b, s, kh, d]`` and v ``[b, s, kh, dv]`` (``dv`` default ``d``) in ``dtype``;
+    with ``cotangents``, also dout ``[b, t, n, dv]`` and dlse ``[b, n, t]`` (in ``cotangent_dtype``,
+    default ``dtype``)."""
+    dv = d if dv is None else dv
     rng = np.random.default_rng(seed)
-    arrays = [randn(rng, (b, t, n, d), dtype), randn(rng, (b, s, kh, d), dtype), randn(rng, (b, s, kh, d), dtype)]
+    arrays = [randn(rng, (b, t, n, d), dtype), randn(rng, (b, s, kh, d), dtype), randn(rng, (b, s, kh, dv), dtype)]
     if cotangents:
         ct = cotangent_dtype or dtype
-        arrays += [randn(rng, (b, t, n, d), ct), randn(rng, (b, n, t), ct)]
+        arrays += [randn(rng, (b, t, n, dv), ct), randn(rng, (b, n, t), ct)]
     return tuple(arrays)
 
 

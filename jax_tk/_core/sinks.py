@@ -33,7 +33,7 @@ def check(op: str, sinks, heads: int):
 
 
 def apply(out, lse, sinks):
-    """``(out, lse)`` of a softmax without sinks -> with them. ``out`` ``[batch, T, heads, D]`` in its
+    """``(out, lse)`` of a softmax without sinks -> with them. ``out`` ``[batch, T, heads, D_v]`` in its
     dtype, ``lse`` ``[batch, heads, T]`` float32, ``sinks`` float32 ``[heads]`` or None.
 
     A row that sees no key (lse ``-inf``) keeps its output 0 and gets ``lse' = sink``; a sink of
@@ -51,7 +51,7 @@ def apply(out, lse, sinks):
 
 
 def delta(out, dout, dlse):
-    """``rowsum(dout * out) - dlse``, float32 ``[batch, heads, T]`` (out, dout ``[batch, T, heads, D]``)."""
+    """``rowsum(dout * out) - dlse``, float32 ``[batch, heads, T]`` (out, dout ``[batch, T, heads, D_v]``)."""
     d = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), dout.astype(jnp.float32))
     return d - dlse.astype(jnp.float32)
 

@@ -41,9 +41,15 @@ class AttentionSpec:
     sinks: bool = False
 
 
-def use_kernel(query, key, implementation, bias=None, softcap=None) -> bool:
-    return dispatch.use_kernel("attention", implementation,
-                               launch.kernel_unsupported_reason(query, key, bias=bias, softcap=softcap))
+def use_kernel(query, key, value, implementation, bias=None, softcap=None) -> bool:
+    # Unequal head dims run the reference until launch.kernel_unsupported_reason takes the value and
+    # launch.fwd_kernel/bwd_kernel give outputs of its head_dim.
+    if value.shape[-1] != key.shape[-1]:
+        reason = (f"head dims {key.shape[-1]} (query/key) and {value.shape[-1]} (value) (the kernels take equal "
+                  "ones)")
+    else:
+        reason = launch.kernel_unsupported_reason(query, key, bias=bias, softcap=softcap)
+    return dispatch.use_kernel("attention", implementation, reason)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -77,10 +83,11 @@ def _bwd_reference(query, key, value, out, lse, dout, dlse, spec: AttentionSpec,
 
 
 # The arrays of the op for the partitioning (jax_tk._core.sharding): batch "b" and query heads "n"
-# split, key/value heads "k" grouped (GQA), rows "t", keys "s" and head_dim "d" whole. The masking
-# arrays (Masks, flat, None where absent) and the bias follow the operands; the mask's and the bias's
-# broadcast dims have labels of their own (compat.dense_labels), which stay whole, and the bias's
-# gradient is summed over the devices that split a dim it is broadcast over.
+# split, key/value heads "k" grouped (GQA), rows "t", keys "s", the query/key head_dim "d" and the
+# value head_dim "e" whole ("e" is a label of its own: it may be smaller than "d", as in MLA). The
+# masking arrays (Masks, flat, None where absent) and the bias follow the operands; the mask's and the
+# bias's broadcast dims have labels of their own (compat.dense_labels), which stay whole, and the
+# bias's gradient is summed over the devices that split a dim it is broadcast over.
 _MASK_LABELS = ("b t", "b s", "b", "b")
 
 
@@ -89,10 +96,10 @@ def layouts(mask_labels: str = "b n t s", bias_labels: str | None = None, sinks:
     """(forward, backward) layouts; with ``bias_labels``, the backward also returns dbias; with sinks,
     the forward takes them (``[q_heads]``) and the backward also returns delta (``[batch, q_heads, q_len]``)."""
     extra = (*_MASK_LABELS, mask_labels, bias_labels or "b n t s")
-    fwd = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", *extra, "n"), outputs=("b t n d", "b n t"),
+    fwd = sharding.Layout(inputs=("b t n d", "b s k d", "b s k e", *extra, "n"), outputs=("b t n e", "b n t"),
                           heads="n", grouped="k")
-    grads = ("b t n d", "b s k d", "b s k d") + ((bias_labels,) if bias_labels else ()) + (("b n t",) if sinks else ())
-    bwd = sharding.Layout(inputs=("b t n d", "b s k d", "b s k d", "b t n d", "b n t", "b t n d", "b n t", *extra, "n"),
+    grads = ("b t n d", "b s k d", "b s k e") + ((bias_labels,) if bias_labels else ()) + (("b n t",) if sinks else ())
+    bwd = sharding.Layout(inputs=("b t n d", "b s k d", "b s k e", "b t n e", "b n t", "b t n e", "b n t", *extra, "n"),
                           outputs=grads, heads="n", grouped="k", summed=(3,) if bias_labels else ())
     return fwd, bwd
 
@@ -102,10 +109,11 @@ FWD_LAYOUT, BWD_LAYOUT = layouts()
 
 def plan_attention(axis_sizes, q_spec, q_shape, kv_shape) -> sharding.Plan:
     """How ``jax_tk.attention`` splits a call under ``jit`` whose query ``[B, T, N, D]`` is sharded as
-    ``q_spec`` (a ``PartitionSpec``) over a mesh with ``axis_sizes`` (``{axis name: size}``), key/value
-    of shape ``kv_shape``. Returns a ``Plan``: ``batch`` and ``heads`` are the mesh axes that split B
-    and N; with fewer key/value heads than head shards, ``split_grouped`` is False and each key/value
-    head is shared by ``group_share`` consecutive head shards."""
+    ``q_spec`` (a ``PartitionSpec``) over a mesh with ``axis_sizes`` (``{axis name: size}``), the key
+    of shape ``kv_shape`` (the value's differs at most in its head_dim, which stays whole). Returns a
+    ``Plan``: ``batch`` and ``heads`` are the mesh axes that split B and N; with fewer key/value heads
+    than head shards, ``split_grouped`` is False and each key/value head is shared by ``group_share``
+    consecutive head shards."""
     return sharding.plan(FWD_LAYOUT, axis_sizes, q_spec, [q_shape, kv_shape])
 
 
@@ -145,7 +153,7 @@ def _dense_layouts(query, key, masks, bias, sinks=False):
 def fwd(spec: AttentionSpec, query, key, value, masks=None, bias=None, sinks=None):
     """(out, lse), partitioned over batch and heads under jit with sharded inputs (a few queries over
     many keys: jax_tk.decode's kernel, see :func:`takes_decode`)."""
-    if takes_decode(query, key, spec, masks, bias):
+    if takes_decode(query, key, value, spec, masks, bias):
         return _decode_fwd(query, key, value, spec, sinks)
     layout, _ = _dense_layouts(query, key, masks, bias, spec.sinks)
     return sharding.call(layout, fwd_local, spec, query, key, value, *(masks or Masks()), bias, sinks)
@@ -193,16 +201,18 @@ attention_vjp.defvjp(_attention_fwd, _attention_bwd)
 # Short queries against long keys (decoding through the plain API): jax_tk.decode's kernel reads each
 # key once per KV head and splits the keys over the SMs, where the forward's 128-row tiles would be
 # mostly padding. It takes the kernel calls whose masking it means the same way: no causal mask and no
-# window (decode aligns positions at the end of the keys), no segment ids, lengths, bias or mask. The
-# backward stays attention's, from the lse that decode returns.
+# window (decode aligns positions at the end of the keys), no segment ids, lengths, bias or mask, and
+# key and value of one head_dim. The backward stays attention's, from the lse that decode returns.
 DECODE_MAX_QUERIES = 16
 DECODE_MIN_KEYS = 512
 
 
-def takes_decode(query, key, spec: AttentionSpec, masks=None, bias=None) -> bool:
+def takes_decode(query, key, value, spec: AttentionSpec, masks=None, bias=None) -> bool:
     if not spec.use_kernel or spec.is_causal or spec.window is not None or bias is not None:
         return False
     if masks is not None and any(m is not None for m in masks):
+        return False
+    if value.shape[-1] != key.shape[-1]:  # (decode's caches are key and value of one shape)
         return False
     return (query.shape[1] <= DECODE_MAX_QUERIES and key.shape[1] >= DECODE_MIN_KEYS
             and decode.kernel_unsupported_reason(query, key) is None)
@@ -229,13 +239,18 @@ def _run(call: compat.Call, sinks=None):
                          "jax.nn.dot_product_attention (its lse carries no gradient); use implementation=None, "
                          "'tk' or 'xla'")
     query, key, value = call.query, call.key, call.value
+    if value.shape[-1] != key.shape[-1] and call.implementation == "cudnn":
+        raise ValueError(f"jax_tk.attention(implementation='cudnn'): query/key head_dim {key.shape[-1]} with value "
+                         f"head_dim {value.shape[-1]} is not supported by jax.nn.dot_product_attention (it takes key "
+                         "and value of one shape); use implementation=None, 'tk' or 'xla'")
     if 0 in (query.shape[0], query.shape[1], key.shape[1]):  # nothing to compute (no row sees a key)
         b, t, n, _ = query.shape
-        return sinks_.apply(dispatch.zeros(query.shape, query.dtype, query, key, value),
+        return sinks_.apply(dispatch.zeros((b, t, n, value.shape[-1]), query.dtype, query, key, value),
                             dispatch.zeros((b, n, t), jnp.float32, query, key, value) - jnp.inf, sinks)
     if call.implementation == "cudnn":
         return _cudnn_attention_with_lse(call)
-    spec = AttentionSpec(call.scale, call.is_causal, use_kernel(query, key, call.implementation, call.bias, call.softcap),
+    spec = AttentionSpec(call.scale, call.is_causal,
+                         use_kernel(query, key, value, call.implementation, call.bias, call.softcap),
                          call.window, call.softcap, call.deterministic, sinks is not None)
     masks = Masks(call.q_segment_ids, call.kv_segment_ids, call.query_seq_lengths, call.key_value_seq_lengths,
                   call.mask)
@@ -280,9 +295,10 @@ def attention_with_lse(query, key, value, bias=None, mask=None, *, scale=None, i
     """Like :func:`attention`, and also returns the float32 log-sum-exp of each query row.
 
     Returns:
-      ``(out, lse)``: ``out`` is ``[batch, q_len, q_heads, head_dim]`` in the input dtype, ``lse`` is
-      ``[batch, q_heads, q_len]`` float32 (natural log of the softmax denominator of the scaled
-      logits, the sink's term included; ``-inf`` for a row that sees no key, its sink with sinks); rank-3 inputs give ``[q_len, q_heads, head_dim]``
+      ``(out, lse)``: ``out`` is ``[batch, q_len, q_heads, v_head_dim]`` (the value's head_dim) in the
+      input dtype, ``lse`` is ``[batch, q_heads, q_len]`` float32 (natural log of the softmax denominator
+      of the scaled logits, the sink's term included; ``-inf`` for a row that sees no key, its sink with
+      sinks); rank-3 inputs give ``[q_len, q_heads, v_head_dim]``
       and ``[q_heads, q_len]``, several batch dims ``[*batch, ...]``. Both are differentiable, except
       the lse of ``implementation="cudnn"`` (jax.nn's residual: cuDNN's backward ignores its
       cotangent, so it is returned under ``stop_gradient``; it is also rounded to the input dtype by
@@ -313,8 +329,12 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     Args:
       query: ``[batch, q_len, q_heads, head_dim]`` (or ``[q_len, q_heads, head_dim]``, or several
         batch dims ``[*batch, q_len, q_heads, head_dim]``), bfloat16, float16 or float32.
-      key, value: ``[batch, kv_len, kv_heads, head_dim]`` (rank 3 with a rank-3 query), same dtype;
+      key: ``[batch, kv_len, kv_heads, head_dim]`` (rank 3 with a rank-3 query), same dtype;
         ``q_heads`` must be a multiple of ``kv_heads`` (grouped-query attention).
+      value: ``[batch, kv_len, kv_heads, v_head_dim]``, as ``key`` but for its head_dim, which may be
+        smaller than the query/key head_dim (``v_head_dim <= head_dim``; Multi-head Latent Attention
+        trains with 192 and 128); the output has it. The kernels take equal head dims and MLA's
+        (192, 128) pair; other pairs run the reference (docs/attention.md, "What runs where").
       bias: additive bias of the logits, as in jax.nn: a float array broadcastable to ``[batch, q_heads,
         q_len, kv_len]`` (rank <= 4, leading dims added; each dim 1 or full size; ``[q_heads, q_len,
         kv_len]`` for rank-3 inputs), added after the scale and the soft cap, before the masking.
@@ -325,10 +345,11 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         broadcastable like ``bias``: False hides the key from the query row. Combines
         with every other masking option. The kernels read it as bits and skip the 128 x 128 blocks it
         hides whole.
-      scale: multiplier of the logits; default ``1/sqrt(head_dim)``. A Python or numpy float is static;
-        a JAX scalar array (traced, e.g. a learned temperature) is differentiable: the op then runs with
-        scale 1.0 on ``scale * query``, computed in float32 and rounded to the query's dtype (one more
-        rounding than a static scale, which is applied to the float32 logits).
+      scale: multiplier of the logits; default ``1/sqrt(head_dim)`` (the query/key head_dim). A Python
+        or numpy float is static; a JAX scalar array (traced, e.g. a learned temperature) is
+        differentiable: the op then runs with scale 1.0 on ``scale * query``, computed in float32 and
+        rounded to the query's dtype (one more rounding than a static scale, which is applied to the
+        float32 logits).
       is_causal: query ``i`` attends to keys ``j <= i`` (top-left aligned when ``q_len != kv_len``,
         like ``jax.nn.dot_product_attention``).
       local_window_size: ``(left, right)`` (or one int for both): query ``i`` attends to keys
@@ -346,7 +367,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         ``jax.nn.dot_product_attention(implementation="xla")`` for a row that sees no key: 0 here, the
         mean of the values there), ``"cudnn"`` (``jax.nn.dot_product_attention(...,
         implementation="cudnn")``, with jax.nn's semantics; segment ids, ``logits_soft_cap`` and
-        ``deterministic_backward=True`` raise ``ValueError`` there).
+        ``deterministic_backward=True`` raise ``ValueError`` there, and so do unequal head dims, which
+        jax.nn does not take).
       deterministic_backward: make the backward give the same bits on every run. The Hopper backward
         adds the query gradient's partial sums with atomics in whatever order blocks finish; with
         ``True`` they take turns in a fixed order (somewhat slower). The mma.sync backward (pre-Hopper
@@ -376,8 +398,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     ``-inf`` and zero gradients (never NaN).
 
     Returns:
-      ``[batch, q_len, q_heads, head_dim]`` in the input dtype (the query's shape); with
-      ``return_residual=True``, ``(out, residual)``.
+      ``[batch, q_len, q_heads, v_head_dim]`` in the input dtype (the query's shape but for the value's
+      head_dim); with ``return_residual=True``, ``(out, residual)``.
     """
     if not isinstance(return_residual, (bool, np.bool_)):
         raise TypeError(f"jax_tk.attention: return_residual must be a bool, got {return_residual!r}")

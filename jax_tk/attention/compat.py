@@ -29,8 +29,9 @@ FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 class Call:
     """One call of jax_tk.attention, checked, in the form the op runs.
 
-    query ``[batch, q_len, heads, head_dim]`` (a traced scale already folded in), key and value
-    ``[batch, kv_len, kv_heads, head_dim]``; bias and mask rank 4 (each dim 1 or full), the mask
+    query ``[batch, q_len, heads, head_dim]`` (a traced scale already folded in), key
+    ``[batch, kv_len, kv_heads, head_dim]``, value ``[batch, kv_len, kv_heads, v_head_dim]``
+    (``v_head_dim <= head_dim``); bias and mask rank 4 (each dim 1 or full), the mask
     boolean; segment ids and lengths int32 or None; ``window`` ``(left, right)`` or None; ``softcap`` a
     float or None; ``deterministic``: the reproducible backward. ``batch``: the caller's batch dims,
     which :meth:`restore` gives the results back (None: the call was rank 4 already; ``()``: rank 3).
@@ -54,7 +55,7 @@ class Call:
     batch: tuple[int, ...] | None
 
     def restore(self, out, lse):
-        """``(out [batch, q_len, heads, head_dim], lse [batch, heads, q_len])`` in the caller's batch dims."""
+        """``(out [batch, q_len, heads, v_head_dim], lse [batch, heads, q_len])`` in the caller's batch dims."""
         if self.batch is None:
             return out, lse
         return out.reshape(self.batch + out.shape[1:]), lse.reshape(self.batch + lse.shape[1:])
@@ -110,7 +111,10 @@ def check_inputs(query, key, value, scale, is_causal, implementation, op="attent
                  empty_ok=(0, 1)):
     """The checks that attention and ring_attention share (``op`` names the function in the errors,
     ``extra`` its implementations beyond None, "tk" and "xla", ``empty_ok`` the dims that may be 0:
-    batch and sequence); returns the scale."""
+    batch and sequence); returns the scale (default ``1/sqrt(D_qk)``).
+
+    query ``[B, T, N, D_qk]``, key ``[B, S, K, D_qk]``, value ``[B, S, K, D_v]`` with ``D_v <= D_qk``
+    (MLA's 192 and 128): key and value agree on every dim but the last."""
     for name, x in zip(("query", "key", "value"), (query, key, value)):
         checks.float_array(op, name, x, 4, "[batch, seq, heads, head_dim]", FLOAT_DTYPES, empty_ok)
     if not (query.dtype == key.dtype == value.dtype):
@@ -118,17 +122,23 @@ def check_inputs(query, key, value, scale, is_causal, implementation, op="attent
             f"jax_tk.{op}: query, key and value must have the same dtype, got "
             f"{query.dtype}, {key.dtype}, {value.dtype}"
         )
-    if key.shape != value.shape:
+    if key.shape[:-1] != value.shape[:-1]:
         raise ValueError(
-            f"jax_tk.{op}: key and value must have the same shape, got {tuple(key.shape)} "
-            f"and {tuple(value.shape)}"
+            f"jax_tk.{op}: key and value must have the same shape but for head_dim ([batch, seq, heads] of "
+            f"both), got {tuple(key.shape)} and {tuple(value.shape)}"
         )
     b, _, n, d = query.shape
     kb, _, kh, kd = key.shape
+    dv = value.shape[-1]
     if kb != b:
         raise ValueError(f"jax_tk.{op}: batch of key/value ({kb}) != batch of query ({b})")
     if kd != d:
-        raise ValueError(f"jax_tk.{op}: head_dim of key/value ({kd}) != head_dim of query ({d})")
+        raise ValueError(f"jax_tk.{op}: head_dim of key ({kd}) != head_dim of query ({d})")
+    if dv > d:
+        raise ValueError(
+            f"jax_tk.{op}: head_dim of value ({dv}) must be <= head_dim of query and key ({d}) (a smaller "
+            "value head_dim is taken, e.g. MLA's 192 and 128; a larger one is not)"
+        )
     if n % kh != 0:
         raise ValueError(
             f"jax_tk.{op}: the number of query heads ({n}) must be a multiple of the number "

@@ -45,7 +45,8 @@ def attention_with_lse(query, key, value, *, scale: float, is_causal: bool, loca
     """Softmax attention in float32.
 
     Args:
-      query: [B, T, N, D]; key, value: [B, S, K, D] with N % K == 0 (grouped-query attention).
+      query: [B, T, N, D]; key: [B, S, K, D]; value: [B, S, K, D_v] (D_v may differ from D, e.g.
+        MLA's D = 192 and D_v = 128); N % K == 0 (grouped-query attention).
       scale: logit multiplier. is_causal, local_window_size, q_segment_ids [B, T],
         kv_segment_ids [B, S], query_seq_lengths [B], key_value_seq_lengths [B]: which keys each
         query row sees (see ``visibility``). logits_soft_cap: logits become cap * tanh(logits / cap)
@@ -58,11 +59,11 @@ def attention_with_lse(query, key, value, *, scale: float, is_causal: bool, loca
         and has no value (attention sinks, as in gpt-oss): p_j = exp(l_j) / (exp(sink) + sum_j exp(l_j)).
         Computed in float32; its gradient in its own dtype.
     Returns:
-      out: [B, T, N, D] in query.dtype; lse: [B, N, T] float32, the natural-log log-sum-exp of each
+      out: [B, T, N, D_v] in query.dtype; lse: [B, N, T] float32, the natural-log log-sum-exp of each
       query row's visible logits (and of its sink). A row that sees no key gets out = 0 and lse = -inf
       (with sinks: lse = its sink), and zero gradients in query, key and value (never NaN).
     """
-    b, t, n, d = query.shape
+    b, t, n, _ = query.shape
     s, kh = key.shape[1], key.shape[2]
     q = query.astype(jnp.float32)
     k = jnp.repeat(key.astype(jnp.float32), n // kh, axis=2)
@@ -95,7 +96,7 @@ def attention_with_lse(query, key, value, *, scale: float, is_causal: bool, loca
     safe_denom = jnp.where(seen, denom, 1.0)
     probs = unnormalized / safe_denom[..., None]
     lse = jnp.where(seen, row_max[..., 0] + jnp.log(safe_denom), -jnp.inf)
-    out = jnp.einsum("bnts,bsnd->btnd", probs, v, precision=jax.lax.Precision.HIGHEST)
+    out = jnp.einsum("bnts,bsne->btne", probs, v, precision=jax.lax.Precision.HIGHEST)
     return out.astype(query.dtype), lse
 
 

@@ -122,7 +122,7 @@ def _block_bwd_reference(query, key, value, out, lse, dout, dlse, spec):
 
     Unlike ``jax.vjp`` of the reference (which would renormalize within the block), this is exactly
     what the backward kernel computes, so it is correct for a block of a longer sequence."""
-    b, t, n, d = query.shape
+    b, t, n, _ = query.shape
     s, kh = key.shape[1], key.shape[2]
     g = n // kh
     hi = jax.lax.Precision.HIGHEST
@@ -140,8 +140,8 @@ def _block_bwd_reference(query, key, value, out, lse, dout, dlse, spec):
     ds = p * (dp - delta[..., None])
     dq = jnp.einsum("bnts,bsnd->btnd", ds, k, precision=hi) * spec.scale
     dk = jnp.einsum("bnts,btnd->bsnd", ds, q, precision=hi) * spec.scale
-    dk = dk.reshape(b, s, kh, g, d).sum(axis=3)
-    dv = dv.reshape(b, s, kh, g, d).sum(axis=3)
+    dk = dk.reshape(b, s, kh, g, key.shape[3]).sum(axis=3)
+    dv = dv.reshape(b, s, kh, g, value.shape[3]).sum(axis=3)
     return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
 
 
@@ -222,7 +222,7 @@ def _t_rows(lse_like):  # [B, N, T] -> [B, T, N, 1], to scale out rows
 
 
 def _merge(acc, block, rows=None):
-    """Merges a block result (out [B,t,N,D], lse [B,N,t]) into the float32 accumulator; ``rows`` (a
+    """Merges a block result (out [B,t,N,D_v], lse [B,N,t]) into the float32 accumulator; ``rows`` (a
     slice of T) when the block covers only some of the rows."""
     o_acc, l_acc = acc
     o_b, l_b = block
@@ -373,7 +373,7 @@ def ring_attention_with_lse(
             f"jax_tk.ring_attention(layout='zigzag'): the local sequence length ({t}) must be even "
             "(two chunks per device)"
         )
-    use_kernel = api.use_kernel(query, key, implementation)
+    use_kernel = api.use_kernel(query, key, value, implementation)
     spec = RingSpec(axis_name, n, float(scale), bool(is_causal), layout, use_kernel, _ring_perm(axis_name, n))
     sinks = sinks_.check("ring_attention", sinks, query.shape[2])
     if n == 1:
@@ -397,11 +397,13 @@ def ring_attention(
 
     Args:
       query: local block ``[batch, q_len, q_heads, head_dim]`` of the global query sequence.
-      key, value: local blocks ``[batch, kv_len, kv_heads, head_dim]`` (same sharding of the
-        sequence; ``q_heads`` a multiple of ``kv_heads``).
+      key: local block ``[batch, kv_len, kv_heads, head_dim]`` (same sharding of the sequence;
+        ``q_heads`` a multiple of ``kv_heads``).
+      value: local block ``[batch, kv_len, kv_heads, v_head_dim]``, ``v_head_dim <= head_dim`` (e.g.
+        MLA's 192 and 128), as in :func:`jax_tk.attention`.
       axis_name: the mesh axis (or tuple of axes) the sequence is split over, in device order.
       is_causal: causal mask over *global* positions (needs ``q_len == kv_len``).
-      scale: logit multiplier (a Python float), default ``1/sqrt(head_dim)``.
+      scale: logit multiplier (a Python float), default ``1/sqrt(head_dim)`` (the query/key head_dim).
       layout: how the global sequence is laid out over the devices when ``is_causal``:
         ``"contiguous"`` (device i holds the i-th block) or ``"zigzag"`` (device i holds chunks i and
         2n-1-i; see :func:`zigzag`), which balances the work.
@@ -409,7 +411,7 @@ def ring_attention(
       sinks: ``[q_heads]`` floats or None: attention sinks, as in :func:`jax_tk.attention`.
 
     Returns:
-      The local block of the output, ``[batch, q_len, q_heads, head_dim]``, equal to the
+      The local block of the output, ``[batch, q_len, q_heads, v_head_dim]``, equal to the
       corresponding rows of unsharded attention over the whole sequence.
     """
     return ring_attention_with_lse(

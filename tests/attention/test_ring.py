@@ -135,6 +135,18 @@ class TestRing:
         _compare(_ring_fn(_mesh1(ring), "sp", "zigzag", True, sinks=sinks), _ref(True, sinks), args, 1e-5,
                  "zigzag", ring)
 
+    @pytest.mark.parametrize("causal,layout,heads,dtype", [
+        (False, "contiguous", (4, 2), F32), (True, "contiguous", (4, 4), F32), (True, "zigzag", (4, 2), F32),
+        (True, "zigzag", (4, 2), BF16)], ids=["full-gqa", "causal-contiguous", "causal-zigzag-gqa", "bf16"])
+    def test_mla_head_dims(self, causal, layout, heads, dtype):
+        # query/key head_dim 192, value head_dim 128 (MLA): the output, its accumulators and dV have 128.
+        ring, sinks = 4, jnp.array([0.5, 3.0, -1.0, 2.0], F32)
+        args = attention_inputs(9, 2, 8 * ring, 8 * ring, *heads, 192, dtype, cotangents=True, dv=128)
+        tol = 1e-5 if dtype == F32 else 2e-2
+        sinks = sinks if layout == "zigzag" else None
+        fn = _ring_fn(_mesh1(ring), "sp", layout, causal, sinks=sinks)
+        _compare(fn, _ref(causal, sinks), args, tol, layout, ring)
+
     def test_different_query_and_key_lengths(self):
         ring = 4
         args = _inputs(3, 2, 4 * ring, 12 * ring, 4, 2, 32, F32)

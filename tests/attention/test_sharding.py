@@ -115,6 +115,43 @@ CASES = [
 ]
 
 
+def _check_jit_sharded(axis_type, case, seed, d, dv=None):
+    """jit of attention_with_lse and its gradients with inputs sharded as ``case`` (one of CASES), query/key
+    head_dim ``d``, value head_dim ``dv`` (default ``d``): no gathers, the values and the layouts kept."""
+    name, n, kh, q_spec, kv_spec, allowed = case
+    dtype = BF16
+    mesh = _mesh(axis_type)
+    b, t = 8, 32
+    q, k, v, do, dl = attention_inputs(seed, b, t, t, n, kh, d, dtype, cotangents=True, dv=dv)
+    specs = (q_spec, kv_spec, kv_spec, q_spec, P(q_spec[0] if len(q_spec) else None))
+    args = [_put(x, mesh, s) for x, s in zip((q, k, v, do, dl), specs)]
+
+    fwd = jax.jit(lambda q, k, v: jax_tk.attention_with_lse(q, k, v, is_causal=True))
+    grad = jax.jit(jax.grad(_loss(jax_tk.attention_with_lse, True), argnums=(0, 1, 2)))
+    fwd_hlo = fwd.lower(*args[:3]).compile().as_text()
+    grad_hlo = grad.lower(*args).compile().as_text()
+    assert not collectives(fwd_hlo), collectives(fwd_hlo)
+    assert collectives(grad_hlo) <= set(allowed), collectives(grad_hlo)
+    # The auto path goes through custom_partitioning; the explicit one is plain StableHLO (no
+    # callback: the persistent compilation cache can hold it).
+    lowered = fwd.lower(*args[:3]).as_text()
+    assert ("CustomSPMDPartitioning" in lowered) == (axis_type == AxisType.Auto)
+
+    out, lse = fwd(*args[:3])
+    grads = grad(*args)
+    want = jax.jit(lambda q, k, v: _ref_fn(q, k, v, True))(q, k, v)
+    want_grads = jax.jit(jax.grad(_loss(_ref_fn, True), argnums=(0, 1, 2)))(q, k, v, do, dl)
+    _check_close((out, lse), want, dtype, ("out", "lse"))
+    _check_close(grads, want_grads, dtype, ("dq", "dk", "dv"))
+    # Results keep the layout: out and dq like the query, lse [B, N, T] split like it, dk/dv
+    # like key/value.
+    q_axes = _spec_axes(q_spec, 4)
+    assert _spec_axes(out.sharding.spec, 4) == q_axes
+    assert _spec_axes(lse.sharding.spec, 3) == (q_axes[0], q_axes[2], ())
+    assert _spec_axes(grads[0].sharding.spec, 4) == q_axes
+    assert _spec_axes(grads[1].sharding.spec, 4) == _spec_axes(kv_spec, 4)
+
+
 def _cuda_module(fn, *args):
     """fn exported for CUDA (no GPU needed; jax_tk's attention calls allowed): the module's text."""
     checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in ("jax_tk_attention_fwd", "jax_tk_attention_bwd")]
@@ -135,38 +172,28 @@ class TestSharding:
     @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
     @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
     def test_jit_sharded_batch_heads(self, axis_type, case):
-        name, n, kh, q_spec, kv_spec, allowed = case
-        dtype = BF16
-        mesh = _mesh(axis_type)
-        b, t, d = 8, 32, 64
-        q, k, v, do, dl = _qkv(0, b, t, n, kh, d, dtype)
-        specs = (q_spec, kv_spec, kv_spec, q_spec, P(q_spec[0] if len(q_spec) else None))
-        args = [_put(x, mesh, s) for x, s in zip((q, k, v, do, dl), specs)]
+        _check_jit_sharded(axis_type, case, 0, 64)
 
-        fwd = jax.jit(lambda q, k, v: jax_tk.attention_with_lse(q, k, v, is_causal=True))
-        grad = jax.jit(jax.grad(_loss(jax_tk.attention_with_lse, True), argnums=(0, 1, 2)))
-        fwd_hlo = fwd.lower(*args[:3]).compile().as_text()
-        grad_hlo = grad.lower(*args).compile().as_text()
-        assert not collectives(fwd_hlo), collectives(fwd_hlo)
-        assert collectives(grad_hlo) <= set(allowed), collectives(grad_hlo)
-        # The auto path goes through custom_partitioning; the explicit one is plain StableHLO (no
-        # callback: the persistent compilation cache can hold it).
-        lowered = fwd.lower(*args[:3]).as_text()
-        assert ("CustomSPMDPartitioning" in lowered) == (axis_type == AxisType.Auto)
+    @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+    @pytest.mark.parametrize("case", [CASES[2], CASES[5]], ids=[CASES[2][0], CASES[5][0]])
+    def test_jit_sharded_mla_head_dims(self, axis_type, case):
+        # query/key head_dim 192, value head_dim 128 (MLA): the value's head_dim is a dim of its own in the
+        # partitioning (out, dout and dv have it), kept whole like the query's.
+        _check_jit_sharded(axis_type, case, 14, 192, 128)
 
-        out, lse = fwd(*args[:3])
-        grads = grad(*args)
-        want = jax.jit(lambda q, k, v: _ref_fn(q, k, v, True))(q, k, v)
-        want_grads = jax.jit(jax.grad(_loss(_ref_fn, True), argnums=(0, 1, 2)))(q, k, v, do, dl)
-        _check_close((out, lse), want, dtype, ("out", "lse"))
-        _check_close(grads, want_grads, dtype, ("dq", "dk", "dv"))
-        # Results keep the layout: out and dq like the query, lse [B, N, T] split like it, dk/dv
-        # like key/value.
-        q_axes = _spec_axes(q_spec, 4)
-        assert _spec_axes(out.sharding.spec, 4) == q_axes
-        assert _spec_axes(lse.sharding.spec, 3) == (q_axes[0], q_axes[2], ())
-        assert _spec_axes(grads[0].sharding.spec, 4) == q_axes
-        assert _spec_axes(grads[1].sharding.spec, 4) == _spec_axes(kv_spec, 4)
+    def test_shard_map_mla_head_dims(self):
+        mesh = _mesh(AxisType.Explicit)
+        q, k, v, do, dl = attention_inputs(15, 4, 16, 16, 8, 4, 192, BF16, cotangents=True, dv=128)
+        spec = P("data", None, "model")
+        args = [_put(x, mesh, spec) for x in (q, k, v, do)] + [_put(dl, mesh, P("data", "model"))]
+        smap = jax.shard_map(lambda q, k, v: jax_tk.attention_with_lse(q, k, v, is_causal=True), mesh=mesh,
+                             in_specs=(spec, spec, spec), out_specs=(spec, P("data", "model")))
+        grads = jax.jit(jax.grad(_loss(lambda q, k, v, is_causal: smap(q, k, v), True), argnums=(0, 1, 2)))(*args)
+        want = jax.jit(jax.grad(_loss(_ref_fn, True), argnums=(0, 1, 2)))(q, k, v, do, dl)
+        _check_close(grads, want, BF16, ("dq", "dk", "dv"))
+        out, lse = jax.jit(smap)(*args[:3])
+        assert out.shape == (4, 16, 8, 128)
+        _check_close((out, lse), jax.jit(lambda *a: _ref_fn(*a, True))(q, k, v), BF16, ("out", "lse"))
 
     @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
     @pytest.mark.parametrize("case", [CASES[2], CASES[5]], ids=[CASES[2][0], CASES[5][0]])
