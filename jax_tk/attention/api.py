@@ -42,14 +42,8 @@ class AttentionSpec:
 
 
 def use_kernel(query, key, value, implementation, bias=None, softcap=None) -> bool:
-    # Unequal head dims run the reference until launch.kernel_unsupported_reason takes the value and
-    # launch.fwd_kernel/bwd_kernel give outputs of its head_dim.
-    if value.shape[-1] != key.shape[-1]:
-        reason = (f"head dims {key.shape[-1]} (query/key) and {value.shape[-1]} (value) (the kernels take equal "
-                  "ones)")
-    else:
-        reason = launch.kernel_unsupported_reason(query, key, bias=bias, softcap=softcap)
-    return dispatch.use_kernel("attention", implementation, reason)
+    return dispatch.use_kernel("attention", implementation, launch.kernel_unsupported_reason(
+        query, key, value=value, bias=bias, softcap=softcap))
 
 
 # ----------------------------------------------------------------------------------------------
