@@ -64,9 +64,10 @@ def kernel_unsupported_reason(query, key, bias=None, softcap=None, value=None) -
     return f"head_dim {d} (the kernels take {everywhere}, and {hopper} on H100/H200, and {mla_pair()} with value head dims)"
 
 
-def _pad_dim(x, d: int):
-    """x with its last dim padded with zeros to d."""
-    return x if x.shape[-1] == d else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
+def _pad_dim(x, d: int, value=0):
+    """x with its last dim padded to d with ``value`` (zeros; NaN for the tests' poisoned outputs)."""
+    return x if x.shape[-1] == d else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])],
+                                              constant_values=value)
 
 
 def _bwd_head_dim(d: int, dv: int) -> int:
@@ -381,8 +382,9 @@ def fwd_kernel(query, key, value, spec, out_init=None, variant=None, masks=None,
     the query's, but in MLA's pair, is padded to it (zero columns, sliced off the output)."""
     d, dv = query.shape[-1], value.shape[-1]
     if dv != d and (d, dv) != mla_pair():
-        assert out_init is None
-        out, lse = fwd_kernel(query, key, _pad_dim(value, d), spec, None, variant, masks, bias, sinks)
+        if out_init is not None:
+            out_init = (_pad_dim(out_init[0], d, jnp.nan), *out_init[1:])
+        out, lse = fwd_kernel(query, key, _pad_dim(value, d), spec, out_init, variant, masks, bias, sinks)
         return out[..., :dv], lse
     out_types = (
         jax.ShapeDtypeStruct((*query.shape[:-1], dv), query.dtype),
@@ -406,10 +408,13 @@ def bwd_kernel(query, key, value, out, lse, dout, dlse, spec, out_init=None, var
     run at :func:`_bwd_head_dim`, the gradients sliced back."""
     d, dv = query.shape[-1], value.shape[-1]
     if dv != d:
-        assert out_init is None
         dk_ = _bwd_head_dim(d, dv)
         padded = [_pad_dim(x, dk_) for x in (query, key, value, out)] + [lse, _pad_dim(dout, dk_), dlse]
-        grads = bwd_kernel(*padded, spec, None, variant, masks, bias, with_delta)
+        if out_init is not None:  # (dq, dk, dv, delta, workspace, dbias): the first three and the workspace resized
+            grads0 = (_pad_dim(x, dk_, jnp.nan) for x in out_init[:3])
+            workspace = jnp.full(bwd_workspace_shape(padded[0]).shape, jnp.nan, jnp.float32)
+            out_init = (*grads0, out_init[3], workspace, *out_init[5:])
+        grads = bwd_kernel(*padded, spec, out_init, variant, masks, bias, with_delta)
         return (grads[0][..., :d], grads[1][..., :d], grads[2][..., :dv], *grads[3:])
     b, t, n, _ = query.shape
     dbias_shape = (0,) if bias is None else (b, n, *padded_rows_keys(t, key.shape[1]))
