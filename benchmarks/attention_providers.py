@@ -41,14 +41,9 @@ the documents as one dense boolean mask ``[B, 1, T, S]``, built inside the timed
 Value head dim unlike the query's (MLA's rows: query/key 192, value 128; the output ``[B, T, H, 128]``):
 
 - ``jax_tk``, ``jax_tk_auto``: ``jax_tk.attention`` takes the value with its own head dim;
-- ``cudnn``: skipped. ``jax.nn.dot_product_attention`` refuses a value whose shape is not the key's
-  (its own check, before any implementation). The cuDNN wrapper it calls for
-  ``implementation="cudnn"`` does take unequal head dims (cuDNN's MLA: cuDNN >= 9.10, Hopper), but it
-  is private to jax, and this benchmark uses jax's public API only;
-- ``xla``: jax.nn refuses it for XLA too (and its XLA path reshapes the output to the query's head
-  dim), so this row is jax_tk's pure-JAX reference, ``jax_tk.attention.reference.attention``, jitted:
-  float32 logits and products at HIGHEST precision, not jax.nn's bf16 ones, so it is slower than the
-  ``xla`` rows at equal head dims (the note says so);
+- ``cudnn``, ``xla``: ``jax.nn.dot_product_attention`` takes one head dim for key and value, so they
+  get the value zero-padded to the key's head dim and their output cut back to the value's, inside the
+  timed call: what a user of jax.nn does for MLA today;
 - ``tokamax``: ``tokamax.dot_product_attention`` documents a value (and output) head dim of its own,
   and its Mosaic kernel sizes the value's and the output's tiles by it: it gets the value as it is;
 - ``jla``: its own ``supported(q, k, v)`` gets the value's true shape and decides (the MLA issue says
@@ -77,7 +72,7 @@ from benchmarks.harness import Provider, Skip, factory, has_gpu, short_error
 DEFAULT_PROVIDERS = ("jax_tk", "cudnn", "xla", "pallas")  # and the installed peers: default_providers()
 PEERS = ("fa3", "tokamax", "jla")
 FEATURE_PROVIDERS = ("jax_tk", "jax_tk_auto", "cudnn", "cudnn_packed", "xla")
-MLA_PROVIDERS = ("jax_tk", "xla")  # and the installed peers: feature_providers(["mla"]) (cudnn: skipped there)
+MLA_PROVIDERS = ("jax_tk", "cudnn", "xla")  # and the installed peers: feature_providers(["mla"])
 LOGITS = "T*S*B*H*4"  # what XLA and the reference materialize (Provider.scratch_what)
 
 
@@ -190,35 +185,28 @@ def _jax_nn_style(name: str, attention, cfg: AttentionConfig, scale: float, **kw
     return Provider(name, _with_mask_and_bias(cfg, base, mask), scale, note=note)
 
 
-NO_JAX_NN = "jax.nn.dot_product_attention refuses a value head dim unlike the key's"
+def _padded_value(attention):
+    """``attention`` (jax.nn's signature) given the value zero-padded to the key's head dim, its output
+    cut back to the value's: what a user of jax.nn.dot_product_attention, which takes one head dim for
+    key and value, does for MLA's (192, 128) today (the pad and the cut are inside the timed call)."""
+
+    def fn(query, key, value, *args, **kw):
+        d, dv = key.shape[-1], value.shape[-1]
+        value = jnp.pad(value, [(0, 0)] * (value.ndim - 1) + [(0, d - dv)])
+        return attention(query, key, value, *args, **kw)[..., :dv]
+
+    return fn
 
 
 def _jax_nn_provider(name: str, cfg: AttentionConfig, scale: float) -> Provider:
-    """``jax.nn.dot_product_attention(implementation=name)`` (cudnn, xla); at unequal head dims, which
-    jax.nn refuses: cudnn skipped, xla ``_xla_unequal_dims``."""
-    if cfg.mla and name == "cudnn":
-        raise Skip(f"{NO_JAX_NN} (jax's cuDNN wrapper that takes it is private)")
+    """``jax.nn.dot_product_attention(implementation=name)`` (cudnn, xla); at unequal head dims (MLA),
+    which jax.nn refuses, on the value zero-padded to the key's head dim (``_padded_value``)."""
+    attention = _padded_value(jax.nn.dot_product_attention) if cfg.mla else jax.nn.dot_product_attention
+    p = _jax_nn_style(name, attention, cfg, scale, implementation=name)
     if cfg.mla:
-        return _xla_unequal_dims(cfg, scale)
-    p = _jax_nn_style(name, jax.nn.dot_product_attention, cfg, scale, implementation=name)
+        note = f"value zero-padded to head dim {cfg.head_dim}, output cut to {cfg.v_head_dim} (jax.nn takes one head dim)"
+        p = dataclasses.replace(p, note="; ".join(filter(None, [note, p.note])))
     return _logits(p, cfg) if name == "xla" else p
-
-
-def _reference_jax_nn(query, key, value, bias=None, mask=None, *, scale, is_causal, local_window_size=None):
-    """jax_tk's pure-JAX reference with jax.nn.dot_product_attention's arguments."""
-    from jax_tk.attention import reference
-
-    return reference.attention(query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
-                               local_window_size=local_window_size)
-
-
-def _xla_unequal_dims(cfg: AttentionConfig, scale: float) -> Provider:
-    """XLA at a value head dim unlike the query's (MLA): jax_tk's pure-JAX reference, jitted (by the
-    harness, as every provider), since jax.nn refuses the value for XLA too."""
-    p = _jax_nn_style("xla", _reference_jax_nn, cfg, scale)
-    note = (f"{NO_JAX_NN}: jax_tk.attention.reference.attention jitted instead (float32 at HIGHEST precision, "
-            "slower than jax.nn's bf16 XLA path)")
-    return _logits(dataclasses.replace(p, note="; ".join(filter(None, [note, p.note]))), cfg)
 
 
 def _tokamax_provider(cfg: AttentionConfig, scale: float) -> Provider:

@@ -18,12 +18,6 @@ from benchmarks import attention_report as report
 ROOT = str(REPO)
 
 
-def _tk_takes_mla() -> bool:
-    from test_bench_attention_mla import _tk_takes_mla as takes
-
-    return takes()
-
-
 def test_flops_forward():
     # Two matrix products per (batch, head): Q K^T and P V, each 2*T*S*D.
     b, t, s, h, d = 2, 256, 512, 4, 64
@@ -467,7 +461,6 @@ def test_features_quick_run_cpu(tmp_path, capsys):
     # another), and one MLA row (no baseline), x providers x 2 modes.
     assert len(rows) == 12 * len(providers) * 2
     assert {r["feature"] for r in rows} == {"plain", *attention_configs.FEATURES}
-    tk_takes_mla = _tk_takes_mla()
     for r in rows:
         if r["provider"] == "cudnn_packed":
             want = "error" if r["feature"] == "documents" else "skipped"  # no cuDNN on CPU
@@ -475,9 +468,6 @@ def test_features_quick_run_cpu(tmp_path, capsys):
             continue
         if r["feature"] == "sinks" and r["provider"] != "jax_tk":  # (only jax_tk takes sinks)
             assert r["status"] == "skipped" and "sinks" in r["note"], r
-            continue
-        if r["feature"] == "mla" and r["provider"] == "jax_tk" and not tk_takes_mla:
-            assert r["status"] == "error" and "same shape" in r["note"], r  # (until the library takes it)
             continue
         assert r["status"] == "ok", r
         assert float(r["tflops"]) > 0 and float(r["rel_err"]) < 2e-2
