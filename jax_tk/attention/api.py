@@ -327,8 +327,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         ``q_heads`` must be a multiple of ``kv_heads`` (grouped-query attention).
       value: ``[batch, kv_len, kv_heads, v_head_dim]``, as ``key`` but for its head_dim, which may be
         smaller than the query/key head_dim (``v_head_dim <= head_dim``; Multi-head Latent Attention
-        trains with 192 and 128); the output has it. The kernels take equal head dims and MLA's
-        (192, 128) pair; other pairs run the reference (docs/attention.md, "What runs where").
+        trains with 192 and 128); the output has it. The kernels take MLA's (192, 128) pair, and a
+        smaller value head_dim beside a query/key head_dim they take (the value padded); other pairs
+        run the reference (docs/attention.md, "Head dims (MLA)").
       bias: additive bias of the logits, as in jax.nn: a float array broadcastable to ``[batch, q_heads,
         q_len, kv_len]`` (rank <= 4, leading dims added; each dim 1 or full size; ``[q_heads, q_len,
         kv_len]`` for rank-3 inputs), added after the scale and the soft cap, before the masking.
