@@ -105,6 +105,7 @@ class Config:
 # ----------------------------------------------------------------------------------------------
 
 
+@functools.partial(jax.jit, static_argnums=(1,))  # one compiled program, not one per array shape
 def init_params(key, config: Config):
     """normal(0.02), residual output projections scaled by 1/sqrt(2 layers); every layer's arrays stacked
     on a leading axis in ``params["blocks"]``. Matrices end in ``_w`` (train_gpt's optimizer decays them)."""
