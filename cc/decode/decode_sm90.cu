@@ -30,7 +30,7 @@ template <typename T, int D, int BOX_> struct Wide {
     Stage stage[GROUPS][STAGES];
     semaphore full[STAGES], empty[STAGES];
   };
-  static_assert(Roles::CONSUMERS * 64 == ROWS && sizeof(Shared) <= 227 * 1024);
+  static_assert(Roles::CONSUMERS * 64 == ROWS && sizeof(Shared) <= MAX_SHARED_BYTES);
 };
 
 // The kernel's parameters: the call's, and tensor maps of the caches ([batch, capacity] or [num_pages,

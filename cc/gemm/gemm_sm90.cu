@@ -55,7 +55,7 @@ template <typename T, typename TO, int KIND> struct Sm90 {
     tma_map<TO, 64> out;
   };
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
-  static_assert(smem <= 232448, "more shared memory than an H100 block may have");
+  static_assert(smem <= MAX_SHARED_BYTES, "more shared memory than an H100 block may have");
 
   // Zero the rows [valid, TK) of a panel (rows of 128 bytes) of a step's tile: 128 threads, thread i.
   __device__ __forceinline__ static void zero_rows(void *panel, int valid, int i) {

@@ -14,7 +14,7 @@ using half_2 = __half2;
 
 constexpr int WARP_THREADS = 32;
 constexpr int TILE = 16;  // register and shared tiles are made of TILE x TILE pieces
-constexpr int MAX_SHARED_BYTES = 227 * 1024;  // the most shared memory a thread block may take (sm_80, sm_90)
+constexpr int MAX_SHARED_BYTES = 227 * 1024;  // the most shared memory a thread block may take on sm_90 (H100, H200)
 
 __device__ __forceinline__ int laneid() { return threadIdx.x & 31; }
 __device__ __forceinline__ int warpid() { return threadIdx.x >> 5; }
