@@ -7,6 +7,7 @@ Command line::
     python -m benchmarks decode --batch 8,64 --cache 8k,32k --heads 32/8 --d 128 --new 1,4 \\
         --layout contiguous,paged16,paged64       # the product of the lists given
     python -m benchmarks decode --full          # every combination below (long)
+    python -m benchmarks decode --scan 16       # per step, 16 steps inside one jitted lax.scan
 
 A configuration: batch B in {1, 8, 32, 64, 128}, cache length S in {2k, 8k, 32k, 128k} (every sequence
 holds S valid positions: the cache is full), query/key-value heads 32/8 or 64/8, head_dim 128 or 256,
@@ -30,6 +31,16 @@ fastest of num_splits 1/4/16). Timing as for every op (``harness``, ``timers``):
 larger than L2, warm-up, median of ``--reps`` samples; each output is checked on batch 0 and key/value
 head 0 against the float32 reference.
 
+``--scan N``: each call is timed as N decode steps inside one jitted ``jax.lax.scan`` (the way a
+generation loop runs: no dispatch between steps), every provider wrapped the same way
+(``decode_providers.in_scan``): step i+1's query is step i's plus ``2**-10`` times its output, a
+dependence XLA cannot fold, so no step is hoisted or merged; the time reported is the call's / N, per
+step (it includes that update, one small fusion per step). The rows carry N (CSV column ``steps``; 1
+for one call per step, and for CSVs from before the column) and the table's title says "per step
+inside a lax.scan of N". The check reads the first step's output (the query unchanged). The cache is
+the same in every step: one under the L2 (50 MiB on an H100) may be read from L2 by the later steps
+(the note says so).
+
 What is counted: bytes = ``2*B*S*K*H*itemsize`` (the valid keys and values, each read once) plus the
 query and the output (``2*B*T_new*N*H*itemsize``); TB/s = bytes / time. The ceiling is measured in the
 same run: ``jnp.sum`` over a ``--ceiling-gb`` bf16 array (4 GiB on a GPU) in float32, bytes / time; the
@@ -38,6 +49,7 @@ table gives each row's time and TB/s per provider, jax_tk's speed-up over the fa
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import math
@@ -75,7 +87,8 @@ CPU_MAX_BYTES = 4e9
 class DecodeConfig:
     """One benchmarked problem. ``page_size`` 0: contiguous cache. ``sinks``: with attention sinks
     (``sink_values``). ``ceiling_tbs``: the read bandwidth measured in the run (not part of the
-    configuration's identity)."""
+    configuration's identity). ``steps``: 1, one jitted call per decode step; N > 1, ``--scan N``: N
+    steps inside one jitted ``lax.scan``, the time reported per step."""
 
     batch: int
     cache_len: int
@@ -86,6 +99,7 @@ class DecodeConfig:
     page_size: int = 0
     dtype: str = "bf16"
     sinks: bool = False
+    steps: int = 1
     ceiling_tbs: float = dataclasses.field(default=math.nan, compare=False)
 
     def __post_init__(self):
@@ -95,6 +109,8 @@ class DecodeConfig:
             raise ValueError(f"cache_len {self.cache_len} is not a multiple of page_size {self.page_size}")
         if self.new_tokens > self.cache_len:
             raise ValueError("new_tokens > cache_len")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
 
     @property
     def jnp_dtype(self):
@@ -148,15 +164,16 @@ class DecodeConfig:
 
     def label(self) -> str:
         return (f"B={self.batch} S={self.cache_len} H={self.heads}/{self.kv_heads}kv D={self.head_dim} "
-                f"T_new={self.new_tokens} {self.layout}" + (" + sinks" if self.sinks else ""))
+                f"T_new={self.new_tokens} {self.layout}" + (" + sinks" if self.sinks else "")
+                + (f" (scan of {self.steps})" if self.steps > 1 else ""))
 
     CSV_FIELDS = ("dtype", "batch", "cache_len", "heads", "kv_heads", "head_dim", "new_tokens", "page_size",
-                  "sinks", "bytes", "ceiling_tbs")
+                  "sinks", "steps", "bytes", "ceiling_tbs")
 
     def csv_row(self) -> dict:
         return {"dtype": self.dtype, "batch": self.batch, "cache_len": self.cache_len, "heads": self.heads,
                 "kv_heads": self.kv_heads, "head_dim": self.head_dim, "new_tokens": self.new_tokens,
-                "page_size": self.page_size, "sinks": self.sinks or "", "bytes": self.bytes(),
+                "page_size": self.page_size, "sinks": self.sinks or "", "steps": self.steps, "bytes": self.bytes(),
                 "ceiling_tbs": harness.fmt_num(self.ceiling_tbs, 4)}
 
     @classmethod
@@ -165,6 +182,7 @@ class DecodeConfig:
         return cls(int(row["batch"]), int(row["cache_len"]), int(row["heads"]), int(row["kv_heads"]),
                    int(row["head_dim"]), int(row["new_tokens"]), int(row["page_size"] or 0), row["dtype"],
                    sinks=row.get("sinks") == "True",  # (CSVs from before the column: no sinks)
+                   steps=int(row.get("steps") or 1),  # (CSVs from before the column: one call per step)
                    ceiling_tbs=float(ceiling) if ceiling else math.nan)
 
 
@@ -263,6 +281,10 @@ def _reference0(q, k, v, lengths, table, sinks, *, scale, g):
 
 
 def check_fwd(cfg: DecodeConfig, provider, inputs, out) -> float:
+    """Sequence 0, key/value head 0 against the float32 reference; in a scan (``steps`` > 1) on the
+    first step's output (``decode_providers.in_scan``), the one call on the unchanged query."""
+    if cfg.steps > 1:
+        out = out[0]
     g = cfg.heads // cfg.kv_heads
     q, k, v, lengths, table = inputs
     sinks = None if cfg.sink_values() is None else jnp.asarray(cfg.sink_values()[:g])
@@ -280,14 +302,23 @@ def read_ceiling(timer, nbytes: int, dtype=jnp.bfloat16) -> float:
     return x.size * x.dtype.itemsize / (timing.median_ms * 1e-3) / 1e12
 
 
+def per_step(r: Result, by_key=None) -> None:
+    """A result of a scanned configuration (``steps`` N > 1) timed N steps per call: its times become
+    times per step (the call's / N)."""
+    steps = r.config.steps
+    if steps > 1:
+        r.time_ms, r.min_ms, r.max_ms = r.time_ms / steps, r.min_ms / steps, r.max_ms / steps
+
+
 def bench_decode(configs: Sequence[DecodeConfig], providers: Sequence[str], *, timer=None, check: bool = True,
                  max_bytes: float = math.inf, xla_max_bytes: float = 20e9,
                  on_result: Callable[[Result], None] | None = None,
                  log: Callable[[str], None] | None = print) -> list[Result]:
-    """Times every provider on every configuration (mode ``fwd``), one configuration at a time."""
+    """Times every provider on every configuration (mode ``fwd``), one configuration at a time; the
+    times of scanned configurations (``steps`` > 1) per step."""
     op = harness.OpBench(make_provider=make_provider,
                          make_inputs=functools.partial(make_inputs, max_bytes=max_bytes),
-                         input_bytes=input_bytes, check_fwd=check_fwd)
+                         input_bytes=input_bytes, check_fwd=check_fwd, on_result=per_step)
     return harness.run(op, configs, providers, ("fwd",), timer=timer, check=check,
                        max_scratch_bytes=xla_max_bytes, on_result=on_result, log=log)
 
@@ -336,6 +367,7 @@ _COLUMNS = (
     ("MB", 8, lambda c, m: f"{c.bytes() / 1e6:.4g}"),
 )
 _SINKS_COLUMN = ("sinks", 5, lambda c, m: "sinks" if c.sinks else "")
+_STEPS_COLUMN = ("steps", 5, lambda c, m: c.steps)
 
 
 def format_table(results: Sequence[Result], providers: Sequence[str] | None = None) -> str:
@@ -348,10 +380,15 @@ def format_table(results: Sequence[Result], providers: Sequence[str] | None = No
     by_key = {(r.config, r.provider, r.mode): r for r in results}
     configs = list(dict.fromkeys(r.config for r in results))
     ceilings = sorted({c.ceiling_tbs for c in configs if c.ceiling_tbs == c.ceiling_tbs})
-    title = ("decode attention, µs (TB/s of cache + query + output); read ceiling "
+    steps = sorted({c.steps for c in configs})
+    per = ("" if steps == [1] else " per step inside a lax.scan of "
+           + ", ".join("1 (one call a step)" if n == 1 else str(n) for n in steps))
+    title = (f"decode attention, µs{per} (TB/s of cache + query + output); read ceiling "
              + (", ".join(f"{x:.3g}" for x in ceilings) or "not measured") + " TB/s")
     sinks = any(c.sinks for c in configs)
     columns = _COLUMNS + (_SINKS_COLUMN,) if sinks else _COLUMNS
+    if len(steps) > 1:  # (a report over CSVs of both modes)
+        columns += (_STEPS_COLUMN,)
     lines = output.format_grid(title, columns, configs, providers, "fwd", by_key, _cell, " µs (TB/s)", 18)
     # the ratio columns after the grid's rows
     lines[1] += " vs peer | of ceil" + (" | sinks cost" if sinks else "")
@@ -371,7 +408,8 @@ def plot(results: Sequence[Result], path: str, env: dict) -> list[str]:
     ok = [r for r in results if r.status == "ok"]
     if plt is None or not ok:
         return []
-    panels = sorted({(c.heads, c.kv_heads, c.head_dim, c.new_tokens, c.page_size) for c in (r.config for r in ok)})
+    panels = sorted({(c.heads, c.kv_heads, c.head_dim, c.new_tokens, c.page_size, c.steps)
+                     for c in (r.config for r in ok)})
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
@@ -379,7 +417,7 @@ def plot(results: Sequence[Result], path: str, env: dict) -> list[str]:
         ax.set_visible(False)
     for ax, key in zip(axes.flat, panels):
         rows = [r for r in ok if (r.config.heads, r.config.kv_heads, r.config.head_dim, r.config.new_tokens,
-                                  r.config.page_size) == key]
+                                  r.config.page_size, r.config.steps) == key]
         for (prov, b, sk) in sorted({(r.provider, r.config.batch, r.config.sinks) for r in rows}):
             pts = sorted((r.config.cache_len, tbs(r)) for r in rows
                          if (r.provider, r.config.batch, r.config.sinks) == (prov, b, sk))
@@ -391,7 +429,8 @@ def plot(results: Sequence[Result], path: str, env: dict) -> list[str]:
         ax.set_xlabel("cache length")
         ax.set_ylabel("TB/s")
         ax.set_title(f"N/K={key[0]}/{key[1]} D={key[2]} T_new={key[3]} "
-                     + (f"paged{key[4]}" if key[4] else "contiguous"), fontsize=9)
+                     + (f"paged{key[4]}" if key[4] else "contiguous")
+                     + (f", per step in a scan of {key[5]}" if key[5] > 1 else ""), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     output.save_figure(plt, fig, path, output.suptitle("decode attention", env))
@@ -421,6 +460,13 @@ def _heads(heads) -> str:
     return ",".join(f"{n}/{k}" for n, k in heads)
 
 
+def _steps(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--scan takes a number of steps >= 1, got {n}")
+    return n
+
+
 def add_arguments(a) -> None:
     a.add_argument("--batch", type=cli.int_list, default=None, help=f"batch sizes (default {_csv(BATCHES)})")
     a.add_argument("--cache", type=cli.int_list, default=None,
@@ -441,6 +487,9 @@ def add_arguments(a) -> None:
     a.add_argument("--sinks", action="store_true",
                    help="run every configuration twice, without and with attention sinks (only jax_tk takes "
                         "them; the table gives their cost against the same call without)")
+    a.add_argument("--scan", type=_steps, default=1, metavar="N",
+                   help="time each call as N dependent decode steps inside one jitted lax.scan (as a generation "
+                        "loop runs), the time reported per step (default 1: one jitted call per step)")
     a.add_argument("--max-gb", type=float, default=None,
                    help="skip configurations whose inputs exceed this (default 60%% of the GPU's memory; 4 on CPU)")
     a.add_argument("--xla-max-gb", type=float, default=20.0,
@@ -461,7 +510,9 @@ def _device_bytes() -> float | None:
 
 def configs_from(args) -> list[DecodeConfig]:
     dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(args.dtype, args.dtype)
-    configs = _configs_from_lists(args, dtype)
+    if args.scan < 1:
+        raise ValueError(f"--scan takes a number of steps >= 1, got {args.scan}")
+    configs = [dataclasses.replace(c, steps=args.scan) for c in _configs_from_lists(args, dtype)]
     return with_sinks(configs) if args.sinks else configs
 
 
@@ -498,7 +549,8 @@ def run_decode(args) -> int:
     header = [f"# jax_tk decode benchmark: {output.env_header(env)}",
               f"# providers={','.join(providers)} configurations={len(configs)} reps={reps} "
               f"max inputs {max_bytes / 1e9:.3g} GB{'; each without and with sinks' if args.sinks else ''}; "
-              "bytes = 2*B*S*K*H*itemsize (valid K and V) + query + output",
+              "bytes = 2*B*S*K*H*itemsize (valid K and V) + query + output"
+              + (f"; per step of {args.scan} inside one jitted lax.scan" if args.scan > 1 else ""),
               f"# read ceiling: jnp.sum over {ceiling_bytes / 2**30:.3g} GiB bf16: {ceiling:.3g} TB/s"]
     bench = functools.partial(bench_decode, configs, providers, timer=timer, check=not args.no_check,
                               max_bytes=max_bytes, xla_max_bytes=args.xla_max_gb * 1e9)

@@ -25,6 +25,11 @@ bottom-right aligned for T_new > 1 (a new token sees itself and everything befor
 Attention sinks (``cfg.sinks``, the values ``cfg.sink_values()``): jax_tk passes them to
 ``jax_tk.decode.attention(sinks=...)``; neither jax.nn nor ``flash_mha_with_kvcache`` has an option for
 them, so the peers' sinks rows are skipped ("unsupported") rather than timed without them.
+
+Steps in a scan (``cfg.steps`` > 1, ``--scan N``): every provider's call, its variants' too, is wrapped
+by ``in_scan`` into N dependent steps inside one ``jax.lax.scan`` (one jitted program, no dispatch
+between steps, as a generation loop runs); the timed function returns the first step's output (the
+one the correctness check reads) and the last step's query.
 """
 from __future__ import annotations
 
@@ -125,10 +130,50 @@ def default_providers() -> list[str]:
     return list(PROVIDERS)
 
 
+# Each scanned step's query is the previous one plus EPS times the previous step's output: a tiny
+# change (in bf16 it mostly rounds away), but one that XLA cannot fold, so no step can be hoisted out
+# of the loop or merged with another.
+EPS = 2.0**-10
+# The L2 of an H100/H200: a cache under it may be read from L2 by every step but the first.
+L2_BYTES = 50 * 2**20
+
+
+def in_scan(fn, steps: int):
+    """``fn(q, k, v, lengths, page_table) -> out`` (``out`` of the query's shape) as ``steps`` calls inside
+    one ``jax.lax.scan``. Step i+1's query is ``q_i + EPS * out_i`` (a data dependence through the
+    carry: XLA cannot hoist the call out of the loop nor dedupe steps; ``0 * out`` would be folded).
+    The cost per step beyond the call: one elementwise fusion over the query-sized arrays (the update,
+    and keeping step 0's output), the same for every provider. Returns ``(out_0, q_steps)``: the first
+    step's output (the query unchanged: what the correctness check compares) and the last query (which
+    depends on every step, so none is dead code)."""
+    def scanned(q, k, v, lengths, page_table):
+        def step(carry, i):
+            q_i, first = carry
+            out = fn(q_i, k, v, lengths, page_table)
+            if out.shape != q_i.shape:
+                raise ValueError(f"in_scan: the output {out.shape} is not of the query's shape {q_i.shape}")
+            first = jnp.where(i == 0, out.astype(first.dtype), first)
+            return (q_i + (out.astype(jnp.float32) * EPS).astype(q_i.dtype), first), None
+
+        (q_last, first), _ = jax.lax.scan(step, (q, jnp.zeros_like(q)), jnp.arange(steps))
+        return first, q_last
+
+    return scanned
+
+
+def _scanned(p: Provider, steps: int, cfg) -> Provider:
+    note = f"{steps} steps in one lax.scan, time per step"
+    if cfg.cache_bytes() < L2_BYTES:
+        note += f" (cache {cfg.cache_bytes() / 2**20:.3g} MiB < L2: steps after the first may read it from L2)"
+    return dataclasses.replace(p, fn=in_scan(p.fn, steps), note="; ".join(filter(None, [p.note, note])),
+                               variants=tuple(_scanned(v, steps, cfg) for v in p.variants))
+
+
 def make_provider(name: str, cfg) -> Provider:
     make = factory(FACTORIES, name)
     # Every provider but jax_tk (a new peer too, until it passes them), before its own checks: no
     # sinks is the reason for the whole row.
     if cfg.sinks and name != "jax_tk":
         raise Skip(f"unsupported: {NO_SINKS.get(name, name)} has no attention sinks")
-    return make(cfg, 1.0 / math.sqrt(cfg.head_dim))
+    p = make(cfg, 1.0 / math.sqrt(cfg.head_dim))
+    return _scanned(p, cfg.steps, cfg) if cfg.steps > 1 else p

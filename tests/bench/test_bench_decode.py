@@ -1,6 +1,7 @@
 """The decode benchmark (python -m benchmarks decode): configurations and byte counts, the providers'
 masks and wiring (FlashAttention-3 through a stand-in module), inputs that do not fit, and tiny runs
 through the harness and the command line on CPU."""
+import dataclasses
 import importlib.machinery
 import math
 import sys
@@ -257,3 +258,98 @@ def test_command_line_quick_sinks(tmp_path, capsys):
     assert all(r.status == "skipped" for r in results if r.config.sinks and r.provider != "jax_tk")
     merged = cli.main(["report", str(tmp_path / "decode.csv")])
     assert merged == 0 and "sinks cost" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------
+# --scan N: decode steps inside one jitted lax.scan
+# ----------------------------------------------------------------------------------------------
+
+
+def _stub_provider(calls, sleep_s=0.0):
+    """A stand-in provider: jax_tk's reference, plus a host callback per executed call that counts it
+    (and sleeps ``sleep_s``, so that a call's time is known)."""
+    import time
+
+    def on_call():
+        calls.append(1)
+        time.sleep(sleep_s)
+
+    def make(cfg, scale):
+        def fn(q, k, v, lengths, page_table):
+            jax.debug.callback(on_call)
+            return jax_tk.decode.reference.attention(q, k, v, lengths, scale=scale, page_table=page_table,
+                                                    is_causal=True)
+
+        return harness.Provider("stub", fn, scale, note="stand-in")
+
+    return make
+
+
+def test_in_scan_traces_the_call_once_inside_one_scan():
+    traced = []
+
+    def fn(q, k, v, lengths, page_table):
+        traced.append(1)
+        return jnp.tanh(q) + jnp.sum(k) * 0.0
+
+    q = jnp.full((1, 1, 2, 8), 0.5, jnp.float32)  # (in bf16 the update mostly rounds away: by design)
+    scanned = decode_providers.in_scan(fn, 5)
+    jaxpr = jax.make_jaxpr(scanned)(q, q, q, jnp.ones((1,), jnp.int32), None)
+    scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(scans) == 1 and scans[0].params["length"] == 5 and len(traced) == 1
+    first, last = jax.jit(scanned)(q, q, q, jnp.ones((1,), jnp.int32), None)
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(jnp.tanh(q)))  # step 0, the query unchanged
+    assert not np.array_equal(np.asarray(last), np.asarray(q))  # the steps carried the output forward
+
+
+def test_scan_gives_per_step_times(monkeypatch):
+    """N calls run inside each timed call of a scanned configuration, its time is reported per step
+    (about one call's, not N calls'), and the check reads one call's output."""
+    calls = []
+    monkeypatch.setitem(decode_providers.FACTORIES, "stub", _stub_provider(calls, sleep_s=0.004))
+    timer = harness.WallTimer(reps=20, batch_ms=1, warmup_ms=1)
+    c = C(2, 64, 4, 2, 32, new_tokens=4, steps=4)
+    provider = decode.make_provider("stub", c)
+    assert "4 steps in one lax.scan" in provider.note
+    sets = decode.make_inputs(c, 1)
+    jax.block_until_ready(jax.jit(provider.fn)(*sets[0][:-1]))
+    assert len(calls) == 4  # one jitted call, N steps
+    calls.clear()
+    r = decode.bench_decode([c], ["stub"], timer=timer, log=None)[0]
+    assert r.status == "ok" and r.rel_err < 1e-2, r
+    assert len(calls) % 4 == 0 and len(calls) >= 4 * 20
+    assert 3.5 < r.time_ms < 10 and r.min_ms <= r.time_ms <= r.max_ms  # ~4 ms a step, not 16
+    assert "scan of 4" in decode.format_table([r]).splitlines()[0]
+
+
+def test_scan_csv_round_trip():
+    c = C(3, 2048, 64, 8, 256, 4, 64, "bf16", sinks=True, steps=16, ceiling_tbs=3.1)
+    row = {k: str(v) for k, v in c.csv_row().items()}
+    assert row["steps"] == "16" and C.from_row(row) == c
+    assert c != dataclasses.replace(c, steps=1)  # the mode is part of the row's identity
+    old = {k: v for k, v in row.items() if k != "steps"}  # a CSV from before the column
+    assert C.from_row(old).steps == 1 and C.from_row(old) == dataclasses.replace(c, steps=1)
+    assert C.from_row(dict(old, steps="")).steps == 1
+    with pytest.raises(ValueError):
+        C(1, 64, 2, 2, 64, steps=0)
+
+
+def test_command_line_quick_scan(tmp_path, capsys):
+    rc = cli.main(["decode", "--quick", "--scan", "4", "--batch", "2", "--cache", "64", "--new", "1,4",
+                   "--providers", "jax_tk,xla", "--out", str(tmp_path), "--png", "none"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "per step inside a lax.scan of 4" in out and "per step of 4 inside one jitted lax.scan" in out
+    results, _ = output.read_csv([str(tmp_path / "decode.csv")], C.from_row)
+    assert len(results) == 4 and all(r.status == "ok" and r.config.steps == 4 for r in results)
+    assert all(r.rel_err < 1e-2 and "4 steps in one lax.scan" in r.note for r in results)
+    # a report over a per-call CSV and a scanned one: both titles' modes, a steps column
+    rc = cli.main(["decode", "--quick", "--batch", "2", "--cache", "64", "--providers", "jax_tk",
+                   "--csv", str(tmp_path / "percall.csv"), "--png", "none"])
+    assert rc == 0
+    capsys.readouterr()
+    assert cli.main(["report", str(tmp_path / "percall.csv"), str(tmp_path / "decode.csv")]) == 0
+    table = capsys.readouterr().out
+    assert "lax.scan of 1 (one call a step), 4" in table and " steps |" in table
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["decode", "--scan", "0"])
