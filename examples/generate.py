@@ -217,11 +217,17 @@ def generate(params, config, prompt, new_tokens, *, attention="tk", page_size=No
                                            attention, new_tokens, temperature, loop))
         return out, t1 - t0, time.perf_counter() - t1
 
+    return timed_result(run, timed, b * new_tokens)
+
+
+def timed_result(run, timed: bool, tokens_made: int) -> dict:
+    """The dict :func:`generate` returns, from ``run() -> ((tokens, logits, _), prefill_s, decode_s)``;
+    with ``timed`` a first run compiles and the second is the one timed."""
     (tokens, logits, _), prefill_s, decode_s = run()
     if timed:
         (tokens, logits, _), prefill_s, decode_s = run()
     return dict(tokens=np.asarray(tokens), logits=np.asarray(logits), prefill_s=prefill_s, decode_s=decode_s,
-                tokens_per_s=b * new_tokens / decode_s)
+                tokens_per_s=tokens_made / decode_s)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -347,11 +347,7 @@ def run_generation(params, config: Config, prompt, new_tokens, *, path="latent",
         out = jax.block_until_ready(decode(params, first, caches, lengths, table, forced, config, path, new_tokens))
         return out, t1 - t0, time.perf_counter() - t1
 
-    (tokens, logits, _), prefill_s, decode_s = run()
-    if timed:
-        (tokens, logits, _), prefill_s, decode_s = run()
-    return dict(tokens=np.asarray(tokens), logits=np.asarray(logits), prefill_s=prefill_s, decode_s=decode_s,
-                tokens_per_s=b * new_tokens / decode_s)
+    return generate.timed_result(run, timed, b * new_tokens)
 
 
 def cache_numbers_per_token(config: Config, path) -> int:
