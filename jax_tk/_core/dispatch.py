@@ -101,6 +101,13 @@ def use_kernel(op: str, implementation, unsupported_reason: str | None) -> bool:
     return True
 
 
+def warn_reference(op: str, why: str) -> None:
+    """Says once, where there is a GPU, that ``op`` runs the pure-JAX reference on it and why (a
+    configuration whose kernels run on other GPUs only, e.g. MLA's head dims off Hopper)."""
+    if extension.cuda_device_capability() is not None:
+        _warn_once(f"jax_tk.{op}: {why}: it runs the pure-JAX reference on this GPU")
+
+
 def platform_dispatch(use_kernel: bool, kernel_fn: Callable, reference_fn: Callable, *args):
     """``kernel_fn(*args)`` on CUDA and ``reference_fn(*args)`` elsewhere (only the reference when
     ``use_kernel`` is False). ``args`` may hold pytrees and Nones."""

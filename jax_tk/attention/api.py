@@ -42,8 +42,13 @@ class AttentionSpec:
 
 
 def use_kernel(query, key, value, implementation, bias=None, softcap=None) -> bool:
-    return dispatch.use_kernel("attention", implementation, launch.kernel_unsupported_reason(
-        query, key, value=value, bias=bias, softcap=softcap))
+    """Whether the call runs the kernels; a value head dim unlike the key's that they do not take here
+    (MLA's pair off Hopper) runs the reference with a warning."""
+    reason = launch.kernel_unsupported_reason(query, key, value=value, bias=bias, softcap=softcap)
+    use = dispatch.use_kernel("attention", implementation, reason)
+    if implementation is None and reason is not None and value.shape[-1] != key.shape[-1]:
+        dispatch.warn_reference("attention", f"unsupported {reason}")
+    return use
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ that would take the decode kernel); the default scale ``1/sqrt(D_qk)``; the erro
 CUDA. Ring attention and sharding with (192, 128): test_ring.py and test_sharding.py."""
 import functools
 import math
+import warnings
 import zlib
 
 import jax
@@ -394,3 +395,21 @@ def test_cuda_lowering(d, dv):
     assert bool(calls) == api.use_kernel(q, k, v, None), calls
     if calls:
         assert calls == list(names)
+
+
+@needs_extension
+def test_mla_pair_off_hopper_warns(monkeypatch):
+    """On a GPU without the sm_90a kernels (an A100, say) MLA's pair runs the reference, and says so;
+    where there is no GPU, nothing is said."""
+    from jax_tk._core import dispatch, extension
+
+    q, k, v = (_sds(x.shape) for x in _qkv(0, d=192, dv=128, dtype=BF16))
+    monkeypatch.setattr(extension, "cuda_device_capability", lambda: (8, 0))
+    dispatch._warn_once.cache_clear()
+    with pytest.warns(RuntimeWarning, match="192, 128.*runs the pure-JAX reference"):
+        assert not api.use_kernel(q, k, v, None)
+    monkeypatch.setattr(extension, "cuda_device_capability", lambda: None)
+    dispatch._warn_once.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not api.use_kernel(q, k, v, None)
