@@ -43,7 +43,7 @@ compiling and autotuning alone take minutes). bf16, D = 128 (MLA: 192/128), B*T 
   heads: 8 rows. FLOPs ``2*B*H*(D + Dv)*visible`` (``visible``: the causal pairs), backward 2.5x. No
   plain baseline (an equal-dims problem is another problem): the table gives jax_tk's speed-up over
   the fastest peer instead. A run of MLA rows alone times ``fwd`` and ``fwd_bwd`` unless ``--modes``
-  says otherwise, and its default providers are jax_tk, xla and the installed peers. How each
+  says otherwise, and its default providers are jax_tk, cudnn, xla and the installed peers. How each
   provider takes the unequal head dims (or why it is skipped) is in ``attention_providers``.
 
 FLOPs of these rows count only the visible (query, key) pairs of the mask ("useful FLOPs"): forward
@@ -221,7 +221,7 @@ def add_arguments(a) -> None:
                    help=f"run only the feature rows (from {','.join(FEATURES)}; all when no LIST), each "
                         "with a plain baseline at about the same useful FLOPs (mla: none; its table gives "
                         "jax_tk's speed-up over the fastest peer), instead of the sweep; default providers "
-                        f"{','.join(FEATURE_PROVIDERS)} (mla alone: jax_tk,xla and the installed peers; "
+                        f"{','.join(FEATURE_PROVIDERS)} (mla alone: jax_tk,cudnn,xla and the installed peers; "
                         f"modes {','.join(MLA_MODES)}); --seq sets the gqa and mla lengths, --tokens B*T, --d "
                         "the head dim (not mla's: 192/128); not part of the default run")
     cli.add_common_arguments(

@@ -52,12 +52,8 @@ def attention_flops(batch: int, q_len: int, kv_len: int, heads: int, head_dim: i
     ``2*B*H*T*S*(D + Dv)`` (``4*B*H*T*S*D`` when ``v_head_dim`` is None or equal), halved when causal;
     backward 2.5x the forward (five matrix products against two); forward+backward 3.5x.
     """
-    if mode not in MODE_FLOP_FACTOR:
-        raise ValueError(f"mode must be one of {tuple(MODE_FLOP_FACTOR)}, got {mode!r}")
-    fwd = 2.0 * batch * heads * q_len * kv_len * (head_dim + (head_dim if v_head_dim is None else v_head_dim))
-    if causal:
-        fwd /= 2.0
-    return fwd * MODE_FLOP_FACTOR[mode]
+    pairs = batch * q_len * kv_len / (2.0 if causal else 1.0)
+    return useful_flops(heads, head_dim, pairs, mode, v_head_dim)
 
 
 def useful_flops(heads: int, head_dim: int, visible: int, mode: str = "fwd",

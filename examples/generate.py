@@ -287,11 +287,7 @@ def parse_args(argv=None):
     p.add_argument("--devices", type=int, default=1,
                    help="split the batch over the first N devices (decode throughput on several GPUs)")
     p.add_argument("--no-check", action="store_true")
-    args = p.parse_args(argv)
-    preset = PRESETS["gpu" if jax.default_backend() == "gpu" else "cpu"]
-    for name, value in preset.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    args = train_gpt.fill_preset(p.parse_args(argv), PRESETS)
     args.attention = [a for a in args.attention.split(",") if a]
     bad = [a for a in args.attention if a not in ATTENTIONS]
     if bad or not args.attention:

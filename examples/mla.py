@@ -399,11 +399,7 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true")
-    args = p.parse_args(argv)
-    preset = PRESETS["gpu" if jax.default_backend() == "gpu" else "cpu"]
-    for name, value in preset.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    args = train_gpt.fill_preset(p.parse_args(argv), PRESETS)
     args.paths = [a for a in args.paths.split(",") if a]
     if "latent" not in args.paths or any(a not in PATHS for a in args.paths):
         p.error(f"--paths: latent and optionally xla, got {args.paths}")

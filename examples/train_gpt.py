@@ -389,10 +389,14 @@ def parse_args(argv=None):
     p.add_argument("--prompt", default="\n", help="start of the generated sample")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
     args = p.parse_args(argv)
-    backend = jax.default_backend()
-    preset = PRESETS["gpu" if backend == "gpu" else "cpu"]
-    args.given = {name for name in preset if getattr(args, name) is not None}
-    for name, value in preset.items():
+    args.given = {name for name in PRESETS["cpu"] if getattr(args, name) is not None}
+    return fill_preset(args, PRESETS)
+
+
+def fill_preset(args, presets: dict):
+    """``args`` with every option left unset (None) taken from ``presets["gpu"]`` on a GPU, else
+    ``presets["cpu"]`` (the examples' presets)."""
+    for name, value in presets["gpu" if jax.default_backend() == "gpu" else "cpu"].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
