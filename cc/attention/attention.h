@@ -16,14 +16,14 @@ enum class DType { bf16, fp16 };
   X(HEAD_DIMS_SM80, 64 | 128)   /* head dims of every GPU's kernels (a set of powers of 2) */              \
   X(HEAD_DIMS_SM90, 64 | 128 | 256)  /* ... and of the sm_90a kernels */                                   \
   X(MLA_HEAD_DIM_QK, 192)       /* the one pair of unequal head dims (query/key, value), MLA's: the */     \
-  X(MLA_HEAD_DIM_V, 128)        /*   sm_90a forward's (every other kernel takes equal ones) */             \
+  X(MLA_HEAD_DIM_V, 128)        /*   sm_90a kernels' (every other kernel takes equal ones) */              \
   X(FWD_TILE_ROWS, 128)         /* sm_90a forward: query rows per tile (Params::fwd_tiles) */              \
   X(FWD_TILE_KEYS, 128)         /* ... keys per key block (fwd_tile_keys), head_dim up to 192 */           \
   X(FWD_TILE_KEYS_D256, 64)     /* ... keys per key block, head_dim 256 */                                 \
   X(FWD_DOCS_MAX_HEAD_DIM, 128) /* documents' own tiles (Params::fwd_tiles) up to this head_dim */         \
   X(FWD_TILES_PER_BLOCK, 2)     /* Params::fwd_tiles entries per FWD_TILE_ROWS query rows */               \
   X(BWD_BLOCK_KEYS, 128)        /* sm_90a backward: keys per block (Params::block_order), head_dim <= 128 */ \
-  X(BWD_BLOCK_KEYS_D256, 64)    /* ... head_dim 256 */                                                     \
+  X(BWD_BLOCK_KEYS_D256, 64)    /* ... head_dim above 128 */                                               \
   X(BWD_QUERY_ROWS, 64)         /* ... query rows per step, and per dq tile of the workspace */            \
   X(MASK_BLOCK_ROWS, 128)       /* the boolean mask's block summary (Params::mask_blocks): query rows */   \
   X(MASK_BLOCK_KEYS, 128)       /* ... and keys per block (every kernel's blocks lie inside one; the bias  \
@@ -130,10 +130,12 @@ JAX_TK_HD constexpr int fwd_tile_keys(int head_dim) { return head_dim < 256 ? FW
 // The rows of a block of Params::block_order: the backward's key blocks.
 inline int bwd_order_rows(int head_dim) { return head_dim <= 128 ? BWD_BLOCK_KEYS : BWD_BLOCK_KEYS_D256; }
 inline bool head_dim_in(int head_dim, int dims) { return (head_dim & (head_dim - 1)) == 0 && (head_dim & dims) != 0; }
+// The value head dim of the sm_90a kernels for query/key head dim d: d, but in MLA's pair.
+JAX_TK_HD constexpr int kernel_v_head_dim(int d) { return d == MLA_HEAD_DIM_QK ? MLA_HEAD_DIM_V : d; }
 // Whether some kernel takes query/key head dim d and value head dim dv: equal ones of HEAD_DIMS_SM90,
-// or the MLA pair (the sm_90a forward only).
+// or the MLA pair (the sm_90a kernels only).
 inline bool has_kernel_dims(int d, int dv) {
-  return d == dv ? head_dim_in(d, HEAD_DIMS_SM90) : d == MLA_HEAD_DIM_QK && dv == MLA_HEAD_DIM_V;
+  return dv == kernel_v_head_dim(d) && (d == MLA_HEAD_DIM_QK || head_dim_in(d, HEAD_DIMS_SM90));
 }
 
 // Size of Params::workspace in 4-byte words (the caller allocates it; it is also what Python asks for).

@@ -32,29 +32,48 @@ using namespace tk;
 template <typename T, int D> struct BwdH {
   using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/24, /*CONSUMER_REGS=*/240>;
   static constexpr int CONSUMERS = Roles::CONSUMERS, THREADS = Roles::THREADS;
-  // SPLIT consumers share each 64 keys and split the columns of dK/dV (SPLIT = 2 at D = 256: 64 x 256
-  // fp32 accumulators would not fit one warpgroup's registers; both then compute S^T and dP^T).
-  static constexpr int SPLIT = D > 128 ? 2 : 1, KV_COLS = D / SPLIT;
-  static constexpr int BK = 64 * CONSUMERS / SPLIT, BQ = 64, DQ_COLS = D / CONSUMERS;
+  static constexpr int DV = kernel_v_head_dim(D);  // the value's head dim (MLA's pair: 128 at D = 192)
+  // SPLIT consumers share each 64 keys and split the columns of dK/dV (SPLIT = 2 above D = 128: 64 x
+  // 256 fp32 accumulators would not fit one warpgroup's registers; both then compute S^T and dP^T).
+  static constexpr int SPLIT = D > 128 ? 2 : 1;
+  static constexpr int BK = 64 * CONSUMERS / SPLIT, BQ = 64;
   // (Params::block_order's blocks and the workspace's dq tiles, which Python sizes from attention.h)
   static_assert(BQ == BWD_QUERY_ROWS && BK == (D <= 128 ? BWD_BLOCK_KEYS : BWD_BLOCK_KEYS_D256));
   static_assert(MASK_BLOCK_ROWS % BQ == 0 && MASK_BLOCK_KEYS % BK == 0);  // (mask_code)
-  // Each consumer computes its DQ_COLS columns of dQ_i in parts of at most 64 (registers again).
-  static constexpr int DQ_PART = DQ_COLS < 64 ? DQ_COLS : 64, DQ_PARTS = DQ_COLS / DQ_PART;
+  // Consumer w's columns: [k0, k0 + kc) of dK, [v0, v0 + vc) of dV and [q0, q0 + qc) of dQ_i. With
+  // SPLIT = 1 both take all of dK and dV (their own keys) and half of dQ_i. With SPLIT = 2 the
+  // windows are whole 128-byte panels (wgmma's operands): at D = 192 consumer 0 takes 128 columns of
+  // dK and consumer 1 the other 64; dQ_i's then split the other way (64 + 128), so that each does as
+  // many products.
+  struct Share {
+    int k0, kc, v0, vc, q0, qc;
+  };
+  static constexpr int K_FIRST = (D / SPLIT + 63) / 64 * 64;  // consumer 0's columns of dK
+  __host__ __device__ static constexpr Share share(int w) {
+    if (SPLIT == 1) return {0, D, 0, DV, w * D / CONSUMERS, D / CONSUMERS};
+    const int s = w % SPLIT;  // (arithmetic, not a choice: at D = 256 ptxas then keeps one offset for all three)
+    return {s * K_FIRST, s ? D - K_FIRST : K_FIRST, s * DV / 2, DV / 2, s * (D - K_FIRST), s ? K_FIRST : D - K_FIRST};
+  }
+  // Whether the two consumers' shares differ in shape (then each is compiled on its own, see consume).
+  static constexpr bool ASYMMETRIC = share(0).kc != share(1).kc || share(0).qc != share(1).qc;
+  // Each consumer computes its columns of dQ_i in parts of at most 64 (registers again).
+  template <int W> static constexpr int DQ_PART = share(W).qc < 64 ? share(W).qc : 64;
   // STAGED (D <= 128): each consumer stores its dQ_i tile to shared memory (its registers are free at
-  // once) and a writer warp adds it to the accumulator with one bulk reduce-add; at D = 256 (no room)
-  // the consumers add it from their registers.
+  // once) and a writer warp adds it to the accumulator with one bulk reduce-add; above (no room, or
+  // none for both consumers' shares at D = 192) the consumers add it from their registers.
   static constexpr bool STAGED = D <= 128;
   static constexpr int STAGES = D == 64 ? 3 : 2;
-  static_assert(!STAGED || DQ_PARTS == 1);
+  static_assert(!STAGED || (DQ_PART<0> == share(0).qc && !ASYMMETRIC));
   struct Shared {
-    st<T, BK, D> k, v;
-    st<T, BQ, D> q[STAGES], dout[STAGES];
+    st<T, BK, D> k;
+    st<T, BK, DV> v;
+    st<T, BQ, D> q[STAGES];
+    st<T, BQ, DV> dout[STAGES];
     st<T, BK, BQ> ds[2];                        // dS^T of the last two steps (keys x queries)
     alignas(16) float stats[STAGES][2 * BQ];    // per query row: lse (log2 units, +inf past q_len), delta
     int2 step[STAGES];  // (SEG) the step's query head g, and its query block i shifted left by MASK_BITS
                         // and the block's mask bits (tile_mask_bits)
-    alignas(128) float dq[CONSUMERS][STAGED ? BQ * DQ_COLS : 4];  // each consumer's dQ_i, fragment order
+    alignas(128) float dq[CONSUMERS][STAGED ? BQ * share(0).qc : 4];  // each consumer's dQ_i, fragment order
     // Rings (ring.cuh): the steps' Q, dO and statistics (full, empty); each consumer's dQ tile, one
     // slot (dq_full[c], dq_empty[c]). kv_full and kv_out complete once: K and V loaded, dK and dV
     // written to their tiles.
@@ -71,14 +90,14 @@ template <typename T, int D> struct BwdH {
   // there is no room: the bias goes pair by pair there), then the block list.
   static constexpr bool STAGE_BIAS = D <= 128;
   __host__ __device__ static size_t bias_bytes(const Params &p) { return STAGE_BIAS && p.bias ? CONSUMERS * 4 * BIAS_SCRATCH : 0; }
-  // The workspace holds, per (batch, head, query block, consumer), that consumer's dQ tile in
-  // fragment order (see warpgroup::reduce_add_fragments).
-  __host__ __device__ static size_t dq_tile(const Params &p, int b, int h, int i, int c) {
-    return (((size_t(b) * p.q_heads + h) * ((p.q_len + BQ - 1) / BQ) + i) * CONSUMERS + c) * (BQ * DQ_COLS);
+  // The workspace holds, per (batch, head, query block), a 64 x D dQ_i tile in fragment order (see
+  // warpgroup::reduce_add_fragments; its columns from c on start at float BQ * c).
+  __host__ __device__ static size_t dq_tile(const Params &p, int b, int h, int i) {
+    return ((size_t(b) * p.q_heads + h) * ((p.q_len + BQ - 1) / BQ) + i) * (BQ * D);
   }
   // After the tiles: the stats rows (as in Shared::stats) of query block i, then the locks.
   __host__ __device__ static size_t stats(const Params &p, int b, int h, int i) {
-    return dq_tile(p, p.batch, 0, 0, 0) + ((size_t(b) * p.q_heads + h) * ((p.q_len + BQ - 1) / BQ) + i) * 2 * BQ;
+    return dq_tile(p, p.batch, 0, 0) + ((size_t(b) * p.q_heads + h) * ((p.q_len + BQ - 1) / BQ) + i) * 2 * BQ;
   }
 };
 
@@ -215,6 +234,12 @@ template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE
   // so that the wgmma descriptors stay in uniform registers instead of being worked out per thread
   // and moved there before each wgmma. (At D = 256 it cost more in spills than it saved.)
   __device__ __forceinline__ static int known_uniform(int x) { return D <= 128 ? warp_uniform(x) : x; }
+  // Both consumers wait for each other (named barrier 1). Where their shares differ they run code of
+  // their own (consume<W>), so the barrier is reached at two instructions.
+  __device__ __forceinline__ static void sync_consumers() {
+    if constexpr (C::ASYMMETRIC) sync_named_unaligned(1, 128 * CONSUMERS);
+    else sync_named(1, 128 * CONSUMERS);
+  }
   // The deterministic mode's turns: read where they are tested (a flag kept in a register across the
   // loop changed the plain kernel's schedule and cost it 2%).
   __device__ __forceinline__ static bool det(const Params &p) { return FULL ? DET : p.deterministic; }
@@ -262,7 +287,7 @@ template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE
       const int h = x.kvh * x.group + g;
       for (int c = 0; c < CONSUMERS; c++) {  // (deterministic: the consumers have waited for the turn)
         wait_full(dq_ring(sm, c), it);
-        reduce_add_async(p.workspace + C::dq_tile(p, x.b, h, i, c), sm.dq[c], sizeof(sm.dq[c]));
+        reduce_add_async(p.workspace + C::dq_tile(p, x.b, h, i) + BQ * C::share(c).q0, sm.dq[c], sizeof(sm.dq[c]));
         bulk_commit();
       }
       bulk_wait_read<1>();  // consumer 0's tile is read: it may store the next one
@@ -330,25 +355,32 @@ template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE
     }
   }
 
-  __device__ __forceinline__ static void consume(const Args &a, Shared &sm, const BwdBlock x, int wg);
-  template <typename RT> __device__ __forceinline__ static void store_dkv(Shared &sm, RT &dk, RT &dv, float scale, int kw, int col0);
+  template <int W> __device__ __forceinline__ static void consume(const Args &a, Shared &sm, const BwdBlock x, int wg);
+  template <typename RK, typename RV>
+  __device__ __forceinline__ static void store_dkv(Shared &sm, RK &dk, RV &dv, float scale, int row, int k_col, int v_col);
 };
 
-// consumers: warpgroup wg owns keys k0 + row0 .. + 64 (this warp 16 of them from kw) and the columns
-// col0 .. + KV_COLS of their dK and dV
+// consumers: warpgroup wg owns keys k0 + row0 .. + 64 (this warp 16 of them from kw) and its share of
+// the columns of their dK and dV and of dQ_i (BwdH::share; the shapes of consumer W's, which is wg's
+// where the shares differ)
 template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE, bool BIAS>
+template <int W>
 __device__ __forceinline__ void BwdParts<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>::consume(const Args &a, Shared &sm, const BwdBlock x, const int wg) {
   const Params &p = a.p;
   const int b = x.b, kvh = x.kvh, j = x.j, k0 = j * BK, n_steps = x.n_steps, group = x.group;
   const KeyRule &rule = x.rule;
   const int n_qblocks = (p.q_len + BQ - 1) / BQ;
   const ring<STAGES> steps{sm.full, sm.empty};
-  const int row0 = 64 * (wg / C::SPLIT), col0 = C::KV_COLS * (wg % C::SPLIT);
+  constexpr typename C::Share cols = C::share(W);
+  const typename C::Share at = C::ASYMMETRIC ? cols : C::share(wg);
+  const int row0 = 64 * (wg / C::SPLIT);
   const int kw = k0 + row0 + 16 * (warpid() % 4);
   const bool writes_ds = wg % C::SPLIT == 0;  // one of the warpgroups that share the keys
-  const auto k_rows = window<64, D>(sm.k, row0, 0), v_rows = window<64, D>(sm.v, row0, 0);
+  const auto k_rows = window<64, D>(sm.k, row0, 0);
+  const auto v_rows = window<64, C::DV>(sm.v, row0, 0);
   const bool leader = threadIdx.x % 128 == 0;
-  rt_fl<16, C::KV_COLS> dk, dv;
+  rt_fl<16, cols.kc> dk;
+  rt_fl<16, cols.vc> dv;
   rt_fl<16, BQ> s, dp;  // S^T (then P^T), dP^T (then dS^T) of the current step
   warp::zero(dk);
   warp::zero(dv);
@@ -399,7 +431,7 @@ __device__ __forceinline__ void BwdParts<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>
     probabilities<FULL, DENSE, CAP, BIAS>(s, p, rule, need, b, h, q0, kw, lse, bias, scratch);
     warp::copy(p16, s);
     warp::load(delta, stats + BQ, BQ);  // (before the dV product's shared-memory reads queue ahead of it)
-    warpgroup::mma_AB(dv, p16, window<BQ, C::KV_COLS>(sm.dout[slot], 0, col0), true);  // dV += P^T dO   [dP, dV]
+    warpgroup::mma_AB(dv, p16, window<BQ, cols.vc>(sm.dout[slot], 0, at.v0), true);  // dV += P^T dO   [dP, dV]
     warpgroup::wait<1>();  // [dV]: dP^T is ready
     warpgroup::fence_registers(dp);
     warp::map_col(dp, dp, delta, [](float x, float d) { return x - d; });
@@ -415,10 +447,10 @@ __device__ __forceinline__ void BwdParts<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>
     }
     // dK needs only this warpgroup's rows of dS^T: where it computed them itself (SPLIT = 1) it
     // takes them from its registers, at once; dQ needs all of them, from shared memory.
-    const auto q_cols = window<BQ, C::KV_COLS>(sm.q[slot], 0, col0);
+    const auto q_cols = window<BQ, cols.kc>(sm.q[slot], 0, at.k0);
     if constexpr (C::SPLIT == 1) warpgroup::mma_AB(dk, ds16, q_cols, true);  // dK += dS^T Q  [dV, dK]
     if (writes_ds) warpgroup::fence_shared_writes();
-    sync_named(1, 128 * CONSUMERS);  // all of dS^T is in shared memory
+    sync_consumers();  // all of dS^T is in shared memory
     if constexpr (C::SPLIT == 2) warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, row0, 0), q_cols, true);
     if (C::STAGE_BIAS && BIAS) store_dbias<T>(ds16, p, b, h, q0, kw, scratch);  // (while dK is computed)
     // This warpgroup's columns of dQ_i = dS K, added to the accumulator tile in global memory: by the
@@ -430,13 +462,13 @@ __device__ __forceinline__ void BwdParts<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>
       if (leader)
         while (load_acquire(lock) < CONSUMERS * blocks_before<FULL, DENSE>(p, b, kvh, i, j, BK)) __nanosleep(32);
     };
-    float *dq_tile = p.workspace + C::dq_tile(p, b, h, i, wg);
+    constexpr int DQ_PART = C::template DQ_PART<W>, DQ_PARTS = cols.qc / DQ_PART;
+    float *dq_tile = p.workspace + C::dq_tile(p, b, h, i) + BQ * at.q0;
 #pragma unroll
-    for (int part = 0; part < C::DQ_PARTS; part++) {
-      rt_fl<16, C::DQ_PART> dq;
-      const int c0 = C::DQ_COLS * wg + C::DQ_PART * part;
-      warpgroup::mma_AtB(dq, ds_tile, window<BK, C::DQ_PART>(sm.k, 0, c0), false);  // [dV, dK, dQ]
-      if (part == C::DQ_PARTS - 1) {
+    for (int part = 0; part < DQ_PARTS; part++) {
+      rt_fl<16, DQ_PART> dq;
+      warpgroup::mma_AtB(dq, ds_tile, window<BK, DQ_PART>(sm.k, 0, at.q0 + DQ_PART * part), false);  // [dV, dK, dQ]
+      if (part == DQ_PARTS - 1) {
         // (With dK's operand in registers, S^T's accumulators wait for it: both held, ptxas would
         // serialize the wgmmas for want of registers, C7512.)
         if constexpr (C::SPLIT == 1) warpgroup::wait<1>();  // [dQ]
@@ -463,7 +495,7 @@ __device__ __forceinline__ void BwdParts<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>
           wait_for_turn();
           sync_named(2 + wg, 128);
         }
-        warpgroup::reduce_add_fragments(dq_tile + part * BQ * C::DQ_PART, dq);
+        warpgroup::reduce_add_fragments(dq_tile + part * BQ * DQ_PART, dq);
       }
     }
     if (!C::STAGED && det(p)) {
@@ -476,7 +508,7 @@ __device__ __forceinline__ void BwdParts<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>
     }
   }
   warpgroup::wait<0>();  // the extra S^T
-  store_dkv(sm, dk, dv, p.scale, kw - k0, col0);
+  store_dkv(sm, dk, dv, p.scale, kw - k0, at.k0, at.v0);
 }
 
 // dK and dV are read only here, after the last wait (fencing them in the loop makes ptxas serialize
@@ -485,14 +517,15 @@ __device__ __forceinline__ void BwdParts<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>
 // pair by pair (half-filled sectors), they took 6-7 us of every block's life (a timeline of the
 // blocks at B = 8, T = 2k), about 3 steps' time.
 template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE, bool BIAS>
-template <typename RT>
-__device__ __forceinline__ void BwdParts<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>::store_dkv(Shared &sm, RT &dk, RT &dv, float scale, int row, int col0) {
+template <typename RK, typename RV>
+__device__ __forceinline__ void BwdParts<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>::store_dkv(Shared &sm, RK &dk, RV &dv, float scale, int row,
+                                                                                          int k_col, int v_col) {
   warpgroup::fence_registers(dk);
   warpgroup::fence_registers(dv);
   warp::mul(dk, dk, scale);
-  sync_named(1, 128 * CONSUMERS);
-  warp::store(sm.k, dk, row, col0);
-  warp::store(sm.v, dv, row, col0);
+  sync_consumers();
+  warp::store(sm.k, dk, row, k_col);
+  warp::store(sm.v, dv, row, v_col);
   warpgroup::fence_shared_writes();
   arrive(sm.kv_out);
 }
@@ -512,7 +545,14 @@ template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE
     if (BwdH<T, D>::STAGED && warpid() == Parts::CONSUMERS * 4 + 1 && laneid() == 0) Parts::write_dq(a.p, sm, x);
     if (warpid() == Parts::CONSUMERS * 4) Parts::load(a, sm, x);
   }
-  __device__ __forceinline__ void consume() const { Parts::consume(a, sm, x, wg); }
+  __device__ __forceinline__ void consume() const {
+    if constexpr (BwdH<T, D>::ASYMMETRIC) {
+      if (wg == 0) Parts::template consume<0>(a, sm, x, wg);
+      else Parts::template consume<1>(a, sm, x, wg);
+    } else {
+      Parts::template consume<0>(a, sm, x, wg);
+    }
+  }
 };
 template <typename T, int D, bool FULL, bool SEG, bool CAP, bool DET, bool DENSE, bool BIAS>
 __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const __grid_constant__ typename BwdH<T, D>::Args a) {
@@ -526,14 +566,14 @@ __global__ __launch_bounds__(BwdH<T, D>::THREADS, 1) void bwd_sm90_kernel(const 
 #endif
 }
 
-// delta = rowsum(dO * O) - dlse per query row (D / 8 lanes per row, 16 bytes of O and of dO per
+// delta = rowsum(dO * O) - dlse per query row (DV / 8 lanes per row, 16 bytes of O and of dO per
 // lane), the stats rows of the main kernel (lse in log2 units and delta per 64-row query block; +inf
 // and 0 past q_len) and cleared dq tiles and locks.
 template <int D> constexpr int PREP_LANES = D / 8;                       // lanes per row
 template <int D> constexpr int PREP_ROWS = 8 * (32 / PREP_LANES<D>);  // rows per block of 256 threads
 template <typename T, int D> __global__ __launch_bounds__(256) void bwd_prep_kernel(const __grid_constant__ Params p) {
   using C = BwdH<T, D>;
-  constexpr int LANES = PREP_LANES<D>;
+  constexpr int DV = C::DV, LANES = PREP_LANES<DV>;
   static_assert(LANES <= 32 && 32 % LANES == 0);
   const size_t n_stats = C::stats(p, p.batch, 0, 0) - C::stats(p, 0, 0, 0);
   const size_t tiles = C::stats(p, 0, 0, 0), locks = n_stats / (2 * C::BQ);
@@ -552,14 +592,14 @@ template <typename T, int D> __global__ __launch_bounds__(256) void bwd_prep_ker
   }
 
   // Rows in [b, h, t] order: the statistics (lse, dlse, delta and the stats rows) are read and written
-  // in runs of consecutive rows; each row of O and dO is D * 2 contiguous bytes.
+  // in runs of consecutive rows; each row of O and dO is DV * 2 contiguous bytes.
   const size_t rows = size_t(p.batch) * p.q_len * p.q_heads;
-  const size_t row = size_t(blockIdx.x) * PREP_ROWS<D> + threadIdx.x / LANES;
+  const size_t row = size_t(blockIdx.x) * PREP_ROWS<DV> + threadIdx.x / LANES;
   const bool valid = row < rows;  // (every lane takes part in the shuffles)
   const int t = int(row % p.q_len), h = int(row / p.q_len % p.q_heads), b = int(row / (size_t(p.q_heads) * p.q_len));
   float acc = 0.f;
   if (valid) {
-    const size_t at = ((size_t(b) * p.q_len + t) * p.q_heads + h) * D + threadIdx.x % LANES * 8;
+    const size_t at = ((size_t(b) * p.q_len + t) * p.q_heads + h) * DV + threadIdx.x % LANES * 8;
     const uint4 x = *reinterpret_cast<const uint4 *>(static_cast<const T *>(p.o) + at);
     const uint4 y = *reinterpret_cast<const uint4 *>(static_cast<const T *>(p.dout) + at);
     for (int k = 0; k < 4; k++) {
@@ -577,18 +617,19 @@ template <typename T, int D> __global__ __launch_bounds__(256) void bwd_prep_ker
   }
 }
 
-// dq = scale * accumulator, in the input dtype: one block per accumulator tile (BQ rows x DQ_COLS,
-// in the order of BwdH::dq_tile), read in fragment order (each load instruction of a warp reads 512
-// consecutive bytes), turned into rows in shared memory and written 16 bytes per thread.
+// dq = scale * accumulator, in the input dtype: one block per 64 columns of an accumulator tile (BQ
+// rows, in the order of BwdH::dq_tile), read in fragment order (each load instruction of a warp reads
+// 512 consecutive bytes), turned into rows in shared memory and written 16 bytes per thread.
+constexpr int DQ_OUT_COLS = 64;
 template <typename T, int D> __global__ __launch_bounds__(128) void bwd_dq_kernel(const __grid_constant__ Params p) {
   using C = BwdH<T, D>;
-  constexpr int ROWS = C::BQ, COLS = C::DQ_COLS, PITCH = COLS + 8;  // (+ 8: conflict-free float2 stores)
-  static_assert(ROWS == 64 && COLS % 16 == 0);
+  constexpr int ROWS = C::BQ, COLS = D < DQ_OUT_COLS ? D : DQ_OUT_COLS, PITCH = COLS + 8;  // (+ 8: conflict-free float2 stores)
+  static_assert(ROWS == 64 && COLS % 16 == 0 && D % COLS == 0);
   __shared__ alignas(16) float tile[ROWS * PITCH];
   const int t = threadIdx.x, n_qblocks = (p.q_len + ROWS - 1) / ROWS;
-  const int c = int(blockIdx.x % C::CONSUMERS), i = int(blockIdx.x / C::CONSUMERS % n_qblocks);
-  const int bh = int(blockIdx.x / (C::CONSUMERS * n_qblocks)), h = bh % p.q_heads, b = bh / p.q_heads;
-  const auto *src = reinterpret_cast<const float4 *>(p.workspace + C::dq_tile(p, b, h, i, c));
+  const int c = int(blockIdx.x % (D / COLS)), i = int(blockIdx.x / (D / COLS) % n_qblocks);
+  const int bh = int(blockIdx.x / ((D / COLS) * n_qblocks)), h = bh % p.q_heads, b = bh / p.q_heads;
+  const auto *src = reinterpret_cast<const float4 *>(p.workspace + C::dq_tile(p, b, h, i) + ROWS * COLS * c);
 #pragma unroll
   for (int q = 0; q < ROWS * COLS / 512; q++) {
     const float4 v = src[q * 128 + t];
@@ -612,25 +653,23 @@ template <typename T, int D> __global__ __launch_bounds__(128) void bwd_dq_kerne
 
 }  // namespace
 
-bool bwd_sm90_supported(const Params &p) {
-  return (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) && p.workspace != nullptr;
-}
+bool bwd_sm90_supported(const Params &p) { return has_kernel_dims(p.head_dim, p.v_head_dim) && p.workspace != nullptr; }
 
 cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
-  return dispatch<64, 128, 256>(p, [&]<typename T, int D, bool FULL, bool DENSE>() {
+  auto launch = [&]<typename T, int D, bool FULL, bool DENSE>() {
     using C = BwdH<T, D>;
     const size_t rows = size_t(p.batch) * p.q_len * p.q_heads;
-    bwd_prep_kernel<T, D><<<unsigned((rows + PREP_ROWS<D> - 1) / PREP_ROWS<D>), 256, 0, stream>>>(p);
+    bwd_prep_kernel<T, D><<<unsigned((rows + PREP_ROWS<C::DV> - 1) / PREP_ROWS<C::DV>), 256, 0, stream>>>(p);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
 
     typename C::Args a{p, {}, {}, {}, {}, {}, {}, order_pairs(p)};
     if (!make_tma_map(a.q, p.q, p.batch, p.q_len, p.q_heads, D) ||
-        !make_tma_map(a.dout, p.dout, p.batch, p.q_len, p.q_heads, D) ||
+        !make_tma_map(a.dout, p.dout, p.batch, p.q_len, p.q_heads, C::DV) ||
         !make_tma_map(a.k, p.k, p.batch, p.kv_len, p.kv_heads, D) ||
-        !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, D) ||
+        !make_tma_map(a.v, p.v, p.batch, p.kv_len, p.kv_heads, C::DV) ||
         !make_tma_map(a.dk, p.dk, p.batch, p.kv_len, p.kv_heads, D) ||
-        !make_tma_map(a.dv, p.dv, p.batch, p.kv_len, p.kv_heads, D))
+        !make_tma_map(a.dv, p.dv, p.batch, p.kv_len, p.kv_heads, C::DV))
       return cudaErrorInvalidValue;
     // The kernel's DET, CAP, SEG and DENSE (the deterministic masked kernel takes any options but the
     // dense operands; with a mask or a bias, the kernels for any options, deterministic or not).
@@ -653,11 +692,13 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
     kernel<<<unsigned(blocks), C::THREADS, smem, stream>>>(a);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
 
-    const size_t tiles = size_t(p.batch) * p.q_heads * ((p.q_len + C::BQ - 1) / C::BQ) * C::CONSUMERS;
+    const size_t tiles = size_t(p.batch) * p.q_heads * ((p.q_len + C::BQ - 1) / C::BQ) * (D < DQ_OUT_COLS ? 1 : D / DQ_OUT_COLS);
     if (tiles >= INT_MAX) return cudaErrorInvalidValue;
     bwd_dq_kernel<T, D><<<unsigned(tiles), 128, 0, stream>>>(p);
     return cudaGetLastError();
-  });
+  };
+  if (p.v_head_dim != p.head_dim) return dispatch<MLA_HEAD_DIM_QK>(p, launch);  // (has_kernel_dims)
+  return dispatch<64, 128, 256>(p, launch);
 }
 
 }  // namespace jax_tk::attention

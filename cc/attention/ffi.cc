@@ -86,7 +86,7 @@ ffi::Error check_qkv(Params &p, Lead &lead, const ffi::AnyBuffer &q, const ffi::
   const int64_t dv = v.dimensions().back();
   if (qd[3] <= 0 || qd[3] > 256 || dv <= 0 || !attention::has_kernel_dims(int(qd[3]), int(dv)))
     return invalid("attention kernels take head_dim 64 or 128 (and 256 on H100/H200), and the value's head_dim "
-                   "the same, or 192 with a value head_dim of 128 (H100/H200, forward)");
+                   "the same, or 192 with a value head_dim of 128 (H100/H200)");
   for (auto d : {lead.count * qd[0], qd[1], qd[2], kd[1], kd[2]})
     if (d <= 0 || d > core::MAX_INDEX) return invalid("attention dimensions must be in [1, 2^31)");
   if (qd[1] * qd[2] * qd[3] > core::MAX_INDEX || kd[1] * kd[2] * kd[3] > core::MAX_INDEX)
@@ -278,8 +278,6 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   Params p{};
   Lead lead;
   if (auto e = check_qkv(p, lead, q, k, v); e.failure()) return e;
-  if (p.v_head_dim != p.head_dim)  // (jax_tk pads the value's head dim to the query's for it)
-    return invalid("the backward kernels take a value head_dim equal to the query's");
   if (auto e = check_masking(p, lead, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, q_segment_ranges,
                              kv_segment_ranges, window_left, window_right, softcap);
       e.failure())
@@ -297,8 +295,10 @@ ffi::Error bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
              : elements(*dbias) != 0)
     return invalid(p.bias ? "dbias must have the inputs' dtype and shape " + lead.shape({p.batch, p.q_heads, bias_rows, bias_keys})
                           : std::string("dbias must have no elements without a bias"));
-  if (!same_type_and_dims(o, q) || !same_type_and_dims(dout, q) || !same_type_and_dims(*dq, q))
-    return invalid("out, dout and dq must have the query's shape and dtype");
+  if (!same_type_and_dims(*dq, q)) return invalid("dq must have the query's shape and dtype");
+  for (auto *x : {&o, &dout})
+    if (x->element_type() != q.element_type() || !same_lead_dims(*x, q) || x->dimensions().back() != p.v_head_dim)
+      return invalid("out and dout must have the query's dtype and shape, with the value's head_dim");
   if (!same_type_and_dims(*dk, k) || !same_type_and_dims(*dv, v)) return invalid("dk and dv must match key and value");
   for (auto [x, name] : {std::pair{&lse, "lse"}, {&dlse, "dlse"}})
     if (auto e = check_rows(p, lead, *x, name); e.failure()) return e;

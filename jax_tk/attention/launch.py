@@ -36,7 +36,7 @@ def _head_dims(mask: int) -> tuple[int, ...]:
 
 
 def mla_pair() -> tuple[int, int]:
-    """The one pair of unequal head dims (query/key, value) with a kernel of its own: the sm_90a forward's."""
+    """The one pair of unequal head dims (query/key, value) with kernels of their own (sm_90a)."""
     c = contract()
     return c["MLA_HEAD_DIM_QK"], c["MLA_HEAD_DIM_V"]
 
@@ -68,16 +68,6 @@ def _pad_dim(x, d: int, value=0):
     """x with its last dim padded to d with ``value`` (zeros; NaN for the tests' poisoned outputs)."""
     return x if x.shape[-1] == d else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])],
                                               constant_values=value)
-
-
-def _bwd_head_dim(d: int, dv: int) -> int:
-    """The head dim the backward kernel runs a call at: the query's where the value's is the same or
-    padded to it, else (MLA's pair: no backward kernel of its own yet) the next kernel head dim up,
-    every operand's columns padded with zeros (which add nothing to the logits or the values)."""
-    if dv == d:
-        return d
-    dims = _head_dims(contract()["HEAD_DIMS_SM90"])
-    return min(x for x in dims if x >= d)
 
 
 class Masks(NamedTuple):
@@ -404,18 +394,15 @@ def bwd_kernel(query, key, value, out, lse, dout, dlse, spec, out_init=None, var
                with_delta=False):
     """(dq, dk, dv) of the backward kernel, given the forward's out and lse and the cotangents (with a
     bias, also its gradient: ``(dq, dk, dv, dbias)``; with ``with_delta``, then the rows' ``rowsum(dout
-    * out) - dlse``, float32 ``[batch, heads, T]``, which the kernel computes first). Unequal head dims
-    run at :func:`_bwd_head_dim`, the gradients sliced back."""
+    * out) - dlse``, float32 ``[batch, heads, T]``, which the kernel computes first). A value head dim
+    below the query's, but in MLA's pair, is padded to it, as in :func:`fwd_kernel`."""
     d, dv = query.shape[-1], value.shape[-1]
-    if dv != d:
-        dk_ = _bwd_head_dim(d, dv)
-        padded = [_pad_dim(x, dk_) for x in (query, key, value, out)] + [lse, _pad_dim(dout, dk_), dlse]
-        if out_init is not None:  # (dq, dk, dv, delta, workspace, dbias): the first three and the workspace resized
-            grads0 = (_pad_dim(x, dk_, jnp.nan) for x in out_init[:3])
-            workspace = jnp.full(bwd_workspace_shape(padded[0]).shape, jnp.nan, jnp.float32)
-            out_init = (*grads0, out_init[3], workspace, *out_init[5:])
-        grads = bwd_kernel(*padded, spec, out_init, variant, masks, bias, with_delta)
-        return (grads[0][..., :d], grads[1][..., :d], grads[2][..., :dv], *grads[3:])
+    if dv != d and (d, dv) != mla_pair():
+        value, out, dout = (_pad_dim(x, d) for x in (value, out, dout))
+        if out_init is not None:  # (dq, dk, dv, delta, workspace, dbias): dv's buffer widened
+            out_init = (*out_init[:2], _pad_dim(out_init[2], d, jnp.nan), *out_init[3:])
+        grads = bwd_kernel(query, key, value, out, lse, dout, dlse, spec, out_init, variant, masks, bias, with_delta)
+        return (grads[0], grads[1], grads[2][..., :dv], *grads[3:])
     b, t, n, _ = query.shape
     dbias_shape = (0,) if bias is None else (b, n, *padded_rows_keys(t, key.shape[1]))
     out_types = (

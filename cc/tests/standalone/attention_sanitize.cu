@@ -62,7 +62,7 @@ std::vector<int *> boolean_mask(Params &p, std::mt19937 &rng) {
   return {bits_d, reinterpret_cast<int *>(codes_d)};
 }
 
-// vd: the value's head dim (0: d); with MLA's pair (vd != d) only the forward runs, as only it takes that.
+// vd: the value's head dim (0: d; MLA's pair on Hopper only).
 int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mask masked = NONE,
         bool deterministic = false, int vd = 0) {
   vd = vd ? vd : d;
@@ -166,7 +166,7 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
   }
   CHECK(hopper ? fwd_sm90(p, 0) : fwd_sm80(p, 0));
   p.block_order = ordered && !deterministic ? ints[7] : nullptr;
-  if (vd == d) CHECK(hopper ? bwd_sm90(p, 0) : bwd_sm80(p, 0));
+  CHECK(hopper ? bwd_sm90(p, 0) : bwd_sm80(p, 0));
   CHECK(cudaDeviceSynchronize());
   const void *buffers[] = {p.q, p.k, p.v, p.dout, p.dlse, o, dq, dk, dv, lse, delta, workspace, tile_counter};
   for (const void *x : buffers) CHECK(cudaFree(const_cast<void *>(x)));
@@ -209,6 +209,7 @@ int main() {
         run(1, 300, 300, 2, 2, 64, causal, hopper, DOCUMENTS);
         run(1, 2048 + 67, 2048 + 90, 1, 1, 64, causal, hopper);  // three consumers (three_consumers); causal: a consumer stops early
         for (Mask m : {NONE, ALL, SEGMENTS, DENSE}) run(2, 150, 200, 4, 2, MLA_HEAD_DIM_QK, causal, hopper, m, false, MLA_HEAD_DIM_V);
+        run(1, 130, 200, 2, 1, MLA_HEAD_DIM_QK, causal, hopper, ALL, true, MLA_HEAD_DIM_V);
       }
     }
   }

@@ -27,6 +27,11 @@ __device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffff
 __device__ __forceinline__ void sync_named(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// The same for threads that reach it at different instructions (e.g. warpgroups running code of their
+// own): bar.sync is barrier.sync.aligned, which requires all of them to execute the one instruction.
+__device__ __forceinline__ void sync_named_unaligned(int id, int threads) {
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 // Count this warp's threads toward named barrier `id` without waiting (a signal to the threads that
 // sync_named on it).
 __device__ __forceinline__ void arrive_named(int id, int threads) {
