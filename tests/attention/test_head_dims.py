@@ -7,6 +7,7 @@ that would take the decode kernel); the default scale ``1/sqrt(D_qk)``; the erro
 CUDA. Ring attention and sharding with (192, 128): test_ring.py and test_sharding.py."""
 import functools
 import math
+import re
 import warnings
 import zlib
 
@@ -17,7 +18,7 @@ import pytest
 
 import jax_tk
 from helpers import attention_inputs, needs_extension, randn, rel_err
-from jax_tk.attention import api, reference
+from jax_tk.attention import api, launch, reference
 from jax_tk.attention.api import AttentionSpec
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -395,6 +396,26 @@ def test_cuda_lowering(d, dv):
     assert bool(calls) == api.use_kernel(q, k, v, None), calls
     if calls:
         assert calls == list(names)
+
+
+@needs_extension
+@pytest.mark.parametrize("d,dv", PAIRS[:3], ids=_pair_ids[:3])
+def test_backward_kernel_operands(d, dv):
+    """The backward kernel's call, exported for CUDA: MLA's pair goes in as it is (its own kernel); a
+    smaller value head dim otherwise is padded to the query's (value, out and dout), and dv sliced back."""
+    q, k, v = (_sds(x.shape) for x in _qkv(0, d=d, dv=dv, dtype=BF16))
+    b, t, n, _ = q.shape
+    out, dout = _sds((b, t, n, dv)), _sds((b, t, n, dv))
+    lse = dlse = jax.ShapeDtypeStruct((b, n, t), F32)
+    spec = AttentionSpec(0.1, True, True)
+    fn = jax.jit(lambda *a: launch.bwd_kernel(*a, spec))
+    check = jax.export.DisabledSafetyCheck.custom_call("jax_tk_attention_bwd")
+    exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[check])(q, k, v, out, lse, dout, dlse)
+    assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
+    call = re.search(r"@jax_tk_attention_bwd\(.*?\) \{.*?\} : \((.*?)\) ->", exported.mlir_module(), re.S)
+    types = re.findall(r"tensor<([^>]*)>", call.group(1))
+    width = dv if (d, dv) == launch.mla_pair() else d
+    assert [x.split("x")[3] for i, x in enumerate(types[:6]) if i in (2, 3, 5)] == [str(width)] * 3, types[:6]
 
 
 @needs_extension
