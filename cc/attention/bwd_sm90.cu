@@ -29,6 +29,8 @@ namespace {
 
 using namespace tk;
 
+struct Empty {};  // (a member a configuration does without)
+
 template <typename T, int D> struct BwdH {
   using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/24, /*CONSUMER_REGS=*/240>;
   static constexpr int CONSUMERS = Roles::CONSUMERS, THREADS = Roles::THREADS;
@@ -56,6 +58,11 @@ template <typename T, int D> struct BwdH {
   }
   // Whether the two consumers' shares differ in shape (then each is compiled on its own, see consume).
   static constexpr bool ASYMMETRIC = share(0).kc != share(1).kc || share(0).qc != share(1).qc;
+  // HALVES (MLA's pair): each consumer computes S^T and dP^T for half of the step's queries only, and
+  // P^T goes through shared memory to both dV products. (At D = 256 both consumers still compute all
+  // of S^T and dP^T: not measured there yet.)
+  static constexpr bool HALVES = ASYMMETRIC;
+  static constexpr int SQ = HALVES ? BQ / 2 : BQ;  // query columns of a consumer's S^T and dP^T
   // Each consumer computes its columns of dQ_i in parts of at most 64 (registers again).
   template <int W> static constexpr int DQ_PART = share(W).qc < 64 ? share(W).qc : 64;
   // STAGED (D <= 128): each consumer stores its dQ_i tile to shared memory (its registers are free at
@@ -70,6 +77,7 @@ template <typename T, int D> struct BwdH {
     st<T, BQ, D> q[STAGES];
     st<T, BQ, DV> dout[STAGES];
     st<T, BK, BQ> ds[2];                        // dS^T of the last two steps (keys x queries)
+    std::conditional_t<HALVES, st<T, BK, BQ>[2], Empty> p;  // P^T of the last two steps (HALVES)
     alignas(16) float stats[STAGES][2 * BQ];    // per query row: lse (log2 units, +inf past q_len), delta
     int2 step[STAGES];  // (SEG) the step's query head g, and its query block i shifted left by MASK_BITS
                         // and the block's mask bits (tile_mask_bits)
@@ -375,13 +383,14 @@ __device__ __forceinline__ void BwdParts<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>
   const typename C::Share at = C::ASYMMETRIC ? cols : C::share(wg);
   const int row0 = 64 * (wg / C::SPLIT);
   const int kw = k0 + row0 + 16 * (warpid() % 4);
-  const bool writes_ds = wg % C::SPLIT == 0;  // one of the warpgroups that share the keys
+  const int qh = C::HALVES ? C::SQ * W : 0;  // the first query column of this consumer's S^T and dP^T
+  const bool writes_ds = C::HALVES || wg % C::SPLIT == 0;  // (without HALVES: one of those sharing the keys)
   const auto k_rows = window<64, D>(sm.k, row0, 0);
   const auto v_rows = window<64, C::DV>(sm.v, row0, 0);
   const bool leader = threadIdx.x % 128 == 0;
   rt_fl<16, cols.kc> dk;
   rt_fl<16, cols.vc> dv;
-  rt_fl<16, BQ> s, dp;  // S^T (then P^T), dP^T (then dS^T) of the current step
+  rt_fl<16, C::SQ> s, dp;  // S^T (then P^T), dP^T (then dS^T) of the current step
   warp::zero(dk);
   warp::zero(dv);
   // S^T = K Q^T of the next step is issued before this step's dQ goes out. After the last step it
@@ -390,16 +399,16 @@ __device__ __forceinline__ void BwdParts<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>
   auto issue_logits = [&](int step) {
     const int slot = known_uniform(ring_use<STAGES>(step).slot);
     if (step < n_steps) wait_full(steps, step);
-    warpgroup::mma_ABt(s, k_rows, sm.q[slot], false);
+    warpgroup::mma_ABt(s, k_rows, window<C::SQ, D>(sm.q[slot], qh, 0), false);
   };
   // The bias^T of a step (BIAS), loaded as its S^T is issued (at the end of the step before), so
   // that the loads land while the dQ product and additions run.
-  std::conditional_t<C::STAGE_BIAS, ColBias<T>, rt<T, 16, BQ>> bias;
+  std::conditional_t<C::STAGE_BIAS, ColBias<T>, rt<T, 16, C::SQ>> bias;
   void *const scratch = bias_scratch(sm) + BIAS_SCRATCH * (4 * wg + warpid() % 4);
   auto load_step_bias = [&](int step, int g, int i) {
     if (BIAS && step < n_steps) {
       if constexpr (C::STAGE_BIAS) load_bias(bias, p, b, kvh * group + g, i * BQ, kw);
-      else load_bias<T, true>(bias, p, b, kvh * group + g, i * BQ, kw);
+      else load_bias<T, true>(bias, p, b, kvh * group + g, i * BQ + qh, kw);
     }
   };
   if (n_steps > 0) {
@@ -414,43 +423,47 @@ __device__ __forceinline__ void BwdParts<T, D, FULL, SEG, CAP, DET, DENSE, BIAS>
     const int h = kvh * group + g;
     const int q0 = i * BQ, slot = known_uniform(ring_use<STAGES>(it).slot);
     auto &ds_tile = sm.ds[known_uniform(buffer_of<2>(it))];
-    rt<T, 16, BQ> p16, ds16;  // P^T and dS^T in the input dtype
-    row_vec<rt_fl<16, BQ>> lse, delta;
-    const float *stats = sm.stats[slot];
+    rt<T, 16, C::SQ> p16, ds16;  // P^T and dS^T in the input dtype
+    row_vec<rt_fl<16, C::SQ>> lse, delta;
+    const float *stats = sm.stats[slot] + qh;
     // The columns' lse, from shared memory before the dP product's reads of it queue ahead; with SEG
     // after the step's mask bits are decoded (loaded before them, the bits' first use waited for them).
-    if constexpr (!SEG) warp::load(lse, stats, BQ);
+    if constexpr (!SEG) warp::load(lse, stats, C::SQ);
     // The step's masks: with SEG from the producer's bits, loaded before the wait and decoded after
     // the dP product's issue (decoded before it, the branch waited for the load).
     const int mask_bits = SEG ? sm.step[slot].y : 0;
     warpgroup::wait<0>();  // S^T is ready (issued at the end of the last step)
     warpgroup::fence_registers(s);
-    warpgroup::mma_ABt(dp, v_rows, sm.dout[slot], false);  // dP^T = V dO^T   [dP]
-    const MaskNeed need = SEG ? warp_mask_need(mask_bits, rule, q0, BQ, kw, 16) : mask_need<FULL, DENSE>(p, rule, true, q0, BQ, kw, 16);
-    if constexpr (SEG) warp::load(lse, stats, BQ);
-    probabilities<FULL, DENSE, CAP, BIAS>(s, p, rule, need, b, h, q0, kw, lse, bias, scratch);
+    warpgroup::mma_ABt(dp, v_rows, window<C::SQ, C::DV>(sm.dout[slot], qh, 0), false);  // dP^T = V dO^T   [dP]
+    const int qc = q0 + qh;  // (the query columns of s and dp)
+    const MaskNeed need = SEG ? warp_mask_need(mask_bits, rule, qc, C::SQ, kw, 16) : mask_need<FULL, DENSE>(p, rule, true, qc, C::SQ, kw, 16);
+    if constexpr (SEG) warp::load(lse, stats, C::SQ);
+    probabilities<FULL, DENSE, CAP, BIAS>(s, p, rule, need, b, h, qc, kw, lse, bias, scratch);
     warp::copy(p16, s);
-    warp::load(delta, stats + BQ, BQ);  // (before the dV product's shared-memory reads queue ahead of it)
-    warpgroup::mma_AB(dv, p16, window<BQ, cols.vc>(sm.dout[slot], 0, at.v0), true);  // dV += P^T dO   [dP, dV]
-    warpgroup::wait<1>();  // [dV]: dP^T is ready
+    warp::load(delta, stats + BQ, C::SQ);  // (before the dV product's shared-memory reads queue ahead of it)
+    if constexpr (C::HALVES) warp::store(sm.p[buffer_of<2>(it)], p16, kw - k0, qh);  // (dV takes both halves)
+    else warpgroup::mma_AB(dv, p16, window<BQ, cols.vc>(sm.dout[slot], 0, at.v0), true);  // dV += P^T dO   [dP, dV]
+    warpgroup::wait<C::HALVES ? 0 : 1>();  // dP^T is ready
     warpgroup::fence_registers(dp);
     warp::map_col(dp, dp, delta, [](float x, float d) { return x - d; });
     warp::mul(dp, dp, s);  // dS^T = P^T (dP^T - delta)
-    if (!C::STAGE_BIAS && BIAS && writes_ds) store_dbias<T, true>(dp, p, b, h, q0, kw);  // (no soft cap with a bias)
+    if (!C::STAGE_BIAS && BIAS && writes_ds) store_dbias<T, true>(dp, p, b, h, qc, kw);  // (no soft cap with a bias)
     if (CAP && p.softcap > 0.f) {  // w.r.t. the logits before the cap
       softcap_derivative(s, p, stats);
       warp::mul(dp, dp, s);
     }
     if (writes_ds) {
       warp::copy(ds16, dp);
-      warp::store(ds_tile, ds16, kw - k0, 0);
+      warp::store(ds_tile, ds16, kw - k0, qh);
     }
     // dK needs only this warpgroup's rows of dS^T: where it computed them itself (SPLIT = 1) it
     // takes them from its registers, at once; dQ needs all of them, from shared memory.
     const auto q_cols = window<BQ, cols.kc>(sm.q[slot], 0, at.k0);
     if constexpr (C::SPLIT == 1) warpgroup::mma_AB(dk, ds16, q_cols, true);  // dK += dS^T Q  [dV, dK]
     if (writes_ds) warpgroup::fence_shared_writes();
-    sync_consumers();  // all of dS^T is in shared memory
+    sync_consumers();  // all of dS^T (and with HALVES of P^T) is in shared memory
+    if constexpr (C::HALVES)  // dV += P^T dO   [dV]
+      warpgroup::mma_AB(dv, window<64, BQ>(sm.p[buffer_of<2>(it)], row0, 0), window<BQ, cols.vc>(sm.dout[slot], 0, at.v0), true);
     if constexpr (C::SPLIT == 2) warpgroup::mma_AB(dk, window<64, BQ>(ds_tile, row0, 0), q_cols, true);
     if (C::STAGE_BIAS && BIAS) store_dbias<T>(ds16, p, b, h, q0, kw, scratch);  // (while dK is computed)
     // This warpgroup's columns of dQ_i = dS K, added to the accumulator tile in global memory: by the

@@ -3,7 +3,7 @@
 // out-of-bounds access is caught. No JAX in the process. Built and run by scripts/gpu_check.sh:
 //   nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -Icc cc/tests/standalone/attention_sanitize.cu \
 //        cc/attention/*.cu -o attention_sanitize
-//   compute-sanitizer --tool memcheck ./attention_sanitize
+//   compute-sanitizer --tool memcheck ./attention_sanitize [head_dim: only its cases]
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -63,8 +63,11 @@ std::vector<int *> boolean_mask(Params &p, std::mt19937 &rng) {
 }
 
 // vd: the value's head dim (0: d; MLA's pair on Hopper only).
+int only_d = 0;  // the driver's argument: run only the cases of this head dim (0: all)
+
 int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mask masked = NONE,
         bool deterministic = false, int vd = 0) {
+  if (only_d && d != only_d) return 0;
   vd = vd ? vd : d;
   std::mt19937 rng(b * 1000 + t + s + d);
   Params p{};
@@ -183,7 +186,8 @@ int run(int b, int t, int s, int n, int kh, int d, bool causal, bool hopper, Mas
   return 0;
 }
 
-int main() {
+int main(int argc, char **argv) {
+  if (argc > 1) only_d = std::atoi(argv[1]);
   int dev = 0, major = 0;
   CHECK(cudaGetDevice(&dev));
   CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
