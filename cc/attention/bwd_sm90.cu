@@ -77,7 +77,7 @@ template <typename T, int D> struct BwdH {
     st<T, BQ, D> q[STAGES];
     st<T, BQ, DV> dout[STAGES];
     st<T, BK, BQ> ds[2];                        // dS^T of the last two steps (keys x queries)
-    std::conditional_t<HALVES, st<T, BK, BQ>[2], Empty> p;  // P^T of the last two steps (HALVES)
+    [[no_unique_address]] std::conditional_t<HALVES, st<T, BK, BQ>[2], Empty> p;  // P^T of the last two steps (HALVES)
     alignas(16) float stats[STAGES][2 * BQ];    // per query row: lse (log2 units, +inf past q_len), delta
     int2 step[STAGES];  // (SEG) the step's query head g, and its query block i shifted left by MASK_BITS
                         // and the block's mask bits (tile_mask_bits)
