@@ -1,8 +1,8 @@
 // Attention backward for Hopper (sm_90a): TMA, mbarriers, wgmma and warp specialization.
 //
-// One block per 128 keys of one key/value head. It loops over the query heads of that head's group
-// and over the 64-row query blocks that see those keys, so dK and dV are summed over the group in
-// registers and written once (no atomics). Three warpgroups:
+// One block per 128 keys (64 above D = 128) of one key/value head. It loops over the query heads
+// of that head's group and over the 64-row query blocks that see those keys, so dK and dV are summed
+// over the group in registers and written once (no atomics). Three warpgroups:
 //   producer:  one warp streams Q_i and dO_i (TMA) and the rows' log-sum-exp and delta (prepared
 //              in the workspace) through a ring of STAGES slots; one thread adds the dQ tiles
 //              (D <= 128, below);
@@ -16,7 +16,10 @@
 //                dQ_i = dS K, half of the columns                  (wgmma, A read M-major)
 //              which goes to an fp32 accumulator tile in global memory: through shared memory and
 //              a bulk reduce-add issued by the producer's dQ writer (D <= 128), or from the
-//              registers by vector reductions (red.global.add.v4.f32, D = 256). With
+//              registers by vector reductions (red.global.add.v4.f32, above). Above D = 128 both
+//              consumers take the same 64 keys and split the columns of dK, dV and dQ_i instead
+//              (BwdH::share; at MLA's 192/128 each also computes S^T and dP^T for half of the
+//              queries only, P^T going through shared memory: BwdH::HALVES). With
 //              Params::deterministic the blocks of one query block take turns, in key-block order,
 //              so that the sums come out the same every run.
 // Before it, a small kernel computes delta = rowsum(dO * O) - dlse, lays out the rows' statistics
