@@ -1,0 +1,251 @@
+"""FP8 (e4m3) GEMMs with block scales, as DeepSeek-V3 does them: ``jax_tk.quantize_fp8``,
+``jax_tk.ragged_dot_fp8`` and ``jax_tk.matmul_fp8``.
+
+Activations are quantized in 1x128 blocks along k, weights in 128x128 blocks; each block has one
+float32 scale ``amax(|block|) / 448`` (448: the largest float8_e4m3fn value). The result is the
+product of the dequantized operands (``values * scale``), accumulated in float32.
+
+Only the pure-JAX reference exists for now: ``implementation=None`` and ``"xla"`` run it, ``"tk"``
+raises (no FP8 kernel yet).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_tk._core import checks, dispatch
+from jax_tk.gemm import api, reference
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
+BLOCK = 128  # DeepSeek-V3's block: activations 1 x BLOCK, weights BLOCK x BLOCK
+LHS_BLOCK = (1, BLOCK)
+RHS_BLOCK = (BLOCK, BLOCK)
+FLOAT_DTYPES = api.FLOAT_DTYPES
+_HIGHEST = jax.lax.Precision.HIGHEST
+_NO_KERNEL = ("FP8 inputs: jax_tk has no FP8 kernel yet (implementation=None or 'xla' runs the pure-JAX "
+              "reference)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantization
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_block_shape(op: str, block_shape) -> tuple[int, int]:
+    if (not isinstance(block_shape, (tuple, list)) or len(block_shape) != 2
+            or not all(checks.is_int(b) and b > 0 for b in block_shape)):
+        raise ValueError(f"jax_tk.{op}: block_shape must be a pair of positive ints (rows, cols), e.g. (1, 128) "
+                         f"for activations or (128, 128) for weights, got {block_shape!r}")
+    return int(block_shape[0]), int(block_shape[1])
+
+
+def scale_shape(shape, block_shape) -> tuple[int, ...]:
+    """The scales' shape for an array of ``shape`` quantized in ``block_shape`` blocks over its last
+    two dims: those dims rounded up to whole blocks (a ragged edge block covers the remainder)."""
+    *lead, rows, cols = shape
+    return (*lead, -(-rows // block_shape[0]), -(-cols // block_shape[1]))
+
+
+def _expand(scales, block_shape, shape):
+    """``scales`` [..., R, C] repeated over each block and cut to ``shape`` [..., rows, cols]."""
+    br, bc = block_shape
+    s = jnp.repeat(jnp.repeat(scales, br, axis=-2), bc, axis=-1)
+    return s[..., :shape[-2], :shape[-1]]
+
+
+def _quantize(x, block_shape):
+    """(values float8_e4m3fn, scales float32), no checks."""
+    br, bc = block_shape
+    *lead, rows, cols = x.shape
+    nr, nc = scale_shape(x.shape, block_shape)[-2:]
+    xf = x.astype(jnp.float32)
+    pad = [(0, 0)] * len(lead) + [(0, nr * br - rows), (0, nc * bc - cols)]
+    blocks = jnp.pad(jnp.abs(xf), pad).reshape(*lead, nr, br, nc, bc)
+    amax = jnp.max(blocks, axis=(-3, -1), initial=0.0)
+    # A block of zeros gets scale 1 (its values are 0 and dequantize to 0, never 0/0).
+    scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+    # Saturating: x / scale can reach past 448 by a float32 rounding, and float8_e4m3fn has no inf.
+    values = jnp.clip(xf / _expand(scales, block_shape, x.shape), -FP8_MAX, FP8_MAX).astype(FP8)
+    return values, scales
+
+
+def dequantize(values, scales, block_shape):
+    """``values * scale`` in float32 (each element times its block's scale)."""
+    return values.astype(jnp.float32) * _expand(scales, block_shape, values.shape)
+
+
+def quantize_fp8(x, block_shape):
+    """Quantizes ``x`` to float8_e4m3fn with one float32 scale per block.
+
+    Args:
+      x: ``[rows, cols]``, or ``[g, rows, cols]`` (per-expert weights; blocks over the last two dims),
+        bfloat16, float16 or float32.
+      block_shape: ``(block_rows, block_cols)``, positive ints: ``(1, 128)`` for activations (1x128
+        blocks along k, DeepSeek-V3), ``(128, 128)`` for weights. A block at a ragged edge covers the
+        remainder.
+
+    Returns:
+      ``(values, scales)``: values float8_e4m3fn of x's shape, ``x / scale`` rounded to nearest
+      (saturating at +-448); scales float32 ``[..., ceil(rows / block_rows), ceil(cols / block_cols)]``,
+      ``amax(|block|) / 448``, so that each block's largest element becomes +-448. A block of zeros
+      has scale 1 (values 0, dequantizing to 0). ``values * scale`` is within half a float8 step of x:
+      a relative error <= 2^-4 for elements above ``2^-6 * scale``, an absolute one <= ``2^-10 * scale``
+      below. Non-finite inputs are not supported (a block holding inf or NaN gives NaN).
+    """
+    op = "quantize_fp8"
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"jax_tk.{op}: x must be an array, got {type(x).__name__}")
+    if x.ndim not in (2, 3):
+        raise ValueError(f"jax_tk.{op}: x must have rank 2 [rows, cols] or 3 [g, rows, cols], got shape "
+                         f"{tuple(x.shape)}")
+    checks.float_array(op, "x", x, x.ndim, "[rows, cols] or [g, rows, cols]", FLOAT_DTYPES, empty_ok=range(x.ndim))
+    return _quantize(x, _check_block_shape(op, block_shape))
+
+
+# ----------------------------------------------------------------------------------------------
+# Operands: a (values, scales) pair, or an array quantized here (straight-through gradient)
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _fake_quant(x, block_shape):
+    """x quantized and dequantized (float32); its gradient passes straight through to x."""
+    return dequantize(*_quantize(x, block_shape), block_shape)
+
+
+def _fake_quant_fwd(x, block_shape):
+    return _fake_quant(x, block_shape), jnp.zeros((0,), x.dtype)  # (x's dtype, as a residual)
+
+
+def _fake_quant_bwd(block_shape, like, g):
+    return (g.astype(like.dtype),)
+
+
+_fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)
+
+
+def _operand(op: str, name: str, x, what: str, block_shape):
+    """The dequantized float32 operand and its shape. ``x`` is a (values, scales) pair (checked,
+    treated as a constant) or a float array (quantized here, straight-through gradient)."""
+    ndim = len(what.split(","))
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise TypeError(f"jax_tk.{op}: {name} must be an array or a (values, scales) pair, got a "
+                            f"{type(x).__name__} of {len(x)} items")
+        values, scales = x
+        checks.array(op, f"{name}'s values", values, ndim, what)
+        if values.dtype != FP8:
+            raise TypeError(f"jax_tk.{op}: {name}'s values must be float8_e4m3fn, got {values.dtype} (quantize "
+                            f"with jax_tk.quantize_fp8, or pass the bf16/fp16/float32 array)")
+        want = scale_shape(values.shape, block_shape)
+        checks.array(op, f"{name}'s scales", scales, ndim, str(list(want)))
+        if scales.dtype != jnp.float32:
+            raise TypeError(f"jax_tk.{op}: {name}'s scales must be float32, got {scales.dtype}")
+        if tuple(scales.shape) != want:
+            raise ValueError(f"jax_tk.{op}: {name}'s scales must have shape {want} (one per "
+                             f"{block_shape[0]}x{block_shape[1]} block of values {tuple(values.shape)}), got "
+                             f"{tuple(scales.shape)}")
+        # Not differentiable: the pair is a constant (zero gradients, which jax.grad gives float8 values).
+        deq = jax.lax.stop_gradient(dequantize(values, scales, block_shape))
+        return deq, tuple(values.shape)
+    checks.float_array(op, name, x, ndim, what, FLOAT_DTYPES, empty_ok=range(ndim))
+    return _fake_quant(x, block_shape), tuple(x.shape)
+
+
+def _out_dtype(op: str, preferred_element_type) -> str:
+    if preferred_element_type is None:
+        return "bfloat16"
+    try:
+        want = jnp.dtype(preferred_element_type)
+    except TypeError:
+        want = None
+    if want is None or not any(want == d for d in FLOAT_DTYPES):
+        raise TypeError(f"jax_tk.{op}: preferred_element_type must be None (bfloat16), bfloat16, float16 or "
+                        f"float32, got {preferred_element_type!r}")
+    return want.name
+
+
+# ----------------------------------------------------------------------------------------------
+# The public ops
+# ----------------------------------------------------------------------------------------------
+
+
+def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_offset=None, implementation=None):
+    """Grouped matrix product (mixture of experts) of FP8 operands with block scales (DeepSeek-V3):
+    ``out[r] = deq(lhs)[r] @ deq(rhs)[i]`` for the rows r of group i, ``deq`` the dequantized operand
+    (``values * scale``, float32), accumulated in float32.
+
+    Args:
+      lhs: ``[m, k]``: a pair ``(values, scales)`` (values float8_e4m3fn ``[m, k]``, scales float32
+        ``[m, ceil(k/128)]``: 1x128 blocks along k, e.g. from ``quantize_fp8(x, (1, 128))``), or a
+        bfloat16/float16/float32 array, quantized here in 1x128 blocks. Rows sorted by group, as for
+        :func:`jax_tk.ragged_dot`.
+      rhs: ``[g, k, n]``: a pair (values float8_e4m3fn ``[g, k, n]``, scales float32
+        ``[g, ceil(k/128), ceil(n/128)]``: 128x128 blocks, ``quantize_fp8(w, (128, 128))``), or a
+        float array, quantized here in 128x128 blocks.
+      group_sizes: ``[g]`` integers, as for :func:`jax_tk.ragged_dot` (sizes may be 0; rows past their
+        sum give 0).
+      preferred_element_type: the result's dtype: None (bfloat16), bfloat16, float16 or float32.
+      group_offset: not supported yet (must be None; NotImplementedError otherwise, as ragged_dot).
+      implementation: ``None`` or ``"xla"``: the pure-JAX reference (dequantize to float32, then the
+        grouped product); ``"tk"`` raises ValueError: there is no FP8 kernel yet.
+
+    Gradients: an operand given as an array gets the straight-through estimator: the gradient of the
+    product of the dequantized operands with respect to that dequantized operand, passed unchanged to
+    the unquantized input (in its dtype), as if quantization were the identity. A ``(values, scales)``
+    pair is a constant: its gradients are zero. Works under ``jit`` and ``vmap``.
+
+    Returns:
+      ``[m, n]`` in ``preferred_element_type`` (default bfloat16).
+    """
+    op = "ragged_dot_fp8"
+    a, (m, k) = _operand(op, "lhs", lhs, "[m, k]", LHS_BLOCK)
+    b, (g, kr, n) = _operand(op, "rhs", rhs, "[g, k, n]", RHS_BLOCK)
+    if k != kr:
+        raise ValueError(f"jax_tk.{op}: the contracting dimension k of lhs [m, k] and rhs [g, k, n] must be "
+                         f"equal, got lhs {(m, k)} and rhs {(g, kr, n)}")
+    api._check_group_sizes(op, group_sizes, g)
+    if group_offset is not None:
+        raise NotImplementedError(f"jax_tk.{op}: group_offset is not supported (pass the groups to compute as "
+                                  "rhs and group_sizes)")
+    out_dtype = _out_dtype(op, preferred_element_type)
+    dispatch.use_kernel(op, implementation, _NO_KERNEL)  # checks implementation; False, or raises for "tk"
+    if 0 in (m, k, g, n):
+        return dispatch.zeros((m, n), out_dtype, a, b)  # nothing to multiply
+    sizes = api.group_sizes_int32(op, group_sizes, m)
+    return reference.ragged_dot(a, b, sizes, out_dtype=out_dtype)
+
+
+def matmul_fp8(a, b, *, preferred_element_type=None, implementation=None):
+    """Dense matrix product of FP8 operands with block scales (DeepSeek-V3): ``deq(a) @ deq(b)``,
+    accumulated in float32.
+
+    Args:
+      a: ``[m, k]``: a pair (values float8_e4m3fn ``[m, k]``, scales float32 ``[m, ceil(k/128)]``), or a
+        bfloat16/float16/float32 array, quantized here in 1x128 blocks.
+      b: ``[k, n]``: a pair (values float8_e4m3fn ``[k, n]``, scales float32
+        ``[ceil(k/128), ceil(n/128)]``), or a float array, quantized here in 128x128 blocks.
+      preferred_element_type, implementation: as for :func:`ragged_dot_fp8`.
+
+    Gradients as for :func:`ragged_dot_fp8` (straight-through for array operands, zero for pairs).
+
+    Returns:
+      ``[m, n]`` in ``preferred_element_type`` (default bfloat16).
+    """
+    op = "matmul_fp8"
+    x, (m, k) = _operand(op, "a", a, "[m, k]", LHS_BLOCK)
+    y, (kb, n) = _operand(op, "b", b, "[k, n]", RHS_BLOCK)
+    if k != kb:
+        raise ValueError(f"jax_tk.{op}: a [m, k] and b [k, n] must have the same k, got a {(m, k)} and b {(kb, n)}")
+    out_dtype = _out_dtype(op, preferred_element_type)
+    dispatch.use_kernel(op, implementation, _NO_KERNEL)
+    if 0 in (m, k, n):
+        return dispatch.zeros((m, n), out_dtype, x, y)
+    return jnp.dot(x, y, precision=_HIGHEST, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+__all__ = ["dequantize", "matmul_fp8", "quantize_fp8", "ragged_dot_fp8", "scale_shape"]

@@ -1,0 +1,298 @@
+"""CPU tests of jax_tk.quantize_fp8, jax_tk.ragged_dot_fp8 and jax_tk.matmul_fp8 (the pure-JAX path):
+quantization error bounds, zero and ragged edge blocks, saturation; the products against float64
+numpy products of the dequantized operands; pair and array inputs; straight-through gradients;
+jit/vmap; argument checks; implementation="tk" without an FP8 kernel."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tk
+from helpers import randn
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+FP8 = jnp.float8_e4m3fn
+
+
+def np_dequantize(values, scales, block):
+    """float64, written independently of the library: each element times its block's scale."""
+    v, s = np.asarray(values.astype(F32), np.float64), np.asarray(scales, np.float64)
+    rows, cols = v.shape[-2:]
+    r = np.arange(rows) // block[0]
+    c = np.arange(cols) // block[1]
+    return v * s[..., r[:, None], c[None, :]]
+
+
+def np_ragged_dot(lhs, rhs, sizes):
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    start = 0
+    for i, s in enumerate(sizes):
+        out[start:start + s] = lhs[start:start + s] @ rhs[i]
+        start += s
+    return out
+
+
+def check_product(got, want, out_dtype):
+    """float32 accumulation of exact products: float32 rounding only (then the output's rounding)."""
+    got = np.asarray(got.astype(F32), np.float64)
+    tol = {F32: 1e-5, BF16: 2 ** -8, F16: 2 ** -11}[out_dtype]
+    scale = max(np.abs(want).max(), 1e-30)
+    np.testing.assert_allclose(got, want, atol=tol * scale, rtol=tol)
+
+
+# ----------------------------------------------------------------------------------------------
+# quantize_fp8
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape,block", [((37, 300), (1, 128)), ((300, 257), (128, 128)), ((3, 129, 131), (128, 128)),
+                                         ((5, 7), (2, 3))])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_quantize_error_bound(shape, block, dtype):
+    rng = np.random.default_rng(0)
+    # Magnitudes spread over many binades, so some elements fall into e4m3's subnormals.
+    x = randn(rng, shape, F32) * jnp.exp2(jnp.asarray(rng.integers(-12, 4, shape), F32))
+    x = x.astype(dtype)
+    values, scales = jax_tk.quantize_fp8(x, block)
+    assert values.dtype == FP8 and values.shape == x.shape
+    *lead, rows, cols = shape
+    assert scales.dtype == F32 and scales.shape == (*lead, -(-rows // block[0]), -(-cols // block[1]))
+    xs = np.asarray(x.astype(F32), np.float64)
+    # scale = amax(|block|) / 448, ragged edge blocks covering the remainder.
+    pad = [(0, 0)] * len(lead) + [(0, scales.shape[-2] * block[0] - rows), (0, scales.shape[-1] * block[1] - cols)]
+    blocks = np.pad(np.abs(xs), pad).reshape(*lead, scales.shape[-2], block[0], scales.shape[-1], block[1])
+    np.testing.assert_allclose(scales, blocks.max(axis=(-3, -1)) / 448, rtol=1e-6)
+    # Half a float8 step: 2^-4 relative for normals, 2^-10 * scale absolute for subnormals.
+    s = np_dequantize(jnp.ones(shape, FP8), scales, block)
+    err = np.abs(np_dequantize(values, scales, block) - xs)
+    assert np.all(err <= np.maximum(2 ** -4 * np.abs(xs), 2 ** -10 * s) * (1 + 1e-6))
+    assert np.abs(np.asarray(values.astype(F32))).max() == 448.0
+
+
+def test_quantize_exact_for_representable_values():
+    """Blocks of float8 values times a power of two whose largest is 448: scale is that power, and the
+    round trip is exact (a wrong scale or rounding would show)."""
+    rng = np.random.default_rng(1)
+    v = jnp.asarray(rng.standard_normal((4, 256)) * 100, F32).astype(FP8).astype(F32)
+    v = v.at[:, 0].set(448.0).at[:, 128].set(-448.0)
+    powers = jnp.exp2(jnp.arange(-3.0, 5.0)).reshape(4, 2)
+    x = v * jnp.repeat(powers, 128, axis=1)
+    values, scales = jax_tk.quantize_fp8(x, (1, 128))
+    np.testing.assert_array_equal(scales, powers)
+    np.testing.assert_array_equal(values.astype(F32), v)
+    np.testing.assert_array_equal(jax_tk.gemm.fp8.dequantize(values, scales, (1, 128)), x)
+
+
+def test_quantize_zero_blocks():
+    x = jnp.zeros((3, 300), F32).at[1, 200].set(5.0)
+    values, scales = jax_tk.quantize_fp8(x, (1, 128))
+    np.testing.assert_array_equal(scales, np.float32([[1, 1, 1], [1, np.float32(5) / np.float32(448), 1], [1, 1, 1]]))
+    deq = jax_tk.gemm.fp8.dequantize(values, scales, (1, 128))
+    assert not np.any(np.isnan(deq))
+    np.testing.assert_allclose(deq, x, rtol=1e-6, atol=0)
+
+
+def test_quantize_ragged_edge_blocks():
+    """A last block holding one column has its own scale (not the previous block's, not padded)."""
+    x = jnp.ones((2, 129), F32).at[:, 128].set(jnp.asarray([3.0, -1e-3]))
+    values, scales = jax_tk.quantize_fp8(x, (1, 128))
+    np.testing.assert_allclose(scales, [[1 / 448, 3 / 448], [1 / 448, 1e-3 / 448]], rtol=1e-7)
+    np.testing.assert_array_equal(values[:, 128].astype(F32), [448.0, -448.0])
+    values, scales = jax_tk.quantize_fp8(jnp.arange(1.0, 131.0 * 3 + 1).reshape(131, 3), (128, 128))
+    np.testing.assert_allclose(scales, [[384 / 448], [393 / 448]], rtol=1e-7)
+
+
+def test_quantize_saturates():
+    """Huge and tiny values in one block: the largest maps to +-448, nothing to inf or NaN."""
+    x = jnp.asarray([[3e38, -3e38, 1e-30, 1.0, 0.0]], F32)
+    values, scales = jax_tk.quantize_fp8(x, (1, 128))
+    v = np.asarray(values.astype(F32))
+    assert np.all(np.isfinite(v)) and np.isfinite(scales).all()
+    np.testing.assert_array_equal(v, [[448.0, -448.0, 0.0, 0.0, 0.0]])
+    # Every block's largest element becomes exactly +-448 (no overflow past e4m3's range).
+    x = randn(np.random.default_rng(2), (64, 256), F32) * 1e4
+    v = np.abs(np.asarray(jax_tk.quantize_fp8(x, (1, 128))[0].astype(F32)))
+    np.testing.assert_array_equal(v.reshape(64, 2, 128).max(axis=-1), 448.0)
+
+
+@pytest.mark.parametrize("bad", [(128,), (0, 128), (1, -1), (1.0, 128), "128", None, (1, 128, 1)])
+def test_quantize_bad_block_shape(bad):
+    with pytest.raises(ValueError, match="block_shape"):
+        jax_tk.quantize_fp8(jnp.ones((4, 4)), bad)
+
+
+def test_quantize_bad_input():
+    with pytest.raises(ValueError, match="x must have rank 2"):
+        jax_tk.quantize_fp8(jnp.ones((4,)), (1, 128))
+    with pytest.raises(TypeError, match="x must be bfloat16"):
+        jax_tk.quantize_fp8(jnp.ones((4, 4), jnp.int32), (1, 128))
+    with pytest.raises(TypeError, match="x must be an array"):
+        jax_tk.quantize_fp8([[1.0]], (1, 128))
+
+
+# ----------------------------------------------------------------------------------------------
+# ragged_dot_fp8 and matmul_fp8
+# ----------------------------------------------------------------------------------------------
+
+# Odd m/k/n (k not a multiple of 128), empty groups (first, middle, last), sizes summing to less than m.
+CASES = {
+    "odd": (37, 300, 150, [5, 0, 11, 9, 12]),
+    "empty_ends": (40, 129, 24, [0, 13, 0, 27, 0]),
+    "short_sum": (50, 64, 257, [7, 3, 0, 12]),  # rows 22..49 give 0
+}
+
+
+def fp8_inputs(seed, m, k, n, g, dtype=F32):
+    rng = np.random.default_rng(seed)
+    return randn(rng, (m, k), dtype), randn(rng, (g, k, n), dtype) * 0.1
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("out", [None, F32, F16])
+def test_ragged_dot_fp8_against_numpy(case, out):
+    m, k, n, sizes = CASES[case]
+    x, w = fp8_inputs(0, m, k, n, len(sizes))
+    lq, rq = jax_tk.quantize_fp8(x, (1, 128)), jax_tk.quantize_fp8(w, (128, 128))
+    want = np_ragged_dot(np_dequantize(*lq, (1, 128)), np_dequantize(*rq, (128, 128)), sizes)
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = jax_tk.ragged_dot_fp8(x, w, gs, preferred_element_type=out)
+    assert got.dtype == (out or BF16) and got.shape == (m, n)
+    check_product(got, want, out or BF16)
+    assert np.all(np.asarray(got.astype(F32))[sum(sizes):] == 0)
+    # Pair and array inputs (and a mix) give the same result; "xla" is the same path.
+    for lhs, rhs in ((lq, rq), (x, rq), (lq, w)):
+        np.testing.assert_array_equal(jax_tk.ragged_dot_fp8(lhs, rhs, gs, preferred_element_type=out,
+                                                            implementation="xla"), got)
+    # The quantization is not a no-op: the float32 product differs.
+    exact = np_ragged_dot(np.asarray(x, np.float64), np.asarray(w, np.float64), sizes)
+    assert np.abs(exact - want).max() > 1e-3 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("m,k,n", [(37, 300, 150), (1, 1, 1), (200, 128, 129)])
+def test_matmul_fp8_against_numpy(m, k, n):
+    a, b = fp8_inputs(1, m, k, n, 1, BF16)
+    b = b[0]
+    aq, bq = jax_tk.quantize_fp8(a, (1, 128)), jax_tk.quantize_fp8(b, (128, 128))
+    assert bq[1].shape == (-(-k // 128), -(-n // 128))
+    want = np_dequantize(*aq, (1, 128)) @ np_dequantize(*bq, (128, 128))
+    got = jax_tk.matmul_fp8(a, b, preferred_element_type=F32)
+    check_product(got, want, F32)
+    np.testing.assert_array_equal(jax_tk.matmul_fp8(aq, bq, preferred_element_type=F32), got)
+    assert jax_tk.matmul_fp8(aq, b).dtype == BF16
+
+
+def test_empty_dimensions():
+    x, w = fp8_inputs(2, 0, 130, 7, 2)
+    assert jax_tk.ragged_dot_fp8(x, w, jnp.zeros(2, jnp.int32)).shape == (0, 7)
+    out = jax_tk.matmul_fp8(jnp.ones((3, 0)), jnp.ones((0, 5)), preferred_element_type=F32)
+    np.testing.assert_array_equal(out, np.zeros((3, 5)))
+
+
+def dequantized_product(op, sizes=None):
+    """The function the straight-through gradient must match: the product of the dequantized
+    operands, differentiated with respect to those (the quantized values held fixed)."""
+    def f(da, db):
+        if sizes is None:
+            return jnp.dot(da, db, precision="highest").astype(F32)
+        return jax_tk.gemm.reference.ragged_dot(da, db, sizes, out_dtype=F32)
+    return f
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_straight_through_gradients(dtype):
+    m, k, n, sizes = CASES["odd"]
+    x, w = fp8_inputs(3, m, k, n, len(sizes), dtype)
+    gs = jnp.asarray(sizes, jnp.int32)
+    dout = randn(np.random.default_rng(4), (m, n), F32)
+    loss = lambda a, b: jnp.sum(jax_tk.ragged_dot_fp8(a, b, gs, preferred_element_type=F32) * dout)
+    dx, dw = jax.grad(loss, argnums=(0, 1))(x, w)
+    assert dx.dtype == dtype and dw.dtype == dtype
+    da = jax_tk.gemm.fp8.dequantize(*jax_tk.quantize_fp8(x, (1, 128)), (1, 128))
+    db = jax_tk.gemm.fp8.dequantize(*jax_tk.quantize_fp8(w, (128, 128)), (128, 128))
+    f = dequantized_product("ragged", gs)
+    wx, ww = jax.grad(lambda a, b: jnp.sum(f(a, b) * dout), argnums=(0, 1))(da, db)
+    np.testing.assert_allclose(dx.astype(F32), wx.astype(dtype).astype(F32), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw.astype(F32), ww.astype(dtype).astype(F32), rtol=1e-5, atol=1e-5)
+    # Straight-through, not the gradient at the unquantized operands (which differs).
+    ex = jax.grad(lambda a: jnp.sum(jax_tk.gemm.reference.ragged_dot(a, w.astype(F32), gs) * dout))(x.astype(F32))
+    assert np.abs(np.asarray(ex) - np.asarray(dx.astype(F32))).max() > 1e-3 * np.abs(np.asarray(ex)).max()
+
+    # matmul_fp8; a pair operand is a constant (zero gradients), the array one still straight-through.
+    a, b = x, w[0]
+    bq = jax_tk.quantize_fp8(b, (128, 128))
+    mloss = lambda a, b: jnp.sum(jax_tk.matmul_fp8(a, b, preferred_element_type=F32) * dout)
+    ga, gbq = jax.grad(mloss, argnums=(0, 1))(a, bq)
+    want = jax.grad(lambda d: jnp.sum(dequantized_product("dense")(d, db[0]) * dout))(da)
+    np.testing.assert_allclose(ga.astype(F32), want.astype(dtype).astype(F32), rtol=1e-5, atol=1e-5)
+    assert gbq[0].dtype == FP8 and not np.any(np.asarray(gbq[0].astype(F32)))
+    assert not np.any(np.asarray(gbq[1]))
+
+
+def test_jit_and_vmap():
+    m, k, n, sizes = CASES["odd"]
+    x, w = fp8_inputs(5, m, k, n, len(sizes))
+    gs = jnp.asarray(sizes, jnp.int32)
+    op = lambda a, b: jax_tk.ragged_dot_fp8(a, b, gs, preferred_element_type=F32)
+    close = lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    eager = op(x, w)
+    close(jax.jit(op)(x, w), eager)
+    xs = jnp.stack([x, 2 * x])
+    got = jax.vmap(op, in_axes=(0, None))(xs, w)
+    close(got[0], eager)
+    close(got[1], op(2 * x, w))
+    # vmap over pairs (quantized per entry) and over matmul_fp8's b.
+    qs = jax.vmap(lambda t: jax_tk.quantize_fp8(t, (1, 128)))(xs)
+    close(jax.vmap(lambda q: op(q, w))(qs), got)
+    bs = jnp.stack([w[0], w[1]])
+    mm = lambda a, b: jax_tk.matmul_fp8(a, b, preferred_element_type=F32)
+    got = jax.jit(jax.vmap(lambda b: mm(x, b)))(bs)
+    close(got[1], mm(x, w[1]))
+    # and the gradient under jit
+    dx = jax.jit(jax.grad(lambda a: jnp.sum(op(a, w))))(x)
+    close(dx, jax.grad(lambda a: jnp.sum(op(a, w)))(x))
+
+
+def test_argument_errors():
+    x, w = fp8_inputs(6, 8, 130, 5, 2)
+    gs = jnp.asarray([3, 5], jnp.int32)
+    xq, wq = jax_tk.quantize_fp8(x, (1, 128)), jax_tk.quantize_fp8(w, (128, 128))
+    f = jax_tk.ragged_dot_fp8
+    with pytest.raises(ValueError, match=r"lhs must have rank 2"):
+        f(x[0], w, gs)
+    with pytest.raises(ValueError, match=r"contracting dimension k"):
+        f(x[:, :129], w, gs)
+    with pytest.raises(TypeError, match=r"rhs must be bfloat16"):
+        f(x, w.astype(jnp.int32), gs)
+    with pytest.raises(TypeError, match=r"lhs's values must be float8_e4m3fn"):
+        f((x, xq[1]), w, gs)
+    with pytest.raises(ValueError, match=r"lhs's scales must have shape \(8, 2\)"):
+        f((xq[0], xq[1][:, :1]), w, gs)
+    with pytest.raises(ValueError, match=r"rhs's scales must have shape \(2, 2, 1\)"):
+        f(xq, (wq[0], jnp.ones((2, 3, 1), F32)), gs)
+    with pytest.raises(TypeError, match=r"rhs's scales must be float32"):
+        f(xq, (wq[0], wq[1].astype(BF16)), gs)
+    with pytest.raises(TypeError, match=r"lhs must be an array or a \(values, scales\) pair"):
+        f((xq[0],), w, gs)
+    with pytest.raises(ValueError, match=r"group_sizes to have shape \(2,\)"):
+        f(x, w, gs[:1])
+    with pytest.raises(NotImplementedError, match="group_offset"):
+        f(x, w, gs, group_offset=jnp.asarray([0]))
+    with pytest.raises(TypeError, match="preferred_element_type"):
+        f(x, w, gs, preferred_element_type=jnp.int32)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        f(x, w, gs, implementation="cuda")
+    with pytest.raises(ValueError, match=r"b's scales must have shape \(2, 1\)"):
+        jax_tk.matmul_fp8(x, (wq[0][0], wq[1][0, :1]))
+    with pytest.raises(ValueError, match="must have the same k"):
+        jax_tk.matmul_fp8(x, w[0, :129])
+
+
+def test_implementation_tk_raises():
+    x, w = fp8_inputs(7, 4, 128, 128, 1, BF16)
+    gs = jnp.asarray([4], jnp.int32)
+    with pytest.raises(ValueError, match=r"ragged_dot_fp8\(implementation='tk'\): unsupported .*no FP8 kernel"):
+        jax_tk.ragged_dot_fp8(x, w, gs, implementation="tk")
+    with pytest.raises(ValueError, match=r"matmul_fp8\(implementation='tk'\): unsupported .*no FP8 kernel"):
+        jax_tk.matmul_fp8(x, w[0], implementation="tk")
