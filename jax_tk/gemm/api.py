@@ -225,7 +225,8 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
         ``[off_i, off_i + group_sizes[i])``, ``off`` the exclusive cumulative sum of the sizes.
       rhs: ``[g, k, n]``, lhs's dtype: one ``[k, n]`` matrix per group.
       group_sizes: ``[g]`` integers of any integer dtype (traced values are fine). Sizes may be 0 and
-        need not be multiples of anything; their sum may be less than m (rows past it give 0). A
+        need not be multiples of anything; their sum may be less than m (rows past it give 0,
+        whatever they hold, and add nothing to either gradient). A
         negative size counts as 0, and a group reaching past row m is cut there.
       precision: as in jax.lax (checked), accepted for compatibility: every path multiplies exactly and
         accumulates in float32 (float32 inputs: the reference at ``Precision.HIGHEST``).

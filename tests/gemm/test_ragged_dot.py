@@ -131,25 +131,57 @@ def test_group_sizes_clipped_not_wrapped():
     np.testing.assert_allclose(got, numpy_ragged_dot(lhs, rhs, [4, 0, 9, 7]), atol=1e-4, rtol=1e-5)
 
 
+def _pad_rows(lhs, start, pad):
+    """lhs with its rows from ``start`` on (past the groups) set to non-finite values."""
+    if pad == "mixed":  # NaN, inf and -inf rows, and a row with one inf among finite values
+        return lhs.at[start::4].set(jnp.nan).at[start + 1::4].set(jnp.inf).at[start + 2::4].set(-jnp.inf) \
+                  .at[start + 3, 1].set(jnp.inf)
+    return lhs.at[start:].set(jnp.nan if pad == "nan" else jnp.inf)
+
+
 @pytest.mark.parametrize("implementation", [None, "xla"])
-def test_nan_rows_past_the_groups(implementation):
-    """Rows of lhs past sum(group_sizes) may hold anything (a padded buffer): they give 0, and no NaN
-    reaches the output or any gradient (the reference selects rows, it does not multiply by a one-hot)."""
-    m, k, n, sizes = 24, 8, 6, [5, 0, 11]
-    lhs, rhs, gs, dout = inputs(5, m, k, n, sizes)
-    lhs = lhs.at[16:].set(jnp.nan)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("pad", ["nan", "inf", "mixed"])
+def test_nonfinite_rows_past_the_groups(implementation, dtype, pad):
+    """Rows of lhs past sum(group_sizes) may hold anything (a padded buffer): they give 0, as in
+    jax.lax.ragged_dot, and no NaN reaches either gradient (the reference selects rows, it does not
+    multiply them by a one-hot): the gradients are those of the same lhs with those rows zeroed."""
+    m, k, n, sizes = 24, 8, 6, [0, 5, 0, 11, 0]  # empty groups first, between and last
+    end = sum(sizes)
+    lhs, rhs, gs, dout = inputs(5, m, k, n, sizes, dtype)
+    padded, clean = _pad_rows(lhs, end, pad), lhs.at[end:].set(0)
 
     def f(lhs, rhs):
         return jax_tk.ragged_dot(lhs, rhs, gs, implementation=implementation)
 
-    out, vjp = jax.vjp(f, lhs, rhs)
-    assert np.all(np.asarray(out[16:]) == 0) and np.all(np.isfinite(out))
-    np.testing.assert_allclose(out[:16], numpy_ragged_dot(lhs[:16], rhs, sizes), atol=1e-4, rtol=1e-5)
+    out, vjp = jax.vjp(f, padded, rhs)
+    want = jax.lax.ragged_dot(padded, rhs, gs, precision="highest")
+    assert out.dtype == dtype and np.all(np.asarray(want[end:], np.float32) == 0)
+    assert np.all(np.asarray(out[end:], np.float32) == 0)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == F32 else dict(atol=5e-2, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), **tol)
     dlhs, drhs = vjp(dout)
-    assert np.all(np.isfinite(dlhs)) and np.all(np.isfinite(drhs))
-    assert np.all(np.asarray(dlhs[16:]) == 0)
-    _, vjp_clean = jax.vjp(f, lhs.at[16:].set(0.0), rhs)
-    np.testing.assert_allclose(drhs, vjp_clean(dout)[1], atol=1e-5, rtol=1e-5)  # the padding has no effect
+    assert np.all(np.isfinite(np.asarray(dlhs, np.float32))) and np.all(np.isfinite(np.asarray(drhs, np.float32)))
+    assert np.all(np.asarray(dlhs[end:], np.float32) == 0)
+    clean_dlhs, clean_drhs = jax.vjp(f, clean, rhs)[1](dout)
+    np.testing.assert_array_equal(np.asarray(dlhs, np.float32), np.asarray(clean_dlhs, np.float32))
+    np.testing.assert_array_equal(np.asarray(drhs, np.float32), np.asarray(clean_drhs, np.float32))
+
+
+@pytest.mark.parametrize("implementation", [None, "xla"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_group_sizes_past_the_rows_as_lax(implementation, dtype):
+    """Sizes summing to more than m: the group reaching past the last row is cut there and the later
+    ones are empty, as in jax.lax.ragged_dot (forward and both gradients)."""
+    m, k, n, sizes = 20, 8, 6, [6, 0, 9, 12, 3]  # sum 30: the fourth group is cut to 5 rows
+    lhs, rhs, gs, dout = inputs(6, m, k, n, sizes, dtype)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == F32 else dict(atol=5e-2, rtol=2e-2)
+    got, got_vjp = jax.vjp(lambda a, b: jax_tk.ragged_dot(a, b, gs, implementation=implementation), lhs, rhs)
+    want, want_vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, gs, precision="highest"), lhs, rhs)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
+    np.testing.assert_allclose(np.asarray(want, np.float32), numpy_ragged_dot(lhs, rhs, sizes), **tol)
+    for g, w in zip(got_vjp(dout), want_vjp(dout)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), **tol)
 
 
 @pytest.mark.skipif(not hasattr(jax, "enable_x64"), reason="needs jax.enable_x64")
