@@ -639,8 +639,8 @@ template <typename T, int D> __global__ __launch_bounds__(256) void bwd_prep_ker
 constexpr int DQ_OUT_COLS = 64;
 template <typename T, int D> __global__ __launch_bounds__(128) void bwd_dq_kernel(const __grid_constant__ Params p) {
   using C = BwdH<T, D>;
-  constexpr int ROWS = C::BQ, COLS = D < DQ_OUT_COLS ? D : DQ_OUT_COLS, PITCH = COLS + 8;  // (+ 8: conflict-free float2 stores)
-  static_assert(ROWS == 64 && COLS % 16 == 0 && D % COLS == 0);
+  constexpr int ROWS = C::BQ, COLS = DQ_OUT_COLS, PITCH = COLS + 8;  // (+ 8: conflict-free float2 stores)
+  static_assert(ROWS == 64 && D % COLS == 0);
   __shared__ alignas(16) float tile[ROWS * PITCH];
   const int t = threadIdx.x, n_qblocks = (p.q_len + ROWS - 1) / ROWS;
   const int c = int(blockIdx.x % (D / COLS)), i = int(blockIdx.x / (D / COLS) % n_qblocks);
@@ -708,7 +708,7 @@ cudaError_t bwd_sm90(const Params &p, cudaStream_t stream) {
     kernel<<<unsigned(blocks), C::THREADS, smem, stream>>>(a);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
 
-    const size_t tiles = size_t(p.batch) * p.q_heads * ((p.q_len + C::BQ - 1) / C::BQ) * (D < DQ_OUT_COLS ? 1 : D / DQ_OUT_COLS);
+    const size_t tiles = size_t(p.batch) * p.q_heads * ((p.q_len + C::BQ - 1) / C::BQ) * (D / DQ_OUT_COLS);
     if (tiles >= INT_MAX) return cudaErrorInvalidValue;
     bwd_dq_kernel<T, D><<<unsigned(tiles), 128, 0, stream>>>(p);
     return cudaGetLastError();

@@ -77,6 +77,12 @@ def _check_group_sizes(op: str, group_sizes, groups: int):
                          f"[g, k, n]), got {tuple(group_sizes.shape)}")
 
 
+def check_no_group_offset(op: str, group_offset):
+    if group_offset is not None:
+        raise NotImplementedError(f"jax_tk.{op}: group_offset is not supported (pass the groups to compute as "
+                                  "rhs and group_sizes)")
+
+
 def _check_precision(op: str, precision):
     """``precision`` as jax.lax takes it (None, a ``lax.Precision`` or its name, a pair of them, a
     ``lax.DotAlgorithmPreset`` or its name, a ``lax.DotAlgorithm``). Accepted for compatibility only: every
@@ -110,9 +116,7 @@ def check_ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type, g
                          f"equal, got lhs {tuple(lhs.shape)} and rhs {tuple(rhs.shape)}")
     _check_group_sizes(op, group_sizes, rhs.shape[0])
     _check_precision(op, precision)
-    if group_offset is not None:
-        raise NotImplementedError(f"jax_tk.{op}: group_offset is not supported (pass the groups to compute as "
-                                  "rhs and group_sizes)")
+    check_no_group_offset(op, group_offset)
     dispatch.check_implementation(op, implementation)
     return _out_dtype(op, lhs.dtype, preferred_element_type)
 

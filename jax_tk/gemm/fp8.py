@@ -209,9 +209,7 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
         raise ValueError(f"jax_tk.{op}: the contracting dimension k of lhs [m, k] and rhs [g, k, n] must be "
                          f"equal, got lhs {(m, k)} and rhs {(g, kr, n)}")
     api._check_group_sizes(op, group_sizes, g)
-    if group_offset is not None:
-        raise NotImplementedError(f"jax_tk.{op}: group_offset is not supported (pass the groups to compute as "
-                                  "rhs and group_sizes)")
+    api.check_no_group_offset(op, group_offset)
     out_dtype = _out_dtype(op, preferred_element_type)
     dispatch.use_kernel(op, implementation, _NO_KERNEL)  # checks implementation; False, or raises for "tk"
     if 0 in (m, k, g, n):
