@@ -80,7 +80,8 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   if (!mla && !decode::head_dim_supported(p.head_dim))
     return invalid("the decode kernel takes head_dim 64, 128 or 256 (and 576: MLA's latent rows)");
   if (auto e = check_cache(p, q, k, v, page_table); e.failure()) return e;
-  if (mla && (p.kv_heads != 1 || p.k != p.v || softcap != 0.f || sinks.dimensions().size() != 1 || sinks.dimensions()[0] != 0))
+  // (The kernel reads key_cache alone: jax_tk passes the one cache as both.)
+  if (mla && (p.kv_heads != 1 || softcap != 0.f || sinks.dimensions().size() != 1 || sinks.dimensions()[0] != 0))
     return invalid("the MLA decode kernel takes one latent cache (one head) as both key_cache and value_cache, "
                    "without a soft cap or sinks");
   const int dv = decode::v_head_dim(p.head_dim);
