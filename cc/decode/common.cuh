@@ -394,14 +394,26 @@ template <int KEYS, int BOX, typename A> struct Box {
   }
 };
 
+// Launches a decode kernel. One that starts with grid_dependency_wait (`waits`), before it reads any
+// input, goes as a programmatic dependent launch on sm_90 and newer: its blocks may be set up while the
+// kernel before it on the stream is finishing. (Decode's calls are a few microseconds: the merge
+// kernel after the main one, and a generation step's call after the step's other kernels, would
+// otherwise each wait out a whole launch.)
 template <typename Kernel, typename Arg>
-cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Arg &arg) {
+cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Arg &arg, bool waits = false) {
   if (smem > 48 * 1024) {
     if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)); e != cudaSuccess)
       return e;
   }
-  kernel<<<grid, block, smem, stream>>>(arg);
-  return cudaGetLastError();
+  int dev = 0, major = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev); e != cudaSuccess) return e;
+  cudaLaunchAttribute dependent{};
+  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent.val.programmaticStreamSerializationAllowed = 1;
+  const bool pdl = waits && major >= 9;
+  cudaLaunchConfig_t config{grid, block, smem, stream, pdl ? &dependent : nullptr, pdl ? 1u : 0u};
+  return cudaLaunchKernelEx(&config, kernel, arg);
 }
 
 // run.template operator()<T, D>() for the call's dtype T and head dim D, one of DIMS (invalid value

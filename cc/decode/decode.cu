@@ -68,6 +68,7 @@ template <typename T, int D, int W, int TILES_> struct Config {
 template <typename T, int D, typename C>
 __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(const __grid_constant__ Params p) {
   constexpr int KEYS = C::KEYS, STAGES = C::STAGES, TILES = C::TILES, GROUPS = C::GROUPS;
+  grid_dependency_wait();  // (launched to wait here: see launch)
   extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
 
@@ -208,6 +209,7 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
 template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel(const __grid_constant__ Params p) {
   // (BATCH parts' columns in registers: 16 up to D = 256, 8 at MLA's 512)
   constexpr int PER_LANE = (MAX_SPLITS + 31) / 32, BATCH = D <= 256 ? 16 : 8, COLS = D / 32;
+  grid_dependency_wait();  // the main kernel's parts (see launch)
   const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
   const size_t row = (size_t)blockIdx.x * 4 + warpid();
   if (row >= q_rows) return;
@@ -268,7 +270,7 @@ template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel
 template <typename T, int D> cudaError_t merge(const Params &p, cudaStream_t stream) {
   if (p.splits == 1) return cudaSuccess;
   const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
-  return launch(merge_kernel<T, D>, dim3(unsigned((q_rows + 3) / 4)), dim3(128), 0, stream, p);
+  return launch(merge_kernel<T, D>, dim3(unsigned((q_rows + 3) / 4)), dim3(128), 0, stream, p, true);
 }
 
 // Whether a block of that config fits the shared memory a block may take.
@@ -282,7 +284,7 @@ template <typename T, int D, int TILES> cudaError_t by_grid(const Params &p, siz
   const dim3 grid = grid_of(p, TILE_ROWS * TILES);
   auto go = [&]<int W>() {
     using C = Config<T, D, W, TILES>;
-    return launch(decode_kernel<T, D, C>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p);
+    return launch(decode_kernel<T, D, C>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p, true);
   };
   if constexpr (TILES == 8) {
     return go.template operator()<WIDE>();

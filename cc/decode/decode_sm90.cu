@@ -159,6 +159,7 @@ template <typename T, int D, typename C> struct DecodeSm90 {
 template <typename T, int D, typename C>
 __global__ __launch_bounds__(C::THREADS, 1) void decode_sm90_kernel(const __grid_constant__ Args<T, C::BOX> a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  grid_dependency_wait();  // (launched to wait here: see launch)
   extern __shared__ __align__(1024) char smem_raw[];
   DecodeSm90<T, D, C> k{a, *reinterpret_cast<typename C::Shared *>(smem_raw)};
   single(k);
@@ -176,7 +177,7 @@ template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t strea
       const int b = paged ? p.num_pages : p.batch, s = paged ? p.page_size : p.capacity;
       a.bulk = make_tma_map(a.k, p.k, b, s, p.kv_heads, D) && make_tma_map(a.v, p.v, b, s, p.kv_heads, D);
     }
-    return launch(decode_sm90_kernel<T, D, C>, grid_of(p, C::ROWS), dim3(C::THREADS), sizeof(typename C::Shared), stream, a);
+    return launch(decode_sm90_kernel<T, D, C>, grid_of(p, C::ROWS), dim3(C::THREADS), sizeof(typename C::Shared), stream, a, true);
   };
   constexpr int KEYS = Wide<T, D, 16>::KEYS;
   if (!p.page_table || p.page_size % KEYS == 0) return go.template operator()<KEYS>();

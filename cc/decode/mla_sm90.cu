@@ -156,6 +156,7 @@ template <typename T, typename C> struct MlaSm90 {
 
 template <typename T, typename C> __global__ __launch_bounds__(C::THREADS, 1) void mla_sm90_kernel(const __grid_constant__ Args<T, C::BOX> a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  grid_dependency_wait();  // (launched to wait here: see launch)
   extern __shared__ __align__(1024) char smem_raw[];
   MlaSm90<T, C> k{a, *reinterpret_cast<typename C::Shared *>(smem_raw)};
   single(k);
@@ -173,7 +174,7 @@ template <typename T> cudaError_t run(const Params &p, cudaStream_t stream) {
       const int b = paged ? p.num_pages : p.batch, s = paged ? p.page_size : p.capacity;
       a.bulk = make_tma_map(a.k, p.k, b, s, 1, C::D);
     }
-    return launch(mla_sm90_kernel<T, C>, grid_of(p, C::ROWS), dim3(C::THREADS), sizeof(typename C::Shared), stream, a);
+    return launch(mla_sm90_kernel<T, C>, grid_of(p, C::ROWS), dim3(C::THREADS), sizeof(typename C::Shared), stream, a, true);
   };
   if (!p.page_table || p.page_size % Mla<T, 16>::KEYS == 0) return go.template operator()<Mla<T, 16>::KEYS>();
   return go.template operator()<16>();
