@@ -4,6 +4,7 @@ This package sits beside the library, outside the wheel; run it from the reposit
 
     python -m benchmarks attention [--quick] [--features] [--providers jax_tk,cudnn,fa3,...] ...
     python -m benchmarks decode [--quick] [--full] [--batch 8,64 --cache 8k ...]
+    python -m benchmarks mla_decode [--quick] [--full] [--heads 16,128 --new 1,2,4 ...]
     python -m benchmarks ragged_dot [--quick] [--shapes mixtral,qwen] [--dist dirichlet]
     python -m benchmarks matmul [--quick] [--shapes cube8k]
     python -m benchmarks report a.csv b.csv [--png merged.png]    # merge earlier runs, no GPU
@@ -20,7 +21,7 @@ One harness, shared by every op:
 - ``cli``: the subcommand registry, shared options, ``report``, ``main``.
 
 Then one module per op, with its providers (and, for attention, its configurations and report) beside
-it: ``attention``, ``decode``, ``gemm`` (the ``ragged_dot`` and ``matmul`` subcommands). A new op
+it: ``attention``, ``decode`` (and ``mla_decode``, which runs on its machinery), ``gemm`` (the ``ragged_dot`` and ``matmul`` subcommands). A new op
 adds ``benchmarks/<op>.py`` (configurations with ``flops``/``label``/``CSV_FIELDS``/``csv_row``/
 ``from_row``, a ``harness.OpBench``, a ``cli.Command`` passed to ``cli.register``); the command line
 finds it by itself. See README.md beside this file.

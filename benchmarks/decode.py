@@ -61,6 +61,7 @@ import numpy as np
 
 from benchmarks import cli, harness, output
 from benchmarks.decode_providers import PEERS, PROVIDERS, default_providers, make_provider
+from benchmarks.decode_report import plot_panels, ratio_table, tbs
 from benchmarks.harness import Result, Skip
 from benchmarks.timers import make_timer
 
@@ -152,9 +153,7 @@ class DecodeConfig:
         return self.cache_bytes() + 2 * math.prod(self.shape_q) * self.itemsize
 
     def visible(self) -> int:
-        """(query row, key) pairs per head and sequence: row i sees S - T_new + i + 1 keys."""
-        t, s = self.new_tokens, self.cache_len
-        return t * s - t * (t - 1) // 2
+        return visible_keys(self.new_tokens, self.cache_len)
 
     def flops(self, mode: str = "fwd") -> float:
         return 4.0 * self.batch * self.heads * self.head_dim * self.visible()
@@ -186,11 +185,10 @@ class DecodeConfig:
                    ceiling_tbs=float(ceiling) if ceiling else math.nan)
 
 
-def tbs(r: Result) -> float:
-    """TB/s of a timed result: the configuration's bytes over its median time."""
-    if r.status != "ok" or not r.time_ms > 0:
-        return math.nan
-    return r.config.bytes() / (r.time_ms * 1e-3) / 1e12
+def visible_keys(t_new: int, cache_len: int) -> int:
+    """(query row, key) pairs per head and sequence, causal bottom-right aligned: row i of T_new sees
+    S - T_new + i + 1 keys."""
+    return t_new * cache_len - t_new * (t_new - 1) // 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,7 +233,7 @@ def with_sinks(configs: Sequence[DecodeConfig]) -> list[DecodeConfig]:
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _normal_rows(key, shape, dtype):
+def normal_rows(key, shape, dtype):
     """Standard normal ``shape`` generated one leading row at a time (no whole-array temporaries)."""
     keys = jax.random.split(key, shape[0])
     return jax.lax.map(lambda k: jax.random.normal(k, shape[1:], dtype), keys)
@@ -248,24 +246,40 @@ def input_bytes(cfg: DecodeConfig) -> int:
 def make_inputs(cfg: DecodeConfig, copies: int, max_bytes: float = math.inf, seed: int = 0) -> list[tuple]:
     """``copies`` sets (``timers.copies_for``) of (query, key_cache, value_cache, lengths, page_table or
     None, None), standard normal (never zeros). Raises Skip when they would not fit in ``max_bytes``."""
-    set_bytes = input_bytes(cfg)
-    if set_bytes * copies > max_bytes:
-        raise Skip(f"inputs {set_bytes * copies / 1e9:.1f} GB > --max-gb {max_bytes / 1e9:.1f} GB")
+    check_fits(input_bytes(cfg), copies, max_bytes)
     lengths = jnp.full((cfg.batch,), cfg.cache_len, jnp.int32)
-    table = None
-    if cfg.page_size:
-        pages = cfg.cache_len // cfg.page_size
-        perm = np.random.default_rng(seed).permutation(cfg.batch * pages).astype(np.int32)
-        table = jnp.asarray(perm.reshape(cfg.batch, pages))
+    table = page_table(cfg, seed)
     sets = []
     for i in range(copies):
         keys = jax.random.split(jax.random.key(seed + i), 3)
         cache_rows = (cfg.batch, cfg.cache_len, cfg.kv_heads, cfg.head_dim)
-        k, v = (_normal_rows(key, cache_rows, cfg.jnp_dtype).reshape(cfg.shape_cache) for key in keys[1:])
-        q = _normal_rows(keys[0], cfg.shape_q, cfg.jnp_dtype)
+        k, v = (normal_rows(key, cache_rows, cfg.jnp_dtype).reshape(cfg.shape_cache) for key in keys[1:])
+        q = normal_rows(keys[0], cfg.shape_q, cfg.jnp_dtype)
         sets.append((q, k, v, lengths, table, None))
     jax.block_until_ready(sets)
     return sets
+
+
+def check_fits(set_bytes: int, copies: int, max_bytes: float) -> None:
+    """Raises Skip where ``copies`` input sets of ``set_bytes`` would not fit in ``max_bytes``."""
+    if set_bytes * copies > max_bytes:
+        raise Skip(f"inputs {set_bytes * copies / 1e9:.1f} GB > --max-gb {max_bytes / 1e9:.1f} GB")
+
+
+def page_table(cfg, seed: int = 0):
+    """None for a contiguous cache (``cfg.page_size`` 0); else int32 ``[B, S / page_size]``, a random
+    permutation of the pool's pages (a sequence's pages scattered over it)."""
+    if not cfg.page_size:
+        return None
+    pages = cfg.cache_len // cfg.page_size
+    perm = np.random.default_rng(seed).permutation(cfg.batch * pages).astype(np.int32)
+    return jnp.asarray(perm.reshape(cfg.batch, pages))
+
+
+def first_step(cfg, out):
+    """The output the check reads: in a scan (``steps`` > 1, ``decode_providers.in_scan``) the first
+    step's, the one call on the unchanged query."""
+    return out[0] if cfg.steps > 1 else out
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "g"))
@@ -283,8 +297,7 @@ def _reference0(q, k, v, lengths, table, sinks, *, scale, g):
 def check_fwd(cfg: DecodeConfig, provider, inputs, out) -> float:
     """Sequence 0, key/value head 0 against the float32 reference; in a scan (``steps`` > 1) on the
     first step's output (``decode_providers.in_scan``), the one call on the unchanged query."""
-    if cfg.steps > 1:
-        out = out[0]
+    out = first_step(cfg, out)
     g = cfg.heads // cfg.kv_heads
     q, k, v, lengths, table = inputs
     sinks = None if cfg.sink_values() is None else jnp.asarray(cfg.sink_values()[:g])
@@ -297,7 +310,7 @@ def read_ceiling(timer, nbytes: int, dtype=jnp.bfloat16) -> float:
     this device reaches in a plain XLA reduction."""
     n = nbytes // jnp.dtype(dtype).itemsize
     rows = max(1, n // 2**20)
-    x = _normal_rows(jax.random.key(123), (rows, n // rows), dtype)
+    x = normal_rows(jax.random.key(123), (rows, n // rows), dtype)
     timing = timer.measure(jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), [(x,)])
     return x.size * x.dtype.itemsize / (timing.median_ms * 1e-3) / 1e12
 
@@ -313,12 +326,13 @@ def per_step(r: Result, by_key=None) -> None:
 def bench_decode(configs: Sequence[DecodeConfig], providers: Sequence[str], *, timer=None, check: bool = True,
                  max_bytes: float = math.inf, xla_max_bytes: float = 20e9,
                  on_result: Callable[[Result], None] | None = None,
-                 log: Callable[[str], None] | None = print) -> list[Result]:
+                 log: Callable[[str], None] | None = print, op: tuple | None = None) -> list[Result]:
     """Times every provider on every configuration (mode ``fwd``), one configuration at a time; the
-    times of scanned configurations (``steps`` > 1) per step."""
-    op = harness.OpBench(make_provider=make_provider,
-                         make_inputs=functools.partial(make_inputs, max_bytes=max_bytes),
-                         input_bytes=input_bytes, check_fwd=check_fwd, on_result=per_step)
+    times of scanned configurations (``steps`` > 1) per step. ``op``: another decode-style op's
+    ``(make_provider, make_inputs, check_fwd)`` (``mla_decode``'s), default this module's."""
+    make_p, make_i, check_f = op or (make_provider, make_inputs, check_fwd)
+    op = harness.OpBench(make_provider=make_p, make_inputs=functools.partial(make_i, max_bytes=max_bytes),
+                         input_bytes=input_bytes, check_fwd=check_f, on_result=per_step)
     return harness.run(op, configs, providers, ("fwd",), timer=timer, check=check,
                        max_scratch_bytes=xla_max_bytes, on_result=on_result, log=log)
 
@@ -333,15 +347,6 @@ def _cell(r: Result) -> str:
     return f"{r.time_ms * 1e3:.1f} ({t:.3g})" if t == t else "-"
 
 
-def _speedup(by_key, cfg) -> str:
-    tk = by_key.get((cfg, "jax_tk", "fwd"))
-    peers = [by_key.get((cfg, p, "fwd")) for p in PEERS]
-    peers = [r.time_ms for r in peers if r is not None and r.status == "ok"]
-    if tk is None or tk.status != "ok" or not peers:
-        return "-"
-    return f"{min(peers) / tk.time_ms:.2f}x"
-
-
 def _sinks_cost(by_key, cfg) -> str:
     """A sinks row: jax_tk's time over its time on the same configuration without sinks, - 1."""
     if not cfg.sinks:
@@ -353,13 +358,6 @@ def _sinks_cost(by_key, cfg) -> str:
     return f"{tk.time_ms / base.time_ms - 1:+.1%}"
 
 
-def _of_ceiling(by_key, cfg) -> str:
-    tk = by_key.get((cfg, "jax_tk", "fwd"))
-    if tk is None or tk.status != "ok" or not cfg.ceiling_tbs > 0:
-        return "-"
-    return f"{tbs(tk) / cfg.ceiling_tbs:.0%}"
-
-
 _COLUMNS = (
     ("B", 4, lambda c, m: c.batch), ("S", 7, lambda c, m: c.cache_len),
     ("N/K", 6, lambda c, m: f"{c.heads}/{c.kv_heads}"), ("D", 4, lambda c, m: c.head_dim),
@@ -367,7 +365,6 @@ _COLUMNS = (
     ("MB", 8, lambda c, m: f"{c.bytes() / 1e6:.4g}"),
 )
 _SINKS_COLUMN = ("sinks", 5, lambda c, m: "sinks" if c.sinks else "")
-_STEPS_COLUMN = ("steps", 5, lambda c, m: c.steps)
 
 
 def format_table(results: Sequence[Result], providers: Sequence[str] | None = None) -> str:
@@ -376,65 +373,22 @@ def format_table(results: Sequence[Result], providers: Sequence[str] | None = No
     rows, a column marking them and one with their cost (``_sinks_cost``)."""
     if not results:
         return "(no results)"
-    providers = providers or list(dict.fromkeys(r.provider for r in results))
-    by_key = {(r.config, r.provider, r.mode): r for r in results}
     configs = list(dict.fromkeys(r.config for r in results))
-    ceilings = sorted({c.ceiling_tbs for c in configs if c.ceiling_tbs == c.ceiling_tbs})
-    steps = sorted({c.steps for c in configs})
-    per = ("" if steps == [1] else " per step inside a lax.scan of "
-           + ", ".join("1 (one call a step)" if n == 1 else str(n) for n in steps))
-    title = (f"decode attention, µs{per} (TB/s of cache + query + output); read ceiling "
-             + (", ".join(f"{x:.3g}" for x in ceilings) or "not measured") + " TB/s")
     sinks = any(c.sinks for c in configs)
-    columns = _COLUMNS + (_SINKS_COLUMN,) if sinks else _COLUMNS
-    if len(steps) > 1:  # (a report over CSVs of both modes)
-        columns += (_STEPS_COLUMN,)
-    lines = output.format_grid(title, columns, configs, providers, "fwd", by_key, _cell, " µs (TB/s)", 18)
-    # the ratio columns after the grid's rows
-    lines[1] += " vs peer | of ceil" + (" | sinks cost" if sinks else "")
-    lines[2] = "-" * len(lines[1])
-    for i, cfg in enumerate(configs):
-        lines[3 + i] += f" {_speedup(by_key, cfg):>7} | {_of_ceiling(by_key, cfg):>7}"
-        if sinks:
-            lines[3 + i] += f" | {_sinks_cost(by_key, cfg):>10}"
-    lines += output.format_problems(results)
-    return "\n".join(lines).rstrip() + "\n"
+    return ratio_table(results, providers, "decode attention", "TB/s of cache + query + output",
+                       _COLUMNS + (_SINKS_COLUMN,) if sinks else _COLUMNS, _cell, " µs (TB/s)", 18, PEERS,
+                       extra=(("sinks cost", 10, _sinks_cost),) if sinks else ())
 
 
 def plot(results: Sequence[Result], path: str, env: dict) -> list[str]:
     """TB/s against cache length, one panel per (batch, heads, head_dim, T_new, layout) group of rows,
     the ceiling as a dashed line."""
-    plt = output.pyplot()
-    ok = [r for r in results if r.status == "ok"]
-    if plt is None or not ok:
-        return []
-    panels = sorted({(c.heads, c.kv_heads, c.head_dim, c.new_tokens, c.page_size, c.steps)
-                     for c in (r.config for r in ok)})
-    cols = min(3, len(panels))
-    rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
-        ax.set_visible(False)
-    for ax, key in zip(axes.flat, panels):
-        rows = [r for r in ok if (r.config.heads, r.config.kv_heads, r.config.head_dim, r.config.new_tokens,
-                                  r.config.page_size, r.config.steps) == key]
-        for (prov, b, sk) in sorted({(r.provider, r.config.batch, r.config.sinks) for r in rows}):
-            pts = sorted((r.config.cache_len, tbs(r)) for r in rows
-                         if (r.provider, r.config.batch, r.config.sinks) == (prov, b, sk))
-            ax.plot(*zip(*pts), "o--" if sk else "o-", ms=3, label=f"{prov}{' + sinks' if sk else ''} B={b}")
-        ceil = [r.config.ceiling_tbs for r in rows if r.config.ceiling_tbs == r.config.ceiling_tbs]
-        if ceil:
-            ax.axhline(max(ceil), ls="--", color="k", lw=0.8, label="read ceiling")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("cache length")
-        ax.set_ylabel("TB/s")
-        ax.set_title(f"N/K={key[0]}/{key[1]} D={key[2]} T_new={key[3]} "
-                     + (f"paged{key[4]}" if key[4] else "contiguous")
-                     + (f", per step in a scan of {key[5]}" if key[5] > 1 else ""), fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
-    output.save_figure(plt, fig, path, output.suptitle("decode attention", env))
-    return [path]
+    return plot_panels(
+        results, path, env, "decode attention",
+        panel=lambda c: (c.heads, c.kv_heads, c.head_dim, c.new_tokens, c.page_size, c.steps),
+        panel_title=lambda k: f"N/K={k[0]}/{k[1]} D={k[2]} T_new={k[3]} " + (f"paged{k[4]}" if k[4] else "contiguous")
+        + (f", per step in a scan of {k[5]}" if k[5] > 1 else ""),
+        series=lambda r: (f"{r.provider}{' + sinks' if r.config.sinks else ''} B={r.config.batch}", r.config.sinks))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -487,6 +441,15 @@ def add_arguments(a) -> None:
     a.add_argument("--sinks", action="store_true",
                    help="run every configuration twice, without and with attention sinks (only jax_tk takes "
                         "them; the table gives their cost against the same call without)")
+    add_run_arguments(a)
+    cli.add_common_arguments(a, op="decode", providers=PROVIDERS, default_providers=",".join(PROVIDERS),
+                             modes=("fwd",), default_modes=("fwd",), dtypes=DTYPES,
+                             quick_help="tiny shapes (runs on CPU in seconds)")
+
+
+def add_run_arguments(a) -> None:
+    """The options of how a decode-style op runs (also ``mla_decode``'s): --scan, --max-gb,
+    --xla-max-gb, --ceiling-gb."""
     a.add_argument("--scan", type=_steps, default=1, metavar="N",
                    help="time each call as N dependent decode steps inside one jitted lax.scan (as a generation "
                         "loop runs), the time reported per step (default 1: one jitted call per step)")
@@ -495,9 +458,6 @@ def add_arguments(a) -> None:
     a.add_argument("--xla-max-gb", type=float, default=20.0,
                    help="skip xla where its float32 logits exceed this (default 20)")
     a.add_argument("--ceiling-gb", type=float, default=None, help="GiB of the read-ceiling array (default 4 on a GPU, 1/16 otherwise)")
-    cli.add_common_arguments(a, op="decode", providers=PROVIDERS, default_providers=",".join(PROVIDERS),
-                             modes=("fwd",), default_modes=("fwd",), dtypes=DTYPES,
-                             quick_help="tiny shapes (runs on CPU in seconds)")
 
 
 def _device_bytes() -> float | None:
@@ -508,8 +468,13 @@ def _device_bytes() -> float | None:
     return stats.get("bytes_limit")
 
 
+def dtype_name(args) -> str:
+    """--dtype as the configurations name it (bf16, fp16)."""
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(args.dtype, args.dtype)
+
+
 def configs_from(args) -> list[DecodeConfig]:
-    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(args.dtype, args.dtype)
+    dtype = dtype_name(args)
     if args.scan < 1:
         raise ValueError(f"--scan takes a number of steps >= 1, got {args.scan}")
     configs = [dataclasses.replace(c, steps=args.scan) for c in _configs_from_lists(args, dtype)]
@@ -531,31 +496,38 @@ def _configs_from_lists(args, dtype: str) -> list[DecodeConfig]:
     return product_configs(*chosen, dtype=dtype)
 
 
-def run_decode(args) -> int:
-    providers = args.providers or default_providers()
+def run_op(args, command: cli.Command, configs: Sequence, providers: Sequence[str], bytes_note: str,
+           op: tuple | None = None) -> int:
+    """Runs a decode-style op (``decode``, ``mla_decode``) from its command line: the options of
+    ``add_run_arguments`` and the shared ones, the read ceiling measured first (into every
+    configuration's ``ceiling_tbs``), then ``bench_decode(..., op=op)``, the CSV, table and plot."""
     reps = cli.reps_from(args)
     timer = make_timer(args.timer, reps, quick=args.quick)
-    gpu = harness.has_gpu()
     device = _device_bytes()
     max_bytes = args.max_gb * 1e9 if args.max_gb is not None else (0.6 * device if device else CPU_MAX_BYTES)
     if args.ceiling_gb is not None:
         ceiling_bytes = int(args.ceiling_gb * 2**30)
     else:
-        ceiling_bytes = 4 * 2**30 if gpu and not args.quick else 2**26
+        ceiling_bytes = 4 * 2**30 if harness.has_gpu() and not args.quick else 2**26
     ceiling = read_ceiling(timer, ceiling_bytes)
-    configs = [dataclasses.replace(c, ceiling_tbs=ceiling) for c in configs_from(args)]
-    csv_path, png_path = cli.output_paths(args, "decode")
+    configs = [dataclasses.replace(c, ceiling_tbs=ceiling) for c in configs]
+    csv_path, png_path = cli.output_paths(args, command.name)
     env = output.environment(timer.name)
-    header = [f"# jax_tk decode benchmark: {output.env_header(env)}",
+    header = [f"# jax_tk {command.name} benchmark: {output.env_header(env)}",
               f"# providers={','.join(providers)} configurations={len(configs)} reps={reps} "
-              f"max inputs {max_bytes / 1e9:.3g} GB{'; each without and with sinks' if args.sinks else ''}; "
-              "bytes = 2*B*S*K*H*itemsize (valid K and V) + query + output"
+              f"max inputs {max_bytes / 1e9:.3g} GB; {bytes_note}"
               + (f"; per step of {args.scan} inside one jitted lax.scan" if args.scan > 1 else ""),
               f"# read ceiling: jnp.sum over {ceiling_bytes / 2**30:.3g} GiB bf16: {ceiling:.3g} TB/s"]
     bench = functools.partial(bench_decode, configs, providers, timer=timer, check=not args.no_check,
-                              max_bytes=max_bytes, xla_max_bytes=args.xla_max_gb * 1e9)
-    return cli.run_and_write(COMMAND, env=env, header=header, csv_path=csv_path, png_path=png_path,
+                              max_bytes=max_bytes, xla_max_bytes=args.xla_max_gb * 1e9, op=op)
+    return cli.run_and_write(command, env=env, header=header, csv_path=csv_path, png_path=png_path,
                              providers=providers, bench=bench)
+
+
+def run_decode(args) -> int:
+    return run_op(args, COMMAND, configs_from(args), args.providers or default_providers(),
+                  ("each without and with sinks; " if args.sinks else "")
+                  + "bytes = 2*B*S*K*H*itemsize (valid K and V) + query + output")
 
 
 COMMAND = cli.register(cli.Command(

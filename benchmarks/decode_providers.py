@@ -139,24 +139,30 @@ L2_BYTES = 50 * 2**20
 
 
 def in_scan(fn, steps: int):
-    """``fn(q, k, v, lengths, page_table) -> out`` (``out`` of the query's shape) as ``steps`` calls inside
-    one ``jax.lax.scan``. Step i+1's query is ``q_i + EPS * out_i`` (a data dependence through the
-    carry: XLA cannot hoist the call out of the loop nor dedupe steps; ``0 * out`` would be folded).
+    """``fn(q, *cache_args) -> out`` (``out`` of the query's shape, or narrower in the last dim: MLA's
+    512 value dims of a 576-dim query) as ``steps`` calls inside one ``jax.lax.scan``. Step i+1's query
+    is ``q_i + EPS * out_i`` (``out_i`` in the first dims of the query where it is narrower; a data
+    dependence through the carry: XLA cannot hoist the call out of the loop nor dedupe steps; ``0 *
+    out`` would be folded).
     The cost per step beyond the call: one elementwise fusion over the query-sized arrays (the update,
     and keeping step 0's output), the same for every provider. Returns ``(out_0, q_steps)``: the first
     step's output (the query unchanged: what the correctness check compares) and the last query (which
     depends on every step, so none is dead code)."""
-    def scanned(q, k, v, lengths, page_table):
+    def scanned(q, *cache_args):
+        widths = []  # the output's last dim, seen when scan traces the step
+
         def step(carry, i):
             q_i, first = carry
-            out = fn(q_i, k, v, lengths, page_table)
-            if out.shape != q_i.shape:
-                raise ValueError(f"in_scan: the output {out.shape} is not of the query's shape {q_i.shape}")
+            out = fn(q_i, *cache_args)
+            if out.shape[:-1] != q_i.shape[:-1] or out.shape[-1] > q_i.shape[-1]:
+                raise ValueError(f"in_scan: the output {out.shape} does not fit in the query's shape {q_i.shape}")
+            widths.append(out.shape[-1])
+            out = jnp.pad(out, [(0, 0)] * (out.ndim - 1) + [(0, q_i.shape[-1] - out.shape[-1])])
             first = jnp.where(i == 0, out.astype(first.dtype), first)
             return (q_i + (out.astype(jnp.float32) * EPS).astype(q_i.dtype), first), None
 
         (q_last, first), _ = jax.lax.scan(step, (q, jnp.zeros_like(q)), jnp.arange(steps))
-        return first, q_last
+        return first[..., :widths[-1]], q_last
 
     return scanned
 
@@ -169,11 +175,15 @@ def _scanned(p: Provider, steps: int, cfg) -> Provider:
                                variants=tuple(_scanned(v, steps, cfg) for v in p.variants))
 
 
+def for_steps(p: Provider, cfg) -> Provider:
+    """``p`` as the configuration runs it: one call, or ``cfg.steps`` > 1 calls inside one scan."""
+    return _scanned(p, cfg.steps, cfg) if cfg.steps > 1 else p
+
+
 def make_provider(name: str, cfg) -> Provider:
     make = factory(FACTORIES, name)
     # Every provider but jax_tk (a new peer too, until it passes them), before its own checks: no
     # sinks is the reason for the whole row.
     if cfg.sinks and name != "jax_tk":
         raise Skip(f"unsupported: {NO_SINKS.get(name, name)} has no attention sinks")
-    p = make(cfg, 1.0 / math.sqrt(cfg.head_dim))
-    return _scanned(p, cfg.steps, cfg) if cfg.steps > 1 else p
+    return for_steps(make(cfg, 1.0 / math.sqrt(cfg.head_dim)), cfg)

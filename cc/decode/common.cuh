@@ -228,22 +228,27 @@ template <int THREADS, typename QTile> __device__ __forceinline__ void load_quer
   }
 }
 
+// Logits s (the warp's rows x keys k0 ...) := -inf where the row does not see the key (row_keys:
+// the keys each of the lane's rows sees); nothing to do for blocks inside what every row sees.
+template <typename S, typename RK> __device__ __forceinline__ void mask_block(S &s, const Block &k, const RK &row_keys, int k0) {
+  if (k0 < k.full_lo || k0 + S::cols > k.full_hi) {
+    rv<int, S::cols, typename row_vec<S>::layout> cols;
+    warp::map_index(cols, [&](int x) { return k0 + x; });
+    warp::map_outer(s, s, row_keys, cols, [](float x, int2 r, int j) { return j >= r.x && j < r.y ? x : NEG_INF; });
+  }
+}
+
 // One key block's step of a warp's online softmax (tk::warp::softmax_step, m in units of 1 / c): its
 // logits s (the warp's rows x keys k0 ...) through the soft cap and the mask (row_keys: the keys
 // each of the lane's rows sees), then into weights.
 template <typename S, typename RK, typename V>
 __device__ __forceinline__ void softmax_block(S &s, const Params &p, bool capped, const Block &k, const RK &row_keys, int k0,
                                               V &m, V &l, V &corr, float c) {
-  constexpr int KEYS = S::cols;
   if (capped) {
     const float in = p.scale / p.softcap, out = p.softcap * LOG2E;
     warp::map(s, s, [=](float x) { return out * warp::tanh_fast(x * in); });
   }
-  if (k0 < k.full_lo || k0 + KEYS > k.full_hi) {
-    rv<int, KEYS, typename row_vec<S>::layout> cols;
-    warp::map_index(cols, [&](int x) { return k0 + x; });
-    warp::map_outer(s, s, row_keys, cols, [](float x, int2 r, int j) { return j >= r.x && j < r.y ? x : NEG_INF; });
-  }
+  mask_block(s, k, row_keys, k0);
   warp::softmax_step(s, m, l, corr, c);
 }
 
@@ -354,14 +359,61 @@ __device__ __forceinline__ void finish(const Params &p, typename C::Shared &sm, 
   }
 }
 
+// (The Hopper kernels' TMA loads of key blocks.)
+// The kernel's parameters: the call's, and tensor maps of the caches ([batch, capacity] or [num_pages,
+// page_size] x [kv_heads, head_dim]) with boxes of BOX rows (a key block, or a part of one that lies in a
+// page), if `bulk`.
+template <typename T, int BOX> struct Args {
+  Params p;
+  tma_map<T, BOX> k, v;
+  bool bulk;
+};
+
+// Box `i` of the keys [k0, k0 + KEYS) of the block's sequence: keys k0 + BOX i ..., at coordinates
+// {b, s} of the tensor maps. Each lane of a warp finds box lane % (KEYS / BOX) (one table read) and the
+// warp agrees whether the whole block goes by boxes: not where some keys lie past the valid ones (their
+// rows must arrive as zeros, whatever the cache holds there), a page lies outside the pool, or there
+// are no maps.
+template <int KEYS, int BOX, typename A> struct Box {
+  static constexpr int COUNT = KEYS / BOX;
+  static_assert(COUNT <= 32);
+  int2 at;
+  __device__ __forceinline__ bool find(const A &a, const Block &blk, int k0) {
+    const Params &p = a.p;
+    if (!a.bulk || k0 + KEYS > blk.R.valid) return false;
+    const int j = k0 + BOX * (laneid() % COUNT);
+    bool ok = true;
+    if (!p.page_table) {
+      at = {blk.b, j};
+    } else {
+      const int page = __ldg(p.page_table + (size_t)blk.b * p.max_pages + j / p.page_size);
+      ok = unsigned(page) < unsigned(p.num_pages);
+      at = {page, j % p.page_size};
+    }
+    return __all_sync(~0u, ok);
+  }
+};
+
+// Launches a decode kernel. One that starts with grid_dependency_wait (`waits`), before it reads any
+// input, goes as a programmatic dependent launch on sm_90 and newer: its blocks may be set up while the
+// kernel before it on the stream is finishing. (Decode's calls are a few microseconds: the merge
+// kernel after the main one, and a generation step's call after the step's other kernels, would
+// otherwise each wait out a whole launch.)
 template <typename Kernel, typename Arg>
-cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Arg &arg) {
+cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Arg &arg, bool waits = false) {
   if (smem > 48 * 1024) {
     if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)); e != cudaSuccess)
       return e;
   }
-  kernel<<<grid, block, smem, stream>>>(arg);
-  return cudaGetLastError();
+  int dev = 0, major = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev); e != cudaSuccess) return e;
+  cudaLaunchAttribute dependent{};
+  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent.val.programmaticStreamSerializationAllowed = 1;
+  const bool pdl = waits && major >= 9;
+  cudaLaunchConfig_t config{grid, block, smem, stream, pdl ? &dependent : nullptr, pdl ? 1u : 0u};
+  return cudaLaunchKernelEx(&config, kernel, arg);
 }
 
 // run.template operator()<T, D>() for the call's dtype T and head dim D, one of DIMS (invalid value
@@ -383,5 +435,7 @@ inline dim3 grid_of(const Params &p, int chunk) {
 
 // The main kernel for blocks of 128 rows on sm_90a (decode_sm90.cu); head_dim 64 or 128.
 cudaError_t decode_sm90_128(const Params &p, cudaStream_t stream);
+// MLA's kernel (mla_sm90.cu), before the merge.
+cudaError_t decode_mla_sm90(const Params &p, cudaStream_t stream);
 
 }  // namespace jax_tk::decode

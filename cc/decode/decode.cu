@@ -68,6 +68,7 @@ template <typename T, int D, int W, int TILES_> struct Config {
 template <typename T, int D, typename C>
 __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(const __grid_constant__ Params p) {
   constexpr int KEYS = C::KEYS, STAGES = C::STAGES, TILES = C::TILES, GROUPS = C::GROUPS;
+  grid_dependency_wait();  // (launched to wait here: see launch)
   extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename C::Shared *>(smem_raw);
 
@@ -206,7 +207,9 @@ __global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(co
 // (lane l: parts l, l + 32, ...), and only then waits for any of them. Typical split counts take one
 // batch.
 template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel(const __grid_constant__ Params p) {
-  constexpr int PER_LANE = (MAX_SPLITS + 31) / 32, BATCH = 16, COLS = D / 32;
+  // (BATCH parts' columns in registers: 16 up to D = 256, 8 at MLA's 512)
+  constexpr int PER_LANE = (MAX_SPLITS + 31) / 32, BATCH = D <= 256 ? 16 : 8, COLS = D / 32;
+  grid_dependency_wait();  // the main kernel's parts (see launch)
   const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
   const size_t row = (size_t)blockIdx.x * 4 + warpid();
   if (row >= q_rows) return;
@@ -263,6 +266,13 @@ template <typename T, int D> __global__ __launch_bounds__(128) void merge_kernel
   for (int k = 0; k < COLS; k++) out[k * 32 + lane] = convert<T>(acc[k] * inv);
 }
 
+// The merge of a split call's parts (nothing to do for one part).
+template <typename T, int D> cudaError_t merge(const Params &p, cudaStream_t stream) {
+  if (p.splits == 1) return cudaSuccess;
+  const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
+  return launch(merge_kernel<T, D>, dim3(unsigned((q_rows + 3) / 4)), dim3(128), 0, stream, p, true);
+}
+
 // Whether a block of that config fits the shared memory a block may take.
 template <typename T, int D, int W, int TILES> bool fits(size_t smem) {
   return sizeof(typename Config<T, D, W, TILES>::Shared) <= smem;
@@ -274,7 +284,7 @@ template <typename T, int D, int TILES> cudaError_t by_grid(const Params &p, siz
   const dim3 grid = grid_of(p, TILE_ROWS * TILES);
   auto go = [&]<int W>() {
     using C = Config<T, D, W, TILES>;
-    return launch(decode_kernel<T, D, C>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p);
+    return launch(decode_kernel<T, D, C>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p, true);
   };
   if constexpr (TILES == 8) {
     return go.template operator()<WIDE>();
@@ -304,14 +314,20 @@ template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t strea
     if (p.sm90) e = decode_sm90_128(p, stream);
     else if constexpr (D <= 128) e = fits<T, D, WIDE, 8>(smem) ? by_grid<T, D, 8>(p, smem, stream) : by_grid<T, D, 4>(p, smem, stream);
   }
-  if (e != cudaSuccess || p.splits == 1) return e;
-  const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
-  return launch(merge_kernel<T, D>, dim3(unsigned((q_rows + 3) / 4)), dim3(128), 0, stream, p);
+  if (e != cudaSuccess) return e;
+  return merge<T, D>(p, stream);
 }
 
 }  // namespace
 
 cudaError_t decode(const Params &p, cudaStream_t stream) {
+  if (p.head_dim == MLA_HEAD_DIM) {
+    if (!p.sm90) return cudaErrorInvalidValue;  // (the FFI handler says why first)
+    if (cudaError_t e = decode_mla_sm90(p, stream); e != cudaSuccess) return e;
+    Params out = p;  // (the merge's rows are the values' width)
+    out.head_dim = MLA_V_HEAD_DIM;
+    return p.dtype == DType::bf16 ? merge<bf16, MLA_V_HEAD_DIM>(out, stream) : merge<half, MLA_V_HEAD_DIM>(out, stream);
+  }
   return by_type<64, 128, 256>(p, [&]<typename T, int D>() { return run<T, D>(p, stream); });
 }
 

@@ -12,6 +12,9 @@ enum class DType { bf16, fp16 };
 // clang-format off
 #define JAX_TK_DECODE_CONTRACT(X)                                                                          \
   X(HEAD_DIMS, 64 | 128 | 256)  /* head dims of the kernel (a set of powers of 2), every GPU */            \
+  X(MLA_HEAD_DIM, 576)     /* MLA's latent rows (sm_90a): one cache for keys and values, the query's ... */ \
+  X(MLA_V_HEAD_DIM, 512)   /* ... head dim, and the values' (the first dims of each row) */                \
+  X(MLA_BLOCK_ROWS, 64)    /* ... query rows (heads x new tokens) per thread block */                      \
   X(TILE_ROWS, 16)         /* query rows per warp: (query heads of one KV head) x (new tokens) ... */      \
   X(MAX_TILE_ROWS, 128)    /* ... and at most this many per thread block (TILE_ROWS x 2^k; before Hopper,  \
                               head_dim 256 runs 128 of them as two blocks of 64) */                        \
@@ -57,7 +60,8 @@ struct Params {
 };
 
 // Workspace of a split call, in 4-byte words: each part's log-sum-exp (log2 units) of every query row,
-// [splits, batch, q_len, q_heads], then its normalized output, [splits, batch, q_len, q_heads, head_dim].
+// [splits, batch, q_len, q_heads], then its normalized output, [splits, batch, q_len, q_heads, head_dim]
+// (head_dim: the output's, v_head_dim()).
 JAX_TK_HD inline size_t workspace_words(int splits, int batch, int q_len, int q_heads, int head_dim) {
   return splits > 1 ? size_t(splits) * batch * q_len * q_heads * (head_dim + 1) : 0;
 }
@@ -69,13 +73,17 @@ JAX_TK_HD constexpr int block_rows(int rows) {
   return n;
 }
 inline bool head_dim_supported(int head_dim) { return (head_dim & (head_dim - 1)) == 0 && (head_dim & HEAD_DIMS) != 0; }
+// The output's head dim of a call with query head dim d: d, but MLA's values are the first dims of
+// the latent rows.
+JAX_TK_HD constexpr int v_head_dim(int d) { return d == MLA_HEAD_DIM ? MLA_V_HEAD_DIM : d; }
 
 // The formulas Python calls (jax_tk._tk.decode.<name>).
-#define JAX_TK_DECODE_FORMULAS(F) F(workspace_words) F(block_rows)
+#define JAX_TK_DECODE_FORMULAS(F) F(workspace_words) F(block_rows) F(v_head_dim)
 
 #ifdef JAX_TK_CUDA_HEADERS
 // The kernel (mma.sync and cp.async: sm_80 and newer; wgmma on sm_90a), and the merge of the parts when
 // splits > 1.
+// head_dim MLA_HEAD_DIM: MLA's latent cache (k and v the same cache; sm_90a only).
 cudaError_t decode(const Params &p, cudaStream_t stream);
 #endif
 

@@ -33,40 +33,6 @@ template <typename T, int D, int BOX_> struct Wide {
   static_assert(Roles::CONSUMERS * 64 == ROWS && sizeof(Shared) <= MAX_SHARED_BYTES);
 };
 
-// The kernel's parameters: the call's, and tensor maps of the caches ([batch, capacity] or [num_pages,
-// page_size] x [kv_heads, head_dim]) with boxes of BOX rows (a key block, or a part of one that lies in a
-// page), if `bulk`.
-template <typename T, int BOX> struct Args {
-  Params p;
-  tma_map<T, BOX> k, v;
-  bool bulk;
-};
-
-// Box `i` of the keys [k0, k0 + KEYS) of the block's sequence: keys k0 + BOX i ..., at coordinates
-// {b, s} of the tensor maps. Each lane of a warp finds box lane % (KEYS / BOX) (one table read) and the
-// warp agrees whether the whole block goes by boxes: not where some keys lie past the valid ones (their
-// rows must arrive as zeros, whatever the cache holds there), a page lies outside the pool, or there
-// are no maps.
-template <int KEYS, int BOX, typename A> struct Box {
-  static constexpr int COUNT = KEYS / BOX;
-  static_assert(COUNT <= 32);
-  int2 at;
-  __device__ __forceinline__ bool find(const A &a, const Block &blk, int k0) {
-    const Params &p = a.p;
-    if (!a.bulk || k0 + KEYS > blk.R.valid) return false;
-    const int j = k0 + BOX * (laneid() % COUNT);
-    bool ok = true;
-    if (!p.page_table) {
-      at = {blk.b, j};
-    } else {
-      const int page = __ldg(p.page_table + (size_t)blk.b * p.max_pages + j / p.page_size);
-      ok = unsigned(page) < unsigned(p.num_pages);
-      at = {page, j % p.page_size};
-    }
-    return __all_sync(~0u, ok);
-  }
-};
-
 // The kernel's parts (pipeline/kernel.cuh: single, one block of rows of one KV head per block).
 template <typename T, int D, typename C> struct DecodeSm90 {
   using Roles = typename C::Roles;
@@ -193,6 +159,7 @@ template <typename T, int D, typename C> struct DecodeSm90 {
 template <typename T, int D, typename C>
 __global__ __launch_bounds__(C::THREADS, 1) void decode_sm90_kernel(const __grid_constant__ Args<T, C::BOX> a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  grid_dependency_wait();  // (launched to wait here: see launch)
   extern __shared__ __align__(1024) char smem_raw[];
   DecodeSm90<T, D, C> k{a, *reinterpret_cast<typename C::Shared *>(smem_raw)};
   single(k);
@@ -210,7 +177,7 @@ template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t strea
       const int b = paged ? p.num_pages : p.batch, s = paged ? p.page_size : p.capacity;
       a.bulk = make_tma_map(a.k, p.k, b, s, p.kv_heads, D) && make_tma_map(a.v, p.v, b, s, p.kv_heads, D);
     }
-    return launch(decode_sm90_kernel<T, D, C>, grid_of(p, C::ROWS), dim3(C::THREADS), sizeof(typename C::Shared), stream, a);
+    return launch(decode_sm90_kernel<T, D, C>, grid_of(p, C::ROWS), dim3(C::THREADS), sizeof(typename C::Shared), stream, a, true);
   };
   constexpr int KEYS = Wide<T, D, 16>::KEYS;
   if (!p.page_table || p.page_size % KEYS == 0) return go.template operator()<KEYS>();

@@ -2,11 +2,12 @@
 // kernel can take, launch on XLA's stream. No allocation and no host synchronization (the lengths
 // stay on the device; the split count is an attribute): CUDA-graph compatible.
 //
-// Operands: query [batch, q_len, q_heads, head_dim]; key_cache and value_cache, contiguous [batch,
+// Operands: query [batch, q_len, q_heads, head_dim]; key_cache and value_cache (head_dim 576: MLA's
+// latent cache, one head, passed as both), contiguous [batch,
 // capacity, kv_heads, head_dim] or paged [num_pages, page_size, kv_heads, head_dim]; lengths int32
 // [batch]; page_table int32 [batch, max_pages] (paged) or shape (0,) (contiguous); the attention sinks,
 // float32 [q_heads] or [batch, q_heads] (Params::sinks), or shape (0,) without them. Results: out (the
-// query's shape and dtype), lse float32 [batch, q_heads, q_len] and the workspace, float32
+// query's shape and dtype; head_dim 512 for MLA's), lse float32 [batch, q_heads, q_len] and the workspace, float32
 // [max(workspace_words(), 1)]. Attributes:
 // scale, is_causal, window_left, window_right (-1: unbounded), softcap (0: none), splits, and variant
 // (cc/core/core.h's VARIANT_*: on Hopper, VARIANT_SM80 runs the kernels of other GPUs, VARIANT_SM86
@@ -71,11 +72,23 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   for (auto d : qd)
     if (d <= 0 || d > core::MAX_INDEX) return invalid("query dimensions must be in [1, 2^31)");
   p.batch = int(qd[0]); p.q_len = int(qd[1]); p.q_heads = int(qd[2]); p.head_dim = int(qd[3]);
-  if (!decode::head_dim_supported(p.head_dim)) return invalid("the decode kernel takes head_dim 64, 128 or 256");
+  Kernels kernels;
+  if (auto e = pick_kernels(variant, kernels); e.failure()) return e;
+  // MLA's latent rows (keys, and values their first dims): key_cache and value_cache are the one cache.
+  const bool mla = p.head_dim == decode::MLA_HEAD_DIM;
+  if (mla && !kernels.sm90) return invalid("the MLA decode kernel (head_dim 576) runs on H100/H200 (sm_90a) only");
+  if (!mla && !decode::head_dim_supported(p.head_dim))
+    return invalid("the decode kernel takes head_dim 64, 128 or 256 (and 576: MLA's latent rows)");
   if (auto e = check_cache(p, q, k, v, page_table); e.failure()) return e;
+  // (The kernel reads key_cache alone: jax_tk passes the one cache as both.)
+  if (mla && (p.kv_heads != 1 || softcap != 0.f || sinks.dimensions().size() != 1 || sinks.dimensions()[0] != 0))
+    return invalid("the MLA decode kernel takes one latent cache (one head) as both key_cache and value_cache, "
+                   "without a soft cap or sinks");
+  const int dv = decode::v_head_dim(p.head_dim);
   if (lengths.element_type() != ffi::DataType::S32 || lengths.dimensions().size() != 1 || lengths.dimensions()[0] != p.batch)
     return invalid("lengths must be int32 [batch]");
-  if (!same_type_and_dims(*o, q)) return invalid("out must have the query's shape and dtype");
+  if (o->element_type() != q.element_type() || !same_lead_dims(*o, q) || o->dimensions().back() != dv)
+    return invalid("out must have the query's dtype and shape, with head_dim " + std::to_string(dv));
   auto ld = lse->dimensions();
   if (lse->element_type() != ffi::DataType::F32 || ld.size() != 3 || ld[0] != p.batch || ld[1] != p.q_heads || ld[2] != p.q_len)
     return invalid("lse must be float32 [batch, q_heads, q_len]");
@@ -87,14 +100,12 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
     p.sinks_stride = sd.size() == 2 ? p.q_heads : 0;
   }
   if (splits < 1 || splits > decode::MAX_SPLITS) return invalid("splits must be in [1, MAX_SPLITS]");
-  const size_t words = decode::workspace_words(splits, p.batch, p.q_len, p.q_heads, p.head_dim);
+  const size_t words = decode::workspace_words(splits, p.batch, p.q_len, p.q_heads, dv);
   auto wd = workspace->dimensions();
   if (workspace->element_type() != ffi::DataType::F32 || wd.size() != 1 || size_t(wd[0]) < std::max<size_t>(words, 1))
     return invalid("workspace must be float32 [max(workspace_words, 1)]");
   if (window_left < -1 || window_right < -1) return invalid("window_left and window_right must be >= -1");
   if (!(softcap >= 0.f) || softcap == __builtin_huge_valf()) return invalid("softcap must be finite and >= 0");
-  Kernels kernels;
-  if (auto e = pick_kernels(variant, kernels); e.failure()) return e;
   p.lengths = static_cast<const int *>(lengths.untyped_data());
   p.scale = scale;
   p.causal = is_causal != 0;

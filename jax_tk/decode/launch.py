@@ -40,14 +40,15 @@ def kernel_unsupported_reason(query, key_cache) -> str | None:
     return None
 
 
-def splits(batch: int, t_new: int, heads: int, kv_heads: int, capacity: int) -> int:
+def splits(batch: int, t_new: int, heads: int, kv_heads: int, capacity: int, head_dim: int = 0) -> int:
     """How many parts each sequence's keys are split into: as many as keep the grid within one wave of
     TARGET_BLOCKS thread blocks (a second, partial wave would cost as much as the first), each part
     covering at least SPLIT_MIN_KEYS positions of the cache's capacity. A grid of more than half a wave
-    is not split."""
+    is not split. (``head_dim``: MLA's latent rows take blocks of MLA_BLOCK_ROWS rows.)"""
     c = contract()
     rows = heads // kv_heads * t_new
-    blocks = batch * kv_heads * math.ceil(rows / formulas().block_rows(rows))
+    chunk = c["MLA_BLOCK_ROWS"] if head_dim == c["MLA_HEAD_DIM"] else formulas().block_rows(rows)
+    blocks = batch * kv_heads * math.ceil(rows / chunk)
     want = c["TARGET_BLOCKS"] // blocks
     return max(1, min(want, c["MAX_SPLITS"], capacity // c["SPLIT_MIN_KEYS"]))
 
@@ -80,10 +81,11 @@ def workspace_words(parts: int, batch: int, t_new: int, heads: int, head_dim: in
 
 def _call(query, key_cache, value_cache, cache_lengths, table, sinks=None, *, spec, parts, variant, out_init=None):
     b, t, n, h = query.shape
+    dv = formulas().v_head_dim(h)  # (the output's: MLA's values are the first dims of its latent rows)
     capacity = key_cache.shape[1] * (table.shape[1] if spec.page_size is not None else 1)
-    parts = splits(b, t, n, key_cache.shape[2], capacity) if parts is None else parts
-    out_types = (jax.ShapeDtypeStruct(query.shape, query.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32),
-                 jax.ShapeDtypeStruct((workspace_words(parts, b, t, n, h),), jnp.float32))
+    parts = splits(b, t, n, key_cache.shape[2], capacity, h) if parts is None else parts
+    out_types = (jax.ShapeDtypeStruct((b, t, n, dv), query.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+                 jax.ShapeDtypeStruct((workspace_words(parts, b, t, n, dv),), jnp.float32))
     left, right = spec.window if spec.window is not None else (-1, -1)
     attributes = dict(scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal), window_left=np.int32(left),
                       window_right=np.int32(right), softcap=np.float32(spec.softcap or 0.0), splits=np.int32(parts),
@@ -139,7 +141,7 @@ def _fold(fn, paged: bool, e: int, in_batched, args):
             s = jnp.moveaxis(broadcast_mapped(sinks, s_mapped, e), 0, -1)
             extra = (s.reshape(*s.shape[:-2], n * e),)
         out, lse = fn(jnp.moveaxis(query, 0, 3).reshape(b, t, n * e, h), key_cache, value_cache, lengths, table, *extra)
-        return jnp.moveaxis(out.reshape(b, t, n, e, h), 3, 0), jnp.moveaxis(lse.reshape(b, n, e, t), 2, 0)
+        return jnp.moveaxis(out.reshape(b, t, n, e, out.shape[-1]), 3, 0), jnp.moveaxis(lse.reshape(b, n, e, t), 2, 0)
     cache_mapped = k_mapped or v_mapped
     rows = math.prod((key_cache if k_mapped else value_cache).shape[:3]) if cache_mapped else 0
     if (not paged and not cache_mapped) or rows > extension.MAX_INDEX:

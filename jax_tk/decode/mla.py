@@ -3,10 +3,10 @@ latent cache, with FlashMLA's decode semantics.
 
 Trace-time checks (those of ``jax_tk.decode.attention`` where the arguments are the same), the static
 spec of a call, the dispatch, and the partitioning (under ``jit`` with sharded inputs it runs on each
-device's shards, split over batch and query heads; see the layouts at the end of this module). There
-is no MLA kernel yet: every platform runs the pure-JAX reference (``reference.mla_attention_with_lse``),
-through the same custom_vjp, dispatch and partitioning that the kernel will take, so that adding it
-changes only ``kernel_unsupported_reason`` and ``_local``.
+device's shards, split over batch and query heads; see the layouts at the end of this module). On
+H100/H200 DeepSeek's dims (576, 512) run the decode kernel (cc/decode/mla_sm90.cu) with the latent cache
+as both of its caches; any other call runs the pure-JAX reference (``reference.mla_attention_with_lse``).
+The gradient is the reference's on every platform.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk._core import checks, dispatch, sharding, sinks as sinks_
-from jax_tk.decode import api, reference
+from jax_tk._core import checks, dispatch, extension, sharding, sinks as sinks_
+from jax_tk.decode import api, launch, reference
 
 _OP = "decode.mla_attention"
 
@@ -36,12 +36,20 @@ class MlaSpec:
     page_size: int | None = None
 
 
-def kernel_unsupported_reason(query, latent_cache) -> str | None:
-    """Why the MLA kernel cannot take a call with this query and latent cache, as
-    ``implementation="tk"``'s error names it; None if it can. For now always a reason: the kernel is not
-    written yet."""
-    del query, latent_cache
-    return "call: jax_tk has no MLA decode kernel yet (implementation=None or 'xla' runs the pure-JAX reference)"
+def kernel_unsupported_reason(query, latent_cache, v_head_dim: int) -> str | None:
+    """Why the MLA kernel cannot take a call with this query, latent cache and value head dim, as
+    ``implementation="tk"``'s error names it; None if it can."""
+    c = launch.contract()
+    dims = (c["MLA_HEAD_DIM"], c["MLA_V_HEAD_DIM"])
+    if (query.shape[-1], v_head_dim) != dims:
+        return f"head dims ({query.shape[-1]}, {v_head_dim}) (the MLA kernel takes {dims}, DeepSeek's)"
+    if not any(query.dtype == d for d in launch.KERNEL_DTYPES):
+        return f"dtype {query.dtype} (the MLA kernel takes bfloat16 and float16)"
+    if latent_cache.shape[0] * latent_cache.shape[1] > extension.MAX_INDEX:
+        return f"a cache of {latent_cache.shape[0] * latent_cache.shape[1]} rows (the kernel takes fewer than 2^31)"
+    if not extension.takes_sm90_kernels(extension.cuda_device_capability(), dispatch.kernel_variant()):
+        return "this GPU (the MLA kernel runs on H100/H200, sm_90a, only)"
+    return None
 
 
 def mla_attention(query, latent_cache, cache_lengths, *, page_table=None, v_head_dim=512, scale=None,
@@ -73,8 +81,9 @@ def mla_attention(query, latent_cache, cache_lengths, *, page_table=None, v_head
       is_causal: row i sees keys ``j <= p`` (bottom-right aligned: a single new token sees the whole
         cache). ``False``: every valid key.
       sinks: ``[heads]`` floats or None: attention sinks, as in :func:`jax_tk.decode.attention`.
-      implementation: ``None`` or ``"xla"``: the pure-JAX reference (float32 math), on every platform
-        for now; ``"tk"``: the kernel, which does not exist yet, so a ``ValueError``.
+      implementation: ``None``: the kernel on H100/H200 for DeepSeek's dims (``D = 576``,
+        ``v_head_dim = 512``) in bfloat16 or float16, else the pure-JAX reference (float32 math);
+        ``"xla"``: the reference; ``"tk"``: the kernel, a ``ValueError`` naming why where it cannot run.
 
     A row that sees no key (``cache_lengths[b] == 0``, or ``p < 0``) gives 0, never NaN. A batch of 0
     or ``T_new = 0`` gives an empty result. Differentiable in ``query`` and ``latent_cache`` (the
@@ -126,7 +135,7 @@ def mla_attention_with_lse(query, latent_cache, cache_lengths, *, page_table=Non
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"jax_tk.{_OP}: is_causal must be a bool, got {is_causal!r}")
-    use = dispatch.use_kernel(_OP, implementation, kernel_unsupported_reason(query, latent_cache))
+    use = dispatch.use_kernel(_OP, implementation, kernel_unsupported_reason(query, latent_cache, v_head_dim))
     spec = MlaSpec(scale, bool(is_causal), int(v_head_dim), use, page_size)
     sinks = sinks_.check(_OP, sinks, n)
     if b == 0 or t == 0:
@@ -163,17 +172,18 @@ def _reference(spec: MlaSpec, query, latent_cache, cache_lengths, page_table):
                                             is_causal=spec.is_causal)
 
 
-def _no_kernel(*args):
-    # Unreachable: kernel_unsupported_reason always gives a reason, so spec.use_kernel is False and
-    # platform_dispatch never traces this. The kernel's call goes here.
-    raise NotImplementedError("jax_tk has no MLA decode kernel yet")
+def _kernel(spec: MlaSpec, query, latent_cache, cache_lengths, page_table, out_init=None, parts=None):
+    """(out, lse) of the decode kernel on the latent cache, passed as both key and value cache (the
+    kernel reads each row once for both). ``out_init``, ``parts``: as ``launch.kernel``'s (tests)."""
+    decode_spec = api.DecodeSpec(spec.scale, spec.is_causal, True, page_size=spec.page_size)
+    return launch.kernel(query, latent_cache, latent_cache, cache_lengths, page_table, decode_spec, out_init=out_init,
+                         parts=parts, with_lse=True)
 
 
 def _local(spec: MlaSpec, query, latent_cache, cache_lengths, page_table):
-    """(out, lse) on one device's arrays: the kernel on CUDA where it takes the call (once it exists),
-    else the reference."""
-    return dispatch.platform_dispatch(spec.use_kernel, _no_kernel, functools.partial(_reference, spec), query,
-                                      latent_cache, cache_lengths, page_table)
+    """(out, lse) on one device's arrays: the kernel on CUDA where it takes the call, else the reference."""
+    return dispatch.platform_dispatch(spec.use_kernel, functools.partial(_kernel, spec), functools.partial(_reference, spec),
+                                      query, latent_cache, cache_lengths, page_table)
 
 
 def _bwd_local(spec: MlaSpec, query, latent_cache, cache_lengths, page_table, dout, dlse):

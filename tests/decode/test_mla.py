@@ -6,6 +6,7 @@ smaller, default and given scale, non-causal, the log-sum-exp, gradients in the 
 jit/vmap, the implementation= choice, the CUDA lowering, every input check, and update_kv_cache on the
 latent cache. (Several devices: test_mla_sharding.py.)"""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,8 @@ import numpy as np
 import pytest
 
 import jax_tk
-from helpers import randn, rel_err
+from helpers import needs_extension, randn, rel_err
+from jax_tk.decode import mla
 from test_decode import poison_past, to_pages
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -161,21 +163,43 @@ def test_implementation():
     a, b = jax.jit(lambda q, c, l: [jax_tk.decode.mla_attention(q, c, l, v_head_dim=32, implementation=i)
                                     for i in (None, "xla")])(q, cache, lens)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with pytest.raises(ValueError, match=r"mla_attention\(implementation='tk'\).*no MLA decode kernel"):
+    with pytest.raises(ValueError, match=r"mla_attention\(implementation='tk'\).*head dims \(64, 32\)"):
         jax_tk.decode.mla_attention(q, cache, lens, v_head_dim=32, implementation="tk")
     with pytest.raises(ValueError, match="implementation must be one of"):
         jax_tk.decode.mla_attention(q, cache, lens, v_head_dim=32, implementation="cuda")
 
 
-def test_cuda_lowering_is_the_reference():
-    """Lowered for CUDA (no GPU needed), implementation=None is the reference for now: plain XLA, no
-    custom call (when the kernel lands, this becomes a test that it is called)."""
+def test_cuda_lowering_without_the_kernel(monkeypatch):
+    """Lowered for CUDA where the kernel does not run (no H100/H200 here, as the patch makes it on any
+    machine), implementation=None is the reference: plain XLA, no custom call."""
+    monkeypatch.setattr(mla.extension, "cuda_device_capability", lambda: None)
     sds = jax.ShapeDtypeStruct
     args = (sds((2, 1, 16, 576), BF16), sds((8, 64, 1, 576), BF16), sds((2,), jnp.int32), sds((2, 4), jnp.int32))
     fn = jax.jit(lambda q, c, l, t: jax_tk.decode.mla_attention(q, c, l, page_table=t))
     text = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
     assert "custom_call" not in text
     assert "tensor<2x1x16x512xbf16>" in text
+
+
+@needs_extension
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_cuda_lowering_of_the_kernel(paged):
+    """The kernel's call, exported for CUDA: the decode target with the latent cache as both caches, the
+    output 512 wide, and a workspace for the split count's parts of 512-wide rows."""
+    sds = jax.ShapeDtypeStruct
+    q, lens = sds((2, 1, 16, 576), BF16), sds((2,), jnp.int32)
+    cache, table = (sds((8, 64, 1, 576), BF16), sds((2, 4), jnp.int32)) if paged else (sds((2, 256, 1, 576), BF16), None)
+    spec = mla.MlaSpec(0.07, True, 512, True, 64 if paged else None)
+    fn = jax.jit(lambda q, c, l, t: mla._kernel(spec, q, c, l, t, parts=3))
+    check = jax.export.DisabledSafetyCheck.custom_call("jax_tk_decode")
+    exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[check])(q, cache, lens, table)
+    assert [a.shape for a in exported.out_avals] == [(2, 1, 16, 512), (2, 16, 1)]
+    call = re.search(r"@jax_tk_decode\((%[^,]+), (%[^,]+), (%[^,]+),.*?\) \{.*?\} : \((.*?)\) -> \((.*?)\)",
+                     exported.mlir_module(), re.S)
+    assert call.group(2) == call.group(3)  # the one latent cache as key_cache and value_cache
+    words = 3 * 2 * 16 * (512 + 1)  # (decode.h's workspace_words at the values' width)
+    assert re.findall(r"tensor<[^>]*>", call.group(5)) == ["tensor<2x1x16x512xbf16>", "tensor<2x16x1xf32>",
+                                                           f"tensor<{words}xf32>"]
 
 
 def test_empty_batch_and_no_new_tokens():

@@ -50,7 +50,8 @@ template <typename T> std::vector<T> download(const T *d, size_t n) {
 // sm90: blocks of 128 rows take the sm_90a kernel (only where the device runs it); smem_limit: see Params.
 int run(const Case &c, bool sm90, int smem_limit = 0) {
   const int b_count = int(c.lengths.size()), t_count = c.q_len, n_count = c.q_heads, k_count = c.kv_heads;
-  const int d = c.head_dim, group = n_count / k_count;
+  const int d = c.head_dim, group = n_count / k_count, dv = v_head_dim(d);
+  const bool mla = d == MLA_HEAD_DIM;  // (one latent cache: the values are its rows' first dv dims)
   const bool paged = c.page_size > 0;
   if (paged && c.capacity % c.page_size != 0) {
     std::printf("FAIL: a paged case's capacity must be a multiple of its page size\n");
@@ -85,7 +86,7 @@ int run(const Case &c, bool sm90, int smem_limit = 0) {
       if (int r = row_of(b, j); r >= 0)
         for (int i = 0; i < k_count * d; i++) {
           k[size_t(r) * k_count * d + i] = __float2bfloat16(dist(rng));
-          v[size_t(r) * k_count * d + i] = __float2bfloat16(dist(rng));
+          v[size_t(r) * k_count * d + i] = mla ? k[size_t(r) * k_count * d + i] : __float2bfloat16(dist(rng));
         }
 
   Params p{};
@@ -100,29 +101,30 @@ int run(const Case &c, bool sm90, int smem_limit = 0) {
   p.lengths = upload(c.lengths);
   p.scale = 1.f / std::sqrt(float(d));
   p.causal = c.causal; p.window_left = c.left; p.window_right = c.right; p.softcap = c.softcap;
-  p.q = upload(q); p.k = upload(k); p.v = upload(v);
+  p.q = upload(q); p.k = upload(k); p.v = mla ? p.k : upload(v);
   std::vector<float> sinks(n_count, -INFINITY);
   if (c.sinks) {
     for (float &x : sinks) x = dist(rng);
     sinks[0] = 30.f;  // (one that takes nearly all the weight)
     p.sinks = upload(sinks);
   }
-  p.o = upload(std::vector<bf16>(q.size(), __float2bfloat16(nan)));
+  const size_t o_n = q.size() / d * dv;
+  p.o = upload(std::vector<bf16>(o_n, __float2bfloat16(nan)));
   const size_t lse_n = size_t(b_count) * n_count * t_count;
   p.lse = upload(std::vector<float>(lse_n, nan));
   p.splits = c.splits;
-  p.workspace = upload(std::vector<float>(workspace_words(c.splits, b_count, t_count, n_count, d), nan));
+  p.workspace = upload(std::vector<float>(workspace_words(c.splits, b_count, t_count, n_count, dv), nan));
   p.sm90 = sm90;
   p.smem_limit = smem_limit;
   CHECK(decode(p, 0));
   CHECK(cudaDeviceSynchronize());
-  auto o = download(static_cast<bf16 *>(p.o), q.size());
+  auto o = download(static_cast<bf16 *>(p.o), o_n);
   auto lse = download(p.lse, lse_n);
 
   // float64 reference
   double num = 0, den = 0, lse_err = 0;
   bool finite = true;
-  std::vector<double> logit(c.capacity), acc(d);
+  std::vector<double> logit(c.capacity), acc(dv);
   for (int b = 0; b < b_count; b++)
     for (int t = 0; t < t_count; t++)
       for (int n = 0; n < n_count; n++) {
@@ -152,7 +154,7 @@ int run(const Case &c, bool sm90, int smem_limit = 0) {
           const double w = std::exp(logit[j] - m);
           sum += w;
           if (int r = row_of(b, j); r >= 0)
-            for (int i = 0; i < d; i++) acc[i] += w * __bfloat162float(v[(size_t(r) * k_count + n / group) * d + i]);
+            for (int i = 0; i < dv; i++) acc[i] += w * __bfloat162float(v[(size_t(r) * k_count + n / group) * d + i]);
         }
         const float *got_lse = &lse[(size_t(b) * n_count + n) * t_count + t];
         if (m == -INFINITY) {
@@ -160,9 +162,9 @@ int run(const Case &c, bool sm90, int smem_limit = 0) {
         } else {
           lse_err = std::max(lse_err, std::abs(*got_lse - (m + std::log(sum))));
         }
-        for (int i = 0; i < d; i++) {
+        for (int i = 0; i < dv; i++) {
           const double want = seen_max == -INFINITY ? 0.0 : acc[i] / sum;
-          const float got = __bfloat162float(o[((size_t(b) * t_count + t) * n_count + n) * d + i]);
+          const float got = __bfloat162float(o[((size_t(b) * t_count + t) * n_count + n) * dv + i]);
           finite = finite && std::isfinite(got);
           num += (got - want) * (got - want);
           den += want * want;
@@ -170,7 +172,7 @@ int run(const Case &c, bool sm90, int smem_limit = 0) {
       }
   const double err = finite ? std::sqrt(num / std::max(den, 1e-30)) : INFINITY;
   const bool ok = err < 1e-2 && lse_err < 1e-2;
-  const void *buffers[] = {p.page_table, p.lengths, p.q, p.k, p.v, p.o, p.lse, p.workspace, p.sinks};
+  const void *buffers[] = {p.page_table, p.lengths, p.q, p.k, mla ? nullptr : p.v, p.o, p.lse, p.workspace, p.sinks};
   for (const void *x : buffers)
     if (x) CHECK(cudaFree(const_cast<void *>(x)));
   std::printf("%s B=%d T=%d heads %d/%d D=%d cap=%d page=%d splits=%d%s%s: rel err %.3g, lse err %.3g\n",
@@ -230,6 +232,15 @@ int main() {
   failed += run({5, 4, 1, 256, {129, 40}, 144, 0, 1}, false, SMALL_GPU_SMEM);
   failed += run({16, 8, 1, 128, {0, 500}, 512, 16, 2}, false, SMALL_GPU_SMEM);
   failed += run({16, 4, 1, 256, {300, 1}, 320, 16, 2}, false, SMALL_GPU_SMEM);
+  // MLA's latent cache (Hopper): 16 heads x 1 token and 128 x 2 (two blocks of rows), contiguous and
+  // paged (16, 64, a size that is no multiple of 16), one part and several
+  if (hopper)
+    for (int splits : {1, 3}) {
+      failed += run({1, 16, 1, MLA_HEAD_DIM, {0, 1, 200}, 200, 0, splits}, true);
+      failed += run({2, 64, 1, MLA_HEAD_DIM, {130, 3}, 192, 64, splits}, true);
+      failed += run({1, 16, 1, MLA_HEAD_DIM, {77, 150}, 160, 16, splits}, true);
+      failed += run({2, 16, 1, MLA_HEAD_DIM, {100, 40}, 144, 48, splits}, true);
+    }
   std::printf("%s\n", failed ? "FAILED" : "all ok");
   return failed ? 2 : 0;
 }

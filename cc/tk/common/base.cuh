@@ -23,6 +23,16 @@ __device__ __forceinline__ int warpid() { return threadIdx.x >> 5; }
 // of being computed per thread and moved there before each use.
 __device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffff, x, 0); }
 
+// Programmatic dependent launch (sm_90 and newer): a grid launched with it may start while the grid
+// before it on the stream is finishing, and waits here until that grid has completed and its writes
+// are visible; call it before reading anything an earlier kernel wrote. (A no-op for a grid launched
+// without it, and before sm_90.)
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Named barrier `id` (1..15; 0 is __syncthreads' barrier) over `threads` threads (a multiple of 32).
 __device__ __forceinline__ void sync_named(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

@@ -24,10 +24,11 @@ __device__ __forceinline__ float tanh_fast(float x) {
 // was accumulated before, and s := exp2(c (s - m)). LANE_SUMS: l holds this lane's part of each
 // row's sum (row_sum_lane), which sum_lanes(l) completes after the last step: the shuffles of the
 // sum are paid once instead of at every step.
+// The same given the new row max m_new (at least m and s's row max: e.g. shared with the warps that
+// hold the other keys of these rows).
 template <bool LANE_SUMS = false, typename RT, typename V>
-__device__ __forceinline__ void softmax_step(RT &s, V &m, V &l, V &corr, float c) {
-  V m_new, mc;
-  row_max(m_new, s, m);
+__device__ __forceinline__ void softmax_step_to(RT &s, V &m, V &l, V &corr, const V &m_new, float c) {
+  V mc;
   // c m_new, or 0 for a row that has seen no key yet (all -inf: exp2(-inf) = 0, never NaN)
   map_vec(mc, m_new, [=](float x) { return x == NEG_INF ? 0.f : x * c; });
   map_vec(corr, m, mc, [=](float a, float b) { return fn::exp2(a * c - b); });
@@ -36,6 +37,12 @@ __device__ __forceinline__ void softmax_step(RT &s, V &m, V &l, V &corr, float c
   if constexpr (LANE_SUMS) row_sum_lane(l, s, l);
   else row_sum(l, s, l);
   m = m_new;
+}
+template <bool LANE_SUMS = false, typename RT, typename V>
+__device__ __forceinline__ void softmax_step(RT &s, V &m, V &l, V &corr, float c) {
+  V m_new;
+  row_max(m_new, s, m);
+  softmax_step_to<LANE_SUMS>(s, m, l, corr, m_new, c);
 }
 
 // O /= l (O = 0 for a row that saw no key, l = 0).
