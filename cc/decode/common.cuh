@@ -394,6 +394,35 @@ template <int KEYS, int BOX, typename A> struct Box {
   }
 };
 
+// A Hopper kernel's producer warpgroup: its block's key blocks, each into the ring's next stage. A block
+// of boxes goes by TMA (the first warp's lanes issue one box each, boxes(stage, row, at, full), the other
+// threads only arrive: many small boxes issued by one thread held the producer back); any other by every
+// thread's cp.async, rows(stage, k0).
+template <int KEYS, int BOX, typename A, int STAGES, typename Stage, typename Boxes, typename Rows>
+__device__ __forceinline__ void produce_key_blocks(const A &a, const Block &blk, ring<STAGES> kv, Stage (&stages)[STAGES],
+                                                   Boxes boxes, Rows rows) {
+  using B = Box<KEYS, BOX, A>;
+  const int tid = threadIdx.x % 128;
+  for (ring_pos<STAGES> at(0); blk.j0 + at.n < blk.j1; ++at) {
+    const int k0 = (blk.j0 + at.n) * KEYS;
+    auto &stage = stages[at.slot];
+    B box;
+    const bool bulk = box.find(a, blk, k0);  // (the table reads, before the wait)
+    wait_empty(kv, at);
+    if (bulk) {
+      if (tid == 0) arrive_expect_bytes(kv.full(at), sizeof(stage));
+      __syncwarp();
+      if (tid < B::COUNT) boxes(stage, BOX * tid, box.at, kv.full(at));
+      if (tid != 0) arrive(kv.full(at));
+    } else {
+      rows(stage, k0);
+      arrive_copies(kv.full(at));
+    }
+  }
+  commit_group();
+  wait_group<0>();  // (no copy outlives its thread)
+}
+
 // Launches a decode kernel. One that starts with grid_dependency_wait (`waits`), before it reads any
 // input, goes as a programmatic dependent launch on sm_90 and newer: its blocks may be set up while the
 // kernel before it on the stream is finishing. (Decode's calls are a few microseconds: the merge

@@ -55,35 +55,17 @@ template <typename T, int D, typename C> struct DecodeSm90 {
     }
   }
 
-  // Blocks of boxes go by TMA (the first warp's lanes issue one box each, the other threads only
-  // arrive: many small boxes issued by one thread held the producer back); any other by every
-  // thread's cp.async, row by row.
   __device__ __forceinline__ void produce() const {
-    using B = Box<KEYS, C::BOX, A>;
-    const int tid = threadIdx.x % 128;
-    for (ring_pos<STAGES> at(0); blk.j0 + at.n < blk.j1; ++at) {
-      const int k0 = (blk.j0 + at.n) * KEYS;
-      auto &stage = stages[at.slot];
-      B box;
-      const bool bulk = box.find(a, blk, k0);  // (the table reads, before the wait)
-      wait_empty(kv(), at);
-      if (bulk) {
-        if (tid == 0) arrive_expect_bytes(kv().full(at), sizeof(stage));
-        __syncwarp();
-        if (tid < B::COUNT) {
-          load_rows_async(stage.k, C::BOX * tid, a.k, {box.at.x, box.at.y, blk.h, 0}, kv().full(at));
-          load_rows_async(stage.v, C::BOX * tid, a.v, {box.at.x, box.at.y, blk.h, 0}, kv().full(at));
-        }
-        if (tid != 0) arrive(kv().full(at));
-      } else {
-        KeyRows<T, D, KEYS, 128> rows;
-        rows.find(p, blk.b, k0, blk.R.valid);
-        rows.load(stage, p, blk.h);
-        arrive_copies(kv().full(at));
-      }
-    }
-    commit_group();
-    wait_group<0>();  // (no copy outlives its thread)
+    auto boxes = [&](typename C::Stage &stage, int row, int2 at, semaphore &full) {
+      load_rows_async(stage.k, row, a.k, {at.x, at.y, blk.h, 0}, full);
+      load_rows_async(stage.v, row, a.v, {at.x, at.y, blk.h, 0}, full);
+    };
+    auto rows = [&](typename C::Stage &stage, int k0) {
+      KeyRows<T, D, KEYS, 128> r;
+      r.find(p, blk.b, k0, blk.R.valid);
+      r.load(stage, p, blk.h);
+    };
+    produce_key_blocks<KEYS, C::BOX>(a, blk, kv(), stages, boxes, rows);
   }
 
   __device__ __forceinline__ void consume() const {

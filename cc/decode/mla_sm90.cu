@@ -53,30 +53,15 @@ template <typename T, typename C> struct MlaSm90 {
   }
 
   __device__ __forceinline__ void produce() const {
-    using B = Box<KEYS, C::BOX, A>;
-    const int tid = threadIdx.x % 128;
-    for (ring_pos<STAGES> at(0); blk.j0 + at.n < blk.j1; ++at) {
-      const int k0 = (blk.j0 + at.n) * KEYS;
-      auto &stage = sm.kv[at.slot];
-      B box;
-      const bool bulk = box.find(a, blk, k0);
-      wait_empty(kv(), at);
-      if (bulk) {
-        if (tid == 0) arrive_expect_bytes(kv().full(at), sizeof(stage));
-        __syncwarp();
-        if (tid < B::COUNT) load_rows_async(stage, C::BOX * tid, a.k, {box.at.x, box.at.y, 0, 0}, kv().full(at));
-        if (tid != 0) arrive(kv().full(at));
-      } else {
-        const T *cache = static_cast<const T *>(p.k);
-        for (int i = tid; i < KEYS * (C::D / 8); i += 128) {
-          const int r = i / (C::D / 8), c = i % (C::D / 8) * 8, row = cache_row(p, blk.b, k0 + r, blk.R.valid);
-          cp_async16(&stage(r, c), cache + (row < 0 ? 0 : size_t(row) * C::D + c), row >= 0);
-        }
-        arrive_copies(kv().full(at));
+    auto boxes = [&](auto &stage, int row, int2 at, semaphore &full) { load_rows_async(stage, row, a.k, {at.x, at.y, 0, 0}, full); };
+    auto rows = [&](auto &stage, int k0) {  // (zeros past the length or outside the pool)
+      const T *cache = static_cast<const T *>(p.k);
+      for (int i = threadIdx.x % 128; i < KEYS * (C::D / 8); i += 128) {
+        const int r = i / (C::D / 8), c = i % (C::D / 8) * 8, row = cache_row(p, blk.b, k0 + r, blk.R.valid);
+        cp_async16(&stage(r, c), cache + (row < 0 ? 0 : size_t(row) * C::D + c), row >= 0);
       }
-    }
-    commit_group();
-    wait_group<0>();  // (no copy outlives its thread)
+    };
+    produce_key_blocks<KEYS, C::BOX>(a, blk, kv(), sm.kv, boxes, rows);
   }
 
   __device__ __forceinline__ void consume() const {
