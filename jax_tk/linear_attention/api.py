@@ -1,20 +1,22 @@
 """jax_tk.linear_attention: the gated delta rule and simple GLA (chunked, over whole sequences) and
 their one-token decoding steps.
 
-Trace-time checks and the ``implementation=`` choice. The CUDA kernels are not written yet: every call
-runs the pure-JAX paths of ``reference`` (the chunked one by default, the token-by-token recurrence on
-request), and their gradients are JAX's autodiff of them.
+Trace-time checks and the ``implementation=`` choice. Simple GLA's forward runs a CUDA kernel on
+H100/H200 (bfloat16/float16, K 64 or 128, V a multiple of 64); its gradient, and everything else, runs
+the pure-JAX paths of ``reference`` (the chunked one by default, the token-by-token recurrence on
+request), with JAX's autodiff of them.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk._core import checks, dispatch, extension
-from jax_tk.linear_attention import reference
+from jax_tk._core import checks, dispatch, extension, sharding
+from jax_tk.linear_attention import launch, reference
 
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _GDR, _GLA = "linear_attention.gated_delta_rule", "linear_attention.simple_gla"
@@ -99,8 +101,8 @@ def _cu_seqlens(op, cu_seqlens, b: int, t: int):
     return jnp.asarray(checks.to_int32(cu_seqlens, 0, t))
 
 
-def _sequence_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, implementation):
-    """Checks a whole-sequence call; returns ``(scale, int32 cu_seqlens or None, the path to run)``."""
+def _sequence_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """Checks a whole-sequence call; returns ``(scale, int32 cu_seqlens or None)``."""
     lead = "batch, T"
     _check_qkv(op, q, k, v, lead)
     _check_gate(op, "g", g, v, lead)
@@ -113,19 +115,16 @@ def _sequence_call(op, q, k, v, g, beta, scale, initial_state, output_final_stat
         n_is = "batch" if cu is None else "the number of sequences of cu_seqlens"
         _check_state(op, "initial_state", initial_state, (n, hv, kd, vd), n_is)
     _check_bool(op, "output_final_state", output_final_state)
-    return _scale(op, scale, kd), cu, _path(op, implementation)
+    return _scale(op, scale, kd), cu
 
 
-def _path(op, implementation):
-    """The function that runs the call: ``reference.chunked`` (None, "xla") or ``reference.recurrent``."""
+def _reference_path(op, implementation):
+    """The pure-JAX function that runs the call: ``reference.recurrent`` ("reference") or
+    ``reference.chunked`` (None, "xla")."""
     dispatch.check_implementation(op, implementation, ("reference",))
-    if implementation == "tk":
-        raise NotImplementedError(f"jax_tk.{op}(implementation='tk'): the linear-attention CUDA kernels are not "
-                                  "built yet (not in this release); implementation=None or 'xla' runs the chunked "
-                                  "XLA path, 'reference' the token-by-token recurrence")
     if implementation == "reference":
         return reference.recurrent
-    return lambda *args, **kwargs: reference.chunked(*args, **kwargs, chunk_size=chunk_size())
+    return functools.partial(reference.chunked, chunk_size=chunk_size())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,7 +163,8 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
       implementation: ``None`` or ``"xla"``: the chunked XLA path (chunks of ``chunk_size()`` = 64
         tokens, matrix products inside a chunk and a scan over chunks); ``"reference"``: the recurrence
         one token at a time (float32, slow on long sequences: the tests' oracle); ``"tk"``: the CUDA
-        kernels, which are not in this release yet (raises ``NotImplementedError``).
+        kernels, which are not in this release yet for the gated delta rule (raises
+        ``NotImplementedError``; :func:`simple_gla`'s forward has one).
 
     Arithmetic is float32 on every path. Differentiable in q, k, v, g, beta and initial_state (JAX's
     autodiff of the path that runs). Works under ``jit`` and ``vmap``.
@@ -173,8 +173,12 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
       ``(o, final_state)``: o ``[batch, T, value_heads, V]`` in v's dtype; final_state
       ``[N, value_heads, K, V]`` float32, or None unless ``output_final_state``.
     """
-    scale, cu, run = _sequence_call(_GDR, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                    implementation)
+    scale, cu = _sequence_call(_GDR, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    run = _reference_path(_GDR, implementation)
+    if implementation == "tk":
+        raise NotImplementedError(f"jax_tk.{_GDR}(implementation='tk'): the gated delta rule's CUDA kernels are not "
+                                  "built yet (not in this release); implementation=None or 'xla' runs the chunked "
+                                  "XLA path, 'reference' the token-by-token recurrence")
     l2 = _check_bool(_GDR, "use_qk_l2norm", use_qk_l2norm)
     return run(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu,
                output_final_state=bool(output_final_state), use_qk_l2norm=l2)
@@ -195,11 +199,61 @@ def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state
     Arguments, results, paths and gradients as :func:`gated_delta_rule` (without beta and l2
     normalization): q, k ``[batch, T, heads, K]``, v ``[batch, T, value_heads, V]`` (``value_heads`` a
     multiple of ``heads``; flash-linear-attention's op has them equal), g ``[batch, T, value_heads]``.
+
+    On H100/H200 the forward runs jax_tk's kernel (``implementation=None`` or ``"tk"``) for bfloat16 and
+    float16 inputs with K 64 or 128 and V a multiple of 64; its gradient is the chunked path's.
     """
-    scale, cu, run = _sequence_call(_GLA, q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
-                                    implementation)
-    return run(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu,
-               output_final_state=bool(output_final_state))
+    scale, cu = _sequence_call(_GLA, q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens)
+    run = _reference_path(_GLA, implementation)
+    if implementation == "reference" or not dispatch.use_kernel(_GLA, implementation, launch.gla_unsupported_reason(q, v)):
+        return run(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu,
+                   output_final_state=bool(output_final_state))
+    o, final = _gla(scale, q, k, v, g, cu, initial_state)
+    return o, (final if output_final_state else None)
+
+
+# Simple GLA on the forward kernel. Its gradient is the chunked path's (JAX's autodiff of it); the
+# forward goes through the partitioning below, so that sharded inputs run on their shards.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gla(scale: float, q, k, v, g, cu_seqlens, initial_state):
+    """(o, final_state)."""
+    layout = _GLA_LAYOUT if cu_seqlens is None else _GLA_PACKED_LAYOUT
+    return sharding.call(layout, _gla_local, scale, v, q, k, g, initial_state, cu_seqlens)
+
+
+def _gla_chunked(scale, q, k, v, g, cu_seqlens, initial_state):
+    return reference.chunked(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                             output_final_state=True, chunk_size=chunk_size())
+
+
+def _gla_local(scale, v, q, k, g, initial_state, cu_seqlens):
+    """(o, final_state) on one device's arrays: the kernel on CUDA, the chunked path elsewhere."""
+    def kernel(q, k, v, g, cu_seqlens, initial_state):
+        return launch.gla_fwd(q, k, v, g, cu_seqlens, initial_state, scale)
+    return dispatch.platform_dispatch(True, kernel, functools.partial(_gla_chunked, scale), q, k, v, g, cu_seqlens,
+                                      initial_state)
+
+
+def _gla_fwd(scale, q, k, v, g, cu_seqlens, initial_state):
+    return _gla(scale, q, k, v, g, cu_seqlens, initial_state), (q, k, v, g, cu_seqlens, initial_state)
+
+
+def _gla_bwd(scale, res, cotangents):
+    q, k, v, g, cu_seqlens, initial_state = res
+    def f(q, k, v, g, initial_state):
+        return _gla_chunked(scale, q, k, v, g, cu_seqlens, initial_state)
+    dq, dk, dv, dg, dh0 = jax.vjp(f, q, k, v, g, initial_state)[1](cotangents)
+    return dq, dk, dv, dg, None, dh0
+
+
+_gla.defvjp(_gla_fwd, _gla_bwd)
+
+# Partitioning (jax_tk._core.sharding): batch "b" and value heads "n" split, q/k heads "k" their groups;
+# packed sequences (batch 1) keep their states' "s" whole.
+_GLA_LAYOUT = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "b n d e", "c"),
+                              outputs=("b t n e", "b n d e"), heads="n", grouped="k")
+_GLA_PACKED_LAYOUT = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "s n d e", "c"),
+                                     outputs=("b t n e", "s n d e"), heads="n", grouped="k")
 
 
 def _step_call(op, q, k, v, g, beta, state, scale):
