@@ -1,12 +1,15 @@
-// The linear-attention ops' FFI targets: simple GLA's forward on Hopper (jax_tk_simple_gla_fwd). The
-// handler decodes buffers and attributes into FwdParams, checks what the kernel can take, and launches
-// on XLA's stream, with no allocation (CUDA-graph compatible).
+// The linear-attention ops' FFI targets on Hopper: simple GLA's forward (jax_tk_simple_gla_fwd) and the
+// gated delta rule's (jax_tk_gated_delta_rule_fwd: wy_fwd's solve, then the sequential pass). The
+// handlers decode buffers and attributes into FwdParams, check what the kernels can take, and launch on
+// XLA's stream, with no allocation (CUDA-graph compatible).
 //
 // Operands: q, k [batch, seq_len, heads, k_dim]; v [batch, seq_len, v_heads, v_dim] (bfloat16 or
 // float16, one dtype); g float32 [batch, v_heads, seq_len]; cu_seqlens int32 [num_seqs + 1] (batch 1)
 // or shape (0,); initial states float32 [num_seqs, v_heads, k_dim, v_dim] or shape (0,). Results: o
 // (v's shape, q's dtype), final states float32 [num_seqs, v_heads, k_dim, v_dim]. Attributes: scale,
-// variant (the sm_90a kernel only).
+// variant (the sm_90a kernel only). The gated delta rule's target takes beta (float32 [batch, v_heads,
+// seq_len]) after g, and returns its workspaces after the final states: W [batch, seq_len, v_heads,
+// k_dim] and U' (v's shape), in q's dtype.
 #include "ffi/common.h"
 #include "linear_attention/linear_attention.h"
 
@@ -15,11 +18,10 @@ namespace {
 
 using linear_attention::FwdParams;
 
-template <typename... Extra>
-ffi::Error gla_fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer g,
-                        ffi::AnyBuffer cu_seqlens, ffi::AnyBuffer h0, Extra..., ffi::Result<ffi::AnyBuffer> o,
-                        ffi::Result<ffi::AnyBuffer> ht, float scale, int32_t variant) {
-  FwdParams p{};
+// FwdParams from the operands both targets share.
+ffi::Error parse(FwdParams &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer &k, const ffi::AnyBuffer &v, const ffi::AnyBuffer &g,
+                 const ffi::AnyBuffer &cu_seqlens, const ffi::AnyBuffer &h0, ffi::AnyBuffer &o, ffi::AnyBuffer &ht, float scale,
+                 int32_t variant) {
   if (q.element_type() == ffi::DataType::BF16) p.dtype = linear_attention::DType::bf16;
   else if (q.element_type() == ffi::DataType::F16) p.dtype = linear_attention::DType::fp16;
   else return invalid("the linear-attention kernels take bfloat16 or float16");
@@ -58,18 +60,49 @@ ffi::Error gla_fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
     if (!state_ok(h0)) return invalid("initial states must be float32 [num_seqs, v_heads, k_dim, v_dim]");
     p.h0 = static_cast<const float *>(h0.untyped_data());
   }
-  if (o->element_type() != q.element_type() || !same_dims(*o, v)) return invalid("o must have v's shape and q's dtype");
-  if (!state_ok(*ht)) return invalid("final states must be float32 [num_seqs, v_heads, k_dim, v_dim]");
+  if (o.element_type() != q.element_type() || !same_dims(o, v)) return invalid("o must have v's shape and q's dtype");
+  if (!state_ok(ht)) return invalid("final states must be float32 [num_seqs, v_heads, k_dim, v_dim]");
   p.q = q.untyped_data(), p.k = k.untyped_data(), p.v = v.untyped_data();
   p.g = static_cast<const float *>(g.untyped_data());
-  p.o = o->untyped_data();
-  p.ht = static_cast<float *>(ht->untyped_data());
+  p.o = o.untyped_data();
+  p.ht = static_cast<float *>(ht.untyped_data());
   p.scale = scale;
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v)) return invalid("q, k and v must be 16-byte aligned");
+  return ffi::Error::Success();
+}
+
+template <typename... Extra>
+ffi::Error gla_fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer g,
+                        ffi::AnyBuffer cu_seqlens, ffi::AnyBuffer h0, Extra..., ffi::Result<ffi::AnyBuffer> o,
+                        ffi::Result<ffi::AnyBuffer> ht, float scale, int32_t variant) {
+  FwdParams p{};
+  if (auto e = parse(p, q, k, v, g, cu_seqlens, h0, *o, *ht, scale, variant); e.failure()) return e;
   return cuda_error(linear_attention::simple_gla_fwd_sm90(p, stream), "simple GLA forward");
 }
 
-template <bool TEST> auto binding() {
+template <typename... Extra>
+ffi::Error gdr_fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer g,
+                        ffi::AnyBuffer beta, ffi::AnyBuffer cu_seqlens, ffi::AnyBuffer h0, Extra..., ffi::Result<ffi::AnyBuffer> o,
+                        ffi::Result<ffi::AnyBuffer> ht, ffi::Result<ffi::AnyBuffer> w, ffi::Result<ffi::AnyBuffer> u,
+                        float scale, int32_t variant) {
+  FwdParams p{};
+  if (auto e = parse(p, q, k, v, g, cu_seqlens, h0, *o, *ht, scale, variant); e.failure()) return e;
+  if (!same_type_and_dims(beta, g)) return invalid("beta must be float32 [batch, v_heads, seq_len], as g");
+  if (w->element_type() != q.element_type() || !same_lead_dims(*w, v) || w->dimensions().back() != p.k_dim)
+    return invalid("w must be [batch, seq_len, v_heads, k_dim] in q's dtype");
+  if (u->element_type() != q.element_type() || !same_dims(*u, v)) return invalid("u must have v's shape and q's dtype");
+  linear_attention::WyParams wy{p.dtype, p.batch, p.seq_len, p.heads, p.v_heads, p.k_dim, p.v_dim, p.num_seqs,
+                                (p.seq_len + linear_attention::CHUNK - 1) / linear_attention::CHUNK, p.k, p.v, p.g,
+                                static_cast<const float *>(beta.untyped_data()), p.cu_seqlens, w->untyped_data(),
+                                u->untyped_data()};
+  p.w = wy.w, p.u = wy.u;
+  if (auto e = cuda_error(linear_attention::wy_fwd(wy, stream), "gated delta rule (solve)"); e.failure()) return e;
+  return cuda_error(linear_attention::simple_gla_fwd_sm90(p, stream), "gated delta rule forward");
+}
+
+// Simple GLA: q, k, v, g, cu_seqlens, initial states -> o, final states. The gated delta rule: beta
+// after g, and the workspaces W and U' after the final states.
+template <bool TEST> auto gla_binding() {
   auto head = [] {
     return ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -89,6 +122,29 @@ template <bool TEST> auto binding() {
   };
   return bind<TEST>(head, tail);
 }
+template <bool TEST> auto gdr_binding() {
+  auto head = [] {
+    return ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()   // q
+        .Arg<ffi::AnyBuffer>()   // k
+        .Arg<ffi::AnyBuffer>()   // v
+        .Arg<ffi::AnyBuffer>()   // g
+        .Arg<ffi::AnyBuffer>()   // beta
+        .Arg<ffi::AnyBuffer>()   // cu_seqlens
+        .Arg<ffi::AnyBuffer>();  // initial states
+  };
+  auto tail = [](auto &&b) {
+    return std::move(b)
+        .template Ret<ffi::AnyBuffer>()  // o
+        .template Ret<ffi::AnyBuffer>()  // final states
+        .template Ret<ffi::AnyBuffer>()  // W
+        .template Ret<ffi::AnyBuffer>()  // U'
+        .template Attr<float>("scale")
+        .template Attr<int32_t>("variant");
+  };
+  return bind<TEST>(head, tail);
+}
 
 }  // namespace
 
@@ -96,11 +152,14 @@ namespace linear_attention {
 FfiTargets ffi_targets();
 }
 
-JAX_TK_DEFINE_HANDLERS(GlaFwd, gla_fwd_impl, binding);
+JAX_TK_DEFINE_HANDLERS(GlaFwd, gla_fwd_impl, gla_binding);
+JAX_TK_DEFINE_HANDLERS(GdrFwd, gdr_fwd_impl, gdr_binding);
 
 FfiTargets linear_attention::ffi_targets() {  // (declared by cc/module.cc)
   return {{"jax_tk_simple_gla_fwd", reinterpret_cast<void *>(GlaFwd)},
-          {"jax_tk_simple_gla_fwd_test", reinterpret_cast<void *>(GlaFwdTest)}};
+          {"jax_tk_simple_gla_fwd_test", reinterpret_cast<void *>(GlaFwdTest)},
+          {"jax_tk_gated_delta_rule_fwd", reinterpret_cast<void *>(GdrFwd)},
+          {"jax_tk_gated_delta_rule_fwd_test", reinterpret_cast<void *>(GdrFwdTest)}};
 }
 
 }  // namespace jax_tk

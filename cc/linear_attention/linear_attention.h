@@ -32,10 +32,25 @@ struct FwdParams {
   void *o;                   // [batch, seq_len, v_heads, v_dim]
   float *ht;                 // [num_seqs, v_heads, k_dim, v_dim] final states, or nullptr
   float scale;
+  // The gated delta rule (wy_fwd's W and U', [batch, seq_len, v_heads, k_dim / v_dim]); nullptr: simple GLA.
+  const void *w = nullptr, *u = nullptr;
+};
+
+// The gated delta rule's per-chunk solve (wy_fwd.cu): W and U' of every chunk, for the sequential pass.
+struct WyParams {
+  DType dtype;
+  int batch, seq_len, heads, v_heads, k_dim, v_dim, num_seqs;
+  int max_chunks;            // chunks of the longest sequence (the grid's; shorter ones' blocks return)
+  const void *k, *v;         // as FwdParams's (k l2-normalized already where the op asks)
+  const float *g, *beta;     // [batch, v_heads, seq_len] each
+  const int *cu_seqlens;     // [num_seqs + 1] or nullptr
+  void *w, *u;               // [batch, seq_len, v_heads, k_dim] and [batch, seq_len, v_heads, v_dim], k's dtype
 };
 
 #ifdef JAX_TK_CUDA_HEADERS
-// Simple GLA's forward on Hopper (sm_90a): k_dim 64 or 128, v_dim a multiple of V_SLICE.
+cudaError_t wy_fwd(const WyParams &p, cudaStream_t stream);
+// Simple GLA's forward on Hopper (sm_90a), or with FwdParams::w the gated delta rule's sequential pass:
+// k_dim 64 or 128, v_dim a multiple of V_SLICE.
 cudaError_t simple_gla_fwd_sm90(const FwdParams &p, cudaStream_t stream);
 #endif
 

@@ -15,6 +15,11 @@
 // - one consumer warpgroup computes Q S (the state as bf16 in shared memory) and Q K^T together, scales
 //   and masks them, adds P V, stores O, and then updates the state with K^T V', where V' is V with its
 //   rows scaled by exp(G_last - G_j) (0 past the sequence), written to shared memory first.
+//
+// With DELTA (the gated delta rule) the values are the delta rule's U = U' - W S, from the chunk's W and
+// U' (wy_fwd.cu) and the state it starts from: W S goes to the tensor cores with Q S and Q K^T, and U
+// (0 past the sequence: those rows of W and U' belong to no chunk of this sequence) takes V's place
+// in both products.
 #include "linear_attention/linear_attention.h"
 #include "tk/tk.cuh"
 
@@ -24,13 +29,15 @@ namespace {
 using namespace tk;
 constexpr float LOG2E = 1.4426950408889634f;
 
-template <typename T, int K> struct Gla {
+template <typename T, int K, bool DELTA> struct Gla {
   using Roles = roles</*CONSUMERS=*/1, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
   static constexpr int C = CHUNK, VS = V_SLICE, STAGES = 2, THREADS = Roles::THREADS;
   static_assert(C == 64 && VS == 64 && (K == 64 || K == 128));
   struct Shared {
     st<T, C, K> q[STAGES], k[STAGES];
-    st<T, C, VS> v[STAGES];
+    st<T, C, VS> v[STAGES];  // V's slice (DELTA: U''s)
+    [[no_unique_address]] std::conditional_t<DELTA, st<T, C, K>, Empty> w[STAGES];
+    [[no_unique_address]] std::conditional_t<DELTA, st<T, C, VS>, Empty> u;  // U (DELTA)
     st<T, K, VS> s;   // the state the chunk starts from, as the product's operand
     st<T, C, VS> vd;  // V', the chunk's values weighted for the state update
     float cum[C];     // G
@@ -41,11 +48,11 @@ template <typename T, int K> struct Gla {
 
 template <typename T, int K> struct Args {
   FwdParams p;
-  tma_map<T, CHUNK> q, k, v;
+  tma_map<T, CHUNK> q, k, v, w, u;
 };
 
-template <typename T, int K> struct GlaSm90 {
-  using G = Gla<T, K>;
+template <typename T, int K, bool DELTA> struct GlaSm90 {
+  using G = Gla<T, K, DELTA>;
   using Roles = typename G::Roles;
   static constexpr int C = G::C, VS = G::VS, STAGES = G::STAGES;
   const Args<T, K> &a;
@@ -69,10 +76,15 @@ template <typename T, int K> struct GlaSm90 {
       const int t0 = bos + C * at.n;
       semaphore &full = kv().full(at);
       wait_empty(kv(), at);
-      arrive_expect_bytes(full, sizeof(sm.q[0]) + sizeof(sm.k[0]) + sizeof(sm.v[0]));
+      arrive_expect_bytes(full, sizeof(sm.q[0]) + sizeof(sm.k[0]) + sizeof(sm.v[0]) + (DELTA ? sizeof(sm.w[0]) : 0));
       load_async(sm.q[at.slot], a.q, {b, t0, hq, 0}, full);
       load_async(sm.k[at.slot], a.k, {b, t0, hq, 0}, full);
-      load_async(sm.v[at.slot], a.v, {b, t0, h, VS * slice}, full);
+      if constexpr (DELTA) {
+        load_async(sm.w[at.slot], a.w, {b, t0, h, 0}, full);
+        load_async(sm.v[at.slot], a.u, {b, t0, h, VS * slice}, full);
+      } else {
+        load_async(sm.v[at.slot], a.v, {b, t0, h, VS * slice}, full);
+      }
     }
   }
 
@@ -127,15 +139,35 @@ template <typename T, int K> struct GlaSm90 {
       wait_full(kv(), at);
       warpgroup::mma_AB(o, sm.q[at.slot], sm.s, false);       // Q S
       warpgroup::mma_ABt(qk, sm.q[at.slot], sm.k[at.slot], false);  // Q K^T
+      tile ws;
+      if constexpr (DELTA) warpgroup::mma_AB(ws, sm.w[at.slot], sm.s, false);  // W S
       cvec gi;
       warp::map_index(gi, [&](int r) { return sm.cum[16 * w + r]; });
       rv<float2, 64, typename rvec::layout> gj;  // {G_j, j}
       warp::map_index(gj, [&](int j) { return float2{sm.cum[j], float(j)}; });
       rv<float2, 16, typename cvec::layout> ri;  // {G_i, i}
       warp::map_index(ri, [&](int r) { return float2{sm.cum[16 * w + r], float(16 * w + r)}; });
+      cvec live;  // 1 for this warp's rows of the sequence, 0 past it
+      warp::map_index(live, [&](int r) { return 16 * w + r < valid ? 1.f : 0.f; });
       warpgroup::wait<0>();
       warpgroup::fence_registers(o);
       warpgroup::fence_registers(qk);
+      // This warp's rows of the values: V's, or (DELTA) U = U' - W S, into shared memory for P U.
+      rt<T, 16, 64> vr;
+      if constexpr (DELTA) {
+        warpgroup::fence_registers(ws);
+        tile u;
+        warp::load(vr, sm.v[at.slot], 16 * w, 0);
+        warp::copy(u, vr);
+        warp::map(u, u, ws, [](float x, float y) { return x - y; });
+        warp::mul_row(u, u, live);
+        warp::copy(vr, u);
+        warp::store(sm.u, vr, 16 * w, 0);
+        warpgroup::fence_shared_writes();
+        sync_named(1, 128);
+      } else {
+        warp::load(vr, sm.v[at.slot], 16 * w, 0);
+      }
       const float scale = p.scale;
       warp::map_vec(gi, gi, [=](float x) { return scale * warp::fn::exp2(x * c2); });
       warp::mul_row(o, o, gi);  // scale * diag(exp(G)) Q S
@@ -143,10 +175,9 @@ template <typename T, int K> struct GlaSm90 {
         return j.y <= i.y && j.y < valid ? scale * x * warp::fn::exp2((i.x - j.x) * c2) : 0.f;
       });
       warp::copy(pw, qk);
-      warpgroup::mma_AB(o, pw, sm.v[at.slot], true);  // + (Q K^T * D) V
-      // V': this warp's rows of V weighted by exp(G_last - G_j), 0 past the sequence.
-      rt<T, 16, 64> vr;
-      warp::load(vr, sm.v[at.slot], 16 * w, 0);
+      if constexpr (DELTA) warpgroup::mma_AB(o, pw, sm.u, true);  // + (Q K^T * D) U
+      else warpgroup::mma_AB(o, pw, sm.v[at.slot], true);        // + (Q K^T * D) V
+      // V': this warp's rows of the values weighted by exp(G_last - G_j), 0 past the sequence.
       cvec dj;
       warp::map_index(dj, [&](int r) { return 16 * w + r < valid ? warp::fn::exp2((last - sm.cum[16 * w + r]) * c2) : 0.f; });
       warp::mul_row(vr, vr, dj);
@@ -171,26 +202,33 @@ template <typename T, int K> struct GlaSm90 {
   }
 };
 
-template <typename T, int K> __global__ __launch_bounds__(Gla<T, K>::THREADS, 1) void simple_gla_fwd_kernel(const __grid_constant__ Args<T, K> a) {
+template <typename T, int K, bool DELTA>
+__global__ __launch_bounds__(Gla<T, K, DELTA>::THREADS, 1) void simple_gla_fwd_kernel(const __grid_constant__ Args<T, K> a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) char smem_raw[];
-  GlaSm90<T, K> k{a, *reinterpret_cast<typename Gla<T, K>::Shared *>(smem_raw)};
+  GlaSm90<T, K, DELTA> k{a, *reinterpret_cast<typename Gla<T, K, DELTA>::Shared *>(smem_raw)};
   single(k);
 #endif
 }
 
 template <typename T, int K> cudaError_t run(const FwdParams &p, cudaStream_t stream) {
-  using G = Gla<T, K>;
-  Args<T, K> a{p, {}, {}, {}};
+  Args<T, K> a{p, {}, {}, {}, {}, {}};
   if (!make_tma_map(a.q, p.q, p.batch, p.seq_len, p.heads, K) || !make_tma_map(a.k, p.k, p.batch, p.seq_len, p.heads, K) ||
       !make_tma_map(a.v, p.v, p.batch, p.seq_len, p.v_heads, p.v_dim))
     return cudaErrorInvalidValue;
-  auto kernel = simple_gla_fwd_kernel<T, K>;
-  const int smem = sizeof(typename G::Shared);
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem); e != cudaSuccess) return e;
-  const dim3 grid(unsigned(p.num_seqs * p.v_heads * (p.v_dim / V_SLICE)));
-  kernel<<<grid, G::THREADS, smem, stream>>>(a);
-  return cudaGetLastError();
+  auto go = [&]<bool DELTA>() {
+    if (DELTA && (!make_tma_map(a.w, p.w, p.batch, p.seq_len, p.v_heads, K) ||
+                  !make_tma_map(a.u, p.u, p.batch, p.seq_len, p.v_heads, p.v_dim)))
+      return cudaErrorInvalidValue;
+    auto kernel = simple_gla_fwd_kernel<T, K, DELTA>;
+    const int smem = sizeof(typename Gla<T, K, DELTA>::Shared);
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem); e != cudaSuccess)
+      return e;
+    const dim3 grid(unsigned(p.num_seqs * p.v_heads * (p.v_dim / V_SLICE)));
+    kernel<<<grid, Gla<T, K, DELTA>::THREADS, smem, stream>>>(a);
+    return cudaGetLastError();
+  };
+  return p.w ? go.template operator()<true>() : go.template operator()<false>();
 }
 
 }  // namespace

@@ -1,13 +1,14 @@
 """jax_tk.linear_attention: the gated delta rule and simple GLA (chunked, over whole sequences) and
 their one-token decoding steps.
 
-Trace-time checks and the ``implementation=`` choice. Simple GLA's forward runs a CUDA kernel on
-H100/H200 (bfloat16/float16, K 64 or 128, V a multiple of 64); its gradient, and everything else, runs
-the pure-JAX paths of ``reference`` (the chunked one by default, the token-by-token recurrence on
+Trace-time checks and the ``implementation=`` choice. The forwards of both ops run CUDA kernels on
+H100/H200 (bfloat16/float16, K 64 or 128, V a multiple of 64); their gradients, and everything else,
+run the pure-JAX paths of ``reference`` (the chunked one by default, the token-by-token recurrence on
 request), with JAX's autodiff of them.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -162,9 +163,9 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
         ``x / sqrt(sum(x**2) + 1e-6)``, in float32.
       implementation: ``None`` or ``"xla"``: the chunked XLA path (chunks of ``chunk_size()`` = 64
         tokens, matrix products inside a chunk and a scan over chunks); ``"reference"``: the recurrence
-        one token at a time (float32, slow on long sequences: the tests' oracle); ``"tk"``: the CUDA
-        kernels, which are not in this release yet for the gated delta rule (raises
-        ``NotImplementedError``; :func:`simple_gla`'s forward has one).
+        one token at a time (float32, slow on long sequences: the tests' oracle); ``"tk"``: the forward
+        kernels (H100/H200: bfloat16/float16, K 64 or 128, V a multiple of 64), which ``None`` also
+        takes where they apply; their gradient is the chunked path's.
 
     Arithmetic is float32 on every path. Differentiable in q, k, v, g, beta and initial_state (JAX's
     autodiff of the path that runs). Works under ``jit`` and ``vmap``.
@@ -175,13 +176,12 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     """
     scale, cu = _sequence_call(_GDR, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     run = _reference_path(_GDR, implementation)
-    if implementation == "tk":
-        raise NotImplementedError(f"jax_tk.{_GDR}(implementation='tk'): the gated delta rule's CUDA kernels are not "
-                                  "built yet (not in this release); implementation=None or 'xla' runs the chunked "
-                                  "XLA path, 'reference' the token-by-token recurrence")
     l2 = _check_bool(_GDR, "use_qk_l2norm", use_qk_l2norm)
-    return run(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu,
-               output_final_state=bool(output_final_state), use_qk_l2norm=l2)
+    if implementation == "reference" or not dispatch.use_kernel(_GDR, implementation, launch.unsupported_reason(q, v)):
+        return run(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu,
+                   output_final_state=bool(output_final_state), use_qk_l2norm=l2)
+    o, final = _kernel_path(_Spec(scale, l2), q, k, v, g, beta, cu, initial_state)
+    return o, (final if output_final_state else None)
 
 
 def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -205,55 +205,69 @@ def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state
     """
     scale, cu = _sequence_call(_GLA, q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens)
     run = _reference_path(_GLA, implementation)
-    if implementation == "reference" or not dispatch.use_kernel(_GLA, implementation, launch.gla_unsupported_reason(q, v)):
+    if implementation == "reference" or not dispatch.use_kernel(_GLA, implementation, launch.unsupported_reason(q, v)):
         return run(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu,
                    output_final_state=bool(output_final_state))
-    o, final = _gla(scale, q, k, v, g, cu, initial_state)
+    o, final = _kernel_path(_Spec(scale, False), q, k, v, g, None, cu, initial_state)
     return o, (final if output_final_state else None)
 
 
-# Simple GLA on the forward kernel. Its gradient is the chunked path's (JAX's autodiff of it); the
-# forward goes through the partitioning below, so that sharded inputs run on their shards.
+# The forward kernels (simple GLA's; the gated delta rule's where beta is given). Their gradient is the
+# chunked path's (JAX's autodiff of it); the forward goes through the partitioning below, so that
+# sharded inputs run on their shards.
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    scale: float
+    use_qk_l2norm: bool
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gla(scale: float, q, k, v, g, cu_seqlens, initial_state):
+def _kernel_path(spec: _Spec, q, k, v, g, beta, cu_seqlens, initial_state):
     """(o, final_state)."""
-    layout = _GLA_LAYOUT if cu_seqlens is None else _GLA_PACKED_LAYOUT
-    return sharding.call(layout, _gla_local, scale, v, q, k, g, initial_state, cu_seqlens)
+    layout = _LAYOUT if cu_seqlens is None else _PACKED_LAYOUT
+    return sharding.call(layout, _local, spec, v, q, k, g, beta, initial_state, cu_seqlens)
 
 
-def _gla_chunked(scale, q, k, v, g, cu_seqlens, initial_state):
-    return reference.chunked(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                             output_final_state=True, chunk_size=chunk_size())
+def _chunked(spec: _Spec, q, k, v, g, beta, cu_seqlens, initial_state):
+    return reference.chunked(q, k, v, g, beta, scale=spec.scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                             output_final_state=True, use_qk_l2norm=spec.use_qk_l2norm, chunk_size=chunk_size())
 
 
-def _gla_local(scale, v, q, k, g, initial_state, cu_seqlens):
-    """(o, final_state) on one device's arrays: the kernel on CUDA, the chunked path elsewhere."""
-    def kernel(q, k, v, g, cu_seqlens, initial_state):
-        return launch.gla_fwd(q, k, v, g, cu_seqlens, initial_state, scale)
-    return dispatch.platform_dispatch(True, kernel, functools.partial(_gla_chunked, scale), q, k, v, g, cu_seqlens,
-                                      initial_state)
+def _kernel(spec: _Spec, q, k, v, g, beta, cu_seqlens, initial_state):
+    if beta is None:
+        return launch.gla_fwd(q, k, v, g, cu_seqlens, initial_state, spec.scale)
+    if spec.use_qk_l2norm:
+        q, k = reference.l2norm(q).astype(q.dtype), reference.l2norm(k).astype(k.dtype)
+    return launch.gdr_fwd(q, k, v, g, beta, cu_seqlens, initial_state, spec.scale)
 
 
-def _gla_fwd(scale, q, k, v, g, cu_seqlens, initial_state):
-    return _gla(scale, q, k, v, g, cu_seqlens, initial_state), (q, k, v, g, cu_seqlens, initial_state)
+def _local(spec: _Spec, v, q, k, g, beta, initial_state, cu_seqlens):
+    """(o, final_state) on one device's arrays: the kernels on CUDA, the chunked path elsewhere."""
+    return dispatch.platform_dispatch(True, functools.partial(_kernel, spec), functools.partial(_chunked, spec),
+                                      q, k, v, g, beta, cu_seqlens, initial_state)
 
 
-def _gla_bwd(scale, res, cotangents):
-    q, k, v, g, cu_seqlens, initial_state = res
-    def f(q, k, v, g, initial_state):
-        return _gla_chunked(scale, q, k, v, g, cu_seqlens, initial_state)
-    dq, dk, dv, dg, dh0 = jax.vjp(f, q, k, v, g, initial_state)[1](cotangents)
-    return dq, dk, dv, dg, None, dh0
+def _kernel_path_fwd(spec, q, k, v, g, beta, cu_seqlens, initial_state):
+    return _kernel_path(spec, q, k, v, g, beta, cu_seqlens, initial_state), (q, k, v, g, beta, cu_seqlens, initial_state)
 
 
-_gla.defvjp(_gla_fwd, _gla_bwd)
+def _kernel_path_bwd(spec, res, cotangents):
+    q, k, v, g, beta, cu_seqlens, initial_state = res
+    def f(q, k, v, g, beta, initial_state):
+        return _chunked(spec, q, k, v, g, beta, cu_seqlens, initial_state)
+    dq, dk, dv, dg, dbeta, dh0 = jax.vjp(f, q, k, v, g, beta, initial_state)[1](cotangents)
+    return dq, dk, dv, dg, dbeta, None, dh0
 
-# Partitioning (jax_tk._core.sharding): batch "b" and value heads "n" split, q/k heads "k" their groups;
+
+_kernel_path.defvjp(_kernel_path_fwd, _kernel_path_bwd)
+
+# Partitioning (jax_tk._core.sharding): batch "b" and value heads "n" split, q/k heads "k" their groups
+# (beta "b t n", or None for simple GLA);
 # packed sequences (batch 1) keep their states' "s" whole.
-_GLA_LAYOUT = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "b n d e", "c"),
-                              outputs=("b t n e", "b n d e"), heads="n", grouped="k")
-_GLA_PACKED_LAYOUT = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "s n d e", "c"),
-                                     outputs=("b t n e", "s n d e"), heads="n", grouped="k")
+_LAYOUT = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "b t n", "b n d e", "c"),
+                          outputs=("b t n e", "b n d e"), heads="n", grouped="k")
+_PACKED_LAYOUT = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "b t n", "s n d e", "c"),
+                                 outputs=("b t n e", "s n d e"), heads="n", grouped="k")
 
 
 def _step_call(op, q, k, v, g, beta, state, scale):

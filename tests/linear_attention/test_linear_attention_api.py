@@ -13,7 +13,7 @@ from helpers import needs_extension, rel_err
 from jax_tk import linear_attention as la
 from jax_tk._core import extension, ffi
 from jax_tk.linear_attention import launch
-from test_linear_attention import SHAPE, TOL, evaluate, inputs
+from test_linear_attention import SHAPE, TOL, evaluate, inputs, run
 
 F16, F32 = jnp.float16, jnp.float32
 
@@ -83,11 +83,10 @@ def test_exported_from_the_package():
     assert {"gated_delta_rule", "simple_gla", "gated_delta_rule_step", "simple_gla_step"} <= set(la.__all__)
 
 
-def test_the_kernels_that_are_not_there():
-    """The gated delta rule has no kernel yet; simple GLA's kernel refuses float32 (these inputs) with
-    the reason, as any unsupported call."""
+def test_the_kernels_refuse_with_the_reason():
+    """The forward kernels refuse float32 (these inputs) with the reason, as any unsupported call."""
     q, k, v, g, beta, _, _ = inputs(23, 1, 8, 1, 1, 4, 4)
-    with pytest.raises(NotImplementedError, match=r"gated_delta_rule\(implementation='tk'\).*not built yet"):
+    with pytest.raises(ValueError, match=r"gated_delta_rule\(implementation='tk'\): unsupported dtype float32"):
         la.gated_delta_rule(q, k, v, g, beta, implementation="tk")
     with pytest.raises(ValueError, match=r"simple_gla\(implementation='tk'\): unsupported dtype float32"):
         la.simple_gla(q, k, v, g, implementation="tk")
@@ -125,6 +124,20 @@ def test_cuda_lowering_of_the_gla_kernel(packed):
     assert operands[3] == f"tensor<{b}x4x100xf32>"  # g, head-major
     assert operands[4] == (f"tensor<{n + 1}xi32>" if packed else "tensor<0xi32>")
     assert operands[5] == f"tensor<{n}x4x128x64xf32>"
+
+
+@needs_extension
+def test_cuda_lowering_of_the_delta_rule_kernel():
+    """The gated delta rule's call: beta head-major after g; W and U' as workspaces after the states."""
+    sds = jax.ShapeDtypeStruct
+    q, v, g = sds((2, 100, 2, 64), jnp.float16), sds((2, 100, 4, 128), jnp.float16), sds((2, 100, 4), F32)
+    fn = jax.jit(lambda q, k, v, g, beta: launch.gdr_fwd(q, k, v, g, beta, None, None, 0.25))
+    exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=ffi.export_checks())(q, q, v, g, g)
+    assert [a.shape for a in exported.out_avals] == [(2, 100, 4, 128), (2, 4, 64, 128)]
+    call = re.search(r"@jax_tk_gated_delta_rule_fwd\(.*?\) \{.*?\} : \((.*?)\) -> \((.*?)\)", exported.mlir_module(), re.S)
+    assert re.findall(r"tensor<[^>]*>", call.group(1))[3:5] == ["tensor<2x4x100xf32>"] * 2
+    assert re.findall(r"tensor<[^>]*>", call.group(2)) == ["tensor<2x100x4x128xf16>", "tensor<2x4x64x128xf32>",
+                                                           "tensor<2x100x4x64xf16>", "tensor<2x100x4x128xf16>"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,23 +211,25 @@ def test_bad_simple_gla_and_step_inputs():
         la.gated_delta_rule_step(step(a["q"]), step(a["k"]), step(a["v"]), step(a["g"]), step(a["g"])[:, :2], state)
 
 
+@pytest.mark.parametrize("delta", [False, True], ids=["gla", "delta"])
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
-def test_the_kernel_path_off_the_gpu(packed):
+def test_the_kernel_path_off_the_gpu(packed, delta):
     """The kernel path's wrapping (custom_vjp, partitioning, dispatch), which runs the chunked path off
-    CUDA: the same outputs, final states and gradients as simple_gla's chunked path, with and without an
-    initial state."""
-    q, k, v, g, _, state, (do, dstate) = inputs(31, 1 if packed else 2, 70, 2, 4, 8, 8, delta=False,
-                                                n_states=3 if packed else None)
+    CUDA: the same outputs, final states and gradients as the op's chunked path, with and without an
+    initial state (the delta rule with l2 normalization)."""
+    q, k, v, g, beta, state, (do, dstate) = inputs(31, 1 if packed else 2, 70, 2, 4, 8, 8, delta=delta,
+                                                   n_states=3 if packed else None)
     cu = jnp.asarray([0, 1, 33, 70], jnp.int32) if packed else None
+    spec = la.api._Spec(0.3, delta)
     for h0 in (state, None):
-        def loss(fn, q, k, v, g, h0):
-            o, s = fn(q, k, v, g, h0)
+        def loss(fn, q, k, v, g, beta, h0):
+            o, s = fn(q, k, v, g, beta, h0)
             return jnp.sum(o * do) + jnp.sum(s * dstate)
-        path = lambda q, k, v, g, h0: la.api._gla(0.3, q, k, v, g, cu, h0)
-        xla = lambda q, k, v, g, h0: la.simple_gla(q, k, v, g, scale=0.3, initial_state=h0, cu_seqlens=cu,
-                                                   output_final_state=True, implementation="xla")
-        argnums = (0, 1, 2, 3, 4) if h0 is not None else (0, 1, 2, 3)
-        got, want = (jax.jit(jax.value_and_grad(functools.partial(loss, fn), argnums=argnums))(q, k, v, g, h0)
+        path = lambda q, k, v, g, beta, h0: la.api._kernel_path(spec, q, k, v, g, beta, cu, h0)
+        xla = lambda q, k, v, g, beta, h0: run("xla", q, k, v, g, beta, h0, scale=0.3, cu_seqlens=cu,
+                                               use_qk_l2norm=delta)
+        argnums = (0, 1, 2, 3) + ((4,) if delta else ()) + ((5,) if h0 is not None else ())
+        got, want = (jax.jit(jax.value_and_grad(functools.partial(loss, fn), argnums=argnums))(q, k, v, g, beta, h0)
                      for fn in (path, xla))
         assert rel_err(got[0], want[0]) < TOL
         for a, b in zip(got[1], want[1]):

@@ -1,5 +1,5 @@
-// A standalone driver of simple GLA's forward kernel (Hopper) for compute-sanitizer and a quick check
-// without JAX: lengths that are not multiples of the chunk, packed sequences (cu_seqlens) including a
+// A standalone driver of the linear-attention forward kernels (Hopper): simple GLA's, and the gated delta
+// rule's (wy_fwd's solve, then the sequential pass), for compute-sanitizer and a quick check without JAX: lengths that are not multiples of the chunk, packed sequences (cu_seqlens) including a
 // length-1 and an empty one, grouped value heads, head dims 64 and 128, initial and final states. The
 // output and final states hold NaN before the kernel runs; both are compared with a float64 host run of
 // the token-by-token recurrence on the same bf16-rounded inputs.
@@ -24,6 +24,7 @@ struct Case {
   int batch, seq_len, heads, v_heads, k_dim, v_dim;
   std::vector<int> cu;  // packed sequences' offsets (batch 1), or empty
   bool h0, ht;
+  bool delta = false;   // the gated delta rule (beta), else simple GLA
 };
 
 template <typename T> T *to_device(const std::vector<T> &h) {
@@ -47,6 +48,9 @@ int run(const Case &c) {
   auto rounded = [](float x) { return float(bf16(x)); };
   std::vector<bf16> q(size_t(B) * T * H * K), k(q.size()), v(size_t(B) * T * HV * V);
   std::vector<float> qf(q.size()), kf(k.size()), vf(v.size()), g(size_t(B) * HV * T), h0(size_t(N) * HV * K * V);
+  std::vector<float> beta(g.size());
+  std::uniform_real_distribution<float> strength(0.05f, 1.f);
+  for (auto &x : beta) x = strength(rng);
   for (size_t i = 0; i < q.size(); i++) qf[i] = rounded(normal(rng)), q[i] = bf16(qf[i]);
   for (size_t i = 0; i < k.size(); i++) kf[i] = rounded(normal(rng) / std::sqrt(float(K))), k[i] = bf16(kf[i]);
   for (size_t i = 0; i < v.size(); i++) vf[i] = rounded(normal(rng)), v[i] = bf16(vf[i]);
@@ -66,8 +70,16 @@ int run(const Case &c) {
         const double e = std::exp(double(g[(size_t(b) * HV + h) * T + t]));
         const float *kt = &kf[((size_t(b) * T + t) * H + hq) * K], *qt = &qf[((size_t(b) * T + t) * H + hq) * K];
         const float *vt = &vf[((size_t(b) * T + t) * HV + h) * V];
+        std::vector<double> u(vt, vt + V);  // simple GLA: v; the delta rule: beta (v - S^T k), S decayed first
+        for (auto &x : S) x *= e;
+        if (c.delta)
+          for (int j = 0; j < V; j++) {
+            double sk = 0;
+            for (int i = 0; i < K; i++) sk += S[size_t(i) * V + j] * kt[i];
+            u[j] = beta[(size_t(b) * HV + h) * T + t] * (vt[j] - sk);
+          }
         for (int i = 0; i < K; i++)
-          for (int j = 0; j < V; j++) S[size_t(i) * V + j] = S[size_t(i) * V + j] * e + double(kt[i]) * vt[j];
+          for (int j = 0; j < V; j++) S[size_t(i) * V + j] += double(kt[i]) * u[j];
         for (int j = 0; j < V; j++) {
           double acc = 0;
           for (int i = 0; i < K; i++) acc += S[size_t(i) * V + j] * qt[i];
@@ -87,6 +99,12 @@ int run(const Case &c) {
   p.o = to_device(nan_o);
   p.ht = c.ht ? to_device(std::vector<float>(h0.size(), NAN)) : nullptr;
   p.scale = scale;
+  if (c.delta) {
+    WyParams wy{p.dtype, B, T, H, HV, K, V, N, (T + CHUNK - 1) / CHUNK, p.k, p.v, p.g, to_device(beta), p.cu_seqlens,
+                to_device(std::vector<bf16>(size_t(B) * T * HV * K, bf16(NAN))), to_device(std::vector<bf16>(v.size(), bf16(NAN)))};
+    CHECK(wy_fwd(wy, 0));
+    p.w = wy.w, p.u = wy.u;
+  }
   CHECK(simple_gla_fwd_sm90(p, 0));
   CHECK(cudaDeviceSynchronize());
 
@@ -114,21 +132,23 @@ int run(const Case &c) {
     state_err = std::sqrt(sn / std::max(sd, 1e-30));
   }
   const bool ok = finite && err < 2e-2 && state_err < 1e-2;
-  std::printf("%s B=%d T=%d heads %d/%d K=%d V=%d seqs=%d%s%s: rel err %.3g, state err %.3g\n", ok ? "ok  " : "FAIL", B, T,
-              H, HV, K, V, N, c.h0 ? " h0" : "", c.ht ? " ht" : "", err, state_err);
+  std::printf("%s %s B=%d T=%d heads %d/%d K=%d V=%d seqs=%d%s%s: rel err %.3g, state err %.3g\n", ok ? "ok  " : "FAIL",
+              c.delta ? "delta" : "gla", B, T, H, HV, K, V, N, c.h0 ? " h0" : "", c.ht ? " ht" : "", err, state_err);
   for (const void *x : {p.q, p.k, p.v, static_cast<const void *>(p.g), static_cast<const void *>(p.cu_seqlens),
-                        static_cast<const void *>(p.h0), static_cast<const void *>(p.o), static_cast<const void *>(p.ht)})
+                        static_cast<const void *>(p.h0), static_cast<const void *>(p.o), static_cast<const void *>(p.ht), p.w, p.u})
     if (x) CHECK(cudaFree(const_cast<void *>(x)));
   return ok ? 0 : 1;
 }
 
 int main() {
   int failed = 0;
-  failed += run({2, 200, 2, 2, 128, 128, {}, false, true});      // T not a multiple of the chunk
-  failed += run({1, 64, 1, 1, 64, 64, {}, true, true});          // one chunk, K = 64, an initial state
-  failed += run({2, 300, 2, 4, 128, 64, {}, true, false});       // grouped value heads
-  failed += run({1, 400, 2, 2, 128, 128, {0, 1, 1, 130, 400}, true, true});  // packed: length 1, 0, 129, 270
-  failed += run({1, 1000, 1, 2, 64, 128, {0, 999, 1000}, false, true});      // a long one, then a length-1 one
+  for (bool delta : {false, true}) {
+    failed += run({2, 200, 2, 2, 128, 128, {}, false, true, delta});      // T not a multiple of the chunk
+    failed += run({1, 64, 1, 1, 64, 64, {}, true, true, delta});          // one chunk, K = 64, an initial state
+    failed += run({2, 300, 2, 4, 128, 64, {}, true, false, delta});       // grouped value heads
+    failed += run({1, 400, 2, 2, 128, 128, {0, 1, 1, 130, 400}, true, true, delta});  // packed: length 1, 0, 129, 270
+    failed += run({1, 1000, 1, 2, 64, 128, {0, 999, 1000}, false, true, delta});      // a long one, then a length-1 one
+  }
   std::printf("%s\n", failed ? "FAILED" : "all ok");
   return failed ? 2 : 0;
 }
