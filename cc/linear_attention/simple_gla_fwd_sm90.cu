@@ -160,7 +160,8 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
         warp::load(vr, sm.v[at.slot], 16 * w, 0);
         warp::copy(u, vr);
         warp::map(u, u, ws, [](float x, float y) { return x - y; });
-        warp::mul_row(u, u, live);
+        warp::map_row(u, u, live, [](float x, float l) { return l > 0.f ? x : 0.f; });  // (W and U' rows past
+        // the sequence belong to no chunk of it: whatever they hold, NaN included, becomes 0)
         warp::copy(vr, u);
         warp::store(sm.u, vr, 16 * w, 0);
         warpgroup::fence_shared_writes();
