@@ -100,51 +100,26 @@ ffi::Error gdr_fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return cuda_error(linear_attention::simple_gla_fwd_sm90(p, stream), "gated delta rule forward");
 }
 
-// Simple GLA: q, k, v, g, cu_seqlens, initial states -> o, final states. The gated delta rule: beta
-// after g, and the workspaces W and U' after the final states.
-template <bool TEST> auto gla_binding() {
+// Simple GLA: q, k, v, g, cu_seqlens, initial states -> o, final states, then the attributes. The gated
+// delta rule: beta after g, and the workspaces W and U' after the final states.
+template <bool TEST, bool DELTA> auto binding() {
   auto head = [] {
-    return ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::AnyBuffer>()   // q
-        .Arg<ffi::AnyBuffer>()   // k
-        .Arg<ffi::AnyBuffer>()   // v
-        .Arg<ffi::AnyBuffer>()   // g
-        .Arg<ffi::AnyBuffer>()   // cu_seqlens
-        .Arg<ffi::AnyBuffer>();  // initial states
+    auto b = ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                 .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>();  // q, k, v, g
+    if constexpr (DELTA) return std::move(b).Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>();
+    else return std::move(b).Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>();  // [beta,] cu_seqlens, initial states
   };
   auto tail = [](auto &&b) {
-    return std::move(b)
-        .template Ret<ffi::AnyBuffer>()  // o
-        .template Ret<ffi::AnyBuffer>()  // final states
-        .template Attr<float>("scale")
-        .template Attr<int32_t>("variant");
+    auto r = std::move(b).template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>();  // o, final states
+    if constexpr (DELTA)
+      return std::move(r).template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>()  // W, U'
+          .template Attr<float>("scale").template Attr<int32_t>("variant");
+    else return std::move(r).template Attr<float>("scale").template Attr<int32_t>("variant");
   };
   return bind<TEST>(head, tail);
 }
-template <bool TEST> auto gdr_binding() {
-  auto head = [] {
-    return ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::AnyBuffer>()   // q
-        .Arg<ffi::AnyBuffer>()   // k
-        .Arg<ffi::AnyBuffer>()   // v
-        .Arg<ffi::AnyBuffer>()   // g
-        .Arg<ffi::AnyBuffer>()   // beta
-        .Arg<ffi::AnyBuffer>()   // cu_seqlens
-        .Arg<ffi::AnyBuffer>();  // initial states
-  };
-  auto tail = [](auto &&b) {
-    return std::move(b)
-        .template Ret<ffi::AnyBuffer>()  // o
-        .template Ret<ffi::AnyBuffer>()  // final states
-        .template Ret<ffi::AnyBuffer>()  // W
-        .template Ret<ffi::AnyBuffer>()  // U'
-        .template Attr<float>("scale")
-        .template Attr<int32_t>("variant");
-  };
-  return bind<TEST>(head, tail);
-}
+template <bool TEST> auto gla_binding() { return binding<TEST, false>(); }
+template <bool TEST> auto gdr_binding() { return binding<TEST, true>(); }
 
 }  // namespace
 
