@@ -217,20 +217,21 @@ def test_the_kernel_path_off_the_gpu(packed, delta):
     """The kernel path's wrapping (custom_vjp, partitioning, dispatch), which runs the chunked path off
     CUDA: the same outputs, final states and gradients as the op's chunked path, with and without an
     initial state (the delta rule with l2 normalization)."""
-    q, k, v, g, beta, state, (do, dstate) = inputs(31, 1 if packed else 2, 70, 2, 4, 8, 8, delta=delta,
-                                                   n_states=3 if packed else None)
-    cu = jnp.asarray([0, 1, 33, 70], jnp.int32) if packed else None
-    spec = la.api._Spec(0.3, delta)
-    for h0 in (state, None):
-        def loss(fn, q, k, v, g, beta, h0):
-            o, s = fn(q, k, v, g, beta, h0)
-            return jnp.sum(o * do) + jnp.sum(s * dstate)
-        path = lambda q, k, v, g, beta, h0: la.api._kernel_path(spec, q, k, v, g, beta, cu, h0)
-        xla = lambda q, k, v, g, beta, h0: run("xla", q, k, v, g, beta, h0, scale=0.3, cu_seqlens=cu,
-                                               use_qk_l2norm=delta)
-        argnums = (0, 1, 2, 3) + ((4,) if delta else ()) + ((5,) if h0 is not None else ())
-        got, want = (jax.jit(jax.value_and_grad(functools.partial(loss, fn), argnums=argnums))(q, k, v, g, beta, h0)
-                     for fn in (path, xla))
-        assert rel_err(got[0], want[0]) < TOL
-        for a, b in zip(got[1], want[1]):
-            assert rel_err(np.asarray(a), np.asarray(b)) < TOL
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # (on a GPU the path would take the kernels)
+        q, k, v, g, beta, state, (do, dstate) = inputs(31, 1 if packed else 2, 70, 2, 4, 8, 8, delta=delta,
+                                                       n_states=3 if packed else None)
+        cu = jnp.asarray([0, 1, 33, 70], jnp.int32) if packed else None
+        spec = la.api._Spec(0.3, delta)
+        for h0 in (state, None):
+            def loss(fn, q, k, v, g, beta, h0):
+                o, s = fn(q, k, v, g, beta, h0)
+                return jnp.sum(o * do) + jnp.sum(s * dstate)
+            path = lambda q, k, v, g, beta, h0: la.api._kernel_path(spec, q, k, v, g, beta, cu, h0)
+            xla = lambda q, k, v, g, beta, h0: run("xla", q, k, v, g, beta, h0, scale=0.3, cu_seqlens=cu,
+                                                   use_qk_l2norm=delta)
+            argnums = (0, 1, 2, 3) + ((4,) if delta else ()) + ((5,) if h0 is not None else ())
+            got, want = (jax.jit(jax.value_and_grad(functools.partial(loss, fn), argnums=argnums))(q, k, v, g, beta, h0)
+                         for fn in (path, xla))
+            assert rel_err(got[0], want[0]) < TOL
+            for a, b in zip(got[1], want[1]):
+                assert rel_err(np.asarray(a), np.asarray(b)) < TOL
