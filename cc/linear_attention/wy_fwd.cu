@@ -8,8 +8,10 @@
 // none of which depends on the state: every chunk of every sequence and head is solved at once, here,
 // and the sequential pass (simple_gla_fwd_sm90.cu's kernel with DELTA) needs only U = U' - W S. A
 // block of four warps takes one chunk of one value head: A by mma.sync, T by forward substitution in
-// float32 (thread c of the first two warps solves column c), W and U' by mma.sync with T in the
-// inputs' type. Rows past the sequence take beta = 0 (they then add nothing) and are not stored.
+// float32 (thread c of the first two warps solves column c), then T diag(beta) and T diag(beta exp(G))
+// in the inputs' type, so that W and U' are plain products with K and V as loaded (by mma.sync, V a
+// slice at a time, the next slice loading while this one multiplies). Rows past the sequence load as
+// zeros, take beta = 0 (they then add nothing) and are not stored.
 #include "linear_attention/linear_attention.h"
 #include "tk/tk.cuh"
 
@@ -22,13 +24,33 @@ constexpr float LOG2E = 1.4426950408889634f;
 template <typename T, int K> struct Wy {
   static constexpr int C = CHUNK, VS = V_SLICE, THREADS = 128;
   struct Shared {
-    st<T, C, K> k;       // K, then diag(beta exp(G)) K
-    st<T, C, VS> v;      // a slice of diag(beta) V
-    st<T, C, C> t;       // T
+    st<T, C, K> k;
+    st<T, C, VS> v[2];   // slices of V, double-buffered
+    st<T, C, C> tu, tw;  // T diag(beta), T diag(beta exp(G))
     float a[C][C + 1];   // A (float32; a padded row: column c of the solve reads across rows)
     float beta[C], cum[C];
   };
 };
+
+// T = (I + A)^-1's column c (c = tid < C): t_i = [i == c] - sum_{j < i} A_ij t_j, the sum over four
+// accumulators (a quarter of the dependent chain); written scaled as T diag(beta) and T diag(beta exp(G)).
+template <typename T, int K> __device__ __forceinline__ void solve_column(typename Wy<T, K>::Shared &sm, int c) {
+  constexpr int C = Wy<T, K>::C;
+  float t[C];
+#pragma unroll
+  for (int i = 0; i < C; i++) {
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < i; j++) s[j % 4] += sm.a[i][j] * t[j];
+    t[i] = (i == c ? 1.f : 0.f) - ((s[0] + s[1]) + (s[2] + s[3]));
+  }
+  const float bu = sm.beta[c], bw = bu * exp2f(sm.cum[c] * LOG2E);
+#pragma unroll
+  for (int i = 0; i < C; i++) {
+    sm.tu(i, c) = T(t[i] * bu);
+    sm.tw(i, c) = T(t[i] * bw);
+  }
+}
 
 template <typename T, int K> __global__ __launch_bounds__(128) void wy_fwd_kernel(const __grid_constant__ WyParams p) {
   using W = Wy<T, K>;
@@ -43,12 +65,11 @@ template <typename T, int K> __global__ __launch_bounds__(128) void wy_fwd_kerne
   const int tid = threadIdx.x, w = tid / 32, hq = h / (p.v_heads / p.heads);
   const size_t row0 = (size_t)b * p.seq_len + bos + t0;  // (the chunk's first token in [batch * seq_len])
 
-  // K's rows (zeros past the sequence), beta and the decays' cumulative sum G.
-  const T *k = static_cast<const T *>(p.k);
-  for (int i = tid; i < C * (K / 8); i += W::THREADS) {
-    const int r = i / (K / 8), c = i % (K / 8) * 8;
-    cp_async16(&sm.k(r, c), k + ((row0 + (r < valid ? r : 0)) * p.heads + hq) * K + c, r < valid);
-  }
+  // K's rows and V's first slice (zeros past the sequence), beta and the decays' cumulative sum G.
+  const auto kg = gl<const T>::make(static_cast<const T *>(p.k) + row0 * p.heads * K, 1, valid, p.heads, K);
+  const auto vg = gl<const T>::make(static_cast<const T *>(p.v) + row0 * p.v_heads * p.v_dim, 1, valid, p.v_heads, p.v_dim);
+  load_async<W::THREADS>(sm.k, kg, {0, 0, hq, 0}, tid);
+  load_async<W::THREADS>(sm.v[0], vg, {0, 0, h, 0}, tid);
   commit_group();
   const size_t gate = ((size_t)b * p.v_heads + h) * p.seq_len + bos + t0;
   if (tid < C) {
@@ -87,53 +108,40 @@ template <typename T, int K> __global__ __launch_bounds__(128) void wy_fwd_kerne
     warp::store(gl<float>::make(&sm.a[0][0], 1, C, 1, C + 1), acc, {0, 16 * w, 0, 0});
   }
   __syncthreads();
-
-  // T = (I + A)^-1, column by column: t_i = [i == c] - sum_{j < i} A_ij t_j.
-  if (tid < C) {
-    float t[C];
-#pragma unroll
-    for (int i = 0; i < C; i++) {
-      float s = i == tid ? 1.f : 0.f;
-#pragma unroll
-      for (int j = 0; j < i; j++) s -= sm.a[i][j] * t[j];
-      t[i] = s;
-    }
-#pragma unroll
-    for (int i = 0; i < C; i++) sm.t(i, tid) = T(t[i]);
-  }
-  // K's rows weighted by beta exp(G) (in place: A is done with K).
-  for (int i = tid; i < C * K; i += W::THREADS) {
-    const int r = i / K, c = i % K;
-    sm.k(r, c) = T(float(sm.k(r, c)) * sm.beta[r] * exp2f(sm.cum[r] * LOG2E));
-  }
+  if (tid < C) solve_column<T, K>(sm, tid);
   __syncthreads();
 
-  rt<T, 16, C> tr;  // this warp's rows of T
-  warp::load(tr, sm.t, 16 * w, 0);
   {  // W = T diag(beta exp(G)) K
+    rt<T, 16, C> tr;
     rt<T, C, K, col_l> kb;
     rt_fl<16, K> acc;
+    warp::load(tr, sm.tw, 16 * w, 0);
     warp::load(kb, sm.k);
     warp::zero(acc);
     warp::mma_AB(acc, tr, kb, acc);
     warp::store(gl<T>::make(static_cast<T *>(p.w) + row0 * p.v_heads * K, 1, valid, p.v_heads, K), acc, {0, 16 * w, h, 0});
   }
   // U' = T diag(beta) V, a slice of V at a time.
-  const T *v = static_cast<const T *>(p.v);
-  for (int s = 0; s < p.v_dim; s += VS) {
-    __syncthreads();  // (the slice before has been read)
-    for (int i = tid; i < C * VS; i += W::THREADS) {
-      const int r = i / VS, c = i % VS;
-      sm.v(r, c) = r < valid ? T(float(v[((row0 + r) * p.v_heads + h) * p.v_dim + s + c]) * sm.beta[r]) : T(0.f);
+  rt<T, 16, C> tr;
+  warp::load(tr, sm.tu, 16 * w, 0);
+  const auto ug = gl<T>::make(static_cast<T *>(p.u) + row0 * p.v_heads * p.v_dim, 1, valid, p.v_heads, p.v_dim);
+  const int slices = p.v_dim / VS;
+  for (int s = 0; s < slices; s++) {
+    if (s + 1 < slices) {
+      __syncthreads();  // (the slice two back, in the buffer this load fills, has been read)
+      load_async<W::THREADS>(sm.v[(s + 1) % 2], vg, {0, 0, h, (s + 1) * VS}, tid);
+      commit_group();
+      wait_group<1>();
+    } else {
+      wait_group<0>();
     }
     __syncthreads();
     rt<T, C, VS, col_l> vb;
     rt_fl<16, VS> acc;
-    warp::load(vb, sm.v);
+    warp::load(vb, sm.v[s % 2]);
     warp::zero(acc);
     warp::mma_AB(acc, tr, vb, acc);
-    warp::store(gl<T>::make(static_cast<T *>(p.u) + row0 * p.v_heads * p.v_dim, 1, valid, p.v_heads, p.v_dim), acc,
-                {0, 16 * w, h, s});
+    warp::store(ug, acc, {0, 16 * w, h, s * VS});
   }
 }
 
