@@ -24,7 +24,7 @@ export PYTHONUNBUFFERED=1
 } 2>&1 | tee "$out/env.log"
 
 # The standalone sanitizer drivers (below), one per kernel family, build alongside the package.
-sanitized=(${JAX_TK_SANITIZE_OPS:-attention gemm decode})
+sanitized=(${JAX_TK_SANITIZE_OPS:-attention gemm decode linear_attention})
 if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
   sanitizer_builds=()
   for op in "${sanitized[@]}"; do

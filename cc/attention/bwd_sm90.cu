@@ -32,7 +32,6 @@ namespace {
 
 using namespace tk;
 
-struct Empty {};  // (a member a configuration does without)
 
 template <typename T, int D> struct BwdH {
   using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/24, /*CONSUMER_REGS=*/240>;

@@ -1,9 +1,8 @@
 // The contract of the linear-attention ops (gated delta rule, simple GLA) with Python
 // (jax_tk/linear_attention; the list's format: cc/core/core.h).
 //
-// The kernels are not written yet: today every call runs the chunked XLA path
-// (jax_tk/linear_attention/reference.py), which already splits each sequence into chunks of CHUNK
-// tokens, the size the kernels are to take, so that both paths cut a sequence (and a packed batch of
+// The chunked XLA path (jax_tk/linear_attention/reference.py) splits each sequence into chunks of CHUNK
+// tokens, the size the kernels take, so that both paths cut a sequence (and a packed batch of
 // sequences, each starting on a chunk of its own) the same way.
 #pragma once
 
@@ -13,9 +12,46 @@ namespace jax_tk::linear_attention {
 
 // clang-format off
 #define JAX_TK_LINEAR_ATTENTION_CONTRACT(X)                                                                \
-  X(CHUNK, 64)  /* tokens per chunk: solved together with matrix products, the state carried between */
+  X(CHUNK, 64)  /* tokens per chunk: solved together with matrix products, the state carried between */ \
+  X(V_SLICE, 64)  /* value columns of the state per thread block (the state's K rows whole) */
 // clang-format on
 JAX_TK_DECLARE_CONTRACT(JAX_TK_LINEAR_ATTENTION_CONTRACT)
 #define JAX_TK_LINEAR_ATTENTION_FORMULAS(F)
+
+enum class DType { bf16, fp16 };
+
+// A forward call. Sequence n is tokens [bos, bos + len) of batch row b: without cu_seqlens, n = b with
+// bos = 0 and len = seq_len; with it (batch 1), bos = cu_seqlens[n] and len = cu_seqlens[n + 1] - bos.
+struct FwdParams {
+  DType dtype;
+  int batch, seq_len, heads, v_heads, k_dim, v_dim, num_seqs;
+  const void *q, *k, *v;     // [batch, seq_len, heads, k_dim] (q, k), [batch, seq_len, v_heads, v_dim] (v)
+  const float *g;            // [batch, v_heads, seq_len]: log decays (<= 0), head-major (one chunk's contiguous)
+  const int *cu_seqlens;     // [num_seqs + 1] or nullptr
+  const float *h0;           // [num_seqs, v_heads, k_dim, v_dim] initial states, or nullptr (zeros)
+  void *o;                   // [batch, seq_len, v_heads, v_dim]
+  float *ht;                 // [num_seqs, v_heads, k_dim, v_dim] final states, or nullptr
+  float scale;
+  // The gated delta rule (wy_fwd's W and U', [batch, seq_len, v_heads, k_dim / v_dim]); nullptr: simple GLA.
+  const void *w = nullptr, *u = nullptr;
+};
+
+// The gated delta rule's per-chunk solve (wy_fwd.cu): W and U' of every chunk, for the sequential pass.
+struct WyParams {
+  DType dtype;
+  int batch, seq_len, heads, v_heads, k_dim, v_dim, num_seqs;
+  int max_chunks;            // chunks of the longest sequence (the grid's; shorter ones' blocks return)
+  const void *k, *v;         // as FwdParams's (k l2-normalized already where the op asks)
+  const float *g, *beta;     // [batch, v_heads, seq_len] each
+  const int *cu_seqlens;     // [num_seqs + 1] or nullptr
+  void *w, *u;               // [batch, seq_len, v_heads, k_dim] and [batch, seq_len, v_heads, v_dim], k's dtype
+};
+
+#ifdef JAX_TK_CUDA_HEADERS
+cudaError_t wy_fwd(const WyParams &p, cudaStream_t stream);
+// Simple GLA's forward on Hopper (sm_90a), or with FwdParams::w the gated delta rule's sequential pass:
+// k_dim 64 or 128, v_dim a multiple of V_SLICE.
+cudaError_t simple_gla_fwd_sm90(const FwdParams &p, cudaStream_t stream);
+#endif
 
 }  // namespace jax_tk::linear_attention

@@ -1,20 +1,23 @@
 """jax_tk.linear_attention: the gated delta rule and simple GLA (chunked, over whole sequences) and
 their one-token decoding steps.
 
-Trace-time checks and the ``implementation=`` choice. The CUDA kernels are not written yet: every call
-runs the pure-JAX paths of ``reference`` (the chunked one by default, the token-by-token recurrence on
-request), and their gradients are JAX's autodiff of them.
+Trace-time checks and the ``implementation=`` choice. The forwards of both ops run CUDA kernels on
+H100/H200 (bfloat16/float16, K 64 or 128, V a multiple of 64); their gradients, and everything else,
+run the pure-JAX paths of ``reference`` (the chunked one by default, the token-by-token recurrence on
+request), with JAX's autodiff of them.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tk._core import checks, dispatch, extension
-from jax_tk.linear_attention import reference
+from jax_tk._core import checks, dispatch, extension, sharding
+from jax_tk.linear_attention import launch, reference
 
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _GDR, _GLA = "linear_attention.gated_delta_rule", "linear_attention.simple_gla"
@@ -99,8 +102,8 @@ def _cu_seqlens(op, cu_seqlens, b: int, t: int):
     return jnp.asarray(checks.to_int32(cu_seqlens, 0, t))
 
 
-def _sequence_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, implementation):
-    """Checks a whole-sequence call; returns ``(scale, int32 cu_seqlens or None, the path to run)``."""
+def _sequence_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """Checks a whole-sequence call; returns ``(scale, int32 cu_seqlens or None)``."""
     lead = "batch, T"
     _check_qkv(op, q, k, v, lead)
     _check_gate(op, "g", g, v, lead)
@@ -113,19 +116,16 @@ def _sequence_call(op, q, k, v, g, beta, scale, initial_state, output_final_stat
         n_is = "batch" if cu is None else "the number of sequences of cu_seqlens"
         _check_state(op, "initial_state", initial_state, (n, hv, kd, vd), n_is)
     _check_bool(op, "output_final_state", output_final_state)
-    return _scale(op, scale, kd), cu, _path(op, implementation)
+    return _scale(op, scale, kd), cu
 
 
-def _path(op, implementation):
-    """The function that runs the call: ``reference.chunked`` (None, "xla") or ``reference.recurrent``."""
+def _reference_path(op, implementation):
+    """The pure-JAX function that runs the call: ``reference.recurrent`` ("reference") or
+    ``reference.chunked`` (None, "xla")."""
     dispatch.check_implementation(op, implementation, ("reference",))
-    if implementation == "tk":
-        raise NotImplementedError(f"jax_tk.{op}(implementation='tk'): the linear-attention CUDA kernels are not "
-                                  "built yet (not in this release); implementation=None or 'xla' runs the chunked "
-                                  "XLA path, 'reference' the token-by-token recurrence")
     if implementation == "reference":
         return reference.recurrent
-    return lambda *args, **kwargs: reference.chunked(*args, **kwargs, chunk_size=chunk_size())
+    return functools.partial(reference.chunked, chunk_size=chunk_size())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,8 +163,9 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
         ``x / sqrt(sum(x**2) + 1e-6)``, in float32.
       implementation: ``None`` or ``"xla"``: the chunked XLA path (chunks of ``chunk_size()`` = 64
         tokens, matrix products inside a chunk and a scan over chunks); ``"reference"``: the recurrence
-        one token at a time (float32, slow on long sequences: the tests' oracle); ``"tk"``: the CUDA
-        kernels, which are not in this release yet (raises ``NotImplementedError``).
+        one token at a time (float32, slow on long sequences: the tests' oracle); ``"tk"``: the forward
+        kernels (H100/H200: bfloat16/float16, K 64 or 128, V a multiple of 64), which ``None`` also
+        takes where they apply; their gradient is the chunked path's.
 
     Arithmetic is float32 on every path. Differentiable in q, k, v, g, beta and initial_state (JAX's
     autodiff of the path that runs). Works under ``jit`` and ``vmap``.
@@ -173,11 +174,14 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
       ``(o, final_state)``: o ``[batch, T, value_heads, V]`` in v's dtype; final_state
       ``[N, value_heads, K, V]`` float32, or None unless ``output_final_state``.
     """
-    scale, cu, run = _sequence_call(_GDR, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                    implementation)
+    scale, cu = _sequence_call(_GDR, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    run = _reference_path(_GDR, implementation)
     l2 = _check_bool(_GDR, "use_qk_l2norm", use_qk_l2norm)
-    return run(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu,
-               output_final_state=bool(output_final_state), use_qk_l2norm=l2)
+    if implementation == "reference" or not dispatch.use_kernel(_GDR, implementation, launch.unsupported_reason(q, v)):
+        return run(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu,
+                   output_final_state=bool(output_final_state), use_qk_l2norm=l2)
+    o, final = _kernel_path(_Spec(scale, l2), q, k, v, g, beta, cu, initial_state)
+    return o, (final if output_final_state else None)
 
 
 def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -195,11 +199,75 @@ def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state
     Arguments, results, paths and gradients as :func:`gated_delta_rule` (without beta and l2
     normalization): q, k ``[batch, T, heads, K]``, v ``[batch, T, value_heads, V]`` (``value_heads`` a
     multiple of ``heads``; flash-linear-attention's op has them equal), g ``[batch, T, value_heads]``.
+
+    On H100/H200 the forward runs jax_tk's kernel (``implementation=None`` or ``"tk"``) for bfloat16 and
+    float16 inputs with K 64 or 128 and V a multiple of 64; its gradient is the chunked path's.
     """
-    scale, cu, run = _sequence_call(_GLA, q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
-                                    implementation)
-    return run(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu,
-               output_final_state=bool(output_final_state))
+    scale, cu = _sequence_call(_GLA, q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens)
+    run = _reference_path(_GLA, implementation)
+    if implementation == "reference" or not dispatch.use_kernel(_GLA, implementation, launch.unsupported_reason(q, v)):
+        return run(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu,
+                   output_final_state=bool(output_final_state))
+    o, final = _kernel_path(_Spec(scale, False), q, k, v, g, None, cu, initial_state)
+    return o, (final if output_final_state else None)
+
+
+# The forward kernels (simple GLA's; the gated delta rule's where beta is given). Their gradient is the
+# chunked path's (JAX's autodiff of it); the forward goes through the partitioning below, so that
+# sharded inputs run on their shards.
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    scale: float
+    use_qk_l2norm: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kernel_path(spec: _Spec, q, k, v, g, beta, cu_seqlens, initial_state):
+    """(o, final_state)."""
+    layout = _LAYOUT if cu_seqlens is None else _PACKED_LAYOUT
+    return sharding.call(layout, _local, spec, v, q, k, g, beta, initial_state, cu_seqlens)
+
+
+def _chunked(spec: _Spec, q, k, v, g, beta, cu_seqlens, initial_state):
+    return reference.chunked(q, k, v, g, beta, scale=spec.scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                             output_final_state=True, use_qk_l2norm=spec.use_qk_l2norm, chunk_size=chunk_size())
+
+
+def _kernel(spec: _Spec, q, k, v, g, beta, cu_seqlens, initial_state):
+    if beta is None:
+        return launch.gla_fwd(q, k, v, g, cu_seqlens, initial_state, spec.scale)
+    if spec.use_qk_l2norm:
+        q, k = reference.l2norm(q).astype(q.dtype), reference.l2norm(k).astype(k.dtype)
+    return launch.gdr_fwd(q, k, v, g, beta, cu_seqlens, initial_state, spec.scale)
+
+
+def _local(spec: _Spec, v, q, k, g, beta, initial_state, cu_seqlens):
+    """(o, final_state) on one device's arrays: the kernels on CUDA, the chunked path elsewhere."""
+    return dispatch.platform_dispatch(True, functools.partial(_kernel, spec), functools.partial(_chunked, spec),
+                                      q, k, v, g, beta, cu_seqlens, initial_state)
+
+
+def _kernel_path_fwd(spec, q, k, v, g, beta, cu_seqlens, initial_state):
+    return _kernel_path(spec, q, k, v, g, beta, cu_seqlens, initial_state), (q, k, v, g, beta, cu_seqlens, initial_state)
+
+
+def _kernel_path_bwd(spec, res, cotangents):
+    q, k, v, g, beta, cu_seqlens, initial_state = res
+    def f(q, k, v, g, beta, initial_state):
+        return _chunked(spec, q, k, v, g, beta, cu_seqlens, initial_state)
+    dq, dk, dv, dg, dbeta, dh0 = jax.vjp(f, q, k, v, g, beta, initial_state)[1](cotangents)
+    return dq, dk, dv, dg, dbeta, None, dh0
+
+
+_kernel_path.defvjp(_kernel_path_fwd, _kernel_path_bwd)
+
+# Partitioning (jax_tk._core.sharding): batch "b" and value heads "n" split, q/k heads "k" their groups
+# (beta "b t n", or None for simple GLA);
+# packed sequences (batch 1) keep their states' "s" whole.
+_LAYOUT = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "b t n", "b n d e", "c"),
+                          outputs=("b t n e", "b n d e"), heads="n", grouped="k")
+_PACKED_LAYOUT = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "b t n", "s n d e", "c"),
+                                 outputs=("b t n e", "s n d e"), heads="n", grouped="k")
 
 
 def _step_call(op, q, k, v, g, beta, state, scale):

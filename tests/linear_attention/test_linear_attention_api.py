@@ -1,6 +1,7 @@
 """CPU tests of jax_tk.linear_attention's API: the decoding steps against the recurrence (in a
 ``lax.scan`` after a chunked prefill), vmap and jit, the implementation= choice, and every input check."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -8,9 +9,11 @@ import numpy as np
 import pytest
 
 import jax_tk
-from helpers import rel_err
+from helpers import needs_extension, rel_err
 from jax_tk import linear_attention as la
-from test_linear_attention import SHAPE, TOL, evaluate, inputs
+from jax_tk._core import extension, ffi
+from jax_tk.linear_attention import launch
+from test_linear_attention import SHAPE, TOL, evaluate, inputs, run
 
 F16, F32 = jnp.float16, jnp.float32
 
@@ -80,14 +83,61 @@ def test_exported_from_the_package():
     assert {"gated_delta_rule", "simple_gla", "gated_delta_rule_step", "simple_gla_step"} <= set(la.__all__)
 
 
-def test_the_kernels_are_not_there_yet():
+def test_the_kernels_refuse_with_the_reason():
+    """The forward kernels refuse float32 (these inputs) with the reason, as any unsupported call."""
     q, k, v, g, beta, _, _ = inputs(23, 1, 8, 1, 1, 4, 4)
-    with pytest.raises(NotImplementedError, match=r"gated_delta_rule\(implementation='tk'\).*not built yet"):
+    with pytest.raises(ValueError, match=r"gated_delta_rule\(implementation='tk'\): unsupported dtype float32"):
         la.gated_delta_rule(q, k, v, g, beta, implementation="tk")
-    with pytest.raises(NotImplementedError, match="not built yet"):
+    with pytest.raises(ValueError, match=r"simple_gla\(implementation='tk'\): unsupported dtype float32"):
         la.simple_gla(q, k, v, g, implementation="tk")
     with pytest.raises(ValueError, match="implementation must be one of"):
         la.gated_delta_rule(q, k, v, g, beta, implementation="cuda")
+
+
+def test_cuda_lowering_without_the_kernel():
+    """Lowered for CUDA where the kernel does not run (no H100/H200 here), simple_gla is the chunked path:
+    no custom call."""
+    sds = jax.ShapeDtypeStruct
+    args = (sds((2, 128, 2, 128), jnp.bfloat16),) * 2 + (sds((2, 128, 2, 128), jnp.bfloat16), sds((2, 128, 2), F32))
+    if extension.cuda_device_capability() == (9, 0):
+        pytest.skip("an H100/H200 here: the dispatch takes the kernel (tests/linear_attention/test_gla_kernel_gpu.py)")
+    text = jax.export.export(jax.jit(lambda q, k, v, g: la.simple_gla(q, k, v, g)[0]), platforms=["cuda"])(*args).mlir_module()
+    assert "custom_call" not in text
+
+
+@needs_extension
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_cuda_lowering_of_the_gla_kernel(packed):
+    """The forward kernel's call exported for CUDA: q, k, v as given, g float32 head-major [B, HV, T], the
+    offsets and initial states (or empty operands), o in q's dtype and the float32 final states."""
+    sds = jax.ShapeDtypeStruct
+    b, n = (1, 3) if packed else (2, 2)
+    q, v, g = sds((b, 100, 2, 128), jnp.bfloat16), sds((b, 100, 4, 64), jnp.bfloat16), sds((b, 100, 4), jnp.bfloat16)
+    cu = sds((n + 1,), jnp.int32) if packed else None
+    h0 = sds((n, 4, 128, 64), F32)
+    fn = jax.jit(lambda q, k, v, g, cu, h0: launch.gla_fwd(q, k, v, g, cu, h0, 0.25))
+    exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=ffi.export_checks())(q, q, v, g, cu, h0)
+    assert [a.shape for a in exported.out_avals] == [(b, 100, 4, 64), (n, 4, 128, 64)]
+    assert exported.out_avals[0].dtype == jnp.bfloat16 and exported.out_avals[1].dtype == F32
+    call = re.search(r"@jax_tk_simple_gla_fwd\(.*?\) \{.*?\} : \((.*?)\) -> \((.*?)\)", exported.mlir_module(), re.S)
+    operands = re.findall(r"tensor<[^>]*>", call.group(1))
+    assert operands[3] == f"tensor<{b}x4x100xf32>"  # g, head-major
+    assert operands[4] == (f"tensor<{n + 1}xi32>" if packed else "tensor<0xi32>")
+    assert operands[5] == f"tensor<{n}x4x128x64xf32>"
+
+
+@needs_extension
+def test_cuda_lowering_of_the_delta_rule_kernel():
+    """The gated delta rule's call: beta head-major after g; W and U' as workspaces after the states."""
+    sds = jax.ShapeDtypeStruct
+    q, v, g = sds((2, 100, 2, 64), jnp.float16), sds((2, 100, 4, 128), jnp.float16), sds((2, 100, 4), F32)
+    fn = jax.jit(lambda q, k, v, g, beta: launch.gdr_fwd(q, k, v, g, beta, None, None, 0.25))
+    exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=ffi.export_checks())(q, q, v, g, g)
+    assert [a.shape for a in exported.out_avals] == [(2, 100, 4, 128), (2, 4, 64, 128)]
+    call = re.search(r"@jax_tk_gated_delta_rule_fwd\(.*?\) \{.*?\} : \((.*?)\) -> \((.*?)\)", exported.mlir_module(), re.S)
+    assert re.findall(r"tensor<[^>]*>", call.group(1))[3:5] == ["tensor<2x4x100xf32>"] * 2
+    assert re.findall(r"tensor<[^>]*>", call.group(2)) == ["tensor<2x100x4x128xf16>", "tensor<2x4x64x128xf32>",
+                                                           "tensor<2x100x4x64xf16>", "tensor<2x100x4x128xf16>"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,3 +209,29 @@ def test_bad_simple_gla_and_step_inputs():
         la.simple_gla_step(step(a["q"]), step(a["k"]), step(a["v"]), step(a["g"]), state[..., :3])
     with pytest.raises(ValueError, match="gated_delta_rule_step: beta must have shape"):
         la.gated_delta_rule_step(step(a["q"]), step(a["k"]), step(a["v"]), step(a["g"]), step(a["g"])[:, :2], state)
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["gla", "delta"])
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_the_kernel_path_off_the_gpu(packed, delta):
+    """The kernel path's wrapping (custom_vjp, partitioning, dispatch), which runs the chunked path off
+    CUDA: the same outputs, final states and gradients as the op's chunked path, with and without an
+    initial state (the delta rule with l2 normalization)."""
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # (on a GPU the path would take the kernels)
+        q, k, v, g, beta, state, (do, dstate) = inputs(31, 1 if packed else 2, 70, 2, 4, 8, 8, delta=delta,
+                                                       n_states=3 if packed else None)
+        cu = jnp.asarray([0, 1, 33, 70], jnp.int32) if packed else None
+        spec = la.api._Spec(0.3, delta)
+        for h0 in (state, None):
+            def loss(fn, q, k, v, g, beta, h0):
+                o, s = fn(q, k, v, g, beta, h0)
+                return jnp.sum(o * do) + jnp.sum(s * dstate)
+            path = lambda q, k, v, g, beta, h0: la.api._kernel_path(spec, q, k, v, g, beta, cu, h0)
+            xla = lambda q, k, v, g, beta, h0: run("xla", q, k, v, g, beta, h0, scale=0.3, cu_seqlens=cu,
+                                                   use_qk_l2norm=delta)
+            argnums = (0, 1, 2, 3) + ((4,) if delta else ()) + ((5,) if h0 is not None else ())
+            got, want = (jax.jit(jax.value_and_grad(functools.partial(loss, fn), argnums=argnums))(q, k, v, g, beta, h0)
+                         for fn in (path, xla))
+            assert rel_err(got[0], want[0]) < TOL
+            for a, b in zip(got[1], want[1]):
+                assert rel_err(np.asarray(a), np.asarray(b)) < TOL

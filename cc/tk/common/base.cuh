@@ -15,6 +15,7 @@ using half_2 = __half2;
 constexpr int WARP_THREADS = 32;
 constexpr int TILE = 16;  // register and shared tiles are made of TILE x TILE pieces
 constexpr int MAX_SHARED_BYTES = 227 * 1024;  // the most shared memory a thread block may take on sm_90 (H100, H200)
+struct Empty {};  // (a member a configuration does without: [[no_unique_address]] std::conditional_t<..., X, Empty>)
 
 __device__ __forceinline__ int laneid() { return threadIdx.x & 31; }
 __device__ __forceinline__ int warpid() { return threadIdx.x >> 5; }

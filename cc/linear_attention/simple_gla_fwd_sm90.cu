@@ -1,0 +1,245 @@
+// Simple GLA's forward on Hopper (sm_90a), chunk by chunk. Per sequence and value head the state S
+// [K, V] (float32) runs S <- S * exp(g_t) + k_t v_t^T and o_t = scale * S^T q_t. A chunk of C = 64
+// tokens at once, with G_i = g_0 + ... + g_i its cumulative log decay and S the state it starts from:
+//
+//   O = scale * (diag(exp(G)) Q S + (Q K^T * D) V),  D_ij = exp(G_i - G_j) for j <= i, else 0
+//   S <- exp(G_last) S + K^T diag(exp(G_last - G)) V
+//
+// Every exponent is <= 0 (g <= 0): no factor exceeds 1, however long the sequence. A thread block
+// takes one sequence, one value head and V_SLICE columns of its values and state (the state's K rows
+// whole: 2 x 64 rows of accumulators), and walks the sequence's chunks:
+//
+// - a producer thread loads each chunk's Q, K (the value head's q/k head) and V slice by TMA into a
+//   ring of two stages; rows past the tensor arrive as zeros, and rows past the sequence (a packed
+//   batch's next one) are masked out of every product below;
+// - one consumer warpgroup computes Q S (the state as bf16 in shared memory) and Q K^T together, scales
+//   and masks them, adds P V, stores O, and then updates the state with K^T V', where V' is V with its
+//   rows scaled by exp(G_last - G_j) (0 past the sequence), written to shared memory first.
+//
+// With DELTA (the gated delta rule) the values are the delta rule's U = U' - W S, from the chunk's W and
+// U' (wy_fwd.cu) and the state it starts from: W S goes to the tensor cores with Q S and Q K^T, and U
+// (0 past the sequence: those rows of W and U' belong to no chunk of this sequence) takes V's place
+// in both products.
+#include "linear_attention/linear_attention.h"
+#include "tk/tk.cuh"
+
+namespace jax_tk::linear_attention {
+namespace {
+
+using namespace tk;
+constexpr float LOG2E = 1.4426950408889634f;
+
+template <typename T, int K, bool DELTA> struct Gla {
+  using Roles = roles</*CONSUMERS=*/1, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
+  static constexpr int C = CHUNK, VS = V_SLICE, STAGES = 2, THREADS = Roles::THREADS;
+  static_assert(C == 64 && VS == 64 && (K == 64 || K == 128));
+  struct Shared {
+    st<T, C, K> q[STAGES], k[STAGES];
+    st<T, C, VS> v[STAGES];  // V's slice (DELTA: U''s)
+    [[no_unique_address]] std::conditional_t<DELTA, st<T, C, K>, Empty> w[STAGES];
+    [[no_unique_address]] std::conditional_t<DELTA, st<T, C, VS>, Empty> u;  // U (DELTA)
+    st<T, K, VS> s;   // the state the chunk starts from, as the product's operand
+    st<T, C, VS> vd;  // V', the chunk's values weighted for the state update
+    float cum[C];     // G
+    semaphore full[STAGES], empty[STAGES];
+  };
+  static_assert(sizeof(Shared) <= MAX_SHARED_BYTES);
+};
+
+template <typename T, int K> struct Args {
+  FwdParams p;
+  tma_map<T, CHUNK> q, k, v, w, u;
+};
+
+template <typename T, int K, bool DELTA> struct GlaSm90 {
+  using G = Gla<T, K, DELTA>;
+  using Roles = typename G::Roles;
+  static constexpr int C = G::C, VS = G::VS, STAGES = G::STAGES;
+  const Args<T, K> &a;
+  typename G::Shared &sm;
+  const FwdParams &p = a.p;
+  __device__ __forceinline__ ring<STAGES> kv() const { return {sm.full, sm.empty}; }
+  const int wg = warpgroup::groupid();
+  // The block's sequence n, value head h and slice of value columns; its tokens [bos, bos + len) of row b.
+  const int slices = p.v_dim / VS, slice = blockIdx.x % slices, h = blockIdx.x / slices % p.v_heads,
+            n = blockIdx.x / slices / p.v_heads;
+  const int b = p.cu_seqlens ? 0 : n, bos = p.cu_seqlens ? p.cu_seqlens[n] : 0,
+            len = p.cu_seqlens ? p.cu_seqlens[n + 1] - bos : p.seq_len, chunks = (len + C - 1) / C;
+
+  __device__ __forceinline__ void init() const { tk::init(kv(), 1, 4); }  // full: the producer thread; empty: each consumer warp
+  __device__ __forceinline__ void before_sync() const {}
+
+  __device__ __forceinline__ void produce() const {
+    if (threadIdx.x % 128 != 0) return;
+    const int hq = h / (p.v_heads / p.heads);
+    for (ring_pos<STAGES> at(0); at.n < chunks; ++at) {
+      const int t0 = bos + C * at.n;
+      semaphore &full = kv().full(at);
+      wait_empty(kv(), at);
+      arrive_expect_bytes(full, sizeof(sm.q[0]) + sizeof(sm.k[0]) + sizeof(sm.v[0]) + (DELTA ? sizeof(sm.w[0]) : 0));
+      load_async(sm.q[at.slot], a.q, {b, t0, hq, 0}, full);
+      load_async(sm.k[at.slot], a.k, {b, t0, hq, 0}, full);
+      if constexpr (DELTA) {
+        load_async(sm.w[at.slot], a.w, {b, t0, h, 0}, full);
+        load_async(sm.v[at.slot], a.u, {b, t0, h, VS * slice}, full);
+      } else {
+        load_async(sm.v[at.slot], a.v, {b, t0, h, VS * slice}, full);
+      }
+    }
+  }
+
+  // This warp's 16 rows of the state's top (K rows 0..63) or bottom (64..127) half: from or to float32
+  // [K, V] at `state` (this sequence and head), this block's columns.
+  __device__ __forceinline__ gl<float> state_view(float *state) const {
+    return gl<float>::make(state + ((size_t)n * p.v_heads + h) * K * p.v_dim, 1, K, 1, p.v_dim);
+  }
+
+  __device__ __forceinline__ void consume() const {
+    const int w = warpid() % 4, tid = threadIdx.x % 128;
+    const float c2 = LOG2E;
+    using tile = rt_fl<16, 64>;
+    using cvec = col_vec<tile>;
+    using rvec = row_vec<tile>;
+    tile s[K / 64], o, qk;  // the state's rows 64 i + 16 w ..; the chunk's outputs; Q K^T
+    rt<T, 16, 64> pw, sb;   // P (bf16), the state's rows as bf16
+    if (p.h0) {
+      for (int i = 0; i < K / 64; i++) warp::load(s[i], state_view(const_cast<float *>(p.h0)), {0, 64 * i + 16 * w, 0, VS * slice});
+    } else {
+      for (int i = 0; i < K / 64; i++) warp::zero(s[i]);
+    }
+    auto publish_state = [&] {  // sm.s := the state (bf16), for the next chunk's Q S
+      for (int i = 0; i < K / 64; i++) {
+        warp::copy(sb, s[i]);
+        warp::store(sm.s, sb, 64 * i + 16 * w, 0);
+      }
+      warpgroup::fence_shared_writes();
+      sync_named(1, 128);
+    };
+    publish_state();
+    const gl<T> out = gl<T>::make(static_cast<T *>(p.o) + (size_t)b * p.seq_len * p.v_heads * p.v_dim + (size_t)bos * p.v_heads * p.v_dim,
+                                  1, len, p.v_heads, p.v_dim);
+    const float *g = p.g + ((size_t)b * p.v_heads + h) * p.seq_len + bos;
+    float g_next = tid < C && tid < len ? g[tid] : 0.f;
+    for (ring_pos<STAGES> at(0); at.n < chunks; ++at) {
+      const int t0 = C * at.n, valid = min(C, len - t0);
+      // G: an inclusive scan of the chunk's decays over the first two warps (0 past the sequence).
+      if (tid < C) {
+        float x = g_next;
+        for (int d = 1; d < 32; d *= 2) {
+          const float y = __shfl_up_sync(~0u, x, d);
+          if (laneid() >= d) x += y;
+        }
+        sm.cum[tid] = x;
+      }
+      sync_named(1, 128);
+      if (tid >= 32 && tid < C) sm.cum[tid] += sm.cum[31];
+      g_next = tid < C && t0 + C + tid < len ? g[t0 + C + tid] : 0.f;  // (the next chunk's, early)
+      sync_named(1, 128);
+      const float last = sm.cum[valid - 1];
+      wait_full(kv(), at);
+      warpgroup::mma_AB(o, sm.q[at.slot], sm.s, false);       // Q S
+      warpgroup::mma_ABt(qk, sm.q[at.slot], sm.k[at.slot], false);  // Q K^T
+      tile ws;
+      if constexpr (DELTA) warpgroup::mma_AB(ws, sm.w[at.slot], sm.s, false);  // W S
+      cvec gi;
+      warp::map_index(gi, [&](int r) { return sm.cum[16 * w + r]; });
+      rv<float2, 64, typename rvec::layout> gj;  // {G_j, j}
+      warp::map_index(gj, [&](int j) { return float2{sm.cum[j], float(j)}; });
+      rv<float2, 16, typename cvec::layout> ri;  // {G_i, i}
+      warp::map_index(ri, [&](int r) { return float2{sm.cum[16 * w + r], float(16 * w + r)}; });
+      cvec live;  // 1 for this warp's rows of the sequence, 0 past it
+      warp::map_index(live, [&](int r) { return 16 * w + r < valid ? 1.f : 0.f; });
+      warpgroup::wait<0>();
+      warpgroup::fence_registers(o);
+      warpgroup::fence_registers(qk);
+      // This warp's rows of the values: V's, or (DELTA) U = U' - W S, into shared memory for P U.
+      rt<T, 16, 64> vr;
+      if constexpr (DELTA) {
+        warpgroup::fence_registers(ws);
+        tile u;
+        warp::load(vr, sm.v[at.slot], 16 * w, 0);
+        warp::copy(u, vr);
+        warp::map(u, u, ws, [](float x, float y) { return x - y; });
+        warp::map_row(u, u, live, [](float x, float l) { return l > 0.f ? x : 0.f; });  // (W and U' rows past
+        // the sequence belong to no chunk of it: whatever they hold, NaN included, becomes 0)
+        warp::copy(vr, u);
+        warp::store(sm.u, vr, 16 * w, 0);
+        warpgroup::fence_shared_writes();
+        sync_named(1, 128);
+      } else {
+        warp::load(vr, sm.v[at.slot], 16 * w, 0);
+      }
+      const float scale = p.scale;
+      warp::map_vec(gi, gi, [=](float x) { return scale * warp::fn::exp2(x * c2); });
+      warp::mul_row(o, o, gi);  // scale * diag(exp(G)) Q S
+      warp::map_outer(qk, qk, ri, gj, [=](float x, float2 i, float2 j) {
+        return j.y <= i.y && j.y < valid ? scale * x * warp::fn::exp2((i.x - j.x) * c2) : 0.f;
+      });
+      warp::copy(pw, qk);
+      if constexpr (DELTA) warpgroup::mma_AB(o, pw, sm.u, true);  // + (Q K^T * D) U
+      else warpgroup::mma_AB(o, pw, sm.v[at.slot], true);        // + (Q K^T * D) V
+      // V': this warp's rows of the values weighted by exp(G_last - G_j), 0 past the sequence.
+      cvec dj;
+      warp::map_index(dj, [&](int r) { return 16 * w + r < valid ? warp::fn::exp2((last - sm.cum[16 * w + r]) * c2) : 0.f; });
+      warp::mul_row(vr, vr, dj);
+      warp::store(sm.vd, vr, 16 * w, 0);
+      warpgroup::fence_shared_writes();
+      sync_named(1, 128);  // (V' whole; and every warp has read sm.cum)
+      warpgroup::wait<0>();  // (O; Q S has read sm.s)
+      warpgroup::fence_registers(o);
+      const float decay = warp::fn::exp2(last * c2);
+      for (int i = 0; i < K / 64; i++) {
+        warp::map(s[i], s[i], [=](float x) { return x * decay; });
+        warpgroup::mma_AtB(s[i], window<C, 64>(sm.k[at.slot], 0, 64 * i), sm.vd, true);  // + K^T V'
+      }
+      warp::store(out, o, {0, t0 + 16 * w, h, VS * slice});
+      warpgroup::wait<0>();
+      for (int i = 0; i < K / 64; i++) warpgroup::fence_registers(s[i]);
+      if (laneid() == 0) arrive_empty(kv(), at);
+      publish_state();
+    }
+    if (p.ht)
+      for (int i = 0; i < K / 64; i++) warp::store(state_view(p.ht), s[i], {0, 64 * i + 16 * w, 0, VS * slice});
+  }
+};
+
+template <typename T, int K, bool DELTA>
+__global__ __launch_bounds__(Gla<T, K, DELTA>::THREADS, 1) void simple_gla_fwd_kernel(const __grid_constant__ Args<T, K> a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) char smem_raw[];
+  GlaSm90<T, K, DELTA> k{a, *reinterpret_cast<typename Gla<T, K, DELTA>::Shared *>(smem_raw)};
+  single(k);
+#endif
+}
+
+template <typename T, int K> cudaError_t run(const FwdParams &p, cudaStream_t stream) {
+  Args<T, K> a{p, {}, {}, {}, {}, {}};
+  if (!make_tma_map(a.q, p.q, p.batch, p.seq_len, p.heads, K) || !make_tma_map(a.k, p.k, p.batch, p.seq_len, p.heads, K) ||
+      !make_tma_map(a.v, p.v, p.batch, p.seq_len, p.v_heads, p.v_dim))
+    return cudaErrorInvalidValue;
+  auto go = [&]<bool DELTA>() {
+    if (DELTA && (!make_tma_map(a.w, p.w, p.batch, p.seq_len, p.v_heads, K) ||
+                  !make_tma_map(a.u, p.u, p.batch, p.seq_len, p.v_heads, p.v_dim)))
+      return cudaErrorInvalidValue;
+    auto kernel = simple_gla_fwd_kernel<T, K, DELTA>;
+    const int smem = sizeof(typename Gla<T, K, DELTA>::Shared);
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem); e != cudaSuccess)
+      return e;
+    const dim3 grid(unsigned(p.num_seqs * p.v_heads * (p.v_dim / V_SLICE)));
+    kernel<<<grid, Gla<T, K, DELTA>::THREADS, smem, stream>>>(a);
+    return cudaGetLastError();
+  };
+  return p.w ? go.template operator()<true>() : go.template operator()<false>();
+}
+
+}  // namespace
+
+cudaError_t simple_gla_fwd_sm90(const FwdParams &p, cudaStream_t stream) {
+  if (p.v_dim % V_SLICE != 0 || (p.k_dim != 64 && p.k_dim != 128) || p.heads <= 0 || p.v_heads % p.heads != 0)
+    return cudaErrorInvalidValue;
+  if (p.num_seqs == 0) return cudaSuccess;
+  auto by_k = [&]<typename T>() { return p.k_dim == 64 ? run<T, 64>(p, stream) : run<T, 128>(p, stream); };
+  return p.dtype == DType::bf16 ? by_k.template operator()<bf16>() : by_k.template operator()<half>();
+}
+
+}  // namespace jax_tk::linear_attention

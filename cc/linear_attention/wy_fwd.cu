@@ -1,0 +1,159 @@
+// The gated delta rule's per-chunk solve (the "WY" or "UT" form; any GPU of sm_80 or later). Within a
+// chunk of C = 64 tokens, with G its cumulative log decay and beta the write strengths, the delta
+// rule's new values are U = U' - W S for the state S the chunk starts from, where
+//
+//   A_ij = beta_i exp(G_i - G_j) (k_i . k_j) for j < i, else 0      (strictly lower triangular)
+//   T = (I + A)^-1,   W = T diag(beta exp(G)) K,   U' = T diag(beta) V
+//
+// none of which depends on the state: every chunk of every sequence and head is solved at once, here,
+// and the sequential pass (simple_gla_fwd_sm90.cu's kernel with DELTA) needs only U = U' - W S. A
+// block of four warps takes one chunk of one value head: A by mma.sync, T by forward substitution in
+// float32 (thread c of the first two warps solves column c), W and U' by mma.sync with T in the
+// inputs' type. Rows past the sequence take beta = 0 (they then add nothing) and are not stored.
+#include "linear_attention/linear_attention.h"
+#include "tk/tk.cuh"
+
+namespace jax_tk::linear_attention {
+namespace {
+
+using namespace tk;
+constexpr float LOG2E = 1.4426950408889634f;
+
+template <typename T, int K> struct Wy {
+  static constexpr int C = CHUNK, VS = V_SLICE, THREADS = 128;
+  struct Shared {
+    st<T, C, K> k;       // K, then diag(beta exp(G)) K
+    st<T, C, VS> v;      // a slice of diag(beta) V
+    st<T, C, C> t;       // T
+    float a[C][C + 1];   // A (float32; a padded row: column c of the solve reads across rows)
+    float beta[C], cum[C];
+  };
+};
+
+template <typename T, int K> __global__ __launch_bounds__(128) void wy_fwd_kernel(const __grid_constant__ WyParams p) {
+  using W = Wy<T, K>;
+  constexpr int C = W::C, VS = W::VS;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto &sm = *reinterpret_cast<typename W::Shared *>(smem_raw);
+  const int h = blockIdx.y, chunk = blockIdx.x % p.max_chunks, n = blockIdx.x / p.max_chunks;
+  const int b = p.cu_seqlens ? 0 : n, bos = p.cu_seqlens ? p.cu_seqlens[n] : 0,
+            len = p.cu_seqlens ? p.cu_seqlens[n + 1] - bos : p.seq_len;
+  const int t0 = C * chunk, valid = min(C, len - t0);
+  if (valid <= 0) return;
+  const int tid = threadIdx.x, w = tid / 32, hq = h / (p.v_heads / p.heads);
+  const size_t row0 = (size_t)b * p.seq_len + bos + t0;  // (the chunk's first token in [batch * seq_len])
+
+  // K's rows (zeros past the sequence), beta and the decays' cumulative sum G.
+  const T *k = static_cast<const T *>(p.k);
+  for (int i = tid; i < C * (K / 8); i += W::THREADS) {
+    const int r = i / (K / 8), c = i % (K / 8) * 8;
+    cp_async16(&sm.k(r, c), k + ((row0 + (r < valid ? r : 0)) * p.heads + hq) * K + c, r < valid);
+  }
+  commit_group();
+  const size_t gate = ((size_t)b * p.v_heads + h) * p.seq_len + bos + t0;
+  if (tid < C) {
+    sm.beta[tid] = tid < valid ? p.beta[gate + tid] : 0.f;
+    float x = tid < valid ? p.g[gate + tid] : 0.f;
+    for (int d = 1; d < 32; d *= 2) {
+      const float y = __shfl_up_sync(~0u, x, d);
+      if (laneid() >= d) x += y;
+    }
+    sm.cum[tid] = x;
+  }
+  wait_group<0>();
+  __syncthreads();
+  if (tid >= 32 && tid < C) sm.cum[tid] += sm.cum[31];
+  __syncthreads();
+
+  // A: this warp's 16 rows.
+  {
+    rt<T, 16, K> kr;
+    rt<T, C, K> ka;
+    rt_fl<16, C> acc;
+    warp::load(kr, sm.k, 16 * w, 0);
+    warp::load(ka, sm.k);
+    warp::zero(acc);
+    warp::mma_ABt(acc, kr, ka, acc);
+    rv<float2, 16, typename col_vec<rt_fl<16, C>>::layout> ri;  // {G_i, beta_i (i past: 0)} and i
+    rv<float, C, typename row_vec<rt_fl<16, C>>::layout> gj;
+    warp::map_index(ri, [&](int r) { return float2{sm.cum[16 * w + r], sm.beta[16 * w + r]}; });
+    warp::map_index(gj, [&](int j) { return sm.cum[j]; });
+    rv<int, C, typename row_vec<rt_fl<16, C>>::layout> cols;
+    rv<int, 16, typename col_vec<rt_fl<16, C>>::layout> rows;
+    warp::map_index(cols, [](int j) { return j; });
+    warp::map_index(rows, [&](int r) { return 16 * w + r; });
+    warp::map_outer(acc, acc, ri, gj, [](float x, float2 i, float gj) { return i.y * x * exp2f((i.x - gj) * LOG2E); });
+    warp::map_outer(acc, acc, rows, cols, [](float x, int i, int j) { return j < i ? x : 0.f; });
+    warp::store(gl<float>::make(&sm.a[0][0], 1, C, 1, C + 1), acc, {0, 16 * w, 0, 0});
+  }
+  __syncthreads();
+
+  // T = (I + A)^-1, column by column: t_i = [i == c] - sum_{j < i} A_ij t_j.
+  if (tid < C) {
+    float t[C];
+#pragma unroll
+    for (int i = 0; i < C; i++) {
+      float s = i == tid ? 1.f : 0.f;
+#pragma unroll
+      for (int j = 0; j < i; j++) s -= sm.a[i][j] * t[j];
+      t[i] = s;
+    }
+#pragma unroll
+    for (int i = 0; i < C; i++) sm.t(i, tid) = T(t[i]);
+  }
+  // K's rows weighted by beta exp(G) (in place: A is done with K).
+  for (int i = tid; i < C * K; i += W::THREADS) {
+    const int r = i / K, c = i % K;
+    sm.k(r, c) = T(float(sm.k(r, c)) * sm.beta[r] * exp2f(sm.cum[r] * LOG2E));
+  }
+  __syncthreads();
+
+  rt<T, 16, C> tr;  // this warp's rows of T
+  warp::load(tr, sm.t, 16 * w, 0);
+  {  // W = T diag(beta exp(G)) K
+    rt<T, C, K, col_l> kb;
+    rt_fl<16, K> acc;
+    warp::load(kb, sm.k);
+    warp::zero(acc);
+    warp::mma_AB(acc, tr, kb, acc);
+    warp::store(gl<T>::make(static_cast<T *>(p.w) + row0 * p.v_heads * K, 1, valid, p.v_heads, K), acc, {0, 16 * w, h, 0});
+  }
+  // U' = T diag(beta) V, a slice of V at a time.
+  const T *v = static_cast<const T *>(p.v);
+  for (int s = 0; s < p.v_dim; s += VS) {
+    __syncthreads();  // (the slice before has been read)
+    for (int i = tid; i < C * VS; i += W::THREADS) {
+      const int r = i / VS, c = i % VS;
+      sm.v(r, c) = r < valid ? T(float(v[((row0 + r) * p.v_heads + h) * p.v_dim + s + c]) * sm.beta[r]) : T(0.f);
+    }
+    __syncthreads();
+    rt<T, C, VS, col_l> vb;
+    rt_fl<16, VS> acc;
+    warp::load(vb, sm.v);
+    warp::zero(acc);
+    warp::mma_AB(acc, tr, vb, acc);
+    warp::store(gl<T>::make(static_cast<T *>(p.u) + row0 * p.v_heads * p.v_dim, 1, valid, p.v_heads, p.v_dim), acc,
+                {0, 16 * w, h, s});
+  }
+}
+
+template <typename T, int K> cudaError_t run(const WyParams &p, cudaStream_t stream) {
+  const dim3 grid(unsigned(p.num_seqs * p.max_chunks), unsigned(p.v_heads));
+  const int smem = sizeof(typename Wy<T, K>::Shared);
+  if (cudaError_t e = cudaFuncSetAttribute(wy_fwd_kernel<T, K>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem); e != cudaSuccess)
+    return e;
+  wy_fwd_kernel<T, K><<<grid, 128, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t wy_fwd(const WyParams &p, cudaStream_t stream) {
+  if (p.v_dim % V_SLICE != 0 || (p.k_dim != 64 && p.k_dim != 128) || p.heads <= 0 || p.v_heads % p.heads != 0)
+    return cudaErrorInvalidValue;
+  if (p.num_seqs == 0 || p.max_chunks == 0) return cudaSuccess;
+  auto by_k = [&]<typename T>() { return p.k_dim == 64 ? run<T, 64>(p, stream) : run<T, 128>(p, stream); };
+  return p.dtype == DType::bf16 ? by_k.template operator()<bf16>() : by_k.template operator()<half>();
+}
+
+}  // namespace jax_tk::linear_attention

@@ -1,0 +1,154 @@
+// A standalone driver of the linear-attention forward kernels (Hopper): simple GLA's, and the gated delta
+// rule's (wy_fwd's solve, then the sequential pass), for compute-sanitizer and a quick check without JAX: lengths that are not multiples of the chunk, packed sequences (cu_seqlens) including a
+// length-1 and an empty one, grouped value heads, head dims 64 and 128, initial and final states. The
+// output and final states hold NaN before the kernel runs; both are compared with a float64 host run of
+// the token-by-token recurrence on the same bf16-rounded inputs.
+//   nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icc \
+//        cc/tests/standalone/linear_attention_sanitize.cu cc/linear_attention/*.cu -o la_sanitize
+//   compute-sanitizer --tool memcheck ./la_sanitize
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include <cuda_bf16.h>
+
+#include "driver.h"
+#include "linear_attention/linear_attention.h"
+
+using namespace jax_tk::linear_attention;
+using bf16 = __nv_bfloat16;
+
+struct Case {
+  int batch, seq_len, heads, v_heads, k_dim, v_dim;
+  std::vector<int> cu;  // packed sequences' offsets (batch 1), or empty
+  bool h0, ht;
+  bool delta = false;   // the gated delta rule (beta), else simple GLA
+};
+
+template <typename T> T *to_device(const std::vector<T> &h) {
+  T *d;
+  CHECK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T)));
+  if (!h.empty()) CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+template <typename T> std::vector<T> to_host(const T *d, size_t n) {
+  std::vector<T> h(n);
+  CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+int run(const Case &c) {
+  std::mt19937 rng(c.seq_len * 7 + c.k_dim + c.v_heads);
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<float> decay(-0.3f, 0.f);
+  const int B = c.batch, T = c.seq_len, H = c.heads, HV = c.v_heads, K = c.k_dim, V = c.v_dim;
+  const int N = c.cu.empty() ? B : int(c.cu.size()) - 1;
+  auto rounded = [](float x) { return float(bf16(x)); };
+  std::vector<bf16> q(size_t(B) * T * H * K), k(q.size()), v(size_t(B) * T * HV * V);
+  std::vector<float> qf(q.size()), kf(k.size()), vf(v.size()), g(size_t(B) * HV * T), h0(size_t(N) * HV * K * V);
+  std::vector<float> beta(g.size());
+  std::uniform_real_distribution<float> strength(0.05f, 1.f);
+  for (auto &x : beta) x = strength(rng);
+  for (size_t i = 0; i < q.size(); i++) qf[i] = rounded(normal(rng)), q[i] = bf16(qf[i]);
+  for (size_t i = 0; i < k.size(); i++) kf[i] = rounded(normal(rng) / std::sqrt(float(K))), k[i] = bf16(kf[i]);
+  for (size_t i = 0; i < v.size(); i++) vf[i] = rounded(normal(rng)), v[i] = bf16(vf[i]);
+  for (auto &x : g) x = decay(rng);
+  for (auto &x : h0) x = normal(rng);
+  const float scale = 1.f / std::sqrt(float(K));
+
+  // The recurrence, in float64.
+  std::vector<double> want_o(v.size(), 0.0), want_ht(h0.size());
+  for (int n = 0; n < N; n++)
+    for (int h = 0; h < HV; h++) {
+      const int b = c.cu.empty() ? n : 0, bos = c.cu.empty() ? 0 : c.cu[n], len = c.cu.empty() ? T : c.cu[n + 1] - bos;
+      const int hq = h / (HV / H);
+      std::vector<double> S(size_t(K) * V, 0.0);
+      if (c.h0) for (size_t i = 0; i < S.size(); i++) S[i] = h0[(size_t(n) * HV + h) * K * V + i];
+      for (int t = bos; t < bos + len; t++) {
+        const double e = std::exp(double(g[(size_t(b) * HV + h) * T + t]));
+        const float *kt = &kf[((size_t(b) * T + t) * H + hq) * K], *qt = &qf[((size_t(b) * T + t) * H + hq) * K];
+        const float *vt = &vf[((size_t(b) * T + t) * HV + h) * V];
+        std::vector<double> u(vt, vt + V);  // simple GLA: v; the delta rule: beta (v - S^T k), S decayed first
+        for (auto &x : S) x *= e;
+        if (c.delta)
+          for (int j = 0; j < V; j++) {
+            double sk = 0;
+            for (int i = 0; i < K; i++) sk += S[size_t(i) * V + j] * kt[i];
+            u[j] = beta[(size_t(b) * HV + h) * T + t] * (vt[j] - sk);
+          }
+        for (int i = 0; i < K; i++)
+          for (int j = 0; j < V; j++) S[size_t(i) * V + j] += double(kt[i]) * u[j];
+        for (int j = 0; j < V; j++) {
+          double acc = 0;
+          for (int i = 0; i < K; i++) acc += S[size_t(i) * V + j] * qt[i];
+          want_o[((size_t(b) * T + t) * HV + h) * V + j] = scale * acc;
+        }
+      }
+      for (size_t i = 0; i < S.size(); i++) want_ht[(size_t(n) * HV + h) * K * V + i] = S[i];
+    }
+
+  FwdParams p{};
+  p.dtype = DType::bf16;
+  p.batch = B, p.seq_len = T, p.heads = H, p.v_heads = HV, p.k_dim = K, p.v_dim = V, p.num_seqs = N;
+  p.q = to_device(q), p.k = to_device(k), p.v = to_device(v), p.g = to_device(g);
+  p.cu_seqlens = c.cu.empty() ? nullptr : to_device(c.cu);
+  p.h0 = c.h0 ? to_device(h0) : nullptr;
+  const std::vector<bf16> nan_o(v.size(), bf16(NAN));
+  p.o = to_device(nan_o);
+  p.ht = c.ht ? to_device(std::vector<float>(h0.size(), NAN)) : nullptr;
+  p.scale = scale;
+  if (c.delta) {
+    WyParams wy{p.dtype, B, T, H, HV, K, V, N, (T + CHUNK - 1) / CHUNK, p.k, p.v, p.g, to_device(beta), p.cu_seqlens,
+                to_device(std::vector<bf16>(size_t(B) * T * HV * K, bf16(NAN))), to_device(std::vector<bf16>(v.size(), bf16(NAN)))};
+    CHECK(wy_fwd(wy, 0));
+    p.w = wy.w, p.u = wy.u;
+  }
+  CHECK(simple_gla_fwd_sm90(p, 0));
+  CHECK(cudaDeviceSynchronize());
+
+  // Relative error over the sequences' rows (rows outside every packed sequence stay NaN: not compared).
+  auto o = to_host(static_cast<bf16 *>(p.o), v.size());
+  double num = 0, den = 0;
+  bool finite = true;
+  for (int n = 0; n < N; n++) {
+    const int b = c.cu.empty() ? n : 0, bos = c.cu.empty() ? 0 : c.cu[n], len = c.cu.empty() ? T : c.cu[n + 1] - bos;
+    for (size_t i = ((size_t(b) * T + bos) * HV) * V; i < ((size_t(b) * T + bos + len) * HV) * V; i++) {
+      const double x = float(o[i]);
+      finite &= std::isfinite(x);
+      num += (x - want_o[i]) * (x - want_o[i]), den += want_o[i] * want_o[i];
+    }
+  }
+  const double err = std::sqrt(num / std::max(den, 1e-30));
+  double state_err = 0;
+  if (c.ht) {
+    auto ht = to_host(p.ht, h0.size());
+    double sn = 0, sd = 0;
+    for (size_t i = 0; i < ht.size(); i++) {
+      finite &= std::isfinite(ht[i]);
+      sn += (ht[i] - want_ht[i]) * (ht[i] - want_ht[i]), sd += want_ht[i] * want_ht[i];
+    }
+    state_err = std::sqrt(sn / std::max(sd, 1e-30));
+  }
+  const bool ok = finite && err < 2e-2 && state_err < 1e-2;
+  std::printf("%s %s B=%d T=%d heads %d/%d K=%d V=%d seqs=%d%s%s: rel err %.3g, state err %.3g\n", ok ? "ok  " : "FAIL",
+              c.delta ? "delta" : "gla", B, T, H, HV, K, V, N, c.h0 ? " h0" : "", c.ht ? " ht" : "", err, state_err);
+  for (const void *x : {p.q, p.k, p.v, static_cast<const void *>(p.g), static_cast<const void *>(p.cu_seqlens),
+                        static_cast<const void *>(p.h0), static_cast<const void *>(p.o), static_cast<const void *>(p.ht), p.w, p.u})
+    if (x) CHECK(cudaFree(const_cast<void *>(x)));
+  return ok ? 0 : 1;
+}
+
+int main() {
+  int failed = 0;
+  for (bool delta : {false, true}) {
+    failed += run({2, 200, 2, 2, 128, 128, {}, false, true, delta});      // T not a multiple of the chunk
+    failed += run({1, 64, 1, 1, 64, 64, {}, true, true, delta});          // one chunk, K = 64, an initial state
+    failed += run({2, 300, 2, 4, 128, 64, {}, true, false, delta});       // grouped value heads
+    failed += run({1, 400, 2, 2, 128, 128, {0, 1, 1, 130, 400}, true, true, delta});  // packed: length 1, 0, 129, 270
+    failed += run({1, 1000, 1, 2, 64, 128, {0, 999, 1000}, false, true, delta});      // a long one, then a length-1 one
+  }
+  std::printf("%s\n", failed ? "FAILED" : "all ok");
+  return failed ? 2 : 0;
+}
