@@ -7,6 +7,7 @@ This package sits beside the library, outside the wheel; run it from the reposit
     python -m benchmarks mla_decode [--quick] [--full] [--heads 16,128 --new 1,2,4 ...]
     python -m benchmarks ragged_dot [--quick] [--shapes mixtral,qwen] [--dist dirichlet]
     python -m benchmarks matmul [--quick] [--shapes cube8k]
+    python -m benchmarks linear_attention [--quick] [--ops simple_gla,gated_delta_rule] [--shapes 4x4k]
     python -m benchmarks report a.csv b.csv [--png merged.png]    # merge earlier runs, no GPU
     python -m benchmarks attention --help
 
@@ -21,7 +22,7 @@ One harness, shared by every op:
 - ``cli``: the subcommand registry, shared options, ``report``, ``main``.
 
 Then one module per op, with its providers (and, for attention, its configurations and report) beside
-it: ``attention``, ``decode`` (and ``mla_decode``, which runs on its machinery), ``gemm`` (the ``ragged_dot`` and ``matmul`` subcommands). A new op
+it: ``attention``, ``decode`` (and ``mla_decode``, which runs on its machinery), ``gemm`` (the ``ragged_dot`` and ``matmul`` subcommands), ``linear_attention``. A new op
 adds ``benchmarks/<op>.py`` (configurations with ``flops``/``label``/``CSV_FIELDS``/``csv_row``/
 ``from_row``, a ``harness.OpBench``, a ``cli.Command`` passed to ``cli.register``); the command line
 finds it by itself. See README.md beside this file.

@@ -103,19 +103,28 @@ def vs_best_peer(by_key: dict, cfg, mode: str) -> str:
     return f"{peer.time_ms / tk.time_ms:.2f}x {peer.provider}"
 
 
-def _format_mla(results: Sequence[Result], providers: Sequence[str]) -> str:
-    """Per mode: one row per MLA configuration, ``ms (TFLOP/s)`` per provider, and jax_tk's speed-up
-    over the fastest peer (``vs_best_peer``)."""
+def best_peer_grids(results: Sequence[Result], providers: Sequence[str], name: str, flops: str, columns,
+                    tk_width: int = 16) -> list[str]:
+    """Per mode: a grid titled ``== NAME, MODE: ... (TFLOP/s of FLOPS) ...`` with one row per
+    configuration (``columns``), ``ms (TFLOP/s)`` per provider, and jax_tk's speed-up over the fastest
+    peer (``vs_best_peer``, the ``tk/best`` column)."""
     by_key = {(r.config, r.provider, r.mode): r for r in results}
     configs = list(dict.fromkeys(r.config for r in results))
     lines = []
     for mode in dict.fromkeys(r.mode for r in results):
-        title = (f"== mla, {mode}: time per call in ms (TFLOP/s of useful FLOPs, 2*B*H*(D+Dv)*visible pairs "
-                 "per forward); tk/best = the fastest peer's time / jax_tk's (> 1: jax_tk is faster) ==")
-        lines += output.format_grid(title, _MLA_COLUMNS, configs, providers, mode, by_key,
+        title = (f"== {name}, {mode}: time per call in ms (TFLOP/s of {flops}); tk/best = the fastest peer's "
+                 "time / jax_tk's (> 1: jax_tk is faster) ==")
+        lines += output.format_grid(title, columns, configs, providers, mode, by_key,
                                     lambda r: f"{r.time_ms:.3f} ({fmt_tflops(r.tflops)})", " ms (TF/s)", 22,
-                                    extra=("tk/best", 16, lambda c, m: vs_best_peer(by_key, c, m)))
-    return "\n".join(lines)
+                                    extra=("tk/best", tk_width, lambda c, m: vs_best_peer(by_key, c, m)))
+    return lines
+
+
+def _format_mla(results: Sequence[Result], providers: Sequence[str]) -> str:
+    """Per mode: one row per MLA configuration, ``ms (TFLOP/s)`` per provider, and jax_tk's speed-up
+    over the fastest peer (``vs_best_peer``)."""
+    return "\n".join(best_peer_grids(results, providers, "mla",
+                                     "useful FLOPs, 2*B*H*(D+Dv)*visible pairs per forward", _MLA_COLUMNS))
 
 
 def _format_features(results: Sequence[Result], providers: Sequence[str]) -> str:

@@ -10,11 +10,13 @@ tokamax   tokamax                 tokamax                    attention: ``dot_pr
                                                              implementation="mosaic")``; ragged_dot:
                                                              ``ragged_dot(..., implementation="mosaic")``
 jla       jax-linear-attention    jla.ops.mosaic_gpu         attention: ``attention.flash_attention``;
-                                                             ragged_dot: ``ragged_dot.ragged_dot``
+                                                             ragged_dot: ``ragged_dot.ragged_dot``;
+                                                             linear_attention:
+                                                             ``gated_delta_rule.gated_delta_rule``,
+                                                             ``scalar_gate.simple_gla``
 ========  ======================  =========================  ==================================================
 
-Not timed yet, for want of a benchmark op: jax-linear-attention's ``jla.ops.mosaic_gpu.gated_delta_rule``
-and FLA's Triton kernels (``fla-core``, PyTorch) are the peers of the linear-attention op to come.
+Not timed: FLA's Triton kernels (``fla-core``, PyTorch), another peer of the linear-attention op.
 
 A peer whose package does not import is recorded as skipped, "unavailable: ..." (with the error and
 the pip name), and so is one that imports on a machine without a CUDA GPU. tokamax imports the

@@ -4,14 +4,16 @@
 // block's keys and values. A thread block takes 64 query rows (heads x new tokens, as decode's blocks
 // take a KV head's group) of one sequence and one part of its keys:
 //
-// - A producer warpgroup loads key blocks of 64 rows into a ring of two stages: by TMA where all of a
-//   block's rows are valid (one box, or boxes of 16 rows from pages of 16 or 32), else row by row with
+// - A producer warpgroup loads key blocks of 32 rows into a ring of four stages: by TMA where all of a
+//   block's rows are valid (one box, or boxes of 16 rows from pages of 16 or 48), else row by row with
 //   cp.async, zeros past the length or outside the pool (a value row of NaN times a weight of 0 would
 //   still be NaN).
-// - Two consumer warpgroups split each block's keys for the logits (S = Q K^T, 32 keys each, over all
-//   576 dims) and the output's columns for the values (O += P V, 256 columns each). Each hands the
-//   other its rows' maxima, so that both weigh their keys against one running maximum, and then its
-//   half of P through shared memory.
+// - Two consumer warpgroups take the key blocks in turn (consumer 0 the even ones, 1 the odd ones) for
+//   the logits (S = Q K^T over all 576 dims) and the weights, and split the output's columns (O += P V,
+//   256 columns each). The owner of a block weighs it against the running row maxima it took over
+//   with the block before, and hands its weights, the new maxima and the row sums to the other
+//   through shared memory; both then add the block to their columns. So the two are half a block
+//   apart: one's softmax runs while the other's products do.
 // - The parts of a split sequence merge in decode.cu's merge kernel.
 #include "decode/common.cuh"
 
@@ -20,14 +22,14 @@ namespace {
 
 template <typename T, int BOX_> struct Mla {
   using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
-  static constexpr int D = MLA_HEAD_DIM, DV = MLA_V_HEAD_DIM, ROWS = MLA_BLOCK_ROWS, KEYS = 64, STAGES = 2, BOX = BOX_;
-  static constexpr int HALF_KEYS = KEYS / 2, HALF_DV = DV / 2, THREADS = Roles::THREADS;
+  static constexpr int D = MLA_HEAD_DIM, DV = MLA_V_HEAD_DIM, ROWS = MLA_BLOCK_ROWS, KEYS = 32, STAGES = 4, BOX = BOX_;
+  static constexpr int HALF_DV = DV / 2, THREADS = Roles::THREADS;
   static constexpr int CONSUMERS = 128 * Roles::CONSUMERS;  // (threads)
   struct Shared {
     st<T, ROWS, D> q;
     st<T, KEYS, D> kv[STAGES];
-    st<T, ROWS, KEYS> p;   // the block's weights, both consumers' keys
-    float share[2][ROWS];  // each consumer's row maxima (at the end, row sums) for the other
+    st<T, ROWS, KEYS> p;     // the weights of the block last handed over
+    float handed[2][ROWS];   // its rows' running maxima and weight sums (at the end: the rows' lse)
     semaphore full[STAGES], empty[STAGES];
   };
   static_assert(sizeof(Shared) <= MAX_SHARED_BYTES && ROWS == 16 * 4);
@@ -64,53 +66,106 @@ template <typename T, typename C> struct MlaSm90 {
     produce_key_blocks<KEYS, C::BOX>(a, blk, kv(), sm.kv, boxes, rows);
   }
 
+  // Block i (of this part's, from 0) goes: S_i = Q K_i^T and its weights P_i by its owner (consumer
+  // i % 2), handed over; O += P_i V_i by both, each on its columns. The owner of block i issues S_i
+  // before it takes over block i - 1, so that its products run while the other weighs.
   __device__ __forceinline__ void consume() const {
     wait_group<0>();
     warpgroup::fence_shared_writes();
     sync_named(3, CONSUMERS);  // the query rows (the consumers' copies) have landed
-    const int w = warpid() % 4, other = 1 - wg;  // the warp's 16 rows: 16 w ..
-    using s_tile = rt_fl<TILE_ROWS, C::HALF_KEYS>;
+    const int w = warpid() % 4, n = blk.j1 - blk.j0;  // the warp's 16 rows: 16 w ..
+    using s_tile = rt_fl<TILE_ROWS, KEYS>;
     using vec = col_vec<s_tile>;
     rv<int2, TILE_ROWS, typename vec::layout> row_keys;
     warp::map_index(row_keys, [&](int r) { return blk.R.row_keys(p, 16 * w + r); });
     const float c = p.scale * LOG2E;
     s_tile s;
-    rt<T, TILE_ROWS, C::HALF_KEYS> pr;
+    rt<T, TILE_ROWS, KEYS> mine, theirs;  // P of this consumer's block, and of the other's
     rt_fl<TILE_ROWS, C::HALF_DV> o;
-    vec m, l, corr, mx, theirs;
+    vec m, l, corr, mx, r;  // r: the block's row sums of P
     warp::zero(o);
     warp::fill_vec(m, NEG_INF);
     warp::fill_vec(l, 0.f);
-    // This warp's rows of x and of the other consumer's: mx := both (by f), through shared memory.
-    auto exchange = [&](vec &x, auto f) {
-      warp::store(sm.share[wg] + 16 * w, x, TILE_ROWS);
-      sync_named(1, CONSUMERS);
-      warp::load(theirs, sm.share[other] + 16 * w, TILE_ROWS);
-      warp::map_vec(x, x, theirs, f);
-    };
-    for (ring_pos<STAGES> at(0); blk.j0 + at.n < blk.j1; ++at) {
-      auto &stage = sm.kv[at.slot];
-      const int k0 = (blk.j0 + at.n) * KEYS + C::HALF_KEYS * wg;  // this consumer's keys
+    auto logits = [&](int i) {
+      const ring_pos<STAGES> at(i);
       wait_full(kv(), at);
       warpgroup::fence_shared_writes();
-      warpgroup::mma_ABt(s, sm.q, window<C::HALF_KEYS, C::D>(stage, C::HALF_KEYS * wg, 0), false);  // S = Q K^T
-      warpgroup::wait<0>();
+      warpgroup::mma_ABt(s, sm.q, sm.kv[at.slot], false);
+    };
+    auto weigh = [&](int i) {  // mine := P_i; m: the new maxima; corr, r
       warpgroup::fence_registers(s);
-      mask_block(s, blk, row_keys, k0);
+      mask_block(s, blk, row_keys, (blk.j0 + i) * KEYS);
       warp::row_max(mx, s, m);
-      exchange(mx, [](float x, float y) { return fmaxf(x, y); });  // (both consumers' keys)
-      warp::softmax_step_to(s, m, l, corr, mx, c);
+      warp::fill_vec(r, 0.f);
+      warp::softmax_step_to(s, m, r, corr, mx, c);
+      warp::copy(mine, s);
+    };
+    auto hand_over = [&] {
+      warp::store(sm.p, mine, 16 * w, 0);
+      warp::store(sm.handed[0] + 16 * w, m, TILE_ROWS);
+      warp::store(sm.handed[1] + 16 * w, r, TILE_ROWS);
+      arrive_named_unaligned(1 + wg, CONSUMERS);
+    };
+    auto take_over = [&] {  // theirs := the other's P; m: its new maxima; corr, r
+      sync_named_unaligned(2 - wg, CONSUMERS);
+      warp::load(theirs, sm.p, 16 * w, 0);
+      warp::load(mx, sm.handed[0] + 16 * w, TILE_ROWS);
+      warp::load(r, sm.handed[1] + 16 * w, TILE_ROWS);
+      warp::map_vec(corr, m, mx, [=](float a, float b) { return warp::fn::exp2(a * c - (b == NEG_INF ? 0.f : b * c)); });
+      m = mx;
+    };
+    auto values = [&](int i, const rt<T, TILE_ROWS, KEYS> &weights) {  // o, l: up to block i
       warp::mul_row(o, o, corr);
-      warp::copy(pr, s);
-      warp::store(sm.p, pr, 16 * w, C::HALF_KEYS * wg);
-      warpgroup::fence_shared_writes();
-      sync_named(2, CONSUMERS);  // both halves of P are in (and both consumers have read the maxima)
-      warpgroup::mma_AB(o, sm.p, window<KEYS, C::HALF_DV>(stage, 0, C::HALF_DV * wg), true);  // O += P V
+      warp::map_vec(l, l, corr, [](float a, float b) { return a * b; });
+      warp::map_vec(l, l, r, [](float a, float b) { return a + b; });
+      warpgroup::mma_AB(o, weights, window<KEYS, C::HALF_DV>(sm.kv[i % STAGES], 0, C::HALF_DV * wg), true);
+    };
+    auto release = [&](int i) {
+      if (laneid() == 0) arrive_empty(kv(), ring_pos<STAGES>(i));
+    };
+    // (Each product is waited for in the branch that issued it, or in the loop that carries it, and the
+    // loop is entered with one product in flight: so ptxas need not serialize them.)
+    const bool theirs_last = n > 0 && (n - 1) % 2 != wg;
+    if (wg < n) {
+      if (wg == 1) {  // consumer 1's first block, after block 0
+        logits(1);
+        take_over();
+        values(0, theirs);
+        warpgroup::wait<0>();
+        warpgroup::fence_registers(o);
+        release(0);
+      } else {
+        logits(0);
+        warpgroup::wait<0>();
+      }
+      weigh(wg);
+      hand_over();
+      values(wg, mine);
+      for (int i = wg + 2; i < n; i += 2) {  // this consumer's block i, and the other's i - 1 before it
+        logits(i);
+        take_over();  // (while S_i and this consumer's values of block i - 2 run)
+        warpgroup::wait<0>();
+        warpgroup::fence_registers(o);
+        release(i - 2);  // (a lane's arrival branches: not while a product runs)
+        values(i - 1, theirs);
+        weigh(i);  // (while the values of block i - 1 run)
+        warpgroup::wait<0>();
+        warpgroup::fence_registers(o);
+        release(i - 1);
+        hand_over();
+        values(i, mine);
+      }
       warpgroup::wait<0>();
       warpgroup::fence_registers(o);
-      if (laneid() == 0) arrive_empty(kv(), at);
+      release(n - 1 - theirs_last);  // this consumer's last block
     }
-    exchange(l, [](float x, float y) { return x + y; });  // the row sums over both consumers' keys
+    if (theirs_last) {
+      take_over();
+      values(n - 1, theirs);
+      warpgroup::wait<0>();
+      warpgroup::fence_registers(o);
+      release(n - 1);
+    }
     warp::normalize_output(o, l);
     finish(o, m, l, c, w);
   }
@@ -124,17 +179,17 @@ template <typename T, typename C> struct MlaSm90 {
       warp::store(gl<T>::make(static_cast<T *>(p.o) + first * C::DV, 1, blk.R.rows, 1, C::DV), o, at);
     else
       warp::store(gl<float>::make(p.workspace + p.splits * q_rows + (blk.part * q_rows + first) * C::DV, 1, blk.R.rows, 1, C::DV), o, at);
-    sync_named(1, CONSUMERS);  // (both consumers have read the other's row sums)
+    sync_named(3, CONSUMERS);  // (the other consumer has read the last hand-over)
     if (wg != 0) return;
     V lse;
     warp::map_vec(lse, m, l, [=](float mx, float x) { return x > 0.f ? mx * c + warp::fn::log2(x) : NEG_INF; });
-    warp::store(sm.share[0] + 16 * w, lse, TILE_ROWS);
+    warp::store(sm.handed[0] + 16 * w, lse, TILE_ROWS);
     __syncwarp();
     const int r = 16 * w + laneid();
     if (laneid() < TILE_ROWS && blk.R.real(r)) {
       const size_t row = blk.row_index(p, r);
-      if (p.splits > 1) p.workspace[blk.part * q_rows + row] = sm.share[0][r];
-      else store_lse(p, row, sm.share[0][r]);
+      if (p.splits > 1) p.workspace[blk.part * q_rows + row] = sm.handed[0][r];
+      else store_lse(p, row, sm.handed[0][r]);
     }
   }
 };

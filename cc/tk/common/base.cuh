@@ -48,6 +48,10 @@ __device__ __forceinline__ void sync_named_unaligned(int id, int threads) {
 __device__ __forceinline__ void arrive_named(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// The same where the threads that wait run other code (see sync_named_unaligned).
+__device__ __forceinline__ void arrive_named_unaligned(int id, int threads) {
+  asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // The struct S at the first 1024-byte boundary of a dynamic shared-memory array (swizzled tiles need
 // that alignment). Arithmetic on the array's own pointer keeps its state space known, so that plain

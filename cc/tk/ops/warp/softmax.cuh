@@ -19,13 +19,8 @@ __device__ __forceinline__ float tanh_fast(float x) {
   return 1.f - __fdividef(2.f, fn::exp2(2.f * LOG2E * x) + 1.f);
 }
 
-// One step of the online softmax over a block of logits s (units of 1 / c: s * c is in log2 units):
-// updates the running row max m (same units) and sum l, sets corr to the factor that rescales what
-// was accumulated before, and s := exp2(c (s - m)). LANE_SUMS: l holds this lane's part of each
-// row's sum (row_sum_lane), which sum_lanes(l) completes after the last step: the shuffles of the
-// sum are paid once instead of at every step.
-// The same given the new row max m_new (at least m and s's row max: e.g. shared with the warps that
-// hold the other keys of these rows).
+// softmax_step (below) given the new row max m_new: at least m and s's row max, e.g. shared with the
+// warps that hold the other keys of these rows.
 template <bool LANE_SUMS = false, typename RT, typename V>
 __device__ __forceinline__ void softmax_step_to(RT &s, V &m, V &l, V &corr, const V &m_new, float c) {
   V mc;
@@ -38,6 +33,11 @@ __device__ __forceinline__ void softmax_step_to(RT &s, V &m, V &l, V &corr, cons
   else row_sum(l, s, l);
   m = m_new;
 }
+// One step of the online softmax over a block of logits s (units of 1 / c: s * c is in log2 units):
+// updates the running row max m (same units) and sum l, sets corr to the factor that rescales what
+// was accumulated before, and s := exp2(c (s - m)). LANE_SUMS: l holds this lane's part of each
+// row's sum (row_sum_lane), which sum_lanes(l) completes after the last step: the shuffles of the
+// sum are paid once instead of at every step.
 template <bool LANE_SUMS = false, typename RT, typename V>
 __device__ __forceinline__ void softmax_step(RT &s, V &m, V &l, V &corr, float c) {
   V m_new;
