@@ -7,19 +7,23 @@
 //
 // Every exponent is <= 0 (g <= 0): no factor exceeds 1, however long the sequence. A thread block
 // takes one sequence, one value head and V_SLICE columns of its values and state (the state's K rows
-// whole: 2 x 64 rows of accumulators), and walks the sequence's chunks:
+// whole: 2 x 64 rows of accumulators), and walks the sequence's chunks with three warpgroups:
 //
 // - a producer thread loads each chunk's Q, K (the value head's q/k head) and V slice by TMA into a
 //   ring of two stages; rows past the tensor arrive as zeros, and rows past the sequence (a packed
 //   batch's next one) are masked out of every product below;
-// - one consumer warpgroup computes Q S (the state as bf16 in shared memory) and Q K^T together, scales
-//   and masks them, adds P V, stores O, and then updates the state with K^T V', where V' is V with its
-//   rows scaled by exp(G_last - G_j) (0 past the sequence), written to shared memory first.
+// - the state's warpgroup carries S (float32, in registers) from chunk to chunk: K^T V', where V' is V
+//   with its rows scaled by exp(G_last - G_j) (0 past the sequence), and hands each chunk's starting
+//   state, as bf16, to the outputs' warpgroup through a second ring of two buffers;
+// - the outputs' warpgroup computes Q K^T, scales and masks it to P, adds P V to diag(exp(G)) Q S
+//   once that chunk's state has arrived, and stores O.
+// Only the state's update is a chain from chunk to chunk; the outputs' work of one chunk runs beside
+// the update of the next.
 //
 // With DELTA (the gated delta rule) the values are the delta rule's U = U' - W S, from the chunk's W and
-// U' (wy_fwd.cu) and the state it starts from: W S goes to the tensor cores with Q S and Q K^T, and U
-// (0 past the sequence: those rows of W and U' belong to no chunk of this sequence) takes V's place
-// in both products.
+// U' (wy_fwd.cu) and the state it starts from: the state's warpgroup computes U (0 past the sequence:
+// those rows of W and U' belong to no chunk of this sequence) and hands it over with the state, and U
+// takes V's place in both products.
 #include "linear_attention/linear_attention.h"
 #include "tk/tk.cuh"
 
@@ -30,18 +34,19 @@ using namespace tk;
 constexpr float LOG2E = 1.4426950408889634f;
 
 template <typename T, int K, bool DELTA> struct Gla {
-  using Roles = roles</*CONSUMERS=*/1, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
+  using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
   static constexpr int C = CHUNK, VS = V_SLICE, STAGES = 2, THREADS = Roles::THREADS;
+  static constexpr int STATE = 0;  // the state's consumer warpgroup (the outputs': 1)
   static_assert(C == 64 && VS == 64 && (K == 64 || K == 128));
   struct Shared {
     st<T, C, K> q[STAGES], k[STAGES];
     st<T, C, VS> v[STAGES];  // V's slice (DELTA: U''s)
     [[no_unique_address]] std::conditional_t<DELTA, st<T, C, K>, Empty> w[STAGES];
-    [[no_unique_address]] std::conditional_t<DELTA, st<T, C, VS>, Empty> u;  // U (DELTA)
-    st<T, K, VS> s;   // the state the chunk starts from, as the product's operand
-    st<T, C, VS> vd;  // V', the chunk's values weighted for the state update
-    float cum[C];     // G
-    semaphore full[STAGES], empty[STAGES];
+    st<T, K, VS> s[2];       // the state a chunk starts from (bf16), handed to the outputs' warpgroup
+    [[no_unique_address]] std::conditional_t<DELTA, st<T, C, VS>, Empty> u[2];  // U (DELTA), with it
+    st<T, C, VS> vd;         // V', the chunk's values weighted for the state update
+    float cum[2][2][C];      // G, per consumer warpgroup and chunk parity
+    semaphore full[STAGES], empty[STAGES], state_full[2], state_empty[2];
   };
   static_assert(sizeof(Shared) <= MAX_SHARED_BYTES);
 };
@@ -54,19 +59,29 @@ template <typename T, int K> struct Args {
 template <typename T, int K, bool DELTA> struct GlaSm90 {
   using G = Gla<T, K, DELTA>;
   using Roles = typename G::Roles;
+  using tile = rt_fl<16, 64>;
+  using cvec = col_vec<tile>;
+  using rvec = row_vec<tile>;
   static constexpr int C = G::C, VS = G::VS, STAGES = G::STAGES;
+  static constexpr float c2 = LOG2E;
   const Args<T, K> &a;
   typename G::Shared &sm;
   const FwdParams &p = a.p;
   __device__ __forceinline__ ring<STAGES> kv() const { return {sm.full, sm.empty}; }
+  __device__ __forceinline__ ring<2> states() const { return {sm.state_full, sm.state_empty}; }
   const int wg = warpgroup::groupid();
   // The block's sequence n, value head h and slice of value columns; its tokens [bos, bos + len) of row b.
   const int slices = p.v_dim / VS, slice = blockIdx.x % slices, h = blockIdx.x / slices % p.v_heads,
             n = blockIdx.x / slices / p.v_heads;
   const int b = p.cu_seqlens ? 0 : n, bos = p.cu_seqlens ? p.cu_seqlens[n] : 0,
             len = p.cu_seqlens ? p.cu_seqlens[n + 1] - bos : p.seq_len, chunks = (len + C - 1) / C;
+  const float *g = p.g + ((size_t)b * p.v_heads + h) * p.seq_len + bos;
 
-  __device__ __forceinline__ void init() const { tk::init(kv(), 1, 4); }  // full: the producer thread; empty: each consumer warp
+  // chunks: each consumer warp (both warpgroups) frees a slot; states: each warp of one side.
+  __device__ __forceinline__ void init() const {
+    tk::init(kv(), 1, 8);
+    tk::init(states(), 4, 4);
+  }
   __device__ __forceinline__ void before_sync() const {}
 
   __device__ __forceinline__ void produce() const {
@@ -88,6 +103,26 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
     }
   }
 
+  // G of chunk `c` into this warpgroup's copy (one of two by parity: a warp still reading the last
+  // chunk's is not overwritten): an inclusive scan of the decays over the first two warps, 0 past the
+  // sequence. `bar`: the warpgroup's named barrier.
+  __device__ __forceinline__ float *scan(int c, int bar) const {
+    const int tid = threadIdx.x % 128, t = C * c + tid;
+    float *cum = sm.cum[wg][c % 2];
+    if (tid < C) {
+      float x = t < len ? g[t] : 0.f;
+      for (int d = 1; d < 32; d *= 2) {
+        const float y = __shfl_up_sync(~0u, x, d);
+        if (laneid() >= d) x += y;
+      }
+      cum[tid] = x;
+    }
+    sync_named(bar, 128);
+    if (tid >= 32 && tid < C) cum[tid] += cum[31];
+    sync_named(bar, 128);
+    return cum;
+  }
+
   // This warp's 16 rows of the state's top (K rows 0..63) or bottom (64..127) half: from or to float32
   // [K, V] at `state` (this sequence and head), this block's columns.
   __device__ __forceinline__ gl<float> state_view(float *state) const {
@@ -95,111 +130,124 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
   }
 
   __device__ __forceinline__ void consume() const {
-    const int w = warpid() % 4, tid = threadIdx.x % 128;
-    const float c2 = LOG2E;
-    using tile = rt_fl<16, 64>;
-    using cvec = col_vec<tile>;
-    using rvec = row_vec<tile>;
-    tile s[K / 64], o, qk;  // the state's rows 64 i + 16 w ..; the chunk's outputs; Q K^T
-    rt<T, 16, 64> pw, sb;   // P (bf16), the state's rows as bf16
-    if (p.h0) {
-      for (int i = 0; i < K / 64; i++) warp::load(s[i], state_view(const_cast<float *>(p.h0)), {0, 64 * i + 16 * w, 0, VS * slice});
-    } else {
-      for (int i = 0; i < K / 64; i++) warp::zero(s[i]);
+    if (wg == G::STATE) carry_state();
+    else outputs();
+  }
+
+  // The state's warpgroup: S_0, then per chunk c (S_c in registers and in sm.s[c % 2]): (DELTA) U_c,
+  // handed over with S_c; S_{c+1} = exp(G_last) S_c + K^T V'; S_{c+1} into the other buffer once the
+  // outputs' warpgroup is done with S_{c-1} there.
+  __device__ __forceinline__ void carry_state() const {
+    const int w = warpid() % 4;
+    tile s[K / 64];  // the state's rows 64 i + 16 w ..
+#pragma unroll
+    for (int i = 0; i < K / 64; i++) {
+      if (p.h0) warp::load(s[i], state_view(const_cast<float *>(p.h0)), {0, 64 * i + 16 * w, 0, VS * slice});
+      else warp::zero(s[i]);
     }
-    auto publish_state = [&] {  // sm.s := the state (bf16), for the next chunk's Q S
-      for (int i = 0; i < K / 64; i++) {
+    auto publish = [&](int c) {  // sm.s[c % 2] := the state (bf16); with simple GLA, handed over
+      rt<T, 16, 64> sb;
+#pragma unroll
+    for (int i = 0; i < K / 64; i++) {
         warp::copy(sb, s[i]);
-        warp::store(sm.s, sb, 64 * i + 16 * w, 0);
+        warp::store(sm.s[c % 2], sb, 64 * i + 16 * w, 0);
       }
       warpgroup::fence_shared_writes();
       sync_named(1, 128);
+      if (!DELTA && laneid() == 0) arrive_full(states(), c);
     };
-    publish_state();
-    const gl<T> out = gl<T>::make(static_cast<T *>(p.o) + (size_t)b * p.seq_len * p.v_heads * p.v_dim + (size_t)bos * p.v_heads * p.v_dim,
-                                  1, len, p.v_heads, p.v_dim);
-    const float *g = p.g + ((size_t)b * p.v_heads + h) * p.seq_len + bos;
-    float g_next = tid < C && tid < len ? g[tid] : 0.f;
+    publish(0);
     for (ring_pos<STAGES> at(0); at.n < chunks; ++at) {
-      const int t0 = C * at.n, valid = min(C, len - t0);
-      // G: an inclusive scan of the chunk's decays over the first two warps (0 past the sequence).
-      if (tid < C) {
-        float x = g_next;
-        for (int d = 1; d < 32; d *= 2) {
-          const float y = __shfl_up_sync(~0u, x, d);
-          if (laneid() >= d) x += y;
-        }
-        sm.cum[tid] = x;
-      }
-      sync_named(1, 128);
-      if (tid >= 32 && tid < C) sm.cum[tid] += sm.cum[31];
-      g_next = tid < C && t0 + C + tid < len ? g[t0 + C + tid] : 0.f;  // (the next chunk's, early)
-      sync_named(1, 128);
-      const float last = sm.cum[valid - 1];
+      const int c = at.n, valid = min(C, len - C * c);
+      const float *cum = scan(c, 1);
+      const float last = cum[valid - 1];
       wait_full(kv(), at);
-      warpgroup::mma_AB(o, sm.q[at.slot], sm.s, false);       // Q S
-      warpgroup::mma_ABt(qk, sm.q[at.slot], sm.k[at.slot], false);  // Q K^T
-      tile ws;
-      if constexpr (DELTA) warpgroup::mma_AB(ws, sm.w[at.slot], sm.s, false);  // W S
-      cvec gi;
-      warp::map_index(gi, [&](int r) { return sm.cum[16 * w + r]; });
-      rv<float2, 64, typename rvec::layout> gj;  // {G_j, j}
-      warp::map_index(gj, [&](int j) { return float2{sm.cum[j], float(j)}; });
-      rv<float2, 16, typename cvec::layout> ri;  // {G_i, i}
-      warp::map_index(ri, [&](int r) { return float2{sm.cum[16 * w + r], float(16 * w + r)}; });
-      cvec live;  // 1 for this warp's rows of the sequence, 0 past it
-      warp::map_index(live, [&](int r) { return 16 * w + r < valid ? 1.f : 0.f; });
-      warpgroup::wait<0>();
-      warpgroup::fence_registers(o);
-      warpgroup::fence_registers(qk);
-      // This warp's rows of the values: V's, or (DELTA) U = U' - W S, into shared memory for P U.
-      rt<T, 16, 64> vr;
+      rt<T, 16, 64> vr;  // this warp's rows of the values: V's, or (DELTA) U = U' - W S
+      warp::load(vr, sm.v[at.slot], 16 * w, 0);
       if constexpr (DELTA) {
+        tile ws, u;
+        warpgroup::mma_AB(ws, sm.w[at.slot], sm.s[c % 2], false);  // W S
+        warpgroup::wait<0>();
         warpgroup::fence_registers(ws);
-        tile u;
-        warp::load(vr, sm.v[at.slot], 16 * w, 0);
+        cvec live;  // 1 for this warp's rows of the sequence, 0 past it
+        warp::map_index(live, [&](int r) { return 16 * w + r < valid ? 1.f : 0.f; });
         warp::copy(u, vr);
         warp::map(u, u, ws, [](float x, float y) { return x - y; });
         warp::map_row(u, u, live, [](float x, float l) { return l > 0.f ? x : 0.f; });  // (W and U' rows past
         // the sequence belong to no chunk of it: whatever they hold, NaN included, becomes 0)
         warp::copy(vr, u);
-        warp::store(sm.u, vr, 16 * w, 0);
+        warp::store(sm.u[c % 2], vr, 16 * w, 0);
         warpgroup::fence_shared_writes();
-        sync_named(1, 128);
-      } else {
-        warp::load(vr, sm.v[at.slot], 16 * w, 0);
+        __syncwarp();
+        if (laneid() == 0) arrive_full(states(), c);  // S_c and this warp's rows of U_c
       }
-      const float scale = p.scale;
-      warp::map_vec(gi, gi, [=](float x) { return scale * warp::fn::exp2(x * c2); });
-      warp::mul_row(o, o, gi);  // scale * diag(exp(G)) Q S
+      // V': this warp's rows of the values weighted by exp(G_last - G_j), 0 past the sequence.
+      cvec dj;
+      warp::map_index(dj, [&](int r) { return 16 * w + r < valid ? warp::fn::exp2((last - cum[16 * w + r]) * c2) : 0.f; });
+      warp::mul_row(vr, vr, dj);
+      warp::store(sm.vd, vr, 16 * w, 0);
+      warpgroup::fence_shared_writes();
+      sync_named(1, 128);
+      const float decay = warp::fn::exp2(last * c2);
+#pragma unroll
+    for (int i = 0; i < K / 64; i++) {
+        warp::map(s[i], s[i], [=](float x) { return x * decay; });
+        warpgroup::mma_AtB(s[i], window<C, 64>(sm.k[at.slot], 0, 64 * i), sm.vd, true);  // + K^T V'
+      }
+      warpgroup::wait<0>();
+#pragma unroll
+    for (int i = 0; i < K / 64; i++) warpgroup::fence_registers(s[i]);
+      if (laneid() == 0) arrive_empty(kv(), at);
+      if (c + 1 < chunks) {
+        wait_empty(states(), c + 1);
+        publish(c + 1);
+      }
+    }
+    if (p.ht)
+#pragma unroll
+    for (int i = 0; i < K / 64; i++) warp::store(state_view(p.ht), s[i], {0, 64 * i + 16 * w, 0, VS * slice});
+  }
+
+  // The outputs' warpgroup: per chunk, O = scale (diag(exp(G)) Q S + (Q K^T * D) V) (DELTA: U for V).
+  __device__ __forceinline__ void outputs() const {
+    const int w = warpid() % 4;
+    const float scale = p.scale;
+    const gl<T> out = gl<T>::make(static_cast<T *>(p.o) + (size_t)b * p.seq_len * p.v_heads * p.v_dim + (size_t)bos * p.v_heads * p.v_dim,
+                                  1, len, p.v_heads, p.v_dim);
+    for (ring_pos<STAGES> at(0); at.n < chunks; ++at) {
+      const int c = at.n, t0 = C * c, valid = min(C, len - t0);
+      const float *cum = scan(c, 2);
+      tile o, pv, qk;
+      rt<T, 16, 64> pw;
+      wait_full(kv(), at);
+      warpgroup::mma_ABt(qk, sm.q[at.slot], sm.k[at.slot], false);  // Q K^T
+      cvec gi;
+      warp::map_index(gi, [&](int r) { return scale * warp::fn::exp2(cum[16 * w + r] * c2); });
+      rv<float2, 64, typename rvec::layout> gj;  // {G_j, j}
+      warp::map_index(gj, [&](int j) { return float2{cum[j], float(j)}; });
+      rv<float2, 16, typename cvec::layout> ri;  // {G_i, i}
+      warp::map_index(ri, [&](int r) { return float2{cum[16 * w + r], float(16 * w + r)}; });
+      warpgroup::wait<0>();
+      warpgroup::fence_registers(qk);
       warp::map_outer(qk, qk, ri, gj, [=](float x, float2 i, float2 j) {
         return j.y <= i.y && j.y < valid ? scale * x * warp::fn::exp2((i.x - j.x) * c2) : 0.f;
       });
       warp::copy(pw, qk);
-      if constexpr (DELTA) warpgroup::mma_AB(o, pw, sm.u, true);  // + (Q K^T * D) U
-      else warpgroup::mma_AB(o, pw, sm.v[at.slot], true);        // + (Q K^T * D) V
-      // V': this warp's rows of the values weighted by exp(G_last - G_j), 0 past the sequence.
-      cvec dj;
-      warp::map_index(dj, [&](int r) { return 16 * w + r < valid ? warp::fn::exp2((last - sm.cum[16 * w + r]) * c2) : 0.f; });
-      warp::mul_row(vr, vr, dj);
-      warp::store(sm.vd, vr, 16 * w, 0);
-      warpgroup::fence_shared_writes();
-      sync_named(1, 128);  // (V' whole; and every warp has read sm.cum)
-      warpgroup::wait<0>();  // (O; Q S has read sm.s)
-      warpgroup::fence_registers(o);
-      const float decay = warp::fn::exp2(last * c2);
-      for (int i = 0; i < K / 64; i++) {
-        warp::map(s[i], s[i], [=](float x) { return x * decay; });
-        warpgroup::mma_AtB(s[i], window<C, 64>(sm.k[at.slot], 0, 64 * i), sm.vd, true);  // + K^T V'
-      }
-      warp::store(out, o, {0, t0 + 16 * w, h, VS * slice});
+      if constexpr (!DELTA) warpgroup::mma_AB(pv, pw, sm.v[at.slot], false);  // (Q K^T * D) V, before the state
+      wait_full(states(), c);
+      warpgroup::mma_AB(o, sm.q[at.slot], sm.s[c % 2], false);  // Q S
+      if constexpr (DELTA) warpgroup::mma_AB(pv, pw, sm.u[c % 2], false);  // (Q K^T * D) U
       warpgroup::wait<0>();
-      for (int i = 0; i < K / 64; i++) warpgroup::fence_registers(s[i]);
-      if (laneid() == 0) arrive_empty(kv(), at);
-      publish_state();
+      warpgroup::fence_registers(o);
+      warpgroup::fence_registers(pv);
+      if (laneid() == 0) {
+        arrive_empty(states(), c);
+        arrive_empty(kv(), at);
+      }
+      warp::mul_row(o, o, gi);  // scale * diag(exp(G)) Q S
+      warp::map(o, o, pv, [](float x, float y) { return x + y; });
+      warp::store(out, o, {0, t0 + 16 * w, h, VS * slice});
     }
-    if (p.ht)
-      for (int i = 0; i < K / 64; i++) warp::store(state_view(p.ht), s[i], {0, 64 * i + 16 * w, 0, VS * slice});
   }
 };
 
