@@ -105,22 +105,28 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
 
   // G of chunk `c` into this warpgroup's copy (one of two by parity: a warp still reading the last
   // chunk's is not overwritten): an inclusive scan of the decays over the first two warps, 0 past the
-  // sequence. `bar`: the warpgroup's named barrier.
-  __device__ __forceinline__ float *scan(int c, int bar) const {
-    const int tid = threadIdx.x % 128, t = C * c + tid;
+  // sequence. `bar`: the warpgroup's named barrier. `g_next` holds this chunk's decays on entry (thread
+  // t < C: token t), the next chunk's on return: loaded a chunk early, off the chain.
+  __device__ __forceinline__ float *scan(int c, int bar, float &g_next) const {
+    const int tid = threadIdx.x % 128, t = C * (c + 1) + tid;
     float *cum = sm.cum[wg][c % 2];
     if (tid < C) {
-      float x = t < len ? g[t] : 0.f;
+      float x = g_next;
       for (int d = 1; d < 32; d *= 2) {
         const float y = __shfl_up_sync(~0u, x, d);
         if (laneid() >= d) x += y;
       }
       cum[tid] = x;
+      g_next = t < len ? g[t] : 0.f;
     }
     sync_named(bar, 128);
     if (tid >= 32 && tid < C) cum[tid] += cum[31];
     sync_named(bar, 128);
     return cum;
+  }
+  __device__ __forceinline__ float first_decays() const {
+    const int tid = threadIdx.x % 128;
+    return tid < C && tid < len ? g[tid] : 0.f;
   }
 
   // This warp's 16 rows of the state's top (K rows 0..63) or bottom (64..127) half: from or to float32
@@ -157,9 +163,10 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
       if (!DELTA && laneid() == 0) arrive_full(states(), c);
     };
     publish(0);
+    float g_next = first_decays();
     for (ring_pos<STAGES> at(0); at.n < chunks; ++at) {
       const int c = at.n, valid = min(C, len - C * c);
-      const float *cum = scan(c, 1);
+      const float *cum = scan(c, 1, g_next);
       const float last = cum[valid - 1];
       wait_full(kv(), at);
       rt<T, 16, 64> vr;  // this warp's rows of the values: V's, or (DELTA) U = U' - W S
@@ -214,9 +221,10 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
     const float scale = p.scale;
     const gl<T> out = gl<T>::make(static_cast<T *>(p.o) + (size_t)b * p.seq_len * p.v_heads * p.v_dim + (size_t)bos * p.v_heads * p.v_dim,
                                   1, len, p.v_heads, p.v_dim);
+    float g_next = first_decays();
     for (ring_pos<STAGES> at(0); at.n < chunks; ++at) {
       const int c = at.n, t0 = C * c, valid = min(C, len - t0);
-      const float *cum = scan(c, 2);
+      const float *cum = scan(c, 2, g_next);
       tile o, pv, qk;
       rt<T, 16, 64> pw;
       wait_full(kv(), at);
