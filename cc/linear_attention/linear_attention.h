@@ -34,6 +34,24 @@ struct FwdParams {
   float scale;
   // The gated delta rule (wy_fwd's W and U', [batch, seq_len, v_heads, k_dim / v_dim]); nullptr: simple GLA.
   const void *w = nullptr, *u = nullptr;
+  // For the backward: each chunk's starting state S_c, [num_seqs, v_heads, max_chunks, k_dim, v_dim] in
+  // q's dtype (max_chunks: the longest sequence's chunks); nullptr: not kept.
+  void *states = nullptr;
+  int max_chunks = 0;
+};
+
+// Simple GLA's backward: the forward's operands, sizes and states (f; its o, ht, w and u unused) and the
+// cotangents. Two kernels: the state's gradient carried backward over the chunks (dstates), then every
+// chunk at once.
+struct BwdParams {
+  FwdParams f;               // f.states: the forward's S_c (required)
+  const void *dout;          // [batch, seq_len, v_heads, v_dim], q's dtype
+  const float *dht;          // [num_seqs, v_heads, k_dim, v_dim] the final states' cotangent, or nullptr (zeros)
+  void *dstates;             // as f.states: dS_{c+1}, the gradient of the state chunk c hands on (workspace)
+  float *dq, *dk;            // [batch, seq_len, v_heads, k_dim]: one per value head (the caller sums a group's)
+  void *dv;                  // v's shape, q's dtype
+  float *dg;                 // [batch, v_heads, seq_len], as g
+  float *dh0;                // [num_seqs, v_heads, k_dim, v_dim], or nullptr
 };
 
 // The gated delta rule's per-chunk solve (wy_fwd.cu): W and U' of every chunk, for the sequential pass.
@@ -52,6 +70,8 @@ cudaError_t wy_fwd(const WyParams &p, cudaStream_t stream);
 // Simple GLA's forward on Hopper (sm_90a), or with FwdParams::w the gated delta rule's sequential pass:
 // k_dim 64 or 128, v_dim a multiple of V_SLICE.
 cudaError_t simple_gla_fwd_sm90(const FwdParams &p, cudaStream_t stream);
+// Simple GLA's backward on Hopper (sm_90a), the same sizes as the forward's.
+cudaError_t simple_gla_bwd_sm90(const BwdParams &p, cudaStream_t stream);
 #endif
 
 }  // namespace jax_tk::linear_attention

@@ -24,14 +24,12 @@
 // U' (wy_fwd.cu) and the state it starts from: the state's warpgroup computes U (0 past the sequence:
 // those rows of W and U' belong to no chunk of this sequence) and hands it over with the state, and U
 // takes V's place in both products.
-#include "linear_attention/linear_attention.h"
-#include "tk/tk.cuh"
+#include "linear_attention/common.cuh"
 
 namespace jax_tk::linear_attention {
 namespace {
 
 using namespace tk;
-constexpr float LOG2E = 1.4426950408889634f;
 
 template <typename T, int K, bool DELTA> struct Gla {
   using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
@@ -73,8 +71,8 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
   // The block's sequence n, value head h and slice of value columns; its tokens [bos, bos + len) of row b.
   const int slices = p.v_dim / VS, slice = blockIdx.x % slices, h = blockIdx.x / slices % p.v_heads,
             n = blockIdx.x / slices / p.v_heads;
-  const int b = p.cu_seqlens ? 0 : n, bos = p.cu_seqlens ? p.cu_seqlens[n] : 0,
-            len = p.cu_seqlens ? p.cu_seqlens[n + 1] - bos : p.seq_len, chunks = (len + C - 1) / C;
+  const Sequence seq{p.cu_seqlens, p.seq_len, n};
+  const int b = seq.b, bos = seq.bos, len = seq.len, chunks = seq.chunks;
   const float *g = p.g + ((size_t)b * p.v_heads + h) * p.seq_len + bos;
 
   // chunks: each consumer warp (both warpgroups) frees a slot; states: each warp of one side.
@@ -103,25 +101,15 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
     }
   }
 
-  // G of chunk `c` into this warpgroup's copy (one of two by parity: a warp still reading the last
-  // chunk's is not overwritten): an inclusive scan of the decays over the first two warps, 0 past the
-  // sequence. `bar`: the warpgroup's named barrier. `g_next` holds this chunk's decays on entry (thread
-  // t < C: token t), the next chunk's on return: loaded a chunk early, off the chain.
+  // G of chunk `c` (scan_decays) into this warpgroup's copy for the chunk's parity. `g_next` holds this
+  // chunk's decays on entry (thread t < C: token t), the next chunk's on return: loaded a chunk early,
+  // off the chain. `bar`: the warpgroup's named barrier.
   __device__ __forceinline__ float *scan(int c, int bar, float &g_next) const {
     const int tid = threadIdx.x % 128, t = C * (c + 1) + tid;
     float *cum = sm.cum[wg][c % 2];
-    if (tid < C) {
-      float x = g_next;
-      for (int d = 1; d < 32; d *= 2) {
-        const float y = __shfl_up_sync(~0u, x, d);
-        if (laneid() >= d) x += y;
-      }
-      cum[tid] = x;
-      g_next = t < len ? g[t] : 0.f;
-    }
-    sync_named(bar, 128);
-    if (tid >= 32 && tid < C) cum[tid] += cum[31];
-    sync_named(bar, 128);
+    const float x = g_next;
+    if (tid < C) g_next = t < len ? g[t] : 0.f;
+    scan_decays(cum, x, bar);
     return cum;
   }
   __device__ __forceinline__ float first_decays() const {
@@ -133,6 +121,11 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
   // [K, V] at `state` (this sequence and head), this block's columns.
   __device__ __forceinline__ gl<float> state_view(float *state) const {
     return gl<float>::make(state + ((size_t)n * p.v_heads + h) * K * p.v_dim, 1, K, 1, p.v_dim);
+  }
+  // Chunk c's starting state in p.states ([K, V] of this sequence and head).
+  __device__ __forceinline__ gl<T> states_view(int c) const {
+    return gl<T>::make(static_cast<T *>(p.states) + (((size_t)n * p.v_heads + h) * p.max_chunks + c) * K * p.v_dim, 1, K, 1,
+                       p.v_dim);
   }
 
   __device__ __forceinline__ void consume() const {
@@ -154,9 +147,10 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
     auto publish = [&](int c) {  // sm.s[c % 2] := the state (bf16); with simple GLA, handed over
       rt<T, 16, 64> sb;
 #pragma unroll
-    for (int i = 0; i < K / 64; i++) {
+      for (int i = 0; i < K / 64; i++) {
         warp::copy(sb, s[i]);
         warp::store(sm.s[c % 2], sb, 64 * i + 16 * w, 0);
+        if (p.states) warp::store(states_view(c), sb, {0, 64 * i + 16 * w, 0, VS * slice});  // (for the backward)
       }
       warpgroup::fence_shared_writes();
       sync_named(1, 128);
@@ -197,13 +191,13 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
       sync_named(1, 128);
       const float decay = warp::fn::exp2(last * c2);
 #pragma unroll
-    for (int i = 0; i < K / 64; i++) {
+      for (int i = 0; i < K / 64; i++) {
         warp::map(s[i], s[i], [=](float x) { return x * decay; });
         warpgroup::mma_AtB(s[i], window<C, 64>(sm.k[at.slot], 0, 64 * i), sm.vd, true);  // + K^T V'
       }
       warpgroup::wait<0>();
 #pragma unroll
-    for (int i = 0; i < K / 64; i++) warpgroup::fence_registers(s[i]);
+      for (int i = 0; i < K / 64; i++) warpgroup::fence_registers(s[i]);
       if (laneid() == 0) arrive_empty(kv(), at);
       if (c + 1 < chunks) {
         wait_empty(states(), c + 1);

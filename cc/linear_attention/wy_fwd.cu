@@ -12,14 +12,12 @@
 // in the inputs' type, so that W and U' are plain products with K and V as loaded (by mma.sync, V a
 // slice at a time, the next slice loading while this one multiplies). Rows past the sequence load as
 // zeros, take beta = 0 (they then add nothing) and are not stored.
-#include "linear_attention/linear_attention.h"
-#include "tk/tk.cuh"
+#include "linear_attention/common.cuh"
 
 namespace jax_tk::linear_attention {
 namespace {
 
 using namespace tk;
-constexpr float LOG2E = 1.4426950408889634f;
 
 template <typename T, int K> struct Wy {
   static constexpr int C = CHUNK, VS = V_SLICE, THREADS = 128;
@@ -58,8 +56,8 @@ template <typename T, int K> __global__ __launch_bounds__(128) void wy_fwd_kerne
   extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename W::Shared *>(smem_raw);
   const int h = blockIdx.y, chunk = blockIdx.x % p.max_chunks, n = blockIdx.x / p.max_chunks;
-  const int b = p.cu_seqlens ? 0 : n, bos = p.cu_seqlens ? p.cu_seqlens[n] : 0,
-            len = p.cu_seqlens ? p.cu_seqlens[n + 1] - bos : p.seq_len;
+  const Sequence seq{p.cu_seqlens, p.seq_len, n};
+  const int b = seq.b, bos = seq.bos, len = seq.len;
   const int t0 = C * chunk, valid = min(C, len - t0);
   if (valid <= 0) return;
   const int tid = threadIdx.x, w = tid / 32, hq = h / (p.v_heads / p.heads);

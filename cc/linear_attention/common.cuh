@@ -1,0 +1,38 @@
+// What the linear-attention kernels share on the device: a sequence's place in the batch and the scan of
+// a chunk's decays.
+#pragma once
+#include "linear_attention/linear_attention.h"
+#include "tk/tk.cuh"
+
+namespace jax_tk::linear_attention {
+
+constexpr float LOG2E = 1.4426950408889634f;
+
+// Sequence n of a call: tokens [bos, bos + len) of batch row b, in `chunks` chunks. Without cu_seqlens
+// n = b, bos = 0 and len = seq_len; with it (batch 1), bos = cu_seqlens[n], len = cu_seqlens[n + 1] - bos.
+struct Sequence {
+  int b, bos, len, chunks;
+  __device__ __forceinline__ Sequence(const int *cu_seqlens, int seq_len, int n)
+      : b(cu_seqlens ? 0 : n), bos(cu_seqlens ? cu_seqlens[n] : 0), len(cu_seqlens ? cu_seqlens[n + 1] - bos : seq_len),
+        chunks((len + CHUNK - 1) / CHUNK) {}
+};
+
+// G, a chunk's cumulative log decays, into cum[0, CHUNK): the inclusive scan of x (thread t < CHUNK of
+// the warpgroup: token t's decay, 0 past the sequence) over the warpgroup's first two warps. `bar`: the
+// warpgroup's named barrier; cum is whole on return. A warpgroup that scans chunk after chunk keeps two
+// copies (by parity): one of its warps may still read the last chunk's when another writes.
+__device__ __forceinline__ void scan_decays(float *cum, float x, int bar) {
+  const int tid = threadIdx.x % 128;
+  if (tid < CHUNK) {
+    for (int d = 1; d < 32; d *= 2) {
+      const float y = __shfl_up_sync(~0u, x, d);
+      if (tk::laneid() >= d) x += y;
+    }
+    cum[tid] = x;
+  }
+  tk::sync_named(bar, 128);
+  if (tid >= 32 && tid < CHUNK) cum[tid] += cum[31];
+  tk::sync_named(bar, 128);
+}
+
+}  // namespace jax_tk::linear_attention
