@@ -72,6 +72,7 @@ cudaError_t wy_fwd(const WyParams &p, cudaStream_t stream);
 cudaError_t simple_gla_fwd_sm90(const FwdParams &p, cudaStream_t stream);
 // Simple GLA's backward on Hopper (sm_90a), the same sizes as the forward's.
 cudaError_t simple_gla_bwd_sm90(const BwdParams &p, cudaStream_t stream);
+cudaError_t gla_bwd_chunks_sm90(const BwdParams &p, cudaStream_t stream);  // (its second pass)
 #endif
 
 }  // namespace jax_tk::linear_attention
