@@ -8,13 +8,14 @@ namespace jax_tk::linear_attention {
 
 constexpr float LOG2E = 1.4426950408889634f;
 
-// Sequence n of a call: tokens [bos, bos + len) of batch row b, in `chunks` chunks. Without cu_seqlens
-// n = b, bos = 0 and len = seq_len; with it (batch 1), bos = cu_seqlens[n], len = cu_seqlens[n + 1] - bos.
+// Sequence n of a call: tokens [bos, bos + len) of batch row b, in `chunks` chunks, whose states (kept
+// for the backward) take slots slot, slot + 1, ... (state_slots). Without cu_seqlens n = b, bos = 0 and
+// len = seq_len; with it (batch 1), bos = cu_seqlens[n], len = cu_seqlens[n + 1] - bos.
 struct Sequence {
-  int b, bos, len, chunks;
+  int b, bos, len, chunks, slot;
   __device__ __forceinline__ Sequence(const int *cu_seqlens, int seq_len, int n)
       : b(cu_seqlens ? 0 : n), bos(cu_seqlens ? cu_seqlens[n] : 0), len(cu_seqlens ? cu_seqlens[n + 1] - bos : seq_len),
-        chunks((len + CHUNK - 1) / CHUNK) {}
+        chunks((len + CHUNK - 1) / CHUNK), slot(cu_seqlens ? bos / CHUNK + n : n * ((seq_len + CHUNK - 1) / CHUNK)) {}
 };
 
 // G, a chunk's cumulative log decays, into cum[0, CHUNK): the inclusive scan of x (thread t < CHUNK of

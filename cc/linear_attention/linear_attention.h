@@ -34,11 +34,18 @@ struct FwdParams {
   float scale;
   // The gated delta rule (wy_fwd's W and U', [batch, seq_len, v_heads, k_dim / v_dim]); nullptr: simple GLA.
   const void *w = nullptr, *u = nullptr;
-  // For the backward: each chunk's starting state S_c, [num_seqs, v_heads, max_chunks, k_dim, v_dim] in
-  // q's dtype (max_chunks: the longest sequence's chunks); nullptr: not kept.
+  // For the backward: each chunk's starting state, [state_slots, v_heads, k_dim, v_dim] in q's dtype;
+  // nullptr: not kept. max_chunks: ceil(seq_len / CHUNK), the most chunks a sequence can have.
   void *states = nullptr;
   int max_chunks = 0;
 };
+
+// Slots for the chunks' states: sequence n's chunk c takes slot s_n + c, with s_n = n * max_chunks, or
+// packed, s_n = floor(bos_n / CHUNK) + n (a sequence of len tokens moves floor(bos / CHUNK) on by at
+// least floor(len / CHUNK), and takes at most one chunk more).
+inline int state_slots(int batch, int seq_len, int num_seqs, bool packed) {
+  return packed ? seq_len / CHUNK + num_seqs : batch * ((seq_len + CHUNK - 1) / CHUNK);
+}
 
 // Simple GLA's backward: the forward's operands, sizes and states (f; its o, ht, w and u unused) and the
 // cotangents. Two kernels: the state's gradient carried backward over the chunks (dstates), then every
@@ -47,7 +54,7 @@ struct BwdParams {
   FwdParams f;               // f.states: the forward's S_c (required)
   const void *dout;          // [batch, seq_len, v_heads, v_dim], q's dtype
   const float *dht;          // [num_seqs, v_heads, k_dim, v_dim] the final states' cotangent, or nullptr (zeros)
-  void *dstates;             // as f.states: dS_{c+1}, the gradient of the state chunk c hands on (workspace)
+  void *dstates;             // as f.states: chunk c's dS', the gradient of the state it hands on (workspace)
   float *dq, *dk;            // [batch, seq_len, v_heads, k_dim]: one per value head (the caller sums a group's)
   void *dv;                  // v's shape, q's dtype
   float *dg;                 // [batch, v_heads, seq_len], as g

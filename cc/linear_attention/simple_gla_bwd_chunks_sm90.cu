@@ -60,7 +60,7 @@ template <typename T, int K> struct GlaDcSm90 {
   const int c = blockIdx.x % f.max_chunks, n = blockIdx.x / f.max_chunks, h = blockIdx.y;
   const Sequence seq{f.cu_seqlens, f.seq_len, n};
   const int b = seq.b, t0 = seq.bos + C * c, valid = min(C, seq.len - C * c);
-  const size_t state = ((size_t)n * f.v_heads + h) * f.max_chunks + c;  // (this chunk's in states, dstates)
+  const int state = (seq.slot + c) * f.v_heads + h;  // (this chunk's in states, dstates)
 
   __device__ __forceinline__ void init() const {
     tk::init(sm.qk, 1);
@@ -83,8 +83,8 @@ template <typename T, int K> struct GlaDcSm90 {
       load_async(sm.d[at.slot], a.d, {b, t0, h, VS * at.n}, full);
 #pragma unroll
       for (int r = 0; r < K; r += C) {
-        load_rows_async(sm.s[at.slot], r, a.s, {int(state), r, 0, VS * at.n}, full);
-        load_rows_async(sm.ds[at.slot], r, a.ds, {int(state), r, 0, VS * at.n}, full);
+        load_rows_async(sm.s[at.slot], r, a.s, {state, r, 0, VS * at.n}, full);
+        load_rows_async(sm.ds[at.slot], r, a.ds, {state, r, 0, VS * at.n}, full);
       }
     }
   }
@@ -254,7 +254,7 @@ __global__ __launch_bounds__(GlaDc<T, K>::THREADS, 1) void gla_bwd_chunks_kernel
 template <typename T, int K> cudaError_t run(const BwdParams &p, cudaStream_t stream) {
   const FwdParams &f = p.f;
   DcArgs<T> a{p, {}, {}, {}, {}, {}, {}};
-  const int states = f.num_seqs * f.v_heads * f.max_chunks;
+  const int states = state_slots(f.batch, f.seq_len, f.num_seqs, f.cu_seqlens != nullptr) * f.v_heads;
   if (!make_tma_map(a.q, f.q, f.batch, f.seq_len, f.heads, K) || !make_tma_map(a.k, f.k, f.batch, f.seq_len, f.heads, K) ||
       !make_tma_map(a.v, f.v, f.batch, f.seq_len, f.v_heads, f.v_dim) ||
       !make_tma_map(a.d, p.dout, f.batch, f.seq_len, f.v_heads, f.v_dim) || !make_tma_map(a.s, f.states, states, K, 1, f.v_dim) ||

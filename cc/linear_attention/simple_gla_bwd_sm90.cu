@@ -73,8 +73,7 @@ template <typename T, int K> struct GlaDsSm90 {
     return gl<float>::make(const_cast<float *>(s) + ((size_t)n * f.v_heads + h) * K * f.v_dim, 1, K, 1, f.v_dim);
   }
   __device__ __forceinline__ gl<T> chunk_view(int c) const {
-    return gl<T>::make(static_cast<T *>(a.p.dstates) + (((size_t)n * f.v_heads + h) * f.max_chunks + c) * K * f.v_dim, 1, K, 1,
-                       f.v_dim);
+    return gl<T>::make(static_cast<T *>(a.p.dstates) + ((size_t)(seq.slot + c) * f.v_heads + h) * K * f.v_dim, 1, K, 1, f.v_dim);
   }
   __device__ __forceinline__ float decay_of(int t) const { return t >= 0 && t < len && threadIdx.x % 128 < C ? g[t] : 0.f; }
 

@@ -124,8 +124,7 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
   }
   // Chunk c's starting state in p.states ([K, V] of this sequence and head).
   __device__ __forceinline__ gl<T> states_view(int c) const {
-    return gl<T>::make(static_cast<T *>(p.states) + (((size_t)n * p.v_heads + h) * p.max_chunks + c) * K * p.v_dim, 1, K, 1,
-                       p.v_dim);
+    return gl<T>::make(static_cast<T *>(p.states) + ((size_t)(seq.slot + c) * p.v_heads + h) * K * p.v_dim, 1, K, 1, p.v_dim);
   }
 
   __device__ __forceinline__ void consume() const {
