@@ -3,9 +3,13 @@
 Simple GLA's forward (Hopper): ``q, k [B, T, H, K]``, ``v [B, T, HV, V]`` in bfloat16 or float16, the
 log decays as float32 ``[B, HV, T]`` (head-major, so that a chunk's decays are contiguous), the packed
 sequences' offsets (int32 ``[N + 1]``, or shape ``(0,)``) and the initial states (float32
-``[N, HV, K, V]``, or shape ``(0,)``: zeros); results ``o [B, T, HV, V]`` in q's dtype and the final
-states float32 ``[N, HV, K, V]``. The gated delta rule's: beta (float32 ``[B, HV, T]``) after g, and
-two workspaces after the final states (each chunk's W and U', in q's dtype).
+``[N, HV, K, V]``, or shape ``(0,)``: zeros); results ``o [B, T, HV, V]`` in q's dtype, the final
+states float32 ``[N, HV, K, V]`` and, for the backward, each chunk's starting state (``[state_slots,
+HV, K, V]`` in q's dtype, or shape ``(0,)``: not kept). Its backward takes the same inputs, the states,
+``dout`` and the final states' cotangent, and returns dq, dk (float32, per value head), dv, dg (float32
+``[B, HV, T]``), the initial states' gradient and a workspace. The gated delta rule's forward: beta
+(float32 ``[B, HV, T]``) after g, and two workspaces after the final states (each chunk's W and U', in
+q's dtype).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from jax_tk._core import dispatch, extension, ffi
 from jax_tk._core.ffi import kernel_call
 
 GLA_FWD = ffi.target("jax_tk_simple_gla_fwd")
+GLA_BWD = ffi.target("jax_tk_simple_gla_bwd")
 GDR_FWD = ffi.target("jax_tk_gated_delta_rule_fwd")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 K_DIMS = (64, 128)
@@ -56,12 +61,45 @@ def _out_types(q, v, cu_seqlens):
     return jax.ShapeDtypeStruct((b, t, hv, vd), q.dtype), jax.ShapeDtypeStruct((n, hv, kd, vd), jnp.float32)
 
 
-def gla_fwd(q, k, v, g, cu_seqlens, initial_state, scale: float, out_init=None):
+def state_slots(q, cu_seqlens) -> int:
+    """Slots of the chunks' states (cc/linear_attention/linear_attention.h's state_slots)."""
+    b, t = q.shape[:2]
+    chunk = contract()["CHUNK"]
+    return t // chunk + cu_seqlens.shape[0] - 1 if cu_seqlens is not None else b * -(-t // chunk)
+
+
+def _attributes(scale: float) -> dict:
+    return dict(scale=np.float32(scale), variant=np.int32(dispatch.kernel_variant()))
+
+
+def gla_fwd(q, k, v, g, cu_seqlens, initial_state, scale: float, out_init=None, keep_states: bool = False):
     """``(o, final_state)`` of simple GLA's forward kernel (``cu_seqlens``, ``initial_state``: None
-    or arrays, as the op takes them). ``out_init`` (tests): buffers aliased to (o, final_state)."""
-    attributes = dict(scale=np.float32(scale), variant=np.int32(dispatch.kernel_variant()))
+    or arrays, as the op takes them), and with ``keep_states`` each chunk's starting state
+    ``[state_slots, HV, K, V]`` for :func:`gla_bwd`. ``out_init`` (tests): buffers aliased to the
+    results."""
+    hv, kd, vd = v.shape[2], q.shape[3], v.shape[3]
+    states = (state_slots(q, cu_seqlens), hv, kd, vd) if keep_states else (0,)
+    out_types = (*_out_types(q, v, cu_seqlens), jax.ShapeDtypeStruct(states, q.dtype))
     operands = (q, k, v, _head_major(g), *_sequence_operands(cu_seqlens, initial_state))
-    return kernel_call(GLA_FWD, _out_types(q, v, cu_seqlens), operands, attributes, out_init=out_init)
+    o, ht, s = kernel_call(GLA_FWD, out_types, operands, _attributes(scale), out_init=out_init)
+    return (o, ht, s) if keep_states else (o, ht)
+
+
+def gla_bwd(q, k, v, g, cu_seqlens, states, dout, dht, scale: float, out_init=None):
+    """Simple GLA's backward kernels: ``(dq, dk, dv, dg, dh0)`` with dq, dk in q's dtype (a group's
+    value heads summed), dv in v's, dg float32 ``[B, T, HV]`` and dh0 float32 ``[N, HV, K, V]``;
+    ``states`` from :func:`gla_fwd`, ``dht`` the final states' cotangent or None."""
+    b, t, h, kd = q.shape
+    hv = v.shape[2]
+    per_head = jax.ShapeDtypeStruct((b, t, hv, kd), jnp.float32)
+    out_types = (per_head, per_head, jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, hv, t), jnp.float32),
+                 _out_types(q, v, cu_seqlens)[1], jax.ShapeDtypeStruct(states.shape, states.dtype))
+    seq = _sequence_operands(cu_seqlens, None)[0]
+    dht = jnp.zeros((0,), jnp.float32) if dht is None else dht.astype(jnp.float32)
+    operands = (q, k, v, _head_major(g), seq, states, dout.astype(v.dtype), dht)
+    dq, dk, dv, dg, dh0, _ = kernel_call(GLA_BWD, out_types, operands, _attributes(scale), out_init=out_init)
+    group = lambda x: x.reshape(b, t, h, hv // h, kd).sum(axis=3).astype(q.dtype)
+    return group(dq), group(dk), dv, jnp.transpose(dg, (0, 2, 1)), dh0
 
 
 def gdr_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, out_init=None):
@@ -71,6 +109,5 @@ def gdr_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, out_init=
     hv = v.shape[2]
     out_types = (*_out_types(q, v, cu_seqlens), jax.ShapeDtypeStruct((b, t, hv, kd), q.dtype),
                  jax.ShapeDtypeStruct(v.shape, q.dtype))
-    attributes = dict(scale=np.float32(scale), variant=np.int32(dispatch.kernel_variant()))
     operands = (q, k, v, _head_major(g), _head_major(beta), *_sequence_operands(cu_seqlens, initial_state))
-    return kernel_call(GDR_FWD, out_types, operands, attributes, out_init=out_init)[:2]
+    return kernel_call(GDR_FWD, out_types, operands, _attributes(scale), out_init=out_init)[:2]

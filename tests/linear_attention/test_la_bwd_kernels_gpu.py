@@ -1,0 +1,92 @@
+"""Simple GLA's backward kernels (H100/H200) against the float32 recurrence's gradients: T not a multiple
+of the chunk, packed sequences with an empty and a length-1 one, initial states and the final states'
+cotangent, grouped value heads, K 64 and 128, V 64 to 192, bf16 and fp16; the kernels' results poisoned
+with NaN before they run; the op's gradient under jit through the kernels."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import nan, randn, rel_err
+from jax_tk import linear_attention as la
+from jax_tk._core import extension
+from jax_tk.linear_attention import launch, reference
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(extension.cuda_device_capability() != (9, 0), reason="the kernel runs on sm_90a")]
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+TOL = {BF16: 3e-2, F16: 1e-2}
+
+# (B, T, H, HV, K, V, cu_seqlens, with an initial state, dtype)
+CASES = [
+    (2, 200, 2, 2, 128, 128, None, False, BF16),
+    (1, 64, 1, 1, 64, 64, None, True, BF16),
+    (2, 300, 2, 4, 128, 64, None, True, F16),
+    (1, 400, 2, 2, 128, 128, (0, 1, 1, 130, 400), True, BF16),
+    (1, 1000, 1, 2, 64, 128, (0, 999, 1000), False, BF16),
+    (3, 129, 4, 4, 64, 192, None, True, BF16),
+]
+
+
+def inputs(seed, b, t, h, hv, kd, vd, dtype, n):
+    rng = np.random.default_rng(seed)
+    q, k, v = randn(rng, (b, t, h, kd), dtype), randn(rng, (b, t, h, kd), dtype), randn(rng, (b, t, hv, vd), dtype)
+    g = jnp.asarray(rng.uniform(-0.2, -0.001, (b, t, hv)).astype(np.float32))
+    state, dht = randn(rng, (n, hv, kd, vd), F32), randn(rng, (n, hv, kd, vd), F32)
+    do = randn(rng, (b, t, hv, vd), dtype)
+    return q, k, v, g, state, do, dht
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def kernels(q, k, v, g, cu, state, do, dht, *, scale):
+    """(dq, dk, dv, dg, dh0) of the forward kernel (keeping the chunks' states) and the backward kernels,
+    every result of the backward poisoned first."""
+    _, _, states = launch.gla_fwd(q, k, v, g, cu, state, scale, keep_states=True)
+    b, t, _, kd = q.shape
+    hv = v.shape[2]
+    out_init = (nan((b, t, hv, kd), F32), nan((b, t, hv, kd), F32), nan(v.shape, v.dtype), nan((b, hv, t), F32),
+                nan(dht.shape, F32), nan(states.shape, states.dtype))
+    return launch.gla_bwd(q, k, v, g, cu, states, do, dht, scale, out_init=out_init)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
+def test_against_recurrence(case):
+    b, t, h, hv, kd, vd, cu, with_state, dtype = CASES[case]
+    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
+    n = b if cu is None else cu.shape[0] - 1
+    q, k, v, g, state, do, dht = inputs(case, b, t, h, hv, kd, vd, dtype, n)
+    state = state if with_state else jnp.zeros_like(state)
+    scale = kd ** -0.5
+
+    def loss(q, k, v, g, h0):
+        o, s = reference.recurrent(q, k, v, g, None, scale=scale, initial_state=h0, cu_seqlens=cu, output_final_state=True)
+        return jnp.sum(o * do.astype(F32)) + jnp.sum(s * dht)
+    f32 = lambda x: x.astype(F32)
+    want = jax.jit(jax.grad(loss, argnums=range(5)))(f32(q), f32(k), f32(v), g, state)
+    got = kernels(q, k, v, g, cu, state, do, dht, scale=scale)
+    rows = np.ones(t, bool)
+    if cu is not None:  # (rows of no sequence: not compared)
+        rows[:] = False
+        for s, e in zip(np.asarray(cu)[:-1], np.asarray(cu)[1:]):
+            rows[s:e] = True
+    for name, x, y in zip(("dq", "dk", "dv", "dg", "dh0"), got, want):
+        x, y = np.asarray(x.astype(F32)), np.asarray(y, np.float32)
+        if name != "dh0":
+            x, y = x[:, rows], y[:, rows]
+        assert np.isfinite(x).all(), f"{name}: unwritten (NaN) entries"
+        assert rel_err(x, y) < TOL[dtype], name
+
+
+def test_op_gradient_takes_the_kernels():
+    """simple_gla's gradient under jit lowers to the backward kernel and matches the chunked path's."""
+    q, k, v, g, state, do, dht = inputs(11, 2, 333, 2, 4, 128, 128, BF16, 2)
+
+    def loss(impl, q, k, v, g, h0):
+        o, s = la.simple_gla(q, k, v, g, initial_state=h0, output_final_state=True, implementation=impl)
+        return jnp.sum(o.astype(F32) * do.astype(F32)) + jnp.sum(s * dht)
+    grad = lambda impl: jax.jit(jax.grad(functools.partial(loss, impl), argnums=range(5)))
+    assert "jax_tk_simple_gla_bwd" in grad(None).lower(q, k, v, g, state).as_text()
+    for x, y in zip(grad(None)(q, k, v, g, state), grad("xla")(q, k, v, g, state)):
+        assert rel_err(np.asarray(x.astype(F32)), np.asarray(y.astype(F32))) < TOL[BF16]
