@@ -1,8 +1,9 @@
-// A standalone driver of the linear-attention forward kernels (Hopper): simple GLA's, and the gated delta
-// rule's (wy_fwd's solve, then the sequential pass), for compute-sanitizer and a quick check without JAX: lengths that are not multiples of the chunk, packed sequences (cu_seqlens) including a
-// length-1 and an empty one, grouped value heads, head dims 64 and 128, initial and final states. The
-// output and final states hold NaN before the kernel runs; both are compared with a float64 host run of
-// the token-by-token recurrence on the same bf16-rounded inputs.
+// A standalone driver of the linear-attention kernels (Hopper): simple GLA's forward and backward, and
+// the gated delta rule's forward (wy_fwd's solve, then the sequential pass), for compute-sanitizer and a
+// quick check without JAX: lengths that are not multiples of the chunk, packed sequences (cu_seqlens)
+// including a length-1 and an empty one, grouped value heads, head dims 64 and 128, initial and final
+// states. Every result holds NaN before the kernels run; all are compared with a float64 host run of
+// the token-by-token recurrence (and its gradient) on the same bf16-rounded inputs.
 //   nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icc \
 //        cc/tests/standalone/linear_attention_sanitize.cu cc/linear_attention/*.cu -o la_sanitize
 //   compute-sanitizer --tool memcheck ./la_sanitize
@@ -10,6 +11,9 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <initializer_list>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <cuda_bf16.h>
@@ -140,8 +144,141 @@ int run(const Case &c) {
   return ok ? 0 : 1;
 }
 
+double rel_err(const std::vector<float> &x, const std::vector<double> &want, bool &finite) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < x.size(); i++) {
+    finite &= std::isfinite(x[i]);
+    num += (x[i] - want[i]) * (x[i] - want[i]), den += want[i] * want[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+// Simple GLA's backward: the forward kernel keeping the chunks' states, then the backward kernels,
+// against the float64 recurrence's gradient (the states after every token kept, token by token back:
+// dS += scale q dO^T; dq = scale S dO, dk = dS v, dv = dS^T k, dg = exp(g) <S_before, dS>; dS *= exp(g)).
+int run_bwd(const Case &c) {
+  std::mt19937 rng(c.seq_len * 13 + c.k_dim + c.v_heads);
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<float> decay(-0.3f, 0.f);
+  const int B = c.batch, T = c.seq_len, H = c.heads, HV = c.v_heads, K = c.k_dim, V = c.v_dim;
+  const int N = c.cu.empty() ? B : int(c.cu.size()) - 1;
+  auto draw = [&](size_t n, float sd, std::vector<bf16> &dev) {
+    std::vector<float> x(n);
+    dev.resize(n);
+    for (size_t i = 0; i < n; i++) dev[i] = bf16(normal(rng) * sd), x[i] = float(dev[i]);
+    return x;
+  };
+  std::vector<bf16> q, k, v, dout;
+  const auto qf = draw(size_t(B) * T * H * K, 1.f, q), kf = draw(q.size(), 1.f / std::sqrt(float(K)), k);
+  const auto vf = draw(size_t(B) * T * HV * V, 1.f, v), df = draw(v.size(), 1.f, dout);
+  std::vector<float> g(size_t(B) * HV * T), h0(size_t(N) * HV * K * V), dht(h0.size());
+  for (auto &x : g) x = decay(rng);
+  for (auto &x : h0) x = c.h0 ? normal(rng) : 0.f;
+  for (auto &x : dht) x = c.ht ? normal(rng) : 0.f;
+  const float scale = 1.f / std::sqrt(float(K));
+
+  std::vector<double> wq(size_t(B) * T * HV * K, 0.0), wk(wq.size(), 0.0), wv(v.size(), 0.0), wg(g.size(), 0.0), wh0(h0.size());
+  for (int n = 0; n < N; n++)
+    for (int h = 0; h < HV; h++) {
+      const int b = c.cu.empty() ? n : 0, bos = c.cu.empty() ? 0 : c.cu[n], len = c.cu.empty() ? T : c.cu[n + 1] - bos;
+      const int hq = h / (HV / H);
+      const size_t KV = size_t(K) * V;
+      std::vector<double> S((len + 1) * KV);  // S[0]: the initial state; S[i + 1]: after token bos + i
+      for (size_t i = 0; i < KV; i++) S[i] = h0[(size_t(n) * HV + h) * KV + i];
+      auto at = [&](const std::vector<float> &x, int t, int heads, int d) { return &x[((size_t(b) * T + t) * heads + (heads == H ? hq : h)) * d]; };
+      for (int i = 0; i < len; i++) {
+        const double e = std::exp(double(g[(size_t(b) * HV + h) * T + bos + i]));
+        const float *kt = at(kf, bos + i, H, K), *vt = at(vf, bos + i, HV, V);
+        for (size_t x = 0; x < KV; x++) S[(i + 1) * KV + x] = e * S[i * KV + x] + double(kt[x / V]) * vt[x % V];
+      }
+      std::vector<double> dS(KV);
+      for (size_t i = 0; i < KV; i++) dS[i] = dht[(size_t(n) * HV + h) * KV + i];
+      for (int i = len - 1; i >= 0; i--) {
+        const int t = bos + i;
+        const double e = std::exp(double(g[(size_t(b) * HV + h) * T + t]));
+        const float *qt = at(qf, t, H, K), *kt = at(kf, t, H, K), *vt = at(vf, t, HV, V), *dt = at(df, t, HV, V);
+        const double *St = &S[(i + 1) * KV], *Sb = &S[i * KV];
+        for (size_t x = 0; x < KV; x++) dS[x] += scale * double(qt[x / V]) * dt[x % V];
+        const size_t r = (size_t(b) * T + t) * HV + h;
+        double dg = 0;
+        for (int a = 0; a < K; a++)
+          for (int j = 0; j < V; j++) {
+            const size_t x = size_t(a) * V + j;
+            wq[r * K + a] += scale * St[x] * dt[j];
+            wk[r * K + a] += dS[x] * vt[j];
+            wv[r * V + j] += dS[x] * kt[a];
+            dg += Sb[x] * dS[x];
+          }
+        wg[(size_t(b) * HV + h) * T + t] = e * dg;
+        for (auto &x : dS) x *= e;
+      }
+      for (size_t i = 0; i < KV; i++) wh0[(size_t(n) * HV + h) * KV + i] = dS[i];
+    }
+
+  FwdParams f{};
+  f.dtype = DType::bf16;
+  f.batch = B, f.seq_len = T, f.heads = H, f.v_heads = HV, f.k_dim = K, f.v_dim = V, f.num_seqs = N;
+  f.max_chunks = (T + CHUNK - 1) / CHUNK;
+  f.q = to_device(q), f.k = to_device(k), f.v = to_device(v), f.g = to_device(g);
+  f.cu_seqlens = c.cu.empty() ? nullptr : to_device(c.cu);
+  f.h0 = to_device(h0);
+  f.o = to_device(std::vector<bf16>(v.size()));
+  f.ht = to_device(std::vector<float>(h0.size()));
+  f.scale = scale;
+  const size_t states = size_t(state_slots(B, T, N, !c.cu.empty())) * HV * K * V;
+  f.states = to_device(std::vector<bf16>(states, bf16(NAN)));
+  CHECK(simple_gla_fwd_sm90(f, 0));
+  BwdParams p{};
+  p.f = f;
+  p.dout = to_device(dout);
+  p.dht = to_device(dht);
+  p.dstates = to_device(std::vector<bf16>(states, bf16(NAN)));
+  p.dq = to_device(std::vector<float>(wq.size(), NAN)), p.dk = to_device(std::vector<float>(wq.size(), NAN));
+  p.dv = to_device(std::vector<bf16>(v.size(), bf16(NAN)));
+  p.dg = to_device(std::vector<float>(g.size(), NAN)), p.dh0 = to_device(std::vector<float>(h0.size(), NAN));
+  CHECK(simple_gla_bwd_sm90(p, 0));
+  CHECK(cudaDeviceSynchronize());
+
+  // (rows outside every packed sequence stay NaN: compared only where the reference wrote)
+  auto rows = [&](std::vector<float> x, const std::vector<double> &want, int d, bool head_major) {
+    std::vector<float> kept;
+    std::vector<double> w;
+    for (int n = 0; n < N; n++) {
+      const int b = c.cu.empty() ? n : 0, bos = c.cu.empty() ? 0 : c.cu[n], len = c.cu.empty() ? T : c.cu[n + 1] - bos;
+      for (int t = bos; t < bos + len; t++)
+        for (int h = 0; h < HV; h++)
+          for (int j = 0; j < d; j++) {
+            const size_t i = head_major ? (size_t(b) * HV + h) * T + t : ((size_t(b) * T + t) * HV + h) * d + j;
+            kept.push_back(x[i]), w.push_back(want[i]);
+          }
+    }
+    return std::make_pair(kept, w);
+  };
+  bool finite = true;
+  auto dvh = to_host(static_cast<bf16 *>(p.dv), v.size());
+  std::vector<float> dv(dvh.begin(), dvh.end());
+  const double errs[] = {
+      std::apply([&](auto &&x, auto &&w) { return rel_err(x, w, finite); }, rows(to_host(p.dq, wq.size()), wq, K, false)),
+      std::apply([&](auto &&x, auto &&w) { return rel_err(x, w, finite); }, rows(to_host(p.dk, wk.size()), wk, K, false)),
+      std::apply([&](auto &&x, auto &&w) { return rel_err(x, w, finite); }, rows(dv, wv, V, false)),
+      std::apply([&](auto &&x, auto &&w) { return rel_err(x, w, finite); }, rows(to_host(p.dg, wg.size()), wg, 1, true)),
+      rel_err(to_host(p.dh0, wh0.size()), wh0, finite)};
+  const bool ok = finite && *std::max_element(std::begin(errs), std::end(errs)) < 3e-2;
+  std::printf("%s gla bwd B=%d T=%d heads %d/%d K=%d V=%d seqs=%d%s%s: dq %.3g dk %.3g dv %.3g dg %.3g dh0 %.3g\n",
+              ok ? "ok  " : "FAIL", B, T, H, HV, K, V, N, c.h0 ? " h0" : "", c.ht ? " dht" : "", errs[0], errs[1], errs[2],
+              errs[3], errs[4]);
+  for (const void *x : std::initializer_list<const void *>{f.q, f.k, f.v, f.g, f.cu_seqlens, f.h0, f.o, f.ht, f.states, p.dout, p.dht,
+                                                          p.dstates, p.dq, p.dk, p.dv, p.dg, p.dh0})
+    if (x) CHECK(cudaFree(const_cast<void *>(x)));
+  return ok ? 0 : 1;
+}
+
 int main() {
   int failed = 0;
+  failed += run_bwd({2, 200, 2, 2, 128, 128, {}, false, true});
+  failed += run_bwd({1, 64, 1, 1, 64, 64, {}, true, false});
+  failed += run_bwd({2, 300, 2, 4, 128, 64, {}, true, true});
+  failed += run_bwd({1, 400, 2, 2, 128, 128, {0, 1, 1, 130, 400}, true, true});
   for (bool delta : {false, true}) {
     failed += run({2, 200, 2, 2, 128, 128, {}, false, true, delta});      // T not a multiple of the chunk
     failed += run({1, 64, 1, 1, 64, 64, {}, true, true, delta});          // one chunk, K = 64, an initial state
