@@ -148,7 +148,7 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
     auto publish = [&](int c) {  // sm.s[c % 2] := the state (bf16); with simple GLA, handed over
       rt<T, 16, 64> sb;
 #pragma unroll
-    for (int i = 0; i < K / 64; i++) {
+      for (int i = 0; i < K / 64; i++) {
         warp::copy(sb, s[i]);
         warp::store(sm.s[c % 2], sb, 64 * i + 16 * w, 0);
       }
@@ -190,13 +190,13 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
       sync_named(1, 128);
       const float decay = warp::fn::exp2(last * c2);
 #pragma unroll
-    for (int i = 0; i < K / 64; i++) {
+      for (int i = 0; i < K / 64; i++) {
         warp::map(s[i], s[i], [=](float x) { return x * decay; });
         warpgroup::mma_AtB(s[i], window<C, 64>(sm.k[at.slot], 0, 64 * i), sm.vd, true);  // + K^T V'
       }
       warpgroup::wait<0>();
 #pragma unroll
-    for (int i = 0; i < K / 64; i++) warpgroup::fence_registers(s[i]);
+      for (int i = 0; i < K / 64; i++) warpgroup::fence_registers(s[i]);
       if (laneid() == 0) arrive_empty(kv(), at);
       if (c + 1 < chunks) {
         wait_empty(states(), c + 1);
