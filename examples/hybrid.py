@@ -157,16 +157,11 @@ def train(config: Config, *, steps, batch, lr, seed=0, path="tk", log_every=10, 
     losses)."""
     data = train_gpt.load_data()[0] if data is None else data
     optimizer = train_gpt.make_optimizer(lr, steps)
-    params = init_params(jax.random.key(seed), config)
-    opt_state = optimizer.init(params)
-    losses = []
-    for step in range(steps):
-        x, y = train_gpt.get_batch(data, batch, config.seq, seed, step)
-        params, opt_state, loss = train_step(params, opt_state, x, y, config, optimizer, path)
-        losses.append(loss)
-        if (step + 1) % log_every == 0 or step + 1 == steps:
-            print(f"step {step + 1:5d}  loss {float(loss):.4f}", flush=True)
-    return params, opt_state, optimizer, [float(v) for v in jax.device_get(losses)]
+    step = lambda params, opt_state, x, y: train_step(params, opt_state, x, y, config, optimizer, path)
+    params, opt_state, losses, _ = train_gpt.fit(step, init_params(jax.random.key(seed), config), optimizer, data,
+                                                 steps=steps, batch=batch, seq=config.seq, seed=seed,
+                                                 log_every=log_every)
+    return params, opt_state, optimizer, losses
 
 
 def step_tokens_per_s(params, opt_state, optimizer, config: Config, batch: int, steps: int, path: str, data) -> float:

@@ -220,20 +220,10 @@ def train(config: Config, *, steps, batch, lr, seed=0, attention="tk", log_every
     the first, compiling, step)."""
     data = train_gpt.load_data()[0] if data is None else data
     optimizer = train_gpt.make_optimizer(lr, steps)
-    params = init_params(jax.random.key(seed), config)
-    opt_state = optimizer.init(params)
-    losses, t0 = [], None
-    for step in range(steps):
-        x, y = train_gpt.get_batch(data, batch, config.seq, seed, step)
-        params, opt_state, loss = train_step(params, opt_state, x, y, config, optimizer, attention)
-        if t0 is None:
-            jax.block_until_ready(loss)
-            t0 = time.perf_counter()
-        losses.append(loss)
-        if (step + 1) % log_every == 0 or step + 1 == steps:
-            print(f"step {step + 1:5d}  loss {float(loss):.4f}", flush=True)
-    losses = [float(v) for v in jax.device_get(losses)]
-    tokens_per_s = (steps - 1) * batch * config.seq / (time.perf_counter() - t0) if steps > 1 else float("nan")
+    step = lambda params, opt_state, x, y: train_step(params, opt_state, x, y, config, optimizer, attention)
+    params, _, losses, tokens_per_s = train_gpt.fit(step, init_params(jax.random.key(seed), config), optimizer, data,
+                                                    steps=steps, batch=batch, seq=config.seq, seed=seed,
+                                                    log_every=log_every)
     return params, losses, tokens_per_s
 
 

@@ -240,6 +240,27 @@ def get_batch(data, batch: int, seq: int, seed: int, step: int):
     return chunk[:, :-1], chunk[:, 1:]
 
 
+def fit(step, params, optimizer, data, *, steps: int, batch: int, seq: int, seed: int = 0, log_every: int = 10):
+    """The training loop of the examples built on this one: ``step(params, opt_state, x, y) -> (params,
+    opt_state, loss)`` over ``steps`` batches of ``get_batch``, from a fresh optimizer state, the loss
+    printed every ``log_every`` steps. Returns (params, opt_state, losses, tokens/s over the steps after
+    the first, which compiles)."""
+    opt_state = optimizer.init(params)
+    losses, t0 = [], None
+    for i in range(steps):
+        x, y = get_batch(data, batch, seq, seed, i)
+        params, opt_state, loss = step(params, opt_state, x, y)
+        if t0 is None:
+            jax.block_until_ready(loss)
+            t0 = time.perf_counter()
+        losses.append(loss)
+        if (i + 1) % log_every == 0 or i + 1 == steps:
+            print(f"step {i + 1:5d}  loss {float(loss):.4f}", flush=True)
+    losses = [float(v) for v in jax.device_get(losses)]  # (waits for the device)
+    tokens_per_s = (steps - 1) * batch * seq / (time.perf_counter() - t0) if steps > 1 else float("nan")
+    return params, opt_state, losses, tokens_per_s
+
+
 # ----------------------------------------------------------------------------------------------
 # Checkpoints: one .npz with every leaf of (params, opt_state) under its tree path, the step, the
 # loss history and the config as JSON. Restored into the tree structure of a freshly built state.
