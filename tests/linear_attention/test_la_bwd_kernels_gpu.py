@@ -13,22 +13,12 @@ from helpers import nan, randn, rel_err
 from jax_tk import linear_attention as la
 from jax_tk._core import extension
 from jax_tk.linear_attention import launch, reference
+from test_la_kernels_gpu import CASES  # (the forward's shapes)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(extension.cuda_device_capability() != (9, 0), reason="the kernel runs on sm_90a")]
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TOL = {BF16: 3e-2, F16: 1e-2}
-
-# (B, T, H, HV, K, V, cu_seqlens, with an initial state, dtype)
-CASES = [
-    (2, 200, 2, 2, 128, 128, None, False, BF16),
-    (1, 64, 1, 1, 64, 64, None, True, BF16),
-    (2, 300, 2, 4, 128, 64, None, True, F16),
-    (1, 400, 2, 2, 128, 128, (0, 1, 1, 130, 400), True, BF16),
-    (1, 1000, 1, 2, 64, 128, (0, 999, 1000), False, BF16),
-    (3, 129, 4, 4, 64, 192, None, True, BF16),
-]
-
 
 def inputs(seed, b, t, h, hv, kd, vd, dtype, n):
     rng = np.random.default_rng(seed)
