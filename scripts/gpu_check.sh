@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build jax_tk on a GPU machine (offline) and run every GPU test, plus the benchmark when asked.
 #   scripts/gpu_check.sh OUTDIR [pytest args...]
-# Environment: JAX_TK_BENCH=1 also runs the attention benchmark; JAX_TK_BENCH_ARGS passes options;
+# Environment: JAX_TK_BENCH=1 also runs the attention benchmark (JAX_TK_BENCH=OP: `python -m benchmarks OP`,
+# e.g. linear_attention); JAX_TK_BENCH_ARGS passes options;
 # JAX_TK_SANITIZE=1 runs compute-sanitizer (memcheck, racecheck, synccheck) on the kernels
 # (JAX_TK_SANITIZE_OPS="decode gemm" picks the drivers, default all);
 # JAX_TK_EXAMPLE=1 times examples/train_gpt.py (GPU preset, JAX_TK_EXAMPLE_STEPS steps, default 150)
@@ -89,8 +90,9 @@ if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
   done
 fi
 
-if [ "${JAX_TK_BENCH:-0}" = "1" ]; then
+if [ "${JAX_TK_BENCH:-0}" != "0" ]; then
+  bench_op=${JAX_TK_BENCH/#1/attention}
   # (the benchmark is this tree's benchmarks/, after the build on the path)
-  PYTHONPATH="$PYTHONPATH:$(pwd)" python3 -P -m benchmarks attention --out "$out" ${JAX_TK_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+  PYTHONPATH="$PYTHONPATH:$(pwd)" python3 -P -m benchmarks "$bench_op" --out "$out" ${JAX_TK_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
 fi
 exit $test_rc
