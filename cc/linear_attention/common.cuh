@@ -36,4 +36,19 @@ __device__ __forceinline__ void scan_decays(float *cum, float x, int bar) {
   tk::sync_named(bar, 128);
 }
 
+// x := scale * D * x for this warp's 16 rows of a 64 x 64 tile over a chunk's tokens (rows i, columns
+// j), D_ij = exp(G_i - G_j) for j <= i < valid, else 0 (rows past the sequence, and so their columns,
+// become 0): P from Q K^T, dP from dO V^T. cum: G.
+__device__ __forceinline__ void decay_mask(tk::rt_fl<16, 64> &x, const float *cum, int valid, float scale) {
+  using tile = tk::rt_fl<16, 64>;
+  const int w = tk::warpid() % 4;
+  tk::rv<float2, 64, typename tk::row_vec<tile>::layout> gj;  // {G_j, j}
+  tk::warp::map_index(gj, [&](int j) { return float2{cum[j], float(j)}; });
+  tk::rv<float2, 16, typename tk::col_vec<tile>::layout> ri;  // {G_i, i}
+  tk::warp::map_index(ri, [&](int r) { return float2{cum[16 * w + r], float(16 * w + r)}; });
+  tk::warp::map_outer(x, x, ri, gj, [=](float e, float2 i, float2 j) {
+    return j.y <= i.y && i.y < valid ? scale * e * tk::warp::fn::exp2((i.x - j.x) * LOG2E) : 0.f;
+  });
+}
+
 }  // namespace jax_tk::linear_attention

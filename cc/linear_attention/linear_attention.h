@@ -47,9 +47,9 @@ inline int state_slots(int batch, int seq_len, int num_seqs, bool packed) {
   return packed ? seq_len / CHUNK + num_seqs : batch * ((seq_len + CHUNK - 1) / CHUNK);
 }
 
-// Simple GLA's backward: the forward's operands, sizes and states (f; its o, ht, w and u unused) and the
-// cotangents. Two kernels: the state's gradient carried backward over the chunks (dstates), then every
-// chunk at once.
+// Simple GLA's backward: the forward's operands, sizes and states (f; its o, ht and u unused, w the
+// gated delta rule's) and the cotangents. Two kernels: the state's gradient carried backward over the
+// chunks (dstates), then every chunk at once.
 struct BwdParams {
   FwdParams f;               // f.states: the forward's S_c (required)
   const void *dout;          // [batch, seq_len, v_heads, v_dim], q's dtype
@@ -59,6 +59,8 @@ struct BwdParams {
   void *dv;                  // v's shape, q's dtype
   float *dg;                 // [batch, v_heads, seq_len], as g
   float *dh0;                // [num_seqs, v_heads, k_dim, v_dim], or nullptr
+  // The gated delta rule (f.w: the forward's W): the first pass also keeps dU, v's shape in q's dtype.
+  void *du = nullptr;
 };
 
 // The gated delta rule's per-chunk solve (wy_fwd.cu): W and U' of every chunk, for the sequential pass.
@@ -79,7 +81,10 @@ cudaError_t wy_fwd(const WyParams &p, cudaStream_t stream);
 cudaError_t simple_gla_fwd_sm90(const FwdParams &p, cudaStream_t stream);
 // Simple GLA's backward on Hopper (sm_90a), the same sizes as the forward's.
 cudaError_t simple_gla_bwd_sm90(const BwdParams &p, cudaStream_t stream);
-cudaError_t gla_bwd_chunks_sm90(const BwdParams &p, cudaStream_t stream);  // (its second pass)
+// The backward's passes: the state's gradient over the chunks (both ops: the gated delta rule's with
+// f.w and du), and simple GLA's every chunk at once.
+cudaError_t bwd_state_pass_sm90(const BwdParams &p, cudaStream_t stream);
+cudaError_t gla_bwd_chunks_sm90(const BwdParams &p, cudaStream_t stream);
 #endif
 
 }  // namespace jax_tk::linear_attention

@@ -96,18 +96,6 @@ template <typename T, int K> struct GlaDcSm90 {
     scan_decays(sm.cum[wg], tid < valid ? g[tid] : 0.f, 1 + wg);
     return sm.cum[wg];
   }
-  // D * x * scale, 0 past the sequence (rows and columns): P from Q K^T, dP from dO V^T.
-  __device__ __forceinline__ void decay_mask(tile &x, const float *cum) const {
-    const int w = warpid() % 4, v = valid;
-    const float scale = f.scale;
-    rv<float2, 64, typename rvec::layout> gj;
-    warp::map_index(gj, [&](int j) { return float2{cum[j], float(j)}; });
-    rv<float2, 16, typename cvec::layout> ri;
-    warp::map_index(ri, [&](int r) { return float2{cum[16 * w + r], float(16 * w + r)}; });
-    warp::map_outer(x, x, ri, gj, [=](float e, float2 i, float2 j) {
-      return j.y <= i.y && i.y < v ? scale * e * warp::fn::exp2((i.x - j.x) * LOG2E) : 0.f;
-    });
-  }
   // sum_k x_ik y_ik of this warp's rows (x float32, y this warp's rows of a shared tile) into dst[16 w ..].
   template <int N, typename ST> __device__ __forceinline__ void row_dots(float *dst, rt_fl<16, N> &x, const ST &y) const {
     const int w = warpid() % 4;
@@ -141,7 +129,7 @@ template <typename T, int K> struct GlaDcSm90 {
     }
     warpgroup::fence_registers(dp);
     warpgroup::fence_registers(dq);
-    decay_mask(dp, cum);
+    decay_mask(dp, cum, valid, f.scale);
     rt<T, 16, 64> dpw;
     warp::copy(dpw, dp);
     warp::store(sm.dp, dpw, 16 * w, 0);
@@ -177,7 +165,7 @@ template <typename T, int K> struct GlaDcSm90 {
       warp::store(sm.kd, kr, 16 * w, 0);
       warpgroup::wait<0>();
       warpgroup::fence_registers(pt);
-      decay_mask(pt, cum);
+      decay_mask(pt, cum, valid, f.scale);
       rt<T, 16, 64> pw;
       warp::copy(pw, pt);
       warp::store(sm.p, pw, 16 * w, 0);
