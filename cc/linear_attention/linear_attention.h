@@ -38,6 +38,7 @@ struct FwdParams {
   // nullptr: not kept. max_chunks: ceil(seq_len / CHUNK), the most chunks a sequence can have.
   void *states = nullptr;
   int max_chunks = 0;
+  void *uk = nullptr;  // (the gated delta rule, for the backward) U = U' - W S, v's shape; nullptr: not kept
 };
 
 // Slots for the chunks' states: sequence n's chunk c takes slot s_n + c, with s_n = n * max_chunks, or
@@ -59,8 +60,13 @@ struct BwdParams {
   void *dv;                  // v's shape, q's dtype
   float *dg;                 // [batch, v_heads, seq_len], as g
   float *dh0;                // [num_seqs, v_heads, k_dim, v_dim], or nullptr
-  // The gated delta rule (f.w: the forward's W): the first pass also keeps dU, v's shape in q's dtype.
+  // The gated delta rule (f.w: the forward's W; f.u: its U = U' - W S, v's shape): the first pass keeps dU
+  // (v's shape, q's dtype); the second reads it and the solve's T ([batch, seq_len, v_heads, CHUNK]: row
+  // i of a chunk's T at its token i, q's dtype) and writes dbeta (as g).
   void *du = nullptr;
+  const void *t = nullptr;
+  const float *beta = nullptr;  // as g
+  float *dbeta = nullptr;
 };
 
 // The gated delta rule's per-chunk solve (wy_fwd.cu): W and U' of every chunk, for the sequential pass.
@@ -72,6 +78,7 @@ struct WyParams {
   const float *g, *beta;     // [batch, v_heads, seq_len] each
   const int *cu_seqlens;     // [num_seqs + 1] or nullptr
   void *w, *u;               // [batch, seq_len, v_heads, k_dim] and [batch, seq_len, v_heads, v_dim], k's dtype
+  void *t = nullptr;         // (for the backward) T, [batch, seq_len, v_heads, CHUNK]: row i of a chunk's at its token i
 };
 
 #ifdef JAX_TK_CUDA_HEADERS
@@ -85,6 +92,7 @@ cudaError_t simple_gla_bwd_sm90(const BwdParams &p, cudaStream_t stream);
 // f.w and du), and simple GLA's every chunk at once.
 cudaError_t bwd_state_pass_sm90(const BwdParams &p, cudaStream_t stream);
 cudaError_t gla_bwd_chunks_sm90(const BwdParams &p, cudaStream_t stream);
+cudaError_t gdr_bwd_chunks_sm90(const BwdParams &p, cudaStream_t stream);  // (the gated delta rule's)
 #endif
 
 }  // namespace jax_tk::linear_attention

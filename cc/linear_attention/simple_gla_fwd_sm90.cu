@@ -177,6 +177,9 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
         // the sequence belong to no chunk of it: whatever they hold, NaN included, becomes 0)
         warp::copy(vr, u);
         warp::store(sm.u[c % 2], vr, 16 * w, 0);
+        if (p.uk)  // (for the backward)
+          warp::store(gl<T>::make(static_cast<T *>(p.uk) + (size_t)b * p.seq_len * p.v_heads * p.v_dim, 1, bos + len, p.v_heads, p.v_dim),
+                      vr, {0, bos + C * c + 16 * w, h, VS * slice});
         warpgroup::fence_shared_writes();
         __syncwarp();
         if (laneid() == 0) arrive_full(states(), c);  // S_c and this warp's rows of U_c

@@ -32,7 +32,9 @@ template <typename T, int K> struct Wy {
 
 // T = (I + A)^-1's column c (c = tid < C): t_i = [i == c] - sum_{j < i} A_ij t_j, the sum over four
 // accumulators (a quarter of the dependent chain); written scaled as T diag(beta) and T diag(beta exp(G)).
-template <typename T, int K> __device__ __forceinline__ void solve_column(typename Wy<T, K>::Shared &sm, int c) {
+// tk: column c of T in the kept T (row i at tk[i * stride]), or nullptr.
+template <typename T, int K>
+__device__ __forceinline__ void solve_column(typename Wy<T, K>::Shared &sm, int c, T *tk, size_t stride, int valid) {
   constexpr int C = Wy<T, K>::C;
   float t[C];
 #pragma unroll
@@ -47,6 +49,11 @@ template <typename T, int K> __device__ __forceinline__ void solve_column(typena
   for (int i = 0; i < C; i++) {
     sm.tu(i, c) = T(t[i] * bu);
     sm.tw(i, c) = T(t[i] * bw);
+  }
+  if (tk) {  // (for the backward: T itself, row i at the chunk's token i, past the sequence not stored)
+#pragma unroll
+    for (int i = 0; i < C; i++)
+      if (i < valid) tk[i * stride] = T(t[i]);
   }
 }
 
@@ -106,7 +113,10 @@ template <typename T, int K> __global__ __launch_bounds__(128) void wy_fwd_kerne
     warp::store(gl<float>::make(&sm.a[0][0], 1, C, 1, C + 1), acc, {0, 16 * w, 0, 0});
   }
   __syncthreads();
-  if (tid < C) solve_column<T, K>(sm, tid);
+  if (tid < C) {
+    T *tk = p.t ? static_cast<T *>(p.t) + (row0 * p.v_heads + h) * C + tid : nullptr;
+    solve_column<T, K>(sm, tid, tk, size_t(p.v_heads) * C, valid);
+  }
   __syncthreads();
 
   {  // W = T diag(beta exp(G)) K
