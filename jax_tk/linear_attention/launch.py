@@ -8,8 +8,9 @@ states float32 ``[N, HV, K, V]`` and, for the backward, each chunk's starting st
 HV, K, V]`` in q's dtype, or shape ``(0,)``: not kept). Its backward takes the same inputs, the states,
 ``dout`` and the final states' cotangent, and returns dq, dk (float32, per value head), dv, dg (float32
 ``[B, HV, T]``), the initial states' gradient and a workspace. The gated delta rule's forward: beta
-(float32 ``[B, HV, T]``) after g, and two workspaces after the final states (each chunk's W and U', in
-q's dtype).
+(float32 ``[B, HV, T]``) after g, two workspaces after the final states (each chunk's W and U', in q's
+dtype), then what its backward keeps (the states, U = U' - W S, the solve's T; shape ``(0,)``: not
+kept); its backward also returns dbeta.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from jax_tk._core.ffi import kernel_call
 GLA_FWD = ffi.target("jax_tk_simple_gla_fwd")
 GLA_BWD = ffi.target("jax_tk_simple_gla_bwd")
 GDR_FWD = ffi.target("jax_tk_gated_delta_rule_fwd")
+GDR_BWD = ffi.target("jax_tk_gated_delta_rule_bwd")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 K_DIMS = (64, 128)
 
@@ -102,12 +104,35 @@ def gla_bwd(q, k, v, g, cu_seqlens, states, dout, dht, scale: float, out_init=No
     return group(dq), group(dk), dv, jnp.transpose(dg, (0, 2, 1)), dh0
 
 
-def gdr_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, out_init=None):
+def gdr_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, out_init=None, keep: bool = False):
     """``(o, final_state)`` of the gated delta rule's forward kernels (q and k already normalized where
-    the op asks); as :func:`gla_fwd`, ``out_init`` aliased to (o, final_state, W, U')."""
+    the op asks), and with ``keep`` what :func:`gdr_bwd` takes: the chunks' states ``[state_slots, HV,
+    K, V]``, W ``[B, T, HV, K]``, U ``[B, T, HV, V]`` and T ``[B, T, HV, 64]``, all in q's dtype.
+    ``out_init`` (tests): buffers aliased to the results (o, final_state, W, U', states, U, T)."""
     b, t, _, kd = q.shape
-    hv = v.shape[2]
-    out_types = (*_out_types(q, v, cu_seqlens), jax.ShapeDtypeStruct((b, t, hv, kd), q.dtype),
-                 jax.ShapeDtypeStruct(v.shape, q.dtype))
+    hv, vd = v.shape[2:]
+    sds = jax.ShapeDtypeStruct
+    kept = ((state_slots(q, cu_seqlens), hv, kd, vd), v.shape, (b, t, hv, contract()["CHUNK"])) if keep else ((0,),) * 3
+    out_types = (*_out_types(q, v, cu_seqlens), sds((b, t, hv, kd), q.dtype), sds(v.shape, q.dtype),
+                 *(sds(shape, q.dtype) for shape in kept))
     operands = (q, k, v, _head_major(g), _head_major(beta), *_sequence_operands(cu_seqlens, initial_state))
-    return kernel_call(GDR_FWD, out_types, operands, _attributes(scale), out_init=out_init)[:2]
+    o, ht, w, _, states, u, tk = kernel_call(GDR_FWD, out_types, operands, _attributes(scale), out_init=out_init)
+    return (o, ht, states, w, u, tk) if keep else (o, ht)
+
+
+def gdr_bwd(q, k, v, g, beta, cu_seqlens, kept, dout, dht, scale: float, out_init=None):
+    """The gated delta rule's backward kernels: ``(dq, dk, dv, dg, dbeta, dh0)`` as :func:`gla_bwd`'s,
+    dbeta float32 ``[B, T, HV]``; ``kept``: (states, W, U, T) from :func:`gdr_fwd`, q and k as it took
+    them (normalized where the op asks; their gradients are those of the normalized q and k)."""
+    b, t, h, kd = q.shape
+    hv = v.shape[2]
+    states, w, u, tk = kept
+    per_head, gate = jax.ShapeDtypeStruct((b, t, hv, kd), jnp.float32), jax.ShapeDtypeStruct((b, hv, t), jnp.float32)
+    out_types = (per_head, per_head, jax.ShapeDtypeStruct(v.shape, v.dtype), gate, gate, _out_types(q, v, cu_seqlens)[1],
+                 jax.ShapeDtypeStruct(states.shape, states.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    seq = _sequence_operands(cu_seqlens, None)[0]
+    dht = jnp.zeros((0,), jnp.float32) if dht is None else dht.astype(jnp.float32)
+    operands = (q, k, v, _head_major(g), _head_major(beta), seq, states, w, u, tk, dout.astype(v.dtype), dht)
+    dq, dk, dv, dg, dbeta, dh0, _, _ = kernel_call(GDR_BWD, out_types, operands, _attributes(scale), out_init=out_init)
+    group = lambda x: x.reshape(b, t, h, hv // h, kd).sum(axis=3).astype(q.dtype)
+    return group(dq), group(dk), dv, jnp.transpose(dg, (0, 2, 1)), jnp.transpose(dbeta, (0, 2, 1)), dh0
