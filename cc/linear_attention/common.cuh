@@ -18,6 +18,24 @@ struct Sequence {
         chunks((len + CHUNK - 1) / CHUNK), slot(cu_seqlens ? bos / CHUNK + n : n * ((seq_len + CHUNK - 1) / CHUNK)) {}
 };
 
+// Whether this block's chunk lies in its sequence: the per-chunk kernels' grids give each sequence n
+// max_chunks blocks (blockIdx.x = n * max_chunks + c); a whole block past its sequence's end leaves.
+__device__ __forceinline__ bool chunk_in_sequence(const FwdParams &f) {
+  const int c = blockIdx.x % f.max_chunks, n = blockIdx.x / f.max_chunks;
+  return CHUNK * c < (f.cu_seqlens ? f.cu_seqlens[n + 1] - f.cu_seqlens[n] : f.seq_len);
+}
+
+// One warp's suffix sums over a chunk, two tokens a lane (lo: token lane, hi: token lane + 32):
+// x_t := sum over i >= t of x_i (a decay's gradient gathers from every later token of its chunk).
+__device__ __forceinline__ void suffix_sums(float &lo, float &hi) {
+  const int l = tk::laneid();
+  for (int o = 1; o < 32; o *= 2) {  // within each half
+    const float x = __shfl_down_sync(~0u, lo, o), y = __shfl_down_sync(~0u, hi, o);
+    if (l + o < 32) lo += x, hi += y;
+  }
+  lo += __shfl_sync(~0u, hi, 0);  // (the upper half's total)
+}
+
 // G, a chunk's cumulative log decays, into cum[0, CHUNK): the inclusive scan of x (thread t < CHUNK of
 // the warpgroup: token t's decay, 0 past the sequence) over the warpgroup's first two warps. `bar`: the
 // warpgroup's named barrier; cum is whole on return. A warpgroup that scans chunk after chunk keeps two

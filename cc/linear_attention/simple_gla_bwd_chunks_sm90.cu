@@ -215,11 +215,7 @@ template <typename T, int K> struct GlaDcSm90 {
     const int l = laneid();
     auto dG = [&](int i) { return i < valid ? sm.dgq[i] - sm.dgk[i] + (i == valid - 1 ? sm.extra : 0.f) : 0.f; };
     float lo = dG(l), hi = dG(l + 32);
-    for (int o = 1; o < 32; o *= 2) {  // suffix sums within each half
-      const float x = __shfl_down_sync(~0u, lo, o), y = __shfl_down_sync(~0u, hi, o);
-      if (l + o < 32) lo += x, hi += y;
-    }
-    lo += __shfl_sync(~0u, hi, 0);  // (the upper half's total)
+    suffix_sums(lo, hi);
     float *dg = a.p.dg + ((size_t)b * f.v_heads + h) * f.seq_len + t0;
     if (l < valid) dg[l] = lo;
     if (l + 32 < valid) dg[l + 32] = hi;
@@ -229,10 +225,7 @@ template <typename T, int K> struct GlaDcSm90 {
 template <typename T, int K>
 __global__ __launch_bounds__(GlaDc<T, K>::THREADS, 1) void gla_bwd_chunks_kernel(const __grid_constant__ DcArgs<T> a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  const FwdParams &f = a.p.f;
-  const int c = blockIdx.x % f.max_chunks, n = blockIdx.x / f.max_chunks;
-  const int len = f.cu_seqlens ? f.cu_seqlens[n + 1] - f.cu_seqlens[n] : f.seq_len;
-  if (CHUNK * c >= len) return;  // (the whole block: a chunk past this sequence's end)
+  if (!chunk_in_sequence(a.p.f)) return;
   extern __shared__ __align__(1024) char smem_raw[];
   GlaDcSm90<T, K> k{a, *reinterpret_cast<typename GlaDc<T, K>::Shared *>(smem_raw)};
   single(k);
