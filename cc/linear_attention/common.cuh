@@ -15,7 +15,7 @@ struct Sequence {
   int b, bos, len, chunks, slot;
   __device__ __forceinline__ Sequence(const int *cu_seqlens, int seq_len, int n)
       : b(cu_seqlens ? 0 : n), bos(cu_seqlens ? cu_seqlens[n] : 0), len(cu_seqlens ? cu_seqlens[n + 1] - bos : seq_len),
-        chunks((len + CHUNK - 1) / CHUNK), slot(cu_seqlens ? bos / CHUNK + n : n * ((seq_len + CHUNK - 1) / CHUNK)) {}
+        chunks((len + CHUNK - 1) / CHUNK), slot(first_slot(n, bos, seq_len, cu_seqlens != nullptr)) {}
 };
 
 // Whether this block's chunk lies in its sequence: the per-chunk kernels' grids give each sequence n

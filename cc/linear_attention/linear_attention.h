@@ -16,7 +16,7 @@ namespace jax_tk::linear_attention {
   X(V_SLICE, 64)  /* value columns of the state per thread block (the state's K rows whole) */
 // clang-format on
 JAX_TK_DECLARE_CONTRACT(JAX_TK_LINEAR_ATTENTION_CONTRACT)
-#define JAX_TK_LINEAR_ATTENTION_FORMULAS(F)
+#define JAX_TK_LINEAR_ATTENTION_FORMULAS(F) F(state_slots)
 
 enum class DType { bf16, fp16 };
 
@@ -41,11 +41,15 @@ struct FwdParams {
   void *uk = nullptr;  // (the gated delta rule, for the backward) U = U' - W S, v's shape; nullptr: not kept
 };
 
-// Slots for the chunks' states: sequence n's chunk c takes slot s_n + c, with s_n = n * max_chunks, or
-// packed, s_n = floor(bos_n / CHUNK) + n (a sequence of len tokens moves floor(bos / CHUNK) on by at
-// least floor(len / CHUNK), and takes at most one chunk more).
-inline int state_slots(int batch, int seq_len, int num_seqs, bool packed) {
-  return packed ? seq_len / CHUNK + num_seqs : batch * ((seq_len + CHUNK - 1) / CHUNK);
+// The kept chunk states' slots: sequence n's chunk c takes slot first_slot(n) + c, with n * max_chunks,
+// or packed, floor(bos_n / CHUNK) + n (a sequence of len tokens moves floor(bos / CHUNK) on by at least
+// floor(len / CHUNK), and takes at most one chunk more). state_slots: how many a call takes (the first
+// slot of a sequence past the last).
+JAX_TK_HD constexpr int first_slot(int n, int bos, int seq_len, bool packed) {
+  return packed ? bos / CHUNK + n : n * ((seq_len + CHUNK - 1) / CHUNK);
+}
+JAX_TK_HD constexpr int state_slots(int batch, int seq_len, int num_seqs, bool packed) {
+  return packed ? first_slot(num_seqs, seq_len, seq_len, true) : first_slot(batch, 0, seq_len, false);
 }
 
 // Simple GLA's backward: the forward's operands, sizes and states (f; its o, ht and u unused, w the

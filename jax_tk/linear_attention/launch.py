@@ -64,10 +64,10 @@ def _out_types(q, v, cu_seqlens):
 
 
 def state_slots(q, cu_seqlens) -> int:
-    """Slots of the chunks' states (cc/linear_attention/linear_attention.h's state_slots)."""
+    """Slots of the chunks' kept states (the header's formula ``state_slots``)."""
     b, t = q.shape[:2]
-    chunk = contract()["CHUNK"]
-    return t // chunk + cu_seqlens.shape[0] - 1 if cu_seqlens is not None else b * -(-t // chunk)
+    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return extension.formulas("linear_attention").state_slots(b, t, n, cu_seqlens is not None)
 
 
 def _attributes(scale: float) -> dict:
