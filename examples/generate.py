@@ -16,7 +16,8 @@ XLA updates them in place. The same generation runs with each attention implemen
 
 (jax.nn has no paged cache: with ``--paged`` only ``tk`` uses one.) The prompt's attention is the
 model's own (``jax_tk.attention`` for ``tk``, ``jax.nn.dot_product_attention`` for the others).
-Printed: prefill time and decode tokens/s per implementation (the clock starts after a first,
+Printed: prefill time and decode tokens/s per implementation, and with ``--latency`` (on a GPU by
+default) each new token's latency for one sequence alone (the clock starts after a first,
 compiling run), and the sample. Then the check: every implementation is run again, fed the first
 one's greedy tokens (teacher forcing), and its logits must match the first one's at every step
 (relative error under 1e-4 in float32, 3e-2 in bfloat16); the free-running greedy tokens must be the
@@ -56,9 +57,10 @@ import jax_tk  # noqa: E402
 
 ATTENTIONS = ("tk", "cudnn", "xla")
 PRESETS = {
-    "cpu": dict(layers=2, width=64, heads=2, seq=128, dtype="float32", batch=4, prompt_len=16, new_tokens=32),
+    "cpu": dict(layers=2, width=64, heads=2, seq=128, dtype="float32", batch=4, prompt_len=16, new_tokens=32,
+                latency=False),
     "gpu": dict(layers=12, width=768, heads=12, seq=1024, dtype="bfloat16", batch=16, prompt_len=128,
-                new_tokens=512),
+                new_tokens=512, latency=True),
 }
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
 
@@ -287,6 +289,8 @@ def parse_args(argv=None):
     p.add_argument("--devices", type=int, default=1,
                    help="split the batch over the first N devices (decode throughput on several GPUs)")
     p.add_argument("--no-check", action="store_true")
+    p.add_argument("--latency", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time one sequence alone: each new token's latency at batch 1 (default: on a GPU)")
     args = train_gpt.fill_preset(p.parse_args(argv), PRESETS)
     args.attention = [a for a in args.attention.split(",") if a]
     bad = [a for a in args.attention if a not in ATTENTIONS]
@@ -346,6 +350,12 @@ def main(argv=None):
         print(f"{attention:>6}: prefill {r['prefill_s'] * 1e3:8.2f} ms, decode {r['tokens_per_s']:12,.0f} tokens/s "
               f"({r['tokens_per_s'] / args.devices:,.0f} per device; {args.batch} x {args.new_tokens} tokens in "
               f"{r['decode_s']:.3f} s)")
+        if args.latency:  # (the first prompt alone, on one device: a step's latency, as one user sees it)
+            one = generate(params, config, prompt[:1], args.new_tokens, attention=attention,
+                           page_size=page_size if attention == "tk" else None, temperature=args.temperature,
+                           seed=args.seed, loop=args.loop)
+            r["latency_us"] = one["decode_s"] / args.new_tokens * 1e6
+            print(f"{'':>6}  batch 1: {r['latency_us']:8.1f} µs per new token")
     if results:
         first = next(iter(results.values()))
         text = bytes(np.concatenate([prompt[0], first["tokens"][0]]).astype(np.uint8).tolist())

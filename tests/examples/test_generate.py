@@ -72,6 +72,13 @@ def test_command_line(capsys):
     assert out["tk"]["tokens_per_s"] > 0
 
 
+def test_latency_at_batch_one(capsys):
+    """--latency times the first prompt alone: a step's latency in µs per new token, printed and returned."""
+    g = load_generate()
+    out = g.main(TINY + ["--attention", "tk", "--latency", "--no-check"])
+    assert out["tk"]["latency_us"] > 0 and "batch 1:" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_command_line_on_two_devices(paged):
     """--devices 2: the batch split over two (CPU) devices gives the same tokens and logits as the
