@@ -56,12 +56,15 @@ def _out_types(q, v, cu_seqlens):
     return jax.ShapeDtypeStruct((b, t, hv, vd), q.dtype), jax.ShapeDtypeStruct((n, hv, kd, vd), jnp.float32)
 
 
+def _attributes(scale: float) -> dict:
+    return dict(scale=np.float32(scale), variant=np.int32(dispatch.kernel_variant()))
+
+
 def gla_fwd(q, k, v, g, cu_seqlens, initial_state, scale: float, out_init=None):
     """``(o, final_state)`` of simple GLA's forward kernel (``cu_seqlens``, ``initial_state``: None
     or arrays, as the op takes them). ``out_init`` (tests): buffers aliased to (o, final_state)."""
-    attributes = dict(scale=np.float32(scale), variant=np.int32(dispatch.kernel_variant()))
     operands = (q, k, v, _head_major(g), *_sequence_operands(cu_seqlens, initial_state))
-    return kernel_call(GLA_FWD, _out_types(q, v, cu_seqlens), operands, attributes, out_init=out_init)
+    return kernel_call(GLA_FWD, _out_types(q, v, cu_seqlens), operands, _attributes(scale), out_init=out_init)
 
 
 def gdr_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, out_init=None):
@@ -71,6 +74,5 @@ def gdr_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, out_init=
     hv = v.shape[2]
     out_types = (*_out_types(q, v, cu_seqlens), jax.ShapeDtypeStruct((b, t, hv, kd), q.dtype),
                  jax.ShapeDtypeStruct(v.shape, q.dtype))
-    attributes = dict(scale=np.float32(scale), variant=np.int32(dispatch.kernel_variant()))
     operands = (q, k, v, _head_major(g), _head_major(beta), *_sequence_operands(cu_seqlens, initial_state))
-    return kernel_call(GDR_FWD, out_types, operands, attributes, out_init=out_init)[:2]
+    return kernel_call(GDR_FWD, out_types, operands, _attributes(scale), out_init=out_init)[:2]
