@@ -175,13 +175,9 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
       ``[N, value_heads, K, V]`` float32, or None unless ``output_final_state``.
     """
     scale, cu = _sequence_call(_GDR, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
-    run = _reference_path(_GDR, implementation)
     l2 = _check_bool(_GDR, "use_qk_l2norm", use_qk_l2norm)
-    if implementation == "reference" or not dispatch.use_kernel(_GDR, implementation, launch.unsupported_reason(q, v)):
-        return run(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu,
-                   output_final_state=bool(output_final_state), use_qk_l2norm=l2)
-    o, final = _kernel_path(_Spec(scale, l2), q, k, v, g, beta, cu, initial_state)
-    return o, (final if output_final_state else None)
+    return _run(_GDR, implementation, _Spec(scale, l2), q, k, v, g, beta, cu, initial_state, output_final_state,
+                use_qk_l2norm=l2)
 
 
 def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -204,11 +200,17 @@ def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state
     float16 inputs with K 64 or 128 and V a multiple of 64; its gradient is the chunked path's.
     """
     scale, cu = _sequence_call(_GLA, q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens)
-    run = _reference_path(_GLA, implementation)
-    if implementation == "reference" or not dispatch.use_kernel(_GLA, implementation, launch.unsupported_reason(q, v)):
-        return run(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu,
-                   output_final_state=bool(output_final_state))
-    o, final = _kernel_path(_Spec(scale, False), q, k, v, g, None, cu, initial_state)
+    return _run(_GLA, implementation, _Spec(scale, False), q, k, v, g, None, cu, initial_state, output_final_state)
+
+
+def _run(op, implementation, spec, q, k, v, g, beta, cu, initial_state, output_final_state, **reference_options):
+    """A checked whole-sequence call: the kernel path where ``implementation`` and the call allow it,
+    else the pure-JAX path it names."""
+    run = _reference_path(op, implementation)
+    if implementation == "reference" or not dispatch.use_kernel(op, implementation, launch.unsupported_reason(q, v)):
+        return run(q, k, v, g, beta, scale=spec.scale, initial_state=initial_state, cu_seqlens=cu,
+                   output_final_state=bool(output_final_state), **reference_options)
+    o, final = _kernel_path(spec, q, k, v, g, beta, cu, initial_state)
     return o, (final if output_final_state else None)
 
 
