@@ -69,4 +69,31 @@ __device__ __forceinline__ void decay_mask(tk::rt_fl<16, 64> &x, const float *cu
   });
 }
 
+// dst[j] += v[j] (j < n) from every warp: one lane of those holding each value adds it (shared-memory
+// atomics: the warps of both consumer warpgroups gather into one array).
+template <typename RV> __device__ __forceinline__ void add_to(float *dst, const RV &v, int n) {
+  const int lane = tk::laneid();
+  const bool writer = std::is_same_v<typename RV::layout, tk::ortho_l> ? lane % 4 == 0 : lane < 4;
+#pragma unroll
+  for (int i = 0; i < RV::pieces; i++)
+#pragma unroll
+    for (int k = 0; k < RV::per; k++)
+      if (const int j = RV::index_of(i, k); writer && j < n) atomicAdd(dst + j, v.data[i][k]);
+}
+
+// dst[i] += s_i * sum_k x_ik y_ik over this warp's 16 rows (x: its rows in float32, y: a shared tile).
+template <int N, typename ST>
+__device__ __forceinline__ void add_row_dots(float *dst, const tk::rt_fl<16, N> &x, const ST &y,
+                                             const tk::col_vec<tk::rt_fl<16, N>> &s) {
+  const int w = tk::warpid() % 4;
+  tk::rt<typename ST::dtype, 16, N> yr;
+  tk::rt_fl<16, N> p;
+  tk::warp::load(yr, y, 16 * w, 0);
+  tk::warp::map(p, x, yr, [](float u, float v) { return u * v; });
+  tk::col_vec<tk::rt_fl<16, N>> sum;
+  tk::warp::row_sum(sum, p);
+  tk::warp::map_vec(sum, sum, s, [](float u, float v) { return u * v; });
+  add_to(dst + 16 * w, sum, 16);
+}
+
 }  // namespace jax_tk::linear_attention

@@ -46,17 +46,6 @@ template <typename T> struct GdrArgs {
   tma_map<T, CHUNK> q, k, t, v, d, u, du, s, ds;
 };
 
-// dst[j] += v[j] (j < n) from every warp: one lane of those holding each value adds it.
-template <typename RV> __device__ __forceinline__ void add_to(float *dst, const RV &v, int n) {
-  const int lane = laneid();
-  const bool writer = std::is_same_v<typename RV::layout, ortho_l> ? lane % 4 == 0 : lane < 4;
-#pragma unroll
-  for (int i = 0; i < RV::pieces; i++)
-#pragma unroll
-    for (int k = 0; k < RV::per; k++)
-      if (const int j = RV::index_of(i, k); writer && j < n) atomicAdd(dst + j, v.data[i][k]);
-}
-
 template <typename T, int K> struct GdrDcSm90 {
   using G = GdrDc<T, K>;
   using Roles = typename G::Roles;
@@ -114,18 +103,6 @@ template <typename T, int K> struct GdrDcSm90 {
     scan_decays(sm.cum[wg], tid < valid ? f.g[gate + tid] : 0.f, 1 + wg);
     return sm.cum[wg];
   }
-  // sum_k x_ik y_ik of this warp's rows (y: its rows of a shared tile), times s_i, added to dst[i].
-  template <int N, typename ST> __device__ __forceinline__ void add_row_dots(float *dst, const rt_fl<16, N> &x, const ST &y,
-                                                                            const col_vec<rt_fl<16, N>> &s) const {
-    rt<T, 16, N> yr;
-    rt_fl<16, N> p;
-    warp::load(yr, y, 16 * (warpid() % 4), 0);
-    warp::map(p, x, yr, [](float u, float v) { return u * v; });
-    col_vec<rt_fl<16, N>> sum;
-    warp::row_sum(sum, p);
-    warp::map_vec(sum, sum, s, [](float u, float v) { return u * v; });
-    add_to(dst + 16 * (warpid() % 4), sum, 16);
-  }
   __device__ __forceinline__ gl<float> per_head(float *x) const {
     return gl<float>::make(x + (size_t)b * f.seq_len * f.v_heads * K, 1, seq.bos + seq.len, f.v_heads, K);
   }
@@ -137,7 +114,7 @@ template <typename T, int K> struct GdrDcSm90 {
   __device__ __forceinline__ void consume() const {
     if (wg == G::DQ) dq_side();
     else dk_side();
-    sync_named(3, 256);  // (dG and dbeta whole)
+    sync_named_unaligned(3, 256);  // (dG and dbeta whole)
     if (threadIdx.x / 32 == 0) finish_dg();
   }
 
@@ -165,7 +142,7 @@ template <typename T, int K> struct GdrDcSm90 {
     warp::copy(wr, dw);
     warp::store(sm.dw, wr, 16 * w, 0);
     warpgroup::fence_shared_writes();
-    sync_named(4, 256);  // #1: dP, dW
+    sync_named_unaligned(4, 256);  // #1: dP, dW
     cvec e, one;
     rows_of(e, [&](int i) { return scale * warp::fn::exp2(cum[i] * LOG2E); });
     rows_of(one, [](int) { return 1.f; });
@@ -186,7 +163,7 @@ template <typename T, int K> struct GdrDcSm90 {
       add_row_dots(sm.dbeta, dq, sm.k, eg);
       add_row_dots(sm.dg, dq, sm.k, beg);
     }
-    sync_named(4, 256);  // #2: dT from the other warpgroup
+    sync_named_unaligned(4, 256);  // #2: dT from the other warpgroup
     tile x;
     warpgroup::mma_ABt(x, sm.dt, sm.t, false);  // dT T^T
     warpgroup::wait<0>();
@@ -232,7 +209,7 @@ template <typename T, int K> struct GdrDcSm90 {
     warp::copy(bw, da);
     warp::store(sm.db, bw, 16 * w, 0);
     warpgroup::fence_shared_writes();
-    sync_named(4, 256);  // #3: dB
+    sync_named_unaligned(4, 256);  // #3: dB
   }
 
   // dV (stored), dT (to the other warpgroup), dK (stored) and the parts of dG, dbeta they give.
@@ -251,6 +228,11 @@ template <typename T, int K> struct GdrDcSm90 {
     const gl<T> dv = gl<T>::make(static_cast<T *>(a.p.dv) + (size_t)b * f.seq_len * f.v_heads * f.v_dim, 1, seq.bos + seq.len,
                                  f.v_heads, f.v_dim);
     wait_once(sm.once);
+    if (valid < C) {  // T's rows past the sequence: zero (packed, they are the next one's; T^T gathers over rows)
+      for (int i = tid; i < (C - valid) * C; i += 128) sm.t(valid + i / C, i % C) = T(0.f);
+      warpgroup::fence_shared_writes();
+      sync_named(2, 128);  // (the other warpgroup reads T after #1)
+    }
     for (ring_pos<STAGES> at(0); at.n < slices; ++at) {
       wait_full(kv(), at);
       tile dvb;
@@ -273,7 +255,7 @@ template <typename T, int K> struct GdrDcSm90 {
     if (laneid() == 0) atomicAdd(&sm.extra, frob * warp::fn::exp2(last * LOG2E));
     sync_named(2, 128);
     if (tid < C) atomicAdd(&sm.extra, sm.kdc[tid]);
-    sync_named(4, 256);  // #1: dP, dW from the other warpgroup
+    sync_named_unaligned(4, 256);  // #1: dP, dW from the other warpgroup
     warpgroup::mma_AtB(dk, sm.dp, sm.q, true);  // + dP^T Q
     tile dwk;
     warpgroup::mma_ABt(dwk, sm.dw, sm.k, false);  // dW K^T
@@ -290,7 +272,7 @@ template <typename T, int K> struct GdrDcSm90 {
     warp::copy(tw, dwk);
     warp::store(sm.dt, tw, 16 * w, 0);
     warpgroup::fence_shared_writes();
-    sync_named(4, 256);  // #2: dT to the other warpgroup
+    sync_named_unaligned(4, 256);  // #2: dT to the other warpgroup
     warpgroup::mma_AtB(x, sm.t, sm.dw, false);  // T^T dW
     warpgroup::wait<0>();
     warpgroup::fence_registers(x);
@@ -298,7 +280,7 @@ template <typename T, int K> struct GdrDcSm90 {
     rows_of(beg, [&](int i) { return sm.beta[i] * warp::fn::exp2(cum[i] * LOG2E); });
     warp::map_row(x, x, beg, [](float y, float s) { return y * s; });
     warp::map(dk, dk, x, [](float y, float z) { return y + z; });  // + diag(beta exp(G)) T^T dW
-    sync_named(4, 256);  // #3: dB from the other warpgroup
+    sync_named_unaligned(4, 256);  // #3: dB from the other warpgroup
     warpgroup::mma_AB(dk, sm.db, sm.k, true);   // + dB K
     warpgroup::mma_AtB(dk, sm.db, sm.k, true);  // + dB^T K
     warpgroup::wait<0>();

@@ -34,7 +34,7 @@ template <typename T, int K> struct GlaDc {
     st<T, C, VS> v[STAGES], d[STAGES];  // a slice of V, of dO
     st<T, K, VS> s[STAGES], ds[STAGES];  // a slice of S, of dS'
     float cum[2][C];                   // G, each warpgroup's copy
-    float dgq[C], dgk[C], extra;       // q . dq, k . dk, the last token's <S', dS'>
+    float dg[C], kdc[C], extra;        // dG as it gathers; k . (V dS'^T)_k; the last token's <S', dS'>
     semaphore qk, full[STAGES], empty[STAGES];
   };
   static_assert(sizeof(Shared) <= MAX_SHARED_BYTES);
@@ -66,6 +66,7 @@ template <typename T, int K> struct GlaDcSm90 {
     tk::init(sm.qk, 1);
     tk::init(kv(), 1, 8);  // (empty: each consumer warp of both warpgroups)
     sm.extra = 0.f;
+    for (int i = 0; i < C; i++) sm.dg[i] = sm.kdc[i] = 0.f;
   }
   __device__ __forceinline__ void before_sync() const {}
 
@@ -96,21 +97,17 @@ template <typename T, int K> struct GlaDcSm90 {
     scan_decays(sm.cum[wg], tid < valid ? g[tid] : 0.f, 1 + wg);
     return sm.cum[wg];
   }
-  // sum_k x_ik y_ik of this warp's rows (x float32, y this warp's rows of a shared tile) into dst[16 w ..].
-  template <int N, typename ST> __device__ __forceinline__ void row_dots(float *dst, rt_fl<16, N> &x, const ST &y) const {
-    const int w = warpid() % 4;
-    rt<T, 16, N> yr;
-    warp::load(yr, y, 16 * w, 0);
-    warp::map(x, x, yr, [](float p, float q) { return p * q; });
-    col_vec<rt_fl<16, N>> sum;
-    warp::row_sum(sum, x);
-    warp::store(dst + 16 * w, sum, 16);
+  // This warp's rows' s_i (the sign of their part of dG, 0 past the sequence).
+  __device__ __forceinline__ cvec signs(float s) const {
+    cvec v;
+    warp::map_index(v, [&](int r) { return 16 * (warpid() % 4) + r < valid ? s : 0.f; });
+    return v;
   }
 
   __device__ __forceinline__ void consume() const {
     if (wg == G::DQ) finish_dq();
     else finish_dk_dv();
-    sync_named(3, 256);  // (both parts of dG)
+    sync_named_unaligned(3, 256);  // (both parts of dG)
     if (threadIdx.x / 32 == 0) sum_dg();
   }
 
@@ -134,7 +131,7 @@ template <typename T, int K> struct GlaDcSm90 {
     warp::copy(dpw, dp);
     warp::store(sm.dp, dpw, 16 * w, 0);
     warpgroup::fence_shared_writes();
-    sync_named(4, 256);  // (dP to the other warpgroup)
+    sync_named_unaligned(4, 256);  // (dP to the other warpgroup)
     cvec e;  // scale exp(G_i), 0 past the sequence
     const float scale = f.scale;
     warp::map_index(e, [&](int r) { return 16 * w + r < valid ? scale * warp::fn::exp2(cum[16 * w + r] * LOG2E) : 0.f; });
@@ -145,7 +142,7 @@ template <typename T, int K> struct GlaDcSm90 {
     warpgroup::fence_registers(dq);
     warp::store(gl<float>::make(a.p.dq + (size_t)b * f.seq_len * f.v_heads * K, 1, seq_end(), f.v_heads, K), dq,
                 {0, t0 + 16 * w, h, 0});
-    row_dots(sm.dgq, dq, sm.q);
+    add_row_dots(sm.dg, dq, sm.q, signs(1.f));  // q . dq
   }
 
   // P, K_d, then per slice dV = P^T dO + K_d dS' (stored) and the sums V dS'^T, <S, dS'>; dK.
@@ -191,21 +188,19 @@ template <typename T, int K> struct GlaDcSm90 {
     warpgroup::fence_registers(dk);
     warp::map_row(dk, dk, ed, [](float x, float s) { return s != 0.f ? x * s : 0.f; });  // diag(exp(G_last - G)) V dS'^T
     {  // the last token's <S', dS'> = exp(G_last) <S, dS'> + sum_j k_j . (diag(exp(G_last - G)) V dS'^T)_j
-      rt_fl<16, K> x = dk;
-      row_dots(sm.dgk, x, sm.k);
+      add_row_dots(sm.kdc, dk, sm.k, signs(1.f));
       for (int o = 16; o > 0; o /= 2) frob += __shfl_xor_sync(~0u, frob, o);
       if (laneid() == 0) atomicAdd(&sm.extra, frob * warp::fn::exp2(last * LOG2E));
       sync_named(2, 128);  // (every warp's row dots)
-      if (tid < C) atomicAdd(&sm.extra, sm.dgk[tid]);
+      if (tid < C) atomicAdd(&sm.extra, sm.kdc[tid]);
     }
-    sync_named(4, 256);  // (dP from the other warpgroup)
+    sync_named_unaligned(4, 256);  // (dP from the other warpgroup)
     warpgroup::mma_AtB(dk, sm.dp, sm.q, true);  // + dP^T Q
     warpgroup::wait<0>();
     warpgroup::fence_registers(dk);
     warp::store(gl<float>::make(a.p.dk + (size_t)b * f.seq_len * f.v_heads * K, 1, seq_end(), f.v_heads, K), dk,
                 {0, t0 + 16 * w, h, 0});
-    sync_named(2, 128);  // (sm.dgk read into extra)
-    row_dots(sm.dgk, dk, sm.k);
+    add_row_dots(sm.dg, dk, sm.k, signs(-1.f));  // - k . dk
   }
   // Rows of the batch row up to this sequence's end (the gl views' bound: rows past it are not stored).
   __device__ __forceinline__ int seq_end() const { return seq.bos + seq.len; }
@@ -213,7 +208,7 @@ template <typename T, int K> struct GlaDcSm90 {
   // One warp: dg_t = sum over the chunk's tokens i >= t of dG_i, two tokens a lane (t = lane, lane + 32).
   __device__ __forceinline__ void sum_dg() const {
     const int l = laneid();
-    auto dG = [&](int i) { return i < valid ? sm.dgq[i] - sm.dgk[i] + (i == valid - 1 ? sm.extra : 0.f) : 0.f; };
+    auto dG = [&](int i) { return i < valid ? sm.dg[i] + (i == valid - 1 ? sm.extra : 0.f) : 0.f; };
     float lo = dG(l), hi = dG(l + 32);
     suffix_sums(lo, hi);
     float *dg = a.p.dg + ((size_t)b * f.v_heads + h) * f.seq_len + t0;
