@@ -1,15 +1,22 @@
-// The linear-attention ops' FFI targets on Hopper: simple GLA's forward (jax_tk_simple_gla_fwd) and the
-// gated delta rule's (jax_tk_gated_delta_rule_fwd: wy_fwd's solve, then the sequential pass). The
-// handlers decode buffers and attributes into FwdParams, check what the kernels can take, and launch on
-// XLA's stream, with no allocation (CUDA-graph compatible).
+// The linear-attention ops' FFI targets on Hopper: simple GLA's forward (jax_tk_simple_gla_fwd) and
+// backward (jax_tk_simple_gla_bwd), and the gated delta rule's (jax_tk_gated_delta_rule_fwd: wy_fwd's
+// solve, then the sequential pass; jax_tk_gated_delta_rule_bwd). The handlers decode buffers and
+// attributes into the kernels' parameters, check what the kernels can take, and launch on XLA's
+// stream, with no allocation (CUDA-graph compatible).
 //
 // Operands: q, k [batch, seq_len, heads, k_dim]; v [batch, seq_len, v_heads, v_dim] (bfloat16 or
 // float16, one dtype); g float32 [batch, v_heads, seq_len]; cu_seqlens int32 [num_seqs + 1] (batch 1)
 // or shape (0,); initial states float32 [num_seqs, v_heads, k_dim, v_dim] or shape (0,). Results: o
-// (v's shape, q's dtype), final states float32 [num_seqs, v_heads, k_dim, v_dim]. Attributes: scale,
-// variant (the sm_90a kernel only). The gated delta rule's target takes beta (float32 [batch, v_heads,
-// seq_len]) after g, and returns its workspaces after the final states: W [batch, seq_len, v_heads,
-// k_dim] and U' (v's shape), in q's dtype.
+// (v's shape, q's dtype), final states float32 [num_seqs, v_heads, k_dim, v_dim], and what the
+// backward needs, kept where given a buffer (shape (0,): not kept): the chunks' starting states
+// ([state_slots, v_heads, k_dim, v_dim] in q's dtype). Attributes: scale, variant (the sm_90a kernel
+// only). The gated delta rule's forward takes beta (float32 [batch, v_heads, seq_len]) after g and
+// returns W [batch, seq_len, v_heads, k_dim] and U' (v's shape, its workspaces) after the final
+// states, then the states, U = U' - W S (v's shape) and T ([batch, seq_len, v_heads, CHUNK]) to keep.
+// The backwards take the forward's inputs (beta after g), what it kept, dout (v's shape) and the final
+// states' cotangent (or shape (0,)), and return dq and dk (float32 [batch, seq_len, v_heads, k_dim], one
+// per value head), dv, dg (g's shape), [dbeta,] the initial states' gradient and workspaces (the chunks'
+// dS', and the gated delta rule's dU).
 #include "ffi/common.h"
 #include "linear_attention/linear_attention.h"
 
@@ -19,9 +26,8 @@ namespace {
 using linear_attention::FwdParams;
 
 // FwdParams from the operands both targets share.
-ffi::Error parse(FwdParams &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer &k, const ffi::AnyBuffer &v, const ffi::AnyBuffer &g,
-                 const ffi::AnyBuffer &cu_seqlens, const ffi::AnyBuffer &h0, ffi::AnyBuffer &o, ffi::AnyBuffer &ht, float scale,
-                 int32_t variant) {
+ffi::Error parse_inputs(FwdParams &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer &k, const ffi::AnyBuffer &v,
+                        const ffi::AnyBuffer &g, const ffi::AnyBuffer &cu_seqlens, float scale, int32_t variant) {
   if (q.element_type() == ffi::DataType::BF16) p.dtype = linear_attention::DType::bf16;
   else if (q.element_type() == ffi::DataType::F16) p.dtype = linear_attention::DType::fp16;
   else return invalid("the linear-attention kernels take bfloat16 or float16");
@@ -51,75 +57,188 @@ ffi::Error parse(FwdParams &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer &k,
     p.cu_seqlens = static_cast<const int *>(cu_seqlens.untyped_data());
     p.num_seqs = int(cd[0] - 1);
   }
-  auto state_ok = [&](const auto &s) {
-    auto sd = s.dimensions();
-    return s.element_type() == ffi::DataType::F32 && sd.size() == 4 && sd[0] == p.num_seqs && sd[1] == p.v_heads &&
-           sd[2] == p.k_dim && sd[3] == p.v_dim;
-  };
-  if (auto hd = h0.dimensions(); !(hd.size() == 1 && hd[0] == 0)) {
-    if (!state_ok(h0)) return invalid("initial states must be float32 [num_seqs, v_heads, k_dim, v_dim]");
-    p.h0 = static_cast<const float *>(h0.untyped_data());
-  }
-  if (o.element_type() != q.element_type() || !same_dims(o, v)) return invalid("o must have v's shape and q's dtype");
-  if (!state_ok(ht)) return invalid("final states must be float32 [num_seqs, v_heads, k_dim, v_dim]");
+  p.max_chunks = (p.seq_len + linear_attention::CHUNK - 1) / linear_attention::CHUNK;
   p.q = q.untyped_data(), p.k = k.untyped_data(), p.v = v.untyped_data();
   p.g = static_cast<const float *>(g.untyped_data());
-  p.o = o.untyped_data();
-  p.ht = static_cast<float *>(ht.untyped_data());
   p.scale = scale;
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v)) return invalid("q, k and v must be 16-byte aligned");
+  return ffi::Error::Success();
+}
+
+bool is_none(const ffi::AnyBuffer &x) { return x.dimensions().size() == 1 && x.dimensions()[0] == 0; }
+
+// A float32 [num_seqs, v_heads, k_dim, v_dim] state (initial, final, or a cotangent), or shape (0,)
+// where `optional` (then nullptr).
+template <typename B> ffi::Error state_of(const FwdParams &p, B &s, const char *what, bool optional, float *&out) {
+  out = nullptr;
+  if (optional && is_none(s)) return ffi::Error::Success();
+  auto sd = s.dimensions();
+  if (s.element_type() != ffi::DataType::F32 || sd.size() != 4 || sd[0] != p.num_seqs || sd[1] != p.v_heads ||
+      sd[2] != p.k_dim || sd[3] != p.v_dim)
+    return invalid(std::string(what) + " must be float32 [num_seqs, v_heads, k_dim, v_dim]");
+  out = static_cast<float *>(const_cast<void *>(s.untyped_data()));
+  return ffi::Error::Success();
+}
+
+// The chunks' states, [state_slots, v_heads, k_dim, v_dim] in q's dtype, or shape (0,) where optional.
+template <typename B> ffi::Error chunk_states_of(const FwdParams &p, B &s, bool optional, void *&out) {
+  out = nullptr;
+  if (optional && is_none(s)) return ffi::Error::Success();
+  auto sd = s.dimensions();
+  const int slots = linear_attention::state_slots(p.batch, p.seq_len, p.num_seqs, p.cu_seqlens != nullptr);
+  if (s.element_type() != (p.dtype == linear_attention::DType::bf16 ? ffi::DataType::BF16 : ffi::DataType::F16) ||
+      sd.size() != 4 || sd[0] != slots || sd[1] != p.v_heads || sd[2] != p.k_dim || sd[3] != p.v_dim)
+    return invalid("the chunks' states must be [" + std::to_string(slots) + ", v_heads, k_dim, v_dim] in q's dtype");
+  out = const_cast<void *>(s.untyped_data());
+  return ffi::Error::Success();
+}
+
+// The forward's operands and results: parse_inputs, then the initial states, o and the final states.
+ffi::Error parse(FwdParams &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer &k, const ffi::AnyBuffer &v, const ffi::AnyBuffer &g,
+                 const ffi::AnyBuffer &cu_seqlens, const ffi::AnyBuffer &h0, ffi::AnyBuffer &o, ffi::AnyBuffer &ht, float scale,
+                 int32_t variant) {
+  if (auto e = parse_inputs(p, q, k, v, g, cu_seqlens, scale, variant); e.failure()) return e;
+  float *h0p = nullptr;
+  if (auto e = state_of(p, h0, "initial states", true, h0p); e.failure()) return e;
+  p.h0 = h0p;
+  if (o.element_type() != q.element_type() || !same_dims(o, v)) return invalid("o must have v's shape and q's dtype");
+  if (auto e = state_of(p, ht, "final states", false, p.ht); e.failure()) return e;
+  p.o = o.untyped_data();
   return ffi::Error::Success();
 }
 
 template <typename... Extra>
 ffi::Error gla_fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer g,
                         ffi::AnyBuffer cu_seqlens, ffi::AnyBuffer h0, Extra..., ffi::Result<ffi::AnyBuffer> o,
-                        ffi::Result<ffi::AnyBuffer> ht, float scale, int32_t variant) {
+                        ffi::Result<ffi::AnyBuffer> ht, ffi::Result<ffi::AnyBuffer> states, float scale, int32_t variant) {
   FwdParams p{};
   if (auto e = parse(p, q, k, v, g, cu_seqlens, h0, *o, *ht, scale, variant); e.failure()) return e;
+  if (auto e = chunk_states_of(p, *states, true, p.states); e.failure()) return e;
   return cuda_error(linear_attention::simple_gla_fwd_sm90(p, stream), "simple GLA forward");
+}
+
+// The backward's operands both ops share, and its results but dbeta (and the gated delta rule's).
+ffi::Error parse_bwd(linear_attention::BwdParams &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer &k, const ffi::AnyBuffer &v,
+                     const ffi::AnyBuffer &g, const ffi::AnyBuffer &cu_seqlens, const ffi::AnyBuffer &states,
+                     const ffi::AnyBuffer &dout, const ffi::AnyBuffer &dht, ffi::AnyBuffer &dq, ffi::AnyBuffer &dk, ffi::AnyBuffer &dv,
+                     ffi::AnyBuffer &dg, ffi::AnyBuffer &dh0, ffi::AnyBuffer &dstates, float scale, int32_t variant) {
+  FwdParams &f = p.f;
+  if (auto e = parse_inputs(f, q, k, v, g, cu_seqlens, scale, variant); e.failure()) return e;
+  if (auto e = chunk_states_of(f, states, false, f.states); e.failure()) return e;
+  if (auto e = chunk_states_of(f, dstates, false, p.dstates); e.failure()) return e;
+  if (!same_type_and_dims(dout, v) || !aligned16(dout.untyped_data())) return invalid("dout must be like v (16-byte aligned)");
+  float *dht_p = nullptr;
+  if (auto e = state_of(f, dht, "the final states' cotangent", true, dht_p); e.failure()) return e;
+  if (auto e = state_of(f, dh0, "the initial states' gradient", false, p.dh0); e.failure()) return e;
+  auto per_value_head = [&](const auto &x) {  // float32 [batch, seq_len, v_heads, k_dim]
+    auto d = x.dimensions();
+    return x.element_type() == ffi::DataType::F32 && d.size() == 4 && d[0] == f.batch && d[1] == f.seq_len && d[2] == f.v_heads &&
+           d[3] == f.k_dim;
+  };
+  if (!per_value_head(dq) || !per_value_head(dk)) return invalid("dq and dk must be float32 [batch, seq_len, v_heads, k_dim]");
+  if (!same_type_and_dims(dv, v)) return invalid("dv must be like v");
+  if (!same_type_and_dims(dg, g)) return invalid("dg must be like g");
+  p.dout = dout.untyped_data(), p.dht = dht_p;
+  p.dq = static_cast<float *>(dq.untyped_data()), p.dk = static_cast<float *>(dk.untyped_data());
+  p.dv = dv.untyped_data(), p.dg = static_cast<float *>(dg.untyped_data());
+  return ffi::Error::Success();
+}
+
+template <typename... Extra>
+ffi::Error gla_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer g,
+                        ffi::AnyBuffer cu_seqlens, ffi::AnyBuffer states, ffi::AnyBuffer dout, ffi::AnyBuffer dht, Extra...,
+                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        ffi::Result<ffi::AnyBuffer> dg, ffi::Result<ffi::AnyBuffer> dh0, ffi::Result<ffi::AnyBuffer> dstates,
+                        float scale, int32_t variant) {
+  linear_attention::BwdParams p{};
+  if (auto e = parse_bwd(p, q, k, v, g, cu_seqlens, states, dout, dht, *dq, *dk, *dv, *dg, *dh0, *dstates, scale, variant);
+      e.failure())
+    return e;
+  return cuda_error(linear_attention::simple_gla_bwd_sm90(p, stream), "simple GLA backward");
+}
+
+// A [batch, seq_len, v_heads, d] buffer in q's dtype (d = 0: v's), or shape (0,) where optional (nullptr).
+template <typename B> ffi::Error rows_of(const FwdParams &p, B &x, int d, const char *what, bool optional, void *&out) {
+  out = nullptr;
+  if (optional && is_none(x)) return ffi::Error::Success();
+  auto xd = x.dimensions();
+  const bool dtype_ok = x.element_type() == (p.dtype == linear_attention::DType::bf16 ? ffi::DataType::BF16 : ffi::DataType::F16);
+  if (!dtype_ok || xd.size() != 4 || xd[0] != p.batch || xd[1] != p.seq_len || xd[2] != p.v_heads || xd[3] != (d ? d : p.v_dim))
+    return invalid(std::string(what) + " must be [batch, seq_len, v_heads, " + (d ? std::to_string(d) : "v_dim") + "] in q's dtype");
+  out = const_cast<void *>(x.untyped_data());
+  return ffi::Error::Success();
 }
 
 template <typename... Extra>
 ffi::Error gdr_fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer g,
                         ffi::AnyBuffer beta, ffi::AnyBuffer cu_seqlens, ffi::AnyBuffer h0, Extra..., ffi::Result<ffi::AnyBuffer> o,
                         ffi::Result<ffi::AnyBuffer> ht, ffi::Result<ffi::AnyBuffer> w, ffi::Result<ffi::AnyBuffer> u,
+                        ffi::Result<ffi::AnyBuffer> states, ffi::Result<ffi::AnyBuffer> uk, ffi::Result<ffi::AnyBuffer> tk,
                         float scale, int32_t variant) {
   FwdParams p{};
   if (auto e = parse(p, q, k, v, g, cu_seqlens, h0, *o, *ht, scale, variant); e.failure()) return e;
   if (!same_type_and_dims(beta, g)) return invalid("beta must be float32 [batch, v_heads, seq_len], as g");
-  if (w->element_type() != q.element_type() || !same_lead_dims(*w, v) || w->dimensions().back() != p.k_dim)
-    return invalid("w must be [batch, seq_len, v_heads, k_dim] in q's dtype");
-  if (u->element_type() != q.element_type() || !same_dims(*u, v)) return invalid("u must have v's shape and q's dtype");
-  linear_attention::WyParams wy{p.dtype, p.batch, p.seq_len, p.heads, p.v_heads, p.k_dim, p.v_dim, p.num_seqs,
-                                (p.seq_len + linear_attention::CHUNK - 1) / linear_attention::CHUNK, p.k, p.v, p.g,
-                                static_cast<const float *>(beta.untyped_data()), p.cu_seqlens, w->untyped_data(),
-                                u->untyped_data()};
-  p.w = wy.w, p.u = wy.u;
+  void *wp, *up, *tp;
+  if (auto e = rows_of(p, *w, p.k_dim, "w", false, wp); e.failure()) return e;
+  if (auto e = rows_of(p, *u, 0, "u", false, up); e.failure()) return e;
+  if (auto e = chunk_states_of(p, *states, true, p.states); e.failure()) return e;
+  if (auto e = rows_of(p, *uk, 0, "the kept U", true, p.uk); e.failure()) return e;
+  if (auto e = rows_of(p, *tk, linear_attention::CHUNK, "the kept T", true, tp); e.failure()) return e;
+  if ((p.states != nullptr) != (p.uk != nullptr) || (p.uk != nullptr) != (tp != nullptr))
+    return invalid("the states, U and T are kept together or not at all");
+  linear_attention::WyParams wy{p.dtype, p.batch, p.seq_len, p.heads, p.v_heads, p.k_dim, p.v_dim, p.num_seqs, p.max_chunks,
+                                p.k, p.v, p.g, static_cast<const float *>(beta.untyped_data()), p.cu_seqlens, wp, up, tp};
+  p.w = wp, p.u = up;
   if (auto e = cuda_error(linear_attention::wy_fwd(wy, stream), "gated delta rule (solve)"); e.failure()) return e;
   return cuda_error(linear_attention::simple_gla_fwd_sm90(p, stream), "gated delta rule forward");
 }
 
-// Simple GLA: q, k, v, g, cu_seqlens, initial states -> o, final states, then the attributes. The gated
-// delta rule: beta after g, and the workspaces W and U' after the final states.
-template <bool TEST, bool DELTA> auto binding() {
-  auto head = [] {
-    auto b = ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                 .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>();  // q, k, v, g
-    if constexpr (DELTA) return std::move(b).Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>();
-    else return std::move(b).Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>();  // [beta,] cu_seqlens, initial states
-  };
-  auto tail = [](auto &&b) {
-    auto r = std::move(b).template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>();  // o, final states
-    if constexpr (DELTA)
-      return std::move(r).template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>()  // W, U'
-          .template Attr<float>("scale").template Attr<int32_t>("variant");
-    else return std::move(r).template Attr<float>("scale").template Attr<int32_t>("variant");
-  };
+// The gated delta rule's backward: the forward's inputs (q, k normalized where asked), its kept states,
+// W, U and T, dout and dht -> dq, dk (float32 per value head), dv, dg, dbeta, dh0, then two workspaces
+// (the chunks' dS', dU).
+template <typename... Extra>
+ffi::Error gdr_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer g,
+                        ffi::AnyBuffer beta, ffi::AnyBuffer cu_seqlens, ffi::AnyBuffer states, ffi::AnyBuffer w, ffi::AnyBuffer uk,
+                        ffi::AnyBuffer tk, ffi::AnyBuffer dout, ffi::AnyBuffer dht, Extra..., ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dg,
+                        ffi::Result<ffi::AnyBuffer> dbeta, ffi::Result<ffi::AnyBuffer> dh0, ffi::Result<ffi::AnyBuffer> dstates,
+                        ffi::Result<ffi::AnyBuffer> du, float scale, int32_t variant) {
+  linear_attention::BwdParams p{};
+  if (auto e = parse_bwd(p, q, k, v, g, cu_seqlens, states, dout, dht, *dq, *dk, *dv, *dg, *dh0, *dstates, scale, variant);
+      e.failure())
+    return e;
+  void *wp, *up, *tp;
+  if (auto e = rows_of(p.f, w, p.f.k_dim, "w", false, wp); e.failure()) return e;
+  if (auto e = rows_of(p.f, uk, 0, "the kept U", false, up); e.failure()) return e;
+  if (auto e = rows_of(p.f, tk, linear_attention::CHUNK, "the kept T", false, tp); e.failure()) return e;
+  if (auto e = rows_of(p.f, *du, 0, "du", false, p.du); e.failure()) return e;
+  if (!same_type_and_dims(beta, g) || !same_type_and_dims(*dbeta, g)) return invalid("beta and dbeta must be like g");
+  p.f.w = wp, p.f.u = up, p.t = tp;
+  p.beta = static_cast<const float *>(beta.untyped_data()), p.dbeta = static_cast<float *>(dbeta->untyped_data());
+  if (auto e = cuda_error(linear_attention::bwd_state_pass_sm90(p, stream), "gated delta rule backward (state)"); e.failure())
+    return e;
+  return cuda_error(linear_attention::gdr_bwd_chunks_sm90(p, stream), "gated delta rule backward (chunks)");
+}
+
+// Bindings: ARGS buffers, RETS results (both >= 1), then the attributes scale and variant. (Each step
+// returns the chain's prvalue: a Binding cannot be moved.)
+template <int N, typename B> auto with_args(B &&b) {
+  if constexpr (N == 1) return std::move(b).template Arg<ffi::AnyBuffer>();
+  else return with_args<N - 1>(std::move(b).template Arg<ffi::AnyBuffer>());
+}
+template <int N, typename B> auto with_rets(B &&b) {
+  if constexpr (N == 1) return std::move(b).template Ret<ffi::AnyBuffer>();
+  else return with_rets<N - 1>(std::move(b).template Ret<ffi::AnyBuffer>());
+}
+template <bool TEST, int ARGS, int RETS> auto binding() {
+  auto head = [] { return with_args<ARGS>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()); };
+  auto tail = [](auto &&b) { return with_rets<RETS>(std::move(b)).template Attr<float>("scale").template Attr<int32_t>("variant"); };
   return bind<TEST>(head, tail);
 }
-template <bool TEST> auto gla_binding() { return binding<TEST, false>(); }
-template <bool TEST> auto gdr_binding() { return binding<TEST, true>(); }
+template <bool TEST> auto gla_binding() { return binding<TEST, 6, 3>(); }
+template <bool TEST> auto gdr_binding() { return binding<TEST, 7, 7>(); }
+template <bool TEST> auto gla_bwd_binding() { return binding<TEST, 8, 6>(); }
+template <bool TEST> auto gdr_bwd_binding() { return binding<TEST, 12, 8>(); }
 
 }  // namespace
 
@@ -129,12 +248,18 @@ FfiTargets ffi_targets();
 
 JAX_TK_DEFINE_HANDLERS(GlaFwd, gla_fwd_impl, gla_binding);
 JAX_TK_DEFINE_HANDLERS(GdrFwd, gdr_fwd_impl, gdr_binding);
+JAX_TK_DEFINE_HANDLERS(GlaBwd, gla_bwd_impl, gla_bwd_binding);
+JAX_TK_DEFINE_HANDLERS(GdrBwd, gdr_bwd_impl, gdr_bwd_binding);
 
 FfiTargets linear_attention::ffi_targets() {  // (declared by cc/module.cc)
   return {{"jax_tk_simple_gla_fwd", reinterpret_cast<void *>(GlaFwd)},
           {"jax_tk_simple_gla_fwd_test", reinterpret_cast<void *>(GlaFwdTest)},
           {"jax_tk_gated_delta_rule_fwd", reinterpret_cast<void *>(GdrFwd)},
-          {"jax_tk_gated_delta_rule_fwd_test", reinterpret_cast<void *>(GdrFwdTest)}};
+          {"jax_tk_gated_delta_rule_fwd_test", reinterpret_cast<void *>(GdrFwdTest)},
+          {"jax_tk_simple_gla_bwd", reinterpret_cast<void *>(GlaBwd)},
+          {"jax_tk_simple_gla_bwd_test", reinterpret_cast<void *>(GlaBwdTest)},
+          {"jax_tk_gated_delta_rule_bwd", reinterpret_cast<void *>(GdrBwd)},
+          {"jax_tk_gated_delta_rule_bwd_test", reinterpret_cast<void *>(GdrBwdTest)}};
 }
 
 }  // namespace jax_tk

@@ -16,7 +16,7 @@ namespace jax_tk::linear_attention {
   X(V_SLICE, 64)  /* value columns of the state per thread block (the state's K rows whole) */
 // clang-format on
 JAX_TK_DECLARE_CONTRACT(JAX_TK_LINEAR_ATTENTION_CONTRACT)
-#define JAX_TK_LINEAR_ATTENTION_FORMULAS(F)
+#define JAX_TK_LINEAR_ATTENTION_FORMULAS(F) F(state_slots)
 
 enum class DType { bf16, fp16 };
 
@@ -34,6 +34,43 @@ struct FwdParams {
   float scale;
   // The gated delta rule (wy_fwd's W and U', [batch, seq_len, v_heads, k_dim / v_dim]); nullptr: simple GLA.
   const void *w = nullptr, *u = nullptr;
+  // For the backward: each chunk's starting state, [state_slots, v_heads, k_dim, v_dim] in q's dtype;
+  // nullptr: not kept. max_chunks: ceil(seq_len / CHUNK), the most chunks a sequence can have.
+  void *states = nullptr;
+  int max_chunks = 0;
+  void *uk = nullptr;  // (the gated delta rule, for the backward) U = U' - W S, v's shape; nullptr: not kept
+};
+
+// The kept chunk states' slots: sequence n's chunk c takes slot first_slot(n) + c, with n * max_chunks,
+// or packed, floor(bos_n / CHUNK) + n (a sequence of len tokens moves floor(bos / CHUNK) on by at least
+// floor(len / CHUNK), and takes at most one chunk more). state_slots: how many a call takes (the first
+// slot of a sequence past the last).
+JAX_TK_HD constexpr int first_slot(int n, int bos, int seq_len, bool packed) {
+  return packed ? bos / CHUNK + n : n * ((seq_len + CHUNK - 1) / CHUNK);
+}
+JAX_TK_HD constexpr int state_slots(int batch, int seq_len, int num_seqs, bool packed) {
+  return packed ? first_slot(num_seqs, seq_len, seq_len, true) : first_slot(batch, 0, seq_len, false);
+}
+
+// Simple GLA's backward: the forward's operands, sizes and states (f; its o, ht and u unused, w the
+// gated delta rule's) and the cotangents. Two kernels: the state's gradient carried backward over the
+// chunks (dstates), then every chunk at once.
+struct BwdParams {
+  FwdParams f;               // f.states: the forward's S_c (required)
+  const void *dout;          // [batch, seq_len, v_heads, v_dim], q's dtype
+  const float *dht;          // [num_seqs, v_heads, k_dim, v_dim] the final states' cotangent, or nullptr (zeros)
+  void *dstates;             // as f.states: chunk c's dS', the gradient of the state it hands on (workspace)
+  float *dq, *dk;            // [batch, seq_len, v_heads, k_dim]: one per value head (the caller sums a group's)
+  void *dv;                  // v's shape, q's dtype
+  float *dg;                 // [batch, v_heads, seq_len], as g
+  float *dh0;                // [num_seqs, v_heads, k_dim, v_dim], or nullptr
+  // The gated delta rule (f.w: the forward's W; f.u: its U = U' - W S, v's shape): the first pass keeps dU
+  // (v's shape, q's dtype); the second reads it and the solve's T ([batch, seq_len, v_heads, CHUNK]: row
+  // i of a chunk's T at its token i, q's dtype) and writes dbeta (as g).
+  void *du = nullptr;
+  const void *t = nullptr;
+  const float *beta = nullptr;  // as g
+  float *dbeta = nullptr;
 };
 
 // The gated delta rule's per-chunk solve (wy_fwd.cu): W and U' of every chunk, for the sequential pass.
@@ -45,6 +82,7 @@ struct WyParams {
   const float *g, *beta;     // [batch, v_heads, seq_len] each
   const int *cu_seqlens;     // [num_seqs + 1] or nullptr
   void *w, *u;               // [batch, seq_len, v_heads, k_dim] and [batch, seq_len, v_heads, v_dim], k's dtype
+  void *t = nullptr;         // (for the backward) T, [batch, seq_len, v_heads, CHUNK]: row i of a chunk's at its token i
 };
 
 #ifdef JAX_TK_CUDA_HEADERS
@@ -52,6 +90,13 @@ cudaError_t wy_fwd(const WyParams &p, cudaStream_t stream);
 // Simple GLA's forward on Hopper (sm_90a), or with FwdParams::w the gated delta rule's sequential pass:
 // k_dim 64 or 128, v_dim a multiple of V_SLICE.
 cudaError_t simple_gla_fwd_sm90(const FwdParams &p, cudaStream_t stream);
+// Simple GLA's backward on Hopper (sm_90a), the same sizes as the forward's.
+cudaError_t simple_gla_bwd_sm90(const BwdParams &p, cudaStream_t stream);
+// The backward's passes: the state's gradient over the chunks (both ops: the gated delta rule's with
+// f.w and du), and simple GLA's every chunk at once.
+cudaError_t bwd_state_pass_sm90(const BwdParams &p, cudaStream_t stream);
+cudaError_t gla_bwd_chunks_sm90(const BwdParams &p, cudaStream_t stream);
+cudaError_t gdr_bwd_chunks_sm90(const BwdParams &p, cudaStream_t stream);  // (the gated delta rule's)
 #endif
 
 }  // namespace jax_tk::linear_attention

@@ -24,18 +24,17 @@
 // U' (wy_fwd.cu) and the state it starts from: the state's warpgroup computes U (0 past the sequence:
 // those rows of W and U' belong to no chunk of this sequence) and hands it over with the state, and U
 // takes V's place in both products.
-#include "linear_attention/linear_attention.h"
-#include "tk/tk.cuh"
+#include "linear_attention/common.cuh"
 
 namespace jax_tk::linear_attention {
 namespace {
 
 using namespace tk;
-constexpr float LOG2E = 1.4426950408889634f;
 
 template <typename T, int K, bool DELTA> struct Gla {
   using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
-  static constexpr int C = CHUNK, VS = V_SLICE, STAGES = 2, THREADS = Roles::THREADS;
+  // (three stages where they fit: the delta rule's W takes the shared memory of the third)
+  static constexpr int C = CHUNK, VS = V_SLICE, STAGES = DELTA ? 2 : 3, THREADS = Roles::THREADS;
   static constexpr int STATE = 0;  // the state's consumer warpgroup (the outputs': 1)
   static_assert(C == 64 && VS == 64 && (K == 64 || K == 128));
   struct Shared {
@@ -73,8 +72,8 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
   // The block's sequence n, value head h and slice of value columns; its tokens [bos, bos + len) of row b.
   const int slices = p.v_dim / VS, slice = blockIdx.x % slices, h = blockIdx.x / slices % p.v_heads,
             n = blockIdx.x / slices / p.v_heads;
-  const int b = p.cu_seqlens ? 0 : n, bos = p.cu_seqlens ? p.cu_seqlens[n] : 0,
-            len = p.cu_seqlens ? p.cu_seqlens[n + 1] - bos : p.seq_len, chunks = (len + C - 1) / C;
+  const Sequence seq{p.cu_seqlens, p.seq_len, n};
+  const int b = seq.b, bos = seq.bos, len = seq.len, chunks = seq.chunks;
   const float *g = p.g + ((size_t)b * p.v_heads + h) * p.seq_len + bos;
 
   // chunks: each consumer warp (both warpgroups) frees a slot; states: each warp of one side.
@@ -103,30 +102,30 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
     }
   }
 
-  // G of chunk `c` into this warpgroup's copy (one of two by parity: a warp still reading the last
-  // chunk's is not overwritten): an inclusive scan of the decays over the first two warps, 0 past the
-  // sequence. `bar`: the warpgroup's named barrier.
-  __device__ __forceinline__ float *scan(int c, int bar) const {
-    const int tid = threadIdx.x % 128, t = C * c + tid;
+  // G of chunk `c` (scan_decays) into this warpgroup's copy for the chunk's parity. `g_next` holds this
+  // chunk's decays on entry (thread t < C: token t), the next chunk's on return: loaded a chunk early,
+  // off the chain. `bar`: the warpgroup's named barrier.
+  __device__ __forceinline__ float *scan(int c, int bar, float &g_next) const {
+    const int tid = threadIdx.x % 128, t = C * (c + 1) + tid;
     float *cum = sm.cum[wg][c % 2];
-    if (tid < C) {
-      float x = t < len ? g[t] : 0.f;
-      for (int d = 1; d < 32; d *= 2) {
-        const float y = __shfl_up_sync(~0u, x, d);
-        if (laneid() >= d) x += y;
-      }
-      cum[tid] = x;
-    }
-    sync_named(bar, 128);
-    if (tid >= 32 && tid < C) cum[tid] += cum[31];
-    sync_named(bar, 128);
+    const float x = g_next;
+    if (tid < C) g_next = t < len ? g[t] : 0.f;
+    scan_decays(cum, x, bar);
     return cum;
+  }
+  __device__ __forceinline__ float first_decays() const {
+    const int tid = threadIdx.x % 128;
+    return tid < C && tid < len ? g[tid] : 0.f;
   }
 
   // This warp's 16 rows of the state's top (K rows 0..63) or bottom (64..127) half: from or to float32
   // [K, V] at `state` (this sequence and head), this block's columns.
   __device__ __forceinline__ gl<float> state_view(float *state) const {
     return gl<float>::make(state + ((size_t)n * p.v_heads + h) * K * p.v_dim, 1, K, 1, p.v_dim);
+  }
+  // Chunk c's starting state in p.states ([K, V] of this sequence and head).
+  __device__ __forceinline__ gl<T> states_view(int c) const {
+    return gl<T>::make(static_cast<T *>(p.states) + ((size_t)(seq.slot + c) * p.v_heads + h) * K * p.v_dim, 1, K, 1, p.v_dim);
   }
 
   __device__ __forceinline__ void consume() const {
@@ -151,15 +150,17 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
       for (int i = 0; i < K / 64; i++) {
         warp::copy(sb, s[i]);
         warp::store(sm.s[c % 2], sb, 64 * i + 16 * w, 0);
+        if (p.states) warp::store(states_view(c), sb, {0, 64 * i + 16 * w, 0, VS * slice});  // (for the backward)
       }
       warpgroup::fence_shared_writes();
       sync_named(1, 128);
       if (!DELTA && laneid() == 0) arrive_full(states(), c);
     };
     publish(0);
+    float g_next = first_decays();
     for (ring_pos<STAGES> at(0); at.n < chunks; ++at) {
       const int c = at.n, valid = min(C, len - C * c);
-      const float *cum = scan(c, 1);
+      const float *cum = scan(c, 1, g_next);
       const float last = cum[valid - 1];
       wait_full(kv(), at);
       rt<T, 16, 64> vr;  // this warp's rows of the values: V's, or (DELTA) U = U' - W S
@@ -177,6 +178,9 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
         // the sequence belong to no chunk of it: whatever they hold, NaN included, becomes 0)
         warp::copy(vr, u);
         warp::store(sm.u[c % 2], vr, 16 * w, 0);
+        if (p.uk)  // (for the backward)
+          warp::store(gl<T>::make(static_cast<T *>(p.uk) + (size_t)b * p.seq_len * p.v_heads * p.v_dim, 1, bos + len, p.v_heads, p.v_dim),
+                      vr, {0, bos + C * c + 16 * w, h, VS * slice});
         warpgroup::fence_shared_writes();
         __syncwarp();
         if (laneid() == 0) arrive_full(states(), c);  // S_c and this warp's rows of U_c
@@ -214,9 +218,10 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
     const float scale = p.scale;
     const gl<T> out = gl<T>::make(static_cast<T *>(p.o) + (size_t)b * p.seq_len * p.v_heads * p.v_dim + (size_t)bos * p.v_heads * p.v_dim,
                                   1, len, p.v_heads, p.v_dim);
+    float g_next = first_decays();
     for (ring_pos<STAGES> at(0); at.n < chunks; ++at) {
       const int c = at.n, t0 = C * c, valid = min(C, len - t0);
-      const float *cum = scan(c, 2);
+      const float *cum = scan(c, 2, g_next);
       tile o, pv, qk;
       rt<T, 16, 64> pw;
       wait_full(kv(), at);

@@ -7,19 +7,18 @@
 //
 // none of which depends on the state: every chunk of every sequence and head is solved at once, here,
 // and the sequential pass (simple_gla_fwd_sm90.cu's kernel with DELTA) needs only U = U' - W S. A
-// block of four warps takes one chunk of one value head: A by mma.sync, T by forward substitution in
-// float32 (thread c of the first two warps solves column c), then T diag(beta) and T diag(beta exp(G))
-// in the inputs' type, so that W and U' are plain products with K and V as loaded (by mma.sync, V a
-// slice at a time, the next slice loading while this one multiplies). Rows past the sequence load as
-// zeros, take beta = 0 (they then add nothing) and are not stored.
-#include "linear_attention/linear_attention.h"
-#include "tk/tk.cuh"
+// block of four warps takes one chunk of one value head: A by mma.sync; T by blocks (block_inverse: the
+// 16 x 16 diagonal blocks by forward substitution in float32, then merged to 32 and 64 by matrix
+// products); then T diag(beta) and T diag(beta exp(G)) in the inputs' type, so that W and U' are plain
+// products with K and V as loaded (by mma.sync, V a slice at a time, the next slice loading while this
+// one multiplies). Rows past the sequence load as zeros, take beta = 0 (they then add nothing) and are
+// not stored.
+#include "linear_attention/common.cuh"
 
 namespace jax_tk::linear_attention {
 namespace {
 
 using namespace tk;
-constexpr float LOG2E = 1.4426950408889634f;
 
 template <typename T, int K> struct Wy {
   static constexpr int C = CHUNK, VS = V_SLICE, THREADS = 128;
@@ -27,29 +26,71 @@ template <typename T, int K> struct Wy {
     st<T, C, K> k;
     st<T, C, VS> v[2];   // slices of V, double-buffered
     st<T, C, C> tu, tw;  // T diag(beta), T diag(beta exp(G))
+    st<T, C, C> x, y;    // block_inverse's operands: the inverse so far, corner times it
     float a[C][C + 1];   // A (float32; a padded row: column c of the solve reads across rows)
+    float xf[C][C + 1];  // the diagonal blocks' inverses (float32)
     float beta[C], cum[C];
   };
 };
 
-// T = (I + A)^-1's column c (c = tid < C): t_i = [i == c] - sum_{j < i} A_ij t_j, the sum over four
-// accumulators (a quarter of the dependent chain); written scaled as T diag(beta) and T diag(beta exp(G)).
-template <typename T, int K> __device__ __forceinline__ void solve_column(typename Wy<T, K>::Shared &sm, int c) {
-  constexpr int C = Wy<T, K>::C;
-  float t[C];
+// T = (I + A)^-1 by blocks (every thread of the block; A in sm.a). The inverse of [[X, 0], [Y, Z]] is
+// [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]]: with `inv` holding the inverses of the diagonal blocks of size s,
+// inv - inv L inv, L the lower-left s-blocks of the diagonal blocks of size 2s (A's), holds those of
+// size 2s. s = 16 by forward substitution in float32 (thread c < C: column c of its block, 16 steps),
+// then two merges by mma.sync (float32 accumulation, operands in the inputs' type). Returns this warp's
+// 16 rows of T in float32.
+template <typename T, int K> __device__ __forceinline__ rt_fl<16, CHUNK> block_inverse(typename Wy<T, K>::Shared &sm) {
+  constexpr int C = Wy<T, K>::C, B = 16;
+  const int tid = threadIdx.x, w = tid / 32;
+  for (int i = tid; i < C * (C + 1); i += Wy<T, K>::THREADS) (&sm.xf[0][0])[i] = 0.f;
+  __syncthreads();
+  if (tid < C) {
+    const int d = tid / B * B;  // the block's first row and column
+    float t[B];
 #pragma unroll
-  for (int i = 0; i < C; i++) {
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int i = 0; i < B; i++) {
+      float s = d + i == tid ? 1.f : 0.f;
 #pragma unroll
-    for (int j = 0; j < i; j++) s[j % 4] += sm.a[i][j] * t[j];
-    t[i] = (i == c ? 1.f : 0.f) - ((s[0] + s[1]) + (s[2] + s[3]));
+      for (int j = 0; j < i; j++) s -= sm.a[d + i][d + j] * t[j];
+      t[i] = s;
+      sm.xf[d + i][tid] = s;
+    }
   }
-  const float bu = sm.beta[c], bw = bu * exp2f(sm.cum[c] * LOG2E);
+  __syncthreads();
+  const auto view = [](float (*m)[C + 1]) { return gl<float>::make(&m[0][0], 1, C, 1, C + 1); };
+  rt_fl<16, C> inv, acc;
+  rt<T, 16, C> ir;
+  warp::load(inv, view(sm.xf), {0, 16 * w, 0, 0});
+  warp::copy(ir, inv);
+  warp::store(sm.x, ir, 16 * w, 0);
+  __syncthreads();
 #pragma unroll
-  for (int i = 0; i < C; i++) {
-    sm.tu(i, c) = T(t[i] * bu);
-    sm.tw(i, c) = T(t[i] * bw);
+  for (int s = B; s < C; s *= 2) {
+    rt_fl<16, C> corner;  // this warp's rows of L
+    warp::load(corner, view(sm.a), {0, 16 * w, 0, 0});
+    warp::map_indexed(corner, corner, [=](int r, int j, float x) {
+      const int i = 16 * w + r;
+      return i / s == j / s + 1 && (j / s) % 2 == 0 ? x : 0.f;
+    });
+    rt<T, 16, C> cr;
+    rt<T, C, C, col_l> xb;
+    warp::copy(cr, corner);
+    warp::load(xb, sm.x);
+    warp::zero(acc);
+    warp::mma_AB(acc, cr, xb, acc);  // L inv
+    warp::copy(cr, acc);
+    warp::store(sm.y, cr, 16 * w, 0);
+    __syncthreads();
+    warp::load(xb, sm.y);
+    warp::zero(acc);
+    warp::mma_AB(acc, ir, xb, acc);  // inv (L inv)
+    warp::map(inv, inv, acc, [](float x, float y) { return x - y; });
+    warp::copy(ir, inv);
+    __syncthreads();  // (every warp has read sm.x)
+    warp::store(sm.x, ir, 16 * w, 0);
+    __syncthreads();
   }
+  return inv;
 }
 
 template <typename T, int K> __global__ __launch_bounds__(128) void wy_fwd_kernel(const __grid_constant__ WyParams p) {
@@ -58,8 +99,8 @@ template <typename T, int K> __global__ __launch_bounds__(128) void wy_fwd_kerne
   extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename W::Shared *>(smem_raw);
   const int h = blockIdx.y, chunk = blockIdx.x % p.max_chunks, n = blockIdx.x / p.max_chunks;
-  const int b = p.cu_seqlens ? 0 : n, bos = p.cu_seqlens ? p.cu_seqlens[n] : 0,
-            len = p.cu_seqlens ? p.cu_seqlens[n + 1] - bos : p.seq_len;
+  const Sequence seq{p.cu_seqlens, p.seq_len, n};
+  const int b = seq.b, bos = seq.bos, len = seq.len;
   const int t0 = C * chunk, valid = min(C, len - t0);
   if (valid <= 0) return;
   const int tid = threadIdx.x, w = tid / 32, hq = h / (p.v_heads / p.heads);
@@ -108,7 +149,21 @@ template <typename T, int K> __global__ __launch_bounds__(128) void wy_fwd_kerne
     warp::store(gl<float>::make(&sm.a[0][0], 1, C, 1, C + 1), acc, {0, 16 * w, 0, 0});
   }
   __syncthreads();
-  if (tid < C) solve_column<T, K>(sm, tid);
+  {  // T diag(beta), T diag(beta exp(G)) (this warp's rows), and T itself where kept (for the backward)
+    rt_fl<16, C> t = block_inverse<T, K>(sm), tb;
+    rv<float, C, typename row_vec<rt_fl<16, C>>::layout> bj, bgj;
+    warp::map_index(bj, [&](int j) { return sm.beta[j]; });
+    warp::map_index(bgj, [&](int j) { return sm.beta[j] * exp2f(sm.cum[j] * LOG2E); });
+    rt<T, 16, C> tr;
+    warp::map_col(tb, t, bj, [](float x, float s) { return x * s; });
+    warp::copy(tr, tb);
+    warp::store(sm.tu, tr, 16 * w, 0);
+    warp::map_col(tb, t, bgj, [](float x, float s) { return x * s; });
+    warp::copy(tr, tb);
+    warp::store(sm.tw, tr, 16 * w, 0);
+    if (p.t)
+      warp::store(gl<T>::make(static_cast<T *>(p.t) + row0 * p.v_heads * C, 1, valid, p.v_heads, C), t, {0, 16 * w, h, 0});
+  }
   __syncthreads();
 
   {  // W = T diag(beta exp(G)) K

@@ -5,8 +5,8 @@ decoding steps ``gated_delta_rule_step`` and ``simple_gla_step``. Semantics and 
 
 api.py (checks, the implementation= choice, the kernel path's custom_vjp and partitioning), launch.py
 (the kernels' operands), reference.py (the token-by-token recurrence and the chunked XLA path). Both
-ops' forwards run kernels on H100/H200; everything else runs the chunked XLA path (or the recurrence,
-on request).
+ops run kernels on H100/H200, forward and backward; everything else runs the chunked XLA path (or the
+recurrence, on request).
 """
 from jax_tk.linear_attention import api, reference
 from jax_tk.linear_attention.api import (

@@ -1,10 +1,10 @@
 """jax_tk.linear_attention: the gated delta rule and simple GLA (chunked, over whole sequences) and
 their one-token decoding steps.
 
-Trace-time checks and the ``implementation=`` choice. The forwards of both ops run CUDA kernels on
-H100/H200 (bfloat16/float16, K 64 or 128, V a multiple of 64); their gradients, and everything else,
-run the pure-JAX paths of ``reference`` (the chunked one by default, the token-by-token recurrence on
-request), with JAX's autodiff of them.
+Trace-time checks and the ``implementation=`` choice. Both ops, forward and backward, run CUDA kernels
+on H100/H200 (bfloat16/float16, K 64 or 128, V a multiple of 64); everything else runs the pure-JAX
+paths of ``reference`` (the chunked one by default, the token-by-token recurrence on request), with
+JAX's autodiff of them.
 """
 from __future__ import annotations
 
@@ -239,7 +239,7 @@ def _kernel(spec: _Spec, q, k, v, g, beta, cu_seqlens, initial_state):
     if beta is None:
         return launch.gla_fwd(q, k, v, g, cu_seqlens, initial_state, spec.scale)
     if spec.use_qk_l2norm:
-        q, k = reference.l2norm(q).astype(q.dtype), reference.l2norm(k).astype(k.dtype)
+        q, k = _normalized(q), _normalized(k)
     return launch.gdr_fwd(q, k, v, g, beta, cu_seqlens, initial_state, spec.scale)
 
 
@@ -250,15 +250,110 @@ def _local(spec: _Spec, v, q, k, g, beta, initial_state, cu_seqlens):
 
 
 def _kernel_path_fwd(spec, q, k, v, g, beta, cu_seqlens, initial_state):
-    return _kernel_path(spec, q, k, v, g, beta, cu_seqlens, initial_state), (q, k, v, g, beta, cu_seqlens, initial_state)
+    packed = cu_seqlens is not None
+    if beta is None:
+        layout = _PACKED_GLA_KEEP if packed else _GLA_KEEP
+        o, ht, states = sharding.call(layout, _local_keep, spec, v, q, k, g, initial_state, cu_seqlens)
+        return (o, ht), (q, k, v, g, beta, cu_seqlens, initial_state, states)
+    # The gated delta rule: normalized here (its gradient by autodiff), then the kernels on q and k as
+    # normalized, keeping what their backward takes.
+    qn, kn = (_normalized(q), _normalized(k)) if spec.use_qk_l2norm else (q, k)
+    layout = _PACKED_GDR_KEEP if packed else _GDR_KEEP
+    o, ht, *kept = sharding.call(layout, _local_gdr_keep, _Spec(spec.scale, False), v, qn, kn, g, beta, initial_state,
+                                 cu_seqlens)
+    return (o, ht), (q, k, v, g, beta, cu_seqlens, initial_state, (qn, kn, *kept))
 
 
 def _kernel_path_bwd(spec, res, cotangents):
-    q, k, v, g, beta, cu_seqlens, initial_state = res
-    def f(q, k, v, g, beta, initial_state):
-        return _chunked(spec, q, k, v, g, beta, cu_seqlens, initial_state)
-    dq, dk, dv, dg, dbeta, dh0 = jax.vjp(f, q, k, v, g, beta, initial_state)[1](cotangents)
-    return dq, dk, dv, dg, dbeta, None, dh0
+    q, k, v, g, beta, cu_seqlens, initial_state, kept = res
+    do, dht = cotangents
+    packed = cu_seqlens is not None
+    if beta is None:
+        layout = _PACKED_GLA_BWD if packed else _GLA_BWD
+        dv, dq, dk, dg, dh0 = sharding.call(layout, _local_gla_bwd, spec, v, q, k, g, initial_state, cu_seqlens, kept,
+                                            do, dht)
+        dbeta = None
+    else:
+        qn, kn, *kept = kept
+        layout = _PACKED_GDR_BWD if packed else _GDR_BWD
+        dv, dq, dk, dg, dbeta, dh0 = sharding.call(layout, _local_gdr_bwd, _Spec(spec.scale, False), v, qn, kn, g, beta,
+                                                   initial_state, cu_seqlens, *kept, do, dht)
+        if spec.use_qk_l2norm:
+            dq, dk = jax.vjp(lambda q, k: (_normalized(q), _normalized(k)), q, k)[1]((dq, dk))
+    return dq, dk, dv, dg, dbeta, None, None if initial_state is None else dh0.astype(initial_state.dtype)
+
+
+def _normalized(x):
+    return reference.l2norm(x).astype(x.dtype)
+
+
+def _local_keep(spec: _Spec, v, q, k, g, initial_state, cu_seqlens):
+    """Simple GLA's (o, final_state, the chunks' states) on one device's arrays; off CUDA the chunked
+    path, with zeros for the states (its backward does not read them)."""
+    def kernel(q, k, v, g, cu_seqlens, initial_state):
+        o, ht, states = launch.gla_fwd(q, k, v, g, cu_seqlens, initial_state, spec.scale, keep_states=True)
+        return o, ht, _states_view(states, q, cu_seqlens)
+
+    def chunked(q, k, v, g, cu_seqlens, initial_state):
+        o, ht = _chunked(spec, q, k, v, g, None, cu_seqlens, initial_state)
+        shape = (launch.state_slots(q, cu_seqlens), v.shape[2], q.shape[3], v.shape[3])
+        return o, ht, _states_view(jnp.zeros(shape, q.dtype), q, cu_seqlens)
+    return dispatch.platform_dispatch(True, kernel, chunked, q, k, v, g, cu_seqlens, initial_state)
+
+
+def _states_view(states, q, cu_seqlens):
+    """The kernels' chunk states [slots, HV, K, V], batch-major ([B, chunks, HV, K, V]) where not packed,
+    so that they split with the batch."""
+    return states if cu_seqlens is not None else states.reshape(q.shape[0], -1, *states.shape[1:])
+
+
+def _local_gdr_keep(spec: _Spec, v, q, k, g, beta, initial_state, cu_seqlens):
+    """The gated delta rule's (o, final_state, states, W, U, T) on one device's arrays (q, k as the kernels
+    take them); off CUDA the chunked path, with zeros for what its backward does not read."""
+    def kernel(q, k, v, g, beta, cu_seqlens, initial_state):
+        o, ht, states, w, u, tk = launch.gdr_fwd(q, k, v, g, beta, cu_seqlens, initial_state, spec.scale, keep=True)
+        return o, ht, _states_view(states, q, cu_seqlens), w, u, tk
+
+    def chunked(q, k, v, g, beta, cu_seqlens, initial_state):
+        o, ht = _chunked(spec, q, k, v, g, beta, cu_seqlens, initial_state)
+        (b, t, _, kd), (hv, vd) = q.shape, v.shape[2:]
+        states = jnp.zeros((launch.state_slots(q, cu_seqlens), hv, kd, vd), q.dtype)
+        zeros = [jnp.zeros(shape, q.dtype) for shape in ((b, t, hv, kd), v.shape, (b, t, hv, chunk_size()))]
+        return o, ht, _states_view(states, q, cu_seqlens), *zeros
+    return dispatch.platform_dispatch(True, kernel, chunked, q, k, v, g, beta, cu_seqlens, initial_state)
+
+
+def _local_gdr_bwd(spec: _Spec, v, q, k, g, beta, initial_state, cu_seqlens, states, w, u, tk, do, dht):
+    """(dv, dq, dk, dg, dbeta, dh0) of the gated delta rule on one device's arrays (q, k as the kernels
+    took them): the backward kernels on CUDA, the chunked path's gradient elsewhere."""
+    def kernel(q, k, v, g, beta, cu_seqlens, initial_state, states, w, u, tk, do, dht):
+        kept = (states.reshape(-1, *states.shape[-3:]), w, u, tk)
+        dq, dk, dv, dg, dbeta, dh0 = launch.gdr_bwd(q, k, v, g, beta, cu_seqlens, kept, do, dht, spec.scale)
+        return dv, dq, dk, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0
+
+    def chunked(q, k, v, g, beta, cu_seqlens, initial_state, states, w, u, tk, do, dht):
+        h0 = initial_state if initial_state is not None else jnp.zeros(dht.shape, jnp.float32)
+        f = lambda q, k, v, g, beta, h0: _chunked(spec, q, k, v, g, beta, cu_seqlens, h0)
+        dq, dk, dv, dg, dbeta, dh0 = jax.vjp(f, q, k, v, g, beta, h0)[1]((do, dht))
+        return dv, dq, dk, dg, dbeta, dh0.astype(jnp.float32)
+    return dispatch.platform_dispatch(True, kernel, chunked, q, k, v, g, beta, cu_seqlens, initial_state, states, w, u,
+                                      tk, do, dht)
+
+
+def _local_gla_bwd(spec: _Spec, v, q, k, g, initial_state, cu_seqlens, states, do, dht):
+    """(dv, dq, dk, dg, dh0) of simple GLA on one device's arrays: the backward kernels on CUDA, the
+    chunked path's gradient elsewhere."""
+    def kernel(q, k, v, g, cu_seqlens, initial_state, states, do, dht):
+        flat = states.reshape(-1, *states.shape[-3:])
+        dq, dk, dv, dg, dh0 = launch.gla_bwd(q, k, v, g, cu_seqlens, flat, do, dht, spec.scale)
+        return dv, dq, dk, dg.astype(g.dtype), dh0
+
+    def chunked(q, k, v, g, cu_seqlens, initial_state, states, do, dht):
+        h0 = initial_state if initial_state is not None else jnp.zeros(dht.shape, jnp.float32)
+        f = lambda q, k, v, g, h0: _chunked(spec, q, k, v, g, None, cu_seqlens, h0)
+        dq, dk, dv, dg, dh0 = jax.vjp(f, q, k, v, g, h0)[1]((do, dht))
+        return dv, dq, dk, dg, dh0.astype(jnp.float32)
+    return dispatch.platform_dispatch(True, kernel, chunked, q, k, v, g, cu_seqlens, initial_state, states, do, dht)
 
 
 _kernel_path.defvjp(_kernel_path_fwd, _kernel_path_bwd)
@@ -270,6 +365,34 @@ _LAYOUT = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "b t
                           outputs=("b t n e", "b n d e"), heads="n", grouped="k")
 _PACKED_LAYOUT = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "b t n", "s n d e", "c"),
                                  outputs=("b t n e", "s n d e"), heads="n", grouped="k")
+# Simple GLA's forward keeping the chunks' states ([B, chunks, HV, K, V], packed [slots, HV, K, V]), and
+# its backward (v, q, k, g, initial state, offsets, states, do, dht -> dv, dq, dk, dg, dh0).
+_GLA_KEEP = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "b n d e", "c"),
+                            outputs=("b t n e", "b n d e", "b x n d e"), heads="n", grouped="k")
+_PACKED_GLA_KEEP = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "s n d e", "c"),
+                                   outputs=("b t n e", "s n d e", "x n d e"), heads="n", grouped="k")
+# The gated delta rule's forward keeping (states, W, U, T) and its backward (v, q, k, g, beta, initial
+# state, offsets, states, W, U, T, do, dht -> dv, dq, dk, dg, dbeta, dh0).
+_GDR_KEEP = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "b t n", "b n d e", "c"),
+                            outputs=("b t n e", "b n d e", "b x n d e", "b t n d", "b t n e", "b t n y"),
+                            heads="n", grouped="k")
+_PACKED_GDR_KEEP = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "b t n", "s n d e", "c"),
+                                   outputs=("b t n e", "s n d e", "x n d e", "b t n d", "b t n e", "b t n y"),
+                                   heads="n", grouped="k")
+_GDR_BWD = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "b t n", "b n d e", "c", "b x n d e",
+                                   "b t n d", "b t n e", "b t n y", "b t n e", "b n d e"),
+                           outputs=("b t n e", "b t k d", "b t k d", "b t n", "b t n", "b n d e"), heads="n",
+                           grouped="k")
+_PACKED_GDR_BWD = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "b t n", "s n d e", "c", "x n d e",
+                                          "b t n d", "b t n e", "b t n y", "b t n e", "s n d e"),
+                                  outputs=("b t n e", "b t k d", "b t k d", "b t n", "b t n", "s n d e"), heads="n",
+                                  grouped="k")
+_GLA_BWD = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "b n d e", "c", "b x n d e", "b t n e",
+                                   "b n d e"),
+                           outputs=("b t n e", "b t k d", "b t k d", "b t n", "b n d e"), heads="n", grouped="k")
+_PACKED_GLA_BWD = sharding.Layout(inputs=("b t n e", "b t k d", "b t k d", "b t n", "s n d e", "c", "x n d e",
+                                          "b t n e", "s n d e"),
+                                  outputs=("b t n e", "b t k d", "b t k d", "b t n", "s n d e"), heads="n", grouped="k")
 
 
 def _step_call(op, q, k, v, g, beta, state, scale):

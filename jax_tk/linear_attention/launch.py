@@ -3,9 +3,14 @@
 Simple GLA's forward (Hopper): ``q, k [B, T, H, K]``, ``v [B, T, HV, V]`` in bfloat16 or float16, the
 log decays as float32 ``[B, HV, T]`` (head-major, so that a chunk's decays are contiguous), the packed
 sequences' offsets (int32 ``[N + 1]``, or shape ``(0,)``) and the initial states (float32
-``[N, HV, K, V]``, or shape ``(0,)``: zeros); results ``o [B, T, HV, V]`` in q's dtype and the final
-states float32 ``[N, HV, K, V]``. The gated delta rule's: beta (float32 ``[B, HV, T]``) after g, and
-two workspaces after the final states (each chunk's W and U', in q's dtype).
+``[N, HV, K, V]``, or shape ``(0,)``: zeros); results ``o [B, T, HV, V]`` in q's dtype, the final
+states float32 ``[N, HV, K, V]`` and, for the backward, each chunk's starting state (``[state_slots,
+HV, K, V]`` in q's dtype, or shape ``(0,)``: not kept). Its backward takes the same inputs, the states,
+``dout`` and the final states' cotangent, and returns dq, dk (float32, per value head), dv, dg (float32
+``[B, HV, T]``), the initial states' gradient and a workspace. The gated delta rule's forward: beta
+(float32 ``[B, HV, T]``) after g, two workspaces after the final states (each chunk's W and U', in q's
+dtype), then what its backward keeps (the states, U = U' - W S, the solve's T; shape ``(0,)``: not
+kept); its backward also returns dbeta.
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ from jax_tk._core import dispatch, extension, ffi
 from jax_tk._core.ffi import kernel_call
 
 GLA_FWD = ffi.target("jax_tk_simple_gla_fwd")
+GLA_BWD = ffi.target("jax_tk_simple_gla_bwd")
 GDR_FWD = ffi.target("jax_tk_gated_delta_rule_fwd")
+GDR_BWD = ffi.target("jax_tk_gated_delta_rule_bwd")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 K_DIMS = (64, 128)
 
@@ -56,23 +63,76 @@ def _out_types(q, v, cu_seqlens):
     return jax.ShapeDtypeStruct((b, t, hv, vd), q.dtype), jax.ShapeDtypeStruct((n, hv, kd, vd), jnp.float32)
 
 
+def state_slots(q, cu_seqlens) -> int:
+    """Slots of the chunks' kept states (the header's formula ``state_slots``)."""
+    b, t = q.shape[:2]
+    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return extension.formulas("linear_attention").state_slots(b, t, n, cu_seqlens is not None)
+
+
 def _attributes(scale: float) -> dict:
     return dict(scale=np.float32(scale), variant=np.int32(dispatch.kernel_variant()))
 
 
-def gla_fwd(q, k, v, g, cu_seqlens, initial_state, scale: float, out_init=None):
+def gla_fwd(q, k, v, g, cu_seqlens, initial_state, scale: float, out_init=None, keep_states: bool = False):
     """``(o, final_state)`` of simple GLA's forward kernel (``cu_seqlens``, ``initial_state``: None
-    or arrays, as the op takes them). ``out_init`` (tests): buffers aliased to (o, final_state)."""
+    or arrays, as the op takes them), and with ``keep_states`` each chunk's starting state
+    ``[state_slots, HV, K, V]`` for :func:`gla_bwd`. ``out_init`` (tests): buffers aliased to the
+    results."""
+    hv, kd, vd = v.shape[2], q.shape[3], v.shape[3]
+    states = (state_slots(q, cu_seqlens), hv, kd, vd) if keep_states else (0,)
+    out_types = (*_out_types(q, v, cu_seqlens), jax.ShapeDtypeStruct(states, q.dtype))
     operands = (q, k, v, _head_major(g), *_sequence_operands(cu_seqlens, initial_state))
-    return kernel_call(GLA_FWD, _out_types(q, v, cu_seqlens), operands, _attributes(scale), out_init=out_init)
+    o, ht, s = kernel_call(GLA_FWD, out_types, operands, _attributes(scale), out_init=out_init)
+    return (o, ht, s) if keep_states else (o, ht)
 
 
-def gdr_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, out_init=None):
-    """``(o, final_state)`` of the gated delta rule's forward kernels (q and k already normalized where
-    the op asks); as :func:`gla_fwd`, ``out_init`` aliased to (o, final_state, W, U')."""
-    b, t, _, kd = q.shape
+def gla_bwd(q, k, v, g, cu_seqlens, states, dout, dht, scale: float, out_init=None):
+    """Simple GLA's backward kernels: ``(dq, dk, dv, dg, dh0)`` with dq, dk in q's dtype (a group's
+    value heads summed), dv in v's, dg float32 ``[B, T, HV]`` and dh0 float32 ``[N, HV, K, V]``;
+    ``states`` from :func:`gla_fwd`, ``dht`` the final states' cotangent or None."""
+    b, t, h, kd = q.shape
     hv = v.shape[2]
-    out_types = (*_out_types(q, v, cu_seqlens), jax.ShapeDtypeStruct((b, t, hv, kd), q.dtype),
-                 jax.ShapeDtypeStruct(v.shape, q.dtype))
+    per_head = jax.ShapeDtypeStruct((b, t, hv, kd), jnp.float32)
+    out_types = (per_head, per_head, jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, hv, t), jnp.float32),
+                 _out_types(q, v, cu_seqlens)[1], jax.ShapeDtypeStruct(states.shape, states.dtype))
+    seq = _sequence_operands(cu_seqlens, None)[0]
+    dht = jnp.zeros((0,), jnp.float32) if dht is None else dht.astype(jnp.float32)
+    operands = (q, k, v, _head_major(g), seq, states, dout.astype(v.dtype), dht)
+    dq, dk, dv, dg, dh0, _ = kernel_call(GLA_BWD, out_types, operands, _attributes(scale), out_init=out_init)
+    group = lambda x: x.reshape(b, t, h, hv // h, kd).sum(axis=3).astype(q.dtype)
+    return group(dq), group(dk), dv, jnp.transpose(dg, (0, 2, 1)), dh0
+
+
+def gdr_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, out_init=None, keep: bool = False):
+    """``(o, final_state)`` of the gated delta rule's forward kernels (q and k already normalized where
+    the op asks), and with ``keep`` what :func:`gdr_bwd` takes: the chunks' states ``[state_slots, HV,
+    K, V]``, W ``[B, T, HV, K]``, U ``[B, T, HV, V]`` and T ``[B, T, HV, 64]``, all in q's dtype.
+    ``out_init`` (tests): buffers aliased to the results (o, final_state, W, U', states, U, T)."""
+    b, t, _, kd = q.shape
+    hv, vd = v.shape[2:]
+    sds = jax.ShapeDtypeStruct
+    kept = ((state_slots(q, cu_seqlens), hv, kd, vd), v.shape, (b, t, hv, contract()["CHUNK"])) if keep else ((0,),) * 3
+    out_types = (*_out_types(q, v, cu_seqlens), sds((b, t, hv, kd), q.dtype), sds(v.shape, q.dtype),
+                 *(sds(shape, q.dtype) for shape in kept))
     operands = (q, k, v, _head_major(g), _head_major(beta), *_sequence_operands(cu_seqlens, initial_state))
-    return kernel_call(GDR_FWD, out_types, operands, _attributes(scale), out_init=out_init)[:2]
+    o, ht, w, _, states, u, tk = kernel_call(GDR_FWD, out_types, operands, _attributes(scale), out_init=out_init)
+    return (o, ht, states, w, u, tk) if keep else (o, ht)
+
+
+def gdr_bwd(q, k, v, g, beta, cu_seqlens, kept, dout, dht, scale: float, out_init=None):
+    """The gated delta rule's backward kernels: ``(dq, dk, dv, dg, dbeta, dh0)`` as :func:`gla_bwd`'s,
+    dbeta float32 ``[B, T, HV]``; ``kept``: (states, W, U, T) from :func:`gdr_fwd`, q and k as it took
+    them (normalized where the op asks; their gradients are those of the normalized q and k)."""
+    b, t, h, kd = q.shape
+    hv = v.shape[2]
+    states, w, u, tk = kept
+    per_head, gate = jax.ShapeDtypeStruct((b, t, hv, kd), jnp.float32), jax.ShapeDtypeStruct((b, hv, t), jnp.float32)
+    out_types = (per_head, per_head, jax.ShapeDtypeStruct(v.shape, v.dtype), gate, gate, _out_types(q, v, cu_seqlens)[1],
+                 jax.ShapeDtypeStruct(states.shape, states.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    seq = _sequence_operands(cu_seqlens, None)[0]
+    dht = jnp.zeros((0,), jnp.float32) if dht is None else dht.astype(jnp.float32)
+    operands = (q, k, v, _head_major(g), _head_major(beta), seq, states, w, u, tk, dout.astype(v.dtype), dht)
+    dq, dk, dv, dg, dbeta, dh0, _, _ = kernel_call(GDR_BWD, out_types, operands, _attributes(scale), out_init=out_init)
+    group = lambda x: x.reshape(b, t, h, hv // h, kd).sum(axis=3).astype(q.dtype)
+    return group(dq), group(dk), dv, jnp.transpose(dg, (0, 2, 1)), jnp.transpose(dbeta, (0, 2, 1)), dh0

@@ -127,6 +127,31 @@ def test_cuda_lowering_of_the_gla_kernel(packed):
 
 
 @needs_extension
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_cuda_lowering_of_the_gla_backward(packed):
+    """simple_gla's gradient exported for CUDA: the forward keeps the chunks' states ([state_slots, HV, K,
+    V] in q's dtype: batch x chunks, or packed T // 64 + sequences) for the backward target, which returns
+    dq and dk per value head in float32, dv, dg head-major, dh0 and its workspace."""
+    sds = jax.ShapeDtypeStruct
+    b, n = (1, 3) if packed else (2, 2)
+    q, v, g = sds((b, 100, 2, 128), jnp.bfloat16), sds((b, 100, 4, 64), jnp.bfloat16), sds((b, 100, 4), F32)
+    cu = sds((n + 1,), jnp.int32) if packed else None
+    slots = 100 // 64 + n if packed else b * 2
+
+    def loss(q, k, v, g, cu):  # (the kernel path itself: the op would see no Hopper GPU here)
+        o, s = la.api._kernel_path(la.api._Spec(0.25, False), q, k, v, g, None, cu, None)
+        return jnp.sum(o.astype(F32)) + jnp.sum(s)
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    text = jax.export.export(fn, platforms=["cuda"], disabled_checks=ffi.export_checks())(q, q, v, g, cu).mlir_module()
+    fwd = re.search(r"@jax_tk_simple_gla_fwd\(.*?\) \{.*?\} : \((.*?)\) -> \((.*?)\)", text, re.S)
+    assert re.findall(r"tensor<[^>]*>", fwd.group(2))[2] == f"tensor<{slots}x4x128x64xbf16>"
+    bwd = re.search(r"@jax_tk_simple_gla_bwd\(.*?\) \{.*?\} : \((.*?)\) -> \((.*?)\)", text, re.S)
+    operands, results = (re.findall(r"tensor<[^>]*>", bwd.group(i)) for i in (1, 2))
+    assert operands[5] == f"tensor<{slots}x4x128x64xbf16>" and operands[6] == f"tensor<{b}x100x4x64xbf16>"
+    assert results[:4] == [f"tensor<{b}x100x4x128xf32>"] * 2 + [f"tensor<{b}x100x4x64xbf16>", f"tensor<{b}x4x100xf32>"]
+
+
+@needs_extension
 def test_cuda_lowering_of_the_delta_rule_kernel():
     """The gated delta rule's call: beta head-major after g; W and U' as workspaces after the states."""
     sds = jax.ShapeDtypeStruct
@@ -137,7 +162,30 @@ def test_cuda_lowering_of_the_delta_rule_kernel():
     call = re.search(r"@jax_tk_gated_delta_rule_fwd\(.*?\) \{.*?\} : \((.*?)\) -> \((.*?)\)", exported.mlir_module(), re.S)
     assert re.findall(r"tensor<[^>]*>", call.group(1))[3:5] == ["tensor<2x4x100xf32>"] * 2
     assert re.findall(r"tensor<[^>]*>", call.group(2)) == ["tensor<2x100x4x128xf16>", "tensor<2x4x64x128xf32>",
-                                                           "tensor<2x100x4x64xf16>", "tensor<2x100x4x128xf16>"]
+                                                           "tensor<2x100x4x64xf16>", "tensor<2x100x4x128xf16>",
+                                                           *["tensor<0xf16>"] * 3]  # (nothing kept)
+
+
+@needs_extension
+def test_cuda_lowering_of_the_delta_rule_backward():
+    """The gated delta rule's gradient exported for CUDA: the forward keeps the states, W, U and T, which
+    the backward target takes after beta and the offsets; it returns dbeta after dg."""
+    sds = jax.ShapeDtypeStruct
+    q, v, g = sds((2, 100, 2, 64), jnp.bfloat16), sds((2, 100, 4, 128), jnp.bfloat16), sds((2, 100, 4), F32)
+
+    def loss(q, k, v, g, beta):  # (the kernel path itself: the op would see no Hopper GPU here)
+        o, s = la.api._kernel_path(la.api._Spec(0.25, True), q, k, v, g, beta, None, None)
+        return jnp.sum(o.astype(F32)) + jnp.sum(s)
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    text = jax.export.export(fn, platforms=["cuda"], disabled_checks=ffi.export_checks())(q, q, v, g, g).mlir_module()
+    fwd = re.search(r"@jax_tk_gated_delta_rule_fwd\(.*?\) \{.*?\} : \((.*?)\) -> \((.*?)\)", text, re.S)
+    assert re.findall(r"tensor<[^>]*>", fwd.group(2))[4:] == ["tensor<4x4x64x128xbf16>", "tensor<2x100x4x128xbf16>",
+                                                              "tensor<2x100x4x64xbf16>"]
+    bwd = re.search(r"@jax_tk_gated_delta_rule_bwd\(.*?\) \{.*?\} : \((.*?)\) -> \((.*?)\)", text, re.S)
+    operands, results = (re.findall(r"tensor<[^>]*>", bwd.group(i)) for i in (1, 2))
+    assert operands[4] == "tensor<2x4x100xf32>" and operands[6:10] == [
+        "tensor<4x4x64x128xbf16>", "tensor<2x100x4x64xbf16>", "tensor<2x100x4x128xbf16>", "tensor<2x100x4x64xbf16>"]
+    assert results[:5] == ["tensor<2x100x4x64xf32>"] * 2 + ["tensor<2x100x4x128xbf16>"] + ["tensor<2x4x100xf32>"] * 2
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,99 @@
+// What the linear-attention kernels share on the device: a sequence's place in the batch and the scan of
+// a chunk's decays.
+#pragma once
+#include "linear_attention/linear_attention.h"
+#include "tk/tk.cuh"
+
+namespace jax_tk::linear_attention {
+
+constexpr float LOG2E = 1.4426950408889634f;
+
+// Sequence n of a call: tokens [bos, bos + len) of batch row b, in `chunks` chunks, whose states (kept
+// for the backward) take slots slot, slot + 1, ... (state_slots). Without cu_seqlens n = b, bos = 0 and
+// len = seq_len; with it (batch 1), bos = cu_seqlens[n], len = cu_seqlens[n + 1] - bos.
+struct Sequence {
+  int b, bos, len, chunks, slot;
+  __device__ __forceinline__ Sequence(const int *cu_seqlens, int seq_len, int n)
+      : b(cu_seqlens ? 0 : n), bos(cu_seqlens ? cu_seqlens[n] : 0), len(cu_seqlens ? cu_seqlens[n + 1] - bos : seq_len),
+        chunks((len + CHUNK - 1) / CHUNK), slot(first_slot(n, bos, seq_len, cu_seqlens != nullptr)) {}
+};
+
+// Whether this block's chunk lies in its sequence: the per-chunk kernels' grids give each sequence n
+// max_chunks blocks (blockIdx.x = n * max_chunks + c); a whole block past its sequence's end leaves.
+__device__ __forceinline__ bool chunk_in_sequence(const FwdParams &f) {
+  const int c = blockIdx.x % f.max_chunks, n = blockIdx.x / f.max_chunks;
+  return CHUNK * c < (f.cu_seqlens ? f.cu_seqlens[n + 1] - f.cu_seqlens[n] : f.seq_len);
+}
+
+// One warp's suffix sums over a chunk, two tokens a lane (lo: token lane, hi: token lane + 32):
+// x_t := sum over i >= t of x_i (a decay's gradient gathers from every later token of its chunk).
+__device__ __forceinline__ void suffix_sums(float &lo, float &hi) {
+  const int l = tk::laneid();
+  for (int o = 1; o < 32; o *= 2) {  // within each half
+    const float x = __shfl_down_sync(~0u, lo, o), y = __shfl_down_sync(~0u, hi, o);
+    if (l + o < 32) lo += x, hi += y;
+  }
+  lo += __shfl_sync(~0u, hi, 0);  // (the upper half's total)
+}
+
+// G, a chunk's cumulative log decays, into cum[0, CHUNK): the inclusive scan of x (thread t < CHUNK of
+// the warpgroup: token t's decay, 0 past the sequence) over the warpgroup's first two warps. `bar`: the
+// warpgroup's named barrier; cum is whole on return. A warpgroup that scans chunk after chunk keeps two
+// copies (by parity): one of its warps may still read the last chunk's when another writes.
+__device__ __forceinline__ void scan_decays(float *cum, float x, int bar) {
+  const int tid = threadIdx.x % 128;
+  if (tid < CHUNK) {
+    for (int d = 1; d < 32; d *= 2) {
+      const float y = __shfl_up_sync(~0u, x, d);
+      if (tk::laneid() >= d) x += y;
+    }
+    cum[tid] = x;
+  }
+  tk::sync_named(bar, 128);
+  if (tid >= 32 && tid < CHUNK) cum[tid] += cum[31];
+  tk::sync_named(bar, 128);
+}
+
+// x := scale * D * x for this warp's 16 rows of a 64 x 64 tile over a chunk's tokens (rows i, columns
+// j), D_ij = exp(G_i - G_j) for j <= i < valid, else 0 (rows past the sequence, and so their columns,
+// become 0): P from Q K^T, dP from dO V^T. cum: G.
+__device__ __forceinline__ void decay_mask(tk::rt_fl<16, 64> &x, const float *cum, int valid, float scale) {
+  using tile = tk::rt_fl<16, 64>;
+  const int w = tk::warpid() % 4;
+  tk::rv<float2, 64, typename tk::row_vec<tile>::layout> gj;  // {G_j, j}
+  tk::warp::map_index(gj, [&](int j) { return float2{cum[j], float(j)}; });
+  tk::rv<float2, 16, typename tk::col_vec<tile>::layout> ri;  // {G_i, i}
+  tk::warp::map_index(ri, [&](int r) { return float2{cum[16 * w + r], float(16 * w + r)}; });
+  tk::warp::map_outer(x, x, ri, gj, [=](float e, float2 i, float2 j) {
+    return j.y <= i.y && i.y < valid ? scale * e * tk::warp::fn::exp2((i.x - j.x) * LOG2E) : 0.f;
+  });
+}
+
+// dst[j] += v[j] (j < n) from every warp: one lane of those holding each value adds it (shared-memory
+// atomics: the warps of both consumer warpgroups gather into one array).
+template <typename RV> __device__ __forceinline__ void add_to(float *dst, const RV &v, int n) {
+  const int lane = tk::laneid();
+  const bool writer = std::is_same_v<typename RV::layout, tk::ortho_l> ? lane % 4 == 0 : lane < 4;
+#pragma unroll
+  for (int i = 0; i < RV::pieces; i++)
+#pragma unroll
+    for (int k = 0; k < RV::per; k++)
+      if (const int j = RV::index_of(i, k); writer && j < n) atomicAdd(dst + j, v.data[i][k]);
+}
+
+// dst[i] += s_i * sum_k x_ik y_ik over this warp's 16 rows (x: its rows in float32, y: a shared tile).
+template <int N, typename ST>
+__device__ __forceinline__ void add_row_dots(float *dst, const tk::rt_fl<16, N> &x, const ST &y,
+                                             const tk::col_vec<tk::rt_fl<16, N>> &s) {
+  const int w = tk::warpid() % 4;
+  tk::rt<typename ST::dtype, 16, N> yr;
+  tk::rt_fl<16, N> p;
+  tk::warp::load(yr, y, 16 * w, 0);
+  tk::warp::map(p, x, yr, [](float u, float v) { return u * v; });
+  tk::col_vec<tk::rt_fl<16, N>> sum;
+  tk::warp::row_sum(sum, p);
+  tk::warp::map_vec(sum, sum, s, [](float u, float v) { return u * v; });
+  add_to(dst + 16 * w, sum, 16);
+}
+
+}  // namespace jax_tk::linear_attention

@@ -1,0 +1,255 @@
+// Simple GLA's backward on Hopper (sm_90a), second pass: every chunk at once. A chunk with the state S it
+// starts from (the forward's, kept), the gradient dS' of the state it hands on (the first pass's) and dO
+// has, with P = D * Q K^T and dP = D * dO V^T (D_ij = exp(G_i - G_j) for j <= i, else 0; both times
+// scale) and K_d = diag(exp(G_last - G)) K:
+//
+//   dQ = scale diag(exp(G)) dO S^T + dP K
+//   dK = dP^T Q + diag(exp(G_last - G)) V dS'^T
+//   dV = P^T dO + K_d dS'
+//   dG_i = q_i . dq_i - k_i . dk_i, and at the last token also + <S', dS'> (the state handed on, S' =
+//          exp(G_last) S + K_d^T V: exp(G_last) <S, dS'> + sum_j k_j . (diag(exp(G_last - G)) V dS'^T)_j)
+//   dg = dG summed from each token to the chunk's end (G is the decays' running sum)
+//
+// A thread block takes one chunk of one value head; a producer thread loads Q and K once and then, 64
+// value columns at a time, V, dO, S and dS' (TMA, two stages). Two consumer warpgroups share the
+// slices: the first forms dO V^T and dO S^T (the sums over the value columns of dP and dQ), the second
+// V dS'^T and each slice of dV (with P and K_d it formed first) and <S, dS'>. The first hands dP over
+// through shared memory and finishes dQ; the second finishes dK; both hand their part of dG to a warp
+// that sums it backward. dQ and dK are per value head, in float32 (the caller sums a group's).
+#include "linear_attention/common.cuh"
+
+namespace jax_tk::linear_attention {
+namespace {
+
+using namespace tk;
+
+template <typename T, int K> struct GlaDc {
+  using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
+  static constexpr int C = CHUNK, VS = V_SLICE, STAGES = 2, THREADS = Roles::THREADS;
+  static constexpr int DQ = 0;  // the consumer warpgroup that finishes dQ (the other: dK, dV)
+  static_assert(C == 64 && VS == 64 && (K == 64 || K == 128));
+  struct Shared {
+    st<T, C, K> q, k, kd;              // Q, K, K_d
+    st<T, C, C> p, dp;                 // P, dP (both scaled)
+    st<T, C, VS> v[STAGES], d[STAGES];  // a slice of V, of dO
+    st<T, K, VS> s[STAGES], ds[STAGES];  // a slice of S, of dS'
+    float cum[2][C];                   // G, each warpgroup's copy
+    float dg[C], kdc[C], extra;        // dG as it gathers; k . (V dS'^T)_k; the last token's <S', dS'>
+    semaphore qk, full[STAGES], empty[STAGES];
+  };
+  static_assert(sizeof(Shared) <= MAX_SHARED_BYTES);
+};
+
+template <typename T> struct DcArgs {
+  BwdParams p;
+  tma_map<T, CHUNK> q, k, v, d, s, ds;
+};
+
+template <typename T, int K> struct GlaDcSm90 {
+  using G = GlaDc<T, K>;
+  using Roles = typename G::Roles;
+  using tile = rt_fl<16, 64>;
+  using cvec = col_vec<tile>;
+  using rvec = row_vec<tile>;
+  static constexpr int C = G::C, VS = G::VS, STAGES = G::STAGES;
+  const DcArgs<T> &a;
+  typename G::Shared &sm;
+  const FwdParams &f = a.p.f;
+  __device__ __forceinline__ ring<STAGES> kv() const { return {sm.full, sm.empty}; }
+  const int wg = warpgroup::groupid();
+  const int c = blockIdx.x % f.max_chunks, n = blockIdx.x / f.max_chunks, h = blockIdx.y;
+  const Sequence seq{f.cu_seqlens, f.seq_len, n};
+  const int b = seq.b, t0 = seq.bos + C * c, valid = min(C, seq.len - C * c);
+  const int state = (seq.slot + c) * f.v_heads + h;  // (this chunk's in states, dstates)
+
+  __device__ __forceinline__ void init() const {
+    tk::init(sm.qk, 1);
+    tk::init(kv(), 1, 8);  // (empty: each consumer warp of both warpgroups)
+    sm.extra = 0.f;
+    for (int i = 0; i < C; i++) sm.dg[i] = sm.kdc[i] = 0.f;
+  }
+  __device__ __forceinline__ void before_sync() const {}
+
+  __device__ __forceinline__ void produce() const {
+    if (threadIdx.x % 128 != 0) return;
+    const int hq = h / (f.v_heads / f.heads);
+    arrive_expect_bytes(sm.qk, sizeof(sm.q) + sizeof(sm.k));
+    load_async(sm.q, a.q, {b, t0, hq, 0}, sm.qk);
+    load_async(sm.k, a.k, {b, t0, hq, 0}, sm.qk);
+    for (ring_pos<STAGES> at(0); at.n < f.v_dim / VS; ++at) {
+      semaphore &full = kv().full(at);
+      wait_empty(kv(), at);
+      arrive_expect_bytes(full, sizeof(sm.v[0]) + sizeof(sm.d[0]) + sizeof(sm.s[0]) + sizeof(sm.ds[0]));
+      load_async(sm.v[at.slot], a.v, {b, t0, h, VS * at.n}, full);
+      load_async(sm.d[at.slot], a.d, {b, t0, h, VS * at.n}, full);
+#pragma unroll
+      for (int r = 0; r < K; r += C) {
+        load_rows_async(sm.s[at.slot], r, a.s, {state, r, 0, VS * at.n}, full);
+        load_rows_async(sm.ds[at.slot], r, a.ds, {state, r, 0, VS * at.n}, full);
+      }
+    }
+  }
+
+  // G into this warpgroup's copy; {G_i, i} of this warp's rows and {G_j, j} of all.
+  __device__ __forceinline__ const float *scan() const {
+    const int tid = threadIdx.x % 128;
+    const float *g = f.g + ((size_t)b * f.v_heads + h) * f.seq_len + t0;
+    scan_decays(sm.cum[wg], tid < valid ? g[tid] : 0.f, 1 + wg);
+    return sm.cum[wg];
+  }
+  // This warp's rows' s_i (the sign of their part of dG, 0 past the sequence).
+  __device__ __forceinline__ cvec signs(float s) const {
+    cvec v;
+    warp::map_index(v, [&](int r) { return 16 * (warpid() % 4) + r < valid ? s : 0.f; });
+    return v;
+  }
+
+  __device__ __forceinline__ void consume() const {
+    if (wg == G::DQ) finish_dq();
+    else finish_dk_dv();
+    sync_named_unaligned(3, 256);  // (both parts of dG)
+    if (threadIdx.x / 32 == 0) sum_dg();
+  }
+
+  // dP and dQ = diag(scale exp(G)) dO S^T + dP K.
+  __device__ __forceinline__ void finish_dq() const {
+    const int w = warpid() % 4;
+    const float *cum = scan();
+    tile dp;
+    rt_fl<16, K> dq;
+    for (ring_pos<STAGES> at(0); at.n < f.v_dim / VS; ++at) {
+      wait_full(kv(), at);
+      warpgroup::mma_ABt(dp, sm.d[at.slot], sm.v[at.slot], at.n > 0);  // dO V^T
+      warpgroup::mma_ABt(dq, sm.d[at.slot], sm.s[at.slot], at.n > 0);  // dO S^T
+      warpgroup::wait<0>();
+      if (laneid() == 0) arrive_empty(kv(), at);
+    }
+    warpgroup::fence_registers(dp);
+    warpgroup::fence_registers(dq);
+    decay_mask(dp, cum, valid, f.scale);
+    rt<T, 16, 64> dpw;
+    warp::copy(dpw, dp);
+    warp::store(sm.dp, dpw, 16 * w, 0);
+    warpgroup::fence_shared_writes();
+    sync_named_unaligned(4, 256);  // (dP to the other warpgroup)
+    cvec e;  // scale exp(G_i), 0 past the sequence
+    const float scale = f.scale;
+    warp::map_index(e, [&](int r) { return 16 * w + r < valid ? scale * warp::fn::exp2(cum[16 * w + r] * LOG2E) : 0.f; });
+    warp::map_row(dq, dq, e, [](float x, float s) { return s != 0.f ? x * s : 0.f; });
+    wait_once(sm.qk);
+    warpgroup::mma_AB(dq, dpw, sm.k, true);  // + dP K
+    warpgroup::wait<0>();
+    warpgroup::fence_registers(dq);
+    warp::store(gl<float>::make(a.p.dq + (size_t)b * f.seq_len * f.v_heads * K, 1, seq_end(), f.v_heads, K), dq,
+                {0, t0 + 16 * w, h, 0});
+    add_row_dots(sm.dg, dq, sm.q, signs(1.f));  // q . dq
+  }
+
+  // P, K_d, then per slice dV = P^T dO + K_d dS' (stored) and the sums V dS'^T, <S, dS'>; dK.
+  __device__ __forceinline__ void finish_dk_dv() const {
+    const int w = warpid() % 4, tid = threadIdx.x % 128;
+    const float *cum = scan();
+    const float last = cum[valid - 1];
+    cvec ed;  // exp(G_last - G_j), 0 past the sequence
+    warp::map_index(ed, [&](int r) { return 16 * w + r < valid ? warp::fn::exp2((last - cum[16 * w + r]) * LOG2E) : 0.f; });
+    wait_once(sm.qk);
+    {
+      tile pt;
+      warpgroup::mma_ABt(pt, sm.q, sm.k, false);  // Q K^T
+      rt<T, 16, K> kr;
+      warp::load(kr, sm.k, 16 * w, 0);
+      warp::mul_row(kr, kr, ed);
+      warp::store(sm.kd, kr, 16 * w, 0);
+      warpgroup::wait<0>();
+      warpgroup::fence_registers(pt);
+      decay_mask(pt, cum, valid, f.scale);
+      rt<T, 16, 64> pw;
+      warp::copy(pw, pt);
+      warp::store(sm.p, pw, 16 * w, 0);
+      warpgroup::fence_shared_writes();
+      sync_named(2, 128);
+    }
+    rt_fl<16, K> dk;
+    float frob = 0.f;  // this thread's part of <S, dS'>
+    const gl<T> dv = gl<T>::make(static_cast<T *>(a.p.dv) + (size_t)b * f.seq_len * f.v_heads * f.v_dim, 1, seq_end(), f.v_heads,
+                                 f.v_dim);
+    for (ring_pos<STAGES> at(0); at.n < f.v_dim / VS; ++at) {
+      wait_full(kv(), at);
+      tile dvs;
+      warpgroup::mma_ABt(dk, sm.v[at.slot], sm.ds[at.slot], at.n > 0);  // V dS'^T
+      warpgroup::mma_AtB(dvs, sm.p, sm.d[at.slot], false);               // P^T dO
+      warpgroup::mma_AB(dvs, sm.kd, sm.ds[at.slot], true);               // + K_d dS'
+      for (int i = tid; i < K * VS; i += 128) frob += float(sm.s[at.slot](i / VS, i % VS)) * float(sm.ds[at.slot](i / VS, i % VS));
+      warpgroup::wait<0>();
+      warpgroup::fence_registers(dvs);
+      if (laneid() == 0) arrive_empty(kv(), at);
+      warp::store(dv, dvs, {0, t0 + 16 * w, h, VS * at.n});
+    }
+    warpgroup::fence_registers(dk);
+    warp::map_row(dk, dk, ed, [](float x, float s) { return s != 0.f ? x * s : 0.f; });  // diag(exp(G_last - G)) V dS'^T
+    {  // the last token's <S', dS'> = exp(G_last) <S, dS'> + sum_j k_j . (diag(exp(G_last - G)) V dS'^T)_j
+      add_row_dots(sm.kdc, dk, sm.k, signs(1.f));
+      for (int o = 16; o > 0; o /= 2) frob += __shfl_xor_sync(~0u, frob, o);
+      if (laneid() == 0) atomicAdd(&sm.extra, frob * warp::fn::exp2(last * LOG2E));
+      sync_named(2, 128);  // (every warp's row dots)
+      if (tid < C) atomicAdd(&sm.extra, sm.kdc[tid]);
+    }
+    sync_named_unaligned(4, 256);  // (dP from the other warpgroup)
+    warpgroup::mma_AtB(dk, sm.dp, sm.q, true);  // + dP^T Q
+    warpgroup::wait<0>();
+    warpgroup::fence_registers(dk);
+    warp::store(gl<float>::make(a.p.dk + (size_t)b * f.seq_len * f.v_heads * K, 1, seq_end(), f.v_heads, K), dk,
+                {0, t0 + 16 * w, h, 0});
+    add_row_dots(sm.dg, dk, sm.k, signs(-1.f));  // - k . dk
+  }
+  // Rows of the batch row up to this sequence's end (the gl views' bound: rows past it are not stored).
+  __device__ __forceinline__ int seq_end() const { return seq.bos + seq.len; }
+
+  // One warp: dg_t = sum over the chunk's tokens i >= t of dG_i, two tokens a lane (t = lane, lane + 32).
+  __device__ __forceinline__ void sum_dg() const {
+    const int l = laneid();
+    auto dG = [&](int i) { return i < valid ? sm.dg[i] + (i == valid - 1 ? sm.extra : 0.f) : 0.f; };
+    float lo = dG(l), hi = dG(l + 32);
+    suffix_sums(lo, hi);
+    float *dg = a.p.dg + ((size_t)b * f.v_heads + h) * f.seq_len + t0;
+    if (l < valid) dg[l] = lo;
+    if (l + 32 < valid) dg[l + 32] = hi;
+  }
+};
+
+template <typename T, int K>
+__global__ __launch_bounds__(GlaDc<T, K>::THREADS, 1) void gla_bwd_chunks_kernel(const __grid_constant__ DcArgs<T> a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if (!chunk_in_sequence(a.p.f)) return;
+  extern __shared__ __align__(1024) char smem_raw[];
+  GlaDcSm90<T, K> k{a, *reinterpret_cast<typename GlaDc<T, K>::Shared *>(smem_raw)};
+  single(k);
+#endif
+}
+
+template <typename T, int K> cudaError_t run(const BwdParams &p, cudaStream_t stream) {
+  const FwdParams &f = p.f;
+  DcArgs<T> a{p, {}, {}, {}, {}, {}, {}};
+  const int states = state_slots(f.batch, f.seq_len, f.num_seqs, f.cu_seqlens != nullptr) * f.v_heads;
+  if (!make_tma_map(a.q, f.q, f.batch, f.seq_len, f.heads, K) || !make_tma_map(a.k, f.k, f.batch, f.seq_len, f.heads, K) ||
+      !make_tma_map(a.v, f.v, f.batch, f.seq_len, f.v_heads, f.v_dim) ||
+      !make_tma_map(a.d, p.dout, f.batch, f.seq_len, f.v_heads, f.v_dim) || !make_tma_map(a.s, f.states, states, K, 1, f.v_dim) ||
+      !make_tma_map(a.ds, p.dstates, states, K, 1, f.v_dim))
+    return cudaErrorInvalidValue;
+  auto kernel = gla_bwd_chunks_kernel<T, K>;
+  const int smem = sizeof(typename GlaDc<T, K>::Shared);
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem); e != cudaSuccess) return e;
+  kernel<<<dim3(unsigned(f.num_seqs * f.max_chunks), unsigned(f.v_heads)), GlaDc<T, K>::THREADS, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t gla_bwd_chunks_sm90(const BwdParams &p, cudaStream_t stream) {
+  const FwdParams &f = p.f;
+  if (f.num_seqs == 0 || f.max_chunks == 0) return cudaSuccess;
+  auto by_k = [&]<typename T>() { return f.k_dim == 64 ? run<T, 64>(p, stream) : run<T, 128>(p, stream); };
+  return f.dtype == DType::bf16 ? by_k.template operator()<bf16>() : by_k.template operator()<half>();
+}
+
+}  // namespace jax_tk::linear_attention
