@@ -96,4 +96,14 @@ __device__ __forceinline__ void add_row_dots(float *dst, const tk::rt_fl<16, N> 
   add_to(dst + 16 * w, sum, 16);
 }
 
+// This warp's 16 rows of a chunk's dQ or dK (row t of batch row b, value head h) where BwdParams says:
+// float32 per value head, or q's dtype T. rows: the batch row's rows up to the sequence's end (rows
+// past it are not stored).
+template <typename T, int K>
+__device__ __forceinline__ void store_dqk(void *dst, const BwdParams &p, const tk::rt_fl<16, K> &x, int b, int rows, int t, int h) {
+  const size_t at = (size_t)b * p.f.seq_len * p.f.v_heads * K;
+  if (p.dqk_f32) tk::warp::store(tk::gl<float>::make(static_cast<float *>(dst) + at, 1, rows, p.f.v_heads, K), x, {0, t, h, 0});
+  else tk::warp::store(tk::gl<T>::make(static_cast<T *>(dst) + at, 1, rows, p.f.v_heads, K), x, {0, t, h, 0});
+}
+
 }  // namespace jax_tk::linear_attention

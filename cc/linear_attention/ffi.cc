@@ -15,8 +15,8 @@
 // states, then the states, U = U' - W S (v's shape) and T ([batch, seq_len, v_heads, CHUNK]) to keep.
 // The backwards take the forward's inputs (beta after g), what it kept, dout (v's shape) and the final
 // states' cotangent (or shape (0,)), and return dq and dk (float32 [batch, seq_len, v_heads, k_dim], one
-// per value head), dv, dg (g's shape), [dbeta,] the initial states' gradient and workspaces (the chunks'
-// dS', and the gated delta rule's dU).
+// per value head; or, where heads == v_heads, like q), dv, dg (g's shape), [dbeta,] the initial states'
+// gradient and workspaces (the chunks' dS', and the gated delta rule's dU).
 #include "ffi/common.h"
 #include "linear_attention/linear_attention.h"
 
@@ -135,11 +135,13 @@ ffi::Error parse_bwd(linear_attention::BwdParams &p, const ffi::AnyBuffer &q, co
     return x.element_type() == ffi::DataType::F32 && d.size() == 4 && d[0] == f.batch && d[1] == f.seq_len && d[2] == f.v_heads &&
            d[3] == f.k_dim;
   };
-  if (!per_value_head(dq) || !per_value_head(dk)) return invalid("dq and dk must be float32 [batch, seq_len, v_heads, k_dim]");
+  p.dqk_f32 = per_value_head(dq) && per_value_head(dk);
+  if (!p.dqk_f32 && !(f.heads == f.v_heads && same_type_and_dims(dq, q) && same_type_and_dims(dk, q)))
+    return invalid("dq and dk must be float32 [batch, seq_len, v_heads, k_dim], or like q where heads == v_heads");
   if (!same_type_and_dims(dv, v)) return invalid("dv must be like v");
   if (!same_type_and_dims(dg, g)) return invalid("dg must be like g");
   p.dout = dout.untyped_data(), p.dht = dht_p;
-  p.dq = static_cast<float *>(dq.untyped_data()), p.dk = static_cast<float *>(dk.untyped_data());
+  p.dq = dq.untyped_data(), p.dk = dk.untyped_data();
   p.dv = dv.untyped_data(), p.dg = static_cast<float *>(dg.untyped_data());
   return ffi::Error::Success();
 }

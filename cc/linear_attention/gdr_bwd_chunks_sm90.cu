@@ -103,9 +103,7 @@ template <typename T, int K> struct GdrDcSm90 {
     scan_decays(sm.cum[wg], tid < valid ? f.g[gate + tid] : 0.f, 1 + wg);
     return sm.cum[wg];
   }
-  __device__ __forceinline__ gl<float> per_head(float *x) const {
-    return gl<float>::make(x + (size_t)b * f.seq_len * f.v_heads * K, 1, seq.bos + seq.len, f.v_heads, K);
-  }
+
   template <typename V> __device__ __forceinline__ void rows_of(V &v, auto fn) const {
     const int w = warpid() % 4;
     warp::map_index(v, [&](int r) { return 16 * w + r < valid ? fn(16 * w + r) : 0.f; });
@@ -151,7 +149,7 @@ template <typename T, int K> struct GdrDcSm90 {
     warpgroup::mma_AB(dq, pw, sm.k, true);  // + dP K
     warpgroup::wait<0>();
     warpgroup::fence_registers(dq);
-    warp::store(per_head(a.p.dq), dq, {0, t0 + 16 * w, h, 0});
+    store_dqk<T>(a.p.dq, a.p, dq, b, seq.bos + seq.len, t0 + 16 * w, h);
     add_row_dots(sm.dg, dq, sm.q, one);  // q . dq
     {  // T^T dW: exp(G) rowsum(K * that) to dbeta, beta exp(G) times it to dG
       warpgroup::mma_AtB(dq, sm.t, sm.dw, false);
@@ -285,7 +283,7 @@ template <typename T, int K> struct GdrDcSm90 {
     warpgroup::mma_AtB(dk, sm.db, sm.k, true);  // + dB^T K
     warpgroup::wait<0>();
     warpgroup::fence_registers(dk);
-    warp::store(per_head(a.p.dk), dk, {0, t0 + 16 * w, h, 0});
+    store_dqk<T>(a.p.dk, a.p, dk, b, seq.bos + seq.len, t0 + 16 * w, h);
   }
 
   // One warp: dg_t = sum over the chunk's tokens i >= t of dG_i (two a lane), and dbeta.

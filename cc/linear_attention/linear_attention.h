@@ -60,7 +60,8 @@ struct BwdParams {
   const void *dout;          // [batch, seq_len, v_heads, v_dim], q's dtype
   const float *dht;          // [num_seqs, v_heads, k_dim, v_dim] the final states' cotangent, or nullptr (zeros)
   void *dstates;             // as f.states: chunk c's dS', the gradient of the state it hands on (workspace)
-  float *dq, *dk;            // [batch, seq_len, v_heads, k_dim]: one per value head (the caller sums a group's)
+  void *dq, *dk;             // [batch, seq_len, v_heads, k_dim]: float32, one per value head (the caller sums
+  bool dqk_f32 = true;       // a group's); or, where heads == v_heads, in q's dtype (dqk_f32 false)
   void *dv;                  // v's shape, q's dtype
   float *dg;                 // [batch, v_heads, seq_len], as g
   float *dh0;                // [num_seqs, v_heads, k_dim, v_dim], or nullptr

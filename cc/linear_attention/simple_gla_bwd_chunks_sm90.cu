@@ -140,8 +140,7 @@ template <typename T, int K> struct GlaDcSm90 {
     warpgroup::mma_AB(dq, dpw, sm.k, true);  // + dP K
     warpgroup::wait<0>();
     warpgroup::fence_registers(dq);
-    warp::store(gl<float>::make(a.p.dq + (size_t)b * f.seq_len * f.v_heads * K, 1, seq_end(), f.v_heads, K), dq,
-                {0, t0 + 16 * w, h, 0});
+    store_dqk<T>(a.p.dq, a.p, dq, b, seq_end(), t0 + 16 * w, h);
     add_row_dots(sm.dg, dq, sm.q, signs(1.f));  // q . dq
   }
 
@@ -198,8 +197,7 @@ template <typename T, int K> struct GlaDcSm90 {
     warpgroup::mma_AtB(dk, sm.dp, sm.q, true);  // + dP^T Q
     warpgroup::wait<0>();
     warpgroup::fence_registers(dk);
-    warp::store(gl<float>::make(a.p.dk + (size_t)b * f.seq_len * f.v_heads * K, 1, seq_end(), f.v_heads, K), dk,
-                {0, t0 + 16 * w, h, 0});
+    store_dqk<T>(a.p.dk, a.p, dk, b, seq_end(), t0 + 16 * w, h);
     add_row_dots(sm.dg, dk, sm.k, signs(-1.f));  // - k . dk
   }
   // Rows of the batch row up to this sequence's end (the gl views' bound: rows past it are not stored).

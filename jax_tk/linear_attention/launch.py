@@ -6,8 +6,9 @@ sequences' offsets (int32 ``[N + 1]``, or shape ``(0,)``) and the initial states
 ``[N, HV, K, V]``, or shape ``(0,)``: zeros); results ``o [B, T, HV, V]`` in q's dtype, the final
 states float32 ``[N, HV, K, V]`` and, for the backward, each chunk's starting state (``[state_slots,
 HV, K, V]`` in q's dtype, or shape ``(0,)``: not kept). Its backward takes the same inputs, the states,
-``dout`` and the final states' cotangent, and returns dq, dk (float32, per value head), dv, dg (float32
-``[B, HV, T]``), the initial states' gradient and a workspace. The gated delta rule's forward: beta
+``dout`` and the final states' cotangent, and returns dq, dk (float32 per value head; like q where
+``HV == H``), dv, dg (float32 ``[B, HV, T]``), the initial states' gradient and a workspace. The gated
+delta rule's forward: beta
 (float32 ``[B, HV, T]``) after g, two workspaces after the final states (each chunk's W and U', in q's
 dtype), then what its backward keeps (the states, U = U' - W S, the solve's T; shape ``(0,)``: not
 kept); its backward also returns dbeta.
@@ -87,20 +88,29 @@ def gla_fwd(q, k, v, g, cu_seqlens, initial_state, scale: float, out_init=None, 
     return (o, ht, s) if keep_states else (o, ht)
 
 
+def _dqk(q, v):
+    """The backward kernels' dq and dk type, and what makes q's gradient of them: with one value head a
+    head, the kernels write q's dtype; with a group, float32 per value head, which the group sums."""
+    b, t, h, kd = q.shape
+    hv = v.shape[2]
+    if hv == h:
+        return jax.ShapeDtypeStruct(q.shape, q.dtype), lambda x: x
+    return (jax.ShapeDtypeStruct((b, t, hv, kd), jnp.float32),
+            lambda x: x.reshape(b, t, h, hv // h, kd).sum(axis=3).astype(q.dtype))
+
+
 def gla_bwd(q, k, v, g, cu_seqlens, states, dout, dht, scale: float, out_init=None):
     """Simple GLA's backward kernels: ``(dq, dk, dv, dg, dh0)`` with dq, dk in q's dtype (a group's
     value heads summed), dv in v's, dg float32 ``[B, T, HV]`` and dh0 float32 ``[N, HV, K, V]``;
     ``states`` from :func:`gla_fwd`, ``dht`` the final states' cotangent or None."""
-    b, t, h, kd = q.shape
-    hv = v.shape[2]
-    per_head = jax.ShapeDtypeStruct((b, t, hv, kd), jnp.float32)
+    per_head, group = _dqk(q, v)
+    b, t, hv = v.shape[:3]
     out_types = (per_head, per_head, jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, hv, t), jnp.float32),
                  _out_types(q, v, cu_seqlens)[1], jax.ShapeDtypeStruct(states.shape, states.dtype))
     seq = _sequence_operands(cu_seqlens, None)[0]
     dht = jnp.zeros((0,), jnp.float32) if dht is None else dht.astype(jnp.float32)
     operands = (q, k, v, _head_major(g), seq, states, dout.astype(v.dtype), dht)
     dq, dk, dv, dg, dh0, _ = kernel_call(GLA_BWD, out_types, operands, _attributes(scale), out_init=out_init)
-    group = lambda x: x.reshape(b, t, h, hv // h, kd).sum(axis=3).astype(q.dtype)
     return group(dq), group(dk), dv, jnp.transpose(dg, (0, 2, 1)), dh0
 
 
@@ -124,15 +134,13 @@ def gdr_bwd(q, k, v, g, beta, cu_seqlens, kept, dout, dht, scale: float, out_ini
     """The gated delta rule's backward kernels: ``(dq, dk, dv, dg, dbeta, dh0)`` as :func:`gla_bwd`'s,
     dbeta float32 ``[B, T, HV]``; ``kept``: (states, W, U, T) from :func:`gdr_fwd`, q and k as it took
     them (normalized where the op asks; their gradients are those of the normalized q and k)."""
-    b, t, h, kd = q.shape
-    hv = v.shape[2]
     states, w, u, tk = kept
-    per_head, gate = jax.ShapeDtypeStruct((b, t, hv, kd), jnp.float32), jax.ShapeDtypeStruct((b, hv, t), jnp.float32)
+    per_head, group = _dqk(q, v)
+    gate = jax.ShapeDtypeStruct((v.shape[0], v.shape[2], v.shape[1]), jnp.float32)
     out_types = (per_head, per_head, jax.ShapeDtypeStruct(v.shape, v.dtype), gate, gate, _out_types(q, v, cu_seqlens)[1],
                  jax.ShapeDtypeStruct(states.shape, states.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     seq = _sequence_operands(cu_seqlens, None)[0]
     dht = jnp.zeros((0,), jnp.float32) if dht is None else dht.astype(jnp.float32)
     operands = (q, k, v, _head_major(g), _head_major(beta), seq, states, w, u, tk, dout.astype(v.dtype), dht)
     dq, dk, dv, dg, dbeta, dh0, _, _ = kernel_call(GDR_BWD, out_types, operands, _attributes(scale), out_init=out_init)
-    group = lambda x: x.reshape(b, t, h, hv // h, kd).sum(axis=3).astype(q.dtype)
     return group(dq), group(dk), dv, jnp.transpose(dg, (0, 2, 1)), jnp.transpose(dbeta, (0, 2, 1)), dh0

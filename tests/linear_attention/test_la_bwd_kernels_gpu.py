@@ -37,9 +37,10 @@ def inputs(seed, b, t, h, hv, kd, vd, dtype, n):
 def kernels(q, k, v, g, beta, cu, state, do, dht, *, scale):
     """(dq, dk, dv, dg, dbeta or None, dh0) of the forward kernels (keeping what the backward takes) and
     the backward kernels (simple GLA's where beta is None), every result of the backward poisoned first."""
-    b, t, _, kd = q.shape
+    b, t, h, kd = q.shape
     hv = v.shape[2]
-    per_head, gate = nan((b, t, hv, kd), F32), nan((b, hv, t), F32)
+    # dq, dk: like q with a value head per head, else float32 per value head (both kinds among CASES)
+    per_head, gate = nan(q.shape, q.dtype) if hv == h else nan((b, t, hv, kd), F32), nan((b, hv, t), F32)
     if beta is None:
         _, _, states = launch.gla_fwd(q, k, v, g, cu, state, scale, keep_states=True)
         out_init = (per_head, per_head, nan(v.shape, v.dtype), gate, nan(dht.shape, F32), nan(states.shape, states.dtype))

@@ -188,6 +188,24 @@ def test_cuda_lowering_of_the_delta_rule_backward():
     assert results[:5] == ["tensor<2x100x4x64xf32>"] * 2 + ["tensor<2x100x4x128xbf16>"] + ["tensor<2x4x100xf32>"] * 2
 
 
+@needs_extension
+@pytest.mark.parametrize("delta", [False, True], ids=["gla", "delta"])
+def test_cuda_lowering_of_a_backward_without_groups(delta):
+    """With a value head per head the backward targets write dq and dk like q (no float32 per value head
+    for the caller to sum)."""
+    sds = jax.ShapeDtypeStruct
+    q, v, g = sds((2, 100, 4, 64), jnp.bfloat16), sds((2, 100, 4, 128), jnp.bfloat16), sds((2, 100, 4), F32)
+
+    def loss(q, k, v, g, beta):
+        o, s = la.api._kernel_path(la.api._Spec(0.25, delta), q, k, v, g, beta if delta else None, None, None)
+        return jnp.sum(o.astype(F32)) + jnp.sum(s)
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    text = jax.export.export(fn, platforms=["cuda"], disabled_checks=ffi.export_checks())(q, q, v, g, g).mlir_module()
+    target = "jax_tk_gated_delta_rule_bwd" if delta else "jax_tk_simple_gla_bwd"
+    bwd = re.search(rf"@{target}\(.*?\) \{{.*?\}} : \((.*?)\) -> \((.*?)\)", text, re.S)
+    assert re.findall(r"tensor<[^>]*>", bwd.group(2))[:3] == ["tensor<2x100x4x64xbf16>"] * 2 + ["tensor<2x100x4x128xbf16>"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Input checks: every bad argument raises, at trace time, naming it
 # ----------------------------------------------------------------------------------------------

@@ -306,7 +306,8 @@ int run_bwd(const Case &c) {
   auto err = [&](std::vector<float> x, const std::vector<double> &want, int d, bool head_major) {
     return std::apply([&](auto &&x, auto &&w) { return rel_err(x, w, finite); }, rows(std::move(x), want, d, head_major));
   };
-  const double errs[] = {err(to_host(p.dq, wq.size()), wq, K, false), err(to_host(p.dk, wk.size()), wk, K, false),
+  auto f32 = [](void *x) { return static_cast<float *>(x); };  // (dq, dk float32 per value head: dqk_f32)
+  const double errs[] = {err(to_host(f32(p.dq), wq.size()), wq, K, false), err(to_host(f32(p.dk), wk.size()), wk, K, false),
                          err(dv, wv, V, false), err(to_host(p.dg, wg.size()), wg, 1, true),
                          rel_err(to_host(p.dh0, wh0.size()), wh0, finite),
                          c.delta ? err(to_host(p.dbeta, wbeta.size()), wbeta, 1, true) : 0.0};
