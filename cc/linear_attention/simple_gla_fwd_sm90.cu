@@ -33,8 +33,7 @@ using namespace tk;
 
 template <typename T, int K, bool DELTA> struct Gla {
   using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
-  // (three stages where they fit: the delta rule's W takes the shared memory of the third)
-  static constexpr int C = CHUNK, VS = V_SLICE, STAGES = DELTA ? 2 : 3, THREADS = Roles::THREADS;
+  static constexpr int C = CHUNK, VS = V_SLICE, STAGES = 2, THREADS = Roles::THREADS;
   static constexpr int STATE = 0;  // the state's consumer warpgroup (the outputs': 1)
   static_assert(C == 64 && VS == 64 && (K == 64 || K == 128));
   struct Shared {
