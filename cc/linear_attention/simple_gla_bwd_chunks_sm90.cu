@@ -10,12 +10,14 @@
 //          exp(G_last) S + K_d^T V: exp(G_last) <S, dS'> + sum_j k_j . (diag(exp(G_last - G)) V dS'^T)_j)
 //   dg = dG summed from each token to the chunk's end (G is the decays' running sum)
 //
-// A thread block takes one chunk of one value head; a producer thread loads Q and K once and then, 64
-// value columns at a time, V, dO, S and dS' (TMA, two stages). Two consumer warpgroups share the
-// slices: the first forms dO V^T and dO S^T (the sums over the value columns of dP and dQ), the second
-// V dS'^T and each slice of dV (with P and K_d it formed first) and <S, dS'>. The first hands dP over
-// through shared memory and finishes dQ; the second finishes dK; both hand their part of dG to a warp
-// that sums it backward. dQ and dK are per value head, in float32 (the caller sums a group's).
+// A grid of about a block per SM walks the chunks of every value head (a tile: one chunk of one value
+// head; strided in the pipeline template). A producer thread loads each tile's Q and K (two buffers)
+// and then, 64 value columns at a time, V, dO, S and dS' (TMA, two stages): the next tile's while the
+// consumers work on this one's, since a tile's math is a chain of dependent products and its loads are
+// what can overlap. Two consumer warpgroups share the slices: the first forms dO V^T and dO S^T (the
+// sums over the value columns of dP and dQ), the second V dS'^T and each slice of dV (with P and K_d it
+// formed first) and <S, dS'>. The first hands dP over through shared memory and finishes dQ; the second
+// finishes dK; both hand their part of dG to a warp that sums it backward. dQ and dK: store_dqk.
 #include "linear_attention/common.cuh"
 
 namespace jax_tk::linear_attention {
@@ -29,13 +31,16 @@ template <typename T, int K> struct GlaDc {
   static constexpr int DQ = 0;  // the consumer warpgroup that finishes dQ (the other: dK, dV)
   static_assert(C == 64 && VS == 64 && (K == 64 || K == 128));
   struct Shared {
-    st<T, C, K> q, k, kd;              // Q, K, K_d
+    st<T, C, K> q[2], k[2], kd;        // Q, K (this tile's and the next's), K_d
     st<T, C, C> p, dp;                 // P, dP (both scaled)
     st<T, C, VS> v[STAGES], d[STAGES];  // a slice of V, of dO
     st<T, K, VS> s[STAGES], ds[STAGES];  // a slice of S, of dS'
     float cum[2][C];                   // G, each warpgroup's copy
-    float dg[C], kdc[C], extra;        // dG as it gathers; k . (V dS'^T)_k; the last token's <S', dS'>
-    semaphore qk, full[STAGES], empty[STAGES];
+    // dG as it gathers (zeroed again by the warp that sums it), k . (V dS'^T)_k (by the threads that
+    // add it up) and the last token's <S', dS'> (by tile parity: the next tile's may start before the
+    // sum has read this one's)
+    float dg[C], kdc[C], extra[2];
+    semaphore qk_full[2], qk_empty[2], full[STAGES], empty[STAGES];
   };
   static_assert(sizeof(Shared) <= MAX_SHARED_BYTES);
 };
@@ -56,38 +61,55 @@ template <typename T, int K> struct GlaDcSm90 {
   typename G::Shared &sm;
   const FwdParams &f = a.p.f;
   __device__ __forceinline__ ring<STAGES> kv() const { return {sm.full, sm.empty}; }
+  __device__ __forceinline__ ring<2> qk() const { return {sm.qk_full, sm.qk_empty}; }
   const int wg = warpgroup::groupid();
-  const int c = blockIdx.x % f.max_chunks, n = blockIdx.x / f.max_chunks, h = blockIdx.y;
-  const Sequence seq{f.cu_seqlens, f.seq_len, n};
-  const int b = seq.b, t0 = seq.bos + C * c, valid = min(C, seq.len - C * c);
-  const int state = (seq.slot + c) * f.v_heads + h;  // (this chunk's in states, dstates)
+  const int slices = f.v_dim / VS, tiles = f.num_seqs * f.max_chunks * f.v_heads;
+  // The tile's chunk, set by take() (each role's object, tile after tile): its value head, batch row,
+  // first token and tokens, and the end of its sequence's rows (the gl views' bound: rows past it are
+  // not stored). Few: the consumers' registers are full.
+  int h = 0, b = 0, t0 = 0, valid = 0, end = 0;
+  int kv_n = 0, qk_n = 0;  // the rings' uses so far
 
   __device__ __forceinline__ void init() const {
-    tk::init(sm.qk, 1);
     tk::init(kv(), 1, 8);  // (empty: each consumer warp of both warpgroups)
-    sm.extra = 0.f;
+    tk::init(qk(), 1, 8);
+    sm.extra[0] = sm.extra[1] = 0.f;
     for (int i = 0; i < C; i++) sm.dg[i] = sm.kdc[i] = 0.f;
   }
-  __device__ __forceinline__ void before_sync() const {}
+  // Tile t: chunk t % max_chunks of sequence t % (num_seqs * max_chunks) / max_chunks, value head
+  // t / (num_seqs * max_chunks) (a wave of blocks takes chunks side by side of one value head). Returns
+  // the chunk's state's index in states and dstates, or -1 where the chunk lies past its sequence's end
+  // (packed sequences' grids have holes).
+  __device__ __forceinline__ int take(int t) {
+    const int per_head = f.num_seqs * f.max_chunks, n = t % per_head / f.max_chunks, c = t % f.max_chunks;
+    const Sequence seq{f.cu_seqlens, f.seq_len, n};
+    h = t / per_head, b = seq.b, t0 = seq.bos + C * c, valid = min(C, seq.len - C * c), end = seq.bos + seq.len;
+    return valid > 0 ? (seq.slot + c) * f.v_heads + h : -1;
+  }
 
-  __device__ __forceinline__ void produce() const {
-    if (threadIdx.x % 128 != 0) return;
+  __device__ __forceinline__ void load(int t) {
+    const int state = take(t);
+    if (state < 0) return;
     const int hq = h / (f.v_heads / f.heads);
-    arrive_expect_bytes(sm.qk, sizeof(sm.q) + sizeof(sm.k));
-    load_async(sm.q, a.q, {b, t0, hq, 0}, sm.qk);
-    load_async(sm.k, a.k, {b, t0, hq, 0}, sm.qk);
-    for (ring_pos<STAGES> at(0); at.n < f.v_dim / VS; ++at) {
+    const ring_use<2> u(qk_n++);
+    wait_empty(qk(), u);
+    arrive_expect_bytes(qk().full(u), sizeof(sm.q[0]) + sizeof(sm.k[0]));
+    load_async(sm.q[u.slot], a.q, {b, t0, hq, 0}, qk().full(u));
+    load_async(sm.k[u.slot], a.k, {b, t0, hq, 0}, qk().full(u));
+    for (ring_pos<STAGES> at(kv_n); at.n < kv_n + slices; ++at) {
       semaphore &full = kv().full(at);
+      const int col = VS * (at.n - kv_n);
       wait_empty(kv(), at);
       arrive_expect_bytes(full, sizeof(sm.v[0]) + sizeof(sm.d[0]) + sizeof(sm.s[0]) + sizeof(sm.ds[0]));
-      load_async(sm.v[at.slot], a.v, {b, t0, h, VS * at.n}, full);
-      load_async(sm.d[at.slot], a.d, {b, t0, h, VS * at.n}, full);
+      load_async(sm.v[at.slot], a.v, {b, t0, h, col}, full);
+      load_async(sm.d[at.slot], a.d, {b, t0, h, col}, full);
 #pragma unroll
       for (int r = 0; r < K; r += C) {
-        load_rows_async(sm.s[at.slot], r, a.s, {state, r, 0, VS * at.n}, full);
-        load_rows_async(sm.ds[at.slot], r, a.ds, {state, r, 0, VS * at.n}, full);
+        load_rows_async(sm.s[at.slot], r, a.s, {state, r, 0, col}, full);
+        load_rows_async(sm.ds[at.slot], r, a.ds, {state, r, 0, col}, full);
       }
     }
+    kv_n += slices;
   }
 
   // G into this warpgroup's copy; {G_i, i} of this warp's rows and {G_j, j} of all.
@@ -104,23 +126,33 @@ template <typename T, int K> struct GlaDcSm90 {
     return v;
   }
 
-  __device__ __forceinline__ void consume() const {
-    if (wg == G::DQ) finish_dq();
-    else finish_dk_dv();
+  __device__ __forceinline__ void start() const {}
+  __device__ __forceinline__ void finish() const {}
+  __device__ __forceinline__ void consume(int t) {
+    if (take(t) < 0) return;
+    const ring_use<2> u(qk_n++);
+    wait_full(qk(), u);
+    if (wg == G::DQ) finish_dq(u.slot);
+    else finish_dk_dv(u.slot);
+    if (laneid() == 0) arrive_empty(qk(), u);
     sync_named_unaligned(3, 256);  // (both parts of dG)
-    if (threadIdx.x / 32 == 0) sum_dg();
+    if (threadIdx.x / 32 == 0) sum_dg(u.slot);
+    kv_n += slices;
   }
 
   // dP and dQ = diag(scale exp(G)) dO S^T + dP K.
-  __device__ __forceinline__ void finish_dq() const {
+  __device__ __forceinline__ void finish_dq(int qs) const {
     const int w = warpid() % 4;
     const float *cum = scan();
     tile dp;
     rt_fl<16, K> dq;
-    for (ring_pos<STAGES> at(0); at.n < f.v_dim / VS; ++at) {
+    // (zeroed rather than a first product that overwrites them: accumulators left undefined before a
+    // loop are live across the tiles' loop, which spills)
+    warp::zero(dp), warp::zero(dq);
+    for (ring_pos<STAGES> at(kv_n); at.n < kv_n + slices; ++at) {
       wait_full(kv(), at);
-      warpgroup::mma_ABt(dp, sm.d[at.slot], sm.v[at.slot], at.n > 0);  // dO V^T
-      warpgroup::mma_ABt(dq, sm.d[at.slot], sm.s[at.slot], at.n > 0);  // dO S^T
+      warpgroup::mma_ABt(dp, sm.d[at.slot], sm.v[at.slot], true);  // dO V^T
+      warpgroup::mma_ABt(dq, sm.d[at.slot], sm.s[at.slot], true);  // dO S^T
       warpgroup::wait<0>();
       if (laneid() == 0) arrive_empty(kv(), at);
     }
@@ -136,27 +168,25 @@ template <typename T, int K> struct GlaDcSm90 {
     const float scale = f.scale;
     warp::map_index(e, [&](int r) { return 16 * w + r < valid ? scale * warp::fn::exp2(cum[16 * w + r] * LOG2E) : 0.f; });
     warp::map_row(dq, dq, e, [](float x, float s) { return s != 0.f ? x * s : 0.f; });
-    wait_once(sm.qk);
-    warpgroup::mma_AB(dq, dpw, sm.k, true);  // + dP K
+    warpgroup::mma_AB(dq, dpw, sm.k[qs], true);  // + dP K
     warpgroup::wait<0>();
     warpgroup::fence_registers(dq);
-    store_dqk<T>(a.p.dq, a.p, dq, b, seq_end(), t0 + 16 * w, h);
-    add_row_dots(sm.dg, dq, sm.q, signs(1.f));  // q . dq
+    store_dqk<T>(a.p.dq, a.p, dq, b, end, t0 + 16 * w, h);
+    add_row_dots(sm.dg, dq, sm.q[qs], signs(1.f));  // q . dq
   }
 
   // P, K_d, then per slice dV = P^T dO + K_d dS' (stored) and the sums V dS'^T, <S, dS'>; dK.
-  __device__ __forceinline__ void finish_dk_dv() const {
+  __device__ __forceinline__ void finish_dk_dv(int qs) const {
     const int w = warpid() % 4, tid = threadIdx.x % 128;
     const float *cum = scan();
     const float last = cum[valid - 1];
     cvec ed;  // exp(G_last - G_j), 0 past the sequence
     warp::map_index(ed, [&](int r) { return 16 * w + r < valid ? warp::fn::exp2((last - cum[16 * w + r]) * LOG2E) : 0.f; });
-    wait_once(sm.qk);
     {
       tile pt;
-      warpgroup::mma_ABt(pt, sm.q, sm.k, false);  // Q K^T
+      warpgroup::mma_ABt(pt, sm.q[qs], sm.k[qs], false);  // Q K^T
       rt<T, 16, K> kr;
-      warp::load(kr, sm.k, 16 * w, 0);
+      warp::load(kr, sm.k[qs], 16 * w, 0);
       warp::mul_row(kr, kr, ed);
       warp::store(sm.kd, kr, 16 * w, 0);
       warpgroup::wait<0>();
@@ -169,45 +199,48 @@ template <typename T, int K> struct GlaDcSm90 {
       sync_named(2, 128);
     }
     rt_fl<16, K> dk;
+    warp::zero(dk);  // (as in finish_dq)
     float frob = 0.f;  // this thread's part of <S, dS'>
-    const gl<T> dv = gl<T>::make(static_cast<T *>(a.p.dv) + (size_t)b * f.seq_len * f.v_heads * f.v_dim, 1, seq_end(), f.v_heads,
+    const gl<T> dv = gl<T>::make(static_cast<T *>(a.p.dv) + (size_t)b * f.seq_len * f.v_heads * f.v_dim, 1, end, f.v_heads,
                                  f.v_dim);
-    for (ring_pos<STAGES> at(0); at.n < f.v_dim / VS; ++at) {
+    for (ring_pos<STAGES> at(kv_n); at.n < kv_n + slices; ++at) {
       wait_full(kv(), at);
       tile dvs;
-      warpgroup::mma_ABt(dk, sm.v[at.slot], sm.ds[at.slot], at.n > 0);  // V dS'^T
+      warpgroup::mma_ABt(dk, sm.v[at.slot], sm.ds[at.slot], true);  // V dS'^T
       warpgroup::mma_AtB(dvs, sm.p, sm.d[at.slot], false);               // P^T dO
       warpgroup::mma_AB(dvs, sm.kd, sm.ds[at.slot], true);               // + K_d dS'
       for (int i = tid; i < K * VS; i += 128) frob += float(sm.s[at.slot](i / VS, i % VS)) * float(sm.ds[at.slot](i / VS, i % VS));
       warpgroup::wait<0>();
       warpgroup::fence_registers(dvs);
       if (laneid() == 0) arrive_empty(kv(), at);
-      warp::store(dv, dvs, {0, t0 + 16 * w, h, VS * at.n});
+      warp::store(dv, dvs, {0, t0 + 16 * w, h, VS * (at.n - kv_n)});
     }
     warpgroup::fence_registers(dk);
     warp::map_row(dk, dk, ed, [](float x, float s) { return s != 0.f ? x * s : 0.f; });  // diag(exp(G_last - G)) V dS'^T
     {  // the last token's <S', dS'> = exp(G_last) <S, dS'> + sum_j k_j . (diag(exp(G_last - G)) V dS'^T)_j
-      add_row_dots(sm.kdc, dk, sm.k, signs(1.f));
+      add_row_dots(sm.kdc, dk, sm.k[qs], signs(1.f));
       for (int o = 16; o > 0; o /= 2) frob += __shfl_xor_sync(~0u, frob, o);
-      if (laneid() == 0) atomicAdd(&sm.extra, frob * warp::fn::exp2(last * LOG2E));
+      if (laneid() == 0) atomicAdd(&sm.extra[qs], frob * warp::fn::exp2(last * LOG2E));
       sync_named(2, 128);  // (every warp's row dots)
-      if (tid < C) atomicAdd(&sm.extra, sm.kdc[tid]);
+      if (tid < C) atomicAdd(&sm.extra[qs], sm.kdc[tid]), sm.kdc[tid] = 0.f;
     }
     sync_named_unaligned(4, 256);  // (dP from the other warpgroup)
-    warpgroup::mma_AtB(dk, sm.dp, sm.q, true);  // + dP^T Q
+    warpgroup::mma_AtB(dk, sm.dp, sm.q[qs], true);  // + dP^T Q
     warpgroup::wait<0>();
     warpgroup::fence_registers(dk);
-    store_dqk<T>(a.p.dk, a.p, dk, b, seq_end(), t0 + 16 * w, h);
-    add_row_dots(sm.dg, dk, sm.k, signs(-1.f));  // - k . dk
+    store_dqk<T>(a.p.dk, a.p, dk, b, end, t0 + 16 * w, h);
+    add_row_dots(sm.dg, dk, sm.k[qs], signs(-1.f));  // - k . dk
   }
-  // Rows of the batch row up to this sequence's end (the gl views' bound: rows past it are not stored).
-  __device__ __forceinline__ int seq_end() const { return seq.bos + seq.len; }
 
-  // One warp: dg_t = sum over the chunk's tokens i >= t of dG_i, two tokens a lane (t = lane, lane + 32).
-  __device__ __forceinline__ void sum_dg() const {
+  // One warp: dg_t = sum over the chunk's tokens i >= t of dG_i, two tokens a lane (t = lane, lane + 32);
+  // dG and <S', dS'> zeroed for the tiles after.
+  __device__ __forceinline__ void sum_dg(int qs) const {
     const int l = laneid();
-    auto dG = [&](int i) { return i < valid ? sm.dg[i] + (i == valid - 1 ? sm.extra : 0.f) : 0.f; };
+    auto dG = [&](int i) { return i < valid ? sm.dg[i] + (i == valid - 1 ? sm.extra[qs] : 0.f) : 0.f; };
     float lo = dG(l), hi = dG(l + 32);
+    sm.dg[l] = sm.dg[l + 32] = 0.f;
+    __syncwarp();
+    if (l == 0) sm.extra[qs] = 0.f;
     suffix_sums(lo, hi);
     float *dg = a.p.dg + ((size_t)b * f.v_heads + h) * f.seq_len + t0;
     if (l < valid) dg[l] = lo;
@@ -218,10 +251,9 @@ template <typename T, int K> struct GlaDcSm90 {
 template <typename T, int K>
 __global__ __launch_bounds__(GlaDc<T, K>::THREADS, 1) void gla_bwd_chunks_kernel(const __grid_constant__ DcArgs<T> a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if (!chunk_in_sequence(a.p.f)) return;
   extern __shared__ __align__(1024) char smem_raw[];
   GlaDcSm90<T, K> k{a, *reinterpret_cast<typename GlaDc<T, K>::Shared *>(smem_raw)};
-  single(k);
+  strided(k);
 #endif
 }
 
@@ -237,7 +269,12 @@ template <typename T, int K> cudaError_t run(const BwdParams &p, cudaStream_t st
   auto kernel = gla_bwd_chunks_kernel<T, K>;
   const int smem = sizeof(typename GlaDc<T, K>::Shared);
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem); e != cudaSuccess) return e;
-  kernel<<<dim3(unsigned(f.num_seqs * f.max_chunks), unsigned(f.v_heads)), GlaDc<T, K>::THREADS, smem, stream>>>(a);
+  const long long tiles = (long long)f.num_seqs * f.max_chunks * f.v_heads;
+  int dev = 0, sms = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess) return e;
+  if (tiles + 2LL * sms >= INT_MAX) return cudaErrorInvalidValue;
+  kernel<<<unsigned(std::min<long long>(tiles, sms)), GlaDc<T, K>::THREADS, smem, stream>>>(a);
   return cudaGetLastError();
 }
 

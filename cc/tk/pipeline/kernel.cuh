@@ -21,6 +21,12 @@
 //   void finish();                                   each consumer thread, after the last tile
 // One thread of the producer warpgroup loads and one warp schedules; the other two warps leave.
 //
+// strided(k): a grid of about one block per SM; block b takes tiles b, b + G, b + 2G, ... (G blocks, k.tiles
+// tiles), each role walking them by itself: no scheduler and no queue (tiles of one cost, which a static
+// order balances; the roles keep only the tile's number):
+//   void load(int t);                                the loader (one thread): tile t's loads
+//   void start();  void consume(int t);  void finish();   each consumer warpgroup, as in persistent
+//
 // single(k): one block per tile, its coordinates from blockIdx:
 //   void before_sync();                              every thread, before the block's first barrier
 //                                                    (e.g. the consumers' own copies)
@@ -75,6 +81,25 @@ template <typename K> __device__ __forceinline__ void persistent(K &k) {
       if (laneid() == 0) arrive_empty(k.queue().ring, at);
     });
   }
+  k.finish();
+}
+
+template <typename K> __device__ __forceinline__ void strided(K &k) {
+  using R = typename K::Roles;
+  if (threadIdx.x == 0) {
+    k.init();
+    fence_barrier_init();
+  }
+  __syncthreads();
+  if (k.wg == R::PRODUCER) {
+    R::enter_producer();
+    if (threadIdx.x != R::CONSUMERS * 128) return;
+    for (int t = blockIdx.x; t < k.tiles; t += gridDim.x) k.load(t);
+    return;
+  }
+  R::enter_consumer();
+  k.start();
+  for (int t = blockIdx.x; t < k.tiles; t += gridDim.x) k.consume(t);
   k.finish();
 }
 
