@@ -18,12 +18,25 @@ struct Sequence {
         chunks((len + CHUNK - 1) / CHUNK), slot(first_slot(n, bos, seq_len, cu_seqlens != nullptr)) {}
 };
 
-// Whether this block's chunk lies in its sequence: the per-chunk kernels' grids give each sequence n
-// max_chunks blocks (blockIdx.x = n * max_chunks + c); a whole block past its sequence's end leaves.
-__device__ __forceinline__ bool chunk_in_sequence(const FwdParams &f) {
-  const int c = blockIdx.x % f.max_chunks, n = blockIdx.x / f.max_chunks;
-  return CHUNK * c < (f.cu_seqlens ? f.cu_seqlens[n + 1] - f.cu_seqlens[n] : f.seq_len);
-}
+// A tile of the per-chunk backward kernels (strided in the pipeline template): tile t is chunk
+// t % max_chunks of sequence t % (num_seqs * max_chunks) / max_chunks, value head t / (num_seqs *
+// max_chunks), so that a wave of blocks takes chunks side by side of one value head. take(f, t) sets
+// the chunk's value head, batch row, first token, tokens and the end of its sequence's rows (the gl
+// views' bound: rows past it are not stored), and returns the chunk's index in the kept states (and
+// their gradients), or -1 where the chunk lies past its sequence's end (packed sequences' grids have
+// holes). Few fields: the consumers' registers are full.
+struct ChunkTile {
+  int h = 0, b = 0, t0 = 0, valid = 0, end = 0;
+  __device__ __forceinline__ int take(const FwdParams &f, int t) {
+    const int per_head = f.num_seqs * f.max_chunks, n = t % per_head / f.max_chunks, c = t % f.max_chunks;
+    const Sequence seq{f.cu_seqlens, f.seq_len, n};
+    h = t / per_head, b = seq.b, t0 = seq.bos + CHUNK * c, valid = min(CHUNK, seq.len - CHUNK * c), end = seq.bos + seq.len;
+    return valid > 0 ? (seq.slot + c) * f.v_heads + h : -1;
+  }
+  // The chunk's first entry in g, beta, dg and dbeta ([batch, v_heads, seq_len]).
+  __device__ __forceinline__ size_t gate(const FwdParams &f) const { return ((size_t)b * f.v_heads + h) * f.seq_len + t0; }
+  __host__ __device__ static long long count(const FwdParams &f) { return (long long)f.num_seqs * f.max_chunks * f.v_heads; }
+};
 
 // One warp's suffix sums over a chunk, two tokens a lane (lo: token lane, hi: token lane + 32):
 // x_t := sum over i >= t of x_i (a decay's gradient gathers from every later token of its chunk).

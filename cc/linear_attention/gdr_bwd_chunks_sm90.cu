@@ -12,11 +12,14 @@
 //         + rowsum(dA * A) - colsum(dA * A), and at the last token + <S', dS'>
 //   dg  = dG summed from each token to the chunk's end
 //
-// (checked in float64 against autodiff of the token-by-token recurrence). A thread block takes one chunk
-// of one value head; a producer thread loads Q, K and T once and, 64 value columns at a time, V, dO,
-// U, dU, S and dS' (TMA, two stages). Two consumer warpgroups: the first sums dO S^T, dO U^T and dU S^T
-// over the slices and finishes dQ, dP and dW, then dT T^T, dA and dB; the second sums U dS'^T and
-// dU V^T, stores each slice of dV, forms dT, and gathers dK. dQ and dK are per value head, in float32.
+// (checked in float64 against autodiff of the token-by-token recurrence). A grid of about a block per SM
+// walks the chunks of every value head (a tile: one chunk of one value head; strided in the pipeline
+// template, as simple_gla_bwd_chunks_sm90.cu). A producer thread loads each tile's Q, K and T (one
+// buffer: the shared memory holds no second) and, 64 value columns at a time, V, dO, U, dU, S and dS'
+// (TMA, two stages, running on into the next tile while the consumers finish this one). Two consumer
+// warpgroups: the first sums dO S^T, dO U^T and dU S^T over the slices and finishes dQ, dP and dW, then
+// dT T^T, dA and dB; the second sums U dS'^T and dU V^T, stores each slice of dV, forms dT, and gathers
+// dK. dQ and dK: store_dqk.
 #include "linear_attention/common.cuh"
 
 namespace jax_tk::linear_attention {
@@ -35,8 +38,11 @@ template <typename T, int K> struct GdrDc {
     st<T, C, VS> v[STAGES], d[STAGES], u[STAGES], du[STAGES];  // slices of V, dO, U, dU
     st<T, K, VS> s[STAGES], ds[STAGES];              // slices of S, dS'
     float cum[2][C], beta[C];                        // G (each warpgroup's copy), beta
-    float dg[C], dbeta[C], kdc[C], extra;            // dG, dbeta as they gather; k . (U dS'^T)_k; <S', dS'>
-    semaphore once, full[STAGES], empty[STAGES];
+    // dG and dbeta as they gather, k . (U dS'^T)_k, the last token's <S', dS'>: each zeroed again by
+    // what reads it (dbeta and <S', dS'> by tile parity: the next tile's may start before this one's
+    // are read)
+    float dg[C], dbeta[2][C], kdc[C], extra[2];
+    semaphore qkt_full[1], qkt_empty[1], full[STAGES], empty[STAGES];
   };
   static_assert(sizeof(Shared) <= MAX_SHARED_BYTES);
 };
@@ -46,7 +52,7 @@ template <typename T> struct GdrArgs {
   tma_map<T, CHUNK> q, k, t, v, d, u, du, s, ds;
 };
 
-template <typename T, int K> struct GdrDcSm90 {
+template <typename T, int K> struct GdrDcSm90 : ChunkTile {
   using G = GdrDc<T, K>;
   using Roles = typename G::Roles;
   using tile = rt_fl<16, 64>;
@@ -57,50 +63,50 @@ template <typename T, int K> struct GdrDcSm90 {
   typename G::Shared &sm;
   const FwdParams &f = a.p.f;
   __device__ __forceinline__ ring<STAGES> kv() const { return {sm.full, sm.empty}; }
+  __device__ __forceinline__ ring<1> qkt() const { return {sm.qkt_full, sm.qkt_empty}; }
   const int wg = warpgroup::groupid();
-  const int c = blockIdx.x % f.max_chunks, n = blockIdx.x / f.max_chunks, h = blockIdx.y;
-  const Sequence seq{f.cu_seqlens, f.seq_len, n};
-  const int b = seq.b, t0 = seq.bos + C * c, valid = min(C, seq.len - C * c), slices = f.v_dim / VS;
-  const int state = (seq.slot + c) * f.v_heads + h;  // (this chunk's in states, dstates)
-  const size_t gate = ((size_t)b * f.v_heads + h) * f.seq_len + t0;  // (its g, beta, dg, dbeta)
+  const int slices = f.v_dim / VS, tiles = int(count(f));
+  int kv_n = 0, qkt_n = 0;  // the rings' uses so far
 
   __device__ __forceinline__ void init() const {
-    tk::init(sm.once, 1);
     tk::init(kv(), 1, 8);  // (empty: each consumer warp of both warpgroups)
-    sm.extra = 0.f;
-    for (int i = 0; i < C; i++) sm.dg[i] = sm.dbeta[i] = sm.kdc[i] = 0.f;
-  }
-  __device__ __forceinline__ void before_sync() const {
-    if (threadIdx.x < C) sm.beta[threadIdx.x] = int(threadIdx.x) < valid ? a.p.beta[gate + threadIdx.x] : 0.f;
+    tk::init(qkt(), 1, 8);
+    sm.extra[0] = sm.extra[1] = 0.f;
+    for (int i = 0; i < C; i++) sm.dg[i] = sm.dbeta[0][i] = sm.dbeta[1][i] = sm.kdc[i] = 0.f;
   }
 
-  __device__ __forceinline__ void produce() const {
-    if (threadIdx.x % 128 != 0) return;
+  __device__ __forceinline__ void load(int t) {
+    const int state = take(f, t);
+    if (state < 0) return;
     const int hq = h / (f.v_heads / f.heads);
-    arrive_expect_bytes(sm.once, sizeof(sm.q) + sizeof(sm.k) + sizeof(sm.t));
-    load_async(sm.q, a.q, {b, t0, hq, 0}, sm.once);
-    load_async(sm.k, a.k, {b, t0, hq, 0}, sm.once);
-    load_async(sm.t, a.t, {b, t0, h, 0}, sm.once);
-    for (ring_pos<STAGES> at(0); at.n < slices; ++at) {
+    const ring_use<1> u(qkt_n++);
+    wait_empty(qkt(), u);
+    semaphore &once = qkt().full(u);
+    arrive_expect_bytes(once, sizeof(sm.q) + sizeof(sm.k) + sizeof(sm.t));
+    load_async(sm.q, a.q, {b, t0, hq, 0}, once);
+    load_async(sm.k, a.k, {b, t0, hq, 0}, once);
+    load_async(sm.t, a.t, {b, t0, h, 0}, once);
+    for (ring_pos<STAGES> at(kv_n); at.n < kv_n + slices; ++at) {
       semaphore &full = kv().full(at);
       wait_empty(kv(), at);
       arrive_expect_bytes(full, 4 * sizeof(sm.v[0]) + 2 * sizeof(sm.s[0]));
-      const coord o{b, t0, h, VS * at.n};
+      const coord o{b, t0, h, VS * (at.n - kv_n)};
       load_async(sm.v[at.slot], a.v, o, full);
       load_async(sm.d[at.slot], a.d, o, full);
       load_async(sm.u[at.slot], a.u, o, full);
       load_async(sm.du[at.slot], a.du, o, full);
 #pragma unroll
       for (int r = 0; r < K; r += C) {
-        load_rows_async(sm.s[at.slot], r, a.s, {state, r, 0, VS * at.n}, full);
-        load_rows_async(sm.ds[at.slot], r, a.ds, {state, r, 0, VS * at.n}, full);
+        load_rows_async(sm.s[at.slot], r, a.s, {state, r, 0, o.d}, full);
+        load_rows_async(sm.ds[at.slot], r, a.ds, {state, r, 0, o.d}, full);
       }
     }
+    kv_n += slices;
   }
 
   __device__ __forceinline__ const float *scan() const {
     const int tid = threadIdx.x % 128;
-    scan_decays(sm.cum[wg], tid < valid ? f.g[gate + tid] : 0.f, 1 + wg);
+    scan_decays(sm.cum[wg], tid < valid ? f.g[gate(f) + tid] : 0.f, 1 + wg);
     return sm.cum[wg];
   }
 
@@ -109,24 +115,34 @@ template <typename T, int K> struct GdrDcSm90 {
     warp::map_index(v, [&](int r) { return 16 * w + r < valid ? fn(16 * w + r) : 0.f; });
   }
 
-  __device__ __forceinline__ void consume() const {
-    if (wg == G::DQ) dq_side();
-    else dk_side();
+  __device__ __forceinline__ void start() const {}
+  __device__ __forceinline__ void finish() const {}
+  __device__ __forceinline__ void consume(int t) {
+    if (take(f, t) < 0) return;
+    const ring_use<1> u(qkt_n);
+    const int par = qkt_n++ % 2;  // (the tile's parity)
+    if (wg == G::DQ) dq_side(u, par);
+    else dk_side(u, par);
+    if (laneid() == 0) arrive_empty(qkt(), u);
     sync_named_unaligned(3, 256);  // (dG and dbeta whole)
-    if (threadIdx.x / 32 == 0) finish_dg();
+    if (threadIdx.x / 32 == 0) finish_dg(par);
+    kv_n += slices;
   }
 
   // dQ (stored), dP and dW (to the other warpgroup), then dA (its parts of dG, dbeta) and dB.
-  __device__ __forceinline__ void dq_side() const {
+  __device__ __forceinline__ void dq_side(ring_use<1> u, int par) const {
     const int w = warpid() % 4;
     const float *cum = scan(), scale = f.scale;
     tile dp;
     rt_fl<16, K> dq, dw;
-    for (ring_pos<STAGES> at(0); at.n < slices; ++at) {
+    // (zeroed rather than a first product that overwrites them: accumulators left undefined before a
+    // loop are live across the tiles' loop, which spills)
+    warp::zero(dq), warp::zero(dp), warp::zero(dw);
+    for (ring_pos<STAGES> at(kv_n); at.n < kv_n + slices; ++at) {
       wait_full(kv(), at);
-      warpgroup::mma_ABt(dq, sm.d[at.slot], sm.s[at.slot], at.n > 0);   // dO S^T
-      warpgroup::mma_ABt(dp, sm.d[at.slot], sm.u[at.slot], at.n > 0);   // dO U^T
-      warpgroup::mma_ABt(dw, sm.du[at.slot], sm.s[at.slot], at.n > 0);  // dU S^T
+      warpgroup::mma_ABt(dq, sm.d[at.slot], sm.s[at.slot], true);   // dO S^T
+      warpgroup::mma_ABt(dp, sm.d[at.slot], sm.u[at.slot], true);   // dO U^T
+      warpgroup::mma_ABt(dw, sm.du[at.slot], sm.s[at.slot], true);  // dU S^T
       warpgroup::wait<0>();
       if (laneid() == 0) arrive_empty(kv(), at);
     }
@@ -145,11 +161,11 @@ template <typename T, int K> struct GdrDcSm90 {
     rows_of(e, [&](int i) { return scale * warp::fn::exp2(cum[i] * LOG2E); });
     rows_of(one, [](int) { return 1.f; });
     warp::map_row(dq, dq, e, [](float x, float s) { return s != 0.f ? x * s : 0.f; });
-    wait_once(sm.once);
+    wait_full(qkt(), u);
     warpgroup::mma_AB(dq, pw, sm.k, true);  // + dP K
     warpgroup::wait<0>();
     warpgroup::fence_registers(dq);
-    store_dqk<T>(a.p.dq, a.p, dq, b, seq.bos + seq.len, t0 + 16 * w, h);
+    store_dqk<T>(a.p.dq, a.p, dq, b, end, t0 + 16 * w, h);
     add_row_dots(sm.dg, dq, sm.q, one);  // q . dq
     {  // T^T dW: exp(G) rowsum(K * that) to dbeta, beta exp(G) times it to dG
       warpgroup::mma_AtB(dq, sm.t, sm.dw, false);
@@ -158,7 +174,7 @@ template <typename T, int K> struct GdrDcSm90 {
       cvec eg, beg;
       rows_of(eg, [&](int i) { return warp::fn::exp2(cum[i] * LOG2E); });
       rows_of(beg, [&](int i) { return sm.beta[i] * warp::fn::exp2(cum[i] * LOG2E); });
-      add_row_dots(sm.dbeta, dq, sm.k, eg);
+      add_row_dots(sm.dbeta[par], dq, sm.k, eg);
       add_row_dots(sm.dg, dq, sm.k, beg);
     }
     sync_named_unaligned(4, 256);  // #2: dT from the other warpgroup
@@ -175,12 +191,12 @@ template <typename T, int K> struct GdrDcSm90 {
     warpgroup::mma_ABt(kk, sm.k, sm.k, false);   // K K^T
     warpgroup::wait<0>();
     warpgroup::fence_registers(da), warpgroup::fence_registers(kk);
-    dA_terms(da, kk, cum);
+    dA_terms(da, kk, cum, par);
   }
 
   // dA = strict * -(T^T dT T^T) (in da), with K K^T (kk): its parts of dbeta and dG, and dB to the other
   // warpgroup.
-  __device__ __forceinline__ void dA_terms(tile &da, tile &kk, const float *cum) const {
+  __device__ __forceinline__ void dA_terms(tile &da, tile &kk, const float *cum, int par) const {
     const int w = warpid() % 4, v = valid;
     rv<float2, 16, typename cvec::layout> ri;  // {G_i, i}
     warp::map_index(ri, [&](int r) { return float2{cum[16 * w + r], float(16 * w + r)}; });
@@ -193,7 +209,7 @@ template <typename T, int K> struct GdrDcSm90 {
     rows_of(bi, [&](int i) { return sm.beta[i]; });
     warp::map(kk, kk, da, [](float x, float y) { return x * y; });  // dA * E K K^T
     warp::row_sum(sum, kk);
-    add_to(sm.dbeta + 16 * w, sum, 16);
+    add_to(sm.dbeta[par] + 16 * w, sum, 16);
     warp::map_row(kk, kk, bi, [](float x, float s) { return x * s; });  // dA * A
     warp::row_sum(sum, kk);
     add_to(sm.dg + 16 * w, sum, 16);
@@ -211,8 +227,9 @@ template <typename T, int K> struct GdrDcSm90 {
   }
 
   // dV (stored), dT (to the other warpgroup), dK (stored) and the parts of dG, dbeta they give.
-  __device__ __forceinline__ void dk_side() const {
+  __device__ __forceinline__ void dk_side(ring_use<1> u, int par) const {
     const int w = warpid() % 4, tid = threadIdx.x % 128;
+    if (tid < C) sm.beta[tid] = tid < valid ? a.p.beta[gate(f) + tid] : 0.f;  // (whole after the scan's barriers)
     const float *cum = scan();
     const float last = cum[valid - 1];
     cvec ed, bi, one, minus;
@@ -222,37 +239,37 @@ template <typename T, int K> struct GdrDcSm90 {
     rows_of(minus, [](int) { return -1.f; });
     rt_fl<16, K> dk, x;
     tile dtv;
+    warp::zero(dk), warp::zero(dtv);  // (as in dq_side)
     float frob = 0.f;  // this thread's part of <S, dS'>
-    const gl<T> dv = gl<T>::make(static_cast<T *>(a.p.dv) + (size_t)b * f.seq_len * f.v_heads * f.v_dim, 1, seq.bos + seq.len,
-                                 f.v_heads, f.v_dim);
-    wait_once(sm.once);
+    const gl<T> dv = gl<T>::make(static_cast<T *>(a.p.dv) + (size_t)b * f.seq_len * f.v_heads * f.v_dim, 1, end, f.v_heads, f.v_dim);
+    wait_full(qkt(), u);
     if (valid < C) {  // T's rows past the sequence: zero (packed, they are the next one's; T^T gathers over rows)
       for (int i = tid; i < (C - valid) * C; i += 128) sm.t(valid + i / C, i % C) = T(0.f);
       warpgroup::fence_shared_writes();
       sync_named(2, 128);  // (the other warpgroup reads T after #1)
     }
-    for (ring_pos<STAGES> at(0); at.n < slices; ++at) {
+    for (ring_pos<STAGES> at(kv_n); at.n < kv_n + slices; ++at) {
       wait_full(kv(), at);
       tile dvb;
-      warpgroup::mma_ABt(dk, sm.u[at.slot], sm.ds[at.slot], at.n > 0);   // U dS'^T
-      warpgroup::mma_ABt(dtv, sm.du[at.slot], sm.v[at.slot], at.n > 0);  // dU V^T
+      warpgroup::mma_ABt(dk, sm.u[at.slot], sm.ds[at.slot], true);   // U dS'^T
+      warpgroup::mma_ABt(dtv, sm.du[at.slot], sm.v[at.slot], true);  // dU V^T
       warpgroup::mma_AtB(dvb, sm.t, sm.du[at.slot], false);              // T^T dU
       for (int i = tid; i < K * VS; i += 128) frob += float(sm.s[at.slot](i / VS, i % VS)) * float(sm.ds[at.slot](i / VS, i % VS));
       warpgroup::wait<0>();
       warpgroup::fence_registers(dvb);
-      add_row_dots(sm.dbeta, dvb, sm.v[at.slot], one);  // rowsum(V * T^T dU)
+      add_row_dots(sm.dbeta[par], dvb, sm.v[at.slot], one);  // rowsum(V * T^T dU)
       if (laneid() == 0) arrive_empty(kv(), at);
       warp::map_row(dvb, dvb, bi, [](float x, float s) { return x * s; });
-      warp::store(dv, dvb, {0, t0 + 16 * w, h, VS * at.n});
+      warp::store(dv, dvb, {0, t0 + 16 * w, h, VS * (at.n - kv_n)});
     }
     warpgroup::fence_registers(dk), warpgroup::fence_registers(dtv);
     warp::map_row(dk, dk, ed, [](float x, float s) { return s != 0.f ? x * s : 0.f; });  // diag(exp(G_last - G)) U dS'^T
     // The last token's <S', dS'> = exp(G_last) <S, dS'> + sum_j k_j . (that)_j.
     add_row_dots(sm.kdc, dk, sm.k, one);
     for (int o = 16; o > 0; o /= 2) frob += __shfl_xor_sync(~0u, frob, o);
-    if (laneid() == 0) atomicAdd(&sm.extra, frob * warp::fn::exp2(last * LOG2E));
+    if (laneid() == 0) atomicAdd(&sm.extra[par], frob * warp::fn::exp2(last * LOG2E));
     sync_named(2, 128);
-    if (tid < C) atomicAdd(&sm.extra, sm.kdc[tid]);
+    if (tid < C) atomicAdd(&sm.extra[par], sm.kdc[tid]), sm.kdc[tid] = 0.f;
     sync_named_unaligned(4, 256);  // #1: dP, dW from the other warpgroup
     warpgroup::mma_AtB(dk, sm.dp, sm.q, true);  // + dP^T Q
     tile dwk;
@@ -283,30 +300,35 @@ template <typename T, int K> struct GdrDcSm90 {
     warpgroup::mma_AtB(dk, sm.db, sm.k, true);  // + dB^T K
     warpgroup::wait<0>();
     warpgroup::fence_registers(dk);
-    store_dqk<T>(a.p.dk, a.p, dk, b, seq.bos + seq.len, t0 + 16 * w, h);
+    store_dqk<T>(a.p.dk, a.p, dk, b, end, t0 + 16 * w, h);
   }
 
-  // One warp: dg_t = sum over the chunk's tokens i >= t of dG_i (two a lane), and dbeta.
-  __device__ __forceinline__ void finish_dg() const {
+  // One warp: dg_t = sum over the chunk's tokens i >= t of dG_i (two a lane), and dbeta; what it read
+  // zeroed for the tiles after.
+  __device__ __forceinline__ void finish_dg(int par) const {
     const int l = laneid();
-    auto dG = [&](int i) { return i < valid ? sm.dg[i] + (i == valid - 1 ? sm.extra : 0.f) : 0.f; };
+    const size_t at = gate(f);
+    auto dG = [&](int i) { return i < valid ? sm.dg[i] + (i == valid - 1 ? sm.extra[par] : 0.f) : 0.f; };
     float lo = dG(l), hi = dG(l + 32);
     suffix_sums(lo, hi);
-    for (int i : {l, l + 32})
+    for (int i : {l, l + 32}) {
       if (i < valid) {
-        a.p.dg[gate + i] = i == l ? lo : hi;
-        a.p.dbeta[gate + i] = sm.dbeta[i];
+        a.p.dg[at + i] = i == l ? lo : hi;
+        a.p.dbeta[at + i] = sm.dbeta[par][i];
       }
+      sm.dg[i] = sm.dbeta[par][i] = 0.f;
+    }
+    __syncwarp();
+    if (l == 0) sm.extra[par] = 0.f;
   }
 };
 
 template <typename T, int K>
 __global__ __launch_bounds__(GdrDc<T, K>::THREADS, 1) void gdr_bwd_chunks_kernel(const __grid_constant__ GdrArgs<T> a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if (!chunk_in_sequence(a.p.f)) return;
   extern __shared__ __align__(1024) char smem_raw[];
-  GdrDcSm90<T, K> k{a, *reinterpret_cast<typename GdrDc<T, K>::Shared *>(smem_raw)};
-  single(k);
+  GdrDcSm90<T, K> k{{}, a, *reinterpret_cast<typename GdrDc<T, K>::Shared *>(smem_raw)};
+  strided(k);
 #endif
 }
 
@@ -325,7 +347,9 @@ template <typename T, int K> cudaError_t run(const BwdParams &p, cudaStream_t st
   auto kernel = gdr_bwd_chunks_kernel<T, K>;
   const int smem = sizeof(typename GdrDc<T, K>::Shared);
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem); e != cudaSuccess) return e;
-  kernel<<<dim3(unsigned(f.num_seqs * f.max_chunks), unsigned(f.v_heads)), GdrDc<T, K>::THREADS, smem, stream>>>(a);
+  unsigned blocks = 0;
+  if (cudaError_t e = strided_blocks(ChunkTile::count(f), blocks); e != cudaSuccess) return e;
+  kernel<<<blocks, GdrDc<T, K>::THREADS, smem, stream>>>(a);
   return cudaGetLastError();
 }
 

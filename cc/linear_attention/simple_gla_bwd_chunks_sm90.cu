@@ -50,7 +50,7 @@ template <typename T> struct DcArgs {
   tma_map<T, CHUNK> q, k, v, d, s, ds;
 };
 
-template <typename T, int K> struct GlaDcSm90 {
+template <typename T, int K> struct GlaDcSm90 : ChunkTile {
   using G = GlaDc<T, K>;
   using Roles = typename G::Roles;
   using tile = rt_fl<16, 64>;
@@ -63,11 +63,7 @@ template <typename T, int K> struct GlaDcSm90 {
   __device__ __forceinline__ ring<STAGES> kv() const { return {sm.full, sm.empty}; }
   __device__ __forceinline__ ring<2> qk() const { return {sm.qk_full, sm.qk_empty}; }
   const int wg = warpgroup::groupid();
-  const int slices = f.v_dim / VS, tiles = f.num_seqs * f.max_chunks * f.v_heads;
-  // The tile's chunk, set by take() (each role's object, tile after tile): its value head, batch row,
-  // first token and tokens, and the end of its sequence's rows (the gl views' bound: rows past it are
-  // not stored). Few: the consumers' registers are full.
-  int h = 0, b = 0, t0 = 0, valid = 0, end = 0;
+  const int slices = f.v_dim / VS, tiles = int(count(f));
   int kv_n = 0, qk_n = 0;  // the rings' uses so far
 
   __device__ __forceinline__ void init() const {
@@ -76,19 +72,9 @@ template <typename T, int K> struct GlaDcSm90 {
     sm.extra[0] = sm.extra[1] = 0.f;
     for (int i = 0; i < C; i++) sm.dg[i] = sm.kdc[i] = 0.f;
   }
-  // Tile t: chunk t % max_chunks of sequence t % (num_seqs * max_chunks) / max_chunks, value head
-  // t / (num_seqs * max_chunks) (a wave of blocks takes chunks side by side of one value head). Returns
-  // the chunk's state's index in states and dstates, or -1 where the chunk lies past its sequence's end
-  // (packed sequences' grids have holes).
-  __device__ __forceinline__ int take(int t) {
-    const int per_head = f.num_seqs * f.max_chunks, n = t % per_head / f.max_chunks, c = t % f.max_chunks;
-    const Sequence seq{f.cu_seqlens, f.seq_len, n};
-    h = t / per_head, b = seq.b, t0 = seq.bos + C * c, valid = min(C, seq.len - C * c), end = seq.bos + seq.len;
-    return valid > 0 ? (seq.slot + c) * f.v_heads + h : -1;
-  }
 
   __device__ __forceinline__ void load(int t) {
-    const int state = take(t);
+    const int state = take(f, t);
     if (state < 0) return;
     const int hq = h / (f.v_heads / f.heads);
     const ring_use<2> u(qk_n++);
@@ -129,7 +115,7 @@ template <typename T, int K> struct GlaDcSm90 {
   __device__ __forceinline__ void start() const {}
   __device__ __forceinline__ void finish() const {}
   __device__ __forceinline__ void consume(int t) {
-    if (take(t) < 0) return;
+    if (take(f, t) < 0) return;
     const ring_use<2> u(qk_n++);
     wait_full(qk(), u);
     if (wg == G::DQ) finish_dq(u.slot);
@@ -252,7 +238,7 @@ template <typename T, int K>
 __global__ __launch_bounds__(GlaDc<T, K>::THREADS, 1) void gla_bwd_chunks_kernel(const __grid_constant__ DcArgs<T> a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) char smem_raw[];
-  GlaDcSm90<T, K> k{a, *reinterpret_cast<typename GlaDc<T, K>::Shared *>(smem_raw)};
+  GlaDcSm90<T, K> k{{}, a, *reinterpret_cast<typename GlaDc<T, K>::Shared *>(smem_raw)};
   strided(k);
 #endif
 }
@@ -269,12 +255,9 @@ template <typename T, int K> cudaError_t run(const BwdParams &p, cudaStream_t st
   auto kernel = gla_bwd_chunks_kernel<T, K>;
   const int smem = sizeof(typename GlaDc<T, K>::Shared);
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem); e != cudaSuccess) return e;
-  const long long tiles = (long long)f.num_seqs * f.max_chunks * f.v_heads;
-  int dev = 0, sms = 0;
-  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess) return e;
-  if (tiles + 2LL * sms >= INT_MAX) return cudaErrorInvalidValue;
-  kernel<<<unsigned(std::min<long long>(tiles, sms)), GlaDc<T, K>::THREADS, smem, stream>>>(a);
+  unsigned blocks = 0;
+  if (cudaError_t e = strided_blocks(ChunkTile::count(f), blocks); e != cudaSuccess) return e;
+  kernel<<<blocks, GlaDc<T, K>::THREADS, smem, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -84,6 +84,17 @@ template <typename K> __device__ __forceinline__ void persistent(K &k) {
   k.finish();
 }
 
+// strided's grid on the host: a block per SM, or one per tile where there are fewer (the walk's last
+// step may overshoot T by G, so T + 2G stays below INT_MAX).
+inline cudaError_t strided_blocks(long long tiles, unsigned &blocks) {
+  int dev = 0, sms = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess) return e;
+  if (tiles + 2LL * sms >= INT_MAX) return cudaErrorInvalidValue;
+  blocks = unsigned(tiles < sms ? tiles : sms);
+  return cudaSuccess;
+}
+
 template <typename K> __device__ __forceinline__ void strided(K &k) {
   using R = typename K::Roles;
   if (threadIdx.x == 0) {
