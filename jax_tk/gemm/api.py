@@ -77,10 +77,46 @@ def _check_group_sizes(op: str, group_sizes, groups: int):
                          f"[g, k, n]), got {tuple(group_sizes.shape)}")
 
 
-def check_no_group_offset(op: str, group_offset):
-    if group_offset is not None:
-        raise NotImplementedError(f"jax_tk.{op}: group_offset is not supported (pass the groups to compute as "
-                                  "rhs and group_sizes)")
+def check_groups(op: str, group_sizes, group_offset, groups: int):
+    """group_sizes ``[g]`` for rhs's ``g`` groups; with ``group_offset`` (an integer ``(1,)`` array,
+    maybe traced), ``[G]`` for ``G >= g`` groups of which rhs holds g, from group ``group_offset[0]``."""
+    if group_offset is None:
+        _check_group_sizes(op, group_sizes, groups)
+        return
+    if not hasattr(group_offset, "shape") or not hasattr(group_offset, "dtype"):
+        raise TypeError(f"jax_tk.{op}: group_offset must be an integer array of shape (1,), got "
+                        f"{type(group_offset).__name__}")
+    if not jnp.issubdtype(group_offset.dtype, jnp.integer) or tuple(group_offset.shape) != (1,):
+        raise ValueError(f"jax_tk.{op}: group_offset must be an integer array of shape (1,), got "
+                         f"{group_offset.dtype} {tuple(group_offset.shape)}")
+    total = group_sizes.shape[0] if getattr(group_sizes, "ndim", None) == 1 else None
+    if total is None or total < groups:
+        raise ValueError(f"jax_tk.{op}: with group_offset, group_sizes must have shape (G,) with G >= the "
+                         f"{groups} groups of rhs (rhs holds groups group_offset[0] .. + {groups} of the G), "
+                         f"got {tuple(getattr(group_sizes, 'shape', ()))}")
+    _check_group_sizes(op, group_sizes, total)
+
+
+def offset_groups(sizes, group_offset, groups: int):
+    """For ``group_offset``: ``(start, local)``, the first row of groups ``o .. o + groups - 1`` (``o =
+    group_offset[0]``, clipped to ``[0, G]``) and their sizes (groups past G: empty). ``sizes``: the
+    G groups' int32 sizes, >= 0 (group_sizes_int32)."""
+    total = sizes.shape[0]
+    o = jnp.clip(jnp.asarray(group_offset)[0].astype(jnp.int32), 0, total)
+    start = jnp.sum(jnp.where(jnp.arange(total, dtype=jnp.int32) < o, sizes, 0), dtype=jnp.int32)
+    local = jax.lax.dynamic_slice(jnp.concatenate([sizes, jnp.zeros((groups,), jnp.int32)]), (o,), (groups,))
+    return start, local
+
+
+def with_offset(product, lhs, sizes, group_offset, groups: int):
+    """``product(lhs', local_sizes)`` for the groups rhs holds: lhs's rows rolled so that those groups'
+    rows come first (every other row then lies past the local groups: 0 out, no gradient), the result
+    rolled back. Without group_offset, ``product(lhs, sizes)``. (The rolls are two passes over lhs and
+    the result: the kernels take their groups from row 0.)"""
+    if group_offset is None:
+        return product(lhs, sizes)
+    start, local = offset_groups(sizes, group_offset, groups)
+    return jnp.roll(product(jnp.roll(lhs, -start, axis=0), local), start, axis=0)
 
 
 def _check_precision(op: str, precision):
@@ -114,9 +150,8 @@ def check_ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type, g
     if lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"jax_tk.{op}: the contracting dimension k of lhs [m, k] and rhs [g, k, n] must be "
                          f"equal, got lhs {tuple(lhs.shape)} and rhs {tuple(rhs.shape)}")
-    _check_group_sizes(op, group_sizes, rhs.shape[0])
+    check_groups(op, group_sizes, group_offset, rhs.shape[0])
     _check_precision(op, precision)
-    check_no_group_offset(op, group_offset)
     dispatch.check_implementation(op, implementation)
     return _out_dtype(op, lhs.dtype, preferred_element_type)
 
@@ -221,21 +256,24 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
                implementation=None):
     """Grouped matrix product (mixture of experts): ``out[r] = lhs[r] @ rhs[i]`` for the rows r of group i.
 
-    Same arguments and meaning as :func:`jax.lax.ragged_dot`, but for ``group_offset`` (not supported)
-    and ``out_sharding`` (not taken: the result follows lhs's sharding, see below).
+    Same arguments and meaning as :func:`jax.lax.ragged_dot`, but for ``out_sharding`` (not taken: the
+    result follows lhs's sharding, see below).
 
     Args:
       lhs: ``[m, k]``, bfloat16, float16 or float32; its rows sorted by group: group i owns rows
         ``[off_i, off_i + group_sizes[i])``, ``off`` the exclusive cumulative sum of the sizes.
       rhs: ``[g, k, n]``, lhs's dtype: one ``[k, n]`` matrix per group.
-      group_sizes: ``[g]`` integers of any integer dtype (traced values are fine). Sizes may be 0 and
-        need not be multiples of anything; their sum may be less than m (rows past it give 0,
-        whatever they hold, and add nothing to either gradient). A
-        negative size counts as 0, and a group reaching past row m is cut there.
+      group_sizes: ``[g]`` (with group_offset ``[G]``) integers of any integer dtype (traced values are
+        fine). Sizes may be 0 and need not be multiples of anything; their sum may be less than m
+        (rows past it give 0, whatever they hold, and add nothing to either gradient). A negative size
+        counts as 0, and a group reaching past row m is cut there.
       precision: as in jax.lax (checked), accepted for compatibility: every path multiplies exactly and
         accumulates in float32 (float32 inputs: the reference at ``Precision.HIGHEST``).
       preferred_element_type: the result's dtype: None (lhs's dtype), float32, or lhs's dtype.
-      group_offset: not supported (must be None).
+      group_offset: None, or an integer ``(1,)`` array (traced values are fine) for expert parallelism:
+        group_sizes then has the G groups of every expert, and rhs ``[g, k, n]`` the g experts from
+        ``group_offset[0]`` on (clipped to ``[0, G]``; experts past G have no rows). Rows of other
+        groups give 0 and have zero gradient.
       implementation: ``None`` (the CUDA kernel where it applies: bfloat16/float16, k and n multiples of
         8; the float32 reference otherwise), ``"tk"`` (the kernel, or an error),
         ``"xla"`` (the reference).
@@ -260,7 +298,7 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
         return dispatch.zeros((m, n), out_dtype, lhs, rhs)  # nothing to multiply
     sizes = group_sizes_int32("ragged_dot", group_sizes, m)
     spec = GemmSpec(out_dtype, use_kernel("ragged_dot", lhs.dtype, k, n, g, m, implementation))
-    return ragged_dot_vjp(lhs, rhs, sizes, spec)
+    return with_offset(lambda x, s: ragged_dot_vjp(x, rhs, s, spec), lhs, sizes, group_offset, g)
 
 
 def matmul(a, b, *, precision=None, preferred_element_type=None, implementation=None):

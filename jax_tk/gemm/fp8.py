@@ -187,10 +187,11 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
       rhs: ``[g, k, n]``: a pair (values float8_e4m3fn ``[g, k, n]``, scales float32
         ``[g, ceil(k/128), ceil(n/128)]``: 128x128 blocks, ``quantize_fp8(w, (128, 128))``), or a
         float array, quantized here in 128x128 blocks.
-      group_sizes: ``[g]`` integers, as for :func:`jax_tk.ragged_dot` (sizes may be 0; rows past their
-        sum give 0).
+      group_sizes: ``[g]`` (``[G]`` with group_offset) integers, as for :func:`jax_tk.ragged_dot` (sizes
+        may be 0; rows past their sum give 0).
       preferred_element_type: the result's dtype: None (bfloat16), bfloat16, float16 or float32.
-      group_offset: not supported yet (must be None; NotImplementedError otherwise, as ragged_dot).
+      group_offset: as for :func:`jax_tk.ragged_dot` (expert parallelism: rhs holds g of the
+        group_sizes' G groups, from ``group_offset[0]`` on).
       implementation: ``None`` or ``"xla"``: the pure-JAX reference (dequantize to float32, then the
         grouped product); ``"tk"`` raises ValueError: there is no FP8 kernel yet.
 
@@ -208,14 +209,13 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
     if k != kr:
         raise ValueError(f"jax_tk.{op}: the contracting dimension k of lhs [m, k] and rhs [g, k, n] must be "
                          f"equal, got lhs {(m, k)} and rhs {(g, kr, n)}")
-    api._check_group_sizes(op, group_sizes, g)
-    api.check_no_group_offset(op, group_offset)
+    api.check_groups(op, group_sizes, group_offset, g)
     out_dtype = _out_dtype(op, preferred_element_type)
     dispatch.use_kernel(op, implementation, _NO_KERNEL)  # checks implementation; False, or raises for "tk"
     if 0 in (m, k, g, n):
         return dispatch.zeros((m, n), out_dtype, a, b)  # nothing to multiply
     sizes = api.group_sizes_int32(op, group_sizes, m)
-    return reference.ragged_dot(a, b, sizes, out_dtype=out_dtype)
+    return api.with_offset(lambda x, s: reference.ragged_dot(x, b, s, out_dtype=out_dtype), a, sizes, group_offset, g)
 
 
 def matmul_fp8(a, b, *, preferred_element_type=None, implementation=None):

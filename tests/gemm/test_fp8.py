@@ -277,8 +277,8 @@ def test_argument_errors():
         f((xq[0],), w, gs)
     with pytest.raises(ValueError, match=r"group_sizes to have shape \(2,\)"):
         f(x, w, gs[:1])
-    with pytest.raises(NotImplementedError, match="group_offset"):
-        f(x, w, gs, group_offset=jnp.asarray([0]))
+    with pytest.raises(ValueError, match=r"group_offset must be an integer array of shape \(1,\)"):
+        f(x, w, gs, group_offset=jnp.asarray([0, 1]))
     with pytest.raises(TypeError, match="preferred_element_type"):
         f(x, w, gs, preferred_element_type=jnp.int32)
     with pytest.raises(ValueError, match="implementation must be one of"):
