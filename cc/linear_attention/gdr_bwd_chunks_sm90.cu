@@ -78,14 +78,8 @@ template <typename T, int K> struct GdrDcSm90 : ChunkTile {
   __device__ __forceinline__ void load(int t) {
     const int state = take(f, t);
     if (state < 0) return;
-    const int hq = h / (f.v_heads / f.heads);
-    const ring_use<1> u(qkt_n++);
-    wait_empty(qkt(), u);
-    semaphore &once = qkt().full(u);
-    arrive_expect_bytes(once, sizeof(sm.q) + sizeof(sm.k) + sizeof(sm.t));
-    load_async(sm.q, a.q, {b, t0, hq, 0}, once);
-    load_async(sm.k, a.k, {b, t0, hq, 0}, once);
-    load_async(sm.t, a.t, {b, t0, h, 0}, once);
+    // The slices first: their slots free early in the tile before, while Q, K and T's one buffer frees
+    // only at its end (loaded after them, they would wait for it).
     for (ring_pos<STAGES> at(kv_n); at.n < kv_n + slices; ++at) {
       semaphore &full = kv().full(at);
       wait_empty(kv(), at);
@@ -102,6 +96,14 @@ template <typename T, int K> struct GdrDcSm90 : ChunkTile {
       }
     }
     kv_n += slices;
+    const int hq = h / (f.v_heads / f.heads);
+    const ring_use<1> u(qkt_n++);
+    wait_empty(qkt(), u);
+    semaphore &once = qkt().full(u);
+    arrive_expect_bytes(once, sizeof(sm.q) + sizeof(sm.k) + sizeof(sm.t));
+    load_async(sm.q, a.q, {b, t0, hq, 0}, once);
+    load_async(sm.k, a.k, {b, t0, hq, 0}, once);
+    load_async(sm.t, a.t, {b, t0, h, 0}, once);
   }
 
   __device__ __forceinline__ const float *scan() const {
