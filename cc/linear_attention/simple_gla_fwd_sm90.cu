@@ -13,8 +13,9 @@
 //   ring of two stages; rows past the tensor arrive as zeros, and rows past the sequence (a packed
 //   batch's next one) are masked out of every product below;
 // - the state's warpgroup carries S (float32, in registers) from chunk to chunk: K^T V', where V' is V
-//   with its rows scaled by exp(G_last - G_j) (0 past the sequence), and hands each chunk's starting
-//   state, as bf16, to the outputs' warpgroup through a second ring of two buffers;
+//   with its rows scaled by exp(G_last - G_j) (0 past the sequence; the next chunk's formed while this
+//   one's product runs), and hands each chunk's starting state, as bf16, to the outputs' warpgroup
+//   through a second ring of two buffers;
 // - the outputs' warpgroup computes Q K^T, scales and masks it to P, adds P V to diag(exp(G)) Q S
 //   once that chunk's state has arrived, and stores O.
 // Only the state's update is a chain from chunk to chunk; the outputs' work of one chunk runs beside
@@ -42,7 +43,7 @@ template <typename T, int K, bool DELTA> struct Gla {
     [[no_unique_address]] std::conditional_t<DELTA, st<T, C, K>, Empty> w[STAGES];
     st<T, K, VS> s[2];       // the state a chunk starts from (bf16), handed to the outputs' warpgroup
     [[no_unique_address]] std::conditional_t<DELTA, st<T, C, VS>, Empty> u[2];  // U (DELTA), with it
-    st<T, C, VS> vd;         // V', the chunk's values weighted for the state update
+    st<T, C, VS> vd[2];      // V', the chunk's values weighted for the state update (by chunk parity)
     float cum[2][2][C];      // G, per consumer warpgroup and chunk parity
     semaphore full[STAGES], empty[STAGES], state_full[2], state_empty[2];
   };
@@ -132,9 +133,48 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
     else outputs();
   }
 
-  // The state's warpgroup: S_0, then per chunk c (S_c in registers and in sm.s[c % 2]): (DELTA) U_c,
-  // handed over with S_c; S_{c+1} = exp(G_last) S_c + K^T V'; S_{c+1} into the other buffer once the
-  // outputs' warpgroup is done with S_{c-1} there.
+  // Chunk `at`'s values weighted for the state's update, V' = diag(exp(G_last - G)) V with 0 past the
+  // sequence, into sm.vd[c % 2]; (DELTA) the values are U = U' - W S_c (S_c in sm.s[c % 2]), handed over
+  // with S_c. Returns exp(G_last), the state's decay over the chunk. Simple GLA's V' needs no state, so
+  // the state's loop weighs chunk c + 1 while chunk c's update runs: only the update is its chain.
+  __device__ __forceinline__ float weigh(ring_pos<STAGES> at, float &g_next) const {
+    const int w = warpid() % 4, c = at.n, valid = min(C, len - C * c);
+    const float *cum = scan(c, 1, g_next);
+    const float last = cum[valid - 1];
+    wait_full(kv(), at);
+    rt<T, 16, 64> vr;  // this warp's rows of the values: V's, or (DELTA) U = U' - W S
+    warp::load(vr, sm.v[at.slot], 16 * w, 0);
+    if constexpr (DELTA) {
+      tile ws, u;
+      warpgroup::mma_AB(ws, sm.w[at.slot], sm.s[c % 2], false);  // W S
+      warpgroup::wait<0>();
+      warpgroup::fence_registers(ws);
+      cvec live;  // 1 for this warp's rows of the sequence, 0 past it
+      warp::map_index(live, [&](int r) { return 16 * w + r < valid ? 1.f : 0.f; });
+      warp::copy(u, vr);
+      warp::map(u, u, ws, [](float x, float y) { return x - y; });
+      warp::map_row(u, u, live, [](float x, float l) { return l > 0.f ? x : 0.f; });  // (W and U' rows past
+      // the sequence belong to no chunk of it: whatever they hold, NaN included, becomes 0)
+      warp::copy(vr, u);
+      warp::store(sm.u[c % 2], vr, 16 * w, 0);
+      if (p.uk)  // (for the backward)
+        warp::store(gl<T>::make(static_cast<T *>(p.uk) + (size_t)b * p.seq_len * p.v_heads * p.v_dim, 1, bos + len, p.v_heads, p.v_dim),
+                    vr, {0, bos + C * c + 16 * w, h, VS * slice});
+      warpgroup::fence_shared_writes();
+      __syncwarp();
+      if (laneid() == 0) arrive_full(states(), c);  // S_c and this warp's rows of U_c
+    }
+    cvec dj;  // exp(G_last - G_j), 0 past the sequence
+    warp::map_index(dj, [&](int r) { return 16 * w + r < valid ? warp::fn::exp2((last - cum[16 * w + r]) * c2) : 0.f; });
+    warp::mul_row(vr, vr, dj);
+    warp::store(sm.vd[c % 2], vr, 16 * w, 0);
+    warpgroup::fence_shared_writes();
+    return warp::fn::exp2(last * c2);
+  }
+
+  // The state's warpgroup: S_0, then per chunk c (S_c in registers and in sm.s[c % 2]): S_{c+1} =
+  // exp(G_last) S_c + K^T V' (weigh), then S_{c+1} into the other buffer once the outputs' warpgroup is
+  // done with S_{c-1} there.
   __device__ __forceinline__ void carry_state() const {
     const int w = warpid() % 4;
     tile s[K / 64];  // the state's rows 64 i + 16 w ..
@@ -152,51 +192,30 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
         if (p.states) warp::store(states_view(c), sb, {0, 64 * i + 16 * w, 0, VS * slice});  // (for the backward)
       }
       warpgroup::fence_shared_writes();
-      sync_named(1, 128);
+      sync_named(1, 128);  // (and, simple GLA, the next chunk's V' whole)
       if (!DELTA && laneid() == 0) arrive_full(states(), c);
     };
     publish(0);
-    float g_next = first_decays();
-    for (ring_pos<STAGES> at(0); at.n < chunks; ++at) {
-      const int c = at.n, valid = min(C, len - C * c);
-      const float *cum = scan(c, 1, g_next);
-      const float last = cum[valid - 1];
-      wait_full(kv(), at);
-      rt<T, 16, 64> vr;  // this warp's rows of the values: V's, or (DELTA) U = U' - W S
-      warp::load(vr, sm.v[at.slot], 16 * w, 0);
-      if constexpr (DELTA) {
-        tile ws, u;
-        warpgroup::mma_AB(ws, sm.w[at.slot], sm.s[c % 2], false);  // W S
-        warpgroup::wait<0>();
-        warpgroup::fence_registers(ws);
-        cvec live;  // 1 for this warp's rows of the sequence, 0 past it
-        warp::map_index(live, [&](int r) { return 16 * w + r < valid ? 1.f : 0.f; });
-        warp::copy(u, vr);
-        warp::map(u, u, ws, [](float x, float y) { return x - y; });
-        warp::map_row(u, u, live, [](float x, float l) { return l > 0.f ? x : 0.f; });  // (W and U' rows past
-        // the sequence belong to no chunk of it: whatever they hold, NaN included, becomes 0)
-        warp::copy(vr, u);
-        warp::store(sm.u[c % 2], vr, 16 * w, 0);
-        if (p.uk)  // (for the backward)
-          warp::store(gl<T>::make(static_cast<T *>(p.uk) + (size_t)b * p.seq_len * p.v_heads * p.v_dim, 1, bos + len, p.v_heads, p.v_dim),
-                      vr, {0, bos + C * c + 16 * w, h, VS * slice});
-        warpgroup::fence_shared_writes();
-        __syncwarp();
-        if (laneid() == 0) arrive_full(states(), c);  // S_c and this warp's rows of U_c
-      }
-      // V': this warp's rows of the values weighted by exp(G_last - G_j), 0 past the sequence.
-      cvec dj;
-      warp::map_index(dj, [&](int r) { return 16 * w + r < valid ? warp::fn::exp2((last - cum[16 * w + r]) * c2) : 0.f; });
-      warp::mul_row(vr, vr, dj);
-      warp::store(sm.vd, vr, 16 * w, 0);
-      warpgroup::fence_shared_writes();
+    float g_next = first_decays(), decay = 0.f;
+    if (!DELTA && chunks > 0) {  // (a sequence of no tokens has no chunk to weigh)
+      decay = weigh(ring_pos<STAGES>(0), g_next);
       sync_named(1, 128);
-      const float decay = warp::fn::exp2(last * c2);
-#pragma unroll
-      for (int i = 0; i < K / 64; i++) {
-        warp::map(s[i], s[i], [=](float x) { return x * decay; });
-        warpgroup::mma_AtB(s[i], window<C, 64>(sm.k[at.slot], 0, 64 * i), sm.vd, true);  // + K^T V'
+    }
+    for (ring_pos<STAGES> at(0); at.n < chunks; ++at) {
+      const int c = at.n;
+      if constexpr (DELTA) {
+        decay = weigh(at, g_next);
+        sync_named(1, 128);
       }
+      // (every tile scaled before the first product: ptxas waits for a product before touching other
+      // accumulators after it)
+#pragma unroll
+      for (int i = 0; i < K / 64; i++) warp::map(s[i], s[i], [=](float x) { return x * decay; });
+#pragma unroll
+      for (int i = 0; i < K / 64; i++)
+        warpgroup::mma_AtB(s[i], window<C, 64>(sm.k[at.slot], 0, 64 * i), sm.vd[c % 2], true);  // + K^T V'
+      if constexpr (!DELTA)
+        if (c + 1 < chunks) decay = weigh(ring_pos<STAGES>(c + 1), g_next);  // (while the update runs)
       warpgroup::wait<0>();
 #pragma unroll
       for (int i = 0; i < K / 64; i++) warpgroup::fence_registers(s[i]);
