@@ -32,7 +32,7 @@ template <typename T, int K, bool DELTA> struct GlaDs {
   struct Shared {
     st<T, C, K> q[STAGES];
     st<T, C, VS> d[STAGES];  // dO's slice
-    st<T, C, VS> dw;         // diag(scale exp(G)) dO, 0 past the sequence
+    st<T, C, VS> dw[2];      // diag(scale exp(G)) dO, 0 past the sequence (by the chunk's parity)
     [[no_unique_address]] delta_only<st<T, C, K>> k[STAGES], w[STAGES], kd;  // K, W, K_d
     [[no_unique_address]] delta_only<st<T, C, C>> p;    // P
     [[no_unique_address]] delta_only<st<T, K, VS>> dsb;  // dS' (q's dtype)
@@ -129,6 +129,28 @@ template <typename T, int K, bool DELTA> struct GlaDsSm90 {
     warp::store(sm.du, pw, 16 * w, 0);
   }
 
+  // Use `at` (chunk c = chunks - 1 - at.n, last first): G into sm.cum[at.n % 2] (`g_next`: this chunk's
+  // decays on entry, the one before's on return) and dO' = diag(scale exp(G)) dO, 0 past the sequence,
+  // into sm.dw[at.n % 2]. Returns exp(G_last). Simple GLA's needs no dS, so the loop forms the next
+  // chunk's while this one's products run: only dS's update is the chain.
+  __device__ __forceinline__ float weigh(ring_pos<STAGES> at, float &g_next) const {
+    const int w = warpid() % 4, tid = threadIdx.x % 128, c = chunks - 1 - at.n, valid = min(C, len - C * c);
+    float *cum = sm.cum[at.n % 2];
+    const float x = g_next;
+    g_next = decay_of(C * (c - 1) + tid);  // (the chunk before's, early)
+    scan_decays(cum, x, 1);
+    wait_full(kv(), at);
+    rt<T, 16, 64> dr;
+    col_vec<tile> e;  // scale exp(G_i), 0 past the sequence
+    const float scale = f.scale;
+    warp::map_index(e, [&](int r) { return 16 * w + r < valid ? scale * warp::fn::exp2(cum[16 * w + r] * LOG2E) : 0.f; });
+    warp::load(dr, sm.d[at.slot], 16 * w, 0);
+    warp::mul_row(dr, dr, e);
+    warp::store(sm.dw[at.n % 2], dr, 16 * w, 0);
+    warpgroup::fence_shared_writes();
+    return warp::fn::exp2(cum[valid - 1] * LOG2E);
+  }
+
   __device__ __forceinline__ void consume() const {
     const int w = warpid() % 4, tid = threadIdx.x % 128;
     tile ds[K / 64];  // dS, rows 64 i + 16 w ..
@@ -137,46 +159,45 @@ template <typename T, int K, bool DELTA> struct GlaDsSm90 {
       if (a.p.dht) warp::load(ds[i], state_view(a.p.dht), {0, 64 * i + 16 * w, 0, VS * slice});
       else warp::zero(ds[i]);
     }
-    float g_next = decay_of(C * (chunks - 1) + tid);
+    float g_next = decay_of(C * (chunks - 1) + tid), decay = 0.f;
+    if (!DELTA && chunks > 0) {  // (a sequence of no tokens has no chunk)
+      decay = weigh(ring_pos<STAGES>(0), g_next);
+      sync_named(1, 128);
+    }
     for (ring_pos<STAGES> at(0); at.n < chunks; ++at) {
       const int c = chunks - 1 - at.n, valid = min(C, len - C * c);
-      rt<T, 16, 64> sb;
-#pragma unroll
-      for (int i = 0; i < K / 64; i++) {  // chunk c's dS'
-        warp::copy(sb, ds[i]);
-        warp::store(chunk_view(c), sb, {0, 64 * i + 16 * w, 0, VS * slice});
-        if constexpr (DELTA) warp::store(sm.dsb, sb, 64 * i + 16 * w, 0);
-      }
-      float *cum = sm.cum[at.n % 2];
-      const float x = g_next;
-      g_next = decay_of(C * (c - 1) + tid);  // (the chunk before's, early)
-      scan_decays(cum, x, 1);
-      const float last = cum[valid - 1];
-      wait_full(kv(), at);
-      rt<T, 16, 64> dr;
-      col_vec<tile> e;  // scale exp(G_i), 0 past the sequence
-      const float scale = f.scale;
-      warp::map_index(e, [&](int r) { return 16 * w + r < valid ? scale * warp::fn::exp2(cum[16 * w + r] * LOG2E) : 0.f; });
-      warp::load(dr, sm.d[at.slot], 16 * w, 0);
-      warp::mul_row(dr, dr, e);
-      warp::store(sm.dw, dr, 16 * w, 0);
-      if constexpr (DELTA) values_gradient(at, c, valid, cum, last);
-      warpgroup::fence_shared_writes();
-      sync_named(1, 128);
-      const float decay = warp::fn::exp2(last * LOG2E);
-#pragma unroll
-      for (int i = 0; i < K / 64; i++) warp::map(ds[i], ds[i], [=](float x) { return x * decay; });
-      // (every tile scaled before the first product: ptxas waits for a product before touching other
-      // accumulators after it)
+      rt<T, 16, 64> sb[K / 64];  // chunk c's dS', in q's dtype
 #pragma unroll
       for (int i = 0; i < K / 64; i++) {
-        warpgroup::mma_AtB(ds[i], window<C, 64>(sm.q[at.slot], 0, 64 * i), sm.dw, true);  // + Q^T dO'
+        warp::copy(sb[i], ds[i]);
+        if constexpr (DELTA) warp::store(sm.dsb, sb[i], 64 * i + 16 * w, 0);
+      }
+      if constexpr (DELTA) {
+        decay = weigh(at, g_next);
+        values_gradient(at, c, valid, sm.cum[at.n % 2], sm.cum[at.n % 2][valid - 1]);
+        warpgroup::fence_shared_writes();
+        sync_named(1, 128);
+      }
+      // (every tile scaled, and pinned there, before the first product: ptxas waits for a product before
+      // touching other accumulators after it, and the compiler would sink the scaling to each product)
+#pragma unroll
+      for (int i = 0; i < K / 64; i++) warp::map(ds[i], ds[i], [=](float x) { return x * decay; });
+#pragma unroll
+      for (int i = 0; i < K / 64; i++) warpgroup::fence_registers(ds[i]);
+#pragma unroll
+      for (int i = 0; i < K / 64; i++) {
+        warpgroup::mma_AtB(ds[i], window<C, 64>(sm.q[at.slot], 0, 64 * i), sm.dw[at.n % 2], true);  // + Q^T dO'
         if constexpr (DELTA) warpgroup::mma_AtB(ds[i], window<C, 64>(sm.w[at.slot], 0, 64 * i), sm.du, true);  // - W^T dU
       }
+#pragma unroll
+      for (int i = 0; i < K / 64; i++) warp::store(chunk_view(c), sb[i], {0, 64 * i + 16 * w, 0, VS * slice});
+      const bool next = !DELTA && at.n + 1 < chunks;
+      if (next) decay = weigh(ring_pos<STAGES>(at.n + 1), g_next);  // (while the products run)
       warpgroup::wait<0>();
 #pragma unroll
       for (int i = 0; i < K / 64; i++) warpgroup::fence_registers(ds[i]);
       if (laneid() == 0) arrive_empty(kv(), at);
+      if (next) sync_named(1, 128);  // (the next chunk's dO' whole)
     }
     if (a.p.dh0)
 #pragma unroll
