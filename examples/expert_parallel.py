@@ -16,7 +16,14 @@ experts (their ``[E/D, ...]`` slices of the expert weights; the router is replic
    ``moe.moe_layer``.
 
 Everything is differentiable (the transpose of ``all_to_all`` is ``all_to_all``); the result equals
-``moe.moe_layer`` on one device with all the experts. Run it on 8 CPU devices::
+``moe.moe_layer`` on one device with all the experts.
+
+``exchange="all_gather"`` (``moe_layer_gathered``) is the simpler layout that ``group_offset`` serves:
+every device gathers every device's sorted rows, orders them by (expert, source) into one grouped
+array of all E experts, and runs its E/D experts over it with ``jax_tk.ragged_dot(...,
+group_offset=[first local expert])`` (the other experts' rows give 0); ``psum_scatter`` then sums each
+row's one nonzero result and hands each device its own rows. It moves D times the rows that
+``all_to_all`` moves, so it suits few devices or short batches. Run it on 8 CPU devices::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/expert_parallel.py
 
@@ -84,16 +91,46 @@ def moe_layer_expert_parallel(x, p, top_k: int, axis: str, gemm=moe.ragged_dot_t
     return jnp.einsum("tk,tkd->td", weights.astype(x.dtype), y), aux
 
 
+def moe_layer_gathered(x, p, top_k: int, axis: str):
+    """As ``moe_layer_expert_parallel``, with ``all_gather`` and ``group_offset`` in place of
+    ``all_to_all`` (see the module's docstring)."""
+    n, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    T, D = x.shape
+    local = p["w_gate"].shape[0]
+    weights, order, sizes, aux = moe.route(x, p["router"], top_k)
+    rows = x[order // top_k]  # [R, D] sorted by expert
+    R = rows.shape[0]
+    every = jax.lax.all_gather(rows, axis)  # [n, R, D]: every device's sorted rows
+    counts = jax.lax.all_gather(sizes, axis)  # [n, E]
+    # One grouped array of every device's rows, ordered by (expert, source device).
+    r = jnp.arange(R, dtype=jnp.int32)
+    expert = jnp.sum(r[None, :, None] >= jnp.cumsum(counts, axis=1)[:, None, :], axis=2)  # [n, R]
+    perm = jnp.argsort(((expert * n + jnp.arange(n, dtype=jnp.int32)[:, None]) * R + r[None, :]).reshape(-1))
+    offset = (me * local).astype(jnp.int32)[None]
+    gemm = lambda a, b, s: jax_tk.ragged_dot(a, b, s, group_offset=offset)
+    ys = moe.experts_mlp(every.reshape(n * R, D)[perm], p["w_gate"], p["w_up"], p["w_down"], counts.sum(axis=0), gemm)
+    back = jnp.zeros_like(ys).at[perm].set(ys).reshape(n, R, D)  # (0 but for this device's experts' rows)
+    ys = jax.lax.psum_scatter(back, axis, scatter_dimension=0)  # [R, D]: this device's rows, each summed
+    y = jnp.zeros_like(ys).at[order].set(ys).reshape(T, top_k, D)
+    return jnp.einsum("tk,tkd->td", weights.astype(x.dtype), y), aux
+
+
+EXCHANGES = {"all_to_all": moe_layer_expert_parallel, "all_gather": moe_layer_gathered}
+
+
 def param_specs(axis: str):
     return {"router": P(), **{name: P(axis) for name in EXPERT_WEIGHTS}}
 
 
-def sharded_moe(mesh, axis: str, top_k: int, gemm=moe.ragged_dot_tk):
+def sharded_moe(mesh, axis: str, top_k: int, gemm=moe.ragged_dot_tk, exchange: str = "all_to_all"):
     """The layer over ``mesh``: x [N, D] split over ``axis`` by rows (tokens), the expert weights split
-    over it by expert (``param_specs``), the router replicated. Returns f(x, p) -> [N, D]."""
+    over it by expert (``param_specs``), the router replicated; the rows exchanged by ``exchange``
+    (``EXCHANGES``; ``gemm`` is the all-to-all layer's). Returns f(x, p) -> [N, D]."""
     specs = param_specs(axis)
 
     def f(x, p):
+        if exchange == "all_gather":
+            return moe_layer_gathered(x, p, top_k, axis)[0]
         y, _ = moe_layer_expert_parallel(x, p, top_k, axis, gemm)
         return y
 
@@ -121,21 +158,25 @@ def main():
 
     x = jax.device_put(x, NamedSharding(mesh, P("expert")))
     p = jax.device_put(p, {k: NamedSharding(mesh, s) for k, s in param_specs("expert").items()})
-    f = jax.jit(sharded_moe(mesh, "expert", top_k))
-    y = f(x, p)
-    err = float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want))
-    grads = jax.jit(jax.grad(lambda x, p: jnp.sum(f(x, p) ** 2), argnums=(0, 1)))(x, p)
-    gerr = max(float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w))
-               for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)))
-    hlo = f.lower(x, p).compile().as_text()
-    print(f"{devices} devices, {experts} experts ({experts // devices} per device), top-{top_k}, {tokens} tokens: "
-          f"relative error against one device {err:.2e}, gradients {gerr:.2e}; "
-          f"all-to-all ops in the program: {hlo.count('all-to-all(')}")
-    return err, gerr
+    errs = []
+    for exchange in EXCHANGES:
+        f = jax.jit(sharded_moe(mesh, "expert", top_k, exchange=exchange))
+        y = f(x, p)
+        err = float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want))
+        grads = jax.jit(jax.grad(lambda x, p: jnp.sum(f(x, p) ** 2), argnums=(0, 1)))(x, p)
+        gerr = max(float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w))
+                   for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)))
+        hlo = f.lower(x, p).compile().as_text()
+        op = exchange.replace("_", "-")
+        print(f"{exchange}: {devices} devices, {experts} experts ({experts // devices} per device), top-{top_k}, "
+              f"{tokens} tokens: relative error against one device {err:.2e}, gradients {gerr:.2e}; "
+              f"{op} ops in the program: {hlo.count(op + '(') + hlo.count(op + '-start(')}")
+        errs.append((err, gerr))
+    return max(e for e, _ in errs), max(g for _, g in errs)
 
 
 def bench(devices: int, tokens_per_device: int, width: int, hidden: int, experts: int, top_k: int,
-          steps: int = 10) -> dict:
+          steps: int = 10, exchange: str = "all_to_all") -> dict:
     """Tokens/s of the layer's forward and backward (bf16, random routing) on 1 device and on ``devices``
     devices, each device holding ``tokens_per_device`` tokens and experts / n of the experts; printed
     and returned as {n: tokens/s}."""
@@ -148,7 +189,7 @@ def bench(devices: int, tokens_per_device: int, width: int, hidden: int, experts
     result = {}
     for n in sorted({1, devices}):
         mesh = jax.make_mesh((n,), ("expert",), devices=jax.devices()[:n])
-        layer = sharded_moe(mesh, "expert", top_k)
+        layer = sharded_moe(mesh, "expert", top_k, exchange=exchange)
         step = jax.jit(jax.grad(lambda x, p: jnp.sum(layer(x, p).astype(jnp.float32) ** 2), argnums=(0, 1)))
         x = jax.random.normal(jax.random.key(1), (tokens_per_device * n, width), jnp.bfloat16)
         x = jax.device_put(x, NamedSharding(mesh, P("expert")))
@@ -159,7 +200,7 @@ def bench(devices: int, tokens_per_device: int, width: int, hidden: int, experts
             out = step(x, ps)
         jax.block_until_ready(out)
         result[n] = tokens_per_device * n * steps / (time.perf_counter() - t0)
-        print(f"{n} device(s), {experts // n} experts each, {tokens_per_device} tokens each, width {width}, hidden "
+        print(f"{exchange}: {n} device(s), {experts // n} experts each, {tokens_per_device} tokens each, width {width}, hidden "
               f"{hidden}, top-{top_k}: forward + backward {result[n]:,.0f} tokens/s ({result[n] / n:,.0f} per device)")
     return result
 
@@ -169,9 +210,12 @@ if __name__ == "__main__":
     parser.add_argument("--bench", action="store_true",
                         help="time the layer's forward and backward on every device against one, instead of "
                              "checking it against the one-device layer")
-    if parser.parse_args().bench:  # e.g. python examples/expert_parallel.py --bench  (all devices against one)
+    parser.add_argument("--exchange", choices=tuple(EXCHANGES), default="all_to_all",
+                        help="with --bench: how the rows reach their experts' devices")
+    args = parser.parse_args()
+    if args.bench:  # e.g. python examples/expert_parallel.py --bench  (all devices against one)
         gpu = jax.default_backend() == "gpu"
         bench(jax.device_count(), 8192 if gpu else 64, 2048 if gpu else 64, 1408 if gpu else 128, 64 if gpu else 8,
-              4 if gpu else 2, steps=10 if gpu else 2)
+              4 if gpu else 2, steps=10 if gpu else 2, exchange=args.exchange)
     else:
         main()

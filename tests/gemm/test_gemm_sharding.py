@@ -138,14 +138,15 @@ class TestExpertParallelExample:
         return load_example("expert_parallel.py", "expert_parallel")
 
     def test_example_main(self, capsys):
-        err, gerr = self._module().main()
+        err, gerr = self._module().main()  # (both exchanges: all_to_all, and all_gather with group_offset)
         assert err < 1e-5 and gerr < 1e-5
-        assert "8 devices" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "all_to_all: 8 devices" in out and "all_gather: 8 devices" in out
 
     def test_bench(self, capsys):
         result = self._module().bench(8, 16, 32, 64, 8, 2, steps=1)
         assert set(result) == {1, 8} and all(v > 0 for v in result.values())
-        assert "8 device(s), 1 experts each" in capsys.readouterr().out
+        assert "all_to_all: 8 device(s), 1 experts each" in capsys.readouterr().out
 
     def test_bf16_against_one_device(self):
         """bf16 tokens, skewed routing (most tokens to two experts), values and gradients."""

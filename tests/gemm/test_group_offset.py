@@ -54,9 +54,8 @@ def full_rhs_grad(d_full, offset):
                       for i in range(G_LOCAL)])
 
 
-@pytest.mark.parametrize("implementation", [None, "xla"])
-@pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("offset", [0, 2, 3, 5, 6])  # 5, 6: local experts past G have no rows
+@pytest.mark.parametrize("implementation,dtype,offset", [
+    (None, F32, 0), (None, BF16, 2), (None, F32, 3), ("xla", F32, 5), (None, BF16, 6)])  # 5, 6: experts past G
 def test_ragged_dot_offset(implementation, dtype, offset):
     f = lambda a, b, s, o: jax_tk.ragged_dot(a, b, s, group_offset=o, implementation=implementation)
     lhs, rhs, out = check_against_full(f, offset, dtype)
@@ -103,7 +102,7 @@ def test_kernel_path_with_offset(fake_kernel):  # noqa: F811 (the fixture)
     assert len(fake_kernel) == 6 and fake_kernel[0][2:4] == ((G_LOCAL, K, N), (G_LOCAL,))
 
 
-@pytest.mark.parametrize("offset", [0, 3, 5])
+@pytest.mark.parametrize("offset", [1, 5])
 def test_ragged_dot_fp8_offset(offset):
     f = lambda a, b, s, o: jax_tk.ragged_dot_fp8(a, b, s, group_offset=o, preferred_element_type=F32)
     check_against_full(f, offset, F32)
