@@ -119,4 +119,26 @@ __device__ __forceinline__ void store_dqk(void *dst, const BwdParams &p, const t
   else tk::warp::store(tk::gl<T>::make(static_cast<T *>(dst) + at, 1, rows, p.f.v_heads, K), x, {0, t, h, 0});
 }
 
+// This warp's 16 rows' exp(G_last - G_i), each token's decay to its chunk's end (K_d, V', dS's
+// terms), 0 past the sequence. cum: G.
+__device__ __forceinline__ tk::col_vec<tk::rt_fl<16, 64>> decay_to_end(const float *cum, int valid) {
+  const int w = tk::warpid() % 4;
+  const float last = cum[valid - 1];
+  tk::col_vec<tk::rt_fl<16, 64>> v;
+  tk::warp::map_index(v, [&](int r) { return 16 * w + r < valid ? tk::warp::fn::exp2((last - cum[16 * w + r]) * LOG2E) : 0.f; });
+  return v;
+}
+
+// x := decay_mask(x), then this warp's rows of it in the inputs' type into dst (P or dP, which other
+// products read from shared memory); returns those rows.
+template <typename ST>
+__device__ __forceinline__ tk::rt<typename ST::dtype, 16, 64> store_decayed(ST &dst, tk::rt_fl<16, 64> &x, const float *cum,
+                                                                            int valid, float scale) {
+  decay_mask(x, cum, valid, scale);
+  tk::rt<typename ST::dtype, 16, 64> y;
+  tk::warp::copy(y, x);
+  tk::warp::store(dst, y, 16 * (tk::warpid() % 4), 0);
+  return y;
+}
+
 }  // namespace jax_tk::linear_attention

@@ -149,10 +149,7 @@ template <typename T, int K> struct GdrDcSm90 : ChunkTile {
       if (laneid() == 0) arrive_empty(kv(), at);
     }
     warpgroup::fence_registers(dq), warpgroup::fence_registers(dp), warpgroup::fence_registers(dw);
-    decay_mask(dp, cum, valid, scale);
-    rt<T, 16, 64> pw;
-    warp::copy(pw, dp);
-    warp::store(sm.dp, pw, 16 * w, 0);
+    rt<T, 16, 64> pw = store_decayed(sm.dp, dp, cum, valid, scale);
     rt<T, 16, K> wr;
     warp::map(dw, dw, [](float x) { return -x; });
     warp::copy(wr, dw);
@@ -234,8 +231,8 @@ template <typename T, int K> struct GdrDcSm90 : ChunkTile {
     if (tid < C) sm.beta[tid] = tid < valid ? a.p.beta[gate(f) + tid] : 0.f;  // (whole after the scan's barriers)
     const float *cum = scan();
     const float last = cum[valid - 1];
-    cvec ed, bi, one, minus;
-    rows_of(ed, [&](int i) { return warp::fn::exp2((last - cum[i]) * LOG2E); });
+    const cvec ed = decay_to_end(cum, valid);
+    cvec bi, one, minus;
     rows_of(bi, [&](int i) { return sm.beta[i]; });
     rows_of(one, [](int) { return 1.f; });
     rows_of(minus, [](int) { return -1.f; });

@@ -144,10 +144,7 @@ template <typename T, int K> struct GlaDcSm90 : ChunkTile {
     }
     warpgroup::fence_registers(dp);
     warpgroup::fence_registers(dq);
-    decay_mask(dp, cum, valid, f.scale);
-    rt<T, 16, 64> dpw;
-    warp::copy(dpw, dp);
-    warp::store(sm.dp, dpw, 16 * w, 0);
+    const rt<T, 16, 64> dpw = store_decayed(sm.dp, dp, cum, valid, f.scale);
     warpgroup::fence_shared_writes();
     sync_named_unaligned(4, 256);  // (dP to the other warpgroup)
     cvec e;  // scale exp(G_i), 0 past the sequence
@@ -166,8 +163,7 @@ template <typename T, int K> struct GlaDcSm90 : ChunkTile {
     const int w = warpid() % 4, tid = threadIdx.x % 128;
     const float *cum = scan();
     const float last = cum[valid - 1];
-    cvec ed;  // exp(G_last - G_j), 0 past the sequence
-    warp::map_index(ed, [&](int r) { return 16 * w + r < valid ? warp::fn::exp2((last - cum[16 * w + r]) * LOG2E) : 0.f; });
+    const cvec ed = decay_to_end(cum, valid);
     {
       tile pt;
       warpgroup::mma_ABt(pt, sm.q[qs], sm.k[qs], false);  // Q K^T
@@ -177,10 +173,7 @@ template <typename T, int K> struct GlaDcSm90 : ChunkTile {
       warp::store(sm.kd, kr, 16 * w, 0);
       warpgroup::wait<0>();
       warpgroup::fence_registers(pt);
-      decay_mask(pt, cum, valid, f.scale);
-      rt<T, 16, 64> pw;
-      warp::copy(pw, pt);
-      warp::store(sm.p, pw, 16 * w, 0);
+      store_decayed(sm.p, pt, cum, valid, f.scale);
       warpgroup::fence_shared_writes();
       sync_named(2, 128);
     }

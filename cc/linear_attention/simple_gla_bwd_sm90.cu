@@ -96,12 +96,11 @@ template <typename T, int K, bool DELTA> struct GlaDsSm90 {
 
   // (DELTA) dU = P^T dO + K_d dS' of chunk c (dS' in sm.dsb, this warp's rows of it written): kept, and
   // -dU into sm.du for - W^T dU. Rows past the sequence come out 0 (K_d's and P's are).
-  __device__ __forceinline__ void values_gradient(ring_pos<STAGES> at, int c, int valid, const float *cum, float last) const {
+  __device__ __forceinline__ void values_gradient(ring_pos<STAGES> at, int c, int valid, const float *cum) const {
     const int w = warpid() % 4;
     tile qk, du;
     warpgroup::mma_ABt(qk, sm.q[at.slot], sm.k[at.slot], false);  // Q K^T
-    col_vec<tile> ed;  // exp(G_last - G_j), 0 past the sequence
-    warp::map_index(ed, [&](int r) { return 16 * w + r < valid ? warp::fn::exp2((last - cum[16 * w + r]) * LOG2E) : 0.f; });
+    const col_vec<tile> ed = decay_to_end(cum, valid);
     rt<T, 16, K> kr;
     warp::load(kr, sm.k[at.slot], 16 * w, 0);
     warp::mul_row(kr, kr, ed);
@@ -111,10 +110,7 @@ template <typename T, int K, bool DELTA> struct GlaDsSm90 {
     warpgroup::mma_AB(du, sm.kd, sm.dsb, false);  // K_d dS'
     warpgroup::wait<1>();
     warpgroup::fence_registers(qk);
-    decay_mask(qk, cum, valid, f.scale);
-    rt<T, 16, 64> pw;
-    warp::copy(pw, qk);
-    warp::store(sm.p, pw, 16 * w, 0);
+    rt<T, 16, 64> pw = store_decayed(sm.p, qk, cum, valid, f.scale);
     warpgroup::fence_shared_writes();
     sync_named(1, 128);  // (P whole)
     warpgroup::mma_AtB(du, sm.p, sm.d[at.slot], true);  // + P^T dO
@@ -174,7 +170,7 @@ template <typename T, int K, bool DELTA> struct GlaDsSm90 {
       }
       if constexpr (DELTA) {
         decay = weigh(at, g_next);
-        values_gradient(at, c, valid, sm.cum[at.n % 2], sm.cum[at.n % 2][valid - 1]);
+        values_gradient(at, c, valid, sm.cum[at.n % 2]);
         warpgroup::fence_shared_writes();
         sync_named(1, 128);
       }

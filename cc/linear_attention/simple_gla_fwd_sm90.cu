@@ -164,9 +164,7 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
       __syncwarp();
       if (laneid() == 0) arrive_full(states(), c);  // S_c and this warp's rows of U_c
     }
-    cvec dj;  // exp(G_last - G_j), 0 past the sequence
-    warp::map_index(dj, [&](int r) { return 16 * w + r < valid ? warp::fn::exp2((last - cum[16 * w + r]) * c2) : 0.f; });
-    warp::mul_row(vr, vr, dj);
+    warp::mul_row(vr, vr, decay_to_end(cum, valid));
     warp::store(sm.vd[c % 2], vr, 16 * w, 0);
     warpgroup::fence_shared_writes();
     return warp::fn::exp2(last * c2);
