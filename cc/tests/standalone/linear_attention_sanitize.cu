@@ -323,12 +323,15 @@ int run_bwd(const Case &c) {
 }
 
 int main() {
+  std::setvbuf(stdout, nullptr, _IONBF, 0);  // (each case's line out before the next starts)
   int failed = 0;
   for (bool delta : {false, true}) {
     failed += run_bwd({2, 200, 2, 2, 128, 128, {}, false, true, delta});
     failed += run_bwd({1, 64, 1, 1, 64, 64, {}, true, false, delta});
     failed += run_bwd({2, 300, 2, 4, 128, 64, {}, true, true, delta});
     failed += run_bwd({1, 400, 2, 2, 128, 128, {0, 1, 1, 130, 400}, true, true, delta});
+    failed += run_bwd({1, 1000, 1, 2, 64, 128, {0, 999, 1000}, false, true, delta});
+    failed += run_bwd({3, 129, 4, 4, 64, 192, {}, true, true, delta});  // three value slices
   }
   for (bool delta : {false, true}) {
     failed += run({2, 200, 2, 2, 128, 128, {}, false, true, delta});      // T not a multiple of the chunk
@@ -336,6 +339,7 @@ int main() {
     failed += run({2, 300, 2, 4, 128, 64, {}, true, false, delta});       // grouped value heads
     failed += run({1, 400, 2, 2, 128, 128, {0, 1, 1, 130, 400}, true, true, delta});  // packed: length 1, 0, 129, 270
     failed += run({1, 1000, 1, 2, 64, 128, {0, 999, 1000}, false, true, delta});      // a long one, then a length-1 one
+    failed += run({3, 129, 4, 4, 64, 192, {}, true, true, delta});        // three value slices
   }
   std::printf("%s\n", failed ? "FAILED" : "all ok");
   return failed ? 2 : 0;
