@@ -78,9 +78,27 @@ template <typename T, int K> struct GdrDcSm90 : ChunkTile {
   __device__ __forceinline__ void load(int t) {
     const int state = take(f, t);
     if (state < 0) return;
-    // The slices first: their slots free early in the tile before, while Q, K and T's one buffer frees
-    // only at its end (loaded after them, they would wait for it).
-    for (ring_pos<STAGES> at(kv_n); at.n < kv_n + slices; ++at) {
+    // Q, K and T's one buffer frees only at the end of the tile before, a slice's slot early in it: the
+    // slices that the ring holds go first (loaded after Q, K and T, they would wait for them), then Q, K
+    // and T, then the rest of the slices, whose slots free only as this tile's consumers read the
+    // first ones (and the second warpgroup reads none before T).
+    const int ahead = slices < STAGES ? slices : STAGES;
+    load_slices(state, 0, ahead);
+    const int hq = h / (f.v_heads / f.heads);
+    const ring_use<1> u(qkt_n++);
+    wait_empty(qkt(), u);
+    semaphore &once = qkt().full(u);
+    arrive_expect_bytes(once, sizeof(sm.q) + sizeof(sm.k) + sizeof(sm.t));
+    load_async(sm.q, a.q, {b, t0, hq, 0}, once);
+    load_async(sm.k, a.k, {b, t0, hq, 0}, once);
+    load_async(sm.t, a.t, {b, t0, h, 0}, once);
+    load_slices(state, ahead, slices);
+    kv_n += slices;
+  }
+
+  // This tile's value slices [from, to) (the ring's uses kv_n + from on).
+  __device__ __forceinline__ void load_slices(int state, int from, int to) const {
+    for (ring_pos<STAGES> at(kv_n + from); at.n < kv_n + to; ++at) {
       semaphore &full = kv().full(at);
       wait_empty(kv(), at);
       arrive_expect_bytes(full, 4 * sizeof(sm.v[0]) + 2 * sizeof(sm.s[0]));
@@ -95,15 +113,6 @@ template <typename T, int K> struct GdrDcSm90 : ChunkTile {
         load_rows_async(sm.ds[at.slot], r, a.ds, {state, r, 0, o.d}, full);
       }
     }
-    kv_n += slices;
-    const int hq = h / (f.v_heads / f.heads);
-    const ring_use<1> u(qkt_n++);
-    wait_empty(qkt(), u);
-    semaphore &once = qkt().full(u);
-    arrive_expect_bytes(once, sizeof(sm.q) + sizeof(sm.k) + sizeof(sm.t));
-    load_async(sm.q, a.q, {b, t0, hq, 0}, once);
-    load_async(sm.k, a.k, {b, t0, hq, 0}, once);
-    load_async(sm.t, a.t, {b, t0, h, 0}, once);
   }
 
   __device__ __forceinline__ const float *scan() const {
