@@ -77,6 +77,20 @@ def _raw_call(mode: int, a, b, group_sizes, out_shape, out_dtype, b_transposed: 
     return out
 
 
+def fp8_unsupported_reason(k: int, n: int, groups: int, rows: int) -> str | None:
+    """Why the FP8 kernel cannot take a product with contracting size ``k``, ``n`` output columns,
+    ``groups`` groups and ``rows`` rows on this machine; None if it can."""
+    if extension.has_cuda_kernels() and not extension.has_target(FP8_TARGET):
+        return "FP8 inputs: this build of jax_tk has no FP8 kernel (reinstall)"
+    if k % 16 or n % contract()["DIM_MULTIPLE"]:
+        return f"sizes k={k}, n={n} (the FP8 kernel takes k a multiple of 16 and n of {contract()['DIM_MULTIPLE']})"
+    if not _fits(groups) or rows > MAX_ROWS:
+        return f"{groups} groups of {rows} rows"
+    if not extension.takes_sm90_kernels(extension.cuda_device_capability(), dispatch.kernel_variant()):
+        return "this GPU (the FP8 kernel runs on H100/H200, sm_90a, only)"
+    return None
+
+
 def fp8_call(a, a_scales, b, b_scales, group_sizes, out_dtype, out_init=None):
     """One launch of the FP8 kernel (Hopper): ``out[r] = deq(a)[r] @ deq(b)[i]`` for the rows r of group
     i, ``deq`` the operand times its block scales; rows past the groups give 0.
