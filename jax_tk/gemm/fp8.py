@@ -5,9 +5,8 @@ Activations are quantized in 1x128 blocks along k, weights in 128x128 blocks; ea
 float32 scale ``amax(|block|) / 448`` (448: the largest float8_e4m3fn value). The result is the
 product of the dequantized operands (``values * scale``), accumulated in float32.
 
-``ragged_dot_fp8`` runs jax_tk's FP8 kernel on H100/H200 (the forward; its gradients run on the
-bfloat16 kernels) and the pure-JAX reference elsewhere; ``matmul_fp8`` runs the reference
-(``implementation="tk"`` raises there).
+Both run jax_tk's FP8 kernel on H100/H200 (the forward; their gradients run on the bfloat16
+kernels) and the pure-JAX reference elsewhere.
 """
 from __future__ import annotations
 
@@ -27,8 +26,6 @@ LHS_BLOCK = (1, BLOCK)
 RHS_BLOCK = (BLOCK, BLOCK)
 FLOAT_DTYPES = api.FLOAT_DTYPES
 _HIGHEST = jax.lax.Precision.HIGHEST
-_NO_KERNEL = ("FP8 inputs: jax_tk has no FP8 kernel yet (implementation=None or 'xla' runs the pure-JAX "
-              "reference)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,9 +268,8 @@ def matmul_fp8(a, b, *, preferred_element_type=None, implementation=None):
         bfloat16/float16/float32 array, quantized here in 1x128 blocks.
       b: ``[k, n]``: a pair (values float8_e4m3fn ``[k, n]``, scales float32
         ``[ceil(k/128), ceil(n/128)]``), or a float array, quantized here in 128x128 blocks.
-      preferred_element_type: as for :func:`ragged_dot_fp8`.
-      implementation: ``None`` or ``"xla"``: the pure-JAX reference; ``"tk"`` raises (no dense FP8 kernel
-        path yet).
+      preferred_element_type, implementation: as for :func:`ragged_dot_fp8` (the kernel: one group of
+        all of a's rows).
 
     Gradients as for :func:`ragged_dot_fp8` (straight-through for array operands, zero for pairs).
 
@@ -281,14 +277,17 @@ def matmul_fp8(a, b, *, preferred_element_type=None, implementation=None):
       ``[m, n]`` in ``preferred_element_type`` (default bfloat16).
     """
     op = "matmul_fp8"
-    x, _, (m, k) = _operand(op, "a", a, "[m, k]", LHS_BLOCK)
-    y, _, (kb, n) = _operand(op, "b", b, "[k, n]", RHS_BLOCK)
+    x, qx, (m, k) = _operand(op, "a", a, "[m, k]", LHS_BLOCK)
+    y, qy, (kb, n) = _operand(op, "b", b, "[k, n]", RHS_BLOCK)
     if k != kb:
         raise ValueError(f"jax_tk.{op}: a [m, k] and b [k, n] must have the same k, got a {(m, k)} and b {(kb, n)}")
     out_dtype = _out_dtype(op, preferred_element_type)
-    dispatch.use_kernel(op, implementation, _NO_KERNEL)
+    use = dispatch.use_kernel(op, implementation, launch.fp8_unsupported_reason(k, n, 1, m))
     if 0 in (m, k, n):
         return dispatch.zeros((m, n), out_dtype, x, y)
+    if use:  # one group: b as a [1, k, n] stack of experts
+        sizes = jnp.full((1,), m, jnp.int32)
+        return _kernel_product(x, y[None], qx, jax.tree.map(lambda t: t[None], qy), sizes, out_dtype)
     return jnp.dot(x, y, precision=_HIGHEST, preferred_element_type=jnp.float32).astype(out_dtype)
 
 

@@ -297,11 +297,13 @@ def test_implementation_tk_raises():
     gs = jnp.asarray([4], jnp.int32)
     with pytest.raises(ValueError, match=r"ragged_dot_fp8\(implementation='tk'\): unsupported sizes k=120"):
         jax_tk.ragged_dot_fp8(x[:, :120], w[:, :120], gs, implementation="tk")
+    with pytest.raises(ValueError, match=r"matmul_fp8\(implementation='tk'\): unsupported sizes k=128, n=60"):
+        jax_tk.matmul_fp8(x, w[0, :, :60], implementation="tk")
     if jax.default_backend() == "cpu":
         with pytest.raises(ValueError, match=r"ragged_dot_fp8\(implementation='tk'\): unsupported this GPU"):
             jax_tk.ragged_dot_fp8(x, w, gs, implementation="tk")
-    with pytest.raises(ValueError, match=r"matmul_fp8\(implementation='tk'\): unsupported .*no FP8 kernel"):
-        jax_tk.matmul_fp8(x, w[0], implementation="tk")
+        with pytest.raises(ValueError, match=r"matmul_fp8\(implementation='tk'\): unsupported this GPU"):
+            jax_tk.matmul_fp8(x, w[0], implementation="tk")
 
 
 @pytest.fixture
@@ -352,6 +354,15 @@ def test_kernel_path_against_the_reference(fake_fp8_kernel, pairs, offset):
         for g, wg in zip(got_vjp(dout), want_vjp(dout)):
             err = np.linalg.norm(np.asarray(g) - np.asarray(wg)) / np.linalg.norm(np.asarray(wg))
             assert err < 2e-2, err  # (bfloat16 operands in the kernel path's backward)
+
+
+def test_matmul_fp8_kernel_path(fake_fp8_kernel):
+    """matmul_fp8 on the kernel path: one group of every row, b as a stack of one."""
+    x, w = fp8_inputs(10, 33, 256, 64, 1, F32)
+    got = jax_tk.matmul_fp8(x, w[0], preferred_element_type=F32)
+    want = jax_tk.matmul_fp8(x, w[0], preferred_element_type=F32, implementation="xla")
+    assert fake_fp8_kernel == [((33, 256), (1, 256, 64))]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def rhs_shape(rhs):
