@@ -73,6 +73,10 @@ def _quantize(x, block_shape):
 
 def dequantize(values, scales, block_shape):
     """``values * scale`` in float32 (each element times its block's scale)."""
+    # The barrier keeps the float8 rounding: XLA on GPU (allowing excess precision, its default) folds
+    # a convert to float8 followed by one back to float32 into nothing, which under jit would skip the
+    # quantization that the values came from in the same computation.
+    values = jax.lax.optimization_barrier(values)
     return values.astype(jnp.float32) * _expand(scales, block_shape, values.shape)
 
 
