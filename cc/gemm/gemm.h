@@ -36,11 +36,12 @@ namespace jax_tk::gemm {
   X(SM90_TILE_K, 64)    /* ... and its steps along the contraction */                                      \
   X(SM80_TILE_M, 128)   /* output tile of the mma.sync kernel */                                           \
   X(SM80_TILE_N, 128)                                                                                      \
-  X(SM80_TILE_K, 32)
+  X(SM80_TILE_K, 32)                                                                                        \
+  X(FP8_BLOCK, 128)     /* FP8: the scales' blocks, 1 x 128 of a (along k), 128 x 128 of b */
 // clang-format on
 JAX_TK_DECLARE_CONTRACT(JAX_TK_GEMM_CONTRACT)
 
-enum class DType { bf16, fp16 };
+enum class DType { bf16, fp16, fp8e4m3 };  // (fp8e4m3: a and b e4m3 with block scales, b [g, n, k])
 
 struct Params {
   DType dtype;       // of a and b
@@ -51,6 +52,10 @@ struct Params {
   const void *a, *b;
   const int *group_sizes;  // [groups], on the device
   void *out;
+  // FP8 (MODE_RAGGED, b_transposed): out = (a * a_scales) @ (b * b_scales)^T per group, each scale
+  // over its FP8_BLOCK block; out bfloat16 or float32.
+  const float *a_scales = nullptr;  // [ceil(k / FP8_BLOCK), m]: a's 1 x 128 blocks, k-block major
+  const float *b_scales = nullptr;  // [groups, ceil(k / FP8_BLOCK), ceil(n / FP8_BLOCK)]: b's 128 x 128 blocks
 };
 
 // An upper bound on the output tiles of a call with tiles of tm x tn (what the persistent grids are

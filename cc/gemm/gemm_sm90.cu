@@ -35,8 +35,11 @@ enum Kind { RAGGED = 0, RAGGED_BT = 1, CONTRACT = 2 };
 template <typename T, typename TO, int KIND> struct Sm90 {
   using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
   static constexpr int CONSUMERS = Roles::CONSUMERS, THREADS = Roles::THREADS;
-  static constexpr int TM = SM90_TILE_M, TN = SM90_TILE_N, TK = SM90_TILE_K, STAGES = 4;
-  static_assert(TM == 64 * CONSUMERS);
+  // FP8: steps of one scale block (128 bytes of k, as the 16-bit steps), and 128 columns (each step's
+  // product lands in a second accumulator before it is scaled into the first: both must fit).
+  static constexpr bool FP8 = is_8bit<T>;
+  static constexpr int TM = SM90_TILE_M, TN = FP8 ? FP8_BLOCK : SM90_TILE_N, TK = FP8 ? FP8_BLOCK : SM90_TILE_K, STAGES = 4;
+  static_assert(TM == 64 * CONSUMERS && (!FP8 || KIND == RAGGED_BT));
   using ATile = std::conditional_t<KIND == CONTRACT, st<T, TK, TM>, st<T, TM, TK>>;
   using BTile = std::conditional_t<KIND == RAGGED_BT, st<T, TN, TK>, st<T, TK, TN>>;
   static constexpr int OUT_COLS = 128 / int(sizeof(TO));  // columns of a staged piece of out
@@ -137,6 +140,38 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
     else warpgroup::mma_ABt(acc, window<64, TK>(sm.a[s], 64 * wg, 0), sm.b[s], accumulate);
   }
 
+  // FP8 (DeepSeek-V3's recipe): each step's product (one 128-wide block of k) in float32 on its own,
+  // then scaled by its blocks' scales, a's per row and b's per tile, and added to acc: the tensor
+  // cores' FP8 sums are short, so they never run past one block. The scales' loads are issued before
+  // the step's wait, so that they land while the product runs.
+  __device__ __forceinline__ void fp8_steps(rt_fl<16, TN> &acc, const TileSlot &x, int count, int row0, ring_pos<STAGES> &pos) {
+    const Params &p = a.p;
+    const int blocks_n = (p.n + FP8_BLOCK - 1) / FP8_BLOCK, blocks_k = (p.k + FP8_BLOCK - 1) / FP8_BLOCK;
+    const int r = row0 + 16 * (warpid() % 4) + laneid() / 4;  // this thread's rows: r and r + 8
+    const float *sb = p.b_scales + ((size_t)max(x.group, 0) * blocks_k) * blocks_n + x.n0 / FP8_BLOCK;  // (group -1: no steps)
+    warp::zero(acc);
+    for (int j = 0; j < count; j++, ++pos) {
+      const float *sa = p.a_scales + (size_t)j * p.m;
+      const float s0 = r < p.m ? __ldg(sa + r) : 0.f, s1 = r + 8 < p.m ? __ldg(sa + r + 8) : 0.f;
+      const float b = __ldg(sb + (size_t)j * blocks_n);
+      rt_fl<16, TN> part;
+      wait_full(slots(), pos);
+      warpgroup::mma_ABt(part, window<64, TK>(sm.a[pos.slot], 64 * wg, 0), sm.b[pos.slot], false);
+      warpgroup::wait<0>();
+      warpgroup::fence_registers(part);
+      if (laneid() == 0) arrive_empty(slots(), pos);
+      const float f0 = s0 * b, f1 = s1 * b;
+#pragma unroll
+      for (int t = 0; t < TN / 16; t++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {  // (q even: row r, odd: r + 8; the row layout's register order)
+          const float f = q % 2 ? f1 : f0;
+          acc.tiles[0][t].data[q].x += f * part.tiles[0][t].data[q].x;
+          acc.tiles[0][t].data[q].y += f * part.tiles[0][t].data[q].y;
+        }
+    }
+  }
+
   __device__ __forceinline__ void start() const {}
   template <typename Release> __device__ __forceinline__ void consume(int slot, Release release) {
     const Params &p = a.p;
@@ -151,7 +186,9 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
     const bool active = KIND == CONTRACT ? row0 < p.k : row0 < x.r1;
     rt_fl<16, TN> acc;
     ring_pos<STAGES> pos(n);
-    if (count == 0) {
+    if constexpr (C::FP8) {
+      fp8_steps(acc, x, count, row0, pos);
+    } else if (count == 0) {
       warp::zero(acc);
     } else {  // one product in flight while the next step is awaited
       step(acc, x, 0, pos, false);
@@ -265,6 +302,10 @@ template <typename T, typename TO> cudaError_t launch_kind(const Params &p, cuda
 }  // namespace
 
 cudaError_t ragged_sm90(const Params &p, cudaStream_t stream) {
+  if (p.dtype == DType::fp8e4m3) {
+    if (p.mode != MODE_RAGGED || !p.b_transposed || !p.a_scales || !p.b_scales) return cudaErrorInvalidValue;
+    return p.out_f32 ? launch<fp8e4m3, float, RAGGED_BT>(p, stream) : launch<fp8e4m3, bf16, RAGGED_BT>(p, stream);
+  }
   if (p.dtype == DType::bf16) return p.out_f32 ? launch_kind<bf16, float>(p, stream) : launch_kind<bf16, bf16>(p, stream);
   return p.out_f32 ? launch_kind<half, float>(p, stream) : launch_kind<half, half>(p, stream);
 }

@@ -93,6 +93,16 @@ __global__ void tma_load_kernel(const __grid_constant__ typename TmaLoad<T, ROWS
   X(AB_REGS, 64, 64, 128, 128, 128, 128)   /* A, B: rows and columns 64.. of 128 x 128 */ \
   X(AB_REGS, 32, 64, 64, 64, 64, 64)       /* B: columns 32.. of 64 */
 
+// FP8 (e4m3) operands: mma_ABt only (8-bit wgmma reads both K-major), tiles a whole 128-byte panel
+// wide, k steps of 32.
+#define TK_WGMMA_FP8_CASES(X)                                                           \
+  X(ABT, 64, 128, 64, 128, 64, 128)                                                     \
+  X(ABT, 128, 128, 64, 128, 128, 128)                                                   \
+  X(ABT, 256, 128, 64, 128, 256, 128)                                                   \
+  X(ABT, 128, 256, 64, 256, 128, 256)  /* two panels along k */                         \
+  X(ABT, 64, 128, 128, 128, 64, 128)   /* A: rows 64.. of 128 */                        \
+  X(ABT, 64, 128, 64, 256, 64, 256)    /* A and B: the second panel along k (K window) */
+
 template <typename T, int N, int AR, int AC, int BR, int BC> struct WgmmaShared {
   st<T, AR, AC> a;
   st<T, BR, BC> b;
@@ -322,20 +332,29 @@ cudaError_t launch_tma_load(const TmaLoadArgs &x, cudaStream_t stream) {
 
 bool has_wgmma_case(const WgmmaArgs &x) {
 #define TK_IS_CASE(P, N, K, AR, AC, BR, BC) if (is_case(x, P, N, K, AR, AC, BR, BC)) return true;
+  if (x.dtype == Elem::fp8e4m3) {
+    TK_WGMMA_FP8_CASES(TK_IS_CASE)
+    return false;
+  }
   TK_WGMMA_CASES(TK_IS_CASE)
 #undef TK_IS_CASE
   return false;
 }
 
 cudaError_t launch_wgmma(const WgmmaArgs &x, cudaStream_t stream) {
-  return by_dtype(x.dtype, [&]<typename T>() {
 #define TK_LAUNCH_CASE(P, N, K, AR, AC, BR, BC)                                                         \
   if (is_case(x, P, N, K, AR, AC, BR, BC))                                                              \
     return launch<WgmmaShared<T, N, AR, AC, BR, BC>>(wgmma_kernel<T, P, N, K, AR, AC, BR, BC>, 1, 128, x, stream);
+  if (x.dtype == Elem::fp8e4m3) {
+    using T = fp8e4m3;
+    TK_WGMMA_FP8_CASES(TK_LAUNCH_CASE)
+    return cudaErrorInvalidValue;
+  }
+  return by_dtype(x.dtype, [&]<typename T>() {
     TK_WGMMA_CASES(TK_LAUNCH_CASE)
-#undef TK_LAUNCH_CASE
     return cudaErrorInvalidValue;
   });
+#undef TK_LAUNCH_CASE
 }
 
 cudaError_t launch_reduce_add(const ReduceAddArgs &x, cudaStream_t stream) {

@@ -7,7 +7,7 @@
 
 namespace jax_tk::tests {
 
-enum class Elem { bf16, fp16 };
+enum class Elem { bf16, fp16, fp8e4m3 };  // (fp8e4m3: the wgmma cases only)
 
 // out[r, c] = x[b, s0 + r, h, c] (zero outside the sequence): one TMA load into a swizzled shared
 // tile, completing on a semaphore, then written out element by element through st's layout.
@@ -31,7 +31,7 @@ enum Product {
 };
 struct WgmmaArgs {
   Elem dtype;
-  int product, n, k;
+  int product, n, k;                   // (fp8e4m3: ABT, k a multiple of 32, tiles 128 bytes wide)
   int a_rows, a_cols, b_rows, b_cols;  // the operand tiles (must be one of the compiled cases)
   const void *a, *b;                   // [a_rows, a_cols], [b_rows, b_cols]
   const float *c;                      // [64, n]: the accumulator's previous value

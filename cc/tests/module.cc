@@ -67,8 +67,11 @@ ffi::Error wgmma_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, f
                       int32_t accumulate, int32_t fragments) {
   WgmmaArgs x{};
   auto da = a.dimensions(), db = b.dimensions(), dc = c.dimensions();
-  if (!elem_of(a.element_type(), x.dtype) || b.element_type() != a.element_type() || da.size() != 2 || db.size() != 2)
-    return invalid("hopper wgmma: a and b must be 2-D bf16/f16 arrays of one dtype");
+  const bool fp8 = a.element_type() == ffi::DataType::F8E4M3FN;
+  if (fp8) x.dtype = Elem::fp8e4m3;
+  if (!(fp8 || elem_of(a.element_type(), x.dtype)) || b.element_type() != a.element_type() || da.size() != 2 ||
+      db.size() != 2)
+    return invalid("hopper wgmma: a and b must be 2-D bf16/f16/float8_e4m3fn arrays of one dtype");
   if (dc.size() != 2 || dc[0] != 64 || !same_dims(c, *out)) return invalid("hopper wgmma: c and out must be [64, n]");
   x.product = product; x.n = int(dc[1]); x.k = k;
   x.a_rows = int(da[0]); x.a_cols = int(da[1]); x.b_rows = int(db[0]); x.b_cols = int(db[1]);

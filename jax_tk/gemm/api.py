@@ -111,12 +111,14 @@ def offset_groups(sizes, group_offset, groups: int):
 def with_offset(product, lhs, sizes, group_offset, groups: int):
     """``product(lhs', local_sizes)`` for the groups rhs holds: lhs's rows rolled so that those groups'
     rows come first (every other row then lies past the local groups: 0 out, no gradient), the result
-    rolled back. Without group_offset, ``product(lhs, sizes)``. (The rolls are two passes over lhs and
-    the result: the kernels take their groups from row 0.)"""
+    rolled back. Without group_offset, ``product(lhs, sizes)``. ``lhs`` may be a pytree of arrays with
+    lhs's rows (e.g. FP8 values and their scales). (The rolls are two passes over lhs and the result:
+    the kernels take their groups from row 0.)"""
     if group_offset is None:
         return product(lhs, sizes)
     start, local = offset_groups(sizes, group_offset, groups)
-    return jnp.roll(product(jnp.roll(lhs, -start, axis=0), local), start, axis=0)
+    rolled = jax.tree.map(lambda x: jnp.roll(x, -start, axis=0), lhs)
+    return jnp.roll(product(rolled, local), start, axis=0)
 
 
 def _check_precision(op: str, precision):

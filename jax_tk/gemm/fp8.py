@@ -5,8 +5,8 @@ Activations are quantized in 1x128 blocks along k, weights in 128x128 blocks; ea
 float32 scale ``amax(|block|) / 448`` (448: the largest float8_e4m3fn value). The result is the
 product of the dequantized operands (``values * scale``), accumulated in float32.
 
-Only the pure-JAX reference exists for now: ``implementation=None`` and ``"xla"`` run it, ``"tk"``
-raises (no FP8 kernel yet).
+Both run jax_tk's FP8 kernel on H100/H200 (the forward; their gradients run on the bfloat16
+kernels) and the pure-JAX reference elsewhere.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_tk._core import checks, dispatch
-from jax_tk.gemm import api, reference
+from jax_tk.gemm import api, launch, reference
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
@@ -26,8 +26,6 @@ LHS_BLOCK = (1, BLOCK)
 RHS_BLOCK = (BLOCK, BLOCK)
 FLOAT_DTYPES = api.FLOAT_DTYPES
 _HIGHEST = jax.lax.Precision.HIGHEST
-_NO_KERNEL = ("FP8 inputs: jax_tk has no FP8 kernel yet (implementation=None or 'xla' runs the pure-JAX "
-              "reference)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -75,6 +73,10 @@ def _quantize(x, block_shape):
 
 def dequantize(values, scales, block_shape):
     """``values * scale`` in float32 (each element times its block's scale)."""
+    # The barrier keeps the float8 rounding: XLA on GPU (allowing excess precision, its default) folds
+    # a convert to float8 followed by one back to float32 into nothing, which under jit would skip the
+    # quantization that the values came from in the same computation.
+    values = jax.lax.optimization_barrier(values)
     return values.astype(jnp.float32) * _expand(scales, block_shape, values.shape)
 
 
@@ -129,8 +131,9 @@ _fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)
 
 
 def _operand(op: str, name: str, x, what: str, block_shape):
-    """The dequantized float32 operand and its shape. ``x`` is a (values, scales) pair (checked,
-    treated as a constant) or a float array (quantized here, straight-through gradient)."""
+    """(the dequantized float32 operand, its (values, scales), its shape). ``x`` is a (values, scales)
+    pair (checked, treated as a constant) or a float array (quantized here, straight-through
+    gradient through the dequantized operand)."""
     ndim = len(what.split(","))
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
@@ -151,9 +154,47 @@ def _operand(op: str, name: str, x, what: str, block_shape):
                              f"{tuple(scales.shape)}")
         # Not differentiable: the pair is a constant (zero gradients, which jax.grad gives float8 values).
         deq = jax.lax.stop_gradient(dequantize(values, scales, block_shape))
-        return deq, tuple(values.shape)
+        return deq, (values, scales), tuple(values.shape)
     checks.float_array(op, name, x, ndim, what, FLOAT_DTYPES, empty_ok=range(ndim))
-    return _fake_quant(x, block_shape), tuple(x.shape)
+    return _fake_quant(x, block_shape), jax.lax.stop_gradient(_quantize(x, block_shape)), tuple(x.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# The grouped product on the FP8 kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _kernel_product(a, b, qa, qb, sizes, out_dtype):
+    """deq(a) @ deq(b) per group: the FP8 kernel on ``qa``, ``qb`` (the operands' (values, scales)) on
+    CUDA, the float32 reference on ``a``, ``b`` (the dequantized operands) elsewhere. Its gradients
+    are those of the product of ``a`` and ``b`` (straight-through), formed by jax_tk.ragged_dot in
+    bfloat16: the kernels' backward is not FP8 yet."""
+    def kernel(a, b, qa, qb, sizes):
+        wide = jnp.dtype(out_dtype) == jnp.float32 or jnp.dtype(out_dtype) == jnp.float16
+        out = launch.fp8_call(*qa, *qb, sizes, jnp.float32 if wide else jnp.bfloat16)
+        return out.astype(out_dtype)
+
+    def ref(a, b, qa, qb, sizes):
+        return reference.ragged_dot(a, b, sizes, out_dtype=out_dtype)
+
+    return dispatch.platform_dispatch(True, kernel, ref, a, b, qa, qb, sizes)
+
+
+def _kernel_product_fwd(a, b, qa, qb, sizes, out_dtype):
+    return _kernel_product(a, b, qa, qb, sizes, out_dtype), (a, b, qa, qb, sizes)
+
+
+def _kernel_product_bwd(out_dtype, res, g):
+    a, b, qa, qb, sizes = res
+    _, vjp = jax.vjp(lambda a, b: api.ragged_dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), sizes,
+                                                 preferred_element_type=jnp.float32), a, b)
+    da, db = vjp(g.astype(jnp.float32))
+    zeros = jax.tree.map(jnp.zeros_like, (qa, qb))  # (constants: float8 values and their scales)
+    return da.astype(a.dtype), db.astype(b.dtype), *zeros, None
+
+
+_kernel_product.defvjp(_kernel_product_fwd, _kernel_product_bwd)
 
 
 def _out_dtype(op: str, preferred_element_type) -> str:
@@ -192,8 +233,9 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
       preferred_element_type: the result's dtype: None (bfloat16), bfloat16, float16 or float32.
       group_offset: as for :func:`jax_tk.ragged_dot` (expert parallelism: rhs holds g of the
         group_sizes' G groups, from ``group_offset[0]`` on).
-      implementation: ``None`` or ``"xla"``: the pure-JAX reference (dequantize to float32, then the
-        grouped product); ``"tk"`` raises ValueError: there is no FP8 kernel yet.
+      implementation: ``None`` (the FP8 kernel on H100/H200 where it applies: k a multiple of 16, n of
+        8; the reference elsewhere), ``"tk"`` (the kernel, or an error saying why not), ``"xla"``
+        (the pure-JAX reference: dequantize to float32, then the grouped product).
 
     Gradients: an operand given as an array gets the straight-through estimator: the gradient of the
     product of the dequantized operands with respect to that dequantized operand, passed unchanged to
@@ -204,17 +246,20 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
       ``[m, n]`` in ``preferred_element_type`` (default bfloat16).
     """
     op = "ragged_dot_fp8"
-    a, (m, k) = _operand(op, "lhs", lhs, "[m, k]", LHS_BLOCK)
-    b, (g, kr, n) = _operand(op, "rhs", rhs, "[g, k, n]", RHS_BLOCK)
+    a, qa, (m, k) = _operand(op, "lhs", lhs, "[m, k]", LHS_BLOCK)
+    b, qb, (g, kr, n) = _operand(op, "rhs", rhs, "[g, k, n]", RHS_BLOCK)
     if k != kr:
         raise ValueError(f"jax_tk.{op}: the contracting dimension k of lhs [m, k] and rhs [g, k, n] must be "
                          f"equal, got lhs {(m, k)} and rhs {(g, kr, n)}")
     api.check_groups(op, group_sizes, group_offset, g)
     out_dtype = _out_dtype(op, preferred_element_type)
-    dispatch.use_kernel(op, implementation, _NO_KERNEL)  # checks implementation; False, or raises for "tk"
+    use = dispatch.use_kernel(op, implementation, launch.fp8_unsupported_reason(k, n, g, m))
     if 0 in (m, k, g, n):
         return dispatch.zeros((m, n), out_dtype, a, b)  # nothing to multiply
     sizes = api.group_sizes_int32(op, group_sizes, m)
+    if use:
+        product = lambda x, s: _kernel_product(x[0], b, x[1], qb, s, out_dtype)
+        return api.with_offset(product, (a, qa), sizes, group_offset, g)
     return api.with_offset(lambda x, s: reference.ragged_dot(x, b, s, out_dtype=out_dtype), a, sizes, group_offset, g)
 
 
@@ -227,7 +272,8 @@ def matmul_fp8(a, b, *, preferred_element_type=None, implementation=None):
         bfloat16/float16/float32 array, quantized here in 1x128 blocks.
       b: ``[k, n]``: a pair (values float8_e4m3fn ``[k, n]``, scales float32
         ``[ceil(k/128), ceil(n/128)]``), or a float array, quantized here in 128x128 blocks.
-      preferred_element_type, implementation: as for :func:`ragged_dot_fp8`.
+      preferred_element_type, implementation: as for :func:`ragged_dot_fp8` (the kernel: one group of
+        all of a's rows).
 
     Gradients as for :func:`ragged_dot_fp8` (straight-through for array operands, zero for pairs).
 
@@ -235,14 +281,17 @@ def matmul_fp8(a, b, *, preferred_element_type=None, implementation=None):
       ``[m, n]`` in ``preferred_element_type`` (default bfloat16).
     """
     op = "matmul_fp8"
-    x, (m, k) = _operand(op, "a", a, "[m, k]", LHS_BLOCK)
-    y, (kb, n) = _operand(op, "b", b, "[k, n]", RHS_BLOCK)
+    x, qx, (m, k) = _operand(op, "a", a, "[m, k]", LHS_BLOCK)
+    y, qy, (kb, n) = _operand(op, "b", b, "[k, n]", RHS_BLOCK)
     if k != kb:
         raise ValueError(f"jax_tk.{op}: a [m, k] and b [k, n] must have the same k, got a {(m, k)} and b {(kb, n)}")
     out_dtype = _out_dtype(op, preferred_element_type)
-    dispatch.use_kernel(op, implementation, _NO_KERNEL)
+    use = dispatch.use_kernel(op, implementation, launch.fp8_unsupported_reason(k, n, 1, m))
     if 0 in (m, k, n):
         return dispatch.zeros((m, n), out_dtype, x, y)
+    if use:  # one group: b as a [1, k, n] stack of experts
+        sizes = jnp.full((1,), m, jnp.int32)
+        return _kernel_product(x, y[None], qx, jax.tree.map(lambda t: t[None], qy), sizes, out_dtype)
     return jnp.dot(x, y, precision=_HIGHEST, preferred_element_type=jnp.float32).astype(out_dtype)
 
 

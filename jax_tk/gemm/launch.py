@@ -29,6 +29,7 @@ from jax_tk._core import dispatch, extension, ffi
 from jax_tk._core.ffi import broadcast_mapped, kernel_call, map_entries
 
 TARGET = ffi.target("jax_tk_gemm_ragged")
+FP8_TARGET = ffi.target("jax_tk_gemm_fp8")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_ROWS = extension.MAX_INDEX  # row indices are int32 in the kernel
 
@@ -72,6 +73,37 @@ def _raw_call(mode: int, a, b, group_sizes, out_shape, out_dtype, b_transposed: 
     out_types = (jax.ShapeDtypeStruct(tuple(out_shape), jnp.dtype(out_dtype)),)
     attributes = dict(mode=np.int32(mode), b_transposed=np.int32(bool(b_transposed)), variant=np.int32(variant))
     (out,) = kernel_call(TARGET, out_types, (a, b, group_sizes.astype(jnp.int32)), attributes,
+                         out_init=None if out_init is None else (out_init,))
+    return out
+
+
+def fp8_unsupported_reason(k: int, n: int, groups: int, rows: int) -> str | None:
+    """Why the FP8 kernel cannot take a product with contracting size ``k``, ``n`` output columns,
+    ``groups`` groups and ``rows`` rows on this machine; None if it can."""
+    if extension.has_cuda_kernels() and not extension.has_target(FP8_TARGET):
+        return "FP8 inputs: this build of jax_tk has no FP8 kernel (reinstall)"
+    if k % 16 or n % contract()["DIM_MULTIPLE"]:
+        return f"sizes k={k}, n={n} (the FP8 kernel takes k a multiple of 16 and n of {contract()['DIM_MULTIPLE']})"
+    if not _fits(groups) or rows > MAX_ROWS:
+        return f"{groups} groups of {rows} rows"
+    if not extension.takes_sm90_kernels(extension.cuda_device_capability(), dispatch.kernel_variant()):
+        return "this GPU (the FP8 kernel runs on H100/H200, sm_90a, only)"
+    return None
+
+
+def fp8_call(a, a_scales, b, b_scales, group_sizes, out_dtype, out_init=None):
+    """One launch of the FP8 kernel (Hopper): ``out[r] = deq(a)[r] @ deq(b)[i]`` for the rows r of group
+    i, ``deq`` the operand times its block scales; rows past the groups give 0.
+
+    a float8_e4m3fn ``[m, k]`` with scales float32 ``[m, ceil(k/128)]`` (1 x 128 blocks along k), b
+    float8_e4m3fn ``[g, k, n]`` with scales ``[g, ceil(k/128), ceil(n/128)]`` (128 x 128 blocks),
+    group_sizes ``[g]`` (>= 0, summing to at most m); out ``[m, n]`` in ``out_dtype``, bfloat16 or
+    float32. The kernel reads b as ``[g, n, k]`` (8-bit operands are read K-major) and a's scales
+    k-block major: both transposed here. ``out_init`` (tests): a buffer aliased to the output."""
+    m, n = a.shape[0], b.shape[2]
+    out_types = (jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype)),)
+    operands = (a, a_scales.T, jnp.swapaxes(b, 1, 2), b_scales, group_sizes.astype(jnp.int32))
+    (out,) = kernel_call(FP8_TARGET, out_types, operands, dict(variant=np.int32(dispatch.kernel_variant())),
                          out_init=None if out_init is None else (out_init,))
     return out
 

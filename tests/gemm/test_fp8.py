@@ -1,8 +1,11 @@
 """CPU tests of jax_tk.quantize_fp8, jax_tk.ragged_dot_fp8 and jax_tk.matmul_fp8 (the pure-JAX path):
 quantization error bounds, zero and ragged edge blocks, saturation; the products against float64
 numpy products of the dequantized operands; pair and array inputs; straight-through gradients;
-jit/vmap; argument checks; implementation="tk" without an FP8 kernel."""
+jit/vmap; argument checks; implementation="tk"'s errors; the kernel path (the FP8 kernel replaced by a
+stand-in with its contract) against the reference, values and gradients."""
 from __future__ import annotations
+
+import types
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +80,7 @@ def test_quantize_exact_for_representable_values():
     rng = np.random.default_rng(1)
     v = jnp.asarray(rng.standard_normal((4, 256)) * 100, F32).astype(FP8).astype(F32)
     v = v.at[:, 0].set(448.0).at[:, 128].set(-448.0)
-    powers = jnp.exp2(jnp.arange(-3.0, 5.0)).reshape(4, 2)
+    powers = jnp.asarray(2.0 ** np.arange(-3, 5), F32).reshape(4, 2)  # (exact; exp2 on a GPU need not be)
     x = v * jnp.repeat(powers, 128, axis=1)
     values, scales = jax_tk.quantize_fp8(x, (1, 128))
     np.testing.assert_array_equal(scales, powers)
@@ -292,7 +295,75 @@ def test_argument_errors():
 def test_implementation_tk_raises():
     x, w = fp8_inputs(7, 4, 128, 128, 1, BF16)
     gs = jnp.asarray([4], jnp.int32)
-    with pytest.raises(ValueError, match=r"ragged_dot_fp8\(implementation='tk'\): unsupported .*no FP8 kernel"):
-        jax_tk.ragged_dot_fp8(x, w, gs, implementation="tk")
-    with pytest.raises(ValueError, match=r"matmul_fp8\(implementation='tk'\): unsupported .*no FP8 kernel"):
-        jax_tk.matmul_fp8(x, w[0], implementation="tk")
+    with pytest.raises(ValueError, match=r"ragged_dot_fp8\(implementation='tk'\): unsupported sizes k=120"):
+        jax_tk.ragged_dot_fp8(x[:, :120], w[:, :120], gs, implementation="tk")
+    with pytest.raises(ValueError, match=r"matmul_fp8\(implementation='tk'\): unsupported sizes k=128, n=60"):
+        jax_tk.matmul_fp8(x, w[0, :, :60], implementation="tk")
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match=r"ragged_dot_fp8\(implementation='tk'\): unsupported this GPU"):
+            jax_tk.ragged_dot_fp8(x, w, gs, implementation="tk")
+        with pytest.raises(ValueError, match=r"matmul_fp8\(implementation='tk'\): unsupported this GPU"):
+            jax_tk.matmul_fp8(x, w[0], implementation="tk")
+
+
+@pytest.fixture
+def fake_fp8_kernel(monkeypatch):
+    """The kernel path on the CPU: use_kernel says yes, and the FFI call is replaced by the reference
+    on the dequantized (values, scales) it is handed (the kernel's contract); records the calls."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the stand-in replaces the kernel on CPU runs")
+    from jax_tk.gemm import fp8, launch, reference
+    calls = []
+
+    def fp8_call(a, sa, b, sb, sizes, out_dtype, out_init=None):
+        assert a.dtype == b.dtype == FP8 and sa.dtype == sb.dtype == F32 and sizes.dtype == jnp.int32
+        assert jnp.dtype(out_dtype) in (jnp.dtype(BF16), jnp.dtype(F32))
+        calls.append((a.shape, b.shape))
+        deq_a, deq_b = fp8.dequantize(a, sa, fp8.LHS_BLOCK), fp8.dequantize(b, sb, fp8.RHS_BLOCK)
+        return reference.ragged_dot(deq_a, deq_b, sizes, out_dtype=out_dtype)
+
+    monkeypatch.setattr(launch, "fp8_call", fp8_call)
+    # (fp8's own view of dispatch only: the backward's ragged_dot keeps the real one, its CPU reference)
+    shim = types.SimpleNamespace(**vars(fp8.dispatch))
+    shim.use_kernel = lambda op, implementation, reason: implementation != "xla"
+    shim.platform_dispatch = lambda use, kernel, ref, *args: kernel(*args)
+    monkeypatch.setattr(fp8, "dispatch", shim)
+    return calls
+
+
+@pytest.mark.parametrize("pairs", [False, True], ids=["arrays", "pairs"])
+@pytest.mark.parametrize("offset", [None, 1])
+def test_kernel_path_against_the_reference(fake_fp8_kernel, pairs, offset):
+    """ragged_dot_fp8 on the kernel path (its stand-in) against implementation='xla': values, and the
+    straight-through gradients (the kernel path's on the bfloat16 ragged_dot) of array operands."""
+    x, w = fp8_inputs(8, 40, 256, 64, 3, F32)
+    gs = jnp.asarray([10, 0, 25, 5] if offset is not None else [10, 25, 5], jnp.int32)
+    go = None if offset is None else jnp.asarray([offset], jnp.int32)
+    if offset is None:
+        w = w[:3]
+    lhs = jax_tk.quantize_fp8(x, (1, 128)) if pairs else x
+    rhs = jax_tk.quantize_fp8(w, (128, 128)) if pairs else w
+    f = lambda impl: lambda a, b: jax_tk.ragged_dot_fp8(a, b, gs, group_offset=go, preferred_element_type=F32,
+                                                        implementation=impl)
+    got, got_vjp = jax.vjp(f(None), lhs, rhs)
+    want, want_vjp = jax.vjp(f("xla"), lhs, rhs)
+    assert fake_fp8_kernel and fake_fp8_kernel[0][1] == rhs_shape(rhs)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    if not pairs:
+        dout = jnp.asarray(np.random.default_rng(9).standard_normal(got.shape), F32)
+        for g, wg in zip(got_vjp(dout), want_vjp(dout)):
+            err = np.linalg.norm(np.asarray(g) - np.asarray(wg)) / np.linalg.norm(np.asarray(wg))
+            assert err < 2e-2, err  # (bfloat16 operands in the kernel path's backward)
+
+
+def test_matmul_fp8_kernel_path(fake_fp8_kernel):
+    """matmul_fp8 on the kernel path: one group of every row, b as a stack of one."""
+    x, w = fp8_inputs(10, 33, 256, 64, 1, F32)
+    got = jax_tk.matmul_fp8(x, w[0], preferred_element_type=F32)
+    want = jax_tk.matmul_fp8(x, w[0], preferred_element_type=F32, implementation="xla")
+    assert fake_fp8_kernel == [((33, 256), (1, 256, 64))]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def rhs_shape(rhs):
+    return tuple((rhs[0] if isinstance(rhs, tuple) else rhs).shape)

@@ -6,7 +6,8 @@ The kernels live in cc/tests/hopper_ops.cu (built into jax_tk._tk_tests), one la
   - wgmma: mma_ABt, mma_AtB and mma_AB (A in shared memory or in registers) on whole tiles and on
     windows of them, with and without accumulating onto a previous value; the result stored from
     registers, through shared memory in fragment order (store_fragments / fragment_offset), or added
-    twice into a zeroed global buffer in fragment order (reduce_add_fragments);
+    twice into a zeroed global buffer in fragment order (reduce_add_fragments); mma_ABt on FP8 (e4m3)
+    tiles;
   - bulk reduce-add: several blocks add fp32 shared tiles into one global buffer;
   - a producer/consumer ring: tiles (tensor copies) and per-row weights (plain bulk copies) through
     2 slots with full/empty semaphores, several wraps.
@@ -131,6 +132,18 @@ WGMMA_CASES = [
 ]
 
 
+# FP8 (e4m3): mma_ABt only (8-bit wgmma reads both operands K-major), 128-byte-wide tiles, k steps of
+# 32; mirrors TK_WGMMA_FP8_CASES.
+WGMMA_FP8_CASES = [
+    ("ABT", 64, 128, (64, 128), (64, 128)),
+    ("ABT", 128, 128, (64, 128), (128, 128)),
+    ("ABT", 256, 128, (64, 128), (256, 128)),
+    ("ABT", 128, 256, (64, 256), (128, 256)),
+    ("ABT", 64, 128, (128, 128), (64, 128)),
+    ("ABT", 64, 128, (64, 256), (64, 256)),
+]
+
+
 def case_id(case):
     product, n, k, (ar, ac), (br, bc) = case
     return f"{product}-n{n}-k{k}-a{ar}x{ac}-b{br}x{bc}"
@@ -153,7 +166,7 @@ def test_wgmma_cases_mirror_the_kernel_file():
         pytest.skip("not in a source checkout")
     compiled = [(p, int(n), int(k), (int(ar), int(ac)), (int(br), int(bc))) for p, n, k, ar, ac, br, bc in
                 re.findall(r"X\((\w+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+)\)", src.read_text())]
-    assert compiled == WGMMA_CASES
+    assert compiled == WGMMA_CASES + WGMMA_FP8_CASES
 
 
 @hopper
@@ -172,6 +185,26 @@ def test_wgmma(case, dtype, mode):
     want = product_ref(product, n, k, a, b) + (c if accumulate else 0)
     if fragments == 2:  # added twice into a zeroed buffer
         want = 2 * want
+    assert np.isfinite(out).all(), f"{np.sum(~np.isfinite(out))} of {out.size} outputs are NaN/inf"
+    rms = np.sqrt(np.mean(want.astype(np.float64) ** 2))
+    np.testing.assert_allclose(out, want, rtol=1e-2, atol=1e-2 * rms)
+
+
+@hopper
+@pytest.mark.parametrize("accumulate", [False, True], ids=["set", "accumulate"])
+@pytest.mark.parametrize("case", WGMMA_FP8_CASES, ids=case_id)
+def test_wgmma_fp8(case, accumulate):
+    """e4m3 operands (finite values of every magnitude the format has near 1) against their float32
+    product: the tensor cores add the k products in float32-range arithmetic, so the tolerance is the
+    16-bit cases'."""
+    product, n, k, a_shape, b_shape = case
+    rng = np.random.default_rng([4, n, k, *a_shape, *b_shape, int(accumulate)])
+    a = normal(a_shape, ml_dtypes.float8_e4m3fn, rng, scale=2.0)
+    b = normal(b_shape, ml_dtypes.float8_e4m3fn, rng, scale=2.0)
+    c = normal((64, n), np.float32, rng, scale=np.sqrt(k))
+    out = run("jax_tk_test_hopper_wgmma", nan((64, n), np.float32), a, b, c,
+              product=PRODUCTS[product], k=k, accumulate=int(accumulate), fragments=0)
+    want = product_ref(product, n, k, a, b) + (c if accumulate else 0)
     assert np.isfinite(out).all(), f"{np.sum(~np.isfinite(out))} of {out.size} outputs are NaN/inf"
     rms = np.sqrt(np.mean(want.astype(np.float64) ** 2))
     np.testing.assert_allclose(out, want, rtol=1e-2, atol=1e-2 * rms)

@@ -1,7 +1,7 @@
 // A standalone driver of the grouped GEMM kernels for compute-sanitizer (memcheck, racecheck,
 // synccheck) and a quick check without JAX: small odd shapes, both kernels, every kind, each buffer
 // its own cudaMalloc (an out-of-bounds access is caught), the output poisoned with NaN and compared
-// with a float64 host reference. Built and run by scripts/gpu_check.sh:
+// with a float64 host reference; on Hopper also the FP8 path. Built and run by scripts/gpu_check.sh:
 //   nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
 //        --expt-relaxed-constexpr -Icc cc/tests/standalone/gemm_sanitize.cu cc/gemm/*.cu -o gemm_sanitize
 //   compute-sanitizer --tool memcheck ./gemm_sanitize
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include "driver.h"
 #include "gemm/gemm.h"
@@ -82,6 +83,65 @@ double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool 
   return err < (out_f32 ? 1e-4 : 1e-2) ? 0 : 1;
 }
 
+// FP8 (Hopper): a e4m3 [m, k] with scales [ceil(k/128), m], b e4m3 [g, n, k] with scales
+// [g, ceil(k/128), ceil(n/128)]; out bf16 or float32. Returns 0 if within tolerance.
+int run_fp8(int m, int k, int n, std::vector<int> sizes, bool out_f32) {
+  std::mt19937 rng(m * 5 + k + n * 3);
+  const int g = int(sizes.size()), B = FP8_BLOCK, kb = (k + B - 1) / B, nbk = (n + B - 1) / B;
+  std::normal_distribution<float> dist;
+  std::uniform_real_distribution<float> scale(0.25f, 2.f);
+  std::vector<__nv_fp8_e4m3> ha(size_t(m) * k), hb(size_t(g) * n * k);
+  std::vector<float> hsa(size_t(kb) * m), hsb(size_t(g) * kb * nbk);
+  for (auto &x : ha) x = __nv_fp8_e4m3(4 * dist(rng));
+  for (auto &x : hb) x = __nv_fp8_e4m3(4 * dist(rng));
+  for (auto &x : hsa) x = scale(rng);
+  for (auto &x : hsb) x = scale(rng);
+  auto upload = [](const auto &h) {
+    void *d;
+    CHECK(cudaMalloc(&d, h.size() * sizeof(h[0])));
+    CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(h[0]), cudaMemcpyHostToDevice));
+    return d;
+  };
+  void *a = upload(ha), *b = upload(hb), *sa = upload(hsa), *sb = upload(hsb), *gs = upload(sizes), *out;
+  const size_t no = size_t(m) * n;
+  CHECK(cudaMalloc(&out, no * (out_f32 ? 4 : 2)));
+  CHECK(cudaMemset(out, 0xff, no * (out_f32 ? 4 : 2)));
+  Params p{DType::fp8e4m3, out_f32, MODE_RAGGED, true, m, k, n, g, a, b, static_cast<const int *>(gs), out,
+           static_cast<const float *>(sa), static_cast<const float *>(sb)};
+  CHECK(ragged_sm90(p, 0));
+  CHECK(cudaDeviceSynchronize());
+  std::vector<float> got(no);
+  if (out_f32) {
+    CHECK(cudaMemcpy(got.data(), out, no * 4, cudaMemcpyDeviceToHost));
+  } else {
+    std::vector<__nv_bfloat16> h(no);
+    CHECK(cudaMemcpy(h.data(), out, no * 2, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < no; i++) got[i] = __bfloat162float(h[i]);
+  }
+  std::vector<double> want(no, 0.0);
+  for (int i = 0, off = 0; i < g; i++) {
+    const int s = std::min(std::max(sizes[i], 0), m - off);
+    for (int r = off; r < off + s; r++)
+      for (int j = 0; j < n; j++)
+        for (int c = 0; c < k; c++)
+          want[size_t(r) * n + j] += double(float(ha[size_t(r) * k + c])) * hsa[size_t(c / B) * m + r] *
+                                     double(float(hb[(size_t(i) * n + j) * k + c])) * hsb[(size_t(i) * kb + c / B) * nbk + j / B];
+    off += s;
+  }
+  double num = 0, den = 0;
+  bool finite = true;
+  for (size_t i = 0; i < no; i++) {
+    finite = finite && std::isfinite(got[i]);
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  const double err = finite ? std::sqrt(num / std::max(den, 1e-30)) : INFINITY, tol = out_f32 ? 2e-3 : 1e-2;
+  for (void *x : {a, b, sa, sb, gs, out}) CHECK(cudaFree(x));
+  std::printf("%s fp8 m=%d k=%d n=%d g=%d out=%s: rel err %.3g\n", err < tol ? "ok  " : "FAIL", m, k, n, g,
+              out_f32 ? "f32" : "bf16", err);
+  return err < tol ? 0 : 1;
+}
+
 int main() {
   int dev = 0, major = 0;
   CHECK(cudaGetDevice(&dev));
@@ -99,6 +159,11 @@ int main() {
     failed += run(700, 64, 520, std::vector<int>(40, 17), MODE_RAGGED, false, false, hopper);
     failed += run(700, 64, 136, std::vector<int>(40, 17), MODE_CONTRACT, false, false, hopper);
   }
+  if (major == 9)
+    for (bool out_f32 : {false, true}) {
+      failed += run_fp8(200, 272, 136, {0, 70, 3, 0, 100}, out_f32);  // k: a 16-wide last block; sum < m
+      failed += run_fp8(129, 128, 8, {129}, out_f32);
+    }
   std::printf("%s\n", failed ? "FAILED" : "all ok");
   return failed ? 2 : 0;
 }

@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cstdint>
 #include <type_traits>
 
@@ -63,6 +64,10 @@ template <typename S> __device__ __forceinline__ S &align_shared(char *raw) {
 
 template <typename T> constexpr bool is_16bit = std::is_same_v<T, bf16> || std::is_same_v<T, half>;
 template <typename T> constexpr bool is_element = is_16bit<T> || std::is_same_v<T, float>;
+// FP8 (e4m3) tiles live in shared memory only: wgmma reads them there, K-major (8-bit operands have
+// no transposed form); the products' accumulators are float32 register tiles.
+using fp8e4m3 = __nv_fp8_e4m3;
+template <typename T> constexpr bool is_8bit = std::is_same_v<T, fp8e4m3>;
 
 // packed<T>: the pair of T one register (or two, for float) holds.
 template <typename T> struct packed_of;

@@ -8,7 +8,7 @@
 namespace tk {
 
 template <typename T, int R, int C> struct st {
-  static_assert(is_element<T> && R % TILE == 0 && C % TILE == 0);
+  static_assert((is_element<T> || is_8bit<T>) && R % TILE == 0 && C % TILE == 0);
   using dtype = T;
   static constexpr int rows = R, cols = C;
   static constexpr int panel_cols = C * int(sizeof(T)) < 128 ? C : 128 / int(sizeof(T));

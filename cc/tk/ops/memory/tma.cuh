@@ -34,6 +34,7 @@ inline encode_fn tensor_map_encoder() {
 template <typename T> constexpr CUtensorMapDataType tma_dtype() {
   if constexpr (std::is_same_v<T, bf16>) return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   else if constexpr (std::is_same_v<T, half>) return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  else if constexpr (is_8bit<T>) return CU_TENSOR_MAP_DATA_TYPE_UINT8;  // (bytes: TMA moves them as they are)
   else return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
 }
 

@@ -1,7 +1,7 @@
 // Warpgroup (4 consecutive warps) matrix products on wgmma (sm_90a), accumulating in fp32 registers.
 // Each warp of the group holds its 16 rows of the 64-row accumulator as an rt_fl<16, N>: the
 // register order of wgmma's accumulator fragment is exactly that of a row-layout register tile.
-//   mma_ABt(d, A smem [64 x K], B smem [N x K])       d (+)= A B^T   (both K-major)
+//   mma_ABt(d, A smem [64 x K], B smem [N x K])       d (+)= A B^T   (both K-major; bf16, fp16 or fp8 e4m3)
 //   mma_AB (d, A regs rt<T,16,K>, B smem [K x N])     d (+)= A B     (B N-major, e.g. V in P V)
 //   mma_AtB(d, A smem [K x 64], B smem [K x N])        d (+)= A^T B   (A M-major, B N-major)
 #pragma once
@@ -76,15 +76,18 @@ template <int N> __device__ __forceinline__ float (&accumulators(rt<float, 16, N
   return *reinterpret_cast<float(*)[N / 2]>(&d.tiles[0][0]);
 }
 
+// (both K-major: 16-bit operands 16 columns a step, 8-bit ones 32: 32 bytes either way)
 template <int N, SharedTile SA, SharedTile SB>
 __device__ __forceinline__ void mma_ABt(rt<float, 16, N, row_l> &d, const SA &a, const SB &b, bool accumulate) {
   using T = typename SA::dtype;
-  static_assert(SA::rows == 64 && SB::rows == N && SA::cols == SB::cols && std::is_same_v<T, typename SB::dtype>);
+  constexpr int KS = 32 / int(sizeof(T));
+  static_assert(SA::rows == 64 && SB::rows == N && SA::cols == SB::cols && SA::cols % KS == 0 &&
+                std::is_same_v<T, typename SB::dtype>);
   const descriptor da = k_major(a), db = k_major(b);
   fence();
 #pragma unroll
-  for (int k = 0; k < SA::cols / 16; k++)
-    detail::wgmma<T, N, 0>::ss(accumulators(d), da.at(k_offset<SA>(16 * k)), db.at(k_offset<SB>(16 * k)), accumulate || k > 0);
+  for (int k = 0; k < SA::cols / KS; k++)
+    detail::wgmma<T, N, 0>::ss(accumulators(d), da.at(k_offset<SA>(KS * k)), db.at(k_offset<SB>(KS * k)), accumulate || k > 0);
   commit();
 }
 

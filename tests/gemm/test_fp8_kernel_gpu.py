@@ -1,0 +1,68 @@
+"""The FP8 grouped GEMM kernel (H100/H200, launch.fp8_call) against float64 products of the
+dequantized operands: m, k and n not multiples of the 128-wide blocks (k a multiple of 16), empty
+groups first, between and last, rows past the groups (0 out), one group (dense), 256 groups; bf16 and
+float32 out; the output poisoned with NaN before the kernel runs. Plus, without a GPU, the CUDA
+lowering of the call."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tk
+from helpers import needs_extension
+from jax_tk._core import extension
+from jax_tk.gemm import launch
+from test_fp8 import np_dequantize, np_ragged_dot
+
+BF16, F32, FP8 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
+on_hopper = pytest.mark.skipif(extension.cuda_device_capability() != (9, 0), reason="the FP8 kernel runs on sm_90a")
+
+CASES = {  # m, k, n, group sizes
+    "odd": (300, 272, 200, [100, 0, 150, 20]),    # k: two blocks, the second 16 wide; 30 rows past the groups
+    "dense": (256, 512, 384, [256]),
+    "empties": (129, 128, 136, [0, 64, 0, 65, 0]),
+    "g256": (1000, 144, 64, list(np.random.default_rng(1).multinomial(990, np.ones(256) / 256))),
+}
+
+
+def operands(seed, m, k, n, sizes):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)) * 3, F32)
+    w = jnp.asarray(rng.standard_normal((len(sizes), k, n)) / np.sqrt(k), F32)
+    return jax_tk.quantize_fp8(x, (1, 128)), jax_tk.quantize_fp8(w, (128, 128)), jnp.asarray(sizes, jnp.int32)
+
+
+@on_hopper
+@pytest.mark.parametrize("out_dtype", [BF16, F32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_against_the_dequantized_product(case, out_dtype):
+    m, k, n, sizes = CASES[case]
+    (a, sa), (b, sb), gs = operands(len(case), m, k, n, sizes)
+    poison = jnp.full((m, n), jnp.nan, out_dtype)
+    out = jax.jit(lambda *x: launch.fp8_call(*x, out_dtype, out_init=poison))(a, sa, b, sb, gs)
+    want = np_ragged_dot(np_dequantize(a, sa, (1, 128)), np_dequantize(b, sb, (128, 128)), sizes)
+    got = np.asarray(out.astype(F32), np.float64)
+    assert np.isfinite(got).all(), f"{np.sum(~np.isfinite(got))} unwritten or non-finite outputs"
+    assert np.all(got[sum(sizes):] == 0)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < (1e-2 if out_dtype == BF16 else 2e-3), err
+
+
+@needs_extension
+@pytest.mark.skipif(extension.has_cuda_kernels() and not extension.has_target(launch.FP8_TARGET),
+                    reason="this build has no FP8 kernel")
+def test_cuda_lowering():
+    """The call exported for CUDA: a's scales k-block major, b [g, n, k], the sizes int32."""
+    (a, sa), (b, sb), gs = operands(0, 40, 272, 24, [10, 30])
+    fn = jax.jit(lambda *x: launch.fp8_call(*x, BF16))
+    text = jax.export.export(fn, platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call(launch.FP8_TARGET)])(a, sa, b, sb, gs).mlir_module()
+    (call,) = re.findall(r"@jax_tk_gemm_fp8\(.*?\) \{.*?\} : \((.*?)\) -> (\S+)", text, re.S)
+    ins, outs = (re.findall(r"tensor<[^>]*>", part) for part in call)
+    assert ins == ["tensor<40x272xf8E4M3FN>", "tensor<3x40xf32>", "tensor<2x24x272xf8E4M3FN>", "tensor<2x3x1xf32>",
+                   "tensor<2xi32>"], ins
+    assert outs == ["tensor<40x24xbf16>"], outs
