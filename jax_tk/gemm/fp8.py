@@ -168,8 +168,9 @@ def _operand(op: str, name: str, x, what: str, block_shape):
 def _kernel_product(a, b, qa, qb, sizes, out_dtype):
     """deq(a) @ deq(b) per group: the FP8 kernel on ``qa``, ``qb`` (the operands' (values, scales)) on
     CUDA, the float32 reference on ``a``, ``b`` (the dequantized operands) elsewhere. Its gradients
-    are those of the product of ``a`` and ``b`` (straight-through), formed by jax_tk.ragged_dot in
-    bfloat16: the kernels' backward is not FP8 yet."""
+    are those of the product of ``a`` and ``b`` (straight-through): a's on the FP8 kernel from the
+    re-quantized cotangent where the kernel takes the sizes (CUDA), b's by jax_tk.ragged_dot in
+    bfloat16, as are both elsewhere."""
     def kernel(a, b, qa, qb, sizes):
         wide = jnp.dtype(out_dtype) == jnp.float32 or jnp.dtype(out_dtype) == jnp.float16
         out = launch.fp8_call(*qa, *qb, sizes, jnp.float32 if wide else jnp.bfloat16)
@@ -187,11 +188,26 @@ def _kernel_product_fwd(a, b, qa, qb, sizes, out_dtype):
 
 def _kernel_product_bwd(out_dtype, res, g):
     a, b, qa, qb, sizes = res
+    g = g.astype(jnp.float32)
     _, vjp = jax.vjp(lambda a, b: api.ragged_dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), sizes,
                                                  preferred_element_type=jnp.float32), a, b)
-    da, db = vjp(g.astype(jnp.float32))
+    da, db = vjp(g)  # (db: the bfloat16 kernels' k-grouped product; there is no FP8 one yet)
+    (m, _), (groups, k, n) = a.shape, b.shape
+    # dgrad: the product g @ deq(b)^T is the forward's with n and k swapped, on the FP8 kernel where it
+    # takes those sizes (n a multiple of 16, k of 8), else the bfloat16 one above.
+    if dispatch.use_kernel("ragged_dot_fp8", None, launch.fp8_unsupported_reason(n, k, groups, m)):
+        da = dispatch.platform_dispatch(True, _dgrad_fp8, lambda g, qb, sizes: vjp(g)[0], g, qb, sizes)
     zeros = jax.tree.map(jnp.zeros_like, (qa, qb))  # (constants: float8 values and their scales)
     return da.astype(a.dtype), db.astype(b.dtype), *zeros, None
+
+
+def _dgrad_fp8(g, qb, sizes):
+    """``deq(quantize(g)) @ deq(b)^T`` per group, float32, on the FP8 kernel: g re-quantized in 1 x 128
+    blocks along n (DeepSeek-V3's backward); b's values and 128 x 128 block scales serve as they are,
+    transposed (a block of b^T is a block of b)."""
+    values, scales = qb
+    return launch.fp8_call(*_quantize(g, LHS_BLOCK), jnp.swapaxes(values, 1, 2), jnp.swapaxes(scales, 1, 2), sizes,
+                           jnp.float32)
 
 
 _kernel_product.defvjp(_kernel_product_fwd, _kernel_product_bwd)
@@ -240,7 +256,11 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
     Gradients: an operand given as an array gets the straight-through estimator: the gradient of the
     product of the dequantized operands with respect to that dequantized operand, passed unchanged to
     the unquantized input (in its dtype), as if quantization were the identity. A ``(values, scales)``
-    pair is a constant: its gradients are zero. Works under ``jit`` and ``vmap``.
+    pair is a constant: its gradients are zero. Works under ``jit`` and ``vmap``. On the kernel path
+    (H100/H200) lhs's gradient runs on the FP8 kernel too, as in DeepSeek-V3's backward: the result's
+    cotangent is quantized in 1 x 128 blocks along n and multiplied by rhs's float8 values, so it
+    carries that quantization's error (a relative 2^-4 at most per cotangent element; n must be a
+    multiple of 16 and k of 8, else bfloat16); rhs's gradient runs on the bfloat16 kernels.
 
     Returns:
       ``[m, n]`` in ``preferred_element_type`` (default bfloat16).

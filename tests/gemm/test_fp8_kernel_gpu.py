@@ -1,8 +1,8 @@
 """The FP8 grouped GEMM kernel (H100/H200, launch.fp8_call) against float64 products of the
 dequantized operands: m, k and n not multiples of the 128-wide blocks (k a multiple of 16), empty
 groups first, between and last, rows past the groups (0 out), one group (dense), 256 groups; bf16 and
-float32 out; the output poisoned with NaN before the kernel runs. Plus, without a GPU, the CUDA
-lowering of the call."""
+float32 out; the output poisoned with NaN before the kernel runs; ragged_dot_fp8's gradients (lhs's
+on the kernel). Plus, without a GPU, the CUDA lowering of the call."""
 from __future__ import annotations
 
 import re
@@ -50,6 +50,33 @@ def test_against_the_dequantized_product(case, out_dtype):
     assert np.all(got[sum(sizes):] == 0)
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert err < (1e-2 if out_dtype == BF16 else 2e-3), err
+
+
+@on_hopper
+@pytest.mark.parametrize("case", ["odd", "empties"])
+def test_gradients(case):
+    """ragged_dot_fp8's gradients on arrays under jit: lhs's on the FP8 kernel (a second call, the
+    cotangent re-quantized) against float64 products of the dequantized cotangent and weights; rhs's
+    (bfloat16 kernels) against the float64 straight-through gradient."""
+    m, k, n, sizes = CASES[case]
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((m, k)), F32)
+    w = jnp.asarray(rng.standard_normal((len(sizes), k, n)) / np.sqrt(k), F32)
+    dout = jnp.asarray(rng.standard_normal((m, n)), F32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    loss = lambda x, w: jnp.sum(jax_tk.ragged_dot_fp8(x, w, gs, preferred_element_type=F32) * dout)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    assert grad.lower(x, w).as_text().count("jax_tk_gemm_fp8") == 2
+    dx, dw = (np.asarray(t, np.float64) for t in grad(x, w))
+    deq_w = np_dequantize(*jax_tk.quantize_fp8(w, (128, 128)), (128, 128))
+    deq_x = np_dequantize(*jax_tk.quantize_fp8(x, (1, 128)), (1, 128))
+    deq_d = np_dequantize(*jax_tk.quantize_fp8(dout, (1, 128)), (1, 128))
+    want_dx = np_ragged_dot(deq_d, np.swapaxes(deq_w, 1, 2), sizes)
+    assert np.all(dx[sum(sizes):] == 0)
+    assert np.linalg.norm(dx - want_dx) / np.linalg.norm(want_dx) < 2e-3
+    bounds = np.cumsum([0] + list(sizes))
+    want_dw = np.stack([deq_x[s:e].T @ np.asarray(dout, np.float64)[s:e] for s, e in zip(bounds[:-1], bounds[1:])])
+    assert np.linalg.norm(dw - want_dw) / np.linalg.norm(want_dw) < 1e-2  # (bfloat16 operands)
 
 
 @needs_extension
