@@ -14,8 +14,14 @@ The same run (same seed, same batches) is made with each grouped GEMM of ``--gem
 ``tk`` = ``jax_tk.ragged_dot``, ``lax`` = ``jax.lax.ragged_dot``) and the tokens/s of each are
 printed, with their loss curves (which agree up to rounding).
 
+With ``--fp8`` the run is made with ``jax_tk.ragged_dot`` in ``--dtype`` (``jax.lax.ragged_dot`` with
+``--gemm lax``) and again with the experts' GEMMs in FP8, ``jax_tk.ragged_dot_fp8`` (DeepSeek-V3
+block scales, straight-through gradients), and the two loss curves, tokens/s and the final loss gap
+are printed side by side.
+
     python examples/moe.py                      # CPU: a tiny model, a few steps; GPU: bf16, 8 experts
     python examples/moe.py --steps 200 --experts 16 --top-k 2
+    python examples/moe.py --fp8                # FP8 experts against bf16 (float32 on a CPU)
 
 ``moe_layer`` (steps 1-4) and ``route`` are used by ``examples/expert_parallel.py``, which shards the
 experts over devices. The module has no side effects on import.
@@ -55,7 +61,22 @@ def ragged_dot_tk(lhs, rhs, group_sizes):
     return jax_tk.ragged_dot(lhs, rhs, group_sizes, implementation="tk" if kernel else None)
 
 
-GEMMS = {"tk": ragged_dot_tk, "lax": jax.lax.ragged_dot}
+def fp8_kernel_runs() -> bool:
+    """Whether jax_tk's FP8 kernel is the one to run here: it is written for H100/H200 (sm_90a) only."""
+    return jax.default_backend() == "gpu" and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
+
+
+def ragged_dot_fp8(lhs, rhs, group_sizes):
+    # Arrays in: the op quantizes the rows in 1x128 blocks along k and the weights in 128x128 blocks,
+    # and its gradients pass straight through to them, so the model trains as it would in lhs's dtype.
+    # On an H100/H200 insist on the FP8 kernel (an error rather than a silent fallback to the reference
+    # if k is not a multiple of 16 or n of 8); elsewhere jax_tk runs its reference.
+    return jax_tk.ragged_dot_fp8(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype,
+                                 implementation="tk" if fp8_kernel_runs() else None)
+
+
+GEMMS = {"tk": ragged_dot_tk, "lax": jax.lax.ragged_dot, "fp8": ragged_dot_fp8}
+LABELS = {"tk": "jax_tk.ragged_dot", "lax": "jax.lax.ragged_dot", "fp8": "jax_tk.ragged_dot_fp8"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,33 +235,70 @@ def parse_args(argv):
     preset = PRESETS["gpu" if jax.default_backend() == "gpu" else "cpu"]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--gemm", choices=("both", *GEMMS), default="both",
+    p.add_argument("--gemm", choices=("both", "tk", "lax"), default="both",
                    help="tk: jax_tk.ragged_dot, lax: jax.lax.ragged_dot")
+    p.add_argument("--fp8", action="store_true",
+                   help="train with --gemm's product (tk for both) and again, from the same parameters and "
+                   "batches, with the experts' GEMMs in FP8 (jax_tk.ragged_dot_fp8, straight-through "
+                   "gradients); print both losses, tokens/s and the loss gap. The FP8 kernel (H100/H200) "
+                   "needs --width and --hidden multiples of 16 (k a multiple of 16, n of 8), as the GPU "
+                   "preset's are; elsewhere jax_tk's reference runs")
     for name in ("layers", "width", "heads", "experts", "top_k", "hidden", "seq", "batch", "steps"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=preset[name])
     p.add_argument("--dtype", choices=tuple(DTYPES), default=preset["dtype"])
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=DATA)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.fp8 and fp8_kernel_runs() and (args.width % 16 or args.hidden % 16):
+        # Checked here rather than by the kernel's error, which would come after the first run trained.
+        p.error(f"--fp8 on this GPU runs the FP8 kernel, which needs --width and --hidden multiples of 16, "
+                f"got {args.width} and {args.hidden}")
+    return args
+
+
+def print_fp8_comparison(base: str, results, config: Config):
+    """The loss curves of ``base`` and ``fp8`` side by side, the final loss gap and the tokens/s ratio."""
+    a, b = results[base]["losses"], results["fp8"]["losses"]
+    steps = len(a)
+    every = max(1, steps // 10)
+    print(f"{'step':>5s} {config.dtype:>9s} {'fp8':>9s} {'fp8 - ' + config.dtype:>15s}")
+    for i in sorted(set(range(0, steps, every)) | {steps - 1}):
+        print(f"{i:5d} {a[i]:9.4f} {b[i]:9.4f} {b[i] - a[i]:+15.4f}")
+    # One step's loss is noisy (a different batch each step, the same in both runs): the gap is also
+    # given over the last steps.
+    tail = max(1, min(10, steps // 4))
+    ma, mb = np.mean(a[-tail:]), np.mean(b[-tail:])
+    print(f"final loss gap, fp8 - {config.dtype}: {b[-1] - a[-1]:+.4f} at the last step, "
+          f"{mb - ma:+.4f} ({(mb - ma) / ma:+.2%}) over the last {tail} steps")
+    ratio = results["fp8"]["tokens_per_s"] / results[base]["tokens_per_s"]
+    what = ("whole training step; the FP8 kernel runs the forward GEMMs, their gradients the bf16 kernels"
+            if fp8_kernel_runs() else "whole training step; no FP8 kernel runs here: jax_tk's reference "
+            "(quantize, dequantize to float32, multiply), not the kernel's speed")
+    print(f"{LABELS['fp8']} / {LABELS[base]}: {ratio:.2f}x tokens/s ({what})")
 
 
 def main(argv=None):
-    """Returns {gemm name: {"losses": [...], "tokens_per_s": float}}."""
+    """Returns {gemm name ("tk", "lax", "fp8"): {"losses": [...], "tokens_per_s": float}}."""
     args = parse_args(argv)
     config = Config(layers=args.layers, width=args.width, heads=args.heads, experts=args.experts,
                     top_k=args.top_k, hidden=args.hidden, seq=args.seq, dtype=args.dtype)
     data = load_data(args.data)
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), {config}, batch {args.batch}: "
           f"{args.batch * config.seq * config.top_k} rows per grouped GEMM")
+    names = ["tk", "lax"] if args.gemm == "both" else [args.gemm]
+    if args.fp8:
+        names = [names[0], "fp8"]
+    width = max(20, *(len(LABELS[name]) for name in names))
     results = {}
-    for name in (GEMMS if args.gemm == "both" else [args.gemm]):
+    for name in names:
         losses, rate = train(config, name, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
                              data=data)
         results[name] = {"losses": losses, "tokens_per_s": rate}
-        label = {"tk": "jax_tk.ragged_dot", "lax": "jax.lax.ragged_dot"}[name]
-        print(f"{label:20s} loss {losses[0]:.4f} -> {losses[-1]:.4f}   {rate:,.0f} tokens/s")
-    if len(results) == 2:
+        print(f"{LABELS[name]:{width}s} loss {losses[0]:.4f} -> {losses[-1]:.4f}   {rate:,.0f} tokens/s")
+    if args.fp8:
+        print_fp8_comparison(names[0], results, config)
+    elif len(results) == 2:
         ratio = results["tk"]["tokens_per_s"] / results["lax"]["tokens_per_s"]
         kernels = (jax.default_backend() == "gpu" and jax_tk.has_cuda_kernels()
                    and config.dtype in ("bfloat16", "float16"))

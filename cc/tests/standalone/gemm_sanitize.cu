@@ -20,6 +20,19 @@
 
 using namespace jax_tk::gemm;
 
+// The kernel's output (float32 or bfloat16, no elements) as float.
+std::vector<float> download(const void *out, size_t no, bool out_f32) {
+  std::vector<float> got(no);
+  if (out_f32) {
+    CHECK(cudaMemcpy(got.data(), out, no * 4, cudaMemcpyDeviceToHost));
+  } else {
+    std::vector<__nv_bfloat16> h(no);
+    CHECK(cudaMemcpy(h.data(), out, no * 2, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < no; i++) got[i] = __bfloat162float(h[i]);
+  }
+  return got;
+}
+
 // mode RAGGED (b_transposed or not) or CONTRACT; out bf16 or float32. Returns the relative error.
 double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool out_f32, bool hopper) {
   std::mt19937 rng(m * 7 + k * 3 + n + int(sizes.size()));
@@ -43,14 +56,7 @@ double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool 
   Params p{DType::bf16, out_f32, mode, bt, m, k, n, g, a, b, gs, out};
   CHECK(hopper ? ragged_sm90(p, 0) : ragged_sm80(p, 0));
   CHECK(cudaDeviceSynchronize());
-  std::vector<float> got(no);
-  if (out_f32) {
-    CHECK(cudaMemcpy(got.data(), out, no * 4, cudaMemcpyDeviceToHost));
-  } else {
-    std::vector<__nv_bfloat16> h(no);
-    CHECK(cudaMemcpy(h.data(), out, no * 2, cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < no; i++) got[i] = __bfloat162float(h[i]);
-  }
+  const std::vector<float> got = download(out, no, out_f32);
   // float64 reference
   std::vector<double> want(no, 0.0);
   auto A = [&](int r, int c) { return double(__bfloat162float(ha[size_t(r) * k + c])); };
@@ -110,14 +116,7 @@ int run_fp8(int m, int k, int n, std::vector<int> sizes, bool out_f32) {
            static_cast<const float *>(sa), static_cast<const float *>(sb)};
   CHECK(ragged_sm90(p, 0));
   CHECK(cudaDeviceSynchronize());
-  std::vector<float> got(no);
-  if (out_f32) {
-    CHECK(cudaMemcpy(got.data(), out, no * 4, cudaMemcpyDeviceToHost));
-  } else {
-    std::vector<__nv_bfloat16> h(no);
-    CHECK(cudaMemcpy(h.data(), out, no * 2, cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < no; i++) got[i] = __bfloat162float(h[i]);
-  }
+  const std::vector<float> got = download(out, no, out_f32);
   std::vector<double> want(no, 0.0);
   for (int i = 0, off = 0; i < g; i++) {
     const int s = std::min(std::max(sizes[i], 0), m - off);
