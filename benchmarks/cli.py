@@ -103,12 +103,13 @@ def bool_list(text: str) -> list[bool]:
 
 def add_common_arguments(p: argparse.ArgumentParser, *, op: str, providers: Sequence[str],
                          default_providers: str, modes: Sequence[str], default_modes: Sequence[str],
-                         dtypes: Sequence[str], quick_help: str, stem_help: str = "") -> None:
+                         dtypes: Sequence[str], quick_help: str, stem_help: str = "",
+                         dtype_help: str = "dtype of the inputs") -> None:
     p.add_argument("--providers", type=str_list(providers), default=None,
                    help=f"from {','.join(providers)} (default {default_providers})")
     p.add_argument("--modes", type=str_list(modes), default=None,
                    help=f"from {','.join(modes)} (default {','.join(default_modes)})")
-    p.add_argument("--dtype", choices=sorted(dtypes), default="bf16", help="dtype of the inputs (default bf16)")
+    p.add_argument("--dtype", choices=sorted(dtypes), default="bf16", help=f"{dtype_help} (default bf16)")
     p.add_argument("--timer", choices=TIMERS, default="wall",
                    help="wall: batches of dispatched calls, including the host's share; cupti: the sum of each "
                         "call's kernels as CUPTI records them (default wall)")

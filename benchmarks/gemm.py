@@ -6,6 +6,7 @@
     python -m benchmarks ragged_dot --quick                 # tiny shapes (seconds, CPU too)
     python -m benchmarks matmul                             # 8192^3 and the same shapes, dense
     python -m benchmarks matmul --shapes cube8k --modes fwd
+    python -m benchmarks ragged_dot --dtype fp8             # FP8 (e4m3) GEMMs of the same shapes
 
 Grouped shapes (bf16; ``m`` rows of ``k`` times one ``[k, n]`` matrix per expert):
 
@@ -27,6 +28,11 @@ for the backward alone (two GEMMs), three times for forward + backward. The tabl
 TFLOP/s per provider and jax_tk's speed over the baselines (ragged_dot: ``lax`` and ``dense``;
 matmul: ``xla``). Each timed result is checked on its first 256 rows (and 64 columns of one group's
 d rhs) against float32 products.
+
+``--dtype fp8``: the same bf16 inputs, which each provider quantizes to float8_e4m3fn itself (the
+weights once, untimed, for ``fwd``; both operands inside the timed call for ``bwd`` and ``fwd_bwd``);
+the providers of the same names are in ``gemm_fp8_providers``. FLOPs as for bf16; the check compares
+with the float32 product of the unquantized inputs, to FP8_MAX_REL_ERR.
 """
 from __future__ import annotations
 
@@ -39,11 +45,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import cli, gemm_providers, harness, output, peers
+from benchmarks import cli, gemm_fp8_providers, gemm_providers, harness, output, peers
 from benchmarks.harness import Result, fmt_tflops
 from benchmarks.timers import make_timer
 
-DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+# fp8: the inputs are bf16, and each provider quantizes them to float8_e4m3fn (gemm_fp8_providers).
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp8": jnp.bfloat16}
 MODES = ("fwd", "bwd", "fwd_bwd")
 DEFAULT_MODES = ("fwd", "fwd_bwd")
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.0, "fwd_bwd": 3.0}
@@ -51,6 +58,20 @@ DISTRIBUTIONS = ("uniform", "dirichlet")
 DIRICHLET_ALPHA = 0.5  # skewed: a few groups get most rows, some nearly none
 CHECK_ROWS = 256  # the correctness check looks at the first rows (and a few columns of d rhs)
 CHECK_COLS = 64
+# The check of the fp8 rows compares with the float32 product of the unquantized bf16 inputs, so it
+# must allow the error of quantizing them. float8_e4m3fn keeps 3 mantissa bits: in the binade
+# [2^e, 2^(e+1)) its step is 2^(e-3), and rounding to nearest moves an element by at most half a step,
+# 2^-4 of its magnitude (elements under e4m3's smallest normal, 2^-6 of the scale amax / 448, move by
+# at most 2^-10 of the scale; for standard-normal inputs they are few). Spread evenly over that half
+# step, the error of a quantized standard-normal operand is about 0.026 of its Frobenius norm (the
+# RMS, not the bound). For independent random operands each operand's error passes through the
+# product at its own relative size, uncorrelated with the other's: the forward (both quantized) is off
+# by about sqrt(2) * 0.026 = 0.036, each backward GEMM (the cotangent is not quantized) by about
+# 0.026, whatever k. The per-element bound, 2^-4, leaves 1.7x over that, and stays far below a wrong
+# product: a dropped scale (a factor of about 100 for standard-normal inputs), a transposed or
+# misgrouped operand (about 1.4), even one scale 10% off (about 0.1). A provider that skips the
+# quantization passes (its error is bf16's): that is not what this check is for.
+FP8_MAX_REL_ERR = 2.0**-4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +92,10 @@ class GemmConfig:
         if mode not in MODE_FLOP_FACTOR:
             raise ValueError(f"unknown mode {mode!r}")
         return 2.0 * self.m * self.k * self.n * MODE_FLOP_FACTOR[mode]
+
+    def max_rel_err(self) -> float:
+        """The correctness check's tolerance: FP8's quantization error for fp8 rows."""
+        return FP8_MAX_REL_ERR if self.dtype == "fp8" else harness.MAX_REL_ERR
 
     def label(self) -> str:
         grouped = f" g={self.groups} {self.dist}" if self.dist != "dense" else ""
@@ -265,20 +290,27 @@ def plot(results: Sequence[Result], path: str, env: dict, op: str) -> list[str]:
     return [path]
 
 
-def command(op: str, help: str, factories: dict, *, baselines: Sequence[str], shapes: dict, quick_shapes: dict,
-            make_configs: Callable, header_note: str = "", extra_arguments=None):
+def command(op: str, help: str, factories: dict, fp8_factories: dict, *, baselines: Sequence[str], shapes: dict,
+            quick_shapes: dict, make_configs: Callable, header_note: str = "", extra_arguments=None):
     """Registers the subcommand ``python -m benchmarks OP`` of a GEMM benchmark; returns it and its
     ``bench(configs, providers, modes, *, timer, check, on_result, log) -> results``.
     ``factories``: the providers (name -> factory(cfg)), by default all but the peers that are not
-    installed; ``make_configs(shapes, names, args)`` turns the chosen shape names (and
-    ``extra_arguments``' options) into GemmConfigs."""
+    installed; ``fp8_factories``: the same names' providers for ``--dtype fp8`` (gemm_fp8_providers);
+    ``make_configs(shapes, names, args)`` turns the chosen shape names (and ``extra_arguments``'
+    options) into GemmConfigs."""
     own = [p for p in factories if p not in peers.PEERS]
     peer_names = [p for p in factories if p in peers.PEERS]
 
     def default_providers() -> list[str]:
         return own + peers.installed_peers(peer_names)
+
+    assert set(fp8_factories) == set(factories), "an FP8 provider for every provider name (a Skip where none)"
+
+    def make_provider(name: str, cfg: GemmConfig):
+        return harness.factory(fp8_factories if cfg.dtype == "fp8" else factories, name)(cfg)
+
     bench_op = harness.OpBench(
-        make_provider=lambda name, cfg: harness.factory(factories, name)(cfg), make_inputs=make_inputs,
+        make_provider=make_provider, make_inputs=make_inputs, max_rel_err=GemmConfig.max_rel_err,
         input_bytes=input_bytes, check_fwd=lambda cfg, provider, args, out: check_fwd(cfg, args[0], args[1], out),
         check_bwd=lambda cfg, provider, args, dout, grads: check_bwd(cfg, args[0], args[1], dout, grads[0], grads[1]))
 
@@ -301,6 +333,9 @@ def command(op: str, help: str, factories: dict, *, baselines: Sequence[str], sh
                                  default_providers=",".join(own) + (f", and {','.join(peer_names)} where installed"
                                                                     if peer_names else ""),
                                  modes=MODES, default_modes=DEFAULT_MODES, dtypes=tuple(DTYPES),
+                                 dtype_help="bf16 or fp16 inputs; fp8: bf16 inputs that each provider quantizes to "
+                                            "float8_e4m3fn (fwd: the weights once, untimed, the activations per call; "
+                                            "bwd, fwd_bwd: both per call, straight-through gradients)",
                                  quick_help=f"tiny shapes {quick_shapes} (runs on CPU in seconds)")
 
     def run(args) -> int:
@@ -315,6 +350,10 @@ def command(op: str, help: str, factories: dict, *, baselines: Sequence[str], sh
         header = [f"# jax_tk {op} benchmark: {output.env_header(env)}",
                   f"# providers={','.join(shown)} modes={','.join(modes)} dtype={args.dtype} reps={reps}; "
                   "FLOPs 2*m*k*n per GEMM (fwd 1, bwd 2, fwd_bwd 3 GEMMs)" + header_note]
+        if args.dtype == "fp8":
+            header.append("# fp8: bf16 inputs, quantized to float8_e4m3fn by each provider: fwd with the weights "
+                          "quantized once (untimed) and the activations per call, bf16 out; bwd and fwd_bwd "
+                          f"quantize both per call; checked against the unquantized product to {FP8_MAX_REL_ERR:g}")
         run_bench = functools.partial(bench, make_configs(chosen, names, args), shown, modes, timer=timer,
                                       check=not args.no_check)
         return cli.run_and_write(cmd, env=env, header=header, csv_path=csv_path, png_path=png_path,
@@ -356,13 +395,14 @@ def _dist_argument(a) -> None:
 
 RAGGED_DOT, bench_ragged_dot = command(
     "ragged_dot", "grouped GEMM (mixture of experts) forward and backward", gemm_providers.RAGGED_FACTORIES,
+    gemm_fp8_providers.RAGGED_FACTORIES,
     baselines=gemm_providers.RAGGED_BASELINES,
     shapes=RAGGED_SHAPES, quick_shapes=RAGGED_QUICK_SHAPES, extra_arguments=_dist_argument,
     make_configs=lambda shapes, names, args: ragged_configs(shapes, names, args.dist or list(DISTRIBUTIONS),
                                                             args.dtype),
     header_note="; dense = XLA's [m,k]@[k,n], the ceiling")
 MATMUL, bench_matmul = command(
-    "matmul", "dense GEMM forward and backward", gemm_providers.MATMUL_FACTORIES,
+    "matmul", "dense GEMM forward and backward", gemm_providers.MATMUL_FACTORIES, gemm_fp8_providers.MATMUL_FACTORIES,
     baselines=gemm_providers.MATMUL_BASELINES,
     shapes=MATMUL_SHAPES, quick_shapes=MATMUL_QUICK_SHAPES,
     make_configs=lambda shapes, names, args: matmul_configs(shapes, names, args.dtype))

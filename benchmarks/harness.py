@@ -72,7 +72,10 @@ class Provider:
     implementation to choose from (e.g. FlashAttention's number of KV splits): each is timed, and the
     fastest correct one is reported, its note naming it (``fn`` is then not timed). ``restore(x)``:
     where ``prepare`` changes the layout, maps an array of the provider's layout (a prepared input,
-    the output, a gradient) back to the benchmark's, for the op's correctness check.
+    the output, a gradient) back to the benchmark's, for the op's correctness check. ``per_mode(mode)``:
+    where the work timed differs by mode, the Provider to time in ``mode`` (raising Skip for a mode it
+    does not run); e.g. FP8 serving quantizes the weights once, in ``prepare``, and FP8 training
+    inside the timed call. ``fn`` is then not timed.
     """
 
     name: str
@@ -85,6 +88,7 @@ class Provider:
     scratch_what: str = "scratch"
     variants: tuple["Provider", ...] = ()
     restore: Callable | None = None
+    per_mode: Callable[[str], "Provider"] | None = None
 
     @property
     def materializes_logits(self) -> bool:
@@ -108,7 +112,9 @@ class OpBench:
     (raises Skip where the configuration cannot be run here, e.g. does not fit in memory);
     ``input_bytes(cfg)``: bytes of one such set; ``check_fwd(cfg, provider, args, out)`` and
     ``check_bwd(cfg, provider, args, dout, grads)`` -> relative error against a reference;
-    ``on_result(result, by_key)``: a hook on every result (e.g. the ratio to a baseline row)."""
+    ``on_result(result, by_key)``: a hook on every result (e.g. the ratio to a baseline row);
+    ``max_rel_err(cfg)``: the check's tolerance for a configuration (default MAX_REL_ERR; FP8 GEMMs
+    allow the error of their quantization)."""
 
     make_provider: Callable[[str, Any], Provider]
     make_inputs: Callable[[Any, int], list]
@@ -116,6 +122,7 @@ class OpBench:
     check_fwd: Callable | None = None
     check_bwd: Callable | None = None
     on_result: Callable[["Result", dict], None] | None = None
+    max_rel_err: Callable[[Any], float] | None = None
 
 
 @dataclasses.dataclass
@@ -182,7 +189,9 @@ def short_error(e: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-MAX_REL_ERR = 2e-2  # a correctness check above this (or NaN) makes the result "wrong", not a timing
+# A correctness check above this (or NaN) makes the result "wrong", not a timing (unless the op sets its
+# own tolerance, OpBench.max_rel_err).
+MAX_REL_ERR = 2e-2
 
 
 def rel_err(got, want) -> float:
@@ -233,7 +242,10 @@ _random_set = jax.jit(_random_set_impl, static_argnames=("shapes", "dtype"))
 
 def time_provider(op: OpBench, provider: Provider, cfg, sets, modes, timer, check: bool) -> list[Result]:
     """Times one provider on one configuration in every mode; failures become Results."""
+    if provider.per_mode is not None:
+        return [r for mode in modes for r in _time_per_mode(op, provider, cfg, sets, mode, timer, check)]
     results = []
+    tolerance = op.max_rel_err(cfg) if op.max_rel_err is not None else MAX_REL_ERR
     prepared = [tuple(provider.prepare(*s)) for s in sets] if provider.prepare else list(sets)
     fwd = jax.jit(provider.fn)
 
@@ -283,7 +295,7 @@ def time_provider(op: OpBench, provider: Provider, cfg, sets, modes, timer, chec
             copies = len(arg_sets)
             del arg_sets
         # A provider whose results fail the check is not reported as a timing of the op.
-        res.status = "ok" if not checked or res.rel_err <= MAX_REL_ERR else "wrong"
+        res.status = "ok" if not checked or res.rel_err <= tolerance else "wrong"
         res.time_ms, res.min_ms, res.max_ms = timing.median_ms, timing.min_ms, timing.max_ms
         res.reps, res.calls_per_sample = timing.reps, timing.calls_per_sample
         res.copies = copies
@@ -292,6 +304,14 @@ def time_provider(op: OpBench, provider: Provider, cfg, sets, modes, timer, chec
             res.note = "; ".join(filter(None, [res.note, "host-bound: dispatch kept pace with the device"]))
         results.append(res)
     return results
+
+
+def _time_per_mode(op, provider, cfg, sets, mode, timer, check) -> list[Result]:
+    try:
+        chosen = provider.per_mode(mode)
+    except Skip as e:
+        return [Result(cfg, provider.name, mode, "skipped", note=str(e))]
+    return time_provider(op, dataclasses.replace(chosen, name=provider.name), cfg, sets, [mode], timer, check)
 
 
 def _time_with_fallback(op, provider, cfg, sets, modes, timer, check) -> list[Result]:

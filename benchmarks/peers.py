@@ -10,7 +10,8 @@ tokamax   tokamax                 tokamax                    attention: ``dot_pr
                                                              implementation="mosaic")``; ragged_dot:
                                                              ``ragged_dot(..., implementation="mosaic")``
 jla       jax-linear-attention    jla.ops.mosaic_gpu         attention: ``attention.flash_attention``;
-                                                             ragged_dot: ``ragged_dot.ragged_dot``;
+                                                             ragged_dot: ``ragged_dot.ragged_dot``, with
+                                                             --dtype fp8 ``ragged_dot_fp8.ragged_dot_fp8``;
                                                              linear_attention:
                                                              ``gated_delta_rule.gated_delta_rule``,
                                                              ``scalar_gate.simple_gla``

@@ -1,13 +1,16 @@
 """The grouped and dense GEMM benchmarks (benchmarks/gemm.py: ragged_dot, matmul): shapes, FLOP counts,
 group sizes, the correctness checks, and tiny end-to-end runs on the CPU (CSV, table, report)."""
 import csv
+import importlib.machinery
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import cli, gemm, harness
+from benchmarks import cli, gemm, gemm_fp8_providers, gemm_providers, harness, peers, timers
 from benchmarks.gemm import GemmConfig
 
 
@@ -90,3 +93,125 @@ def test_ratio_columns():
           harness.Result(c, "dense", "fwd", "ok", time_ms=0.5)]
     table = gemm.RAGGED_DOT.format_table(rs, ["jax_tk", "lax", "dense"])
     assert "2.00x" in table and "0.50x" in table
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 (--dtype fp8): bf16 inputs that each provider quantizes; checked against the unquantized product
+# ----------------------------------------------------------------------------------------------
+
+TINY_TIMER = dict(reps=20, batch_ms=1, warmup_ms=1)
+FP8_RAGGED = GemmConfig("t", 256, 192, 128, 4, "dirichlet", "fp8")  # k: one whole 128-block, one ragged
+FP8_MATMUL = GemmConfig("t", 128, 192, 96, dtype="fp8")
+
+
+def _bench(op, cfg, providers, modes):
+    bench = gemm.bench_ragged_dot if op == "ragged_dot" else gemm.bench_matmul
+    return bench([cfg], providers, list(modes), log=None, timer=timers.WallTimer(**TINY_TIMER))
+
+
+def test_fp8_option():
+    assert "fp8" in gemm.DTYPES and gemm.DTYPES["fp8"] == jnp.bfloat16  # inputs in bf16
+    assert FP8_RAGGED.flops("fwd") == GemmConfig("t", 256, 192, 128, 4, "dirichlet").flops("fwd")
+    assert FP8_RAGGED.max_rel_err() == gemm.FP8_MAX_REL_ERR == 2.0**-4
+    assert GemmConfig("t", 8, 8, 8).max_rel_err() == harness.MAX_REL_ERR
+    # Every provider name has an FP8 provider (or an FP8 skip).
+    assert set(gemm_fp8_providers.RAGGED_FACTORIES) == set(gemm_providers.RAGGED_FACTORIES)
+    assert set(gemm_fp8_providers.MATMUL_FACTORIES) == set(gemm_providers.MATMUL_FACTORIES)
+
+
+# (fwd_bwd, not checked, runs the same code as fwd and bwd: timed on the dense GEMM only, to keep it quick)
+@pytest.mark.parametrize("op,provider", [("ragged_dot", "jax_tk"), ("ragged_dot", "lax"), ("ragged_dot", "dense"),
+                                         ("matmul", "jax_tk"), ("matmul", "xla")])
+def test_fp8_providers_pass_their_check(op, provider):
+    if harness.has_gpu():
+        pytest.skip("the CPU run")
+    modes = ("fwd", "bwd") if op == "ragged_dot" else ("fwd", "bwd", "fwd_bwd")
+    results = _bench(op, FP8_RAGGED if op == "ragged_dot" else FP8_MATMUL, [provider], modes)
+    assert [(r.provider, r.mode) for r in results] == [(provider, m) for m in modes]
+    for r in results:
+        assert r.status == "ok" and r.time_ms > 0, (r.mode, r.note)
+        if r.mode != "fwd_bwd":
+            # Quantized: above bf16's error (about 4e-3), within FP8's (about 0.036 forward, 0.026 backward).
+            assert 1e-2 < r.rel_err <= gemm.FP8_MAX_REL_ERR, (r.mode, r.rel_err)
+
+
+def test_fp8_command_line(tmp_path, capsys):
+    if harness.has_gpu():
+        pytest.skip("the CPU run")
+    assert cli.main(["matmul", "--quick", "--dtype", "fp8", "--modes", "fwd", "--providers", "xla",
+                     "--out", str(tmp_path), "--png", "none"]) == 0
+    assert "# fp8: bf16 inputs, quantized to float8_e4m3fn by each provider" in capsys.readouterr().out
+    rows = _rows(tmp_path / "matmul.csv")
+    assert len(rows) == len(gemm.MATMUL_QUICK_SHAPES)
+    assert all(r["dtype"] == "fp8" and r["status"] == "ok" for r in rows), rows
+
+
+def test_fp8_check_catches_wrong_products(monkeypatch):
+    """The FP8 tolerance passes an unquantized product and fails a wrong one (a dropped scale, a
+    scale 10% off, a transposed operand); a wrong provider is recorded as "wrong", not timed."""
+    cfg = GemmConfig("t", 128, 96, 96, dtype="fp8")
+    lhs, rhs, _, _ = gemm.make_inputs(cfg, 1)[0]
+    a, b = gemm_fp8_providers.per_tensor_fp8(lhs), gemm_fp8_providers.per_tensor_fp8(rhs[0])
+    dot = lambda x, y: jax.lax.dot_general(x, y, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    right = gemm_fp8_providers._dot_fp8(a, b)
+    assert gemm.check_fwd(cfg, lhs, rhs[0], right) <= gemm.FP8_MAX_REL_ERR
+    assert gemm.check_fwd(cfg, lhs, rhs[0], jnp.dot(lhs, rhs[0])) <= gemm.FP8_MAX_REL_ERR  # unquantized: passes
+    for wrong in (dot(a[0], b[0]) * a[1],  # b's scale dropped
+                  right * 1.1,  # a scale 10% off
+                  gemm_fp8_providers._dot_fp8(a, b, b_kn=False)):  # b [k, n] read as [n, k] (k = n here)
+        assert gemm.check_fwd(cfg, lhs, rhs[0], wrong) > gemm.FP8_MAX_REL_ERR
+
+    quantize = gemm_fp8_providers.per_tensor_fp8
+    no_scales = harness.Provider("jax_tk", lambda x, y: dot(quantize(x)[0], quantize(y)[0]),
+                                 prepare=gemm_providers._first_group)
+    monkeypatch.setitem(gemm_fp8_providers.MATMUL_FACTORIES, "jax_tk", lambda cfg: no_scales)
+    (r,) = _bench("matmul", cfg, ["jax_tk"], ["fwd"])
+    assert r.status == "wrong" and r.rel_err > 10, r
+
+
+def _fake_jla_fp8(monkeypatch, calls, supported=True):
+    """jla.ops.mosaic_gpu.ragged_dot_fp8 as documented: float8 lhs [M, K] and rhs_t [G, N, K], no
+    scales, float32 accumulation, bf16 out."""
+    def supports_fp8(lhs, rhs_t, group_sizes):
+        calls.append(("supports", lhs.shape, lhs.dtype, rhs_t.shape, rhs_t.dtype))
+        return supported
+
+    def ragged_dot_fp8(lhs, rhs_t, group_sizes):
+        assert lhs.dtype == rhs_t.dtype == jnp.float8_e4m3fn
+        calls.append(("ragged_dot_fp8", lhs.shape, rhs_t.shape))
+        out = jax.lax.ragged_dot(lhs.astype(jnp.float32), jnp.swapaxes(rhs_t, 1, 2).astype(jnp.float32), group_sizes)
+        return out.astype(jnp.bfloat16)
+
+    kernels = _module("jla.ops.mosaic_gpu.ragged_dot_fp8", supports_fp8=supports_fp8, ragged_dot_fp8=ragged_dot_fp8)
+    for name, mod in [("jla", _module("jla")), ("jla.ops", _module("jla.ops")),
+                      ("jla.ops.mosaic_gpu", _module("jla.ops.mosaic_gpu")),
+                      ("jla.ops.mosaic_gpu.ragged_dot_fp8", kernels)]:
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(peers, "cuda_capability", lambda: "9.0")
+
+
+def _module(name, **attrs):
+    mod = types.ModuleType(name)
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)  # so that find_spec sees it installed
+    for k, v in attrs.items():
+        setattr(mod, k, v)
+    return mod
+
+
+def test_fp8_jla_with_a_stand_in(monkeypatch):
+    """jla's FP8 kernel gets float8 operands, the weights as [G, N, K]; forward only."""
+    calls = []
+    _fake_jla_fp8(monkeypatch, calls)
+    fwd, bwd = _bench("ragged_dot", FP8_RAGGED, ["jla"], ("fwd", "bwd"))
+    assert fwd.status == "ok" and 1e-2 < fwd.rel_err <= gemm.FP8_MAX_REL_ERR, fwd
+    assert bwd.status == "skipped" and "forward only" in bwd.note
+    assert calls[0] == ("supports", (256, 192), jnp.float8_e4m3fn, (4, 128, 192), jnp.float8_e4m3fn)
+    assert ("ragged_dot_fp8", (256, 192), (4, 128, 192)) in calls
+    _fake_jla_fp8(monkeypatch, [], supported=False)
+    with pytest.raises(harness.Skip, match="supports_fp8 rejects"):
+        gemm_fp8_providers.RAGGED_FACTORIES["jla"](FP8_RAGGED)
+
+
+def test_fp8_tokamax_is_skipped_with_the_reason():
+    r = _bench("ragged_dot", FP8_RAGGED, ["tokamax"], ("fwd",))[0]
+    assert r.status == "skipped" and "no FP8 GEMM on Hopper" in r.note
