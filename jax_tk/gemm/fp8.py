@@ -159,6 +159,22 @@ def _operand(op: str, name: str, x, what: str, block_shape):
     return _fake_quant(x, block_shape), jax.lax.stop_gradient(_quantize(x, block_shape)), tuple(x.shape)
 
 
+def _swap(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+def _weights(op: str, name: str, x, transposed: bool, lead: str = ""):
+    """rhs (or b), given as ``[lead k, n]`` or, ``transposed``, ``[lead n, k]``: (the dequantized float32
+    operand as ``[.., k, n]``, its (values, scales) in the FP8 kernel's layout (values ``[.., n, k]``,
+    scales ``[.., ceil(k/128), ceil(n/128)]``), its shape as ``[.., k, n]``). Swapping the last two
+    axes of values or scales is one transpose in XLA, of a pair given in the kernel's layout none."""
+    what = f"[{lead}n, k]" if transposed else f"[{lead}k, n]"
+    deq, (values, scales), shape = _operand(op, name, x, what, RHS_BLOCK)
+    if transposed:
+        return _swap(deq), (values, _swap(scales)), (*shape[:-2], shape[-1], shape[-2])
+    return deq, (_swap(values), scales), shape
+
+
 # ----------------------------------------------------------------------------------------------
 # The grouped product on the FP8 kernel
 # ----------------------------------------------------------------------------------------------
@@ -203,11 +219,10 @@ def _kernel_product_bwd(out_dtype, res, g):
 
 def _dgrad_fp8(g, qb, sizes):
     """``deq(quantize(g)) @ deq(b)^T`` per group, float32, on the FP8 kernel: g re-quantized in 1 x 128
-    blocks along n (DeepSeek-V3's backward); b's values and 128 x 128 block scales serve as they are,
-    transposed (a block of b^T is a block of b)."""
+    blocks along n (DeepSeek-V3's backward); b's values and 128 x 128 block scales (``qb``, the
+    kernel's layout: [g, n, k] and [g, kb, nb]) serve transposed (a block of b^T is a block of b)."""
     values, scales = qb
-    return launch.fp8_call(*_quantize(g, LHS_BLOCK), jnp.swapaxes(values, 1, 2), jnp.swapaxes(scales, 1, 2), sizes,
-                           jnp.float32)
+    return launch.fp8_call(*_quantize(g, LHS_BLOCK), _swap(values), _swap(scales), sizes, jnp.float32)
 
 
 _kernel_product.defvjp(_kernel_product_fwd, _kernel_product_bwd)
@@ -231,7 +246,8 @@ def _out_dtype(op: str, preferred_element_type) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_offset=None, implementation=None):
+def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_offset=None, rhs_transposed=False,
+                   implementation=None):
     """Grouped matrix product (mixture of experts) of FP8 operands with block scales (DeepSeek-V3):
     ``out[r] = deq(lhs)[r] @ deq(rhs)[i]`` for the rows r of group i, ``deq`` the dequantized operand
     (``values * scale``, float32), accumulated in float32.
@@ -249,6 +265,10 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
       preferred_element_type: the result's dtype: None (bfloat16), bfloat16, float16 or float32.
       group_offset: as for :func:`jax_tk.ragged_dot` (expert parallelism: rhs holds g of the
         group_sizes' G groups, from ``group_offset[0]`` on).
+      rhs_transposed: rhs given as ``[g, n, k]`` (each expert's matrix transposed; a pair's scales
+        ``[g, ceil(n/128), ceil(k/128)]``, as ``quantize_fp8`` gives for that array). The FP8 kernel
+        reads the weights in this layout (8-bit operands are read K-major): weights kept so, e.g. by
+        a server that quantizes them once, spare the transpose of ``[g, k, n]`` in every call.
       implementation: ``None`` (the FP8 kernel on H100/H200 where it applies: k a multiple of 16, n of
         8; the reference elsewhere), ``"tk"`` (the kernel, or an error saying why not), ``"xla"``
         (the pure-JAX reference: dequantize to float32, then the grouped product).
@@ -267,7 +287,7 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
     """
     op = "ragged_dot_fp8"
     a, qa, (m, k) = _operand(op, "lhs", lhs, "[m, k]", LHS_BLOCK)
-    b, qb, (g, kr, n) = _operand(op, "rhs", rhs, "[g, k, n]", RHS_BLOCK)
+    b, qb, (g, kr, n) = _weights(op, "rhs", rhs, rhs_transposed, "g, ")
     if k != kr:
         raise ValueError(f"jax_tk.{op}: the contracting dimension k of lhs [m, k] and rhs [g, k, n] must be "
                          f"equal, got lhs {(m, k)} and rhs {(g, kr, n)}")
@@ -283,7 +303,7 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
     return api.with_offset(lambda x, s: reference.ragged_dot(x, b, s, out_dtype=out_dtype), a, sizes, group_offset, g)
 
 
-def matmul_fp8(a, b, *, preferred_element_type=None, implementation=None):
+def matmul_fp8(a, b, *, preferred_element_type=None, b_transposed=False, implementation=None):
     """Dense matrix product of FP8 operands with block scales (DeepSeek-V3): ``deq(a) @ deq(b)``,
     accumulated in float32.
 
@@ -292,6 +312,7 @@ def matmul_fp8(a, b, *, preferred_element_type=None, implementation=None):
         bfloat16/float16/float32 array, quantized here in 1x128 blocks.
       b: ``[k, n]``: a pair (values float8_e4m3fn ``[k, n]``, scales float32
         ``[ceil(k/128), ceil(n/128)]``), or a float array, quantized here in 128x128 blocks.
+      b_transposed: b given as ``[n, k]`` (as ``rhs_transposed`` of :func:`ragged_dot_fp8`).
       preferred_element_type, implementation: as for :func:`ragged_dot_fp8` (the kernel: one group of
         all of a's rows).
 
@@ -302,7 +323,7 @@ def matmul_fp8(a, b, *, preferred_element_type=None, implementation=None):
     """
     op = "matmul_fp8"
     x, qx, (m, k) = _operand(op, "a", a, "[m, k]", LHS_BLOCK)
-    y, qy, (kb, n) = _operand(op, "b", b, "[k, n]", RHS_BLOCK)
+    y, qy, (kb, n) = _weights(op, "b", b, b_transposed)
     if k != kb:
         raise ValueError(f"jax_tk.{op}: a [m, k] and b [k, n] must have the same k, got a {(m, k)} and b {(kb, n)}")
     out_dtype = _out_dtype(op, preferred_element_type)

@@ -91,18 +91,19 @@ def fp8_unsupported_reason(k: int, n: int, groups: int, rows: int) -> str | None
     return None
 
 
-def fp8_call(a, a_scales, b, b_scales, group_sizes, out_dtype, out_init=None):
+def fp8_call(a, a_scales, b_nk, b_scales, group_sizes, out_dtype, out_init=None):
     """One launch of the FP8 kernel (Hopper): ``out[r] = deq(a)[r] @ deq(b)[i]`` for the rows r of group
     i, ``deq`` the operand times its block scales; rows past the groups give 0.
 
-    a float8_e4m3fn ``[m, k]`` with scales float32 ``[m, ceil(k/128)]`` (1 x 128 blocks along k), b
-    float8_e4m3fn ``[g, k, n]`` with scales ``[g, ceil(k/128), ceil(n/128)]`` (128 x 128 blocks),
-    group_sizes ``[g]`` (>= 0, summing to at most m); out ``[m, n]`` in ``out_dtype``, bfloat16 or
-    float32. The kernel reads b as ``[g, n, k]`` (8-bit operands are read K-major) and a's scales
-    k-block major: both transposed here. ``out_init`` (tests): a buffer aliased to the output."""
-    m, n = a.shape[0], b.shape[2]
+    a float8_e4m3fn ``[m, k]`` with scales float32 ``[m, ceil(k/128)]`` (1 x 128 blocks along k); b
+    given K-major, as the kernel reads it (8-bit operands are read K-major): values float8_e4m3fn
+    ``b_nk = [g, n, k]`` (b^T per group), scales ``[g, ceil(k/128), ceil(n/128)]`` (b's 128 x 128
+    blocks); group_sizes ``[g]`` (>= 0, summing to at most m); out ``[m, n]`` in ``out_dtype``,
+    bfloat16 or float32. (a's scales go to the kernel k-block major, transposed here.) ``out_init``
+    (tests): a buffer aliased to the output."""
+    m, n = a.shape[0], b_nk.shape[1]
     out_types = (jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype)),)
-    operands = (a, a_scales.T, jnp.swapaxes(b, 1, 2), b_scales, group_sizes.astype(jnp.int32))
+    operands = (a, a_scales.T, b_nk, b_scales, group_sizes.astype(jnp.int32))
     (out,) = kernel_call(FP8_TARGET, out_types, operands, dict(variant=np.int32(dispatch.kernel_variant())),
                          out_init=None if out_init is None else (out_init,))
     return out

@@ -319,7 +319,8 @@ def fake_fp8_kernel(monkeypatch):
         assert a.dtype == b.dtype == FP8 and sa.dtype == sb.dtype == F32 and sizes.dtype == jnp.int32
         assert jnp.dtype(out_dtype) in (jnp.dtype(BF16), jnp.dtype(F32))
         calls.append((a.shape, b.shape))
-        deq_a, deq_b = fp8.dequantize(a, sa, fp8.LHS_BLOCK), fp8.dequantize(b, sb, fp8.RHS_BLOCK)
+        # (b as the kernel reads it, [g, n, k], its scales those of b [g, k, n])
+        deq_a, deq_b = fp8.dequantize(a, sa, fp8.LHS_BLOCK), fp8.dequantize(jnp.swapaxes(b, 1, 2), sb, fp8.RHS_BLOCK)
         return reference.ragged_dot(deq_a, deq_b, sizes, out_dtype=out_dtype)
 
     monkeypatch.setattr(launch, "fp8_call", fp8_call)
@@ -348,14 +349,15 @@ def test_kernel_path_against_the_reference(fake_fp8_kernel, pairs, offset):
                                                         implementation=impl)
     got, got_vjp = jax.vjp(f(None), lhs, rhs)
     want, want_vjp = jax.vjp(f("xla"), lhs, rhs)
-    assert fake_fp8_kernel and fake_fp8_kernel[0][1] == rhs_shape(rhs)
+    groups, k, n = rhs_shape(rhs)
+    assert fake_fp8_kernel and fake_fp8_kernel[0][1] == (groups, n, k)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     if not pairs:
         dout = jnp.asarray(np.random.default_rng(9).standard_normal(got.shape), F32)
         (dx, dw), (wx, ww) = got_vjp(dout), want_vjp(dout)
         # dx on the FP8 kernel (its second call): the straight-through gradient of the re-quantized
         # cotangent (linear in it), up to float32 sums ...
-        assert fake_fp8_kernel[1] == ((got.shape[0], 64), (w.shape[0], 64, 256))
+        assert fake_fp8_kernel[1] == ((got.shape[0], n), (groups, k, n))
         (qx, _) = want_vjp(jax_tk.gemm.fp8.dequantize(*jax_tk.quantize_fp8(dout, (1, 128)), (1, 128)))
         np.testing.assert_allclose(np.asarray(dx), np.asarray(qx), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(qx)).max())
         # ... within that quantization of the exact one; dw on bfloat16 operands.
@@ -369,9 +371,38 @@ def test_matmul_fp8_kernel_path(fake_fp8_kernel):
     x, w = fp8_inputs(10, 33, 256, 64, 1, F32)
     got = jax_tk.matmul_fp8(x, w[0], preferred_element_type=F32)
     want = jax_tk.matmul_fp8(x, w[0], preferred_element_type=F32, implementation="xla")
-    assert fake_fp8_kernel == [((33, 256), (1, 256, 64))]
+    assert fake_fp8_kernel == [((33, 256), (1, 64, 256))]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def rhs_shape(rhs):
     return tuple((rhs[0] if isinstance(rhs, tuple) else rhs).shape)
+
+
+@pytest.mark.parametrize("path", ["reference", "kernel"])
+def test_transposed_weights(request, path):
+    """rhs_transposed / b_transposed: the weights given as [g, n, k] (arrays, and pairs quantized in that
+    layout) give what [g, k, n] gives, values and gradients (the gradient in the given layout); a
+    pair's scales are checked against that layout."""
+    calls = request.getfixturevalue("fake_fp8_kernel") if path == "kernel" else None
+    x, w = fp8_inputs(12, 40, 272, 136, 3, F32)
+    gs = jnp.asarray([10, 0, 25], jnp.int32)
+    wt = jnp.swapaxes(w, 1, 2)
+    dout = randn(np.random.default_rng(13), (40, 136), F32)
+    op = lambda a, b, t: jax_tk.ragged_dot_fp8(a, b, gs, preferred_element_type=F32, rhs_transposed=t)
+    close = lambda got, want: np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    close(op(x, wt, True), op(x, w, False))
+    close(op(x, jax_tk.quantize_fp8(wt, (128, 128)), True), op(x, jax_tk.quantize_fp8(w, (128, 128)), False))
+    grad = lambda b, t: jax.grad(lambda a, b: jnp.sum(op(a, b, t) * dout), argnums=(0, 1))(x, b)
+    (gx_t, gw_t), (gx, gw) = grad(wt, True), grad(w, False)
+    close(gx_t, gx)
+    close(gw_t, jnp.swapaxes(gw, 1, 2))
+    mm = lambda b, t: jax_tk.matmul_fp8(x, b, preferred_element_type=F32, b_transposed=t)
+    close(mm(wt[0], True), mm(w[0], False))
+    if calls is not None:  # (the kernel reads [g, n, k]: the call gets the given values as they are)
+        assert calls[0][1] == (3, 136, 272)
+    values, scales = jax_tk.quantize_fp8(w, (128, 128))
+    with pytest.raises(ValueError, match=r"rhs's scales must have shape \(3, 2, 3\)"):
+        jax_tk.ragged_dot_fp8(x, (jnp.swapaxes(values, 1, 2), scales), gs, rhs_transposed=True)
+    with pytest.raises(ValueError, match=r"contracting dimension k"):
+        jax_tk.ragged_dot_fp8(x, w, gs, rhs_transposed=True)

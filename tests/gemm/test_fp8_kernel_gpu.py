@@ -43,7 +43,7 @@ def test_against_the_dequantized_product(case, out_dtype):
     m, k, n, sizes = CASES[case]
     (a, sa), (b, sb), gs = operands(len(case), m, k, n, sizes)
     poison = jnp.full((m, n), jnp.nan, out_dtype)
-    out = jax.jit(lambda *x: launch.fp8_call(*x, out_dtype, out_init=poison))(a, sa, b, sb, gs)
+    out = jax.jit(lambda *x: launch.fp8_call(*x, out_dtype, out_init=poison))(a, sa, jnp.swapaxes(b, 1, 2), sb, gs)
     want = np_ragged_dot(np_dequantize(a, sa, (1, 128)), np_dequantize(b, sb, (128, 128)), sizes)
     got = np.asarray(out.astype(F32), np.float64)
     assert np.isfinite(got).all(), f"{np.sum(~np.isfinite(got))} unwritten or non-finite outputs"
@@ -87,7 +87,7 @@ def test_cuda_lowering():
     (a, sa), (b, sb), gs = operands(0, 40, 272, 24, [10, 30])
     fn = jax.jit(lambda *x: launch.fp8_call(*x, BF16))
     text = jax.export.export(fn, platforms=["cuda"], disabled_checks=[
-        jax.export.DisabledSafetyCheck.custom_call(launch.FP8_TARGET)])(a, sa, b, sb, gs).mlir_module()
+        jax.export.DisabledSafetyCheck.custom_call(launch.FP8_TARGET)])(a, sa, jnp.swapaxes(b, 1, 2), sb, gs).mlir_module()
     (call,) = re.findall(r"@jax_tk_gemm_fp8\(.*?\) \{.*?\} : \((.*?)\) -> (\S+)", text, re.S)
     ins, outs = (re.findall(r"tensor<[^>]*>", part) for part in call)
     assert ins == ["tensor<40x272xf8E4M3FN>", "tensor<3x40xf32>", "tensor<2x24x272xf8E4M3FN>", "tensor<2x3x1xf32>",
