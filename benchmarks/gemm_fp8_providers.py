@@ -11,9 +11,9 @@ same work in each mode:
   inputs.
 - ``bwd``, ``fwd_bwd`` (training): both operands bf16 arrays quantized inside the timed call; the
   gradients with respect to both are straight-through: those of the product of the dequantized
-  operands, passed unchanged to the unquantized inputs: jax_tk's own backward (the rows' gradient
-  on its FP8 kernel from the re-quantized cotangent, the weights' on bf16 GEMMs); the peers', which
-  have no FP8 backward, formed by bf16 GEMMs.
+  operands, passed unchanged to the unquantized inputs: jax_tk's own backward (both gradients on its
+  FP8 kernel, from operands quantized again); the peers', which have no FP8 backward, formed by bf16
+  GEMMs.
 
 Grouped GEMM (``ragged_dot``):
 

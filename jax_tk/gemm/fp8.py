@@ -184,9 +184,8 @@ def _weights(op: str, name: str, x, transposed: bool, lead: str = ""):
 def _kernel_product(a, b, qa, qb, sizes, out_dtype):
     """deq(a) @ deq(b) per group: the FP8 kernel on ``qa``, ``qb`` (the operands' (values, scales)) on
     CUDA, the float32 reference on ``a``, ``b`` (the dequantized operands) elsewhere. Its gradients
-    are those of the product of ``a`` and ``b`` (straight-through): a's on the FP8 kernel from the
-    re-quantized cotangent where the kernel takes the sizes (CUDA), b's by jax_tk.ragged_dot in
-    bfloat16, as are both elsewhere."""
+    are those of the product of ``a`` and ``b`` (straight-through), on the FP8 kernel from re-quantized
+    operands where it takes the sizes (CUDA), by jax_tk.ragged_dot in bfloat16 elsewhere."""
     def kernel(a, b, qa, qb, sizes):
         wide = jnp.dtype(out_dtype) == jnp.float32 or jnp.dtype(out_dtype) == jnp.float16
         out = launch.fp8_call(*qa, *qb, sizes, jnp.float32 if wide else jnp.bfloat16)
@@ -207,14 +206,23 @@ def _kernel_product_bwd(out_dtype, res, g):
     g = g.astype(jnp.float32)
     _, vjp = jax.vjp(lambda a, b: api.ragged_dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), sizes,
                                                  preferred_element_type=jnp.float32), a, b)
-    da, db = vjp(g)  # (db: the bfloat16 kernels' k-grouped product; there is no FP8 one yet)
-    (m, _), (groups, k, n) = a.shape, b.shape
-    # dgrad: the product g @ deq(b)^T is the forward's with n and k swapped, on the FP8 kernel where it
-    # takes those sizes (n a multiple of 16, k of 8), else the bfloat16 one above.
-    if dispatch.use_kernel("ragged_dot_fp8", None, launch.fp8_unsupported_reason(n, k, groups, m)):
-        da = dispatch.platform_dispatch(True, _dgrad_fp8, lambda g, qb, sizes: vjp(g)[0], g, qb, sizes)
+    (m, k), (groups, _, n) = a.shape, b.shape
+    # Both on the FP8 kernel where it takes the sizes (CUDA), else on the bfloat16 ones: the rows'
+    # gradient g @ deq(b)^T is the forward's product with n and k swapped; the weights' the
+    # contraction over each group's rows.
+    da = _on_fp8(launch.fp8_unsupported_reason(n, k, groups, m), _dgrad_fp8, lambda g, qb, sizes: vjp(g)[0],
+                 g, qb, sizes)
+    db = _on_fp8(launch.fp8_contract_unsupported_reason(n, groups, m), _wgrad_fp8, lambda a, g, sizes: vjp(g)[1],
+                 a, g, sizes)
     zeros = jax.tree.map(jnp.zeros_like, (qa, qb))  # (constants: float8 values and their scales)
     return da.astype(a.dtype), db.astype(b.dtype), *zeros, None
+
+
+def _on_fp8(reason, kernel, fallback, *args):
+    """``kernel(*args)`` on CUDA where the FP8 kernel takes the call (``reason`` None), else ``fallback``."""
+    if dispatch.use_kernel("ragged_dot_fp8", None, reason):
+        return dispatch.platform_dispatch(True, kernel, fallback, *args)
+    return fallback(*args)
 
 
 def _dgrad_fp8(g, qb, sizes):
@@ -223,6 +231,18 @@ def _dgrad_fp8(g, qb, sizes):
     kernel's layout: [g, n, k] and [g, kb, nb]) serve transposed (a block of b^T is a block of b)."""
     values, scales = qb
     return launch.fp8_call(*_quantize(g, LHS_BLOCK), _swap(values), _swap(scales), sizes, jnp.float32)
+
+
+def _wgrad_fp8(a, g, sizes):
+    """``deq(a)[rows_i]^T @ g[rows_i]`` per group, float32 ``[groups, k, n]``, on the FP8 kernel: a (the
+    dequantized rows) and g re-quantized along the rows, a^T in 1 x 128 blocks, g^T in 128 x 128 ones
+    (DeepSeek-V3's wgrad). The rows past the groups are zeroed first (a block's scale would take in
+    their values, NaN or inf included), and the rows padded to a multiple of 16 (the kernel reads
+    both operands along them)."""
+    keep = (jnp.arange(a.shape[0]) < jnp.sum(sizes))[:, None]
+    pad = ((0, 0), (0, -a.shape[0] % 16))
+    at, gt = (jnp.pad(jnp.where(keep, x, 0.0).T, pad) for x in (a, g))
+    return launch.fp8_contract_call(*_quantize(at, LHS_BLOCK), *_quantize(gt, RHS_BLOCK), sizes)
 
 
 _kernel_product.defvjp(_kernel_product_fwd, _kernel_product_bwd)
@@ -280,7 +300,9 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
     (H100/H200) lhs's gradient runs on the FP8 kernel too, as in DeepSeek-V3's backward: the result's
     cotangent is quantized in 1 x 128 blocks along n and multiplied by rhs's float8 values, so it
     carries that quantization's error (a relative 2^-4 at most per cotangent element; n must be a
-    multiple of 16 and k of 8, else bfloat16); rhs's gradient runs on the bfloat16 kernels.
+    multiple of 16 and k of 8, else bfloat16). rhs's gradient too: lhs's rows (dequantized) and the
+    cotangent re-quantized along the rows, ``lhs^T`` in 1 x 128 blocks and the cotangent's transpose in
+    128 x 128 ones, their product per group on the kernel (n a multiple of 8, else bfloat16).
 
     Returns:
       ``[m, n]`` in ``preferred_element_type`` (default bfloat16).

@@ -323,7 +323,18 @@ def fake_fp8_kernel(monkeypatch):
         deq_a, deq_b = fp8.dequantize(a, sa, fp8.LHS_BLOCK), fp8.dequantize(jnp.swapaxes(b, 1, 2), sb, fp8.RHS_BLOCK)
         return reference.ragged_dot(deq_a, deq_b, sizes, out_dtype=out_dtype)
 
+    def fp8_contract_call(at, sat, bt, sbt, sizes, out_init=None):
+        assert at.dtype == bt.dtype == FP8 and sat.dtype == sbt.dtype == F32 and sizes.dtype == jnp.int32
+        assert at.shape[1] == bt.shape[1] and at.shape[1] % 16 == 0
+        calls.append((at.shape, bt.shape))
+        deq_a, deq_b = fp8.dequantize(at, sat, fp8.LHS_BLOCK), fp8.dequantize(bt, sbt, fp8.RHS_BLOCK)
+        ends = jnp.cumsum(sizes)
+        rows = jnp.arange(at.shape[1])
+        member = (rows >= (ends - sizes)[:, None]) & (rows < ends[:, None])  # [g, m]
+        return jnp.einsum("km,gm,nm->gkn", deq_a, member.astype(F32), deq_b, precision="highest")
+
     monkeypatch.setattr(launch, "fp8_call", fp8_call)
+    monkeypatch.setattr(launch, "fp8_contract_call", fp8_contract_call)
     # (fp8's own view of dispatch only: the backward's ragged_dot keeps the real one, its CPU reference)
     shim = types.SimpleNamespace(**vars(fp8.dispatch))
     shim.use_kernel = lambda op, implementation, reason: implementation != "xla"
@@ -357,11 +368,15 @@ def test_kernel_path_against_the_reference(fake_fp8_kernel, pairs, offset):
         (dx, dw), (wx, ww) = got_vjp(dout), want_vjp(dout)
         # dx on the FP8 kernel (its second call): the straight-through gradient of the re-quantized
         # cotangent (linear in it), up to float32 sums ...
-        assert fake_fp8_kernel[1] == ((got.shape[0], n), (groups, k, n))
+        m = got.shape[0]
+        assert fake_fp8_kernel[1:] == [((m, n), (groups, k, n)), ((k, m + (-m) % 16), (n, m + (-m) % 16))]
         (qx, _) = want_vjp(jax_tk.gemm.fp8.dequantize(*jax_tk.quantize_fp8(dout, (1, 128)), (1, 128)))
         np.testing.assert_allclose(np.asarray(dx), np.asarray(qx), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(qx)).max())
-        # ... within that quantization of the exact one; dw on bfloat16 operands.
-        for g, wg, tol in ((dx, wx, 4e-2), (dw, ww, 2e-2)):
+        # dw on it too (the third call): lhs's rows and the cotangent re-quantized along the rows.
+        np.testing.assert_allclose(np.asarray(dw), wgrad_of_requantized(x, dout, gs, go, w.shape[0]), rtol=1e-4,
+                                   atol=1e-5 * np.abs(np.asarray(dw)).max())
+        # Both within that quantization of the exact straight-through gradients.
+        for g, wg, tol in ((dx, wx, 4e-2), (dw, ww, 6e-2)):
             err = np.linalg.norm(np.asarray(g) - np.asarray(wg)) / np.linalg.norm(np.asarray(wg))
             assert 0 < err < tol, err
 
@@ -406,3 +421,26 @@ def test_transposed_weights(request, path):
         jax_tk.ragged_dot_fp8(x, (jnp.swapaxes(values, 1, 2), scales), gs, rhs_transposed=True)
     with pytest.raises(ValueError, match=r"contracting dimension k"):
         jax_tk.ragged_dot_fp8(x, w, gs, rhs_transposed=True)
+
+
+def wgrad_of_requantized(x, dout, sizes, group_offset, local):
+    """float64: per local group, (x quantized in 1x128 blocks along k, dequantized; then transposed
+    and quantized in 1x128 blocks along the rows) times (dout transposed, quantized in 128x128
+    blocks), the blocks over all m rows from row 0, as the kernel path's wgrad forms them; rows
+    rolled so that the local groups come first (group_offset), rows past them zeroed."""
+    sizes = np.asarray(sizes)
+    first = 0 if group_offset is None else int(np.asarray(group_offset)[0])
+    start = int(sizes[:first].sum())
+    local_sizes = sizes[first:first + local]
+    m = x.shape[0]
+    rows = lambda t: np.roll(np.asarray(t, np.float64), -start, axis=0)
+    deq_x = rows(np_dequantize(*jax_tk.quantize_fp8(x, (1, 128)), (1, 128)))
+    d = rows(dout)
+    keep = (np.arange(m) < local_sizes.sum())[:, None]
+    pad = ((0, 0), (0, -m % 16))
+    at = np.pad(np.where(keep, deq_x, 0).T, pad)
+    gt = np.pad(np.where(keep, d, 0).T, pad)
+    qa = np_dequantize(*jax_tk.quantize_fp8(jnp.asarray(at, F32), (1, 128)), (1, 128))
+    qg = np_dequantize(*jax_tk.quantize_fp8(jnp.asarray(gt, F32), (128, 128)), (128, 128))
+    ends = np.cumsum(local_sizes)
+    return np.stack([qa[:, e - s:e] @ qg[:, e - s:e].T for s, e in zip(local_sizes, ends)])

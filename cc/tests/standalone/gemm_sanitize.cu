@@ -91,6 +91,24 @@ double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool 
 
 // FP8 (Hopper): a e4m3 [m, k] with scales [ceil(k/128), m], b e4m3 [g, n, k] with scales
 // [g, ceil(k/128), ceil(n/128)]; out bf16 or float32. Returns 0 if within tolerance.
+template <typename V> void *upload(const V &h) {
+  void *d;
+  CHECK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(h[0])));
+  CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(h[0]), cudaMemcpyHostToDevice));
+  return d;
+}
+
+// ||got - want|| / ||want|| (infinite where got holds a non-finite value: unwritten or NaN).
+double fro_err(const std::vector<float> &got, const std::vector<double> &want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); i++) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
 int run_fp8(int m, int k, int n, std::vector<int> sizes, bool out_f32) {
   std::mt19937 rng(m * 5 + k + n * 3);
   const int g = int(sizes.size()), B = FP8_BLOCK, kb = (k + B - 1) / B, nbk = (n + B - 1) / B;
@@ -102,12 +120,6 @@ int run_fp8(int m, int k, int n, std::vector<int> sizes, bool out_f32) {
   for (auto &x : hb) x = __nv_fp8_e4m3(4 * dist(rng));
   for (auto &x : hsa) x = scale(rng);
   for (auto &x : hsb) x = scale(rng);
-  auto upload = [](const auto &h) {
-    void *d;
-    CHECK(cudaMalloc(&d, h.size() * sizeof(h[0])));
-    CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(h[0]), cudaMemcpyHostToDevice));
-    return d;
-  };
   void *a = upload(ha), *b = upload(hb), *sa = upload(hsa), *sb = upload(hsb), *gs = upload(sizes), *out;
   const size_t no = size_t(m) * n;
   CHECK(cudaMalloc(&out, no * (out_f32 ? 4 : 2)));
@@ -127,16 +139,49 @@ int run_fp8(int m, int k, int n, std::vector<int> sizes, bool out_f32) {
                                      double(float(hb[(size_t(i) * n + j) * k + c])) * hsb[(size_t(i) * kb + c / B) * nbk + j / B];
     off += s;
   }
-  double num = 0, den = 0;
-  bool finite = true;
-  for (size_t i = 0; i < no; i++) {
-    finite = finite && std::isfinite(got[i]);
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  const double err = finite ? std::sqrt(num / std::max(den, 1e-30)) : INFINITY, tol = out_f32 ? 2e-3 : 1e-2;
+  const double err = fro_err(got, want), tol = out_f32 ? 2e-3 : 1e-2;
   for (void *x : {a, b, sa, sb, gs, out}) CHECK(cudaFree(x));
   std::printf("%s fp8 m=%d k=%d n=%d g=%d out=%s: rel err %.3g\n", err < tol ? "ok  " : "FAIL", m, k, n, g,
+              out_f32 ? "f32" : "bf16", err);
+  return err < tol ? 0 : 1;
+}
+
+// FP8, MODE_CONTRACT (the weights' gradient): a [k, m] and b [n, m] (m a multiple of 16), a's scales
+// [mb, k], b's [mb, nb]; out[i] = a[:, rows_i] @ b[:, rows_i]^T; rows past the groups hold values that
+// must add nothing.
+int run_fp8_contract(int m, int k, int n, std::vector<int> sizes, bool out_f32) {
+  std::mt19937 rng(m * 3 + k + n * 7);
+  const int g = int(sizes.size()), B = FP8_BLOCK, mb = (m + B - 1) / B, nbn = (n + B - 1) / B;
+  std::normal_distribution<float> dist;
+  std::uniform_real_distribution<float> scale(0.25f, 2.f);
+  std::vector<__nv_fp8_e4m3> ha(size_t(k) * m), hb(size_t(n) * m);
+  std::vector<float> hsa(size_t(mb) * k), hsb(size_t(mb) * nbn);
+  for (auto &x : ha) x = __nv_fp8_e4m3(4 * dist(rng));
+  for (auto &x : hb) x = __nv_fp8_e4m3(4 * dist(rng));
+  for (auto &x : hsa) x = scale(rng);
+  for (auto &x : hsb) x = scale(rng);
+  void *a = upload(ha), *b = upload(hb), *sa = upload(hsa), *sb = upload(hsb), *gs = upload(sizes), *out;
+  const size_t no = size_t(g) * k * n;
+  CHECK(cudaMalloc(&out, no * (out_f32 ? 4 : 2)));
+  CHECK(cudaMemset(out, 0xff, no * (out_f32 ? 4 : 2)));
+  Params p{DType::fp8e4m3, out_f32, MODE_CONTRACT, false, m, k, n, g, a, b, static_cast<const int *>(gs), out,
+           static_cast<const float *>(sa), static_cast<const float *>(sb)};
+  CHECK(ragged_sm90(p, 0));
+  CHECK(cudaDeviceSynchronize());
+  const std::vector<float> got = download(out, no, out_f32);
+  std::vector<double> want(no, 0.0);
+  for (int i = 0, off = 0; i < g; i++) {
+    const int s = std::min(std::max(sizes[i], 0), m - off);
+    for (int c = 0; c < k; c++)
+      for (int j = 0; j < n; j++)
+        for (int r = off; r < off + s; r++)
+          want[(size_t(i) * k + c) * n + j] += double(float(ha[size_t(c) * m + r])) * hsa[size_t(r / B) * k + c] *
+                                               double(float(hb[size_t(j) * m + r])) * hsb[size_t(r / B) * nbn + j / B];
+    off += s;
+  }
+  const double err = fro_err(got, want), tol = out_f32 ? 2e-3 : 1e-2;
+  for (void *x : {a, b, sa, sb, gs, out}) CHECK(cudaFree(x));
+  std::printf("%s fp8 contract m=%d k=%d n=%d g=%d out=%s: rel err %.3g\n", err < tol ? "ok  " : "FAIL", m, k, n, g,
               out_f32 ? "f32" : "bf16", err);
   return err < tol ? 0 : 1;
 }
@@ -162,6 +207,9 @@ int main() {
     for (bool out_f32 : {false, true}) {
       failed += run_fp8(200, 272, 136, {0, 70, 3, 0, 100}, out_f32);  // k: a 16-wide last block; sum < m
       failed += run_fp8(129, 128, 8, {129}, out_f32);
+      // groups across the 128-row blocks, empty ones, rows past the groups; k and n past a tile
+      failed += run_fp8_contract(400, 136, 200, {0, 70, 3, 0, 200, 100}, out_f32);
+      failed += run_fp8_contract(256, 64, 8, {256}, out_f32);
     }
   std::printf("%s\n", failed ? "FAILED" : "all ok");
   return failed ? 2 : 0;
