@@ -109,26 +109,42 @@ double fro_err(const std::vector<float> &got, const std::vector<double> &want) {
   return std::sqrt(num / std::max(den, 1e-30));
 }
 
+// An FP8 case's operands (random values and scales, of the given sizes) and its run: uploaded, the
+// output poisoned, the kernel, the output back.
+struct Fp8Case {
+  std::vector<__nv_fp8_e4m3> a, b;
+  std::vector<float> sa, sb;
+  Fp8Case(std::mt19937 &rng, size_t na, size_t nb, size_t nsa, size_t nsb) : a(na), b(nb), sa(nsa), sb(nsb) {
+    std::normal_distribution<float> dist;
+    std::uniform_real_distribution<float> scale(0.25f, 2.f);
+    for (auto *v : {&a, &b})
+      for (auto &x : *v) x = __nv_fp8_e4m3(4 * dist(rng));
+    for (auto *v : {&sa, &sb})
+      for (auto &x : *v) x = scale(rng);
+  }
+  // p: dtype, out_f32, mode, b_transposed and the sizes; no: out's elements.
+  std::vector<float> run(Params p, const std::vector<int> &sizes, size_t no) const {
+    void *da = upload(a), *db = upload(b), *dsa = upload(sa), *dsb = upload(sb), *gs = upload(sizes), *out;
+    CHECK(cudaMalloc(&out, no * (p.out_f32 ? 4 : 2)));
+    CHECK(cudaMemset(out, 0xff, no * (p.out_f32 ? 4 : 2)));
+    p.a = da, p.b = db, p.group_sizes = static_cast<const int *>(gs), p.out = out;
+    p.a_scales = static_cast<const float *>(dsa), p.b_scales = static_cast<const float *>(dsb);
+    CHECK(ragged_sm90(p, 0));
+    CHECK(cudaDeviceSynchronize());
+    std::vector<float> got = download(out, no, p.out_f32);
+    for (void *x : {da, db, dsa, dsb, gs, out}) CHECK(cudaFree(x));
+    return got;
+  }
+};
+
 int run_fp8(int m, int k, int n, std::vector<int> sizes, bool out_f32) {
   std::mt19937 rng(m * 5 + k + n * 3);
   const int g = int(sizes.size()), B = FP8_BLOCK, kb = (k + B - 1) / B, nbk = (n + B - 1) / B;
-  std::normal_distribution<float> dist;
-  std::uniform_real_distribution<float> scale(0.25f, 2.f);
-  std::vector<__nv_fp8_e4m3> ha(size_t(m) * k), hb(size_t(g) * n * k);
-  std::vector<float> hsa(size_t(kb) * m), hsb(size_t(g) * kb * nbk);
-  for (auto &x : ha) x = __nv_fp8_e4m3(4 * dist(rng));
-  for (auto &x : hb) x = __nv_fp8_e4m3(4 * dist(rng));
-  for (auto &x : hsa) x = scale(rng);
-  for (auto &x : hsb) x = scale(rng);
-  void *a = upload(ha), *b = upload(hb), *sa = upload(hsa), *sb = upload(hsb), *gs = upload(sizes), *out;
+  Fp8Case c(rng, size_t(m) * k, size_t(g) * n * k, size_t(kb) * m, size_t(g) * kb * nbk);
   const size_t no = size_t(m) * n;
-  CHECK(cudaMalloc(&out, no * (out_f32 ? 4 : 2)));
-  CHECK(cudaMemset(out, 0xff, no * (out_f32 ? 4 : 2)));
-  Params p{DType::fp8e4m3, out_f32, MODE_RAGGED, true, m, k, n, g, a, b, static_cast<const int *>(gs), out,
-           static_cast<const float *>(sa), static_cast<const float *>(sb)};
-  CHECK(ragged_sm90(p, 0));
-  CHECK(cudaDeviceSynchronize());
-  const std::vector<float> got = download(out, no, out_f32);
+  const std::vector<float> got = c.run({DType::fp8e4m3, out_f32, MODE_RAGGED, true, m, k, n, g}, sizes, no);
+  const auto &ha = c.a, &hb = c.b;
+  const auto &hsa = c.sa, &hsb = c.sb;
   std::vector<double> want(no, 0.0);
   for (int i = 0, off = 0; i < g; i++) {
     const int s = std::min(std::max(sizes[i], 0), m - off);
@@ -140,7 +156,6 @@ int run_fp8(int m, int k, int n, std::vector<int> sizes, bool out_f32) {
     off += s;
   }
   const double err = fro_err(got, want), tol = out_f32 ? 2e-3 : 1e-2;
-  for (void *x : {a, b, sa, sb, gs, out}) CHECK(cudaFree(x));
   std::printf("%s fp8 m=%d k=%d n=%d g=%d out=%s: rel err %.3g\n", err < tol ? "ok  " : "FAIL", m, k, n, g,
               out_f32 ? "f32" : "bf16", err);
   return err < tol ? 0 : 1;
@@ -152,23 +167,11 @@ int run_fp8(int m, int k, int n, std::vector<int> sizes, bool out_f32) {
 int run_fp8_contract(int m, int k, int n, std::vector<int> sizes, bool out_f32) {
   std::mt19937 rng(m * 3 + k + n * 7);
   const int g = int(sizes.size()), B = FP8_BLOCK, mb = (m + B - 1) / B, nbn = (n + B - 1) / B;
-  std::normal_distribution<float> dist;
-  std::uniform_real_distribution<float> scale(0.25f, 2.f);
-  std::vector<__nv_fp8_e4m3> ha(size_t(k) * m), hb(size_t(n) * m);
-  std::vector<float> hsa(size_t(mb) * k), hsb(size_t(mb) * nbn);
-  for (auto &x : ha) x = __nv_fp8_e4m3(4 * dist(rng));
-  for (auto &x : hb) x = __nv_fp8_e4m3(4 * dist(rng));
-  for (auto &x : hsa) x = scale(rng);
-  for (auto &x : hsb) x = scale(rng);
-  void *a = upload(ha), *b = upload(hb), *sa = upload(hsa), *sb = upload(hsb), *gs = upload(sizes), *out;
+  Fp8Case c(rng, size_t(k) * m, size_t(n) * m, size_t(mb) * k, size_t(mb) * nbn);
   const size_t no = size_t(g) * k * n;
-  CHECK(cudaMalloc(&out, no * (out_f32 ? 4 : 2)));
-  CHECK(cudaMemset(out, 0xff, no * (out_f32 ? 4 : 2)));
-  Params p{DType::fp8e4m3, out_f32, MODE_CONTRACT, false, m, k, n, g, a, b, static_cast<const int *>(gs), out,
-           static_cast<const float *>(sa), static_cast<const float *>(sb)};
-  CHECK(ragged_sm90(p, 0));
-  CHECK(cudaDeviceSynchronize());
-  const std::vector<float> got = download(out, no, out_f32);
+  const std::vector<float> got = c.run({DType::fp8e4m3, out_f32, MODE_CONTRACT, false, m, k, n, g}, sizes, no);
+  const auto &ha = c.a, &hb = c.b;
+  const auto &hsa = c.sa, &hsb = c.sb;
   std::vector<double> want(no, 0.0);
   for (int i = 0, off = 0; i < g; i++) {
     const int s = std::min(std::max(sizes[i], 0), m - off);
@@ -180,7 +183,6 @@ int run_fp8_contract(int m, int k, int n, std::vector<int> sizes, bool out_f32) 
     off += s;
   }
   const double err = fro_err(got, want), tol = out_f32 ? 2e-3 : 1e-2;
-  for (void *x : {a, b, sa, sb, gs, out}) CHECK(cudaFree(x));
   std::printf("%s fp8 contract m=%d k=%d n=%d g=%d out=%s: rel err %.3g\n", err < tol ? "ok  " : "FAIL", m, k, n, g,
               out_f32 ? "f32" : "bf16", err);
   return err < tol ? 0 : 1;
