@@ -1,9 +1,7 @@
 """The grouped and dense GEMM benchmarks (benchmarks/gemm.py: ragged_dot, matmul): shapes, FLOP counts,
 group sizes, the correctness checks, and tiny end-to-end runs on the CPU (CSV, table, report)."""
 import csv
-import importlib.machinery
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +10,7 @@ import pytest
 
 from benchmarks import cli, gemm, gemm_fp8_providers, gemm_providers, harness, peers, timers
 from benchmarks.gemm import GemmConfig
+from test_bench_peers import _module
 
 
 def test_shapes_of_the_issue():
@@ -190,12 +189,6 @@ def _fake_jla_fp8(monkeypatch, calls, supported=True):
     monkeypatch.setattr(peers, "cuda_capability", lambda: "9.0")
 
 
-def _module(name, **attrs):
-    mod = types.ModuleType(name)
-    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)  # so that find_spec sees it installed
-    for k, v in attrs.items():
-        setattr(mod, k, v)
-    return mod
 
 
 def test_fp8_jla_with_a_stand_in(monkeypatch):
