@@ -33,6 +33,17 @@ std::vector<float> download(const void *out, size_t no, bool out_f32) {
   return got;
 }
 
+// ||got - want|| / ||want|| (infinite where got holds a non-finite value: unwritten or NaN).
+double fro_err(const std::vector<float> &got, const std::vector<double> &want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); i++) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
 // mode RAGGED (b_transposed or not) or CONTRACT; out bf16 or float32. Returns the relative error.
 double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool out_f32, bool hopper) {
   std::mt19937 rng(m * 7 + k * 3 + n + int(sizes.size()));
@@ -74,14 +85,7 @@ double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool 
           }
         }
   }
-  double num = 0, den = 0;
-  bool finite = true;
-  for (size_t i = 0; i < no; i++) {
-    finite = finite && std::isfinite(got[i]);
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  const double err = finite ? std::sqrt(num / std::max(den, 1e-30)) : INFINITY;
+  const double err = fro_err(got, want);
   const void *buffers[] = {a, b, gs, out};
   for (const void *x : buffers) CHECK(cudaFree(const_cast<void *>(x)));
   std::printf("%s m=%d k=%d n=%d g=%d mode=%d bt=%d out=%s %s: rel err %.3g\n", err < (out_f32 ? 1e-4 : 1e-2) ? "ok  " : "FAIL",
@@ -127,14 +131,7 @@ int run_fp8(int m, int k, int n, std::vector<int> sizes, bool out_f32) {
                                      double(float(hb[(size_t(i) * n + j) * k + c])) * hsb[(size_t(i) * kb + c / B) * nbk + j / B];
     off += s;
   }
-  double num = 0, den = 0;
-  bool finite = true;
-  for (size_t i = 0; i < no; i++) {
-    finite = finite && std::isfinite(got[i]);
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  const double err = finite ? std::sqrt(num / std::max(den, 1e-30)) : INFINITY, tol = out_f32 ? 2e-3 : 1e-2;
+  const double err = fro_err(got, want), tol = out_f32 ? 2e-3 : 1e-2;
   for (void *x : {a, b, sa, sb, gs, out}) CHECK(cudaFree(x));
   std::printf("%s fp8 m=%d k=%d n=%d g=%d out=%s: rel err %.3g\n", err < tol ? "ok  " : "FAIL", m, k, n, g,
               out_f32 ? "f32" : "bf16", err);
