@@ -33,6 +33,17 @@ std::vector<float> download(const void *out, size_t no, bool out_f32) {
   return got;
 }
 
+// ||got - want|| / ||want|| (infinite where got holds a non-finite value: unwritten or NaN).
+double fro_err(const std::vector<float> &got, const std::vector<double> &want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); i++) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
 // mode RAGGED (b_transposed or not) or CONTRACT; out bf16 or float32. Returns the relative error.
 double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool out_f32, bool hopper) {
   std::mt19937 rng(m * 7 + k * 3 + n + int(sizes.size()));
@@ -74,14 +85,7 @@ double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool 
           }
         }
   }
-  double num = 0, den = 0;
-  bool finite = true;
-  for (size_t i = 0; i < no; i++) {
-    finite = finite && std::isfinite(got[i]);
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  const double err = finite ? std::sqrt(num / std::max(den, 1e-30)) : INFINITY;
+  const double err = fro_err(got, want);
   const void *buffers[] = {a, b, gs, out};
   for (const void *x : buffers) CHECK(cudaFree(const_cast<void *>(x)));
   std::printf("%s m=%d k=%d n=%d g=%d mode=%d bt=%d out=%s %s: rel err %.3g\n", err < (out_f32 ? 1e-4 : 1e-2) ? "ok  " : "FAIL",
@@ -89,24 +93,11 @@ double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool 
   return err < (out_f32 ? 1e-4 : 1e-2) ? 0 : 1;
 }
 
-// FP8 (Hopper): a e4m3 [m, k] with scales [ceil(k/128), m], b e4m3 [g, n, k] with scales
-// [g, ceil(k/128), ceil(n/128)]; out bf16 or float32. Returns 0 if within tolerance.
 template <typename V> void *upload(const V &h) {
   void *d;
   CHECK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(h[0])));
   CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(h[0]), cudaMemcpyHostToDevice));
   return d;
-}
-
-// ||got - want|| / ||want|| (infinite where got holds a non-finite value: unwritten or NaN).
-double fro_err(const std::vector<float> &got, const std::vector<double> &want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); i++) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
 }
 
 // An FP8 case's operands (random values and scales, of the given sizes) and its run: uploaded, the
@@ -137,6 +128,8 @@ struct Fp8Case {
   }
 };
 
+// FP8 (Hopper): a e4m3 [m, k] with scales [ceil(k/128), m], b e4m3 [g, n, k] with scales
+// [g, ceil(k/128), ceil(n/128)]; out bf16 or float32. Returns 0 if within tolerance.
 int run_fp8(int m, int k, int n, std::vector<int> sizes, bool out_f32) {
   std::mt19937 rng(m * 5 + k + n * 3);
   const int g = int(sizes.size()), B = FP8_BLOCK, kb = (k + B - 1) / B, nbk = (n + B - 1) / B;
