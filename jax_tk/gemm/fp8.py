@@ -5,8 +5,8 @@ Activations are quantized in 1x128 blocks along k, weights in 128x128 blocks; ea
 float32 scale ``amax(|block|) / 448`` (448: the largest float8_e4m3fn value). The result is the
 product of the dequantized operands (``values * scale``), accumulated in float32.
 
-Both run jax_tk's FP8 kernel on H100/H200 (the forward; their gradients run on the bfloat16
-kernels) and the pure-JAX reference elsewhere.
+Both run jax_tk's FP8 kernel on H100/H200, forward and backward, and the pure-JAX reference
+elsewhere (their gradients there on jax_tk.ragged_dot in bfloat16).
 """
 from __future__ import annotations
 
@@ -210,7 +210,8 @@ def _kernel_product_bwd(out_dtype, res, g):
     # Both on the FP8 kernel where it takes the sizes (CUDA), else on the bfloat16 ones: the rows'
     # gradient g @ deq(b)^T is the forward's product with n and k swapped; the weights' the
     # contraction over each group's rows.
-    da = _on_fp8(launch.fp8_unsupported_reason(n, k, groups, m), _dgrad_fp8, lambda g, qb, sizes: vjp(g)[0],
+    padded_n = n + -n % 16  # (the dgrad pads it)
+    da = _on_fp8(launch.fp8_unsupported_reason(padded_n, k, groups, m), _dgrad_fp8, lambda g, qb, sizes: vjp(g)[0],
                  g, qb, sizes)
     db = _on_fp8(launch.fp8_contract_unsupported_reason(n, groups, m), _wgrad_fp8, lambda a, g, sizes: vjp(g)[1],
                  a, g, sizes)
@@ -228,8 +229,12 @@ def _on_fp8(reason, kernel, fallback, *args):
 def _dgrad_fp8(g, qb, sizes):
     """``deq(quantize(g)) @ deq(b)^T`` per group, float32, on the FP8 kernel: g re-quantized in 1 x 128
     blocks along n (DeepSeek-V3's backward); b's values and 128 x 128 block scales (``qb``, the
-    kernel's layout: [g, n, k] and [g, kb, nb]) serve transposed (a block of b^T is a block of b)."""
+    kernel's layout: [g, n, k] and [g, kb, nb]) serve transposed (a block of b^T is a block of b). n,
+    contracted here, is padded with zeros to the kernel's multiple of 16 (the scales' blocks stay)."""
     values, scales = qb
+    pad = -g.shape[1] % 16
+    if pad:
+        g, values = jnp.pad(g, ((0, 0), (0, pad))), jnp.pad(values, ((0, 0), (0, pad), (0, 0)))
     return launch.fp8_call(*_quantize(g, LHS_BLOCK), _swap(values), _swap(scales), sizes, jnp.float32)
 
 
@@ -299,8 +304,7 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
     pair is a constant: its gradients are zero. Works under ``jit`` and ``vmap``. On the kernel path
     (H100/H200) lhs's gradient runs on the FP8 kernel too, as in DeepSeek-V3's backward: the result's
     cotangent is quantized in 1 x 128 blocks along n and multiplied by rhs's float8 values, so it
-    carries that quantization's error (a relative 2^-4 at most per cotangent element; n must be a
-    multiple of 16 and k of 8, else bfloat16). rhs's gradient too: lhs's rows (dequantized) and the
+    carries that quantization's error (a relative 2^-4 at most per cotangent element). rhs's gradient too: lhs's rows (dequantized) and the
     cotangent re-quantized along the rows, ``lhs^T`` in 1 x 128 blocks and the cotangent's transpose in
     128 x 128 ones, their product per group on the kernel (n a multiple of 8, else bfloat16).
 
