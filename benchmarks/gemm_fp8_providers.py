@@ -11,15 +11,17 @@ same work in each mode:
   inputs.
 - ``bwd``, ``fwd_bwd`` (training): both operands bf16 arrays quantized inside the timed call; the
   gradients with respect to both are straight-through: those of the product of the dequantized
-  operands, passed unchanged to the unquantized inputs, formed by bf16 GEMMs (jax_tk's FP8 backward
-  is not FP8 either).
+  operands, passed unchanged to the unquantized inputs: jax_tk's own backward (both gradients on its
+  FP8 kernel, from operands quantized again); the peers', which have no FP8 backward, formed by bf16
+  GEMMs.
 
 Grouped GEMM (``ragged_dot``):
 
 - ``jax_tk``: ``jax_tk.ragged_dot_fp8``, block scales as DeepSeek-V3 (activations 1x128 along k,
   weights 128x128); on a GPU ``implementation="tk"``, skipped with the reason where the FP8 kernel
   does not take the shape (``launch.fp8_unsupported_reason``); without one, ``implementation=None``
-  (the reference). Its serving call gets the weights as ``jax_tk.quantize_fp8``'s (values, scales).
+  (the reference). Its serving call gets the weights as ``jax_tk.quantize_fp8``'s (values, scales)
+  of the ``[g, n, k]`` weights, with ``rhs_transposed=True`` (the kernel's layout, as ``dense``'s).
 - ``dense``: XLA's FP8 GEMM, the ceiling: the dense product of the first group's matrix (the same
   FLOPs, as the bf16 ``dense``), per-tensor scales (amax / 448), the float8 operands straight into
   ``jax.lax.dot_general`` with a bf16 result, times the two scales; served weights stored as
@@ -210,9 +212,11 @@ def _jax_tk_implementation(cfg, groups: int) -> tuple[str | None, str]:
 
 
 def _block_weights(w):
+    """Served weights as [.., n, k] (K-major, the layout jax_tk's FP8 kernel reads: passed with
+    rhs_transposed / b_transposed, no transpose per call), 128x128 block scales."""
     import jax_tk
 
-    return jax_tk.quantize_fp8(w, WEIGHT_BLOCK)
+    return jax_tk.quantize_fp8(jnp.swapaxes(w, -1, -2), WEIGHT_BLOCK)
 
 
 def _ragged_jax_tk(cfg) -> Provider:
@@ -220,7 +224,8 @@ def _ragged_jax_tk(cfg) -> Provider:
 
     impl, note = _jax_tk_implementation(cfg, cfg.groups)
     op = functools.partial(jax_tk.ragged_dot_fp8, implementation=impl)
-    serve = Provider("jax_tk", lambda lhs, rhs, sizes, w: op(lhs, w, sizes), prepare=_with_weights(_block_weights))
+    serve = Provider("jax_tk", lambda lhs, rhs, sizes, w: op(lhs, w, sizes, rhs_transposed=True),
+                     prepare=_with_weights(_block_weights))
     return _by_mode("jax_tk", serve, Provider("jax_tk", op), note=note)
 
 
@@ -229,7 +234,7 @@ def _matmul_jax_tk(cfg) -> Provider:
 
     impl, note = _jax_tk_implementation(cfg, 1)
     op = functools.partial(jax_tk.matmul_fp8, implementation=impl)
-    serve = Provider("jax_tk", lambda a, b, w: op(a, w), prepare=_first_group_with_weights(_block_weights))
+    serve = Provider("jax_tk", lambda a, b, w: op(a, w, b_transposed=True), prepare=_first_group_with_weights(_block_weights))
     return _by_mode("jax_tk", serve, Provider("jax_tk", op, prepare=_first_group), note=note)
 
 

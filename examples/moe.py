@@ -272,7 +272,7 @@ def print_fp8_comparison(base: str, results, config: Config):
     print(f"final loss gap, fp8 - {config.dtype}: {b[-1] - a[-1]:+.4f} at the last step, "
           f"{mb - ma:+.4f} ({(mb - ma) / ma:+.2%}) over the last {tail} steps")
     ratio = results["fp8"]["tokens_per_s"] / results[base]["tokens_per_s"]
-    what = ("whole training step; the FP8 kernel runs the forward GEMMs, their gradients the bf16 kernels"
+    what = ("whole training step; the FP8 kernel runs the grouped GEMMs and both their gradients"
             if fp8_kernel_runs() else "whole training step; no FP8 kernel runs here: jax_tk's reference "
             "(quantize, dequantize to float32, multiply), not the kernel's speed")
     print(f"{LABELS['fp8']} / {LABELS[base]}: {ratio:.2f}x tokens/s ({what})")

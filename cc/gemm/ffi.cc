@@ -87,52 +87,97 @@ ffi::Error ragged_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, 
   return cuda_error(gemm::ragged_sm80(p, stream), "gemm");
 }
 
-// FP8 with block scales (mode ragged, b [g, n, k]): a float8_e4m3fn [m, k], its scales float32
-// [ceil(k/128), m] (1 x 128 blocks, k-block major), b float8_e4m3fn [g, n, k], its scales float32
-// [g, ceil(k/128), ceil(n/128)], group_sizes int32 [g]; out bfloat16 or float32 [m, n]. Hopper only.
-template <typename... Extra>
-ffi::Error fp8_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_scales, ffi::AnyBuffer b, ffi::AnyBuffer b_scales,
-                    ffi::AnyBuffer group_sizes, Extra..., ffi::Result<ffi::AnyBuffer> out, int32_t variant) {
-  Params p{};
+// FP8 with block scales, both operands float8_e4m3fn and K-major; out bfloat16 or float32; group_sizes
+// int32 [g]. Hopper only.
+// Mode ragged (jax_tk_gemm_fp8): a [m, k], its scales float32 [ceil(k/128), m] (1 x 128 blocks,
+// k-block major), b [g, n, k], its scales [g, ceil(k/128), ceil(n/128)]; out [m, n].
+// Mode contract (jax_tk_gemm_fp8_contract; the weights' gradient): a [k, m] and b [n, m] (a's and b's
+// rows transposed, m a multiple of 16), a's scales [ceil(m/128), k] (1 x 128 blocks along m), b's
+// [ceil(m/128), ceil(n/128)] (128 x 128 blocks); out [g, k, n], out[i] = a[:, rows_i] @ b[:, rows_i]^T.
+// Rows past the groups must hold finite values (the kernel multiplies them by zeros).
+
+// The checks both modes share; p's dtype, out_f32 and group_sizes.
+ffi::Error fp8_common(Params &p, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer group_sizes, ffi::AnyBuffer &out) {
   p.dtype = gemm::DType::fp8e4m3;
-  p.mode = gemm::MODE_RAGGED;
-  p.b_transposed = true;
   if (a.element_type() != ffi::DataType::F8E4M3FN || b.element_type() != ffi::DataType::F8E4M3FN)
     return invalid("gemm fp8: a and b must be float8_e4m3fn");
-  if (out->element_type() == ffi::DataType::F32) p.out_f32 = true;
-  else if (out->element_type() != ffi::DataType::BF16) return invalid("gemm fp8: out must be bfloat16 or float32");
+  if (out.element_type() == ffi::DataType::F32) p.out_f32 = true;
+  else if (out.element_type() != ffi::DataType::BF16) return invalid("gemm fp8: out must be bfloat16 or float32");
   if (group_sizes.element_type() != ffi::DataType::S32 || group_sizes.dimensions().size() != 1)
     return invalid("gemm fp8: group_sizes must be a one-dimensional int32 array");
-  if (a.dimensions().size() != 2) return invalid("gemm fp8: a must be [m, k], got " + dims_of(a));
-  const int64_t m = a.dimensions()[0], k = a.dimensions()[1], g = group_sizes.dimensions()[0];
-  if (b.dimensions().size() != 3 || b.dimensions()[0] != g || b.dimensions()[2] != k)
-    return invalid("gemm fp8: b must be [g, n, k] with a [m, k] = " + dims_of(a) + ", got " + dims_of(b));
-  const int64_t n = b.dimensions()[1], B = gemm::FP8_BLOCK, kb = (k + B - 1) / B, nb = (n + B - 1) / B;
-  if (a_scales.element_type() != ffi::DataType::F32 || !dims_are(a_scales, {kb, m}))
-    return invalid("gemm fp8: a's scales must be float32 [ceil(k/128), m] = [" + std::to_string(kb) + ", " + std::to_string(m) + "]");
-  if (b_scales.element_type() != ffi::DataType::F32 || !dims_are(b_scales, {g, kb, nb}))
-    return invalid("gemm fp8: b's scales must be float32 [g, ceil(k/128), ceil(n/128)] = [" + std::to_string(g) + ", " +
-                   std::to_string(kb) + ", " + std::to_string(nb) + "]");
-  if (!dims_are(*out, {m, n})) return invalid("gemm fp8: out must be [m, n] = [" + std::to_string(m) + ", " + std::to_string(n) + "]");
+  if (a.dimensions().size() != 2) return invalid("gemm fp8: a must have rank 2, got " + dims_of(a));
+  p.group_sizes = static_cast<const int *>(group_sizes.untyped_data());
+  return ffi::Error::Success();
+}
+
+// The shared tail: dimension limits, pointers, alignment, then the kernel (or zeros).
+ffi::Error fp8_run(Params &p, int64_t m, int64_t k, int64_t n, int64_t g, ffi::AnyBuffer a, ffi::AnyBuffer a_scales,
+                   ffi::AnyBuffer b, ffi::AnyBuffer b_scales, ffi::AnyBuffer &out, int32_t variant, cudaStream_t stream) {
   for (auto d : {m, k, n, g})
     if (d > core::MAX_INDEX) return invalid("gemm fp8: every dimension must be below 2^31");
-  if (k % 16 != 0 || n % gemm::DIM_MULTIPLE != 0)  // (16-byte rows of a and b; of out)
-    return invalid("gemm fp8: k must be a multiple of 16 and n of " + std::to_string(gemm::DIM_MULTIPLE) + ", got k = " +
-                   std::to_string(k) + ", n = " + std::to_string(n));
   p.m = int(m); p.k = int(k); p.n = int(n); p.groups = int(g);
-  p.a = a.untyped_data(); p.b = b.untyped_data(); p.out = out->untyped_data();
+  p.a = a.untyped_data(); p.b = b.untyped_data(); p.out = out.untyped_data();
   p.a_scales = static_cast<const float *>(a_scales.untyped_data());
   p.b_scales = static_cast<const float *>(b_scales.untyped_data());
-  p.group_sizes = static_cast<const int *>(group_sizes.untyped_data());
   if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.out)) return invalid("gemm fp8: a, b and out must be 16-byte aligned");
   if (gemm::tile_bound(p, gemm::SM90_TILE_M, gemm::FP8_BLOCK) >= INT_MAX / 2) return invalid("gemm fp8: too many output tiles");
   Kernels kernels;
   if (auto e = pick_kernels(variant, kernels); e.failure()) return e;
   if (!kernels.sm90) return invalid("gemm fp8: the FP8 kernel runs on H100/H200 (sm_90a) only");
-  const size_t out_bytes = size_t(out->element_count()) * (p.out_f32 ? 4 : 2);
+  const size_t out_bytes = size_t(out.element_count()) * (p.out_f32 ? 4 : 2);
   if (out_bytes == 0) return ffi::Error::Success();
-  if (k == 0 || g == 0 || m == 0) return cuda_error(cudaMemsetAsync(p.out, 0, out_bytes, stream), "gemm fp8: clearing out");
+  if (p.k == 0 || p.groups == 0 || p.m == 0) return cuda_error(cudaMemsetAsync(p.out, 0, out_bytes, stream), "gemm fp8: clearing out");
   return cuda_error(gemm::ragged_sm90(p, stream), "gemm fp8 (sm_90a)");
+}
+
+std::string shape(std::initializer_list<int64_t> dims) {
+  std::string s = "[";
+  for (auto d : dims) s += (s.size() > 1 ? ", " : "") + std::to_string(d);
+  return s + "]";
+}
+
+template <typename... Extra>
+ffi::Error fp8_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_scales, ffi::AnyBuffer b, ffi::AnyBuffer b_scales,
+                    ffi::AnyBuffer group_sizes, Extra..., ffi::Result<ffi::AnyBuffer> out, int32_t variant) {
+  Params p{};
+  if (auto e = fp8_common(p, a, b, group_sizes, *out); e.failure()) return e;
+  p.mode = gemm::MODE_RAGGED;
+  p.b_transposed = true;
+  const int64_t m = a.dimensions()[0], k = a.dimensions()[1], g = group_sizes.dimensions()[0];
+  if (b.dimensions().size() != 3 || b.dimensions()[0] != g || b.dimensions()[2] != k)
+    return invalid("gemm fp8: b must be [g, n, k] with a [m, k] = " + dims_of(a) + ", got " + dims_of(b));
+  const int64_t n = b.dimensions()[1], B = gemm::FP8_BLOCK, kb = (k + B - 1) / B, nb = (n + B - 1) / B;
+  if (a_scales.element_type() != ffi::DataType::F32 || !dims_are(a_scales, {kb, m}))
+    return invalid("gemm fp8: a's scales must be float32 [ceil(k/128), m] = " + shape({kb, m}));
+  if (b_scales.element_type() != ffi::DataType::F32 || !dims_are(b_scales, {g, kb, nb}))
+    return invalid("gemm fp8: b's scales must be float32 [g, ceil(k/128), ceil(n/128)] = " + shape({g, kb, nb}));
+  if (!dims_are(*out, {m, n})) return invalid("gemm fp8: out must be [m, n] = " + shape({m, n}));
+  if (k % 16 != 0 || n % gemm::DIM_MULTIPLE != 0)  // (16-byte rows of a and b; of out)
+    return invalid("gemm fp8: k must be a multiple of 16 and n of " + std::to_string(gemm::DIM_MULTIPLE) + ", got k = " +
+                   std::to_string(k) + ", n = " + std::to_string(n));
+  return fp8_run(p, m, k, n, g, a, a_scales, b, b_scales, *out, variant, stream);
+}
+
+template <typename... Extra>
+ffi::Error fp8_contract_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_scales, ffi::AnyBuffer b,
+                             ffi::AnyBuffer b_scales, ffi::AnyBuffer group_sizes, Extra..., ffi::Result<ffi::AnyBuffer> out,
+                             int32_t variant) {
+  Params p{};
+  if (auto e = fp8_common(p, a, b, group_sizes, *out); e.failure()) return e;
+  p.mode = gemm::MODE_CONTRACT;
+  const int64_t k = a.dimensions()[0], m = a.dimensions()[1], g = group_sizes.dimensions()[0];
+  if (b.dimensions().size() != 2 || b.dimensions()[1] != m)
+    return invalid("gemm fp8 contract: b must be [n, m] with a [k, m] = " + dims_of(a) + ", got " + dims_of(b));
+  const int64_t n = b.dimensions()[0], B = gemm::FP8_BLOCK, mb = (m + B - 1) / B, nb = (n + B - 1) / B;
+  if (a_scales.element_type() != ffi::DataType::F32 || !dims_are(a_scales, {mb, k}))
+    return invalid("gemm fp8 contract: a's scales must be float32 [ceil(m/128), k] = " + shape({mb, k}));
+  if (b_scales.element_type() != ffi::DataType::F32 || !dims_are(b_scales, {mb, nb}))
+    return invalid("gemm fp8 contract: b's scales must be float32 [ceil(m/128), ceil(n/128)] = " + shape({mb, nb}));
+  if (!dims_are(*out, {g, k, n})) return invalid("gemm fp8 contract: out must be [g, k, n] = " + shape({g, k, n}));
+  if (m % 16 != 0 || n % gemm::DIM_MULTIPLE != 0)  // (16-byte rows of a and b; of out)
+    return invalid("gemm fp8 contract: m must be a multiple of 16 and n of " + std::to_string(gemm::DIM_MULTIPLE) +
+                   ", got m = " + std::to_string(m) + ", n = " + std::to_string(n));
+  return fp8_run(p, m, k, n, g, a, a_scales, b, b_scales, *out, variant, stream);
 }
 
 template <bool TEST> auto fp8_binding() {
@@ -177,12 +222,15 @@ FfiTargets ffi_targets();
 
 JAX_TK_DEFINE_HANDLERS(GemmRagged, ragged_impl, ragged_binding);
 JAX_TK_DEFINE_HANDLERS(GemmFp8, fp8_impl, fp8_binding);
+JAX_TK_DEFINE_HANDLERS(GemmFp8Contract, fp8_contract_impl, fp8_binding);
 
 FfiTargets gemm::ffi_targets() {  // (declared by cc/module.cc)
   return {{"jax_tk_gemm_ragged", reinterpret_cast<void *>(GemmRagged)},
           {"jax_tk_gemm_ragged_test", reinterpret_cast<void *>(GemmRaggedTest)},
           {"jax_tk_gemm_fp8", reinterpret_cast<void *>(GemmFp8)},
-          {"jax_tk_gemm_fp8_test", reinterpret_cast<void *>(GemmFp8Test)}};
+          {"jax_tk_gemm_fp8_test", reinterpret_cast<void *>(GemmFp8Test)},
+          {"jax_tk_gemm_fp8_contract", reinterpret_cast<void *>(GemmFp8Contract)},
+          {"jax_tk_gemm_fp8_contract_test", reinterpret_cast<void *>(GemmFp8ContractTest)}};
 }
 
 }  // namespace jax_tk

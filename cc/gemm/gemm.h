@@ -52,10 +52,13 @@ struct Params {
   const void *a, *b;
   const int *group_sizes;  // [groups], on the device
   void *out;
-  // FP8 (MODE_RAGGED, b_transposed): out = (a * a_scales) @ (b * b_scales)^T per group, each scale
-  // over its FP8_BLOCK block; out bfloat16 or float32.
-  const float *a_scales = nullptr;  // [ceil(k / FP8_BLOCK), m]: a's 1 x 128 blocks, k-block major
-  const float *b_scales = nullptr;  // [groups, ceil(k / FP8_BLOCK), ceil(n / FP8_BLOCK)]: b's 128 x 128 blocks
+  // FP8, out bfloat16 or float32, each scale over its FP8_BLOCK block. MODE_RAGGED (b_transposed):
+  // out = (a * a_scales) @ (b * b_scales)^T per group. MODE_CONTRACT (the weights' gradient; a [k, m]
+  // and b [n, m], both K-major): out[i] = (a * a_scales)[:, rows_i] @ (b * b_scales)[:, rows_i]^T.
+  const float *a_scales = nullptr;  // RAGGED [ceil(k / 128), m]: a's 1 x 128 blocks, k-block major;
+                                    // CONTRACT [ceil(m / 128), k]: a's 1 x 128 blocks along m
+  const float *b_scales = nullptr;  // RAGGED [groups, ceil(k / 128), ceil(n / 128)]: b's 128 x 128 blocks;
+                                    // CONTRACT [ceil(m / 128), ceil(n / 128)]
 };
 
 // An upper bound on the output tiles of a call with tiles of tm x tn (what the persistent grids are

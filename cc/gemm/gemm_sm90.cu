@@ -30,7 +30,11 @@ namespace {
 
 using namespace tk;
 
-enum Kind { RAGGED = 0, RAGGED_BT = 1, CONTRACT = 2 };
+enum Kind { RAGGED = 0, RAGGED_BT = 1, CONTRACT = 2, CONTRACT_BT = 3 };
+// (CONTRACT_BT, FP8 only: out[i] = a[:, rows_i] @ b[:, rows_i]^T with a [k, m] and b [n, m], both
+// K-major, as 8-bit operands must be; its steps are the 128-wide blocks of rows that the scales
+// cover, the first and last of a group holding other groups' rows, zeroed in a's tile.)
+template <int KIND> constexpr bool contracts = KIND == CONTRACT || KIND == CONTRACT_BT;
 
 template <typename T, typename TO, int KIND> struct Sm90 {
   using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
@@ -39,9 +43,9 @@ template <typename T, typename TO, int KIND> struct Sm90 {
   // product lands in a second accumulator before it is scaled into the first: both must fit).
   static constexpr bool FP8 = is_8bit<T>;
   static constexpr int TM = SM90_TILE_M, TN = FP8 ? FP8_BLOCK : SM90_TILE_N, TK = FP8 ? FP8_BLOCK : SM90_TILE_K, STAGES = 4;
-  static_assert(TM == 64 * CONSUMERS && (!FP8 || KIND == RAGGED_BT));
+  static_assert(TM == 64 * CONSUMERS && (!FP8 || KIND == RAGGED_BT || KIND == CONTRACT_BT) && (FP8 || KIND != CONTRACT_BT));
   using ATile = std::conditional_t<KIND == CONTRACT, st<T, TK, TM>, st<T, TM, TK>>;
-  using BTile = std::conditional_t<KIND == RAGGED_BT, st<T, TN, TK>, st<T, TK, TN>>;
+  using BTile = std::conditional_t<KIND == RAGGED_BT || KIND == CONTRACT_BT, st<T, TN, TK>, st<T, TK, TN>>;
   static constexpr int OUT_COLS = 128 / int(sizeof(TO));  // columns of a staged piece of out
   using OTile = st<TO, 64, OUT_COLS>;
   struct Shared {
@@ -70,6 +74,7 @@ template <typename T, typename TO, int KIND> struct Sm90 {
 // Steps along the contraction of tile x.
 template <int KIND, int TK> __device__ __forceinline__ int steps(const Params &p, const TileSlot &x) {
   if constexpr (KIND == CONTRACT) return (x.r1 - x.r0 + TK - 1) / TK;
+  else if constexpr (KIND == CONTRACT_BT) return x.r1 > x.r0 ? (x.r1 + TK - 1) / TK - x.r0 / TK : 0;
   else return x.group >= 0 ? (p.k + TK - 1) / TK : 0;
 }
 
@@ -110,6 +115,10 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
       if constexpr (KIND == CONTRACT) {
         load_async(sm.a[s], a.a, {0, x.r0 + k0, 0, x.m0}, slots().full(u));
         load_async(sm.b[s], a.b, {0, x.r0 + k0, 0, x.n0}, slots().full(u));
+      } else if constexpr (KIND == CONTRACT_BT) {
+        const int r = (x.r0 / TK) * TK + k0;  // (whole blocks of rows)
+        load_async(sm.a[s], a.a, {0, x.m0, 0, r}, slots().full(u));
+        load_async(sm.b[s], a.b, {0, x.n0, 0, r}, slots().full(u));
       } else {
         load_async(sm.a[s], a.a, {0, x.m0, 0, k0}, slots().full(u));
         if constexpr (KIND == RAGGED) load_async(sm.b[s], a.b, {x.group, k0, 0, x.n0}, slots().full(u));
@@ -144,18 +153,23 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
   // then scaled by its blocks' scales, a's per row and b's per tile, and added to acc: the tensor
   // cores' FP8 sums are short, so they never run past one block. The scales' loads are issued before
   // the step's wait, so that they land while the product runs.
+  // In CONTRACT_BT the rows of out are k and the steps are blocks of a's rows (along m): a's scales
+  // [blocks of m, k], b's [blocks of m, blocks of n], the step's block j + r0 / 128.
   __device__ __forceinline__ void fp8_steps(rt_fl<16, TN> &acc, const TileSlot &x, int count, int row0, ring_pos<STAGES> &pos) {
     const Params &p = a.p;
+    constexpr bool BT = KIND == CONTRACT_BT;
     const int blocks_n = (p.n + FP8_BLOCK - 1) / FP8_BLOCK, blocks_k = (p.k + FP8_BLOCK - 1) / FP8_BLOCK;
+    const int rows = BT ? p.k : p.m, first = BT ? x.r0 / FP8_BLOCK : 0;
     const int r = row0 + 16 * (warpid() % 4) + laneid() / 4;  // this thread's rows: r and r + 8
-    const float *sb = p.b_scales + ((size_t)max(x.group, 0) * blocks_k) * blocks_n + x.n0 / FP8_BLOCK;  // (group -1: no steps)
+    const float *sb = p.b_scales + (BT ? 0 : (size_t)max(x.group, 0) * blocks_k * blocks_n) + x.n0 / FP8_BLOCK;  // (group -1: no steps)
     warp::zero(acc);
     for (int j = 0; j < count; j++, ++pos) {
-      const float *sa = p.a_scales + (size_t)j * p.m;
-      const float s0 = r < p.m ? __ldg(sa + r) : 0.f, s1 = r + 8 < p.m ? __ldg(sa + r + 8) : 0.f;
-      const float b = __ldg(sb + (size_t)j * blocks_n);
+      const float *sa = p.a_scales + (size_t)(first + j) * rows;
+      const float s0 = r < rows ? __ldg(sa + r) : 0.f, s1 = r + 8 < rows ? __ldg(sa + r + 8) : 0.f;
+      const float b = __ldg(sb + (size_t)(first + j) * blocks_n);
       rt_fl<16, TN> part;
       wait_full(slots(), pos);
+      if constexpr (BT) clear_other_rows(sm.a[pos.slot], x, first + j);
       warpgroup::mma_ABt(part, window<64, TK>(sm.a[pos.slot], 64 * wg, 0), sm.b[pos.slot], false);
       warpgroup::wait<0>();
       warpgroup::fence_registers(part);
@@ -172,6 +186,20 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
     }
   }
 
+  // CONTRACT_BT: in a step's block of rows (columns of a's tile) that holds rows of other groups,
+  // zero those columns in this consumer's 64 rows of a's tile (its own: no barrier), so that they
+  // add nothing (b's values there are finite: the caller zeroes the rows past the groups).
+  __device__ __forceinline__ void clear_other_rows(typename C::ATile &t, const TileSlot &x, int block) const {
+    const int lo = max(x.r0 - block * TK, 0), hi = min(x.r1 - block * TK, TK);
+    if (lo == 0 && hi == TK) return;
+    for (int i = threadIdx.x % 128; i < 64 * TK; i += 128) {
+      const int row = 64 * wg + i / TK, col = i % TK;
+      if (col < lo || col >= hi) reinterpret_cast<unsigned char &>(t(row, col)) = 0;
+    }
+    warpgroup::fence_shared_writes();
+    sync_named(2 + wg, 128);
+  }
+
   __device__ __forceinline__ void start() const {}
   template <typename Release> __device__ __forceinline__ void consume(int slot, Release release) {
     const Params &p = a.p;
@@ -183,7 +211,7 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
     // A consumer whose rows are all past the group's end (or past k) stores nothing. (It computes
     // its products all the same: skipping them, in a branch of its own or per step, costs spills
     // and serialized wgmmas in every tile; such rows come only at a group's end.)
-    const bool active = KIND == CONTRACT ? row0 < p.k : row0 < x.r1;
+    const bool active = contracts<KIND> ? row0 < p.k : row0 < x.r1;
     rt_fl<16, TN> acc;
     ring_pos<STAGES> pos(n);
     if constexpr (C::FP8) {
@@ -216,7 +244,7 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
     const bool leader = threadIdx.x % 128 == 0;
     const int w = warpid() % 4, tid = threadIdx.x % 128;
     constexpr int COLS = C::OUT_COLS;
-    const bool by_rows = KIND != CONTRACT && row0 + 64 > x.r1 && x.r1 < p.m;  // the next group's rows follow
+    const bool by_rows = !contracts<KIND> && row0 + 64 > x.r1 && x.r1 < p.m;  // the next group's rows follow
 #pragma unroll
     for (int c = 0; c < TN / COLS; c++) {
       const int col0 = x.n0 + c * COLS;
@@ -239,7 +267,7 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
       sync_named(2 + wg, 128);
       if (!by_rows) {
         if (leader) {
-          store_async(a.out, stage, {KIND == CONTRACT ? x.group : 0, row0, 0, col0});
+          store_async(a.out, stage, {contracts<KIND> ? x.group : 0, row0, 0, col0});
           bulk_commit();
         }
       } else {
@@ -276,6 +304,9 @@ template <typename T, typename TO, int KIND> cudaError_t launch(const Params &p,
   const bool ok = KIND == CONTRACT
                       ? make_tma_map(a.a, p.a, 1, p.m, 1, p.k, true) && make_tma_map(a.b, p.b, 1, p.m, 1, p.n, true) &&
                             make_tma_map(a.out, p.out, p.groups, p.k, 1, p.n, true)
+                  : KIND == CONTRACT_BT
+                      ? make_tma_map(a.a, p.a, 1, p.k, 1, p.m, true) && make_tma_map(a.b, p.b, 1, p.n, 1, p.m, true) &&
+                            make_tma_map(a.out, p.out, p.groups, p.k, 1, p.n, true)
                       : make_tma_map(a.a, p.a, 1, p.m, 1, p.k, true) &&
                             (KIND == RAGGED ? make_tma_map(a.b, p.b, p.groups, p.k, 1, p.n, true)
                                             : make_tma_map(a.b, p.b, p.groups, p.n, 1, p.k, true)) &&
@@ -303,7 +334,9 @@ template <typename T, typename TO> cudaError_t launch_kind(const Params &p, cuda
 
 cudaError_t ragged_sm90(const Params &p, cudaStream_t stream) {
   if (p.dtype == DType::fp8e4m3) {
-    if (p.mode != MODE_RAGGED || !p.b_transposed || !p.a_scales || !p.b_scales) return cudaErrorInvalidValue;
+    if (!p.a_scales || !p.b_scales || (p.mode == MODE_RAGGED) != p.b_transposed) return cudaErrorInvalidValue;
+    if (p.mode == MODE_CONTRACT)
+      return p.out_f32 ? launch<fp8e4m3, float, CONTRACT_BT>(p, stream) : launch<fp8e4m3, bf16, CONTRACT_BT>(p, stream);
     return p.out_f32 ? launch<fp8e4m3, float, RAGGED_BT>(p, stream) : launch<fp8e4m3, bf16, RAGGED_BT>(p, stream);
   }
   if (p.dtype == DType::bf16) return p.out_f32 ? launch_kind<bf16, float>(p, stream) : launch_kind<bf16, bf16>(p, stream);

@@ -5,8 +5,8 @@ Activations are quantized in 1x128 blocks along k, weights in 128x128 blocks; ea
 float32 scale ``amax(|block|) / 448`` (448: the largest float8_e4m3fn value). The result is the
 product of the dequantized operands (``values * scale``), accumulated in float32.
 
-Both run jax_tk's FP8 kernel on H100/H200 (the forward; their gradients run on the bfloat16
-kernels) and the pure-JAX reference elsewhere.
+Both run jax_tk's FP8 kernel on H100/H200, forward and backward, and the pure-JAX reference
+elsewhere (their gradients there on jax_tk.ragged_dot in bfloat16).
 """
 from __future__ import annotations
 
@@ -159,6 +159,22 @@ def _operand(op: str, name: str, x, what: str, block_shape):
     return _fake_quant(x, block_shape), jax.lax.stop_gradient(_quantize(x, block_shape)), tuple(x.shape)
 
 
+def _swap(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+def _weights(op: str, name: str, x, transposed: bool, lead: str = ""):
+    """rhs (or b), given as ``[lead k, n]`` or, ``transposed``, ``[lead n, k]``: (the dequantized float32
+    operand as ``[.., k, n]``, its (values, scales) in the FP8 kernel's layout (values ``[.., n, k]``,
+    scales ``[.., ceil(k/128), ceil(n/128)]``), its shape as ``[.., k, n]``). Swapping the last two
+    axes of values or scales is one transpose in XLA, of a pair given in the kernel's layout none."""
+    what = f"[{lead}n, k]" if transposed else f"[{lead}k, n]"
+    deq, (values, scales), shape = _operand(op, name, x, what, RHS_BLOCK)
+    if transposed:
+        return _swap(deq), (values, _swap(scales)), (*shape[:-2], shape[-1], shape[-2])
+    return deq, (_swap(values), scales), shape
+
+
 # ----------------------------------------------------------------------------------------------
 # The grouped product on the FP8 kernel
 # ----------------------------------------------------------------------------------------------
@@ -168,8 +184,8 @@ def _operand(op: str, name: str, x, what: str, block_shape):
 def _kernel_product(a, b, qa, qb, sizes, out_dtype):
     """deq(a) @ deq(b) per group: the FP8 kernel on ``qa``, ``qb`` (the operands' (values, scales)) on
     CUDA, the float32 reference on ``a``, ``b`` (the dequantized operands) elsewhere. Its gradients
-    are those of the product of ``a`` and ``b`` (straight-through), formed by jax_tk.ragged_dot in
-    bfloat16: the kernels' backward is not FP8 yet."""
+    are those of the product of ``a`` and ``b`` (straight-through), on the FP8 kernel from re-quantized
+    operands where it takes the sizes (CUDA), by jax_tk.ragged_dot in bfloat16 elsewhere."""
     def kernel(a, b, qa, qb, sizes):
         wide = jnp.dtype(out_dtype) == jnp.float32 or jnp.dtype(out_dtype) == jnp.float16
         out = launch.fp8_call(*qa, *qb, sizes, jnp.float32 if wide else jnp.bfloat16)
@@ -187,11 +203,51 @@ def _kernel_product_fwd(a, b, qa, qb, sizes, out_dtype):
 
 def _kernel_product_bwd(out_dtype, res, g):
     a, b, qa, qb, sizes = res
+    g = g.astype(jnp.float32)
     _, vjp = jax.vjp(lambda a, b: api.ragged_dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), sizes,
                                                  preferred_element_type=jnp.float32), a, b)
-    da, db = vjp(g.astype(jnp.float32))
+    (m, k), (groups, _, n) = a.shape, b.shape
+    # Both on the FP8 kernel where it takes the sizes (CUDA), else on the bfloat16 ones: the rows'
+    # gradient g @ deq(b)^T is the forward's product with n and k swapped; the weights' the
+    # contraction over each group's rows.
+    padded_n = n + -n % 16  # (the dgrad pads it)
+    da = _on_fp8(launch.fp8_unsupported_reason(padded_n, k, groups, m), _dgrad_fp8, lambda g, qb, sizes: vjp(g)[0],
+                 g, qb, sizes)
+    db = _on_fp8(launch.fp8_contract_unsupported_reason(n, groups, m), _wgrad_fp8, lambda a, g, sizes: vjp(g)[1],
+                 a, g, sizes)
     zeros = jax.tree.map(jnp.zeros_like, (qa, qb))  # (constants: float8 values and their scales)
     return da.astype(a.dtype), db.astype(b.dtype), *zeros, None
+
+
+def _on_fp8(reason, kernel, fallback, *args):
+    """``kernel(*args)`` on CUDA where the FP8 kernel takes the call (``reason`` None), else ``fallback``."""
+    if dispatch.use_kernel("ragged_dot_fp8", None, reason):
+        return dispatch.platform_dispatch(True, kernel, fallback, *args)
+    return fallback(*args)
+
+
+def _dgrad_fp8(g, qb, sizes):
+    """``deq(quantize(g)) @ deq(b)^T`` per group, float32, on the FP8 kernel: g re-quantized in 1 x 128
+    blocks along n (DeepSeek-V3's backward); b's values and 128 x 128 block scales (``qb``, the
+    kernel's layout: [g, n, k] and [g, kb, nb]) serve transposed (a block of b^T is a block of b). n,
+    contracted here, is padded with zeros to the kernel's multiple of 16 (the scales' blocks stay)."""
+    values, scales = qb
+    pad = -g.shape[1] % 16
+    if pad:
+        g, values = jnp.pad(g, ((0, 0), (0, pad))), jnp.pad(values, ((0, 0), (0, pad), (0, 0)))
+    return launch.fp8_call(*_quantize(g, LHS_BLOCK), _swap(values), _swap(scales), sizes, jnp.float32)
+
+
+def _wgrad_fp8(a, g, sizes):
+    """``deq(a)[rows_i]^T @ g[rows_i]`` per group, float32 ``[groups, k, n]``, on the FP8 kernel: a (the
+    dequantized rows) and g re-quantized along the rows, a^T in 1 x 128 blocks, g^T in 128 x 128 ones
+    (DeepSeek-V3's wgrad). The rows past the groups are zeroed first (a block's scale would take in
+    their values, NaN or inf included), and the rows padded to a multiple of 16 (the kernel reads
+    both operands along them)."""
+    keep = (jnp.arange(a.shape[0]) < jnp.sum(sizes))[:, None]
+    pad = ((0, 0), (0, -a.shape[0] % 16))
+    at, gt = (jnp.pad(jnp.where(keep, x, 0.0).T, pad) for x in (a, g))
+    return launch.fp8_contract_call(*_quantize(at, LHS_BLOCK), *_quantize(gt, RHS_BLOCK), sizes)
 
 
 _kernel_product.defvjp(_kernel_product_fwd, _kernel_product_bwd)
@@ -215,7 +271,8 @@ def _out_dtype(op: str, preferred_element_type) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_offset=None, implementation=None):
+def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_offset=None, rhs_transposed=False,
+                   implementation=None):
     """Grouped matrix product (mixture of experts) of FP8 operands with block scales (DeepSeek-V3):
     ``out[r] = deq(lhs)[r] @ deq(rhs)[i]`` for the rows r of group i, ``deq`` the dequantized operand
     (``values * scale``, float32), accumulated in float32.
@@ -233,6 +290,10 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
       preferred_element_type: the result's dtype: None (bfloat16), bfloat16, float16 or float32.
       group_offset: as for :func:`jax_tk.ragged_dot` (expert parallelism: rhs holds g of the
         group_sizes' G groups, from ``group_offset[0]`` on).
+      rhs_transposed: rhs given as ``[g, n, k]`` (each expert's matrix transposed; a pair's scales
+        ``[g, ceil(n/128), ceil(k/128)]``, as ``quantize_fp8`` gives for that array). The FP8 kernel
+        reads the weights in this layout (8-bit operands are read K-major): weights kept so, e.g. by
+        a server that quantizes them once, spare the transpose of ``[g, k, n]`` in every call.
       implementation: ``None`` (the FP8 kernel on H100/H200 where it applies: k a multiple of 16, n of
         8; the reference elsewhere), ``"tk"`` (the kernel, or an error saying why not), ``"xla"``
         (the pure-JAX reference: dequantize to float32, then the grouped product).
@@ -240,14 +301,19 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
     Gradients: an operand given as an array gets the straight-through estimator: the gradient of the
     product of the dequantized operands with respect to that dequantized operand, passed unchanged to
     the unquantized input (in its dtype), as if quantization were the identity. A ``(values, scales)``
-    pair is a constant: its gradients are zero. Works under ``jit`` and ``vmap``.
+    pair is a constant: its gradients are zero. Works under ``jit`` and ``vmap``. On the kernel path
+    (H100/H200) lhs's gradient runs on the FP8 kernel too, as in DeepSeek-V3's backward: the result's
+    cotangent is quantized in 1 x 128 blocks along n and multiplied by rhs's float8 values, so it
+    carries that quantization's error (a relative 2^-4 at most per cotangent element). rhs's gradient too: lhs's rows (dequantized) and the
+    cotangent re-quantized along the rows, ``lhs^T`` in 1 x 128 blocks and the cotangent's transpose in
+    128 x 128 ones, their product per group on the kernel (n a multiple of 8, else bfloat16).
 
     Returns:
       ``[m, n]`` in ``preferred_element_type`` (default bfloat16).
     """
     op = "ragged_dot_fp8"
     a, qa, (m, k) = _operand(op, "lhs", lhs, "[m, k]", LHS_BLOCK)
-    b, qb, (g, kr, n) = _operand(op, "rhs", rhs, "[g, k, n]", RHS_BLOCK)
+    b, qb, (g, kr, n) = _weights(op, "rhs", rhs, rhs_transposed, "g, ")
     if k != kr:
         raise ValueError(f"jax_tk.{op}: the contracting dimension k of lhs [m, k] and rhs [g, k, n] must be "
                          f"equal, got lhs {(m, k)} and rhs {(g, kr, n)}")
@@ -263,7 +329,7 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
     return api.with_offset(lambda x, s: reference.ragged_dot(x, b, s, out_dtype=out_dtype), a, sizes, group_offset, g)
 
 
-def matmul_fp8(a, b, *, preferred_element_type=None, implementation=None):
+def matmul_fp8(a, b, *, preferred_element_type=None, b_transposed=False, implementation=None):
     """Dense matrix product of FP8 operands with block scales (DeepSeek-V3): ``deq(a) @ deq(b)``,
     accumulated in float32.
 
@@ -272,6 +338,7 @@ def matmul_fp8(a, b, *, preferred_element_type=None, implementation=None):
         bfloat16/float16/float32 array, quantized here in 1x128 blocks.
       b: ``[k, n]``: a pair (values float8_e4m3fn ``[k, n]``, scales float32
         ``[ceil(k/128), ceil(n/128)]``), or a float array, quantized here in 128x128 blocks.
+      b_transposed: b given as ``[n, k]`` (as ``rhs_transposed`` of :func:`ragged_dot_fp8`).
       preferred_element_type, implementation: as for :func:`ragged_dot_fp8` (the kernel: one group of
         all of a's rows).
 
@@ -282,7 +349,7 @@ def matmul_fp8(a, b, *, preferred_element_type=None, implementation=None):
     """
     op = "matmul_fp8"
     x, qx, (m, k) = _operand(op, "a", a, "[m, k]", LHS_BLOCK)
-    y, qy, (kb, n) = _operand(op, "b", b, "[k, n]", RHS_BLOCK)
+    y, qy, (kb, n) = _weights(op, "b", b, b_transposed)
     if k != kb:
         raise ValueError(f"jax_tk.{op}: a [m, k] and b [k, n] must have the same k, got a {(m, k)} and b {(kb, n)}")
     out_dtype = _out_dtype(op, preferred_element_type)

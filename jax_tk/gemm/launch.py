@@ -30,6 +30,7 @@ from jax_tk._core.ffi import broadcast_mapped, kernel_call, map_entries
 
 TARGET = ffi.target("jax_tk_gemm_ragged")
 FP8_TARGET = ffi.target("jax_tk_gemm_fp8")
+FP8_CONTRACT_TARGET = ffi.target("jax_tk_gemm_fp8_contract")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_ROWS = extension.MAX_INDEX  # row indices are int32 in the kernel
 
@@ -91,18 +92,47 @@ def fp8_unsupported_reason(k: int, n: int, groups: int, rows: int) -> str | None
     return None
 
 
-def fp8_call(a, a_scales, b, b_scales, group_sizes, out_dtype, out_init=None):
+def fp8_contract_unsupported_reason(n: int, groups: int, rows: int) -> str | None:
+    """Why the FP8 kernel cannot take the weights' gradient (``[groups, k, n]``, contracting over
+    ``rows`` rows) on this machine; None if it can."""
+    if extension.has_cuda_kernels() and not extension.has_target(FP8_CONTRACT_TARGET):
+        return "this build of jax_tk has no FP8 contraction kernel (reinstall)"
+    if n % contract()["DIM_MULTIPLE"]:
+        return f"n={n} (the FP8 contraction kernel takes n a multiple of {contract()['DIM_MULTIPLE']})"
+    return fp8_unsupported_reason(16, n, groups, rows)  # (the rest as the forward's)
+
+
+def fp8_contract_call(at, at_scales, bt, bt_scales, group_sizes, out_init=None):
+    """One launch of the FP8 kernel's contraction (Hopper): ``out[i] = deq(at)[:, rows_i] @
+    deq(bt)[:, rows_i]^T``, float32 ``[g, k, n]``, the rows of group i along both operands' second
+    axis (zeros for an empty group).
+
+    at float8_e4m3fn ``[k, m]`` with scales float32 ``[k, ceil(m/128)]`` (1 x 128 blocks along m), bt
+    ``[n, m]`` with scales ``[ceil(n/128), ceil(m/128)]`` (128 x 128 blocks): ``quantize_fp8`` of the
+    transposed rows; m a multiple of 16 (pad with zero rows). Rows past the groups must be finite.
+    Both scales go to the kernel m-block major, transposed here. ``out_init`` (tests): a buffer
+    aliased to the output."""
+    g, k, n = group_sizes.shape[0], at.shape[0], bt.shape[0]
+    out_types = (jax.ShapeDtypeStruct((g, k, n), jnp.float32),)
+    operands = (at, at_scales.T, bt, bt_scales.T, group_sizes.astype(jnp.int32))
+    (out,) = kernel_call(FP8_CONTRACT_TARGET, out_types, operands, dict(variant=np.int32(dispatch.kernel_variant())),
+                         out_init=None if out_init is None else (out_init,))
+    return out
+
+
+def fp8_call(a, a_scales, b_nk, b_scales, group_sizes, out_dtype, out_init=None):
     """One launch of the FP8 kernel (Hopper): ``out[r] = deq(a)[r] @ deq(b)[i]`` for the rows r of group
     i, ``deq`` the operand times its block scales; rows past the groups give 0.
 
-    a float8_e4m3fn ``[m, k]`` with scales float32 ``[m, ceil(k/128)]`` (1 x 128 blocks along k), b
-    float8_e4m3fn ``[g, k, n]`` with scales ``[g, ceil(k/128), ceil(n/128)]`` (128 x 128 blocks),
-    group_sizes ``[g]`` (>= 0, summing to at most m); out ``[m, n]`` in ``out_dtype``, bfloat16 or
-    float32. The kernel reads b as ``[g, n, k]`` (8-bit operands are read K-major) and a's scales
-    k-block major: both transposed here. ``out_init`` (tests): a buffer aliased to the output."""
-    m, n = a.shape[0], b.shape[2]
+    a float8_e4m3fn ``[m, k]`` with scales float32 ``[m, ceil(k/128)]`` (1 x 128 blocks along k); b
+    given K-major, as the kernel reads it (8-bit operands are read K-major): values float8_e4m3fn
+    ``b_nk = [g, n, k]`` (b^T per group), scales ``[g, ceil(k/128), ceil(n/128)]`` (b's 128 x 128
+    blocks); group_sizes ``[g]`` (>= 0, summing to at most m); out ``[m, n]`` in ``out_dtype``,
+    bfloat16 or float32. (a's scales go to the kernel k-block major, transposed here.) ``out_init``
+    (tests): a buffer aliased to the output."""
+    m, n = a.shape[0], b_nk.shape[1]
     out_types = (jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype)),)
-    operands = (a, a_scales.T, jnp.swapaxes(b, 1, 2), b_scales, group_sizes.astype(jnp.int32))
+    operands = (a, a_scales.T, b_nk, b_scales, group_sizes.astype(jnp.int32))
     (out,) = kernel_call(FP8_TARGET, out_types, operands, dict(variant=np.int32(dispatch.kernel_variant())),
                          out_init=None if out_init is None else (out_init,))
     return out

@@ -319,10 +319,22 @@ def fake_fp8_kernel(monkeypatch):
         assert a.dtype == b.dtype == FP8 and sa.dtype == sb.dtype == F32 and sizes.dtype == jnp.int32
         assert jnp.dtype(out_dtype) in (jnp.dtype(BF16), jnp.dtype(F32))
         calls.append((a.shape, b.shape))
-        deq_a, deq_b = fp8.dequantize(a, sa, fp8.LHS_BLOCK), fp8.dequantize(b, sb, fp8.RHS_BLOCK)
+        # (b as the kernel reads it, [g, n, k], its scales those of b [g, k, n])
+        deq_a, deq_b = fp8.dequantize(a, sa, fp8.LHS_BLOCK), fp8.dequantize(jnp.swapaxes(b, 1, 2), sb, fp8.RHS_BLOCK)
         return reference.ragged_dot(deq_a, deq_b, sizes, out_dtype=out_dtype)
 
+    def fp8_contract_call(at, sat, bt, sbt, sizes, out_init=None):
+        assert at.dtype == bt.dtype == FP8 and sat.dtype == sbt.dtype == F32 and sizes.dtype == jnp.int32
+        assert at.shape[1] == bt.shape[1] and at.shape[1] % 16 == 0
+        calls.append((at.shape, bt.shape))
+        deq_a, deq_b = fp8.dequantize(at, sat, fp8.LHS_BLOCK), fp8.dequantize(bt, sbt, fp8.RHS_BLOCK)
+        ends = jnp.cumsum(sizes)
+        rows = jnp.arange(at.shape[1])
+        member = (rows >= (ends - sizes)[:, None]) & (rows < ends[:, None])  # [g, m]
+        return jnp.einsum("km,gm,nm->gkn", deq_a, member.astype(F32), deq_b, precision="highest")
+
     monkeypatch.setattr(launch, "fp8_call", fp8_call)
+    monkeypatch.setattr(launch, "fp8_contract_call", fp8_contract_call)
     # (fp8's own view of dispatch only: the backward's ragged_dot keeps the real one, its CPU reference)
     shim = types.SimpleNamespace(**vars(fp8.dispatch))
     shim.use_kernel = lambda op, implementation, reason: implementation != "xla"
@@ -335,7 +347,8 @@ def fake_fp8_kernel(monkeypatch):
 @pytest.mark.parametrize("offset", [None, 1])
 def test_kernel_path_against_the_reference(fake_fp8_kernel, pairs, offset):
     """ragged_dot_fp8 on the kernel path (its stand-in) against implementation='xla': values, and the
-    straight-through gradients (the kernel path's on the bfloat16 ragged_dot) of array operands."""
+    straight-through gradients of array operands (lhs's on the FP8 kernel from the re-quantized
+    cotangent, rhs's on the bfloat16 ragged_dot)."""
     x, w = fp8_inputs(8, 40, 256, 64, 3, F32)
     gs = jnp.asarray([10, 0, 25, 5] if offset is not None else [10, 25, 5], jnp.int32)
     go = None if offset is None else jnp.asarray([offset], jnp.int32)
@@ -347,13 +360,25 @@ def test_kernel_path_against_the_reference(fake_fp8_kernel, pairs, offset):
                                                         implementation=impl)
     got, got_vjp = jax.vjp(f(None), lhs, rhs)
     want, want_vjp = jax.vjp(f("xla"), lhs, rhs)
-    assert fake_fp8_kernel and fake_fp8_kernel[0][1] == rhs_shape(rhs)
+    groups, k, n = rhs_shape(rhs)
+    assert fake_fp8_kernel and fake_fp8_kernel[0][1] == (groups, n, k)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     if not pairs:
         dout = jnp.asarray(np.random.default_rng(9).standard_normal(got.shape), F32)
-        for g, wg in zip(got_vjp(dout), want_vjp(dout)):
+        (dx, dw), (wx, ww) = got_vjp(dout), want_vjp(dout)
+        # dx on the FP8 kernel (its second call): the straight-through gradient of the re-quantized
+        # cotangent (linear in it), up to float32 sums ...
+        m = got.shape[0]
+        assert fake_fp8_kernel[1:] == [((m, n), (groups, k, n)), ((k, m + (-m) % 16), (n, m + (-m) % 16))]
+        (qx, _) = want_vjp(jax_tk.gemm.fp8.dequantize(*jax_tk.quantize_fp8(dout, (1, 128)), (1, 128)))
+        np.testing.assert_allclose(np.asarray(dx), np.asarray(qx), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(qx)).max())
+        # dw on it too (the third call): lhs's rows and the cotangent re-quantized along the rows.
+        np.testing.assert_allclose(np.asarray(dw), wgrad_of_requantized(x, dout, gs, go, w.shape[0]), rtol=1e-4,
+                                   atol=1e-5 * np.abs(np.asarray(dw)).max())
+        # Both within that quantization of the exact straight-through gradients.
+        for g, wg, tol in ((dx, wx, 4e-2), (dw, ww, 6e-2)):
             err = np.linalg.norm(np.asarray(g) - np.asarray(wg)) / np.linalg.norm(np.asarray(wg))
-            assert err < 2e-2, err  # (bfloat16 operands in the kernel path's backward)
+            assert 0 < err < tol, err
 
 
 def test_matmul_fp8_kernel_path(fake_fp8_kernel):
@@ -361,9 +386,61 @@ def test_matmul_fp8_kernel_path(fake_fp8_kernel):
     x, w = fp8_inputs(10, 33, 256, 64, 1, F32)
     got = jax_tk.matmul_fp8(x, w[0], preferred_element_type=F32)
     want = jax_tk.matmul_fp8(x, w[0], preferred_element_type=F32, implementation="xla")
-    assert fake_fp8_kernel == [((33, 256), (1, 256, 64))]
+    assert fake_fp8_kernel == [((33, 256), (1, 64, 256))]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def rhs_shape(rhs):
     return tuple((rhs[0] if isinstance(rhs, tuple) else rhs).shape)
+
+
+@pytest.mark.parametrize("path", ["reference", "kernel"])
+def test_transposed_weights(request, path):
+    """rhs_transposed / b_transposed: the weights given as [g, n, k] (arrays, and pairs quantized in that
+    layout) give what [g, k, n] gives, values and gradients (the gradient in the given layout); a
+    pair's scales are checked against that layout."""
+    calls = request.getfixturevalue("fake_fp8_kernel") if path == "kernel" else None
+    x, w = fp8_inputs(12, 40, 272, 136, 3, F32)
+    gs = jnp.asarray([10, 0, 25], jnp.int32)
+    wt = jnp.swapaxes(w, 1, 2)
+    dout = randn(np.random.default_rng(13), (40, 136), F32)
+    op = lambda a, b, t: jax_tk.ragged_dot_fp8(a, b, gs, preferred_element_type=F32, rhs_transposed=t)
+    close = lambda got, want: np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    close(op(x, wt, True), op(x, w, False))
+    close(op(x, jax_tk.quantize_fp8(wt, (128, 128)), True), op(x, jax_tk.quantize_fp8(w, (128, 128)), False))
+    grad = lambda b, t: jax.grad(lambda a, b: jnp.sum(op(a, b, t) * dout), argnums=(0, 1))(x, b)
+    (gx_t, gw_t), (gx, gw) = grad(wt, True), grad(w, False)
+    close(gx_t, gx)
+    close(gw_t, jnp.swapaxes(gw, 1, 2))
+    mm = lambda b, t: jax_tk.matmul_fp8(x, b, preferred_element_type=F32, b_transposed=t)
+    close(mm(wt[0], True), mm(w[0], False))
+    if calls is not None:  # (the kernel reads [g, n, k]: the call gets the given values as they are)
+        assert calls[0][1] == (3, 136, 272)
+    values, scales = jax_tk.quantize_fp8(w, (128, 128))
+    with pytest.raises(ValueError, match=r"rhs's scales must have shape \(3, 2, 3\)"):
+        jax_tk.ragged_dot_fp8(x, (jnp.swapaxes(values, 1, 2), scales), gs, rhs_transposed=True)
+    with pytest.raises(ValueError, match=r"contracting dimension k"):
+        jax_tk.ragged_dot_fp8(x, w, gs, rhs_transposed=True)
+
+
+def wgrad_of_requantized(x, dout, sizes, group_offset, local):
+    """float64: per local group, (x quantized in 1x128 blocks along k, dequantized; then transposed
+    and quantized in 1x128 blocks along the rows) times (dout transposed, quantized in 128x128
+    blocks), the blocks over all m rows from row 0, as the kernel path's wgrad forms them; rows
+    rolled so that the local groups come first (group_offset), rows past them zeroed."""
+    sizes = np.asarray(sizes)
+    first = 0 if group_offset is None else int(np.asarray(group_offset)[0])
+    start = int(sizes[:first].sum())
+    local_sizes = sizes[first:first + local]
+    m = x.shape[0]
+    rows = lambda t: np.roll(np.asarray(t, np.float64), -start, axis=0)
+    deq_x = rows(np_dequantize(*jax_tk.quantize_fp8(x, (1, 128)), (1, 128)))
+    d = rows(dout)
+    keep = (np.arange(m) < local_sizes.sum())[:, None]
+    pad = ((0, 0), (0, -m % 16))
+    at = np.pad(np.where(keep, deq_x, 0).T, pad)
+    gt = np.pad(np.where(keep, d, 0).T, pad)
+    qa = np_dequantize(*jax_tk.quantize_fp8(jnp.asarray(at, F32), (1, 128)), (1, 128))
+    qg = np_dequantize(*jax_tk.quantize_fp8(jnp.asarray(gt, F32), (128, 128)), (128, 128))
+    ends = np.cumsum(local_sizes)
+    return np.stack([qa[:, e - s:e] @ qg[:, e - s:e].T for s, e in zip(local_sizes, ends)])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jax_tk
+from jax_tk._core import extension
 from helpers import randn
 from test_ragged_dot import fake_kernel, numpy_ragged_dot  # noqa: F401 (a fixture)
 
@@ -33,9 +34,10 @@ def full_rhs(rhs, offset):
     return full
 
 
-def check_against_full(f, offset, dtype):
+def check_against_full(f, offset, dtype, rhs_grad_err=None):
     """f(lhs, rhs, sizes, group_offset) against f on full_rhs without an offset: the output, d lhs,
-    and d rhs against the local slice of the full rhs's gradient."""
+    and d rhs against the local slice of the full rhs's gradient (elementwise, or within relative
+    error ``rhs_grad_err`` where the two calls round it differently)."""
     lhs, rhs, gs, dout = inputs(offset + 3, dtype)
     go = jnp.asarray([offset], jnp.int32)
     out, vjp = jax.vjp(lambda a, b: f(a, b, gs, go), lhs, rhs)
@@ -44,7 +46,11 @@ def check_against_full(f, offset, dtype):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), **tol)
     (dl, dr), (wdl, wdr) = vjp(dout.astype(out.dtype)), want_vjp(dout.astype(want.dtype))
     np.testing.assert_allclose(np.asarray(dl, np.float32), np.asarray(wdl, np.float32), **tol)
-    np.testing.assert_allclose(np.asarray(dr, np.float32), np.asarray(full_rhs_grad(wdr, offset), np.float32), **tol)
+    dr, wdr = np.asarray(dr, np.float64), np.asarray(full_rhs_grad(wdr, offset), np.float64)
+    if rhs_grad_err is None:
+        np.testing.assert_allclose(dr, wdr, **tol)
+    else:
+        assert np.linalg.norm(dr - wdr) / np.linalg.norm(wdr) < rhs_grad_err
     return lhs, rhs, out
 
 
@@ -104,5 +110,7 @@ def test_kernel_path_with_offset(fake_kernel):  # noqa: F811 (the fixture)
 
 @pytest.mark.parametrize("offset", [1, 5])
 def test_ragged_dot_fp8_offset(offset):
+    """On the FP8 kernel (H100/H200) the rhs's gradient re-quantizes the rows in 128-row blocks from
+    the first local row, the full call's from row 0: the two differ by FP8 rounding there."""
     f = lambda a, b, s, o: jax_tk.ragged_dot_fp8(a, b, s, group_offset=o, preferred_element_type=F32)
-    check_against_full(f, offset, F32)
+    check_against_full(f, offset, F32, rhs_grad_err=6e-2 if extension.cuda_device_capability() == (9, 0) else None)

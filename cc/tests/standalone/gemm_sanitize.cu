@@ -93,34 +93,51 @@ double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool 
   return err < (out_f32 ? 1e-4 : 1e-2) ? 0 : 1;
 }
 
+template <typename V> void *upload(const V &h) {
+  void *d;
+  CHECK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(h[0])));
+  CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(h[0]), cudaMemcpyHostToDevice));
+  return d;
+}
+
+// An FP8 case's operands (random values and scales, of the given sizes) and its run: uploaded, the
+// output poisoned, the kernel, the output back.
+struct Fp8Case {
+  std::vector<__nv_fp8_e4m3> a, b;
+  std::vector<float> sa, sb;
+  Fp8Case(std::mt19937 &rng, size_t na, size_t nb, size_t nsa, size_t nsb) : a(na), b(nb), sa(nsa), sb(nsb) {
+    std::normal_distribution<float> dist;
+    std::uniform_real_distribution<float> scale(0.25f, 2.f);
+    for (auto *v : {&a, &b})
+      for (auto &x : *v) x = __nv_fp8_e4m3(4 * dist(rng));
+    for (auto *v : {&sa, &sb})
+      for (auto &x : *v) x = scale(rng);
+  }
+  // p: dtype, out_f32, mode, b_transposed and the sizes; no: out's elements.
+  std::vector<float> run(Params p, const std::vector<int> &sizes, size_t no) const {
+    void *da = upload(a), *db = upload(b), *dsa = upload(sa), *dsb = upload(sb), *gs = upload(sizes), *out;
+    CHECK(cudaMalloc(&out, no * (p.out_f32 ? 4 : 2)));
+    CHECK(cudaMemset(out, 0xff, no * (p.out_f32 ? 4 : 2)));
+    p.a = da, p.b = db, p.group_sizes = static_cast<const int *>(gs), p.out = out;
+    p.a_scales = static_cast<const float *>(dsa), p.b_scales = static_cast<const float *>(dsb);
+    CHECK(ragged_sm90(p, 0));
+    CHECK(cudaDeviceSynchronize());
+    std::vector<float> got = download(out, no, p.out_f32);
+    for (void *x : {da, db, dsa, dsb, gs, out}) CHECK(cudaFree(x));
+    return got;
+  }
+};
+
 // FP8 (Hopper): a e4m3 [m, k] with scales [ceil(k/128), m], b e4m3 [g, n, k] with scales
 // [g, ceil(k/128), ceil(n/128)]; out bf16 or float32. Returns 0 if within tolerance.
 int run_fp8(int m, int k, int n, std::vector<int> sizes, bool out_f32) {
   std::mt19937 rng(m * 5 + k + n * 3);
   const int g = int(sizes.size()), B = FP8_BLOCK, kb = (k + B - 1) / B, nbk = (n + B - 1) / B;
-  std::normal_distribution<float> dist;
-  std::uniform_real_distribution<float> scale(0.25f, 2.f);
-  std::vector<__nv_fp8_e4m3> ha(size_t(m) * k), hb(size_t(g) * n * k);
-  std::vector<float> hsa(size_t(kb) * m), hsb(size_t(g) * kb * nbk);
-  for (auto &x : ha) x = __nv_fp8_e4m3(4 * dist(rng));
-  for (auto &x : hb) x = __nv_fp8_e4m3(4 * dist(rng));
-  for (auto &x : hsa) x = scale(rng);
-  for (auto &x : hsb) x = scale(rng);
-  auto upload = [](const auto &h) {
-    void *d;
-    CHECK(cudaMalloc(&d, h.size() * sizeof(h[0])));
-    CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(h[0]), cudaMemcpyHostToDevice));
-    return d;
-  };
-  void *a = upload(ha), *b = upload(hb), *sa = upload(hsa), *sb = upload(hsb), *gs = upload(sizes), *out;
+  Fp8Case c(rng, size_t(m) * k, size_t(g) * n * k, size_t(kb) * m, size_t(g) * kb * nbk);
   const size_t no = size_t(m) * n;
-  CHECK(cudaMalloc(&out, no * (out_f32 ? 4 : 2)));
-  CHECK(cudaMemset(out, 0xff, no * (out_f32 ? 4 : 2)));
-  Params p{DType::fp8e4m3, out_f32, MODE_RAGGED, true, m, k, n, g, a, b, static_cast<const int *>(gs), out,
-           static_cast<const float *>(sa), static_cast<const float *>(sb)};
-  CHECK(ragged_sm90(p, 0));
-  CHECK(cudaDeviceSynchronize());
-  const std::vector<float> got = download(out, no, out_f32);
+  const std::vector<float> got = c.run({DType::fp8e4m3, out_f32, MODE_RAGGED, true, m, k, n, g}, sizes, no);
+  const auto &ha = c.a, &hb = c.b;
+  const auto &hsa = c.sa, &hsb = c.sb;
   std::vector<double> want(no, 0.0);
   for (int i = 0, off = 0; i < g; i++) {
     const int s = std::min(std::max(sizes[i], 0), m - off);
@@ -132,8 +149,34 @@ int run_fp8(int m, int k, int n, std::vector<int> sizes, bool out_f32) {
     off += s;
   }
   const double err = fro_err(got, want), tol = out_f32 ? 2e-3 : 1e-2;
-  for (void *x : {a, b, sa, sb, gs, out}) CHECK(cudaFree(x));
   std::printf("%s fp8 m=%d k=%d n=%d g=%d out=%s: rel err %.3g\n", err < tol ? "ok  " : "FAIL", m, k, n, g,
+              out_f32 ? "f32" : "bf16", err);
+  return err < tol ? 0 : 1;
+}
+
+// FP8, MODE_CONTRACT (the weights' gradient): a [k, m] and b [n, m] (m a multiple of 16), a's scales
+// [mb, k], b's [mb, nb]; out[i] = a[:, rows_i] @ b[:, rows_i]^T; rows past the groups hold values that
+// must add nothing.
+int run_fp8_contract(int m, int k, int n, std::vector<int> sizes, bool out_f32) {
+  std::mt19937 rng(m * 3 + k + n * 7);
+  const int g = int(sizes.size()), B = FP8_BLOCK, mb = (m + B - 1) / B, nbn = (n + B - 1) / B;
+  Fp8Case c(rng, size_t(k) * m, size_t(n) * m, size_t(mb) * k, size_t(mb) * nbn);
+  const size_t no = size_t(g) * k * n;
+  const std::vector<float> got = c.run({DType::fp8e4m3, out_f32, MODE_CONTRACT, false, m, k, n, g}, sizes, no);
+  const auto &ha = c.a, &hb = c.b;
+  const auto &hsa = c.sa, &hsb = c.sb;
+  std::vector<double> want(no, 0.0);
+  for (int i = 0, off = 0; i < g; i++) {
+    const int s = std::min(std::max(sizes[i], 0), m - off);
+    for (int c = 0; c < k; c++)
+      for (int j = 0; j < n; j++)
+        for (int r = off; r < off + s; r++)
+          want[(size_t(i) * k + c) * n + j] += double(float(ha[size_t(c) * m + r])) * hsa[size_t(r / B) * k + c] *
+                                               double(float(hb[size_t(j) * m + r])) * hsb[size_t(r / B) * nbn + j / B];
+    off += s;
+  }
+  const double err = fro_err(got, want), tol = out_f32 ? 2e-3 : 1e-2;
+  std::printf("%s fp8 contract m=%d k=%d n=%d g=%d out=%s: rel err %.3g\n", err < tol ? "ok  " : "FAIL", m, k, n, g,
               out_f32 ? "f32" : "bf16", err);
   return err < tol ? 0 : 1;
 }
@@ -159,6 +202,9 @@ int main() {
     for (bool out_f32 : {false, true}) {
       failed += run_fp8(200, 272, 136, {0, 70, 3, 0, 100}, out_f32);  // k: a 16-wide last block; sum < m
       failed += run_fp8(129, 128, 8, {129}, out_f32);
+      // groups across the 128-row blocks, empty ones, rows past the groups; k and n past a tile
+      failed += run_fp8_contract(400, 136, 200, {0, 70, 3, 0, 200, 100}, out_f32);
+      failed += run_fp8_contract(256, 64, 8, {256}, out_f32);
     }
   std::printf("%s\n", failed ? "FAILED" : "all ok");
   return failed ? 2 : 0;
