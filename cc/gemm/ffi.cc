@@ -180,6 +180,78 @@ ffi::Error fp8_contract_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuff
   return fp8_run(p, m, k, n, g, a, a_scales, b, b_scales, *out, variant, stream);
 }
 
+// FP8 block quantization (the contract: gemm.h's QuantParams). Operands x, x's scales (FP8 x only,
+// else an empty array), the row limit (int32 [1], or empty: every row); results values and scales;
+// attributes transposed and block_rows.
+template <typename... Extra>
+ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x_scales, ffi::AnyBuffer row_limit,
+                         Extra..., ffi::Result<ffi::AnyBuffer> values, ffi::Result<ffi::AnyBuffer> scales,
+                         int32_t transposed, int32_t block_rows) {
+  using In = gemm::QuantParams::In;
+  gemm::QuantParams p{};
+  switch (x.element_type()) {
+    case ffi::DataType::BF16: p.in = In::bf16; break;
+    case ffi::DataType::F16: p.in = In::fp16; break;
+    case ffi::DataType::F32: p.in = In::f32; break;
+    case ffi::DataType::F8E4M3FN: p.in = In::fp8e4m3; break;
+    default: return invalid("fp8 quantize: x must be bfloat16, float16, float32 or float8_e4m3fn");
+  }
+  const auto xd = x.dimensions();
+  const bool fp8_in = p.in == In::fp8e4m3;
+  if (xd.size() != 2 && (xd.size() != 3 || transposed || fp8_in))
+    return invalid("fp8 quantize: x must be [rows, cols], or [batch, rows, cols] untransposed and not FP8, got " + dims_of(x));
+  if (transposed != 0 && transposed != 1) return invalid("fp8 quantize: transposed must be 0 or 1");
+  if (block_rows != 1 && block_rows != gemm::FP8_BLOCK) return invalid("fp8 quantize: block_rows must be 1 or 128");
+  const int64_t batch = xd.size() == 3 ? xd[0] : 1, rows = xd[xd.size() - 2], cols = xd[xd.size() - 1];
+  const auto vd = values->dimensions();
+  if (values->element_type() != ffi::DataType::F8E4M3FN || vd.size() != xd.size() || (xd.size() == 3 && vd[0] != batch))
+    return invalid("fp8 quantize: values must be float8_e4m3fn of x's rank and batch, got " + dims_of(*values));
+  const int64_t out_rows = vd[vd.size() - 2], out_cols = vd[vd.size() - 1];
+  if (out_rows < (transposed ? cols : rows) || out_cols < (transposed ? rows : cols))
+    return invalid("fp8 quantize: values " + dims_of(*values) + " cannot hold x " + dims_of(x) + (transposed ? " transposed" : ""));
+  const int64_t B = gemm::FP8_BLOCK, rb = (out_rows + block_rows - 1) / block_rows, cb = (out_cols + B - 1) / B;
+  const bool batched = xd.size() == 3;
+  if (scales->element_type() != ffi::DataType::F32 || !(batched ? dims_are(*scales, {batch, rb, cb}) : dims_are(*scales, {rb, cb})))
+    return invalid("fp8 quantize: scales must be float32 " + (batched ? shape({batch, rb, cb}) : shape({rb, cb})));
+  if (fp8_in ? x_scales.element_type() != ffi::DataType::F32 || !dims_are(x_scales, {rows, (cols + B - 1) / B})
+             : x_scales.element_count() != 0)
+    return invalid("fp8 quantize: x's scales must be float32 [rows, ceil(cols/128)] for an FP8 x, else empty");
+  if (row_limit.element_count() > 1 || (row_limit.element_count() == 1 && row_limit.element_type() != ffi::DataType::S32))
+    return invalid("fp8 quantize: the row limit must be int32 [1], or empty");
+  for (auto d : {batch, rows, cols, out_rows, out_cols})
+    if (d > core::MAX_INDEX) return invalid("fp8 quantize: every dimension must be below 2^31");
+  if (batch > 65535 || (out_rows + B - 1) / B > 65535) return invalid("fp8 quantize: too many rows or batch entries");
+  p.x = x.untyped_data();
+  p.x_scales = fp8_in ? static_cast<const float *>(x_scales.untyped_data()) : nullptr;
+  p.row_limit = row_limit.element_count() ? static_cast<const int *>(row_limit.untyped_data()) : nullptr;
+  p.batch = int(batch); p.rows = int(rows); p.cols = int(cols); p.out_rows = int(out_rows); p.out_cols = int(out_cols);
+  p.transposed = transposed != 0;
+  p.block_rows = block_rows;
+  p.vector_loads = aligned16(p.x) && (cols * int64_t(ffi::ByteWidth(x.element_type()))) % 16 == 0;
+  p.values = values->untyped_data();
+  p.scales = static_cast<float *>(scales->untyped_data());
+  if (values->element_count() == 0) return ffi::Error::Success();
+  return cuda_error(gemm::quantize_fp8(p, stream), "fp8 quantize");
+}
+
+template <bool TEST> auto quantize_binding() {
+  auto head = [] {
+    return ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()   // x
+        .Arg<ffi::AnyBuffer>()   // x's scales
+        .Arg<ffi::AnyBuffer>();  // row limit
+  };
+  auto tail = [](auto &&x) {
+    return std::move(x)
+        .template Ret<ffi::AnyBuffer>()
+        .template Ret<ffi::AnyBuffer>()
+        .template Attr<int32_t>("transposed")
+        .template Attr<int32_t>("block_rows");
+  };
+  return bind<TEST>(head, tail);
+}
+
 template <bool TEST> auto fp8_binding() {
   auto head = [] {
     return ffi::Ffi::Bind()
@@ -223,6 +295,7 @@ FfiTargets ffi_targets();
 JAX_TK_DEFINE_HANDLERS(GemmRagged, ragged_impl, ragged_binding);
 JAX_TK_DEFINE_HANDLERS(GemmFp8, fp8_impl, fp8_binding);
 JAX_TK_DEFINE_HANDLERS(GemmFp8Contract, fp8_contract_impl, fp8_binding);
+JAX_TK_DEFINE_HANDLERS(Fp8Quantize, quantize_impl, quantize_binding);
 
 FfiTargets gemm::ffi_targets() {  // (declared by cc/module.cc)
   return {{"jax_tk_gemm_ragged", reinterpret_cast<void *>(GemmRagged)},
@@ -230,7 +303,9 @@ FfiTargets gemm::ffi_targets() {  // (declared by cc/module.cc)
           {"jax_tk_gemm_fp8", reinterpret_cast<void *>(GemmFp8)},
           {"jax_tk_gemm_fp8_test", reinterpret_cast<void *>(GemmFp8Test)},
           {"jax_tk_gemm_fp8_contract", reinterpret_cast<void *>(GemmFp8Contract)},
-          {"jax_tk_gemm_fp8_contract_test", reinterpret_cast<void *>(GemmFp8ContractTest)}};
+          {"jax_tk_gemm_fp8_contract_test", reinterpret_cast<void *>(GemmFp8ContractTest)},
+          {"jax_tk_fp8_quantize", reinterpret_cast<void *>(Fp8Quantize)},
+          {"jax_tk_fp8_quantize_test", reinterpret_cast<void *>(Fp8QuantizeTest)}};
 }
 
 }  // namespace jax_tk

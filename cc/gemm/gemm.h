@@ -61,6 +61,25 @@ struct Params {
                                     // CONTRACT [ceil(m / 128), ceil(n / 128)]
 };
 
+// FP8 block quantization (target "jax_tk_fp8_quantize", cc/gemm/quantize.cu): values float8_e4m3fn
+// [batch, out_rows, out_cols] and scales float32 [batch, ceil(out_rows / block_rows), ceil(out_cols /
+// 128)] of y, quantize_fp8's (jax_tk/gemm/fp8.py) to the bit: per block amax / 448 (1 for a block of
+// zeros) and y / scale rounded to nearest, saturating. y is x [batch, rows, cols] (transposed: x^T,
+// batch 1), zero-padded to [out_rows, out_cols], its rows (of x) at or past *row_limit zeroed; an FP8
+// x comes with its scales [rows, ceil(cols / 128)] (1 x 128 blocks, batch 1) and is dequantized first.
+struct QuantParams {
+  enum class In { bf16, fp16, f32, fp8e4m3 } in;
+  const void *x;
+  const float *x_scales;   // FP8 x only, else null
+  const int *row_limit;    // on the device, or null (every row)
+  int batch, rows, cols, out_rows, out_cols;
+  bool transposed;
+  int block_rows;          // 1 or 128 (along the output's rows; 128 along its columns)
+  bool vector_loads;       // x 16-byte aligned and its rows a multiple of 16 bytes
+  void *values;
+  float *scales;
+};
+
 // An upper bound on the output tiles of a call with tiles of tm x tn (what the persistent grids are
 // sized from; the kernels find the exact count on the device): in MODE_RAGGED each group adds at
 // most one partial row block, plus the block of rows past the groups' sum.
@@ -78,6 +97,7 @@ inline long long tile_bound(const Params &p, int tm, int tn) {
 // launch error, if any.
 cudaError_t ragged_sm80(const Params &p, cudaStream_t stream);  // mma.sync, cp.async (sm_80 and newer)
 cudaError_t ragged_sm90(const Params &p, cudaStream_t stream);  // TMA, wgmma, warp-specialized (sm_90a)
+cudaError_t quantize_fp8(const QuantParams &p, cudaStream_t stream);  // any sm_80+ (FP8 converts in software before sm_89)
 #endif
 
 }  // namespace jax_tk::gemm

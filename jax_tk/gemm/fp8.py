@@ -80,6 +80,32 @@ def dequantize(values, scales, block_shape):
     return values.astype(jnp.float32) * _expand(scales, block_shape, values.shape)
 
 
+def _requantize_xla(x, x_scales, row_limit, block_rows: int, transposed: bool, out_shape):
+    """What the quantization kernel computes (launch.quantize_call), in XLA: ``_quantize`` of x
+    (dequantized with ``x_scales`` if given), its rows at or past ``row_limit`` zeroed, transposed,
+    zero-padded to ``out_shape``."""
+    y = x.astype(jnp.float32) if x_scales is None else dequantize(x, x_scales, LHS_BLOCK)
+    if row_limit is not None:
+        y = jnp.where((jnp.arange(y.shape[-2]) < row_limit[0])[:, None], y, 0.0)
+    if transposed:
+        y = _swap(y)
+    if out_shape is not None:
+        y = jnp.pad(y, [(0, 0)] * (y.ndim - 2) + [(0, out_shape[0] - y.shape[-2]), (0, out_shape[1] - y.shape[-1])])
+    return _quantize(y, (block_rows, BLOCK))
+
+
+def _requantize(x, block_rows: int, *, x_scales=None, row_limit=None, transposed=False, out_shape=None):
+    """``_requantize_xla``'s (values, scales), on the quantization kernel (one pass over x) on CUDA
+    where the build has it; the same bits either way."""
+    static = dict(block_rows=block_rows, transposed=transposed, out_shape=out_shape)
+    xla = lambda x, xs, lim: _requantize_xla(x, xs, lim, **static)
+    if launch.quantize_unsupported_reason() is not None:
+        return xla(x, x_scales, row_limit)
+    kernel = lambda x, xs, lim: launch.quantize_call(x, block_rows, x_scales=xs, transposed=transposed,
+                                                      row_limit=lim, out_shape=out_shape)
+    return dispatch.platform_dispatch(True, kernel, xla, x, x_scales, row_limit)
+
+
 def quantize_fp8(x, block_shape):
     """Quantizes ``x`` to float8_e4m3fn with one float32 scale per block.
 
@@ -156,7 +182,7 @@ def _operand(op: str, name: str, x, what: str, block_shape):
         deq = jax.lax.stop_gradient(dequantize(values, scales, block_shape))
         return deq, (values, scales), tuple(values.shape)
     checks.float_array(op, name, x, ndim, what, FLOAT_DTYPES, empty_ok=range(ndim))
-    return _fake_quant(x, block_shape), jax.lax.stop_gradient(_quantize(x, block_shape)), tuple(x.shape)
+    return _fake_quant(x, block_shape), jax.lax.stop_gradient(_requantize(x, block_shape[0])), tuple(x.shape)
 
 
 def _swap(x):
@@ -203,18 +229,20 @@ def _kernel_product_fwd(a, b, qa, qb, sizes, out_dtype):
 
 def _kernel_product_bwd(out_dtype, res, g):
     a, b, qa, qb, sizes = res
-    g = g.astype(jnp.float32)
-    _, vjp = jax.vjp(lambda a, b: api.ragged_dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), sizes,
-                                                 preferred_element_type=jnp.float32), a, b)
     (m, k), (groups, _, n) = a.shape, b.shape
+
+    def bf16(g):  # (where the FP8 kernel does not take them)
+        _, vjp = jax.vjp(lambda a, b: api.ragged_dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), sizes,
+                                                     preferred_element_type=jnp.float32), a, b)
+        return vjp(g.astype(jnp.float32))
+
     # Both on the FP8 kernel where it takes the sizes (CUDA), else on the bfloat16 ones: the rows'
-    # gradient g @ deq(b)^T is the forward's product with n and k swapped; the weights' the
-    # contraction over each group's rows.
-    padded_n = n + -n % 16  # (the dgrad pads it)
-    da = _on_fp8(launch.fp8_unsupported_reason(padded_n, k, groups, m), _dgrad_fp8, lambda g, qb, sizes: vjp(g)[0],
-                 g, qb, sizes)
-    db = _on_fp8(launch.fp8_contract_unsupported_reason(n, groups, m), _wgrad_fp8, lambda a, g, sizes: vjp(g)[1],
-                 a, g, sizes)
+    # gradient g @ deq(b)^T is the forward's product with n and k swapped (n padded to 16 there);
+    # the weights' the contraction over each group's rows.
+    da = _on_fp8(launch.fp8_unsupported_reason(n + -n % 16, k, groups, m), _dgrad_fp8,
+                 lambda g, qb, sizes: bf16(g)[0], g, qb, sizes)
+    db = _on_fp8(launch.fp8_contract_unsupported_reason(n, groups, m), _wgrad_fp8,
+                 lambda qa, g, sizes: bf16(g)[1], qa, g, sizes)
     zeros = jax.tree.map(jnp.zeros_like, (qa, qb))  # (constants: float8 values and their scales)
     return da.astype(a.dtype), db.astype(b.dtype), *zeros, None
 
@@ -232,22 +260,26 @@ def _dgrad_fp8(g, qb, sizes):
     kernel's layout: [g, n, k] and [g, kb, nb]) serve transposed (a block of b^T is a block of b). n,
     contracted here, is padded with zeros to the kernel's multiple of 16 (the scales' blocks stay)."""
     values, scales = qb
-    pad = -g.shape[1] % 16
+    m, n = g.shape
+    pad = -n % 16
     if pad:
-        g, values = jnp.pad(g, ((0, 0), (0, pad))), jnp.pad(values, ((0, 0), (0, pad), (0, 0)))
-    return launch.fp8_call(*_quantize(g, LHS_BLOCK), _swap(values), _swap(scales), sizes, jnp.float32)
+        values = jnp.pad(values, ((0, 0), (0, pad), (0, 0)))
+    qg = _requantize(g, 1, out_shape=(m, n + pad))
+    return launch.fp8_call(*qg, _swap(values), _swap(scales), sizes, jnp.float32)
 
 
-def _wgrad_fp8(a, g, sizes):
-    """``deq(a)[rows_i]^T @ g[rows_i]`` per group, float32 ``[groups, k, n]``, on the FP8 kernel: a (the
-    dequantized rows) and g re-quantized along the rows, a^T in 1 x 128 blocks, g^T in 128 x 128 ones
-    (DeepSeek-V3's wgrad). The rows past the groups are zeroed first (a block's scale would take in
-    their values, NaN or inf included), and the rows padded to a multiple of 16 (the kernel reads
-    both operands along them)."""
-    keep = (jnp.arange(a.shape[0]) < jnp.sum(sizes))[:, None]
-    pad = ((0, 0), (0, -a.shape[0] % 16))
-    at, gt = (jnp.pad(jnp.where(keep, x, 0.0).T, pad) for x in (a, g))
-    return launch.fp8_contract_call(*_quantize(at, LHS_BLOCK), *_quantize(gt, RHS_BLOCK), sizes)
+def _wgrad_fp8(qa, g, sizes):
+    """``deq(a)[rows_i]^T @ g[rows_i]`` per group, float32 ``[groups, k, n]``, on the FP8 kernel: a's
+    rows (its float8 values times their scales, ``qa``) and g re-quantized along the rows, a^T in
+    1 x 128 blocks, g^T in 128 x 128 ones (DeepSeek-V3's wgrad), each in one pass of the quantization
+    kernel. The rows past the groups are zeroed first (a block's scale would take in their values,
+    NaN or inf included), and the rows padded to a multiple of 16 (the kernel reads both operands
+    along them)."""
+    (m, k), n = qa[0].shape, g.shape[1]
+    rows, mp = jnp.sum(sizes)[None], m + -m % 16
+    at = _requantize(qa[0], 1, x_scales=qa[1], row_limit=rows, transposed=True, out_shape=(k, mp))
+    gt = _requantize(g, BLOCK, row_limit=rows, transposed=True, out_shape=(n, mp))
+    return launch.fp8_contract_call(*at, *gt, sizes)
 
 
 _kernel_product.defvjp(_kernel_product_fwd, _kernel_product_bwd)

@@ -31,6 +31,7 @@ from jax_tk._core.ffi import broadcast_mapped, kernel_call, map_entries
 TARGET = ffi.target("jax_tk_gemm_ragged")
 FP8_TARGET = ffi.target("jax_tk_gemm_fp8")
 FP8_CONTRACT_TARGET = ffi.target("jax_tk_gemm_fp8_contract")
+QUANTIZE_TARGET = ffi.target("jax_tk_fp8_quantize")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_ROWS = extension.MAX_INDEX  # row indices are int32 in the kernel
 
@@ -118,6 +119,34 @@ def fp8_contract_call(at, at_scales, bt, bt_scales, group_sizes, out_init=None):
     (out,) = kernel_call(FP8_CONTRACT_TARGET, out_types, operands, dict(variant=np.int32(dispatch.kernel_variant())),
                          out_init=None if out_init is None else (out_init,))
     return out
+
+
+def quantize_unsupported_reason() -> str | None:
+    """Why FP8 quantization cannot run on its kernel here; None if it can (CUDA kernels built with it)."""
+    if not extension.has_cuda_kernels() or not extension.has_target(QUANTIZE_TARGET):
+        return "this build of jax_tk has no FP8 quantization kernel"
+    return None
+
+
+def quantize_call(x, block_rows: int, *, x_scales=None, transposed=False, row_limit=None, out_shape=None,
+                  out_init=None):
+    """One launch of the FP8 quantization kernel (any CUDA GPU from sm_80): ``quantize_fp8(y,
+    (block_rows, 128))`` to the bit, y being x (``[rows, cols]`` or ``[g, rows, cols]``; transposed:
+    ``x^T``, rank 2), its rows at or past ``row_limit`` (int32 ``[1]``, traced) zeroed, zero-padded to
+    ``out_shape`` (the last two dims; default y's). An FP8 x (rank 2) comes with ``x_scales`` ``[rows,
+    ceil(cols/128)]`` and is dequantized first. Returns (values float8_e4m3fn, scales float32).
+    ``out_init`` (tests): two buffers aliased to the outputs."""
+    shape = tuple(x.shape[::-1]) if transposed else tuple(x.shape)
+    shape = shape if out_shape is None else (*shape[:-2], *out_shape)
+    scale_shape = (*shape[:-2], -(-shape[-2] // block_rows), -(-shape[-1] // 128))
+    out_types = (jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn), jax.ShapeDtypeStruct(scale_shape, jnp.float32))
+    empty_f32, empty_i32 = jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)
+    operands = (x, empty_f32 if x_scales is None else x_scales,
+                empty_i32 if row_limit is None else jnp.reshape(row_limit, (1,)).astype(jnp.int32))
+    values, scales = kernel_call(QUANTIZE_TARGET, out_types, operands,
+                                 dict(transposed=np.int32(bool(transposed)), block_rows=np.int32(block_rows)),
+                                 out_init=out_init)
+    return values, scales
 
 
 def fp8_call(a, a_scales, b_nk, b_scales, group_sizes, out_dtype, out_init=None):

@@ -333,8 +333,15 @@ def fake_fp8_kernel(monkeypatch):
         member = (rows >= (ends - sizes)[:, None]) & (rows < ends[:, None])  # [g, m]
         return jnp.einsum("km,gm,nm->gkn", deq_a, member.astype(F32), deq_b, precision="highest")
 
+    def quantize_call(x, block_rows, *, x_scales=None, transposed=False, row_limit=None, out_shape=None):
+        assert block_rows in (1, 128) and (x_scales is None) == (x.dtype != FP8)
+        assert row_limit is None or (row_limit.shape == (1,) and row_limit.dtype == jnp.int32)
+        return fp8._requantize_xla(x, x_scales, row_limit, block_rows, transposed, out_shape)
+
     monkeypatch.setattr(launch, "fp8_call", fp8_call)
     monkeypatch.setattr(launch, "fp8_contract_call", fp8_contract_call)
+    monkeypatch.setattr(launch, "quantize_call", quantize_call)
+    monkeypatch.setattr(launch, "quantize_unsupported_reason", lambda: None)
     # (fp8's own view of dispatch only: the backward's ragged_dot keeps the real one, its CPU reference)
     shim = types.SimpleNamespace(**vars(fp8.dispatch))
     shim.use_kernel = lambda op, implementation, reason: implementation != "xla"

@@ -1,7 +1,8 @@
 // A standalone driver of the grouped GEMM kernels for compute-sanitizer (memcheck, racecheck,
 // synccheck) and a quick check without JAX: small odd shapes, both kernels, every kind, each buffer
 // its own cudaMalloc (an out-of-bounds access is caught), the output poisoned with NaN and compared
-// with a float64 host reference; on Hopper also the FP8 path. Built and run by scripts/gpu_check.sh:
+// with a float64 host reference; on Hopper also the FP8 path; FP8 quantization (to the bit, any
+// GPU). Built and run by scripts/gpu_check.sh:
 //   nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
 //        --expt-relaxed-constexpr -Icc cc/tests/standalone/gemm_sanitize.cu cc/gemm/*.cu -o gemm_sanitize
 //   compute-sanitizer --tool memcheck ./gemm_sanitize
@@ -181,6 +182,59 @@ int run_fp8_contract(int m, int k, int n, std::vector<int> sizes, bool out_f32) 
   return err < tol ? 0 : 1;
 }
 
+// FP8 quantization (any GPU): x float32 or FP8 with 1 x 128 scales [rows, cols], transposed or not,
+// rows at or past `limit` zeroed, padded to [out_rows, out_cols], blocks block_rows x 128; against a
+// host reference of the same arithmetic (float32 division, the same conversion), to the bit.
+int run_quantize(int rows, int cols, bool fp8_in, bool transposed, int block_rows, int limit, int out_rows, int out_cols) {
+  std::mt19937 rng(rows * 7 + cols + block_rows);
+  const int B = FP8_BLOCK, cb_in = (cols + B - 1) / B;
+  Fp8Case c(rng, size_t(rows) * cols, 0, size_t(rows) * cb_in, 0);  // (FP8 values, scales)
+  std::vector<float> xf(size_t(rows) * cols);
+  std::normal_distribution<float> dist;
+  for (auto &x : xf) x = dist(rng) * 1000.f;
+  auto y = [&](int orow, int ocol) -> float {  // the input to quantize, in the output's frame
+    const int r = transposed ? ocol : orow, col = transposed ? orow : ocol;
+    if (r >= std::min(std::max(limit, 0), rows) || col >= cols) return 0.f;
+    const size_t i = size_t(r) * cols + col;
+    return fp8_in ? float(c.a[i]) * c.sa[size_t(r) * cb_in + col / B] : xf[i];
+  };
+  const int rb = (out_rows + block_rows - 1) / block_rows, cb = (out_cols + B - 1) / B;
+  std::vector<float> want_s(size_t(rb) * cb, 0.f);
+  for (int i = 0; i < out_rows; i++)
+    for (int j = 0; j < out_cols; j++) {
+      float &s = want_s[size_t(i / block_rows) * cb + j / B];
+      s = std::max(s, std::fabs(y(i, j)));
+    }
+  for (auto &s : want_s) s = s > 0.f ? s / 448.f : 1.f;
+  QuantParams p{};
+  p.in = fp8_in ? QuantParams::In::fp8e4m3 : QuantParams::In::f32;
+  void *dx = fp8_in ? upload(c.a) : upload(xf), *dxs = upload(c.sa), *dlim = upload(std::vector<int>{limit}), *dv, *ds;
+  CHECK(cudaMalloc(&dv, size_t(out_rows) * out_cols));
+  CHECK(cudaMalloc(&ds, want_s.size() * 4));
+  CHECK(cudaMemset(dv, 0x7f, size_t(out_rows) * out_cols));  // (NaN)
+  CHECK(cudaMemset(ds, 0xff, want_s.size() * 4));
+  p.x = dx, p.x_scales = fp8_in ? static_cast<const float *>(dxs) : nullptr, p.row_limit = static_cast<const int *>(dlim);
+  p.batch = 1, p.rows = rows, p.cols = cols, p.out_rows = out_rows, p.out_cols = out_cols;
+  p.transposed = transposed, p.block_rows = block_rows, p.vector_loads = cols % (fp8_in ? 16 : 4) == 0;
+  p.values = dv, p.scales = static_cast<float *>(ds);
+  CHECK(quantize_fp8(p, 0));
+  CHECK(cudaDeviceSynchronize());
+  std::vector<uint8_t> got_v(size_t(out_rows) * out_cols);
+  std::vector<float> got_s(want_s.size());
+  CHECK(cudaMemcpy(got_v.data(), dv, got_v.size(), cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(got_s.data(), ds, got_s.size() * 4, cudaMemcpyDeviceToHost));
+  for (void *x : {dx, dxs, dlim, dv, ds}) CHECK(cudaFree(x));
+  size_t bad = std::memcmp(got_s.data(), want_s.data(), got_s.size() * 4) != 0;
+  for (int i = 0; i < out_rows; i++)
+    for (int j = 0; j < out_cols; j++) {
+      const float q = y(i, j) / want_s[size_t(i / block_rows) * cb + j / B];
+      bad += got_v[size_t(i) * out_cols + j] != __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+    }
+  std::printf("%s quantize %dx%d %s%s blocks %dx128 limit %d out %dx%d: %zu mismatches\n", bad ? "FAIL" : "ok  ", rows,
+              cols, fp8_in ? "fp8" : "f32", transposed ? " transposed" : "", block_rows, limit, out_rows, out_cols, bad);
+  return bad ? 1 : 0;
+}
+
 int main() {
   int dev = 0, major = 0;
   CHECK(cudaGetDevice(&dev));
@@ -206,6 +260,10 @@ int main() {
       failed += run_fp8_contract(400, 136, 200, {0, 70, 3, 0, 200, 100}, out_f32);
       failed += run_fp8_contract(256, 64, 8, {256}, out_f32);
     }
+  failed += run_quantize(300, 272, false, false, 1, 300, 300, 288);
+  failed += run_quantize(130, 37, false, false, 128, 100, 130, 37);
+  failed += run_quantize(300, 272, true, true, 1, 270, 272, 304);
+  failed += run_quantize(300, 200, false, true, 128, 1000, 200, 304);
   std::printf("%s\n", failed ? "FAILED" : "all ok");
   return failed ? 2 : 0;
 }

@@ -1,0 +1,129 @@
+// FP8 block quantization (the FP8 GEMM's operands, forward and backward): one block of 128 threads
+// x 2 per 128 x 128 tile of the output. The tile's input comes into shared memory as float32 (an
+// FP8 input times its 1 x 128 row scales, rows at or past the limit as zeros), each output row's
+// absolute maximum (or the tile's, for 128 x 128 blocks) gives its scale, and the values go out
+// rounded to nearest, saturating, the output's rows 128 bytes at a time. Transposed, the tile is
+// read along the input's rows and written along its columns: the quantized transpose in one pass
+// over memory, where XLA takes several.
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "gemm/gemm.h"
+
+namespace jax_tk::gemm {
+namespace {
+
+constexpr int T = FP8_BLOCK, THREADS = 256, PITCH = T + 1;  // (+1: columns read without bank conflicts)
+constexpr float FP8_MAX = 448.0f;
+
+__device__ __forceinline__ float to_float(const __nv_bfloat16 &x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(const __half &x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(const float &x) { return x; }
+__device__ __forceinline__ float to_float(const __nv_fp8_e4m3 &x) { return float(x); }
+
+// The input tile [T rows][T cols] from (r0, c0), as float32, into s; zeros outside the input and at
+// or past the row limit. 16-byte loads where the rows allow them.
+template <typename In>
+__device__ void load_tile(const QuantParams &p, float *s, int b, long long r0, long long c0, int limit) {
+  constexpr int VEC = 16 / sizeof(In), PER_ROW = T / VEC;
+  const In *x = static_cast<const In *>(p.x) + (long long)b * p.rows * p.cols;
+  for (int i = threadIdx.x; i < T * PER_ROW; i += THREADS) {
+    const int ir = i / PER_ROW, ic = i % PER_ROW * VEC;
+    const long long r = r0 + ir, c = c0 + ic;
+    float v[VEC];
+    if (r < limit && p.vector_loads && c + VEC <= p.cols) {
+      const uint4 raw = *reinterpret_cast<const uint4 *>(x + r * p.cols + c);
+      const In *e = reinterpret_cast<const In *>(&raw);
+#pragma unroll
+      for (int j = 0; j < VEC; j++) v[j] = to_float(e[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; j++) v[j] = r < limit && c + j < p.cols ? to_float(x[r * p.cols + c + j]) : 0.0f;
+    }
+    // (an FP8 input's scale: c0 is a multiple of 128, the tile one block of its 1 x 128 blocks)
+    const float scale = p.x_scales && r < limit ? p.x_scales[r * ((p.cols + T - 1) / T) + c0 / T] : 1.0f;
+#pragma unroll
+    for (int j = 0; j < VEC; j++) s[ir * PITCH + ic + j] = v[j] * scale;
+  }
+}
+
+template <typename In> __global__ void __launch_bounds__(THREADS) quantize_kernel(const QuantParams p) {
+  extern __shared__ float s[];  // [T][PITCH]: the input tile
+  __shared__ float row_scale[T];
+  const int b = blockIdx.z;
+  const long long o_r0 = (long long)blockIdx.y * T, o_c0 = (long long)blockIdx.x * T;  // the output tile
+  const long long i_r0 = p.transposed ? o_c0 : o_r0, i_c0 = p.transposed ? o_r0 : o_c0;
+  const int limit = p.row_limit ? min(max(*p.row_limit, 0), p.rows) : p.rows;
+  load_tile<In>(p, s, b, i_r0, i_c0, limit);
+  __syncthreads();
+  // Output row t's elements: s[t][*], or transposed s[*][t].
+  const int t = threadIdx.x;
+  const int along = p.transposed ? PITCH : 1, across = p.transposed ? 1 : PITCH;
+  if (t < T) {
+    float amax = 0.0f;
+    for (int j = 0; j < T; j++) amax = fmaxf(amax, fabsf(s[t * across + j * along]));
+    row_scale[t] = amax;
+  }
+  __syncthreads();
+  if (p.block_rows == T && t < 32) {  // (one block: the tile's maximum)
+    float amax = 0.0f;
+    for (int j = t; j < T; j += 32) amax = fmaxf(amax, row_scale[j]);
+    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    __syncwarp();
+    for (int j = t; j < T; j += 32) row_scale[j] = amax;
+  }
+  __syncthreads();
+  if (t < T) {  // (a block of zeros gets scale 1: its values are 0, never 0 / 0)
+    const float amax = row_scale[t];
+    row_scale[t] = amax > 0.0f ? __fdiv_rn(amax, FP8_MAX) : 1.0f;
+  }
+  __syncthreads();
+  const long long out_rows = p.out_rows, out_cols = p.out_cols;
+  const int col_blocks = (p.out_cols + T - 1) / T;
+  float *scales = p.scales + (long long)b * ((out_rows + p.block_rows - 1) / p.block_rows) * col_blocks;
+  if (t < T && o_r0 + t < out_rows && (p.block_rows == 1 || t == 0))
+    scales[(o_r0 + t) / p.block_rows * col_blocks + o_c0 / T] = row_scale[t];
+  uint8_t *values = static_cast<uint8_t *>(p.values) + (long long)b * out_rows * out_cols;
+  for (int i = t; i < T * T / 4; i += THREADS) {
+    const int orow = i / (T / 4), oc = i % (T / 4) * 4;
+    const long long r = o_r0 + orow, c = o_c0 + oc;
+    if (r >= out_rows || c >= out_cols) continue;
+    uint8_t q[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      const float x = s[orow * across + (oc + j) * along];
+      q[j] = __nv_cvt_float_to_fp8(__fdiv_rn(x, row_scale[orow]), __NV_SATFINITE, __NV_E4M3);
+    }
+    uint8_t *dst = values + r * out_cols + c;
+    if (out_cols % 4 == 0) {
+      *reinterpret_cast<uint32_t *>(dst) = q[0] | q[1] << 8 | q[2] << 16 | uint32_t(q[3]) << 24;
+    } else {
+      for (int j = 0; j < 4 && c + j < out_cols; j++) dst[j] = q[j];
+    }
+  }
+}
+
+template <typename In> cudaError_t launch(const QuantParams &p, cudaStream_t stream) {
+  constexpr int smem = T * PITCH * sizeof(float);
+  if (auto e = cudaFuncSetAttribute(quantize_kernel<In>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      e != cudaSuccess)
+    return e;
+  const dim3 grid((p.out_cols + T - 1) / T, (p.out_rows + T - 1) / T, p.batch);
+  quantize_kernel<In><<<grid, THREADS, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t quantize_fp8(const QuantParams &p, cudaStream_t stream) {
+  switch (p.in) {
+    case QuantParams::In::bf16: return launch<__nv_bfloat16>(p, stream);
+    case QuantParams::In::fp16: return launch<__half>(p, stream);
+    case QuantParams::In::f32: return launch<float>(p, stream);
+    case QuantParams::In::fp8e4m3: return launch<__nv_fp8_e4m3>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace jax_tk::gemm

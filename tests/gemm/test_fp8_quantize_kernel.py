@@ -1,0 +1,92 @@
+"""The FP8 quantization kernel (launch.quantize_call, any CUDA GPU from sm_80) against the XLA
+composition it replaces (fp8._requantize_xla), to the bit: bfloat16/float16/float32 and FP8 (with
+its scales) inputs, 1 x 128 and 128 x 128 blocks, batched weights, transposed, rows cut by a limit
+(inside, past and before the rows), zero padding, edges that are not multiples of 128 or of the
+16-byte loads, a block of zeros, magnitudes from 2^-20 to 2^20 (float16: 2^-8 to 2^8); both outputs poisoned first. Plus,
+without a GPU, the call's CUDA lowering."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import needs_extension
+from jax_tk._core import extension
+from jax_tk.gemm import fp8, launch
+
+BF16, F16, F32, FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
+on_gpu = pytest.mark.skipif(extension.cuda_device_capability() is None
+                            or not extension.has_target(launch.QUANTIZE_TARGET),
+                            reason="the quantization kernel runs on CUDA GPUs")
+
+CASES = {  # shape, dtype, block rows, transposed, row limit, out shape (None: x's or x^T's)
+    "activations": ((300, 272), BF16, 1, False, None, None),
+    "activations_f16": ((129, 136), F16, 1, False, None, None),
+    "cotangent_padded": ((300, 200), BF16, 1, False, None, (300, 208)),
+    "weights": ((3, 272, 136), F32, 128, False, None, None),
+    "weights_bf16_odd": ((2, 130, 36), BF16, 128, False, None, None),  # (36: not whole 16-byte loads)
+    "odd_cols": ((70, 37), F32, 1, False, None, None),                  # (37: byte stores)
+    "rows_t": ((300, 272), FP8, 1, True, 270, (272, 304)),              # (the weights' gradient: a^T)
+    "cotangent_t": ((300, 200), BF16, 128, True, 270, (200, 304)),      # (... and g^T)
+    "cotangent_t_f32": ((129, 136), F32, 128, True, 129, (136, 144)),
+    "limit_past": ((40, 128), BF16, 1, True, 1000, (128, 48)),
+    "limit_negative": ((40, 128), F32, 128, True, -3, (128, 48)),
+}
+
+
+def inputs(case):
+    shape, dtype, *_ = CASES[case]
+    rng = np.random.default_rng(len(case))
+    e = 8 if dtype == F16 else 20  # (float16's range)
+    x = rng.standard_normal(shape) * 2.0 ** rng.integers(-e, e + 1, size=shape[:-1] + (1,))
+    x[..., 5, :] = 0.0  # (a row of zeros: its 1 x 128 blocks get scale 1)
+    if dtype != FP8:
+        return jnp.asarray(x, dtype), None
+    return fp8.quantize_fp8(jnp.asarray(x, F32), (1, 128))
+
+
+@on_gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_against_xla(case):
+    _, _, block_rows, transposed, limit, out_shape = CASES[case]
+    x, xs = inputs(case)
+    lim = None if limit is None else jnp.asarray([limit], jnp.int32)
+    want = fp8._requantize_xla(x, xs, lim, block_rows, transposed, out_shape)
+    poison = (jnp.full(want[0].shape, jnp.nan, FP8), jnp.full(want[1].shape, jnp.nan, F32))
+    got = jax.jit(lambda x, xs, lim: launch.quantize_call(x, block_rows, x_scales=xs, transposed=transposed,
+                                                          row_limit=lim, out_shape=out_shape, out_init=poison))(x, xs, lim)
+    (gv, gs), (wv, ws) = ((np.asarray(v.astype(F32)), np.asarray(s)) for v, s in (got, want))
+    assert gs.shape == ws.shape and np.array_equal(gs, ws), f"{np.sum(gs != ws)} of {gs.size} scales differ"
+    assert gv.shape == wv.shape and np.array_equal(gv, wv), f"{np.sum(gv != wv)} of {gv.size} values differ"
+
+
+@on_gpu
+def test_ragged_dot_fp8_uses_it():
+    """ragged_dot_fp8's forward and both gradients quantize on the kernel under jit on a GPU (one call
+    for lhs and one for rhs, one for the cotangent's rows, two for the transposed rows)."""
+    x = jnp.ones((256, 256), BF16)
+    w = jnp.ones((2, 256, 128), BF16)
+    gs = jnp.asarray([100, 156], jnp.int32)
+    f = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(fp8.ragged_dot_fp8(x, w, gs).astype(F32)), argnums=(0, 1)))
+    assert f.lower(x, w).as_text().count("jax_tk_fp8_quantize(") == 5
+
+
+@needs_extension
+@pytest.mark.skipif(extension.has_cuda_kernels() and not extension.has_target(launch.QUANTIZE_TARGET),
+                    reason="this build has no FP8 quantization kernel")
+def test_cuda_lowering():
+    """The transposed call exported for CUDA: x, its scales, the limit; values and scales padded."""
+    x, xs = fp8.quantize_fp8(jnp.ones((40, 272), F32), (1, 128))
+    fn = jax.jit(lambda x, xs, lim: launch.quantize_call(x, 1, x_scales=xs, transposed=True, row_limit=lim,
+                                                         out_shape=(272, 48)))
+    text = jax.export.export(fn, platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call(launch.QUANTIZE_TARGET)])(x, xs, jnp.asarray([30])).mlir_module()
+    (call,) = re.findall(r"@jax_tk_fp8_quantize\(.*?\) \{(.*?)\} : \((.*?)\) -> (.*?)\n", text, re.S)
+    attrs, ins, outs = (re.findall(pattern, part) for pattern, part in
+                        zip((r"(\w+) = (\d+) : i32", r"tensor<[^>]*>", r"tensor<[^>]*>"), call))
+    assert ins == ["tensor<40x272xf8E4M3FN>", "tensor<40x3xf32>", "tensor<1xi32>"], ins
+    assert outs == ["tensor<272x48xf8E4M3FN>", "tensor<272x1xf32>"], outs
+    assert dict(attrs) == {"block_rows": "1", "transposed": "1"}, attrs
