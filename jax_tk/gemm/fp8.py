@@ -96,7 +96,8 @@ def _requantize_xla(x, x_scales, row_limit, block_rows: int, transposed: bool, o
 
 def _requantize(x, block_rows: int, *, x_scales=None, row_limit=None, transposed=False, out_shape=None):
     """``_requantize_xla``'s (values, scales), on the quantization kernel (one pass over x) on CUDA
-    where the build has it; the same bits either way."""
+    where the build has it (the same up to XLA's float32 rounding of the divisions: a float8 step in
+    a few elements)."""
     static = dict(block_rows=block_rows, transposed=transposed, out_shape=out_shape)
     xla = lambda x, xs, lim: _requantize_xla(x, xs, lim, **static)
     if launch.quantize_unsupported_reason() is not None:
@@ -182,7 +183,8 @@ def _operand(op: str, name: str, x, what: str, block_shape):
         deq = jax.lax.stop_gradient(dequantize(values, scales, block_shape))
         return deq, (values, scales), tuple(values.shape)
     checks.float_array(op, name, x, ndim, what, FLOAT_DTYPES, empty_ok=range(ndim))
-    return _fake_quant(x, block_shape), jax.lax.stop_gradient(_requantize(x, block_shape[0])), tuple(x.shape)
+    # (the input's gradient stopped, not only the output's: the kernel's call has no derivative rule)
+    return _fake_quant(x, block_shape), _requantize(jax.lax.stop_gradient(x), block_shape[0]), tuple(x.shape)
 
 
 def _swap(x):

@@ -306,6 +306,19 @@ def test_implementation_tk_raises():
             jax_tk.matmul_fp8(x, w[0], implementation="tk")
 
 
+def no_derivative(f, *args):
+    """f(*args), which, like an FFI call, cannot be differentiated: a JVP of it raises."""
+    @jax.custom_jvp
+    def call(*args):
+        return f(*args)
+
+    def jvp(primals, tangents):
+        raise AssertionError("the stand-in of a kernel call was differentiated")
+
+    call.defjvp(jvp)
+    return call(*args)
+
+
 @pytest.fixture
 def fake_fp8_kernel(monkeypatch):
     """The kernel path on the CPU: use_kernel says yes, and the FFI call is replaced by the reference
@@ -336,7 +349,8 @@ def fake_fp8_kernel(monkeypatch):
     def quantize_call(x, block_rows, *, x_scales=None, transposed=False, row_limit=None, out_shape=None):
         assert block_rows in (1, 128) and (x_scales is None) == (x.dtype != FP8)
         assert row_limit is None or (row_limit.shape == (1,) and row_limit.dtype == jnp.int32)
-        return fp8._requantize_xla(x, x_scales, row_limit, block_rows, transposed, out_shape)
+        return no_derivative(lambda x, xs, lim: fp8._requantize_xla(x, xs, lim, block_rows, transposed, out_shape),
+                             x, x_scales, row_limit)
 
     monkeypatch.setattr(launch, "fp8_call", fp8_call)
     monkeypatch.setattr(launch, "fp8_contract_call", fp8_contract_call)

@@ -1,15 +1,17 @@
-"""The FP8 quantization kernel (launch.quantize_call, any CUDA GPU from sm_80) against the XLA
-composition it replaces (fp8._requantize_xla), to the bit: bfloat16/float16/float32 and FP8 (with
-its scales) inputs, 1 x 128 and 128 x 128 blocks, batched weights, transposed, rows cut by a limit
-(inside, past and before the rows), zero padding, edges that are not multiples of 128 or of the
-16-byte loads, a block of zeros, magnitudes from 2^-20 to 2^20 (float16: 2^-8 to 2^8); both outputs poisoned first. Plus,
-without a GPU, the call's CUDA lowering."""
+"""The FP8 quantization kernel (launch.quantize_call, any CUDA GPU from sm_80) against its definition
+in numpy float32, to the bit, and near the XLA composition it replaces (fp8._requantize_xla: XLA may
+turn a division into a product with the reciprocal, one float32 ulp apart): bfloat16/float16/float32
+and FP8 (with its scales) inputs, 1 x 128 and 128 x 128 blocks, batched weights, transposed, rows cut
+by a limit (inside, past and before the rows), zero padding, edges that are not multiples of 128 or
+of the 16-byte loads, a block of zeros, magnitudes from 2^-20 to 2^20 (float16: 2^-8 to 2^8); both
+outputs poisoned first. Plus, without a GPU, the call's CUDA lowering."""
 from __future__ import annotations
 
 import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -48,19 +50,49 @@ def inputs(case):
     return fp8.quantize_fp8(jnp.asarray(x, F32), (1, 128))
 
 
+def numpy_requantize(x, xs, limit, block_rows, transposed, out_shape):
+    """The definition, in numpy float32: (amax / 448, or 1 for a block of zeros) per block, y / scale
+    clipped to +-448 and rounded to the nearest float8_e4m3fn (ties to even)."""
+    if xs is None:
+        y = np.asarray(x, np.float32)
+    else:
+        y = np.asarray(x).astype(np.float32) * np.repeat(np.asarray(xs), 128, axis=-1)[:, :x.shape[1]]
+    if limit is not None:
+        y = np.where((np.arange(y.shape[-2]) < limit)[:, None], y, np.float32(0))
+    if transposed:
+        y = y.T
+    shape = y.shape[:-2] + (out_shape or y.shape[-2:])
+    nr, nc = -(-shape[-2] // block_rows), -(-shape[-1] // 128)
+    padded = np.zeros(y.shape[:-2] + (nr * block_rows, nc * 128), np.float32)
+    padded[..., :y.shape[-2], :y.shape[-1]] = y
+    amax = np.abs(padded).reshape(*y.shape[:-2], nr, block_rows, nc, 128).max(axis=(-3, -1))
+    scales = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
+    full = np.repeat(np.repeat(scales, block_rows, axis=-2), 128, axis=-1)
+    values = np.clip(padded / full, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    return values[..., :shape[-2], :shape[-1]], scales
+
+
 @on_gpu
 @pytest.mark.parametrize("case", list(CASES))
-def test_against_xla(case):
+def test_against_the_definition(case):
+    """To the bit against numpy's float32; XLA's scales within a float32 ulp, its values within a
+    float8 step."""
     _, _, block_rows, transposed, limit, out_shape = CASES[case]
     x, xs = inputs(case)
     lim = None if limit is None else jnp.asarray([limit], jnp.int32)
-    want = fp8._requantize_xla(x, xs, lim, block_rows, transposed, out_shape)
-    poison = (jnp.full(want[0].shape, jnp.nan, FP8), jnp.full(want[1].shape, jnp.nan, F32))
+    want_v, want_s = numpy_requantize(x, xs, limit, block_rows, transposed, out_shape)
+    poison = (jnp.full(want_v.shape, jnp.nan, FP8), jnp.full(want_s.shape, jnp.nan, F32))
     got = jax.jit(lambda x, xs, lim: launch.quantize_call(x, block_rows, x_scales=xs, transposed=transposed,
                                                           row_limit=lim, out_shape=out_shape, out_init=poison))(x, xs, lim)
-    (gv, gs), (wv, ws) = ((np.asarray(v.astype(F32)), np.asarray(s)) for v, s in (got, want))
-    assert gs.shape == ws.shape and np.array_equal(gs, ws), f"{np.sum(gs != ws)} of {gs.size} scales differ"
+    gv, gs = np.asarray(got[0].astype(F32)), np.asarray(got[1])
+    wv = want_v.astype(np.float32)
+    assert gs.shape == want_s.shape and np.array_equal(gs, want_s), f"{np.sum(gs != want_s)} of {gs.size} scales differ"
     assert gv.shape == wv.shape and np.array_equal(gv, wv), f"{np.sum(gv != wv)} of {gv.size} values differ"
+    xv, xsc = fp8._requantize_xla(x, xs, lim, block_rows, transposed, out_shape)
+    np.testing.assert_allclose(np.asarray(xsc), gs, rtol=2e-7)
+    deq = lambda v, s: np.asarray(v.astype(F32)) * np.repeat(np.repeat(s, block_rows, -2), 128, -1)[..., :v.shape[-2], :v.shape[-1]]
+    step = 2.0 ** -3 * np.abs(deq(got[0], gs)) + 2.0 ** -9 * np.repeat(np.repeat(gs, block_rows, -2), 128, -1)[..., :gv.shape[-2], :gv.shape[-1]]
+    assert np.all(np.abs(deq(xv, np.asarray(xsc)) - deq(got[0], gs)) <= step)
 
 
 @on_gpu
