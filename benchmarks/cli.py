@@ -112,7 +112,8 @@ def add_common_arguments(p: argparse.ArgumentParser, *, op: str, providers: Sequ
     p.add_argument("--dtype", choices=sorted(dtypes), default="bf16", help=f"{dtype_help} (default bf16)")
     p.add_argument("--timer", choices=TIMERS, default="wall",
                    help="wall: batches of dispatched calls, including the host's share; cupti: the sum of each "
-                        "call's kernels as CUPTI records them (default wall)")
+                        "call's kernels as CUPTI records them; kernels: cupti, and each kernel's share printed "
+                        "under its line (default wall)")
     p.add_argument("--reps", type=int, default=MIN_REPS,
                    help=f"samples per measurement (>= {MIN_REPS}; default {MIN_REPS})")
     p.add_argument("--no-check", action="store_true",

@@ -141,6 +141,7 @@ class Result:
     rel_err: float = math.nan
     note: str = ""
     vs_plain: float = math.nan  # tflops / tflops of a baseline row (attention's feature rows)
+    kernels: dict | None = None  # (--timer kernels) median ms per call of each kernel
 
     @property
     def flops(self) -> float:
@@ -300,6 +301,7 @@ def time_provider(op: OpBench, provider: Provider, cfg, sets, modes, timer, chec
         res.reps, res.calls_per_sample = timing.reps, timing.calls_per_sample
         res.copies = copies
         res.host_frac = timing.host_frac
+        res.kernels = timing.kernels
         if timing.host_frac > 0.9:
             res.note = "; ".join(filter(None, [res.note, "host-bound: dispatch kept pace with the device"]))
         results.append(res)
@@ -349,7 +351,22 @@ def log_line(r: Result) -> str:
     err = f" err={r.rel_err:.1e}" if not math.isnan(r.rel_err) else ""
     extra = f"  [{r.note}]" if r.status != "ok" and r.note else ""
     vs = f" ({r.vs_plain:.0%} of plain)" if not math.isnan(r.vs_plain) else ""
-    return f"  {r.provider:>13} {r.mode:>7}: {t}{vs}{err}{extra}"
+    line = f"  {r.provider:>13} {r.mode:>7}: {t}{vs}{err}{extra}"
+    if r.status != "ok" or not r.kernels:
+        return line
+    # (--timer kernels) where the call's time goes: each kernel's median per call, the longest first
+    rows = [f"{'':>17}{ms:9.4f} ms {ms / r.time_ms:4.0%}  {kernel_label(name)}"
+            for name, ms in sorted(r.kernels.items(), key=lambda kv: -kv[1])]
+    return "\n".join([line, *rows])
+
+
+def kernel_label(name: str, width: int = 100) -> str:
+    """A kernel's name, cut to ``width`` characters keeping both ends (a mangled C++ name's kind and
+    its template arguments, which tell its instances apart)."""
+    if len(name) <= width:
+        return name
+    half = (width - 2) // 2
+    return name[:half] + ".." + name[-half:]
 
 
 def run(op: OpBench, configs: Sequence, providers: Sequence[str], modes: Sequence[str] = DEFAULT_MODES,

@@ -10,7 +10,9 @@ recorded (``host_frac``); near 1.0 would mean the host, not the device, set the 
 
 ``CuptiTimer`` (``--timer cupti``): the summed kernel durations that CUPTI records, through
 ``jax.experimental.mosaic.gpu.profiler.measure`` (the tool JAX's own Pallas GPU benchmarks use); GPU
-only, experimental API; it leaves out the gaps between calls and between kernels.
+only, experimental API; it leaves out the gaps between calls and between kernels. ``--timer kernels``
+is the same timer that also keeps each kernel's median time per call (``Timing.kernels``): where a
+call's time goes, printed under its line.
 
 Both take ``measure(fn, arg_sets)``: ``fn`` is jitted, ``arg_sets`` a list of argument tuples that
 the calls rotate over (copies whose total size exceeds the L2 cache many times).
@@ -34,7 +36,7 @@ MAX_COPIES = 16
 # At most this many bytes of outputs are kept alive by one batch of calls.
 BATCH_OUTPUT_BYTES = 4 * 2**30
 MAX_CALLS_PER_SAMPLE = 1000
-TIMERS = ("wall", "cupti")
+TIMERS = ("wall", "cupti", "kernels")
 
 
 @dataclasses.dataclass
@@ -45,6 +47,7 @@ class Timing:
     reps: int
     calls_per_sample: int
     host_frac: float
+    kernels: dict[str, float] | None = None  # (--timer kernels) median ms per call of each kernel name
 
 
 def nbytes(tree) -> int:
@@ -124,7 +127,7 @@ class CuptiTimer:
 
     name = "cupti"
 
-    def __init__(self, reps: int = MIN_REPS, warmup_ms: float = 200.0):
+    def __init__(self, reps: int = MIN_REPS, warmup_ms: float = 200.0, per_kernel: bool = False):
         try:
             from jax.experimental.mosaic.gpu import profiler  # noqa: F401
         except Exception as e:  # pragma: no cover - GPU only
@@ -133,6 +136,8 @@ class CuptiTimer:
         self._profiler = profiler
         self.reps = max(int(reps), 1)
         self.warmup_s = warmup_ms * 1e-3
+        self.per_kernel = per_kernel
+        self.name = "kernels" if per_kernel else "cupti"
 
     def measure(self, fn: Callable, arg_sets: Sequence[tuple]) -> Timing:
         n = len(arg_sets)
@@ -145,20 +150,45 @@ class CuptiTimer:
         # BATCH_OUTPUT_BYTES of them (a large grouped GEMM's gradients are 10 GB a call).
         run = max(1, min(per_copy, BATCH_OUTPUT_BYTES // out_bytes))
         samples: list[float] = []
+        kernels: dict[str, list[float]] = {}
         for args in arg_sets:
             for done in range(0, per_copy, run):
                 calls = min(run, per_copy - done)
+                if self.per_kernel:
+                    _, ts = self._profiler.measure(fn, iterations=calls, aggregate=False)(*args)
+                    calls_ts = _per_call(ts, calls)
+                    for call in calls_ts:
+                        for name, t in _summed(call).items():
+                            kernels.setdefault(name, []).append(float(t))
+                    samples.extend(sum(t for _, t in call) for call in calls_ts)
+                    continue
                 _, ts = self._profiler.measure(fn, iterations=calls)(*args)
                 if ts is None:
                     raise RuntimeError("CUPTI recorded no kernel")
                 samples.extend(float(t) for t in (ts if calls > 1 else [ts]))
         return Timing(statistics.median(samples), min(samples), max(samples), len(samples),
-                      per_copy, math.nan)
+                      per_copy, math.nan,
+                      {k: statistics.median(v) for k, v in kernels.items()} if self.per_kernel else None)
+
+
+def _per_call(ts, calls: int) -> list[list[tuple[str, float]]]:
+    """The profiler's per-kernel timings as one list of (name, ms) per call."""
+    if not ts:
+        raise RuntimeError("CUPTI recorded no kernel")
+    return ts if calls > 1 else [ts]
+
+
+def _summed(call: list[tuple[str, float]]) -> dict[str, float]:
+    """One call's kernel times by name (a kernel launched twice in a call: its two times summed)."""
+    out: dict[str, float] = {}
+    for name, t in call:
+        out[name] = out.get(name, 0.0) + float(t)
+    return out
 
 
 def make_timer(name: str, reps: int, quick: bool = False):
     if name == "wall":
         return WallTimer(reps, batch_ms=2.0 if quick else 20.0, warmup_ms=10.0 if quick else 200.0)
-    if name == "cupti":
-        return CuptiTimer(reps, warmup_ms=10.0 if quick else 200.0)
-    raise ValueError(f"unknown timer {name!r}: choose 'wall' or 'cupti'")
+    if name in ("cupti", "kernels"):
+        return CuptiTimer(reps, warmup_ms=10.0 if quick else 200.0, per_kernel=name == "kernels")
+    raise ValueError(f"unknown timer {name!r}: choose 'wall', 'cupti' or 'kernels'")

@@ -5,6 +5,8 @@ import csv
 import dataclasses
 import math
 import pathlib
+import statistics
+import types
 
 import jax
 import jax.numpy as jnp
@@ -180,7 +182,7 @@ def test_cupti_timer_holds_at_most_a_batch_of_outputs(monkeypatch):
     out_bytes = 4 * 1024
     monkeypatch.setattr(timers, "BATCH_OUTPUT_BYTES", 3 * out_bytes)
     timer = object.__new__(timers.CuptiTimer)
-    timer._profiler, timer.reps, timer.warmup_s = Profiler, 20, 0.0
+    timer._profiler, timer.reps, timer.warmup_s, timer.per_kernel = Profiler, 20, 0.0, False
     fn = jax.jit(lambda x: x * 2)
     sets = [(jnp.ones(out_bytes // 4, jnp.float32),), (jnp.full(out_bytes // 4, 3.0, jnp.float32),)]
     timing = timer.measure(fn, sets)
@@ -191,6 +193,33 @@ def test_cupti_timer_holds_at_most_a_batch_of_outputs(monkeypatch):
     runs.clear()
     monkeypatch.setattr(timers, "BATCH_OUTPUT_BYTES", out_bytes // 2)  # one call's outputs are more
     assert timer.measure(fn, sets[:1]).reps == 20 and runs == [1] * 20
+
+
+def test_cupti_timer_per_kernel():
+    """--timer kernels: each kernel's median time per call (a kernel launched twice in a call summed),
+    the calls' totals as the samples; the log line lists the kernels under it, the longest first."""
+    class Profiler:  # measure(..., aggregate=False): per call, (kernel name, ms) in launch order
+        @staticmethod
+        def measure(fn, *, iterations, aggregate):
+            assert aggregate is False
+
+            def wrapper(*args):
+                out = fn(*args)
+                calls = [[("gemm", 1.0 + i), ("quantize", 0.25), ("gemm", 0.5)] for i in range(iterations)]
+                return out, calls if iterations > 1 else calls[0]
+            return wrapper
+
+    timer = timers.make_timer("kernels", 20, quick=True)  # (a CPU jaxlib has the profiler module too)
+    timer._profiler, timer.warmup_s = Profiler, 0.0
+    assert timer.name == "kernels"
+    timing = timer.measure(jax.jit(lambda x: x + 1), [(jnp.ones(8),)])
+    assert timing.reps == 20 and timing.min_ms == 1.75 and timing.max_ms == 20.75
+    assert timing.kernels == {"gemm": statistics.median(1.5 + i for i in range(20)), "quantize": 0.25}
+    r = harness.Result(None, "jax_tk", "fwd", "ok", time_ms=timing.median_ms, kernels=timing.kernels)
+    r.config = types.SimpleNamespace(flops=lambda mode: 1e9)
+    lines = harness.log_line(r).splitlines()
+    assert len(lines) == 3 and "gemm" in lines[1] and "quantize" in lines[2] and "98%" in lines[1]
+    assert harness.kernel_label("k" * 60 + "x" * 60, 20) == "k" * 9 + ".." + "x" * 9
 
 
 # ----------------------------------------------------------------------------------------------
