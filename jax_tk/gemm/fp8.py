@@ -338,9 +338,9 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
     pair is a constant: its gradients are zero. Works under ``jit`` and ``vmap``. On the kernel path
     (H100/H200) lhs's gradient runs on the FP8 kernel too, as in DeepSeek-V3's backward: the result's
     cotangent is quantized in 1 x 128 blocks along n and multiplied by rhs's float8 values, so it
-    carries that quantization's error (a relative 2^-4 at most per cotangent element). rhs's gradient too: lhs's rows (dequantized) and the
-    cotangent re-quantized along the rows, ``lhs^T`` in 1 x 128 blocks and the cotangent's transpose in
-    128 x 128 ones, their product per group on the kernel (n a multiple of 8, else bfloat16).
+    carries that quantization's error (a relative 2^-4 at most per cotangent element). rhs's gradient
+    too: lhs's rows (dequantized) and the cotangent re-quantized along the rows, ``lhs^T`` in 1 x 128
+    blocks and the cotangent's transpose in 128 x 128 ones, their product per group on the kernel.
 
     Returns:
       ``[m, n]`` in ``preferred_element_type`` (default bfloat16).

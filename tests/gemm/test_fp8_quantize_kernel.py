@@ -90,9 +90,10 @@ def test_against_the_definition(case):
     assert gv.shape == wv.shape and np.array_equal(gv, wv), f"{np.sum(gv != wv)} of {gv.size} values differ"
     xv, xsc = fp8._requantize_xla(x, xs, lim, block_rows, transposed, out_shape)
     np.testing.assert_allclose(np.asarray(xsc), gs, rtol=2e-7)
-    deq = lambda v, s: np.asarray(v.astype(F32)) * np.repeat(np.repeat(s, block_rows, -2), 128, -1)[..., :v.shape[-2], :v.shape[-1]]
-    step = 2.0 ** -3 * np.abs(deq(got[0], gs)) + 2.0 ** -9 * np.repeat(np.repeat(gs, block_rows, -2), 128, -1)[..., :gv.shape[-2], :gv.shape[-1]]
-    assert np.all(np.abs(deq(xv, np.asarray(xsc)) - deq(got[0], gs)) <= step)
+    # (each element's scale: its block's, repeated over the block and cut to the values' shape)
+    per_element = lambda s: np.repeat(np.repeat(s, block_rows, -2), 128, -1)[..., :gv.shape[-2], :gv.shape[-1]]
+    ours, xla = gv * per_element(gs), np.asarray(xv.astype(F32)) * per_element(np.asarray(xsc))
+    assert np.all(np.abs(xla - ours) <= 2.0 ** -3 * np.abs(ours) + 2.0 ** -9 * per_element(gs))
 
 
 @on_gpu
