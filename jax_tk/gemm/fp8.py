@@ -158,9 +158,11 @@ _fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)
 
 
 def _operand(op: str, name: str, x, what: str, block_shape):
-    """(the dequantized float32 operand, its (values, scales), its shape). ``x`` is a (values, scales)
-    pair (checked, treated as a constant) or a float array (quantized here, straight-through
-    gradient through the dequantized operand)."""
+    """(the operand as given: the float array, or a pair's float8 values; the dequantized float32
+    operand, as a function; its (values, scales); its shape). ``x`` is a (values, scales) pair
+    (checked, treated as a constant) or a float array (quantized here, straight-through gradient
+    through the dequantized operand). (The dequantized operand is formed only where it is used: the
+    reference's path.)"""
     ndim = len(what.split(","))
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
@@ -180,11 +182,12 @@ def _operand(op: str, name: str, x, what: str, block_shape):
                              f"{block_shape[0]}x{block_shape[1]} block of values {tuple(values.shape)}), got "
                              f"{tuple(scales.shape)}")
         # Not differentiable: the pair is a constant (zero gradients, which jax.grad gives float8 values).
-        deq = jax.lax.stop_gradient(dequantize(values, scales, block_shape))
-        return deq, (values, scales), tuple(values.shape)
+        deq = lambda: jax.lax.stop_gradient(dequantize(values, scales, block_shape))
+        return values, deq, (values, scales), tuple(values.shape)
     checks.float_array(op, name, x, ndim, what, FLOAT_DTYPES, empty_ok=range(ndim))
     # (the input's gradient stopped, not only the output's: the kernel's call has no derivative rule)
-    return _fake_quant(x, block_shape), _requantize(jax.lax.stop_gradient(x), block_shape[0]), tuple(x.shape)
+    q = _requantize(jax.lax.stop_gradient(x), block_shape[0])
+    return x, lambda: _fake_quant(x, block_shape), q, tuple(x.shape)
 
 
 def _swap(x):
@@ -192,15 +195,22 @@ def _swap(x):
 
 
 def _weights(op: str, name: str, x, transposed: bool, lead: str = ""):
-    """rhs (or b), given as ``[lead k, n]`` or, ``transposed``, ``[lead n, k]``: (the dequantized float32
-    operand as ``[.., k, n]``, its (values, scales) in the FP8 kernel's layout (values ``[.., n, k]``,
-    scales ``[.., ceil(k/128), ceil(n/128)]``), its shape as ``[.., k, n]``). Swapping the last two
-    axes of values or scales is one transpose in XLA, of a pair given in the kernel's layout none."""
+    """rhs (or b), given as ``[lead k, n]`` or, ``transposed``, ``[lead n, k]``: (the operand as given,
+    as ``_operand``; the dequantized float32 operand as ``[.., k, n]``, a function; its (values,
+    scales) in the FP8 kernel's layout (values ``[.., n, k]``, scales ``[.., ceil(k/128),
+    ceil(n/128)]``); its shape as ``[.., k, n]``). Swapping the last two axes of values or scales is
+    one transpose in XLA, of a pair given in the kernel's layout none."""
     what = f"[{lead}n, k]" if transposed else f"[{lead}k, n]"
-    deq, (values, scales), shape = _operand(op, name, x, what, RHS_BLOCK)
+    given, deq, (values, scales), shape = _operand(op, name, x, what, RHS_BLOCK)
     if transposed:
-        return _swap(deq), (values, _swap(scales)), (*shape[:-2], shape[-1], shape[-2])
-    return deq, (_swap(values), scales), shape
+        return given, lambda: _swap(deq()), (values, _swap(scales)), (*shape[:-2], shape[-1], shape[-2])
+    return given, deq, (_swap(values), scales), shape
+
+
+def _kernel_deq(qb):
+    """The dequantized float32 ``[.., k, n]`` of b's (values, scales) in the kernel's layout."""
+    values, scales = qb
+    return _swap(dequantize(values, _swap(scales), RHS_BLOCK))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,43 +218,62 @@ def _weights(op: str, name: str, x, transposed: bool, lead: str = ""):
 # ----------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _kernel_product(a, b, qa, qb, sizes, out_dtype):
-    """deq(a) @ deq(b) per group: the FP8 kernel on ``qa``, ``qb`` (the operands' (values, scales)) on
-    CUDA, the float32 reference on ``a``, ``b`` (the dequantized operands) elsewhere. Its gradients
-    are those of the product of ``a`` and ``b`` (straight-through), on the FP8 kernel from re-quantized
-    operands where it takes the sizes (CUDA), by jax_tk.ragged_dot in bfloat16 elsewhere."""
-    def kernel(a, b, qa, qb, sizes):
-        wide = jnp.dtype(out_dtype) == jnp.float32 or jnp.dtype(out_dtype) == jnp.float16
-        out = launch.fp8_call(*qa, *qb, sizes, jnp.float32 if wide else jnp.bfloat16)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _kernel_product(a, b, qa, qb, sizes, out_dtype, b_transposed):
+    """deq(a) @ deq(b) per group: the FP8 kernel on ``qa``, ``qb`` (the operands' (values, scales), b's
+    in the kernel's layout) on CUDA, the float32 reference on them elsewhere. ``a`` and ``b`` are the
+    operands as given (``[m, k]``; ``[g, k, n]``, or ``[g, n, k]`` where ``b_transposed``): float arrays,
+    whose gradients (straight-through: those of the product of the dequantized operands) come in their
+    dtype and layout, or float8 values of a pair (a constant: zero gradient). The gradients run on the
+    FP8 kernel from re-quantized operands where it takes the sizes (CUDA), by jax_tk.ragged_dot in
+    bfloat16 elsewhere."""
+    def kernel(qa, qb, sizes):
+        out = launch.fp8_call(*qa, *qb, sizes, _kernel_out(out_dtype))
         return out.astype(out_dtype)
 
-    def ref(a, b, qa, qb, sizes):
-        return reference.ragged_dot(a, b, sizes, out_dtype=out_dtype)
+    def ref(qa, qb, sizes):
+        return reference.ragged_dot(dequantize(*qa, LHS_BLOCK), _kernel_deq(qb), sizes, out_dtype=out_dtype)
 
-    return dispatch.platform_dispatch(True, kernel, ref, a, b, qa, qb, sizes)
-
-
-def _kernel_product_fwd(a, b, qa, qb, sizes, out_dtype):
-    return _kernel_product(a, b, qa, qb, sizes, out_dtype), (a, b, qa, qb, sizes)
+    return dispatch.platform_dispatch(True, kernel, ref, qa, qb, sizes)
 
 
-def _kernel_product_bwd(out_dtype, res, g):
-    a, b, qa, qb, sizes = res
-    (m, k), (groups, _, n) = a.shape, b.shape
+def _kernel_out(dtype):
+    """The FP8 kernel's output dtype for a result in ``dtype``: bfloat16 or float32 (float16 from float32)."""
+    return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float32
+
+
+def _kernel_product_fwd(a, b, qa, qb, sizes, out_dtype, b_transposed):
+    like = (jnp.zeros((0,), a.dtype), jnp.zeros((0,), b.dtype))  # (the operands' dtypes, as residuals)
+    return _kernel_product(a, b, qa, qb, sizes, out_dtype, b_transposed), (*like, qa, qb, sizes)
+
+
+def _kernel_product_bwd(out_dtype, b_transposed, res, g):
+    a, b, qa, qb, sizes = res  # (a and b: empty, of the operands' dtypes)
+    (m, k), (groups, n) = qa[0].shape, qb[0].shape[:2]
+    b_shape = (groups, n, k) if b_transposed else (groups, k, n)
 
     def bf16(g):  # (where the FP8 kernel does not take them)
-        _, vjp = jax.vjp(lambda a, b: api.ragged_dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), sizes,
-                                                     preferred_element_type=jnp.float32), a, b)
+        deq = lambda x: x.astype(jnp.bfloat16)
+        _, vjp = jax.vjp(lambda a, b: api.ragged_dot(deq(a), deq(b), sizes, preferred_element_type=jnp.float32),
+                         dequantize(*qa, LHS_BLOCK), _kernel_deq(qb))
         return vjp(g.astype(jnp.float32))
 
     # Both on the FP8 kernel where it takes the sizes (CUDA), else on the bfloat16 ones: the rows'
     # gradient g @ deq(b)^T is the forward's product with n and k swapped (n padded to 16 there);
-    # the weights' the contraction over each group's rows.
-    da = _on_fp8(launch.fp8_unsupported_reason(n + -n % 16, k, groups, m), _dgrad_fp8,
-                 lambda g, qb, sizes: bf16(g)[0], g, qb, sizes)
-    db = _on_fp8(launch.fp8_contract_unsupported_reason(n, groups, m), _wgrad_fp8,
-                 lambda qa, g, sizes: bf16(g)[1], qa, g, sizes)
+    # the weights' the contraction over each group's rows, formed in b's layout. A pair's values
+    # get zeros (constants).
+    if a.dtype == FP8:
+        da = jnp.zeros((m, k), FP8)
+    else:
+        da = _on_fp8(launch.fp8_unsupported_reason(n + -n % 16, k, groups, m),
+                     functools.partial(_dgrad_fp8, out_dtype=_kernel_out(a.dtype)),
+                     lambda g, qb, sizes: bf16(g)[0], g, qb, sizes)
+    if b.dtype == FP8:
+        db = jnp.zeros(b_shape, FP8)
+    else:
+        db = _on_fp8(launch.fp8_contract_unsupported_reason(k if b_transposed else n, groups, m),
+                     functools.partial(_wgrad_fp8, out_dtype=_kernel_out(b.dtype), transposed=b_transposed),
+                     lambda qa, g, sizes: _swap(bf16(g)[1]) if b_transposed else bf16(g)[1], qa, g, sizes)
     zeros = jax.tree.map(jnp.zeros_like, (qa, qb))  # (constants: float8 values and their scales)
     return da.astype(a.dtype), db.astype(b.dtype), *zeros, None
 
@@ -256,32 +285,36 @@ def _on_fp8(reason, kernel, fallback, *args):
     return fallback(*args)
 
 
-def _dgrad_fp8(g, qb, sizes):
-    """``deq(quantize(g)) @ deq(b)^T`` per group, float32, on the FP8 kernel: g re-quantized in 1 x 128
-    blocks along n (DeepSeek-V3's backward); b's values and 128 x 128 block scales (``qb``, the
-    kernel's layout: [g, n, k] and [g, kb, nb]) serve transposed (a block of b^T is a block of b). n,
-    contracted here, is padded with zeros to the kernel's multiple of 16 (the scales' blocks stay)."""
+def _dgrad_fp8(g, qb, sizes, out_dtype):
+    """``deq(quantize(g)) @ deq(b)^T`` per group, in ``out_dtype`` (bfloat16 or float32), on the FP8
+    kernel: g re-quantized in 1 x 128 blocks along n (DeepSeek-V3's backward); b's values and 128 x
+    128 block scales (``qb``, the kernel's layout: [g, n, k] and [g, kb, nb]) serve transposed (a block
+    of b^T is a block of b). n, contracted here, is padded with zeros to the kernel's multiple of 16
+    (the scales' blocks stay)."""
     values, scales = qb
     m, n = g.shape
     pad = -n % 16
     if pad:
         values = jnp.pad(values, ((0, 0), (0, pad), (0, 0)))
     qg = _requantize(g, 1, out_shape=(m, n + pad))
-    return launch.fp8_call(*qg, _swap(values), _swap(scales), sizes, jnp.float32)
+    return launch.fp8_call(*qg, _swap(values), _swap(scales), sizes, out_dtype)
 
 
-def _wgrad_fp8(qa, g, sizes):
-    """``deq(a)[rows_i]^T @ g[rows_i]`` per group, float32 ``[groups, k, n]``, on the FP8 kernel: a's
-    rows (its float8 values times their scales, ``qa``) and g re-quantized along the rows, a^T in
-    1 x 128 blocks, g^T in 128 x 128 ones (DeepSeek-V3's wgrad), each in one pass of the quantization
-    kernel. The rows past the groups are zeroed first (a block's scale would take in their values,
-    NaN or inf included), and the rows padded to a multiple of 16 (the kernel reads both operands
-    along them)."""
+def _wgrad_fp8(qa, g, sizes, out_dtype, transposed):
+    """``deq(a)[rows_i]^T @ g[rows_i]`` per group, ``[groups, k, n]`` (its transpose ``[groups, n, k]``
+    where ``transposed``: b's layout) in ``out_dtype``, on the FP8 kernel's contraction of two
+    operands transposed and re-quantized along the rows, each in one pass of the quantization kernel:
+    a's rows (its float8 values times their scales, ``qa``) and g. The operand whose rows become the
+    result's rows goes in 1 x 128 blocks, the other in 128 x 128 ones (DeepSeek-V3's wgrad). The rows
+    past the groups are zeroed first (a block's scale would take in their values, NaN or inf
+    included), and the rows padded to a multiple of 16 (the kernel reads both operands along them)."""
     (m, k), n = qa[0].shape, g.shape[1]
     rows, mp = jnp.sum(sizes)[None], m + -m % 16
-    at = _requantize(qa[0], 1, x_scales=qa[1], row_limit=rows, transposed=True, out_shape=(k, mp))
-    gt = _requantize(g, BLOCK, row_limit=rows, transposed=True, out_shape=(n, mp))
-    return launch.fp8_contract_call(*at, *gt, sizes)
+    at = lambda block: _requantize(qa[0], block, x_scales=qa[1], row_limit=rows, transposed=True, out_shape=(k, mp))
+    gt = lambda block: _requantize(g, block, row_limit=rows, transposed=True, out_shape=(n, mp))
+    if transposed:
+        return launch.fp8_contract_call(*gt(1), *at(BLOCK), sizes, out_dtype)
+    return launch.fp8_contract_call(*at(1), *gt(BLOCK), sizes, out_dtype)
 
 
 _kernel_product.defvjp(_kernel_product_fwd, _kernel_product_bwd)
@@ -346,8 +379,8 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
       ``[m, n]`` in ``preferred_element_type`` (default bfloat16).
     """
     op = "ragged_dot_fp8"
-    a, qa, (m, k) = _operand(op, "lhs", lhs, "[m, k]", LHS_BLOCK)
-    b, qb, (g, kr, n) = _weights(op, "rhs", rhs, rhs_transposed, "g, ")
+    a, deq_a, qa, (m, k) = _operand(op, "lhs", lhs, "[m, k]", LHS_BLOCK)
+    b, deq_b, qb, (g, kr, n) = _weights(op, "rhs", rhs, rhs_transposed, "g, ")
     if k != kr:
         raise ValueError(f"jax_tk.{op}: the contracting dimension k of lhs [m, k] and rhs [g, k, n] must be "
                          f"equal, got lhs {(m, k)} and rhs {(g, kr, n)}")
@@ -358,9 +391,11 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, group_
         return dispatch.zeros((m, n), out_dtype, a, b)  # nothing to multiply
     sizes = api.group_sizes_int32(op, group_sizes, m)
     if use:
-        product = lambda x, s: _kernel_product(x[0], b, x[1], qb, s, out_dtype)
+        product = lambda x, s: _kernel_product(x[0], b, x[1], qb, s, out_dtype, rhs_transposed)
         return api.with_offset(product, (a, qa), sizes, group_offset, g)
-    return api.with_offset(lambda x, s: reference.ragged_dot(x, b, s, out_dtype=out_dtype), a, sizes, group_offset, g)
+    b = deq_b()
+    return api.with_offset(lambda x, s: reference.ragged_dot(x, b, s, out_dtype=out_dtype), deq_a(), sizes,
+                           group_offset, g)
 
 
 def matmul_fp8(a, b, *, preferred_element_type=None, b_transposed=False, implementation=None):
@@ -382,18 +417,18 @@ def matmul_fp8(a, b, *, preferred_element_type=None, b_transposed=False, impleme
       ``[m, n]`` in ``preferred_element_type`` (default bfloat16).
     """
     op = "matmul_fp8"
-    x, qx, (m, k) = _operand(op, "a", a, "[m, k]", LHS_BLOCK)
-    y, qy, (kb, n) = _weights(op, "b", b, b_transposed)
+    x, deq_x, qx, (m, k) = _operand(op, "a", a, "[m, k]", LHS_BLOCK)
+    y, deq_y, qy, (kb, n) = _weights(op, "b", b, b_transposed)
     if k != kb:
         raise ValueError(f"jax_tk.{op}: a [m, k] and b [k, n] must have the same k, got a {(m, k)} and b {(kb, n)}")
     out_dtype = _out_dtype(op, preferred_element_type)
     use = dispatch.use_kernel(op, implementation, launch.fp8_unsupported_reason(k, n, 1, m))
     if 0 in (m, k, n):
         return dispatch.zeros((m, n), out_dtype, x, y)
-    if use:  # one group: b as a [1, k, n] stack of experts
+    if use:  # one group: b as a [1, k, n] (or [1, n, k]) stack of experts
         sizes = jnp.full((1,), m, jnp.int32)
-        return _kernel_product(x, y[None], qx, jax.tree.map(lambda t: t[None], qy), sizes, out_dtype)
-    return jnp.dot(x, y, precision=_HIGHEST, preferred_element_type=jnp.float32).astype(out_dtype)
+        return _kernel_product(x, y[None], qx, jax.tree.map(lambda t: t[None], qy), sizes, out_dtype, b_transposed)
+    return jnp.dot(deq_x(), deq_y(), precision=_HIGHEST, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 __all__ = ["dequantize", "matmul_fp8", "quantize_fp8", "ragged_dot_fp8", "scale_shape"]

@@ -103,9 +103,9 @@ def fp8_contract_unsupported_reason(n: int, groups: int, rows: int) -> str | Non
     return fp8_unsupported_reason(16, n, groups, rows)  # (the rest as the forward's)
 
 
-def fp8_contract_call(at, at_scales, bt, bt_scales, group_sizes, out_init=None):
+def fp8_contract_call(at, at_scales, bt, bt_scales, group_sizes, out_dtype=jnp.float32, out_init=None):
     """One launch of the FP8 kernel's contraction (Hopper): ``out[i] = deq(at)[:, rows_i] @
-    deq(bt)[:, rows_i]^T``, float32 ``[g, k, n]``, the rows of group i along both operands' second
+    deq(bt)[:, rows_i]^T``, ``[g, k, n]`` in ``out_dtype`` (float32 or bfloat16), the rows of group i along both operands' second
     axis (zeros for an empty group).
 
     at float8_e4m3fn ``[k, m]`` with scales float32 ``[k, ceil(m/128)]`` (1 x 128 blocks along m), bt
@@ -114,7 +114,7 @@ def fp8_contract_call(at, at_scales, bt, bt_scales, group_sizes, out_init=None):
     Both scales go to the kernel m-block major, transposed here. ``out_init`` (tests): a buffer
     aliased to the output."""
     g, k, n = group_sizes.shape[0], at.shape[0], bt.shape[0]
-    out_types = (jax.ShapeDtypeStruct((g, k, n), jnp.float32),)
+    out_types = (jax.ShapeDtypeStruct((g, k, n), jnp.dtype(out_dtype)),)
     operands = (at, at_scales.T, bt, bt_scales.T, group_sizes.astype(jnp.int32))
     (out,) = kernel_call(FP8_CONTRACT_TARGET, out_types, operands, dict(variant=np.int32(dispatch.kernel_variant())),
                          out_init=None if out_init is None else (out_init,))

@@ -336,15 +336,16 @@ def fake_fp8_kernel(monkeypatch):
         deq_a, deq_b = fp8.dequantize(a, sa, fp8.LHS_BLOCK), fp8.dequantize(jnp.swapaxes(b, 1, 2), sb, fp8.RHS_BLOCK)
         return reference.ragged_dot(deq_a, deq_b, sizes, out_dtype=out_dtype)
 
-    def fp8_contract_call(at, sat, bt, sbt, sizes, out_init=None):
+    def fp8_contract_call(at, sat, bt, sbt, sizes, out_dtype=F32, out_init=None):
         assert at.dtype == bt.dtype == FP8 and sat.dtype == sbt.dtype == F32 and sizes.dtype == jnp.int32
+        assert jnp.dtype(out_dtype) in (jnp.dtype(BF16), jnp.dtype(F32))
         assert at.shape[1] == bt.shape[1] and at.shape[1] % 16 == 0
         calls.append((at.shape, bt.shape))
         deq_a, deq_b = fp8.dequantize(at, sat, fp8.LHS_BLOCK), fp8.dequantize(bt, sbt, fp8.RHS_BLOCK)
         ends = jnp.cumsum(sizes)
         rows = jnp.arange(at.shape[1])
         member = (rows >= (ends - sizes)[:, None]) & (rows < ends[:, None])  # [g, m]
-        return jnp.einsum("km,gm,nm->gkn", deq_a, member.astype(F32), deq_b, precision="highest")
+        return jnp.einsum("km,gm,nm->gkn", deq_a, member.astype(F32), deq_b, precision="highest").astype(out_dtype)
 
     def quantize_call(x, block_rows, *, x_scales=None, transposed=False, row_limit=None, out_shape=None):
         assert block_rows in (1, 128) and (x_scales is None) == (x.dtype != FP8)
@@ -432,7 +433,12 @@ def test_transposed_weights(request, path):
     grad = lambda b, t: jax.grad(lambda a, b: jnp.sum(op(a, b, t) * dout), argnums=(0, 1))(x, b)
     (gx_t, gw_t), (gx, gw) = grad(wt, True), grad(w, False)
     close(gx_t, gx)
-    close(gw_t, jnp.swapaxes(gw, 1, 2))
+    if calls is None:
+        close(gw_t, jnp.swapaxes(gw, 1, 2))
+    else:  # (formed as [g, n, k] on the kernel: dout^T in 1x128 blocks, x^T in 128x128 ones)
+        want = wgrad_of_requantized(x, dout, gs, None, 3, transposed=True)
+        np.testing.assert_allclose(np.asarray(gw_t), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+        assert ((136, 48), (272, 48)) in calls  # (the cotangent^T [n, m] first)
     mm = lambda b, t: jax_tk.matmul_fp8(x, b, preferred_element_type=F32, b_transposed=t)
     close(mm(wt[0], True), mm(w[0], False))
     if calls is not None:  # (the kernel reads [g, n, k]: the call gets the given values as they are)
@@ -444,11 +450,12 @@ def test_transposed_weights(request, path):
         jax_tk.ragged_dot_fp8(x, w, gs, rhs_transposed=True)
 
 
-def wgrad_of_requantized(x, dout, sizes, group_offset, local):
+def wgrad_of_requantized(x, dout, sizes, group_offset, local, transposed=False):
     """float64: per local group, (x quantized in 1x128 blocks along k, dequantized; then transposed
     and quantized in 1x128 blocks along the rows) times (dout transposed, quantized in 128x128
     blocks), the blocks over all m rows from row 0, as the kernel path's wgrad forms them; rows
-    rolled so that the local groups come first (group_offset), rows past them zeroed."""
+    rolled so that the local groups come first (group_offset), rows past them zeroed. ``transposed``
+    (weights given as [g, n, k]): the result [g, n, k], dout^T in 1x128 blocks and x^T in 128x128."""
     sizes = np.asarray(sizes)
     first = 0 if group_offset is None else int(np.asarray(group_offset)[0])
     start = int(sizes[:first].sum())
@@ -461,6 +468,8 @@ def wgrad_of_requantized(x, dout, sizes, group_offset, local):
     pad = ((0, 0), (0, -m % 16))
     at = np.pad(np.where(keep, deq_x, 0).T, pad)
     gt = np.pad(np.where(keep, d, 0).T, pad)
+    if transposed:
+        at, gt = gt, at
     qa = np_dequantize(*jax_tk.quantize_fp8(jnp.asarray(at, F32), (1, 128)), (1, 128))
     qg = np_dequantize(*jax_tk.quantize_fp8(jnp.asarray(gt, F32), (128, 128)), (128, 128))
     ends = np.cumsum(local_sizes)

@@ -54,8 +54,9 @@ def test_against_the_dequantized_product(case, out_dtype):
 
 
 @on_hopper
+@pytest.mark.parametrize("out_dtype", [BF16, F32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_contraction_against_the_dequantized_product(case):
+def test_contraction_against_the_dequantized_product(case, out_dtype):
     """launch.fp8_contract_call (the weights' gradient): out[i] = deq(at)[:, rows_i] @ deq(bt)[:, rows_i]^T
     against float64, groups starting and ending inside the 128-row blocks, empty groups (zeros), rows
     past the groups (large, finite: they must add nothing), the output poisoned first."""
@@ -65,48 +66,58 @@ def test_contraction_against_the_dequantized_product(case):
     at = jax_tk.quantize_fp8(jnp.asarray(rng.standard_normal((k, mp)) * 2, F32), (1, 128))
     bt = jax_tk.quantize_fp8(jnp.asarray(rng.standard_normal((n, mp)), F32), (128, 128))
     gs = jnp.asarray(sizes, jnp.int32)
-    poison = jnp.full((len(sizes), k, n), jnp.nan, F32)
-    out = jax.jit(lambda *x: launch.fp8_contract_call(*x, out_init=poison))(*at, *bt, gs)
+    poison = jnp.full((len(sizes), k, n), jnp.nan, out_dtype)
+    out = jax.jit(lambda *x: launch.fp8_contract_call(*x, out_dtype, out_init=poison))(*at, *bt, gs)
+    assert out.dtype == out_dtype
     da, db = np_dequantize(*at, (1, 128)), np_dequantize(*bt, (128, 128))
     ends = np.cumsum(sizes)
     want = np.stack([da[:, e - s:e] @ db[:, e - s:e].T for s, e in zip(sizes, ends)])
-    got = np.asarray(out, np.float64)
+    got = np.asarray(out.astype(F32), np.float64)
     assert np.isfinite(got).all(), f"{np.sum(~np.isfinite(got))} unwritten or non-finite outputs"
     for i, s in enumerate(sizes):
         if s == 0:
             assert np.all(got[i] == 0)
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < (1e-2 if out_dtype == BF16 else 2e-3)
 
 
 @on_hopper
-@pytest.mark.parametrize("case", ["odd", "empties"])
-def test_gradients(case):
-    """ragged_dot_fp8's gradients on arrays under jit, both on the FP8 kernel: lhs's (the cotangent
-    re-quantized) against float64 products of the dequantized cotangent and weights, rhs's (rows and
-    cotangent re-quantized along the rows) against float64 products of those; both near the exact
-    straight-through gradients."""
+@pytest.mark.parametrize("case,dtype,transposed", [("odd", F32, False), ("empties", F32, False), ("odd", BF16, True),
+                                                   ("empties", BF16, False)],
+                         ids=["odd-f32", "empties-f32", "odd-bf16-transposed", "empties-bf16"])
+def test_gradients(case, dtype, transposed):
+    """ragged_dot_fp8's gradients on arrays under jit, both on the FP8 kernel and in the inputs' dtype
+    and layout (weights [g, n, k] where transposed): lhs's (the cotangent re-quantized) against float64
+    products of the dequantized cotangent and weights, rhs's (rows and cotangent re-quantized along
+    the rows) against float64 products of those; both near the exact straight-through gradients."""
     m, k, n, sizes = CASES[case]
     rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.standard_normal((m, k)), F32)
-    w = jnp.asarray(rng.standard_normal((len(sizes), k, n)) / np.sqrt(k), F32)
-    dout = jnp.asarray(rng.standard_normal((m, n)), F32)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((len(sizes), k, n)) / np.sqrt(k), dtype)
+    dout = jnp.asarray(rng.standard_normal((m, n)), dtype)
     gs = jnp.asarray(sizes, jnp.int32)
-    loss = lambda x, w: jnp.sum(jax_tk.ragged_dot_fp8(x, w, gs, preferred_element_type=F32) * dout)
+    given = jnp.swapaxes(w, 1, 2) if transposed else w
+    loss = lambda x, w: jnp.sum(jax_tk.ragged_dot_fp8(x, w, gs, preferred_element_type=dtype, rhs_transposed=transposed)
+                                .astype(F32) * dout.astype(F32))
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))  # (the value keeps the forward's call)
-    text = grad.lower(x, w).as_text()
+    text = grad.lower(x, given).as_text()
     assert text.count("jax_tk_gemm_fp8(") == 2 and text.count("jax_tk_gemm_fp8_contract(") == 1
-    dx, dw = (np.asarray(t, np.float64) for t in grad(x, w)[1])
+    dx, dw = grad(x, given)[1]
+    assert dx.dtype == dw.dtype == dtype and dw.shape == given.shape
+    dx, dw = (np.asarray(t.astype(F32), np.float64) for t in (dx, dw))
+    dw = np.swapaxes(dw, 1, 2) if transposed else dw
+    tol = 2e-3 if dtype == F32 else 1e-2  # (bfloat16 out: its rounding)
     deq_w = np_dequantize(*jax_tk.quantize_fp8(w, (128, 128)), (128, 128))
     deq_x = np_dequantize(*jax_tk.quantize_fp8(x, (1, 128)), (1, 128))
     deq_d = np_dequantize(*jax_tk.quantize_fp8(dout, (1, 128)), (1, 128))
     want_dx = np_ragged_dot(deq_d, np.swapaxes(deq_w, 1, 2), sizes)
     assert np.all(dx[sum(sizes):] == 0)
-    assert np.linalg.norm(dx - want_dx) / np.linalg.norm(want_dx) < 2e-3
+    assert np.linalg.norm(dx - want_dx) / np.linalg.norm(want_dx) < tol
     bounds = np.cumsum([0] + list(sizes))
     want_dw = np.stack([deq_x[s:e].T @ np.asarray(dout, np.float64)[s:e] for s, e in zip(bounds[:-1], bounds[1:])])
     assert np.linalg.norm(dw - want_dw) / np.linalg.norm(want_dw) < 6e-2  # (re-quantized operands)
-    requantized = wgrad_of_requantized(x, dout, sizes, None, len(sizes))
-    assert np.linalg.norm(dw - requantized) / np.linalg.norm(requantized) < 2e-3
+    requantized = wgrad_of_requantized(x, dout, sizes, None, len(sizes), transposed)
+    requantized = np.swapaxes(requantized, 1, 2) if transposed else requantized
+    assert np.linalg.norm(dw - requantized) / np.linalg.norm(requantized) < tol
 
 
 @needs_extension
