@@ -48,16 +48,6 @@ __device__ void load_tile(const QuantParams &p, float *s, int b, long long r0, l
   }
 }
 
-// x / d rounded to nearest, as __fdiv_rn, from r = 1 / d rounded to nearest: the quotient x * r
-// corrected by its exact residual (Markstein), a multiply and two fmas in place of a division per
-// element. Correctly rounded while the residual stays a normal float: d in [2^-80, 2^80] (quotients
-// up to 448 then need x >= 2^-91 for a float8 value other than 0); any other d divides.
-__device__ __forceinline__ float quotient(float x, float d, float r, bool fast) {
-  if (!fast) return __fdiv_rn(x, d);
-  const float q = __fmul_rn(x, r);
-  return __fmaf_rn(__fmaf_rn(-q, d, x), r, q);
-}
-
 template <typename In> __global__ void __launch_bounds__(THREADS) quantize_kernel(const QuantParams p) {
   extern __shared__ float s[];  // [T][PITCH]: the input tile
   __shared__ float row_scale[T];
@@ -99,13 +89,11 @@ template <typename In> __global__ void __launch_bounds__(THREADS) quantize_kerne
     const int orow = i / (T / 4), oc = i % (T / 4) * 4;
     const long long r = o_r0 + orow, c = o_c0 + oc;
     if (r >= out_rows || c >= out_cols) continue;
-    const float d = row_scale[orow], inv = __frcp_rn(d);
-    const bool fast = d >= 0x1p-80f && d <= 0x1p80f;
     uint8_t q[4];
 #pragma unroll
     for (int j = 0; j < 4; j++) {
       const float x = s[orow * across + (oc + j) * along];
-      q[j] = __nv_cvt_float_to_fp8(quotient(x, d, inv, fast), __NV_SATFINITE, __NV_E4M3);
+      q[j] = __nv_cvt_float_to_fp8(__fdiv_rn(x, row_scale[orow]), __NV_SATFINITE, __NV_E4M3);
     }
     uint8_t *dst = values + r * out_cols + c;
     if (out_cols % 4 == 0) {

@@ -265,15 +265,18 @@ def _kernel_product_bwd(out_dtype, b_transposed, res, g):
     if a.dtype == FP8:
         da = jnp.zeros((m, k), FP8)
     else:
+        out = _kernel_out(a.dtype)
         da = _on_fp8(launch.fp8_unsupported_reason(n + -n % 16, k, groups, m),
-                     functools.partial(_dgrad_fp8, out_dtype=_kernel_out(a.dtype)),
-                     lambda g, qb, sizes: bf16(g)[0], g, qb, sizes)
+                     functools.partial(_dgrad_fp8, out_dtype=out),
+                     lambda g, qb, sizes: bf16(g)[0].astype(out), g, qb, sizes)
     if b.dtype == FP8:
         db = jnp.zeros(b_shape, FP8)
     else:
+        out = _kernel_out(b.dtype)
         db = _on_fp8(launch.fp8_contract_unsupported_reason(k if b_transposed else n, groups, m),
-                     functools.partial(_wgrad_fp8, out_dtype=_kernel_out(b.dtype), transposed=b_transposed),
-                     lambda qa, g, sizes: _swap(bf16(g)[1]) if b_transposed else bf16(g)[1], qa, g, sizes)
+                     functools.partial(_wgrad_fp8, out_dtype=out, transposed=b_transposed),
+                     lambda qa, g, sizes: (_swap(bf16(g)[1]) if b_transposed else bf16(g)[1]).astype(out),
+                     qa, g, sizes)
     zeros = jax.tree.map(jnp.zeros_like, (qa, qb))  # (constants: float8 values and their scales)
     return da.astype(a.dtype), db.astype(b.dtype), *zeros, None
 

@@ -319,6 +319,17 @@ def no_derivative(f, *args):
     return call(*args)
 
 
+def same_types_dispatch(use, kernel, ref, *args):
+    """The kernel's branch, after checking that the reference's has the same output types (as
+    lax.platform_dependent requires on CUDA)."""
+    got = kernel(*args)
+    if use:
+        want = jax.eval_shape(ref, *args)
+        types = lambda t: [(x.shape, jnp.dtype(x.dtype)) for x in jax.tree.leaves(t)]
+        assert types(got) == types(want), (types(got), types(want))
+    return got
+
+
 @pytest.fixture
 def fake_fp8_kernel(monkeypatch):
     """The kernel path on the CPU: use_kernel says yes, and the FFI call is replaced by the reference
@@ -360,7 +371,7 @@ def fake_fp8_kernel(monkeypatch):
     # (fp8's own view of dispatch only: the backward's ragged_dot keeps the real one, its CPU reference)
     shim = types.SimpleNamespace(**vars(fp8.dispatch))
     shim.use_kernel = lambda op, implementation, reason: implementation != "xla"
-    shim.platform_dispatch = lambda use, kernel, ref, *args: kernel(*args)
+    shim.platform_dispatch = same_types_dispatch
     monkeypatch.setattr(fp8, "dispatch", shim)
     return calls
 
@@ -401,6 +412,24 @@ def test_kernel_path_against_the_reference(fake_fp8_kernel, pairs, offset):
         for g, wg, tol in ((dx, wx, 4e-2), (dw, ww, 6e-2)):
             err = np.linalg.norm(np.asarray(g) - np.asarray(wg)) / np.linalg.norm(np.asarray(wg))
             assert 0 < err < tol, err
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
+def test_kernel_path_gradients_in_the_inputs_dtype(fake_fp8_kernel, transposed):
+    """bf16 arrays on the kernel path: the gradients come in bf16 and in the weights' layout (the
+    kernels write them so), near the reference path's."""
+    x, w = fp8_inputs(14, 40, 256, 64, 3, BF16)
+    w = jnp.swapaxes(w, 1, 2) if transposed else w
+    gs = jnp.asarray([10, 0, 25], jnp.int32)
+    dout = randn(np.random.default_rng(15), (40, 64), F32)
+    loss = lambda impl: lambda a, b: jnp.sum(jax_tk.ragged_dot_fp8(a, b, gs, rhs_transposed=transposed,
+                                                                   implementation=impl).astype(F32) * dout)
+    got = jax.grad(loss(None), argnums=(0, 1))(x, w)
+    want = jax.grad(loss("xla"), argnums=(0, 1))(x, w)
+    for g, wg in zip(got, want):
+        assert g.dtype == BF16 and g.shape == wg.shape
+        err = np.linalg.norm(np.asarray(g, np.float32) - np.asarray(wg, np.float32)) / np.linalg.norm(np.asarray(wg, np.float32))
+        assert err < 6e-2, err
 
 
 def test_matmul_fp8_kernel_path(fake_fp8_kernel):
