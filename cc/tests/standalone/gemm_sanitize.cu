@@ -264,6 +264,7 @@ int main() {
   failed += run_quantize(130, 37, false, false, 128, 100, 130, 37);
   failed += run_quantize(300, 272, true, true, 1, 270, 272, 304);
   failed += run_quantize(300, 200, false, true, 128, 1000, 200, 304);
+  failed += run_quantize(260, 400, true, false, 128, 250, 300, 416);
   std::printf("%s\n", failed ? "FAILED" : "all ok");
   return failed ? 2 : 0;
 }
