@@ -151,79 +151,39 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
 
   // FP8 (DeepSeek-V3's recipe): each step's product (one 128-wide block of k) in float32 on its own,
   // then scaled by its blocks' scales, a's per row and b's per tile, and added to acc: the tensor
-  // cores' FP8 sums are short, so they never run past one block. So that the tensor cores do not idle
-  // while a product is scaled, each step's product runs as two halves of 64 columns, issued in turn
-  // with the scaling: step j's first half is scaled while its second half runs, its second half while
-  // step j + 1's first half runs. (The issue of the next step stays out of any branch: ptxas
-  // serializes every wgmma of a kernel that issues one on a path it cannot prove uniform.) The scales
-  // of the next step are loaded a step ahead.
+  // cores' FP8 sums are short, so they never run past one block. The scales' loads are issued before
+  // the step's wait, so that they land while the product runs.
   // In CONTRACT_BT the rows of out are k and the steps are blocks of a's rows (along m): a's scales
   // [blocks of m, k], b's [blocks of m, blocks of n], the step's block j + r0 / 128.
   __device__ __forceinline__ void fp8_steps(rt_fl<16, TN> &acc, const TileSlot &x, int count, int row0, ring_pos<STAGES> &pos) {
     const Params &p = a.p;
     constexpr bool BT = KIND == CONTRACT_BT;
-    constexpr int HALF = TN / 2;
     const int blocks_n = (p.n + FP8_BLOCK - 1) / FP8_BLOCK, blocks_k = (p.k + FP8_BLOCK - 1) / FP8_BLOCK;
     const int rows = BT ? p.k : p.m, first = BT ? x.r0 / FP8_BLOCK : 0;
     const int r = row0 + 16 * (warpid() % 4) + laneid() / 4;  // this thread's rows: r and r + 8
     const float *sb = p.b_scales + (BT ? 0 : (size_t)max(x.group, 0) * blocks_k * blocks_n) + x.n0 / FP8_BLOCK;  // (group -1: no steps)
     warp::zero(acc);
-    if (count == 0) return;
-    rt_fl<16, HALF> part[2];
-    auto issue = [&](int half, ring_pos<STAGES> u) {
-      warpgroup::mma_ABt(part[half], window<64, TK>(sm.a[u.slot], 64 * wg, 0), window<HALF, TK>(sm.b[u.slot], half * HALF, 0), false);
-    };
-    auto factors = [&](int j, float &f0, float &f1) {
+    for (int j = 0; j < count; j++, ++pos) {
       const float *sa = p.a_scales + (size_t)(first + j) * rows;
+      const float s0 = r < rows ? __ldg(sa + r) : 0.f, s1 = r + 8 < rows ? __ldg(sa + r + 8) : 0.f;
       const float b = __ldg(sb + (size_t)(first + j) * blocks_n);
-      f0 = (r < rows ? __ldg(sa + r) : 0.f) * b;
-      f1 = (r + 8 < rows ? __ldg(sa + r + 8) : 0.f) * b;
-    };
-    float f0, f1, g0 = 0.f, g1 = 0.f;
-    factors(0, f0, f1);
-    wait_full(slots(), pos);
-    if constexpr (BT) clear_other_rows(sm.a[pos.slot], x, first);
-    issue(0, pos);
-    issue(1, pos);
-    for (int j = 0; j + 1 < count; j++, ++pos) {  // (every step but the last: the next one is issued here)
-      ring_pos<STAGES> next = pos;
-      ++next;
-      factors(j + 1, g0, g1);
-      warpgroup::wait<1>();
-      warpgroup::fence_registers(part[0]);
-      scale_into(acc, part[0], 0, f0, f1);
-      wait_full(slots(), next);
-      if constexpr (BT) clear_other_rows(sm.a[next.slot], x, first + j + 1);
-      issue(0, next);
-      warpgroup::wait<1>();
-      warpgroup::fence_registers(part[1]);
+      rt_fl<16, TN> part;
+      wait_full(slots(), pos);
+      if constexpr (BT) clear_other_rows(sm.a[pos.slot], x, first + j);
+      warpgroup::mma_ABt(part, window<64, TK>(sm.a[pos.slot], 64 * wg, 0), sm.b[pos.slot], false);
+      warpgroup::wait<0>();
+      warpgroup::fence_registers(part);
       if (laneid() == 0) arrive_empty(slots(), pos);
-      scale_into(acc, part[1], HALF / 16, f0, f1);
-      issue(1, next);
-      f0 = g0;
-      f1 = g1;
+      const float f0 = s0 * b, f1 = s1 * b;
+#pragma unroll
+      for (int t = 0; t < TN / 16; t++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {  // (q even: row r, odd: r + 8; the row layout's register order)
+          const float f = q % 2 ? f1 : f0;
+          acc.tiles[0][t].data[q].x += f * part.tiles[0][t].data[q].x;
+          acc.tiles[0][t].data[q].y += f * part.tiles[0][t].data[q].y;
+        }
     }
-    warpgroup::wait<1>();
-    warpgroup::fence_registers(part[0]);
-    scale_into(acc, part[0], 0, f0, f1);
-    warpgroup::wait<0>();
-    warpgroup::fence_registers(part[1]);
-    if (laneid() == 0) arrive_empty(slots(), pos);
-    scale_into(acc, part[1], HALF / 16, f0, f1);
-    ++pos;
-  }
-
-  // acc's columns from 16 * t0 on += f * part, f = f0 in row r, f1 in r + 8.
-  template <int N>
-  __device__ __forceinline__ static void scale_into(rt_fl<16, TN> &acc, const rt_fl<16, N> &part, int t0, float f0, float f1) {
-#pragma unroll
-    for (int t = 0; t < N / 16; t++)
-#pragma unroll
-      for (int q = 0; q < 4; q++) {  // (q even: row r, odd: r + 8; the row layout's register order)
-        const float f = q % 2 ? f1 : f0;
-        acc.tiles[0][t0 + t].data[q].x += f * part.tiles[0][t].data[q].x;
-        acc.tiles[0][t0 + t].data[q].y += f * part.tiles[0][t].data[q].y;
-      }
   }
 
   // CONTRACT_BT: in a step's block of rows (columns of a's tile) that holds rows of other groups,

@@ -104,99 +104,12 @@ template <typename In> __global__ void __launch_bounds__(THREADS) quantize_kerne
   }
 }
 
-// Untransposed, the tile needs no shared memory: a warp holds 16 of its rows in registers, lane l
-// columns 4l .. 4l + 3 of each (a row's 128 columns in one coalesced access per warp), the rows'
-// maxima across the lanes by shuffles (the tile's across the warps too, for 128 x 128 blocks). Every
-// thread has all its loads in flight before it computes, and the arithmetic is the shared-memory
-// kernel's, so the results are the same to the bit.
-constexpr int WARP_ROWS = T / (THREADS / 32);
-
-template <typename In>
-__device__ __forceinline__ void load_row(const QuantParams &p, const In *x, long long r, long long c, int limit, float (&v)[4]) {
-  if (r < limit && p.vector_loads && c + 4 <= p.cols) {
-    struct alignas(4 * sizeof(In)) Four { In e[4]; };
-    const Four f = *reinterpret_cast<const Four *>(x + r * p.cols + c);
-#pragma unroll
-    for (int j = 0; j < 4; j++) v[j] = to_float(f.e[j]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < 4; j++) v[j] = r < limit && c + j < p.cols ? to_float(x[r * p.cols + c + j]) : 0.0f;
-  }
-}
-
-template <typename In> __global__ void __launch_bounds__(THREADS) rows_kernel(const QuantParams p) {
-  __shared__ float tile_max[THREADS / 32];
-  const int b = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const long long r0 = (long long)blockIdx.y * T + warp * WARP_ROWS, c = (long long)blockIdx.x * T + 4 * lane;
-  const int limit = p.row_limit ? min(max(*p.row_limit, 0), p.rows) : p.rows;
-  const In *x = static_cast<const In *>(p.x) + (long long)b * p.rows * p.cols;
-  const int in_blocks = (p.cols + T - 1) / T;
-  float v[WARP_ROWS][4], amax[WARP_ROWS];
-#pragma unroll
-  for (int i = 0; i < WARP_ROWS; i++) load_row<In>(p, x, r0 + i, c, limit, v[i]);
-#pragma unroll
-  for (int i = 0; i < WARP_ROWS; i++) {
-    // (an FP8 input's scale: the tile's columns are one block of its 1 x 128 blocks)
-    const long long r = r0 + i;
-    const float scale = p.x_scales && r < limit ? p.x_scales[r * in_blocks + blockIdx.x] : 1.0f;
-    amax[i] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-      v[i][j] *= scale;
-      amax[i] = fmaxf(amax[i], fabsf(v[i][j]));
-    }
-  }
-  if (p.block_rows == T) {  // (one block: the tile's maximum)
-    float m = 0.0f;
-#pragma unroll
-    for (int i = 0; i < WARP_ROWS; i++) m = fmaxf(m, amax[i]);
-    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) tile_max[warp] = m;
-    __syncthreads();
-    m = 0.0f;
-#pragma unroll
-    for (int w = 0; w < THREADS / 32; w++) m = fmaxf(m, tile_max[w]);
-#pragma unroll
-    for (int i = 0; i < WARP_ROWS; i++) amax[i] = m;
-  } else {
-#pragma unroll
-    for (int i = 0; i < WARP_ROWS; i++)
-      for (int o = 16; o; o >>= 1) amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], o));
-  }
-  const int col_blocks = (p.out_cols + T - 1) / T;
-  float *scales = p.scales + (long long)b * ((p.out_rows + p.block_rows - 1) / p.block_rows) * col_blocks;
-  uint8_t *values = static_cast<uint8_t *>(p.values) + (long long)b * p.out_rows * p.out_cols;
-#pragma unroll
-  for (int i = 0; i < WARP_ROWS; i++) {
-    const long long r = r0 + i;
-    if (r >= p.out_rows) break;
-    // (a block of zeros gets scale 1: its values are 0, never 0 / 0)
-    const float d = amax[i] > 0.0f ? __fdiv_rn(amax[i], FP8_MAX) : 1.0f;
-    if (lane == 0 && (p.block_rows == 1 || r % T == 0))
-      scales[r / p.block_rows * col_blocks + blockIdx.x] = d;
-    if (c >= p.out_cols) continue;
-    uint8_t q[4];
-#pragma unroll
-    for (int j = 0; j < 4; j++) q[j] = __nv_cvt_float_to_fp8(__fdiv_rn(v[i][j], d), __NV_SATFINITE, __NV_E4M3);
-    uint8_t *dst = values + r * p.out_cols + c;
-    if (p.out_cols % 4 == 0) {
-      *reinterpret_cast<uint32_t *>(dst) = q[0] | q[1] << 8 | q[2] << 16 | uint32_t(q[3]) << 24;
-    } else {
-      for (int j = 0; j < 4 && c + j < p.out_cols; j++) dst[j] = q[j];
-    }
-  }
-}
-
 template <typename In> cudaError_t launch(const QuantParams &p, cudaStream_t stream) {
-  const dim3 grid((p.out_cols + T - 1) / T, (p.out_rows + T - 1) / T, p.batch);
-  if (!p.transposed) {
-    rows_kernel<In><<<grid, THREADS, 0, stream>>>(p);
-    return cudaGetLastError();
-  }
   constexpr int smem = T * PITCH * sizeof(float);
   if (auto e = cudaFuncSetAttribute(quantize_kernel<In>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       e != cudaSuccess)
     return e;
+  const dim3 grid((p.out_cols + T - 1) / T, (p.out_rows + T - 1) / T, p.batch);
   quantize_kernel<In><<<grid, THREADS, smem, stream>>>(p);
   return cudaGetLastError();
 }
