@@ -30,7 +30,8 @@ row's one nonzero result and hands each device its own rows. It moves D times th
 (the script adds that flag itself when it is not set; it only affects the CPU platform), or on GPUs
 as it is (two experts per device). ``--bench`` times the layer's forward and backward instead, on every
 device against one (each device holding as many tokens; on GPUs 8192 tokens of width 2048, 64 experts
-of hidden size 1408, top-4, in bf16): tokens/s in total and per device.
+of hidden size 1408, top-4, in bf16): tokens/s in total and per device. ``--bench --fp8`` runs the
+experts' GEMMs in FP8 (``jax_tk.ragged_dot_fp8``, as ``moe.py --fp8``), beside the bf16 ones.
 """
 from __future__ import annotations
 
@@ -176,10 +177,13 @@ def main():
 
 
 def bench(devices: int, tokens_per_device: int, width: int, hidden: int, experts: int, top_k: int,
-          steps: int = 10, exchange: str = "all_to_all") -> dict:
+          steps: int = 10, exchange: str = "all_to_all", gemm: str = "tk") -> dict:
     """Tokens/s of the layer's forward and backward (bf16, random routing) on 1 device and on ``devices``
     devices, each device holding ``tokens_per_device`` tokens and experts / n of the experts; printed
-    and returned as {n: tokens/s}."""
+    and returned as {n: tokens/s}. ``gemm``: the experts' GEMMs, a name of ``moe.GEMMS`` ("fp8": in FP8;
+    the all_to_all exchange only)."""
+    if gemm != "tk" and exchange != "all_to_all":
+        raise ValueError(f"gemm {gemm!r} runs with the all_to_all exchange only")
     import time
 
     p = jax.tree.map(lambda w: w.astype(jnp.bfloat16), example_params(jax.random.key(0), width, hidden, experts))
@@ -189,7 +193,7 @@ def bench(devices: int, tokens_per_device: int, width: int, hidden: int, experts
     result = {}
     for n in sorted({1, devices}):
         mesh = jax.make_mesh((n,), ("expert",), devices=jax.devices()[:n])
-        layer = sharded_moe(mesh, "expert", top_k, exchange=exchange)
+        layer = sharded_moe(mesh, "expert", top_k, gemm=moe.GEMMS[gemm], exchange=exchange)
         step = jax.jit(jax.grad(lambda x, p: jnp.sum(layer(x, p).astype(jnp.float32) ** 2), argnums=(0, 1)))
         x = jax.random.normal(jax.random.key(1), (tokens_per_device * n, width), jnp.bfloat16)
         x = jax.device_put(x, NamedSharding(mesh, P("expert")))
@@ -200,7 +204,7 @@ def bench(devices: int, tokens_per_device: int, width: int, hidden: int, experts
             out = step(x, ps)
         jax.block_until_ready(out)
         result[n] = tokens_per_device * n * steps / (time.perf_counter() - t0)
-        print(f"{exchange}: {n} device(s), {experts // n} experts each, {tokens_per_device} tokens each, width {width}, hidden "
+        print(f"{exchange}, {moe.LABELS[gemm]}: {n} device(s), {experts // n} experts each, {tokens_per_device} tokens each, width {width}, hidden "
               f"{hidden}, top-{top_k}: forward + backward {result[n]:,.0f} tokens/s ({result[n] / n:,.0f} per device)")
     return result
 
@@ -212,10 +216,14 @@ if __name__ == "__main__":
                              "checking it against the one-device layer")
     parser.add_argument("--exchange", choices=tuple(EXCHANGES), default="all_to_all",
                         help="with --bench: how the rows reach their experts' devices")
+    parser.add_argument("--fp8", action="store_true",
+                        help="with --bench: also time the layer with its experts' GEMMs in FP8 "
+                             "(jax_tk.ragged_dot_fp8; all_to_all exchange)")
     args = parser.parse_args()
     if args.bench:  # e.g. python examples/expert_parallel.py --bench  (all devices against one)
         gpu = jax.default_backend() == "gpu"
-        bench(jax.device_count(), 8192 if gpu else 64, 2048 if gpu else 64, 1408 if gpu else 128, 64 if gpu else 8,
-              4 if gpu else 2, steps=10 if gpu else 2, exchange=args.exchange)
+        sizes = (8192 if gpu else 64, 2048 if gpu else 64, 1408 if gpu else 128, 64 if gpu else 8, 4 if gpu else 2)
+        for gemm in ("tk", "fp8") if args.fp8 else ("tk",):
+            bench(jax.device_count(), *sizes, steps=10 if gpu else 2, exchange=args.exchange, gemm=gemm)
     else:
         main()

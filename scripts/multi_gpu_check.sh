@@ -3,7 +3,7 @@
 # each against one GPU:
 #   ring attention: 128k tokens over 2 GPUs against 64k on one (examples/multi_gpu.py --mode ring),
 #   decode: the batch split over 2 GPUs against half of it on one (examples/generate.py --devices),
-#   mixture of experts: the expert-parallel layer on 2 GPUs against one (examples/expert_parallel.py --bench).
+#   mixture of experts: the expert-parallel layer on 2 GPUs against one, bf16 and FP8 (examples/expert_parallel.py --bench --fp8).
 #   scripts/multi_gpu_check.sh OUTDIR [pytest args...]
 # Environment: MULTI_GPU_FIGURES=0 skips the figures; MULTI_GPU_TEST_TIMEOUT (default 300 s) bounds the tests,
 # MULTI_GPU_FIGURE_TIMEOUT (default 240 s) each figure's run;
@@ -40,6 +40,6 @@ if [ "${MULTI_GPU_FIGURES:-1}" = "1" ]; then
   figure examples/generate.py --devices 2 --batch 64 --attention tk --no-check >"$out/decode_2.log" 2>&1
   figure examples/generate.py --devices 1 --batch 32 --attention tk --no-check >"$out/decode_1.log" 2>&1
   grep -h "tk:" "$out/decode_2.log" "$out/decode_1.log"
-  figure examples/expert_parallel.py --bench 2>&1 | tee "$out/moe.log"
+  figure examples/expert_parallel.py --bench --fp8 2>&1 | tee "$out/moe.log"
 fi
 exit $test_rc

@@ -146,7 +146,14 @@ class TestExpertParallelExample:
     def test_bench(self, capsys):
         result = self._module().bench(8, 16, 32, 64, 8, 2, steps=1)
         assert set(result) == {1, 8} and all(v > 0 for v in result.values())
-        assert "all_to_all: 8 device(s), 1 experts each" in capsys.readouterr().out
+        assert "all_to_all, jax_tk.ragged_dot: 8 device(s), 1 experts each" in capsys.readouterr().out
+
+    def test_bench_fp8(self, capsys):
+        result = self._module().bench(8, 16, 128, 64, 8, 2, steps=1, gemm="fp8")
+        assert set(result) == {1, 8} and all(v > 0 for v in result.values())
+        assert "all_to_all, jax_tk.ragged_dot_fp8: 8 device(s)" in capsys.readouterr().out
+        with pytest.raises(ValueError, match="all_to_all exchange only"):
+            self._module().bench(8, 16, 128, 64, 8, 2, steps=1, exchange="all_gather", gemm="fp8")
 
     def test_bf16_against_one_device(self):
         """bf16 tokens, skewed routing (most tokens to two experts), values and gradients."""
