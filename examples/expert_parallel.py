@@ -204,7 +204,8 @@ def bench(devices: int, tokens_per_device: int, width: int, hidden: int, experts
             out = step(x, ps)
         jax.block_until_ready(out)
         result[n] = tokens_per_device * n * steps / (time.perf_counter() - t0)
-        print(f"{exchange}, {moe.LABELS[gemm]}: {n} device(s), {experts // n} experts each, {tokens_per_device} tokens each, width {width}, hidden "
+        print(f"{exchange}, {moe.LABELS[gemm]}: {n} device(s), {experts // n} experts each, "
+              f"{tokens_per_device} tokens each, width {width}, hidden "
               f"{hidden}, top-{top_k}: forward + backward {result[n]:,.0f} tokens/s ({result[n] / n:,.0f} per device)")
     return result
 

@@ -253,8 +253,8 @@ def _kernel_product_bwd(out_dtype, b_transposed, res, g):
     b_shape = (groups, n, k) if b_transposed else (groups, k, n)
 
     def bf16(g):  # (where the FP8 kernel does not take them)
-        deq = lambda x: x.astype(jnp.bfloat16)
-        _, vjp = jax.vjp(lambda a, b: api.ragged_dot(deq(a), deq(b), sizes, preferred_element_type=jnp.float32),
+        bf = lambda x: x.astype(jnp.bfloat16)
+        _, vjp = jax.vjp(lambda a, b: api.ragged_dot(bf(a), bf(b), sizes, preferred_element_type=jnp.float32),
                          dequantize(*qa, LHS_BLOCK), _kernel_deq(qb))
         return vjp(g.astype(jnp.float32))
 

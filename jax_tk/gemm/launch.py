@@ -105,8 +105,8 @@ def fp8_contract_unsupported_reason(n: int, groups: int, rows: int) -> str | Non
 
 def fp8_contract_call(at, at_scales, bt, bt_scales, group_sizes, out_dtype=jnp.float32, out_init=None):
     """One launch of the FP8 kernel's contraction (Hopper): ``out[i] = deq(at)[:, rows_i] @
-    deq(bt)[:, rows_i]^T``, ``[g, k, n]`` in ``out_dtype`` (float32 or bfloat16), the rows of group i along both operands' second
-    axis (zeros for an empty group).
+    deq(bt)[:, rows_i]^T``, ``[g, k, n]`` in ``out_dtype`` (float32 or bfloat16), the rows of group i
+    along both operands' second axis (zeros for an empty group).
 
     at float8_e4m3fn ``[k, m]`` with scales float32 ``[k, ceil(m/128)]`` (1 x 128 blocks along m), bt
     ``[n, m]`` with scales ``[ceil(n/128), ceil(m/128)]`` (128 x 128 blocks): ``quantize_fp8`` of the
