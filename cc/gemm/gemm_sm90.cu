@@ -1,7 +1,7 @@
 // Grouped GEMM for Hopper (sm_90a): TMA, mbarriers, wgmma and warp specialization, in a persistent
 // kernel that walks the tiles of every group in one launch.
 //
-// Output tiles of 128 x 256 (two consumer warpgroups of 64 rows), steps of 64 along the
+// Output tiles of 128 x 256 (two consumer warpgroups of 64 rows), steps of 64 (FP8: 128) along the
 // contraction through a ring of 4 stages. Per block, 3 warpgroups:
 //   producer: warp 1 schedules: block b takes tiles b, b + G, b + 2G, ... (G blocks, about one per
 //     SM; common.cuh orders them), finds each tile's group by walking the group sizes (GroupWalk),
@@ -22,6 +22,7 @@
 // ends arrive from TMA as zeros and are not stored.
 #include <algorithm>
 #include <climits>
+#include <utility>
 
 #include "gemm/common.cuh"
 
@@ -39,10 +40,10 @@ template <int KIND> constexpr bool contracts = KIND == CONTRACT || KIND == CONTR
 template <typename T, typename TO, int KIND> struct Sm90 {
   using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
   static constexpr int CONSUMERS = Roles::CONSUMERS, THREADS = Roles::THREADS;
-  // FP8: steps of one scale block (128 bytes of k, as the 16-bit steps), and 128 columns (each step's
-  // product lands in a second accumulator before it is scaled into the first: both must fit).
+  // FP8: steps of one scale block (128 bytes of k, as the 16-bit steps), tiles as wide as the 16-bit
+  // ones (the same bytes per stage; narrower tiles read more of a and b from L2 per product).
   static constexpr bool FP8 = is_8bit<T>;
-  static constexpr int TM = SM90_TILE_M, TN = FP8 ? FP8_BLOCK : SM90_TILE_N, TK = FP8 ? FP8_BLOCK : SM90_TILE_K, STAGES = 4;
+  static constexpr int TM = SM90_TILE_M, TN = SM90_TILE_N, TK = FP8 ? FP8_BLOCK : SM90_TILE_K, STAGES = 4;
   static_assert(TM == 64 * CONSUMERS && (!FP8 || KIND == RAGGED_BT || KIND == CONTRACT_BT) && (FP8 || KIND != CONTRACT_BT));
   using ATile = std::conditional_t<KIND == CONTRACT, st<T, TK, TM>, st<T, TM, TK>>;
   using BTile = std::conditional_t<KIND == RAGGED_BT || KIND == CONTRACT_BT, st<T, TN, TK>, st<T, TK, TN>>;
@@ -150,40 +151,64 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
   }
 
   // FP8 (DeepSeek-V3's recipe): each step's product (one 128-wide block of k) in float32 on its own,
-  // then scaled by its blocks' scales, a's per row and b's per tile, and added to acc: the tensor
-  // cores' FP8 sums are short, so they never run past one block. The scales' loads are issued before
-  // the step's wait, so that they land while the product runs.
+  // then scaled by its blocks' scales, a's per row and b's per 128 columns, and added to acc: the
+  // tensor cores' FP8 sums are short, so they never run past one block. The product is formed in
+  // pieces of 64 columns, two in flight: each piece is scaled into acc while the next one runs, and
+  // its registers then take the piece after that (a whole second 64 x 256 accumulator would not fit
+  // beside acc). The scales' loads are issued before the step's wait, so that they land while the
+  // product runs.
   // In CONTRACT_BT the rows of out are k and the steps are blocks of a's rows (along m): a's scales
   // [blocks of m, k], b's [blocks of m, blocks of n], the step's block j + r0 / 128.
   __device__ __forceinline__ void fp8_steps(rt_fl<16, TN> &acc, const TileSlot &x, int count, int row0, ring_pos<STAGES> &pos) {
     const Params &p = a.p;
     constexpr bool BT = KIND == CONTRACT_BT;
+    constexpr int PIECE = 64, PIECES = TN / PIECE, BLOCKS = TN / FP8_BLOCK;
+    static_assert(TN % FP8_BLOCK == 0 && PIECES >= 2);
     const int blocks_n = (p.n + FP8_BLOCK - 1) / FP8_BLOCK, blocks_k = (p.k + FP8_BLOCK - 1) / FP8_BLOCK;
     const int rows = BT ? p.k : p.m, first = BT ? x.r0 / FP8_BLOCK : 0;
     const int r = row0 + 16 * (warpid() % 4) + laneid() / 4;  // this thread's rows: r and r + 8
-    const float *sb = p.b_scales + (BT ? 0 : (size_t)max(x.group, 0) * blocks_k * blocks_n) + x.n0 / FP8_BLOCK;  // (group -1: no steps)
+    const int bn = x.n0 / FP8_BLOCK;  // the tile's first block of columns
+    const float *sb = p.b_scales + (BT ? 0 : (size_t)max(x.group, 0) * blocks_k * blocks_n) + bn;  // (group -1: no steps)
     warp::zero(acc);
     for (int j = 0; j < count; j++, ++pos) {
       const float *sa = p.a_scales + (size_t)(first + j) * rows;
       const float s0 = r < rows ? __ldg(sa + r) : 0.f, s1 = r + 8 < rows ? __ldg(sa + r + 8) : 0.f;
-      const float b = __ldg(sb + (size_t)(first + j) * blocks_n);
-      rt_fl<16, TN> part;
+      float b[BLOCKS];
+#pragma unroll
+      for (int h = 0; h < BLOCKS; h++) b[h] = bn + h < blocks_n ? __ldg(sb + (size_t)(first + j) * blocks_n + h) : 0.f;
       wait_full(slots(), pos);
       if constexpr (BT) clear_other_rows(sm.a[pos.slot], x, first + j);
-      warpgroup::mma_ABt(part, window<64, TK>(sm.a[pos.slot], 64 * wg, 0), sm.b[pos.slot], false);
-      warpgroup::wait<0>();
-      warpgroup::fence_registers(part);
-      if (laneid() == 0) arrive_empty(slots(), pos);
-      const float f0 = s0 * b, f1 = s1 * b;
-#pragma unroll
-      for (int t = 0; t < TN / 16; t++)
-#pragma unroll
-        for (int q = 0; q < 4; q++) {  // (q even: row r, odd: r + 8; the row layout's register order)
-          const float f = q % 2 ? f1 : f0;
-          acc.tiles[0][t].data[q].x += f * part.tiles[0][t].data[q].x;
-          acc.tiles[0][t].data[q].y += f * part.tiles[0][t].data[q].y;
-        }
+      const auto rows_a = window<64, TK>(sm.a[pos.slot], 64 * wg, 0);
+      rt_fl<16, PIECE> part[2];
+      auto issue = [&](int q) { warpgroup::mma_ABt(part[q % 2], rows_a, window<PIECE, TK>(sm.b[pos.slot], q * PIECE, 0), false); };
+      issue(0);
+      issue(1);
+      [&]<int... Q>(std::integer_sequence<int, Q...>) {
+        ([&] {  // piece Q: done (the one after it may still run), scaled, its registers given to Q + 2
+          if constexpr (Q + 1 < PIECES) warpgroup::wait<1>();
+          else warpgroup::wait<0>();
+          warpgroup::fence_registers(part[Q % 2]);
+          if constexpr (Q + 1 == PIECES)
+            if (laneid() == 0) arrive_empty(slots(), pos);
+          const float f = b[Q * PIECE / FP8_BLOCK];
+          scale_into(acc, part[Q % 2], Q * PIECE / 16, s0 * f, s1 * f);
+          if constexpr (Q + 2 < PIECES) issue(Q + 2);
+        }(), ...);
+      }(std::make_integer_sequence<int, PIECES>{});
     }
+  }
+
+  // acc's columns from 16 * t0 on += f * part, f = f0 in row r, f1 in r + 8.
+  template <int N>
+  __device__ __forceinline__ static void scale_into(rt_fl<16, TN> &acc, const rt_fl<16, N> &part, int t0, float f0, float f1) {
+#pragma unroll
+    for (int t = 0; t < N / 16; t++)
+#pragma unroll
+      for (int q = 0; q < 4; q++) {  // (q even: row r, odd: r + 8; the row layout's register order)
+        const float f = q % 2 ? f1 : f0;
+        acc.tiles[0][t0 + t].data[q].x += f * part.tiles[0][t].data[q].x;
+        acc.tiles[0][t0 + t].data[q].y += f * part.tiles[0][t].data[q].y;
+      }
   }
 
   // CONTRACT_BT: in a step's block of rows (columns of a's tile) that holds rows of other groups,
