@@ -198,8 +198,8 @@ ffi::Error quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
   }
   const auto xd = x.dimensions();
   const bool fp8_in = p.in == In::fp8e4m3;
-  if (xd.size() != 2 && (xd.size() != 3 || transposed || fp8_in))
-    return invalid("fp8 quantize: x must be [rows, cols], or [batch, rows, cols] untransposed and not FP8, got " + dims_of(x));
+  if (xd.size() != 2 && (xd.size() != 3 || fp8_in))
+    return invalid("fp8 quantize: x must be [rows, cols], or [batch, rows, cols] and not FP8, got " + dims_of(x));
   if (transposed != 0 && transposed != 1) return invalid("fp8 quantize: transposed must be 0 or 1");
   if (block_rows != 1 && block_rows != gemm::FP8_BLOCK) return invalid("fp8 quantize: block_rows must be 1 or 128");
   const int64_t batch = xd.size() == 3 ? xd[0] : 1, rows = xd[xd.size() - 2], cols = xd[xd.size() - 1];

@@ -64,8 +64,8 @@ struct Params {
 // FP8 block quantization (target "jax_tk_fp8_quantize", cc/gemm/quantize.cu): values float8_e4m3fn
 // [batch, out_rows, out_cols] and scales float32 [batch, ceil(out_rows / block_rows), ceil(out_cols /
 // 128)] of y, quantize_fp8's (jax_tk/gemm/fp8.py) in IEEE float32: per block amax / 448 (1 for a block of
-// zeros) and y / scale rounded to nearest, saturating. y is x [batch, rows, cols] (transposed: x^T,
-// batch 1), zero-padded to [out_rows, out_cols], its rows (of x) at or past *row_limit zeroed; an FP8
+// zeros) and y / scale rounded to nearest, saturating. y is x [batch, rows, cols] (transposed: each
+// x[b]^T), zero-padded to [out_rows, out_cols], its rows (of x) at or past *row_limit zeroed; an FP8
 // x comes with its scales [rows, ceil(cols / 128)] (1 x 128 blocks, batch 1) and is dequantized first.
 struct QuantParams {
   enum class In { bf16, fp16, f32, fp8e4m3 } in;

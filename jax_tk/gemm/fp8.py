@@ -157,12 +157,12 @@ def _fake_quant_bwd(block_shape, like, g):
 _fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)
 
 
-def _operand(op: str, name: str, x, what: str, block_shape):
+def _operand(op: str, name: str, x, what: str, block_shape, transposed: bool = False):
     """(the operand as given: the float array, or a pair's float8 values; the dequantized float32
     operand, as a function; its (values, scales); its shape). ``x`` is a (values, scales) pair
     (checked, treated as a constant) or a float array (quantized here, straight-through gradient
-    through the dequantized operand). (The dequantized operand is formed only where it is used: the
-    reference's path.)"""
+    through the dequantized operand; ``transposed``: its (values, scales) those of its transpose, in
+    the same pass). (The dequantized operand is formed only where it is used: the reference's path.)"""
     ndim = len(what.split(","))
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
@@ -186,7 +186,7 @@ def _operand(op: str, name: str, x, what: str, block_shape):
         return values, deq, (values, scales), tuple(values.shape)
     checks.float_array(op, name, x, ndim, what, FLOAT_DTYPES, empty_ok=range(ndim))
     # (the input's gradient stopped, not only the output's: the kernel's call has no derivative rule)
-    q = _requantize(jax.lax.stop_gradient(x), block_shape[0])
+    q = _requantize(jax.lax.stop_gradient(x), block_shape[0], transposed=transposed)
     return x, lambda: _fake_quant(x, block_shape), q, tuple(x.shape)
 
 
@@ -199,8 +199,12 @@ def _weights(op: str, name: str, x, transposed: bool, lead: str = ""):
     as ``_operand``; the dequantized float32 operand as ``[.., k, n]``, a function; its (values,
     scales) in the FP8 kernel's layout (values ``[.., n, k]``, scales ``[.., ceil(k/128),
     ceil(n/128)]``); its shape as ``[.., k, n]``). Swapping the last two axes of values or scales is
-    one transpose in XLA, of a pair given in the kernel's layout none."""
+    one transpose in XLA, of a pair given in the kernel's layout none; an array given as ``[.., k, n]``
+    is quantized straight into that layout (a 128 x 128 block's transpose is the transpose's block)."""
     what = f"[{lead}n, k]" if transposed else f"[{lead}k, n]"
+    if not transposed and not isinstance(x, (tuple, list)):
+        given, deq, (values, scales), shape = _operand(op, name, x, what, RHS_BLOCK, transposed=True)
+        return given, deq, (values, _swap(scales)), shape
     given, deq, (values, scales), shape = _operand(op, name, x, what, RHS_BLOCK)
     if transposed:
         return given, lambda: _swap(deq()), (values, _swap(scales)), (*shape[:-2], shape[-1], shape[-2])

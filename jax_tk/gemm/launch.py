@@ -132,12 +132,12 @@ def quantize_call(x, block_rows: int, *, x_scales=None, transposed=False, row_li
                   out_init=None):
     """One launch of the FP8 quantization kernel (any CUDA GPU from sm_80): ``quantize_fp8(y,
     (block_rows, 128))`` in IEEE float32 (XLA's may differ by a float32 ulp before rounding), y being
-    x (``[rows, cols]`` or ``[g, rows, cols]``; transposed: ``x^T``, rank 2), its rows at or past
-    ``row_limit`` (int32 ``[1]``, traced) zeroed, zero-padded to ``out_shape`` (the last two dims;
+    x (``[rows, cols]`` or ``[g, rows, cols]``; transposed: the last two dims swapped), its rows at or
+    past ``row_limit`` (int32 ``[1]``, traced) zeroed, zero-padded to ``out_shape`` (the last two dims;
     default y's). An FP8 x (rank 2) comes with ``x_scales`` ``[rows,
     ceil(cols/128)]`` and is dequantized first. Returns (values float8_e4m3fn, scales float32).
     ``out_init`` (tests): two buffers aliased to the outputs."""
-    shape = tuple(x.shape[::-1]) if transposed else tuple(x.shape)
+    shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transposed else tuple(x.shape)
     shape = shape if out_shape is None else (*shape[:-2], *out_shape)
     scale_shape = (*shape[:-2], -(-shape[-2] // block_rows), -(-shape[-1] // 128))
     out_types = (jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn), jax.ShapeDtypeStruct(scale_shape, jnp.float32))

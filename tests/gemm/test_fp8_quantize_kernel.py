@@ -30,6 +30,8 @@ CASES = {  # shape, dtype, block rows, transposed, row limit, out shape (None: x
     "cotangent_padded": ((300, 200), BF16, 1, False, None, (300, 208)),
     "weights": ((3, 272, 136), F32, 128, False, None, None),
     "weights_bf16_odd": ((2, 130, 36), BF16, 128, False, None, None),  # (36: not whole 16-byte loads)
+    "weights_t": ((3, 272, 136), BF16, 128, True, None, None),         # ([g, k, n] into the kernel's [g, n, k])
+    "weights_t_odd": ((2, 130, 36), F32, 128, True, None, None),
     "odd_cols": ((70, 37), F32, 1, False, None, None),                  # (37: byte stores)
     "rows_t": ((300, 272), FP8, 1, True, 270, (272, 304)),              # (the weights' gradient: a^T)
     "cotangent_t": ((300, 200), BF16, 128, True, 270, (200, 304)),      # (... and g^T)
@@ -60,7 +62,7 @@ def numpy_requantize(x, xs, limit, block_rows, transposed, out_shape):
     if limit is not None:
         y = np.where((np.arange(y.shape[-2]) < limit)[:, None], y, np.float32(0))
     if transposed:
-        y = y.T
+        y = np.swapaxes(y, -1, -2)
     shape = y.shape[:-2] + (out_shape or y.shape[-2:])
     nr, nc = -(-shape[-2] // block_rows), -(-shape[-1] // 128)
     padded = np.zeros(y.shape[:-2] + (nr * block_rows, nc * 128), np.float32)
@@ -105,6 +107,17 @@ def test_ragged_dot_fp8_uses_it():
     gs = jnp.asarray([100, 156], jnp.int32)
     f = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(fp8.ragged_dot_fp8(x, w, gs).astype(F32)), argnums=(0, 1)))
     assert f.lower(x, w).as_text().count("jax_tk_fp8_quantize(") == 5
+
+
+def test_transposed_weights_shapes():
+    """A batch of weights quantized transposed: each matrix's last two dims swapped (values [g, n, k],
+    scales [g, ceil(n/128), ceil(k/128)]); ragged_dot_fp8 quantizes [g, k, n] weights so, into the
+    kernel's layout, with no transpose after it."""
+    x = jax.ShapeDtypeStruct((3, 272, 136), BF16)
+    values, scales = jax.eval_shape(lambda x: launch.quantize_call(x, 128, transposed=True), x)
+    assert (values.shape, values.dtype, scales.shape) == ((3, 136, 272), FP8, (3, 2, 3))
+    v, s = fp8._requantize_xla(jnp.ones(x.shape, BF16), None, None, 128, True, None)
+    assert v.shape == values.shape and s.shape == scales.shape
 
 
 @needs_extension
