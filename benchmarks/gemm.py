@@ -54,8 +54,13 @@ DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp8": jnp.bfloat16}
 MODES = ("fwd", "bwd", "fwd_bwd")
 DEFAULT_MODES = ("fwd", "fwd_bwd")
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.0, "fwd_bwd": 3.0}
-DISTRIBUTIONS = ("uniform", "dirichlet")
+DISTRIBUTIONS = ("uniform", "dirichlet", "routed")
+DEFAULT_DISTRIBUTIONS = ("uniform", "dirichlet")
 DIRICHLET_ALPHA = 0.5  # skewed: a few groups get most rows, some nearly none
+# "routed": each of m / top_k tokens takes the top_k of standard-normal logits plus a per-expert bias
+# of this standard deviation (drawn once per seed): uneven the way trained routers are, the busiest
+# expert getting 2-3x the mean at 64-128 experts and the idlest a fifth of it or less.
+ROUTER_BIAS_STD = 0.3
 CHECK_ROWS = 256  # the correctness check looks at the first rows (and a few columns of d rhs)
 CHECK_COLS = 64
 # The check of the fp8 rows compares with the float32 product of the unquantized bf16 inputs, so it
@@ -77,7 +82,8 @@ FP8_MAX_REL_ERR = 2.0**-4
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
     """One problem: ``m`` rows of k in ``groups`` groups (sizes drawn by ``dist``: "uniform",
-    "dirichlet", or "dense" for a plain GEMM), times [k, n] per group."""
+    "dirichlet", "routed" (the rows of m / top_k tokens routed to top_k groups each), or "dense" for a
+    plain GEMM), times [k, n] per group."""
 
     name: str
     m: int
@@ -87,6 +93,7 @@ class GemmConfig:
     dist: str = "dense"
     dtype: str = "bf16"
     seed: int = 0
+    top_k: int = 1  # (routed: groups per token)
 
     def flops(self, mode: str) -> float:
         if mode not in MODE_FLOP_FACTOR:
@@ -98,7 +105,8 @@ class GemmConfig:
         return FP8_MAX_REL_ERR if self.dtype == "fp8" else harness.MAX_REL_ERR
 
     def label(self) -> str:
-        grouped = f" g={self.groups} {self.dist}" if self.dist != "dense" else ""
+        routed = f" top-{self.top_k}" if self.dist == "routed" else ""
+        grouped = f" g={self.groups} {self.dist}{routed}" if self.dist != "dense" else ""
         return f"{self.name} {self.m}x{self.k}->{self.n}{grouped}"
 
     @property
@@ -106,22 +114,23 @@ class GemmConfig:
         return DTYPES[self.dtype]
 
     def group_sizes(self) -> np.ndarray:
-        return group_sizes(self.m, self.groups, self.dist, self.seed)
+        return group_sizes(self.m, self.groups, self.dist, self.seed, self.top_k)
 
-    CSV_FIELDS = ("name", "dtype", "m", "k", "n", "groups", "dist", "seed")
+    CSV_FIELDS = ("name", "dtype", "m", "k", "n", "groups", "dist", "seed", "top_k")
 
     def csv_row(self) -> dict:
         return {f: getattr(self, f) for f in self.CSV_FIELDS}
 
     @classmethod
     def from_row(cls, row: dict) -> "GemmConfig":
-        ints = ("m", "k", "n", "groups", "seed")
+        ints = ("m", "k", "n", "groups", "seed", "top_k")
         return cls(**{f: int(row[f]) if f in ints else row[f] for f in cls.CSV_FIELDS if row.get(f, "") != ""})
 
 
-def group_sizes(m: int, groups: int, dist: str, seed: int = 0) -> np.ndarray:
-    """int32 [groups] summing to m: equal (the remainder spread over the first groups), or drawn from
-    a Dirichlet(DIRICHLET_ALPHA) share per group (numpy, ``seed``), or [m] for "dense"."""
+def group_sizes(m: int, groups: int, dist: str, seed: int = 0, top_k: int = 1) -> np.ndarray:
+    """int32 [groups] summing to m: equal (the remainder spread over the first groups), drawn from a
+    Dirichlet(DIRICHLET_ALPHA) share per group (numpy, ``seed``), routed (the counts of m / top_k
+    tokens' top_k choices, see ROUTER_BIAS_STD; m a multiple of top_k), or [m] for "dense"."""
     if dist == "dense":
         return np.array([m], np.int32)
     if dist == "uniform":
@@ -130,6 +139,14 @@ def group_sizes(m: int, groups: int, dist: str, seed: int = 0) -> np.ndarray:
     elif dist == "dirichlet":
         rng = np.random.default_rng(seed)
         sizes = rng.multinomial(m, rng.dirichlet(np.full(groups, DIRICHLET_ALPHA)))
+    elif dist == "routed":
+        if not 1 <= top_k <= groups or m % top_k:
+            raise ValueError(f"routed group sizes: top_k={top_k} must be in [1, {groups}] and divide m={m}")
+        rng = np.random.default_rng(seed)
+        bias = rng.standard_normal(groups).astype(np.float32) * np.float32(ROUTER_BIAS_STD)
+        logits = rng.standard_normal((m // top_k, groups), dtype=np.float32) + bias
+        chosen = np.argpartition(-logits, top_k - 1, axis=1)[:, :top_k]
+        sizes = np.bincount(chosen.ravel(), minlength=groups)
     else:
         raise ValueError(f"unknown group size distribution {dist!r}: choose from {DISTRIBUTIONS}")
     return sizes.astype(np.int32)
@@ -369,19 +386,26 @@ def command(op: str, help: str, factories: dict, fp8_factories: dict, *, baselin
 # ----------------------------------------------------------------------------------------------
 
 
-RAGGED_SHAPES = {  # name: (m, k, n, groups)
-    "mixtral": (16384, 4096, 14336, 8),
-    "qwen": (16384, 2048, 1408, 64),
-    "deepseek": (32768, 7168, 2048, 64),
-    "deepseek-v3": (16384 * 8, 7168, 2048, 256),
+RAGGED_SHAPES = {  # name: (m, k, n, groups, top_k): m = tokens x top_k rows
+    "mixtral": (16384, 4096, 14336, 8, 2),
+    "qwen": (16384, 2048, 1408, 64, 4),
+    "deepseek": (32768, 7168, 2048, 64, 8),
+    "deepseek-v3": (16384 * 8, 7168, 2048, 256, 8),
+    # 8k tokens through the experts of current models (gate and up projections fused where named "up")
+    "qwen3-up": (8192 * 8, 2048, 1536, 128, 8),      # Qwen3-30B-A3B
+    "qwen3-down": (8192 * 8, 768, 2048, 128, 8),
+    "gpt-oss": (8192 * 4, 2880, 5760, 128, 4),       # gpt-oss-120b
+    "olmoe": (8192 * 8, 2048, 2048, 64, 8),          # OLMoE
+    "mixtral-8x22b": (8192 * 2, 6144, 16384, 8, 2),
 }
-RAGGED_QUICK_SHAPES = {"tiny": (256, 64, 128, 4), "tiny-many": (384, 32, 64, 32)}
+RAGGED_QUICK_SHAPES = {"tiny": (256, 64, 128, 4, 2), "tiny-many": (384, 32, 64, 32, 4)}
 MATMUL_SHAPES = {"cube8k": (8192, 8192, 8192), **{name: s[:3] for name, s in RAGGED_SHAPES.items()}}
 MATMUL_QUICK_SHAPES = {"tiny": (128, 64, 96), "tiny-tall": (512, 32, 48)}
 
 
 def ragged_configs(shapes: dict, names: Sequence[str], dists: Sequence[str], dtype: str = "bf16") -> list[GemmConfig]:
-    return [GemmConfig(name, *shapes[name], dist=dist, dtype=dtype) for name in names for dist in dists]
+    return [GemmConfig(name, *shapes[name][:4], dist=dist, dtype=dtype, top_k=shapes[name][4])
+            for name in names for dist in dists]
 
 
 def matmul_configs(shapes: dict, names: Sequence[str], dtype: str = "bf16") -> list[GemmConfig]:
@@ -390,7 +414,8 @@ def matmul_configs(shapes: dict, names: Sequence[str], dtype: str = "bf16") -> l
 
 def _dist_argument(a) -> None:
     a.add_argument("--dist", type=cli.str_list(DISTRIBUTIONS), default=None,
-                   help="group sizes: uniform, dirichlet (default both)")
+                   help="group sizes: uniform, dirichlet, routed (each shape's tokens through a top-k "
+                        "router with uneven experts) (default uniform,dirichlet)")
 
 
 RAGGED_DOT, bench_ragged_dot = command(
@@ -398,7 +423,7 @@ RAGGED_DOT, bench_ragged_dot = command(
     gemm_fp8_providers.RAGGED_FACTORIES,
     baselines=gemm_providers.RAGGED_BASELINES,
     shapes=RAGGED_SHAPES, quick_shapes=RAGGED_QUICK_SHAPES, extra_arguments=_dist_argument,
-    make_configs=lambda shapes, names, args: ragged_configs(shapes, names, args.dist or list(DISTRIBUTIONS),
+    make_configs=lambda shapes, names, args: ragged_configs(shapes, names, args.dist or list(DEFAULT_DISTRIBUTIONS),
                                                             args.dtype),
     header_note="; dense = XLA's [m,k]@[k,n], the ceiling")
 MATMUL, bench_matmul = command(

@@ -14,8 +14,14 @@ from test_bench_peers import _module
 
 
 def test_shapes_of_the_issue():
-    assert gemm.RAGGED_SHAPES == {"mixtral": (16384, 4096, 14336, 8), "qwen": (16384, 2048, 1408, 64),
-                                 "deepseek": (32768, 7168, 2048, 64), "deepseek-v3": (131072, 7168, 2048, 256)}
+    assert gemm.RAGGED_SHAPES == {
+        "mixtral": (16384, 4096, 14336, 8, 2), "qwen": (16384, 2048, 1408, 64, 4),
+        "deepseek": (32768, 7168, 2048, 64, 8), "deepseek-v3": (131072, 7168, 2048, 256, 8),
+        "qwen3-up": (65536, 2048, 1536, 128, 8), "qwen3-down": (65536, 768, 2048, 128, 8),
+        "gpt-oss": (32768, 2880, 5760, 128, 4), "olmoe": (65536, 2048, 2048, 64, 8),
+        "mixtral-8x22b": (16384, 6144, 16384, 8, 2)}
+    for m, k, n, g, top_k in gemm.RAGGED_SHAPES.values():  # (whole tokens; the FP8 kernel's k and n)
+        assert m % top_k == 0 and k % 16 == 0 and n % 8 == 0
     assert gemm.MATMUL_SHAPES["cube8k"] == (8192, 8192, 8192)
     assert set(gemm.MATMUL_SHAPES) == {"cube8k", *gemm.RAGGED_SHAPES}
     assert {"ragged_dot", "matmul"} <= set(cli.load_ops())
@@ -39,6 +45,31 @@ def test_group_sizes(m, g):
     assert d.max() > 1.5 * m / g  # skewed
     with pytest.raises(ValueError):
         gemm.group_sizes(m, g, "zipf")
+
+
+@pytest.mark.parametrize("m,g,top_k", [(65536, 128, 8), (16384, 8, 2), (96, 7, 3)])
+def test_routed_group_sizes(m, g, top_k):
+    """Routed sizes: every token's top_k rows counted once per chosen group (at most m / top_k per
+    group), fixed by the seed, and uneven (the per-expert bias)."""
+    r = gemm.group_sizes(m, g, "routed", seed=1, top_k=top_k)
+    assert r.sum() == m and len(r) == g and r.dtype == np.int32 and (r >= 0).all()
+    assert r.max() <= m // top_k
+    assert (r == gemm.group_sizes(m, g, "routed", seed=1, top_k=top_k)).all()
+    if m >= 16384:
+        assert r.max() > 1.25 * m / g and r.min() < 0.8 * m / g
+    with pytest.raises(ValueError, match="divide m"):
+        gemm.group_sizes(m + 1, g, "routed", top_k=top_k)
+    with pytest.raises(ValueError, match="top_k"):
+        gemm.group_sizes(m, g, "routed", top_k=g + 1)
+
+
+def test_routed_configs():
+    (c,) = gemm.ragged_configs(gemm.RAGGED_SHAPES, ["qwen3-up"], ["routed"])
+    assert (c.m, c.groups, c.top_k, c.dist) == (65536, 128, 8, "routed")
+    assert c.label() == "qwen3-up 65536x2048->1536 g=128 routed top-8"
+    assert GemmConfig.from_row({k: str(v) for k, v in c.csv_row().items()}) == c
+    row = {k: str(v) for k, v in c.csv_row().items() if k != "top_k"}  # (a CSV from before top_k)
+    assert GemmConfig.from_row(row).top_k == 1
 
 
 def test_config_csv_round_trip():
