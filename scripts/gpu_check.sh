@@ -54,8 +54,9 @@ if python3 -c "import xdist" 2>/dev/null; then par=(-n "${JAX_TK_TEST_PROCS:-12}
 test_rc=0
 if [ "${JAX_TK_TESTS:-1}" = "1" ]; then
   # No autotuning of XLA's own GEMMs: most of the tests' time would go to it, and they check results only.
+  # (-k: pytest-xdist's workers may outlive a TERM and hold the pipe to tee open: KILL them after it.)
   XLA_FLAGS="--xla_gpu_autotune_level=0 ${XLA_FLAGS:-}" \
-    timeout "${JAX_TK_TEST_TIMEOUT:-420}" python3 -P -m pytest -q -rs -p no:cacheprovider "${par[@]}" --junitxml="$out/junit.xml" "$@" tests 2>&1 | tee "$out/tests.log"
+    timeout -k 10 "${JAX_TK_TEST_TIMEOUT:-420}" python3 -P -m pytest -q -rs -p no:cacheprovider "${par[@]}" --junitxml="$out/junit.xml" "$@" tests 2>&1 | tee "$out/tests.log"
   test_rc=${PIPESTATUS[0]}
   if grep -q "needs 2 CUDA GPUs" "$out/tests.log"; then
     echo "note: the multi-GPU tests were skipped (one GPU here): scripts/multi_gpu_check.sh runs them on 2" |

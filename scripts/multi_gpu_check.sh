@@ -27,7 +27,7 @@ echo "build rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$out/build.log"
 [ $rc -ne 0 ] && { tail -30 "$out/build.log"; exit $rc; }
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 
-timeout "${MULTI_GPU_TEST_TIMEOUT:-300}" python3 -P -m pytest -q -rs -p no:cacheprovider "$@" \
+timeout -k 10 "${MULTI_GPU_TEST_TIMEOUT:-300}" python3 -P -m pytest -q -rs -p no:cacheprovider "$@" \
   tests/attention/test_multi_gpu.py tests/decode/test_decode_multi_gpu.py tests/gemm/test_gemm_multi_gpu.py \
   2>&1 | tee "$out/tests.log"
 test_rc=${PIPESTATUS[0]}

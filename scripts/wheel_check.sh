@@ -34,6 +34,6 @@ env PATH="$nocuda" PYTHONPATH="$site" python3 -P -c \
 par=()
 if python3 -c "import xdist" 2>/dev/null; then par=(-n "${JAX_TK_TEST_PROCS:-12}"); export XLA_PYTHON_CLIENT_PREALLOCATE=false; fi
 env PATH="$nocuda" PYTHONPATH="$site" XLA_FLAGS="--xla_gpu_autotune_level=0 ${XLA_FLAGS:-}" \
-  timeout "${JAX_TK_TEST_TIMEOUT:-420}" python3 -P -m pytest -q -rs -p no:cacheprovider "${par[@]}" "$@" tests 2>&1 |
+  timeout -k 10 "${JAX_TK_TEST_TIMEOUT:-420}" python3 -P -m pytest -q -rs -p no:cacheprovider "${par[@]}" "$@" tests 2>&1 |
   tee -a "$out/wheel_tests.log"
 exit "${PIPESTATUS[0]}"
