@@ -57,9 +57,9 @@ import jax_tk  # noqa: E402
 
 ATTENTIONS = ("tk", "cudnn", "xla")
 PRESETS = {
-    "cpu": dict(layers=2, width=64, heads=2, seq=128, dtype="float32", batch=4, prompt_len=16, new_tokens=32,
-                latency=False),
-    "gpu": dict(layers=12, width=768, heads=12, seq=1024, dtype="bfloat16", batch=16, prompt_len=128,
+    "cpu": dict(layers=2, width=64, heads=2, kv_heads=0, seq=128, dtype="float32", batch=4, prompt_len=16,
+                new_tokens=32, latency=False),
+    "gpu": dict(layers=12, width=768, heads=12, kv_heads=0, seq=1024, dtype="bfloat16", batch=16, prompt_len=128,
                 new_tokens=512, latency=True),
 }
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
@@ -109,14 +109,15 @@ def forward_cached(params, tokens, caches, lengths, page_table, config, attentio
 
 
 def empty_caches(config, batch: int, max_len: int, page_size: int | None, seed: int = 0):
-    """Per layer a (key, value) cache for ``max_len`` positions: contiguous [B, max_len, N, H], or with
-    ``page_size`` a pool of B * max_len / page_size pages in shuffled order and the page table."""
+    """Per layer a (key, value) cache for ``max_len`` positions: contiguous [B, max_len, K, H] (K the
+    key/value heads), or with ``page_size`` a pool of B * max_len / page_size pages in shuffled order
+    and the page table."""
     dt = config.compute_dtype
     if page_size is None:
-        shape, table = (batch, max_len, config.heads, config.head_dim), None
+        shape, table = (batch, max_len, config.kv, config.head_dim), None
     else:
         pages = -(-max_len // page_size)
-        shape = (batch * pages, page_size, config.heads, config.head_dim)
+        shape = (batch * pages, page_size, config.kv, config.head_dim)
         perm = np.random.default_rng(seed).permutation(batch * pages).astype(np.int32)
         table = jnp.asarray(perm.reshape(batch, pages))
     caches = tuple((jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(config.layers))
@@ -283,8 +284,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int)
     p.add_argument("--prompt-len", type=int)
     p.add_argument("--new-tokens", type=int)
-    for name in ("layers", "width", "heads", "seq"):
-        p.add_argument(f"--{name}", type=int, help="model shape without --ckpt")
+    for name in ("layers", "width", "heads", "kv_heads", "seq"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, help="model shape without --ckpt")
     p.add_argument("--dtype", choices=tuple(train_gpt.DTYPES))
     p.add_argument("--devices", type=int, default=1,
                    help="split the batch over the first N devices (decode throughput on several GPUs)")
@@ -302,7 +303,7 @@ def parse_args(argv=None):
 def load_model(args):
     if args.ckpt is None:
         config = train_gpt.Config(layers=args.layers, width=args.width, heads=args.heads, seq=args.seq,
-                                  dtype=args.dtype)
+                                  dtype=args.dtype, kv_heads=args.kv_heads)
         return train_gpt.init_params(jax.random.key(args.seed), config), config, "random"
     meta = train_gpt.read_checkpoint_meta(args.ckpt)
     config = train_gpt.Config(**meta["config"])

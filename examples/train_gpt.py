@@ -43,9 +43,9 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 # Defaults when a flag is not given: a tiny model that learns visibly in a few CPU minutes, and
 # GPT-2 small (124M parameters, head_dim 64, so the jax_tk kernel runs) on a GPU.
 PRESETS = {
-    "cpu": dict(layers=4, width=128, heads=4, seq=128, batch=8, steps=600, lr=3e-3,
+    "cpu": dict(layers=4, width=128, heads=4, kv_heads=0, seq=128, batch=8, steps=600, lr=3e-3,
                 dtype="float32", log_every=10, eval_every=200, sample_len=300),
-    "gpu": dict(layers=12, width=768, heads=12, seq=1024, batch=16, steps=1000, lr=6e-4,
+    "gpu": dict(layers=12, width=768, heads=12, kv_heads=0, seq=1024, batch=16, steps=1000, lr=6e-4,
                 dtype="bfloat16", log_every=10, eval_every=200, sample_len=600),
 }
 
@@ -60,10 +60,16 @@ class Config:
     seq: int = 128
     dtype: str = "float32"
     vocab: int = VOCAB
+    kv_heads: int = 0  # key/value heads, each shared by heads / kv_heads query heads (0: heads)
 
     @property
     def head_dim(self) -> int:
         return self.width // self.heads
+
+    @property
+    def kv(self) -> int:
+        """The key/value heads (grouped-query attention where fewer than the query heads)."""
+        return self.kv_heads or self.heads
 
     @property
     def compute_dtype(self):
@@ -84,13 +90,16 @@ def init_params(key, config: Config):
     L, D, V, T = config.layers, config.width, config.vocab, config.seq
     if D % config.heads:
         raise ValueError(f"width {D} is not a multiple of heads {config.heads}")
+    if config.kv_heads < 0 or config.heads % config.kv:
+        raise ValueError(f"kv_heads {config.kv_heads} must divide heads {config.heads} (0: as many as heads)")
+    QKV = D + 2 * config.kv * config.head_dim  # (the query's width, the keys' and values')
     k = jax.random.split(key, 6)
     std, res_std = 0.02, 0.02 / math.sqrt(2 * L)
     normal = lambda key, shape, s: s * jax.random.normal(key, shape, jnp.float32)  # noqa: E731
     zeros, ones = (lambda *s: jnp.zeros(s, jnp.float32)), (lambda *s: jnp.ones(s, jnp.float32))
     blocks = {
         "ln1_scale": ones(L, D), "ln1_bias": zeros(L, D),
-        "qkv_w": normal(k[0], (L, D, 3 * D), std), "qkv_b": zeros(L, 3 * D),
+        "qkv_w": normal(k[0], (L, D, QKV), std), "qkv_b": zeros(L, QKV),
         "proj_w": normal(k[1], (L, D, D), res_std), "proj_b": zeros(L, D),
         "ln2_scale": ones(L, D), "ln2_bias": zeros(L, D),
         "fc_w": normal(k[2], (L, D, 4 * D), std), "fc_b": zeros(L, 4 * D),
@@ -137,12 +146,16 @@ def _layer_norm(x, scale, bias, eps=1e-5):
 
 
 def block_qkv(x, p, config: Config):
-    """A block's attention inputs: q, k, v [batch, seq, heads, head_dim] of the residual stream x."""
+    """A block's attention inputs: q [batch, seq, heads, head_dim] and k, v [batch, seq, kv heads,
+    head_dim] of the residual stream x."""
     dt = config.compute_dtype
     B, T, D = x.shape
     h = _layer_norm(x, p["ln1_scale"], p["ln1_bias"]).astype(dt)
     qkv = h @ p["qkv_w"].astype(dt) + p["qkv_b"].astype(dt)
-    return tuple(t.reshape(B, T, config.heads, config.head_dim) for t in jnp.split(qkv, 3, axis=-1))
+    kv_width = config.kv * config.head_dim
+    q, k, v = jnp.split(qkv, [D, D + kv_width], axis=-1)
+    return (q.reshape(B, T, config.heads, config.head_dim), k.reshape(B, T, config.kv, config.head_dim),
+            v.reshape(B, T, config.kv, config.head_dim))
 
 
 def block_out(x, a, p, config: Config):
@@ -396,6 +409,7 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int)
     p.add_argument("--width", type=int, help="model width (heads * head_dim)")
     p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention; 0: as many as heads)")
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=tuple(DTYPES), help="compute dtype (parameters stay float32)")
@@ -432,12 +446,12 @@ def main(argv=None):
     ckpt_path = os.path.join(args.out, "ckpt.npz")
 
     config = Config(layers=args.layers, width=args.width, heads=args.heads, seq=args.seq,
-                    dtype=args.dtype)
+                    dtype=args.dtype, kv_heads=args.kv_heads)
     if args.resume:
         if not os.path.exists(ckpt_path):
             raise SystemExit(f"--resume: no checkpoint at {ckpt_path}")
         saved = Config(**read_checkpoint_meta(ckpt_path)["config"])
-        ignored = [f"--{k} {getattr(config, k)}" for k in ("layers", "width", "heads", "seq", "dtype")
+        ignored = [f"--{k} {getattr(config, k)}" for k in ("layers", "width", "heads", "kv_heads", "seq", "dtype")
                    if k in args.given and getattr(config, k) != getattr(saved, k)]
         if ignored:
             print(f"resume: the checkpoint's model is {saved}; ignoring {', '.join(ignored)}")
@@ -547,7 +561,7 @@ def main(argv=None):
     png = os.path.join(args.out, "loss.png")
     plot_losses(png, losses, val_points,
                 f"byte-level GPT {config.layers}x{config.width} ({config.heads} heads of "
-                f"{config.head_dim}), {config.dtype}, attention={args.attention}, {backend}")
+                f"{config.head_dim}, {config.kv} kv), {config.dtype}, attention={args.attention}, {backend}")
 
     ran = step - first_step
     print(f"trained steps {first_step}..{step} in {train_s:.1f} s"

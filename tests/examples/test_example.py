@@ -32,6 +32,7 @@ def test_import_has_no_side_effects(tmp_path, monkeypatch):
 
 def test_model_functions():
     import jax
+    import jax.numpy as jnp
     import optax
 
     m = _train_gpt.load_example()
@@ -49,6 +50,15 @@ def test_model_functions():
     assert not np.allclose(a[:, 20:], b[:, 20:])
     loss = float(optax.softmax_cross_entropy_with_integer_labels(a, y).mean())
     assert abs(loss - math.log(256)) < 0.2  # a fresh model is close to uniform over bytes
+    # Grouped-query heads: 4 query heads over 2 key/value heads (the projection 64 + 2 * 2 * 16 wide).
+    gqa = m.Config(layers=2, width=64, heads=4, seq=32, kv_heads=2)
+    gp = m.init_params(jax.random.key(0), gqa)
+    assert gp["blocks"]["qkv_w"].shape == (2, 64, 128)
+    q, k, v = m.block_qkv(jnp.zeros((4, 32, 64)), jax.tree.map(lambda t: t[0], gp["blocks"]), gqa)
+    assert q.shape == (4, 32, 4, 16) and k.shape == v.shape == (4, 32, 2, 16)
+    assert jax.jit(m.forward, static_argnums=2)(gp, x, gqa).shape == (4, 32, 256)
+    with pytest.raises(ValueError, match="kv_heads 3 must divide heads 4"):
+        m.init_params(jax.random.key(0), m.Config(layers=1, width=64, heads=4, seq=32, kv_heads=3))
 
 
 def test_train_plot_checkpoint_resume(tmp_path, capsys):

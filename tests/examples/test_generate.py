@@ -23,20 +23,23 @@ def load_generate():
     return load_example("generate.py", "generate_example")
 
 
-@pytest.mark.parametrize("paged,loop", [(False, "scan"), (True, "scan"), (True, "while")],
-                         ids=["contiguous-scan", "paged-scan", "paged-while"])
-def test_cached_generation_matches_full_forward(paged, loop):
+@pytest.mark.parametrize("paged,loop,heads,kv_heads", [(False, "scan", 2, 0), (True, "scan", 2, 0), (True, "while", 2, 0),
+                                                       (False, "scan", 4, 2), (True, "scan", 4, 1)],
+                         ids=["contiguous-scan", "paged-scan", "paged-while", "gqa-contiguous", "mqa-paged"])
+def test_cached_generation_matches_full_forward(paged, loop, heads, kv_heads):
     import jax
 
     g = load_generate()
     m = _train_gpt.load_example()
-    config = m.Config(layers=2, width=64, heads=2, seq=64)
+    config = m.Config(layers=2, width=64, heads=heads, seq=64, kv_heads=kv_heads)
     params = m.init_params(jax.random.key(1), config)
     prompt = g.prompts(3, 8, seed=1)
     r = g.generate(params, config, prompt, 10, attention="tk", page_size=8 if paged else None, loop=loop,
                    timed=False)
     tokens, logits = r["tokens"], r["logits"]
     assert tokens.shape == (3, 10) and logits.shape == (3, 10, 256)
+    caches, _ = g.empty_caches(config, 3, 24, 8 if paged else None)
+    assert caches[0][0].shape[-2:] == (kv_heads or heads, 64 // heads)  # (the cache holds the kv heads)
     # logits[:, i] is the distribution of token i: the plain forward's at the last position before it
     full = np.concatenate([prompt, tokens], axis=1)
     want = np.asarray(jax.jit(m.forward, static_argnums=(2, 3))(params, full, config, "reference"))
@@ -70,6 +73,13 @@ def test_command_line(capsys):
     assert {"tk", "xla", "check"} <= set(out) and "check xla vs tk: ok" in out["check"][1], out["check"]
     assert "tokens/s" in printed
     assert out["tk"]["tokens_per_s"] > 0
+
+
+def test_command_line_grouped_query_heads():
+    """--heads 4 --kv-heads 2: a grouped-query model, every implementation agreeing (the command's check)."""
+    g = load_generate()
+    out = g.main(TINY + ["--heads", "4", "--kv-heads", "2", "--paged", "--page-size", "8"])
+    assert "check xla vs tk: ok" in out["check"][1], out["check"]
 
 
 def test_latency_at_batch_one(capsys):
