@@ -134,9 +134,9 @@ def quantize_call(x, block_rows: int, *, x_scales=None, transposed=False, row_li
     (block_rows, 128))`` in IEEE float32 (XLA's may differ by a float32 ulp before rounding), y being
     x (``[rows, cols]`` or ``[g, rows, cols]``; transposed: the last two dims swapped), its rows at or
     past ``row_limit`` (int32 ``[1]``, traced) zeroed, zero-padded to ``out_shape`` (the last two dims;
-    default y's). An FP8 x (rank 2) comes with ``x_scales`` ``[rows,
-    ceil(cols/128)]`` and is dequantized first. Returns (values float8_e4m3fn, scales float32).
-    ``out_init`` (tests): two buffers aliased to the outputs."""
+    default y's). An FP8 x (rank 2) comes with ``x_scales`` ``[rows, ceil(cols/128)]`` and is
+    dequantized first. Returns (values float8_e4m3fn, scales float32). ``out_init`` (tests): two
+    buffers aliased to the outputs."""
     shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transposed else tuple(x.shape)
     shape = shape if out_shape is None else (*shape[:-2], *out_shape)
     scale_shape = (*shape[:-2], -(-shape[-2] // block_rows), -(-shape[-1] // 128))
