@@ -3,9 +3,6 @@
 #pragma once
 #include <climits>
 #include <cstddef>
-#include <map>
-#include <mutex>
-#include <tuple>
 
 #include "decode/decode.h"
 #include "tk/tk.cuh"
@@ -203,12 +200,10 @@ struct Block {
   }
 };
 
-// Blocks along x: the parts of each chunk of ROWS query rows (the chunks of a part next to each other,
-// or, where the parts form a cluster, the parts of a chunk); y: KV heads; z: sequences.
+// Blocks along x: the parts of each chunk of ROWS query rows; y: KV heads; z: sequences.
 template <int ROWS, int KEYS> __device__ __forceinline__ Block block_of(const Params &p) {
   const int b = blockIdx.z, h = blockIdx.y, group = p.q_heads / p.kv_heads, rows = group * p.q_len;
-  const int chunks = (rows + ROWS - 1) / ROWS, x = blockIdx.x;
-  const int chunk = p.cluster > 1 ? x / p.splits : x % chunks, part = p.cluster > 1 ? x % p.splits : x / chunks;
+  const int chunks = (rows + ROWS - 1) / ROWS, chunk = blockIdx.x % chunks, part = blockIdx.x / chunks;
   const int length = p.lengths[b];
   const Rows R{min(max(length, 0), p.capacity), length, group, p.q_len, chunk * ROWS, rows};
   // Keys some row sees: [lo, hi) (lo from the first row's window, hi from the last row's position).
@@ -271,52 +266,12 @@ __device__ __forceinline__ float sink_of(const Params &p, size_t row) {
 }
 __device__ __forceinline__ float sink2(const Params &p, size_t row) { return warp::sink_log2(sink_of(p, row)); }
 
-// A cluster's parts (Params::cluster) merge in distributed shared memory: the block of part x has its
-// rows in `tiles` (the same offset in every block): tile r / TILE_ROWS holds row r's normalized output
-// and log-sum-exp (log2). The cluster's threads share out the real rows' pairs of columns; each reads
-// every part's (its loads issued together) and merges them as merge_kernel does, with the sink.
-constexpr int MAX_CLUSTER = 16;  // (sm_90's largest cluster, non-portable above 8)
-template <typename T, int D, int ROWS, int THREADS>
-__device__ __forceinline__ void merge_cluster(const Params &p, const Block &k, const Partial<D> *tiles, int tid) {
-  cluster_sync();  // every part's rows are in place
-  const int n = p.cluster, real = min(ROWS, k.R.rows - k.R.r0);
-  for (int i = k.part * THREADS + tid; i < real * D / 2; i += n * THREADS) {
-    const int r = i / (D / 2), d = i % (D / 2) * 2, rr = r % TILE_ROWS;
-    const Partial<D> &at = tiles[r / TILE_ROWS];
-    const size_t row = k.row_index(p, r);
-    const float s2 = sink2(p, row);
-    float lse[MAX_CLUSTER], o0[MAX_CLUSTER], o1[MAX_CLUSTER], mx = s2;
-#pragma unroll
-    for (int x = 0; x < MAX_CLUSTER; x++)
-      if (x < n) {
-        lse[x] = *cluster_map(&at.lse[rr], x);
-        o0[x] = *cluster_map(&at.o(rr, d), x);
-        o1[x] = *cluster_map(&at.o(rr, d + 1), x);
-        mx = fmaxf(mx, lse[x]);
-      }
-    float sum = s2 == NEG_INF ? 0.f : warp::fn::exp2(s2 - mx), a0 = 0.f, a1 = 0.f;
-#pragma unroll
-    for (int x = 0; x < MAX_CLUSTER; x++)
-      if (x < n) {
-        const float e = mx == NEG_INF ? 0.f : warp::fn::exp2(lse[x] - mx);  // (a part that saw nothing: 0)
-        sum += e;
-        a0 += e * o0[x];
-        a1 += e * o1[x];
-      }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    *reinterpret_cast<packed<T> *>(static_cast<T *>(p.o) + row * D + d) = from_float2<packed<T>>({a0 * inv, a1 * inv});
-    if (d == 0) store_lse(p, row, sum > 0.f ? mx + warp::fn::log2(sum) : NEG_INF);
-  }
-  cluster_sync();  // no block leaves while another reads its shared memory
-}
-
 // The end of a block. Warp t of group g leaves its tile's rows in the group's stages (Partial: O / l
 // and the rows' log-sum-exp, from m in units of 1 / c and l of its online softmax). A lone group's
 // rows are final: each warp stores its own. Otherwise the groups' rows are merged through their
-// log-sum-exp. Either way they go to the output (one part), to the workspace (this part's share of a
-// split sequence) or, where the parts are a cluster, to group 0's tiles, which merge_cluster reads.
-// Threads [0, THREADS) (index tid) take part, sync() is their barrier; every group must be done
-// reading its stages.
+// log-sum-exp. Either way they go to the output (one part) or to the workspace (this part's share of a
+// split sequence). Threads [0, THREADS) (index tid) take part, sync() is their barrier; every group
+// must be done reading its stages.
 template <typename T, int D, typename C, int THREADS, typename V, typename Sync>
 __device__ __forceinline__ void finish(const Params &p, typename C::Shared &sm, const Block &k, rt_fl<TILE_ROWS, D> &o,
                                        const V &m, const V &l, float c, int g, int t, int tid, Sync sync) {
@@ -337,8 +292,8 @@ __device__ __forceinline__ void finish(const Params &p, typename C::Shared &sm, 
   warp::store(mine.lse, lse, TILE_ROWS);
 
   // Row r (of the block) with its log-sum-exp goes out, output row by row in pairs of columns. An
-  // unsplit call's rows are final: the sink joins them here (a split one's, in the merge).
-  const bool final = p.splits == 1, clustered = p.cluster > 1;
+  // unsplit call's rows are final: the sink joins them here (a split one's, in merge_kernel).
+  const bool final = p.splits == 1;
   const size_t q_rows = (size_t)p.batch * p.q_len * p.q_heads;
   float *ws_o = p.workspace + p.splits * q_rows;
   auto store_row = [&](int r, float lse) {
@@ -353,21 +308,19 @@ __device__ __forceinline__ void finish(const Params &p, typename C::Shared &sm, 
   };
 
   if constexpr (GROUPS == 1) {
-    if (!clustered) {  // (clustered, the tiles hold the block's rows as they are)
-      __syncwarp();
-      const int lane = laneid(), r0 = TILE_ROWS * t;
-      if (lane < TILE_ROWS && k.R.real(r0 + lane)) {
-        const float lse = mine.lse[lane], s2 = final ? sink2(p, k.row_index(p, r0 + lane)) : NEG_INF;
-        const warp::Sunk x = s2 == NEG_INF ? warp::Sunk{lse, 1.f} : warp::with_sink(lse, s2);
-        store_row(r0 + lane, x.lse2);
-        mine.lse[lane] = x.factor;  // (from here on, the row's output factor)
-      }
-      __syncwarp();
-      for (int i = lane; i < TILE_ROWS * D / 2; i += 32) {
-        const int r = i / (D / 2), d = (i % (D / 2)) * 2;
-        const float f = mine.lse[r];
-        if (k.R.real(r0 + r)) store_pair(r0 + r, d, {f * mine.o(r, d), f * mine.o(r, d + 1)});
-      }
+    __syncwarp();
+    const int lane = laneid(), r0 = TILE_ROWS * t;
+    if (lane < TILE_ROWS && k.R.real(r0 + lane)) {
+      const float lse = mine.lse[lane], s2 = final ? sink2(p, k.row_index(p, r0 + lane)) : NEG_INF;
+      const warp::Sunk x = s2 == NEG_INF ? warp::Sunk{lse, 1.f} : warp::with_sink(lse, s2);
+      store_row(r0 + lane, x.lse2);
+      mine.lse[lane] = x.factor;  // (from here on, the row's output factor)
+    }
+    __syncwarp();
+    for (int i = lane; i < TILE_ROWS * D / 2; i += 32) {
+      const int r = i / (D / 2), d = (i % (D / 2)) * 2;
+      const float f = mine.lse[r];
+      if (k.R.real(r0 + r)) store_pair(r0 + r, d, {f * mine.o(r, d), f * mine.o(r, d + 1)});
     }
   } else {
     // Row r gets sum_x weight[x][r] O_x with weight = 2^(lse_x - lse) (0 for a group that saw nothing),
@@ -389,9 +342,11 @@ __device__ __forceinline__ void finish(const Params &p, typename C::Shared &sm, 
       sm.lse[tid] = sum > 0.f ? mx + warp::fn::log2(sum) : NEG_INF;
     }
     sync();
-    // Row r's columns d and d + 1.
-    auto merged = [&](int r, int d) {
+    if (tid < ROWS && k.R.real(tid)) store_row(tid, sm.lse[tid]);
+    for (int i = tid; i < ROWS * D / 2; i += THREADS) {
+      const int r = i / (D / 2), d = (i % (D / 2)) * 2;
       const int tile = TILES == 1 ? 0 : r / TILE_ROWS, rr = TILES == 1 ? r : r % TILE_ROWS;
+      if (!k.R.real(r)) continue;
       float2 v{0.f, 0.f};
 #pragma unroll
       for (int x = 0; x < GROUPS; x++) {
@@ -399,33 +354,9 @@ __device__ __forceinline__ void finish(const Params &p, typename C::Shared &sm, 
         v.x += wgt * partial(x, tile).o(rr, d);
         v.y += wgt * partial(x, tile).o(rr, d + 1);
       }
-      return v;
-    };
-    if (!clustered) {
-      if (tid < ROWS && k.R.real(tid)) store_row(tid, sm.lse[tid]);
-      for (int i = tid; i < ROWS * D / 2; i += THREADS) {
-        const int r = i / (D / 2), d = (i % (D / 2)) * 2;
-        if (k.R.real(r)) store_pair(r, d, merged(r, d));
-      }
-    } else {  // the merged rows into registers, then over group 0's tiles, which they were read from
-      constexpr int PAIRS = (ROWS * D / 2 + THREADS - 1) / THREADS;
-      float2 v[PAIRS];
-#pragma unroll
-      for (int j = 0; j < PAIRS; j++)
-        if (const int i = tid + j * THREADS; i < ROWS * D / 2) v[j] = merged(i / (D / 2), i % (D / 2) * 2);
-      sync();
-#pragma unroll
-      for (int j = 0; j < PAIRS; j++)
-        if (const int i = tid + j * THREADS; i < ROWS * D / 2) {
-          const int r = i / (D / 2), d = i % (D / 2) * 2;
-          auto &tile = partial(0, r / TILE_ROWS);
-          tile.o(r % TILE_ROWS, d) = v[j].x;
-          tile.o(r % TILE_ROWS, d + 1) = v[j].y;
-        }
-      if (tid < ROWS) partial(0, tid / TILE_ROWS).lse[tid % TILE_ROWS] = sm.lse[tid];
+      store_pair(r, d, v);
     }
   }
-  if (clustered) merge_cluster<T, D, ROWS, THREADS>(p, k, &partial(0, 0), tid);
 }
 
 // (The Hopper kernels' TMA loads of key blocks.)
@@ -492,85 +423,26 @@ __device__ __forceinline__ void produce_key_blocks(const A &a, const Block &blk,
   wait_group<0>();  // (no copy outlives its thread)
 }
 
-inline cudaError_t device_major(int &major) {
-  int dev = 0;
-  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-}
-
 // Launches a decode kernel. One that starts with grid_dependency_wait (`waits`), before it reads any
 // input, goes as a programmatic dependent launch on sm_90 and newer: its blocks may be set up while the
 // kernel before it on the stream is finishing. (Decode's calls are a few microseconds: the merge
 // kernel after the main one, and a generation step's call after the step's other kernels, would
-// otherwise each wait out a whole launch.) `cluster` > 1: in thread-block clusters of that many
-// blocks along x (sm_90; see cluster_parts).
+// otherwise each wait out a whole launch.)
 template <typename Kernel, typename Arg>
-cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Arg &arg, bool waits = false,
-                   int cluster = 1) {
+cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Arg &arg, bool waits = false) {
   if (smem > 48 * 1024) {
     if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)); e != cudaSuccess)
       return e;
   }
-  int major = 0;
-  if (cudaError_t e = device_major(major); e != cudaSuccess) return e;
-  cudaLaunchAttribute attrs[2] = {};
-  unsigned n = 0;
-  if (waits && major >= 9) {
-    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster > 1) {
-    attrs[n].id = cudaLaunchAttributeClusterDimension;
-    attrs[n++].val.clusterDim = {unsigned(cluster), 1, 1};
-  }
-  cudaLaunchConfig_t config{grid, block, smem, stream, attrs, n};
+  int dev = 0, major = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev); e != cudaSuccess) return e;
+  cudaLaunchAttribute dependent{};
+  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent.val.programmaticStreamSerializationAllowed = 1;
+  const bool pdl = waits && major >= 9;
+  cudaLaunchConfig_t config{grid, block, smem, stream, pdl ? &dependent : nullptr, pdl ? 1u : 0u};
   return cudaLaunchKernelEx(&config, kernel, arg);
-}
-
-// How many clusters of `size` blocks (along x) of the kernel may be resident at once (a GPC takes whole
-// clusters, so fewer blocks may fit in clusters than alone): 0 before sm_90 or above MAX_CLUSTER (the
-// non-portable sizes above 8 allowed). Asked of the driver once per kernel, device, block size,
-// shared memory and cluster size.
-template <typename Kernel> int clusters_resident(Kernel kernel, dim3 block, size_t smem, int size) {
-  int major = 0, dev = 0;
-  if (size < 2 || size > MAX_CLUSTER || device_major(major) != cudaSuccess || major < 9 || cudaGetDevice(&dev) != cudaSuccess)
-    return 0;
-  static std::mutex mutex;
-  static std::map<std::tuple<const void *, int, unsigned, size_t, int>, int> resident;
-  const auto key = std::make_tuple(reinterpret_cast<const void *>(kernel), dev, block.x, smem, size);
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = resident.find(key);
-  if (it == resident.end()) {
-    int clusters = 0;
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim = {unsigned(size), 1, 1};
-    cudaLaunchConfig_t config{dim3(size), block, smem, nullptr, &attr, 1};
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess ||
-        (smem > 48 * 1024 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess) ||
-        cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
-      (void)cudaGetLastError();  // (not a sticky error: the call then merges in a second kernel)
-      clusters = 0;
-    }
-    it = resident.emplace(key, clusters).first;
-  }
-  return it->second;
-}
-
-// A split call's parts as clusters (sets p.cluster, and p.splits to the cluster's size): where each
-// chunk of rows' parts, or at least half as many, fit in a cluster and every cluster is resident at
-// once (one wave, as the split count is chosen for), the most parts that do. Otherwise p stays as it
-// is (the parts merge in a second kernel). A GPC holds whole clusters only: on an H100 or H200 not
-// every split count fills one wave in clusters.
-template <typename Kernel> void cluster_parts(Params &p, Kernel kernel, dim3 grid, dim3 block, size_t smem) {
-  p.cluster = 0;
-  if (p.splits < 2) return;
-  const size_t clusters = size_t(grid.x / p.splits) * grid.y * grid.z;  // (one per chunk of rows)
-  for (int size = std::min(p.splits, MAX_CLUSTER); size >= 2 && 2 * size >= p.splits; size--)
-    if (size_t(clusters_resident(kernel, block, smem, size)) >= clusters) {
-      p.splits = p.cluster = size;
-      return;
-    }
 }
 
 // run.template operator()<T, D>() for the call's dtype T and head dim D, one of DIMS (invalid value

@@ -8,11 +8,8 @@
 //   ring of key blocks (speculative decoding's many new tokens would otherwise read the cache once
 //   per tile). More rows than the maximum take more blocks (neighbours in the grid).
 // - The sequence's keys may be split into `splits` parts, one thread block each, when sequences x KV
-//   heads alone would leave SMs idle; the parts' outputs are merged through their log-sum-exp: on
-//   sm_90 the parts of a chunk of rows are one thread-block cluster and merge in its distributed shared
-//   memory at the kernel's end (common.cuh: merge_cluster), where such clusters fit in one wave; else
-//   a second small kernel merges them (merge_kernel). One kernel saves the short calls of serving a
-//   launch and a round trip of the parts through memory.
+//   heads alone would leave SMs idle; the parts' outputs are merged through their log-sum-exp by a
+//   second small kernel (merge_kernel).
 // - Inside a block every group of TILES warps (one warp with a single tile) is an independent
 //   flash-decoding worker over its own key blocks (blocks g, g + GROUPS, ... of the part): a cp.async
 //   ring of STAGES blocks of K and V of its own (tk::cp_async_ring), filled by its warps together and
@@ -282,18 +279,13 @@ template <typename T, int D, int W, int TILES> bool fits(size_t smem) {
 }
 
 // The main kernel for blocks of TILES row tiles, given the shared memory a block may take. (Eight
-// tiles take the whole SM whatever the grid.) A split call's parts form clusters where they fit in one
-// wave (cluster_parts: p.cluster is set then, and they merge in the kernel).
-template <typename T, int D, int TILES> cudaError_t by_grid(Params &p, size_t smem, cudaStream_t stream) {
+// tiles take the whole SM whatever the grid.)
+template <typename T, int D, int TILES> cudaError_t by_grid(const Params &p, size_t smem, cudaStream_t stream) {
+  const dim3 grid = grid_of(p, TILE_ROWS * TILES);
   auto go = [&]<int W>() {
     using C = Config<T, D, W, TILES>;
-    constexpr auto kernel = decode_kernel<T, D, C>;
-    constexpr size_t bytes = sizeof(typename C::Shared);
-    const dim3 block(C::THREADS);
-    cluster_parts(p, kernel, grid_of(p, C::ROWS), block, bytes);
-    return launch(kernel, grid_of(p, C::ROWS), block, bytes, stream, p, true, std::max(p.cluster, 1));
+    return launch(decode_kernel<T, D, C>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p, true);
   };
-  const dim3 grid = grid_of(p, TILE_ROWS * TILES);
   if constexpr (TILES == 8) {
     return go.template operator()<WIDE>();
   } else {
@@ -304,9 +296,8 @@ template <typename T, int D, int TILES> cudaError_t by_grid(Params &p, size_t sm
   }
 }
 
-// The main kernel for the block's tiles of rows, then the merge of the parts (unless they merged in a
-// cluster).
-template <typename T, int D> cudaError_t run(Params p, cudaStream_t stream) {
+// The main kernel for the block's tiles of rows, then the merge of the parts.
+template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t stream) {
   int dev = 0, smem = 0;
   if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
   if (cudaError_t e = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev); e != cudaSuccess) return e;
@@ -323,7 +314,7 @@ template <typename T, int D> cudaError_t run(Params p, cudaStream_t stream) {
     if (p.sm90) e = decode_sm90_128(p, stream);
     else if constexpr (D <= 128) e = fits<T, D, WIDE, 8>(smem) ? by_grid<T, D, 8>(p, smem, stream) : by_grid<T, D, 4>(p, smem, stream);
   }
-  if (e != cudaSuccess || p.cluster > 1) return e;
+  if (e != cudaSuccess) return e;
   return merge<T, D>(p, stream);
 }
 

@@ -54,10 +54,6 @@ struct Params {
   float *lse;  // [batch, q_heads, q_len]: each row's log-sum-exp (natural log; -inf where it sees no key)
   int splits = 1;  // parts of each sequence's keys, merged through their log-sum-exp (splits > 1)
   float *workspace;  // splits > 1: workspace_words() floats, see there
-  // > 1 (set by the launch, equal to splits): the parts of each chunk of query rows are one thread-block
-  // cluster (rank = part) and merge in its distributed shared memory, with no workspace and no second
-  // kernel (decode.cu's kernel on sm_90, where the cluster fits; the other kernels merge by merge_kernel)
-  int cluster = 0;
   bool sm90 = false;  // the device runs sm_90a code: blocks of 128 rows take its warp-specialized kernel
   int smem_limit = 0;  // > 0: the kernels take at most this much shared memory per block (less than the
                        // device allows: tests of the configs of smaller GPUs)

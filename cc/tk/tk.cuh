@@ -6,7 +6,6 @@
 #include "types/rv.cuh"
 #include "types/st.cuh"
 #include "types/sv.cuh"
-#include "ops/memory/cluster.cuh"
 #include "ops/memory/cp_async.cuh"
 #include "ops/memory/mbarrier.cuh"
 #include "ops/memory/tma.cuh"
