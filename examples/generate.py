@@ -26,7 +26,7 @@ near-tie that rounding may break either way).
 
     python examples/generate.py                               # CPU: a tiny random model, seconds
     python examples/generate.py --ckpt runs/gpt/ckpt.npz      # a model trained by train_gpt.py
-    python examples/generate.py --paged --temperature 0.8     # GPU: GPT-2 small (random init), bf16
+    python examples/generate.py --paged --temperature 0.8     # GPU: the serving preset (random init), bf16
     python examples/generate.py --devices 2 --batch 32        # the batch split over two GPUs
 
 ``--devices N`` splits the batch (the prompts, the caches and their lengths; a paged cache's page table,
@@ -34,8 +34,10 @@ its pool replicated) over the first N devices; jit runs each device's sequences 
 
 Without ``--ckpt`` the parameters are random (GPT-2 initialization, ``--seed``): the text is noise,
 but shapes, speed and the agreement of the implementations are those of a trained model of that size.
-On a GPU the default model is GPT-2 small (12 layers, width 768, 12 heads of 64) in bf16, batch 16,
-a 128-byte prompt and 512 new bytes; on CPU 2 layers of width 64.
+On a GPU the default is a serving shape: 16 layers of width 2048, 16 query heads of 128 sharing 8
+key/value heads (grouped-query attention, as Llama-style models serve), bf16, batch 16, a 1024-byte
+prompt and 256 new bytes; on CPU 2 layers of width 64. (GPT-2 small's shape, the earlier preset:
+``--layers 12 --width 768 --heads 12 --kv-heads 0 --seq 1024 --prompt-len 128 --new-tokens 512``.)
 """
 from __future__ import annotations
 
@@ -59,8 +61,10 @@ ATTENTIONS = ("tk", "cudnn", "xla")
 PRESETS = {
     "cpu": dict(layers=2, width=64, heads=2, kv_heads=0, seq=128, dtype="float32", batch=4, prompt_len=16,
                 new_tokens=32, latency=False),
-    "gpu": dict(layers=12, width=768, heads=12, kv_heads=0, seq=1024, dtype="bfloat16", batch=16, prompt_len=128,
-                new_tokens=512, latency=True),
+    # A serving shape: Llama-style grouped-query heads (16 of 128 over 8 key/value heads), 16 sequences
+    # with 1k-token prompts; each step's attention reads about as many bytes of cache as of weights.
+    "gpu": dict(layers=16, width=2048, heads=16, kv_heads=8, seq=2048, dtype="bfloat16", batch=16, prompt_len=1024,
+                new_tokens=256, latency=True),
 }
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
 
