@@ -28,6 +28,20 @@ __device__ __forceinline__ float to_float(const __half &x) { return __half2float
 __device__ __forceinline__ float to_float(const float &x) { return x; }
 __device__ __forceinline__ float to_float(const __nv_fp8_e4m3 &x) { return float(x); }
 
+// sizeof(Raw) / sizeof(In) elements of x's row r from column c, as raw bytes: one vector load where the
+// row allows it (vector_loads: 16-byte rows; c a multiple of the chunk), else element by element; zeros
+// outside the input and at or past the row limit.
+template <typename In, typename Raw>
+__device__ __forceinline__ Raw load_chunk(const QuantParams &p, const In *x, long long r, long long c, int limit) {
+  constexpr int VEC = sizeof(Raw) / sizeof(In);
+  if (r < limit && p.vector_loads && c + VEC <= p.cols) return *reinterpret_cast<const Raw *>(x + r * p.cols + c);
+  Raw raw;
+  In *e = reinterpret_cast<In *>(&raw);
+#pragma unroll
+  for (int j = 0; j < VEC; j++) e[j] = r < limit && c + j < p.cols ? x[r * p.cols + c + j] : In(0.0f);
+  return raw;
+}
+
 // The input tile [T rows][T cols] from (r0, c0), as float32, into s; zeros outside the input and at
 // or past the row limit. 16-byte loads where the rows allow them, all of a thread's issued before the
 // first is stored.
@@ -39,15 +53,8 @@ __device__ void load_tile(const QuantParams &p, float *s, int b, long long r0, l
   uint4 raw[PER_THREAD];
 #pragma unroll
   for (int k = 0; k < PER_THREAD; k++) {
-    const int i = threadIdx.x + k * THREADS, ir = i / PER_ROW, ic = i % PER_ROW * VEC;
-    const long long r = r0 + ir, c = c0 + ic;
-    if (r < limit && p.vector_loads && c + VEC <= p.cols) {
-      raw[k] = *reinterpret_cast<const uint4 *>(x + r * p.cols + c);
-    } else {
-      In *e = reinterpret_cast<In *>(&raw[k]);
-#pragma unroll
-      for (int j = 0; j < VEC; j++) e[j] = r < limit && c + j < p.cols ? x[r * p.cols + c + j] : In(0.0f);
-    }
+    const int i = threadIdx.x + k * THREADS;
+    raw[k] = load_chunk<In, uint4>(p, x, r0 + i / PER_ROW, c0 + i % PER_ROW * VEC, limit);
   }
 #pragma unroll
   for (int k = 0; k < PER_THREAD; k++) {
@@ -90,16 +97,7 @@ template <typename In> __global__ void __launch_bounds__(THREADS) quantize_rows_
   const In *x = static_cast<const In *>(p.x) + (long long)b * p.rows * p.cols;
   Raw raw[ROWS];
 #pragma unroll
-  for (int i = 0; i < ROWS; i++) {
-    const long long r = r0 + i;
-    if (r < limit && p.vector_loads && c + VEC <= p.cols) {
-      raw[i] = *reinterpret_cast<const Raw *>(x + r * p.cols + c);
-    } else {
-      In *e = reinterpret_cast<In *>(&raw[i]);
-#pragma unroll
-      for (int j = 0; j < VEC; j++) e[j] = r < limit && c + j < p.cols ? x[r * p.cols + c + j] : In(0.0f);
-    }
-  }
+  for (int i = 0; i < ROWS; i++) raw[i] = load_chunk<In, Raw>(p, x, r0 + i, c, limit);
   // Row i's values (an FP8 input times its scale) and maxima.
   float x_scale[ROWS], amax[ROWS];
 #pragma unroll
