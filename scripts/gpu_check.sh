@@ -55,9 +55,17 @@ test_rc=0
 if [ "${JAX_TK_TESTS:-1}" = "1" ]; then
   # No autotuning of XLA's own GEMMs: most of the tests' time would go to it, and they check results only.
   # (-k: pytest-xdist's workers may outlive a TERM and hold the pipe to tee open: KILL them after it.)
+  # (-v: each test's outcome is logged as it ends, so the counts below hold even where the run is cut
+  # off: runs on a GPU have reached 100% and then not printed their summary before the timeout.)
   XLA_FLAGS="--xla_gpu_autotune_level=0 ${XLA_FLAGS:-}" \
-    timeout -k 10 "${JAX_TK_TEST_TIMEOUT:-420}" python3 -P -m pytest -q -rs -p no:cacheprovider "${par[@]}" --junitxml="$out/junit.xml" "$@" tests 2>&1 | tee "$out/tests.log"
-  test_rc=${PIPESTATUS[0]}
+    timeout -k 10 "${JAX_TK_TEST_TIMEOUT:-420}" python3 -P -m pytest -v -rs -p no:cacheprovider "${par[@]}" --junitxml="$out/junit.xml" "$@" tests >"$out/tests.log" 2>&1
+  test_rc=$?
+  # (a test's line: "[gw3] [ 12%] PASSED tests/...::name" with xdist, "tests/...::name PASSED [ 12%]" without)
+  count() { grep -cE "(\] $1 [^ ]+::|::[^ ]+ $1( |$))" "$out/tests.log"; }
+  echo "tests rc=$test_rc: $(count PASSED) passed, $(count FAILED) failed, $(count ERROR) errors, $(count SKIPPED) skipped" |
+    tee -a "$out/tests.log"
+  grep -E "(\] (FAILED|ERROR) [^ ]+::|::[^ ]+ (FAILED|ERROR)( |$))" "$out/tests.log" | head -30
+  tail -3 "$out/tests.log"
   if grep -q "needs 2 CUDA GPUs" "$out/tests.log"; then
     echo "note: the multi-GPU tests were skipped (one GPU here): scripts/multi_gpu_check.sh runs them on 2" |
       tee -a "$out/tests.log"
