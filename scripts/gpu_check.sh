@@ -54,7 +54,7 @@ if python3 -c "import xdist" 2>/dev/null; then par=(-n "${JAX_TK_TEST_PROCS:-12}
 test_rc=0
 if [ "${JAX_TK_TESTS:-1}" = "1" ]; then
   # No autotuning of XLA's own GEMMs: most of the tests' time would go to it, and they check results only.
-  # (-k: pytest-xdist's workers may outlive a TERM and hold the pipe to tee open: KILL them after it.)
+  # (-k 10: pytest-xdist's workers may outlive a TERM: KILL them 10 s after it.)
   # (-v: each test's outcome is logged as it ends, so the counts below hold even where the run is cut
   # off: runs on a GPU have reached 100% and then not printed their summary before the timeout.)
   XLA_FLAGS="--xla_gpu_autotune_level=0 ${XLA_FLAGS:-}" \
