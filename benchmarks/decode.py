@@ -8,6 +8,7 @@ Command line::
         --layout contiguous,paged16,paged64       # the product of the lists given
     python -m benchmarks decode --full          # every combination below (long)
     python -m benchmarks decode --scan 16       # per step, 16 steps inside one jitted lax.scan
+    python -m benchmarks decode --ragged        # lengths uniform in [T_new, S], as a server's batch
 
 A configuration: batch B in {1, 8, 32, 64, 128}, cache length S in {2k, 8k, 32k, 128k} (every sequence
 holds S valid positions: the cache is full), query/key-value heads 32/8 or 64/8, head_dim 128 or 256,
@@ -41,7 +42,8 @@ inside a lax.scan of N". The check reads the first step's output (the query unch
 the same in every step: one under the L2 (50 MiB on an H100) may be read from L2 by the later steps
 (the note says so).
 
-What is counted: bytes = ``2*B*S*K*H*itemsize`` (the valid keys and values, each read once) plus the
+What is counted: bytes = ``2*B*S*K*H*itemsize`` (the valid keys and values, each read once; with
+``--ragged``, ``2*sum(lengths)*K*H*itemsize``, each sequence's length uniform in [T_new, S]) plus the
 query and the output (``2*B*T_new*N*H*itemsize``); TB/s = bytes / time. The ceiling is measured in the
 same run: ``jnp.sum`` over a ``--ceiling-gb`` bf16 array (4 GiB on a GPU) in float32, bytes / time; the
 table gives each row's time and TB/s per provider, jax_tk's speed-up over the faster of cudnn and fa3
@@ -75,6 +77,9 @@ HEAD_DIMS = (128, 256)
 NEW_TOKENS = (1, 4, 16)
 # The sinks' values: a fixed seed, so that every configuration of a head count gets the same ones.
 SINK_SEED = 0
+# A ragged batch's lengths: a fixed seed, so that every provider and run of a configuration reads the
+# same ones.
+LENGTH_SEED = 0
 # Where the default set varies one setting at a time: (batch, cache length).
 VARIATION_POINTS = ((8, 32768), (64, 8192))
 
@@ -89,7 +94,9 @@ class DecodeConfig:
     """One benchmarked problem. ``page_size`` 0: contiguous cache. ``sinks``: with attention sinks
     (``sink_values``). ``ceiling_tbs``: the read bandwidth measured in the run (not part of the
     configuration's identity). ``steps``: 1, one jitted call per decode step; N > 1, ``--scan N``: N
-    steps inside one jitted ``lax.scan``, the time reported per step."""
+    steps inside one jitted ``lax.scan``, the time reported per step. ``ragged`` (``--ragged``): each
+    sequence holds its own number of valid positions, uniform in [T_new, S] (``lengths``), as a
+    server's batch does; else every sequence is full."""
 
     batch: int
     cache_len: int
@@ -101,6 +108,7 @@ class DecodeConfig:
     dtype: str = "bf16"
     sinks: bool = False
     steps: int = 1
+    ragged: bool = False
     ceiling_tbs: float = dataclasses.field(default=math.nan, compare=False)
 
     def __post_init__(self):
@@ -144,19 +152,30 @@ class DecodeConfig:
             return None
         return np.random.default_rng(SINK_SEED).standard_normal(self.heads).astype(np.float32)
 
+    def lengths(self) -> np.ndarray:
+        """Each sequence's valid positions, int32 ``[batch]``: S, or for a ragged batch uniform in
+        [T_new, S] (a fixed seed)."""
+        if not self.ragged:
+            return np.full((self.batch,), self.cache_len, np.int32)
+        rng = np.random.default_rng(LENGTH_SEED)
+        return rng.integers(self.new_tokens, self.cache_len, size=self.batch, endpoint=True).astype(np.int32)
+
     def cache_bytes(self) -> int:
-        """The valid keys and values (every sequence is full)."""
-        return 2 * self.batch * self.cache_len * self.kv_heads * self.head_dim * self.itemsize
+        """The valid keys and values (each read once)."""
+        return 2 * int(self.lengths().sum()) * self.kv_heads * self.head_dim * self.itemsize
 
     def bytes(self) -> int:
         """What a decode step must move: the valid cache, the query and the output."""
         return self.cache_bytes() + 2 * math.prod(self.shape_q) * self.itemsize
 
     def visible(self) -> int:
+        """(query row, key) pairs per head of a full sequence."""
         return visible_keys(self.new_tokens, self.cache_len)
 
     def flops(self, mode: str = "fwd") -> float:
-        return 4.0 * self.batch * self.heads * self.head_dim * self.visible()
+        pairs = sum(visible_keys(self.new_tokens, int(n)) for n in self.lengths()) if self.ragged else \
+            self.batch * self.visible()
+        return 4.0 * self.heads * self.head_dim * pairs
 
     def logits_bytes(self) -> int:
         return self.batch * self.heads * self.new_tokens * self.cache_len * 4
@@ -164,15 +183,16 @@ class DecodeConfig:
     def label(self) -> str:
         return (f"B={self.batch} S={self.cache_len} H={self.heads}/{self.kv_heads}kv D={self.head_dim} "
                 f"T_new={self.new_tokens} {self.layout}" + (" + sinks" if self.sinks else "")
-                + (f" (scan of {self.steps})" if self.steps > 1 else ""))
+                + (" ragged lengths" if self.ragged else "") + (f" (scan of {self.steps})" if self.steps > 1 else ""))
 
     CSV_FIELDS = ("dtype", "batch", "cache_len", "heads", "kv_heads", "head_dim", "new_tokens", "page_size",
-                  "sinks", "steps", "bytes", "ceiling_tbs")
+                  "sinks", "steps", "ragged", "bytes", "ceiling_tbs")
 
     def csv_row(self) -> dict:
         return {"dtype": self.dtype, "batch": self.batch, "cache_len": self.cache_len, "heads": self.heads,
                 "kv_heads": self.kv_heads, "head_dim": self.head_dim, "new_tokens": self.new_tokens,
-                "page_size": self.page_size, "sinks": self.sinks or "", "steps": self.steps, "bytes": self.bytes(),
+                "page_size": self.page_size, "sinks": self.sinks or "", "steps": self.steps,
+                "ragged": self.ragged or "", "bytes": self.bytes(),
                 "ceiling_tbs": harness.fmt_num(self.ceiling_tbs, 4)}
 
     @classmethod
@@ -182,6 +202,7 @@ class DecodeConfig:
                    int(row["head_dim"]), int(row["new_tokens"]), int(row["page_size"] or 0), row["dtype"],
                    sinks=row.get("sinks") == "True",  # (CSVs from before the column: no sinks)
                    steps=int(row.get("steps") or 1),  # (CSVs from before the column: one call per step)
+                   ragged=row.get("ragged") == "True",  # (CSVs from before the column: full sequences)
                    ceiling_tbs=float(ceiling) if ceiling else math.nan)
 
 
@@ -240,14 +261,15 @@ def normal_rows(key, shape, dtype):
 
 
 def input_bytes(cfg: DecodeConfig) -> int:
-    return cfg.cache_bytes() + math.prod(cfg.shape_q) * cfg.itemsize
+    """The inputs as allocated: the whole cache (a ragged batch's too) and the query."""
+    return dataclasses.replace(cfg, ragged=False).cache_bytes() + math.prod(cfg.shape_q) * cfg.itemsize
 
 
 def make_inputs(cfg: DecodeConfig, copies: int, max_bytes: float = math.inf, seed: int = 0) -> list[tuple]:
     """``copies`` sets (``timers.copies_for``) of (query, key_cache, value_cache, lengths, page_table or
     None, None), standard normal (never zeros). Raises Skip when they would not fit in ``max_bytes``."""
     check_fits(input_bytes(cfg), copies, max_bytes)
-    lengths = jnp.full((cfg.batch,), cfg.cache_len, jnp.int32)
+    lengths = jnp.asarray(cfg.lengths())
     table = page_table(cfg, seed)
     sets = []
     for i in range(copies):
@@ -365,6 +387,7 @@ _COLUMNS = (
     ("MB", 8, lambda c, m: f"{c.bytes() / 1e6:.4g}"),
 )
 _SINKS_COLUMN = ("sinks", 5, lambda c, m: "sinks" if c.sinks else "")
+_LENGTHS_COLUMN = ("lengths", 7, lambda c, m: "ragged" if c.ragged else "full")
 
 
 def format_table(results: Sequence[Result], providers: Sequence[str] | None = None) -> str:
@@ -375,8 +398,9 @@ def format_table(results: Sequence[Result], providers: Sequence[str] | None = No
         return "(no results)"
     configs = list(dict.fromkeys(r.config for r in results))
     sinks = any(c.sinks for c in configs)
+    columns = _COLUMNS + ((_SINKS_COLUMN,) if sinks else ()) + ((_LENGTHS_COLUMN,) if any(c.ragged for c in configs) else ())
     return ratio_table(results, providers, "decode attention", "TB/s of cache + query + output",
-                       _COLUMNS + (_SINKS_COLUMN,) if sinks else _COLUMNS, _cell, " µs (TB/s)", 18, PEERS,
+                       columns, _cell, " µs (TB/s)", 18, PEERS,
                        extra=(("sinks cost", 10, _sinks_cost),) if sinks else ())
 
 
@@ -385,9 +409,9 @@ def plot(results: Sequence[Result], path: str, env: dict) -> list[str]:
     the ceiling as a dashed line."""
     return plot_panels(
         results, path, env, "decode attention",
-        panel=lambda c: (c.heads, c.kv_heads, c.head_dim, c.new_tokens, c.page_size, c.steps),
+        panel=lambda c: (c.heads, c.kv_heads, c.head_dim, c.new_tokens, c.page_size, c.steps, c.ragged),
         panel_title=lambda k: f"N/K={k[0]}/{k[1]} D={k[2]} T_new={k[3]} " + (f"paged{k[4]}" if k[4] else "contiguous")
-        + (f", per step in a scan of {k[5]}" if k[5] > 1 else ""),
+        + (f", per step in a scan of {k[5]}" if k[5] > 1 else "") + (", ragged lengths" if k[6] else ""),
         series=lambda r: (f"{r.provider}{' + sinks' if r.config.sinks else ''} B={r.config.batch}", r.config.sinks))
 
 
@@ -441,6 +465,9 @@ def add_arguments(a) -> None:
     a.add_argument("--sinks", action="store_true",
                    help="run every configuration twice, without and with attention sinks (only jax_tk takes "
                         "them; the table gives their cost against the same call without)")
+    a.add_argument("--ragged", action="store_true",
+                   help="each sequence's length uniform in [T_new, S] (a fixed seed) instead of S, as a server's "
+                        "batch; bytes and FLOPs count each sequence's own length")
     add_run_arguments(a)
     cli.add_common_arguments(a, op="decode", providers=PROVIDERS, default_providers=",".join(PROVIDERS),
                              modes=("fwd",), default_modes=("fwd",), dtypes=DTYPES,
@@ -477,7 +504,7 @@ def configs_from(args) -> list[DecodeConfig]:
     dtype = dtype_name(args)
     if args.scan < 1:
         raise ValueError(f"--scan takes a number of steps >= 1, got {args.scan}")
-    configs = [dataclasses.replace(c, steps=args.scan) for c in _configs_from_lists(args, dtype)]
+    configs = [dataclasses.replace(c, steps=args.scan, ragged=args.ragged) for c in _configs_from_lists(args, dtype)]
     return with_sinks(configs) if args.sinks else configs
 
 
@@ -527,7 +554,8 @@ def run_op(args, command: cli.Command, configs: Sequence, providers: Sequence[st
 def run_decode(args) -> int:
     return run_op(args, COMMAND, configs_from(args), args.providers or default_providers(),
                   ("each without and with sinks; " if args.sinks else "")
-                  + "bytes = 2*B*S*K*H*itemsize (valid K and V) + query + output")
+                  + ("bytes = 2*sum(lengths)*K*H*itemsize (valid K and V; lengths ragged) + query + output"
+                     if args.ragged else "bytes = 2*B*S*K*H*itemsize (valid K and V) + query + output"))
 
 
 COMMAND = cli.register(cli.Command(

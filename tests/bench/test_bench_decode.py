@@ -353,3 +353,34 @@ def test_command_line_quick_scan(tmp_path, capsys):
     assert "lax.scan of 1 (one call a step), 4" in table and " steps |" in table
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["decode", "--scan", "0"])
+
+
+def test_ragged_lengths():
+    c = C(32, 16384, 32, 8, 128, ragged=True)
+    n = c.lengths()
+    assert n.dtype == np.int32 and n.shape == (32,) and n.min() >= 1 and n.max() <= 16384
+    assert len(set(n.tolist())) > 16 and (c.lengths() == n).all()  # uneven, and the same every time
+    assert c.cache_bytes() == 2 * int(n.sum()) * 8 * 128 * 2 < C(32, 16384, 32, 8, 128).cache_bytes()
+    assert c.flops() == 4.0 * 32 * 128 * int(n.sum())  # T_new = 1: each row sees its sequence's keys
+    t4 = C(4, 100, 4, 2, 64, new_tokens=4, ragged=True)
+    assert t4.lengths().min() >= 4 and t4.flops() == 4.0 * 4 * 64 * sum(decode.visible_keys(4, int(x)) for x in t4.lengths())
+    assert decode.input_bytes(c) == decode.input_bytes(C(32, 16384, 32, 8, 128))  # the whole cache is allocated
+    assert "ragged" in c.label() and c != C(32, 16384, 32, 8, 128)
+    row = {k: str(v) for k, v in c.csv_row().items()}
+    assert row["ragged"] == "True" and C.from_row(row) == c
+    assert (C(3, 64, 2, 2, 64).lengths() == 64).all()
+
+
+def test_command_line_quick_ragged(tmp_path, capsys):
+    """--ragged: every configuration with uneven lengths; the check runs on them (sequence 0's own length)."""
+    p = cli.build_parser()
+    args = p.parse_args(["decode", "--quick", "--ragged", "--batch", "3", "--cache", "256", "--providers", "jax_tk,xla"])
+    configs = decode.configs_from(args)
+    assert configs and all(c.ragged for c in configs)
+    rc = cli.main(["decode", "--quick", "--ragged", "--batch", "3", "--cache", "256", "--providers", "jax_tk,xla",
+                   "--out", str(tmp_path), "--png", "none"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "ragged" in out
+    results, _ = output.read_csv([str(tmp_path / "decode.csv")], C.from_row)
+    assert results and all(r.config.ragged and r.status == "ok" for r in results)
+    assert {r.provider for r in results} == {"jax_tk", "xla"}
