@@ -40,16 +40,31 @@ def kernel_unsupported_reason(query, key_cache) -> str | None:
     return None
 
 
+# Where the grid fills a wave without splitting: the positions of capacity per part (see splits).
+SPLIT_UNIT_KEYS = 4096
+
+
 def splits(batch: int, t_new: int, heads: int, kv_heads: int, capacity: int, head_dim: int = 0) -> int:
     """How many parts each sequence's keys are split into: as many as keep the grid within one wave of
     TARGET_BLOCKS thread blocks (a second, partial wave would cost as much as the first), each part
-    covering at least SPLIT_MIN_KEYS positions of the cache's capacity. A grid of more than half a wave
-    is not split. (``head_dim``: MLA's latent rows take blocks of MLA_BLOCK_ROWS rows.)"""
+    covering at least SPLIT_MIN_KEYS positions of the cache's capacity. (``head_dim``: MLA's latent rows
+    take blocks of MLA_BLOCK_ROWS rows.)
+
+    A grid of more than half a wave is not split to fill the GPU. But where its blocks are decode.cu's
+    (a KV head's rows fit one block of at most 64) and the capacity holds two SPLIT_UNIT_KEYS or more,
+    each sequence is split into parts of SPLIT_UNIT_KEYS positions: the lengths are known on the device
+    only, and in a batch of uneven ones (a server's) one block per sequence leaves the step waiting on
+    the longest sequences' blocks, while parts of bounded length let the block scheduler hand the long
+    sequences' parts to the SMs that the short ones free. (Full sequences pay the parts' merge, a few
+    microseconds.)"""
     c = contract()
     rows = heads // kv_heads * t_new
-    chunk = c["MLA_BLOCK_ROWS"] if head_dim == c["MLA_HEAD_DIM"] else formulas().block_rows(rows)
+    mla = head_dim == c["MLA_HEAD_DIM"]
+    chunk = c["MLA_BLOCK_ROWS"] if mla else formulas().block_rows(rows)
     blocks = batch * kv_heads * math.ceil(rows / chunk)
     want = c["TARGET_BLOCKS"] // blocks
+    if want <= 1 and not mla and chunk < c["MAX_TILE_ROWS"] and capacity >= 2 * SPLIT_UNIT_KEYS:
+        return min(capacity // SPLIT_UNIT_KEYS, c["MAX_SPLITS"])
     return max(1, min(want, c["MAX_SPLITS"], capacity // c["SPLIT_MIN_KEYS"]))
 
 

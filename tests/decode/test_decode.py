@@ -243,6 +243,16 @@ def test_block_rows_and_splits():
     assert launch.splits(8, 16, 64, 8, 32768) == 2  # 128 rows: one block
     assert launch.splits(8, 32, 64, 8, 32768) == 1  # 256 rows: two blocks per KV head, 128 blocks
     assert launch.splits(1, 1, 32, 8, 2048) == 16   # at most 2048 / 128 parts
+    # A grid of a wave or more (32 x 8 blocks of 4 rows): parts of SPLIT_UNIT_KEYS positions, from two
+    # units of capacity on (a batch of uneven lengths balances over the SMs)
+    unit = launch.SPLIT_UNIT_KEYS
+    assert launch.splits(32, 1, 32, 8, 4 * unit) == 4
+    assert launch.splits(32, 1, 32, 8, 4 * unit + unit // 2) == 4
+    assert launch.splits(32, 1, 32, 8, 2 * unit - 1) == 1
+    assert launch.splits(16, 1, 32, 8, 8 * unit) == 8  # 128 blocks: over half a wave
+    assert launch.splits(64, 1, 32, 8, 1 << 20) == launch.contract()["MAX_SPLITS"]
+    assert launch.splits(32, 16, 64, 8, 4 * unit) == 1  # 128 rows per KV head: the Hopper kernel's blocks
+    assert launch.splits(256, 1, 16, 1, 4 * unit, 576) == 1  # MLA
 
 
 def test_implementation():
