@@ -28,6 +28,49 @@ __device__ __forceinline__ float to_float(const __half &x) { return __half2float
 __device__ __forceinline__ float to_float(const float &x) { return x; }
 __device__ __forceinline__ float to_float(const __nv_fp8_e4m3 &x) { return float(x); }
 
+// The rows of x that hold data: those below the row limit (rows past it read as zeros).
+__device__ __forceinline__ int row_limit(const QuantParams &p) { return p.row_limit ? min(max(*p.row_limit, 0), p.rows) : p.rows; }
+
+// An FP8 input's scale of row r in the 128 columns from c0 (a multiple of 128): its 1 x 128 block's; 1
+// for other inputs, and for rows past the limit or a tile wholly in the output's padding.
+__device__ __forceinline__ float x_scale(const QuantParams &p, long long r, long long c0, int limit) {
+  return p.x_scales && r < limit && c0 < p.cols ? p.x_scales[r * ((p.cols + T - 1) / T) + c0 / T] : 1.0f;
+}
+
+// A block's scale from its absolute maximum (a block of zeros gets scale 1: its values are 0, never
+// 0 / 0).
+__device__ __forceinline__ float scale_of(float amax) { return amax > 0.0f ? __fdiv_rn(amax, FP8_MAX) : 1.0f; }
+
+__device__ __forceinline__ float warp_max(float m) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+
+// Batch entry b's outputs: its values [out_rows, out_cols] and its scales [ceil(out_rows / block_rows),
+// col_blocks].
+struct Out {
+  float *scales;
+  uint8_t *values;
+  int col_blocks;
+  __device__ __forceinline__ Out(const QuantParams &p, int b) : col_blocks((p.out_cols + T - 1) / T) {
+    scales = p.scales + (long long)b * ((p.out_rows + p.block_rows - 1) / p.block_rows) * col_blocks;
+    values = static_cast<uint8_t *>(p.values) + (long long)b * p.out_rows * p.out_cols;
+  }
+  // The scale of the block holding output row r and column c0 (a multiple of 128).
+  __device__ __forceinline__ void scale(const QuantParams &p, long long r, long long c0, float d) const {
+    scales[r / p.block_rows * col_blocks + c0 / T] = d;
+  }
+  // Output row r's 4 bytes from column c (byte j: column c + j), those inside the output.
+  __device__ __forceinline__ void store4(const QuantParams &p, long long r, long long c, uint32_t packed) const {
+    uint8_t *dst = values + r * p.out_cols + c;
+    if (p.out_cols % 4 == 0 && c < p.out_cols)
+      *reinterpret_cast<uint32_t *>(dst) = packed;
+    else
+      for (int j = 0; j < 4 && c + j < p.out_cols; j++) dst[j] = uint8_t(packed >> (8 * j));
+  }
+};
+
 // sizeof(Raw) / sizeof(In) elements of x's row r from column c, as raw bytes: one vector load where the
 // row allows it (vector_loads: 16-byte rows; c a multiple of the chunk), else element by element; zeros
 // outside the input and at or past the row limit.
@@ -60,9 +103,7 @@ __device__ void load_tile(const QuantParams &p, float *s, int b, long long r0, l
   for (int k = 0; k < PER_THREAD; k++) {
     const int i = threadIdx.x + k * THREADS, ir = i / PER_ROW, ic = i % PER_ROW * VEC;
     const long long r = r0 + ir;
-    // (an FP8 input's scale: c0 is a multiple of 128, the tile one block of its 1 x 128 blocks; none for
-    // a tile wholly in the output's padding)
-    const float scale = p.x_scales && r < limit && c0 < p.cols ? p.x_scales[r * ((p.cols + T - 1) / T) + c0 / T] : 1.0f;
+    const float scale = x_scale(p, r, c0, limit);
     const In *e = reinterpret_cast<const In *>(&raw[k]);
 #pragma unroll
     for (int j = 0; j < VEC; j++) s[ir * PITCH + ic + j] = to_float(e[j]) * scale;
@@ -89,65 +130,53 @@ template <typename In> __global__ void __launch_bounds__(THREADS) quantize_rows_
   constexpr int WARPS = THREADS / 32, ROWS = T / WARPS, VEC = T / 32;
   // (a lane's VEC values of a row: 8 bytes of bf16, 16 of float32, 4 of float8)
   using Raw = std::conditional_t<VEC * sizeof(In) == 16, uint4, std::conditional_t<VEC * sizeof(In) == 8, uint2, uint32_t>>;
-  static_assert(sizeof(Raw) == VEC * sizeof(In));
-  __shared__ float warp_max[WARPS];
+  static_assert(sizeof(Raw) == VEC * sizeof(In) && VEC == 4);  // (a lane stores 4 bytes of a row: Out::store4)
+  __shared__ float warps_max[WARPS];
   const int b = blockIdx.z, w = threadIdx.x / 32, lane = threadIdx.x % 32;
   const long long r0 = (long long)blockIdx.y * T + ROWS * w, c0 = (long long)blockIdx.x * T, c = c0 + VEC * lane;
-  const int limit = p.row_limit ? min(max(*p.row_limit, 0), p.rows) : p.rows;
+  const int limit = row_limit(p);
   const In *x = static_cast<const In *>(p.x) + (long long)b * p.rows * p.cols;
   Raw raw[ROWS];
 #pragma unroll
   for (int i = 0; i < ROWS; i++) raw[i] = load_chunk<In, Raw>(p, x, r0 + i, c, limit);
   // Row i's values (an FP8 input times its scale) and maxima.
-  float x_scale[ROWS], amax[ROWS];
+  float xs[ROWS], amax[ROWS];
 #pragma unroll
-  for (int i = 0; i < ROWS; i++)
-    x_scale[i] = p.x_scales && r0 + i < limit && c0 < p.cols ? p.x_scales[(r0 + i) * ((p.cols + T - 1) / T) + c0 / T] : 1.0f;
-  auto value = [&](int i, int j) { return to_float(reinterpret_cast<const In *>(&raw[i])[j]) * x_scale[i]; };
+  for (int i = 0; i < ROWS; i++) xs[i] = x_scale(p, r0 + i, c0, limit);
+  auto value = [&](int i, int j) { return to_float(reinterpret_cast<const In *>(&raw[i])[j]) * xs[i]; };
 #pragma unroll
   for (int i = 0; i < ROWS; i++) {
     amax[i] = 0.0f;
 #pragma unroll
     for (int j = 0; j < VEC; j++) amax[i] = fmaxf(amax[i], fabsf(value(i, j)));
   }
-  auto warp_amax = [](float m) {
-#pragma unroll
-    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    return m;
-  };
   if (p.block_rows == 1) {
 #pragma unroll
-    for (int i = 0; i < ROWS; i++) amax[i] = warp_amax(amax[i]);
+    for (int i = 0; i < ROWS; i++) amax[i] = warp_max(amax[i]);
   } else {  // (one block: the tile's maximum)
     float m = 0.0f;
 #pragma unroll
     for (int i = 0; i < ROWS; i++) m = fmaxf(m, amax[i]);
-    m = warp_amax(m);
-    if (lane == 0) warp_max[w] = m;
+    m = warp_max(m);
+    if (lane == 0) warps_max[w] = m;
     __syncthreads();
 #pragma unroll
-    for (int k = 0; k < WARPS; k++) m = fmaxf(m, warp_max[k]);
+    for (int k = 0; k < WARPS; k++) m = fmaxf(m, warps_max[k]);
 #pragma unroll
     for (int i = 0; i < ROWS; i++) amax[i] = m;
   }
-  const long long out_rows = p.out_rows, out_cols = p.out_cols;
-  const int col_blocks = (p.out_cols + T - 1) / T;
-  float *scales = p.scales + (long long)b * ((out_rows + p.block_rows - 1) / p.block_rows) * col_blocks;
-  uint8_t *values = static_cast<uint8_t *>(p.values) + (long long)b * out_rows * out_cols;
+  const Out out(p, b);
 #pragma unroll
   for (int i = 0; i < ROWS; i++) {
     const long long r = r0 + i;
-    if (r >= out_rows) break;
-    const float d = amax[i] > 0.0f ? __fdiv_rn(amax[i], FP8_MAX) : 1.0f, inv = __frcp_rn(d);  // (zeros: scale 1)
-    if (lane == 0 && (p.block_rows == 1 || r % T == 0)) scales[r / p.block_rows * col_blocks + c0 / T] = d;
-    uint8_t q[VEC];
+    if (r >= p.out_rows) break;
+    const float d = scale_of(amax[i]), inv = __frcp_rn(d);
+    if (lane == 0 && (p.block_rows == 1 || r % T == 0)) out.scale(p, r, c0, d);
+    uint32_t packed = 0;
 #pragma unroll
-    for (int j = 0; j < VEC; j++) q[j] = __nv_cvt_float_to_fp8(fp8_quotient(value(i, j), d, inv), __NV_SATFINITE, __NV_E4M3);
-    uint8_t *dst = values + r * out_cols + c;
-    if (out_cols % 4 == 0 && c < out_cols)
-      *reinterpret_cast<uint32_t *>(dst) = q[0] | q[1] << 8 | q[2] << 16 | uint32_t(q[3]) << 24;
-    else
-      for (int j = 0; j < VEC && c + j < out_cols; j++) dst[j] = q[j];
+    for (int j = 0; j < VEC; j++)
+      packed |= uint32_t(__nv_cvt_float_to_fp8(fp8_quotient(value(i, j), d, inv), __NV_SATFINITE, __NV_E4M3)) << (8 * j);
+    out.store4(p, r, c, packed);
   }
 }
 
@@ -157,8 +186,7 @@ template <typename In> __global__ void __launch_bounds__(THREADS) quantize_trans
   __shared__ float row_scale[T], row_inv[T];
   const int b = blockIdx.z;
   const long long o_r0 = (long long)blockIdx.y * T, o_c0 = (long long)blockIdx.x * T;  // the output tile
-  const int limit = p.row_limit ? min(max(*p.row_limit, 0), p.rows) : p.rows;
-  load_tile<In>(p, s, b, o_c0, o_r0, limit);
+  load_tile<In>(p, s, b, o_c0, o_r0, row_limit(p));
   __syncthreads();
   // Output row t's elements: s[*][t] (a warp's threads read one row of s: no bank conflicts).
   const int t = threadIdx.x;
@@ -171,27 +199,22 @@ template <typename In> __global__ void __launch_bounds__(THREADS) quantize_trans
   if (p.block_rows == T && t < 32) {  // (one block: the tile's maximum)
     float amax = 0.0f;
     for (int j = t; j < T; j += 32) amax = fmaxf(amax, row_scale[j]);
-    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    amax = warp_max(amax);
     __syncwarp();
     for (int j = t; j < T; j += 32) row_scale[j] = amax;
   }
   __syncthreads();
-  if (t < T) {  // (a block of zeros gets scale 1: its values are 0, never 0 / 0)
-    const float amax = row_scale[t];
-    row_scale[t] = amax > 0.0f ? __fdiv_rn(amax, FP8_MAX) : 1.0f;
+  if (t < T) {
+    row_scale[t] = scale_of(row_scale[t]);
     row_inv[t] = __frcp_rn(row_scale[t]);
   }
   __syncthreads();
-  const long long out_rows = p.out_rows, out_cols = p.out_cols;
-  const int col_blocks = (p.out_cols + T - 1) / T;
-  float *scales = p.scales + (long long)b * ((out_rows + p.block_rows - 1) / p.block_rows) * col_blocks;
-  if (t < T && o_r0 + t < out_rows && (p.block_rows == 1 || t == 0))
-    scales[(o_r0 + t) / p.block_rows * col_blocks + o_c0 / T] = row_scale[t];
-  uint8_t *values = static_cast<uint8_t *>(p.values) + (long long)b * out_rows * out_cols;
+  const Out out(p, b);
+  if (t < T && o_r0 + t < p.out_rows && (p.block_rows == 1 || t == 0)) out.scale(p, o_r0 + t, o_c0, row_scale[t]);
   for (int i = t; i < T * T / 4; i += THREADS) {
     const int orow = i / (T / 4), oc = i % (T / 4) * 4;
     const long long r = o_r0 + orow, c = o_c0 + oc;
-    if (r >= out_rows || c >= out_cols) continue;
+    if (r >= p.out_rows || c >= p.out_cols) continue;
     // Lane l reads its 4 columns starting from the (l / 8 % 4)-th: lanes 8 apart, whose columns are 32
     // rows of s apart (one bank), then read different banks. The bytes are rotated back into place.
     const int rot = (i % 32) / 8;
@@ -202,13 +225,7 @@ template <typename In> __global__ void __launch_bounds__(THREADS) quantize_trans
       const float x = s[col * PITCH + orow];
       packed |= uint32_t(__nv_cvt_float_to_fp8(fp8_quotient(x, row_scale[orow], row_inv[orow]), __NV_SATFINITE, __NV_E4M3)) << (8 * j);
     }
-    packed = __funnelshift_l(packed, packed, 8 * rot);  // (byte j to byte (j + rot) % 4)
-    uint8_t *dst = values + r * out_cols + c;
-    if (out_cols % 4 == 0) {
-      *reinterpret_cast<uint32_t *>(dst) = packed;
-    } else {
-      for (int j = 0; j < 4 && c + j < out_cols; j++) dst[j] = uint8_t(packed >> (8 * j));
-    }
+    out.store4(p, r, c, __funnelshift_l(packed, packed, 8 * rot));  // (rotated: byte j to byte (j + rot) % 4)
   }
 }
 
