@@ -101,7 +101,6 @@ template <typename T, typename C> struct MlaSm90 {
       warp::copy(mine, s);
     };
     auto hand_over = [&] {
-      __syncwarp();  // (the warp's lanes are done reading the last hand-over, which other lanes overwrite)
       warp::store(sm.p, mine, 16 * w, 0);
       warp::store(sm.handed[0] + 16 * w, m, TILE_ROWS);
       warp::store(sm.handed[1] + 16 * w, r, TILE_ROWS);
