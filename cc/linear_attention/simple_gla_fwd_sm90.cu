@@ -34,7 +34,9 @@ using namespace tk;
 
 template <typename T, int K, bool DELTA> struct Gla {
   using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
-  static constexpr int C = CHUNK, VS = V_SLICE, STAGES = 2, THREADS = Roles::THREADS;
+  static constexpr int C = CHUNK, VS = V_SLICE, STAGES = DELTA ? 2 : 4, THREADS = Roles::THREADS;
+  // (a block walks its chunks in order, so a chunk's load latency hides only behind the chunks in flight
+  // ahead of it: simple GLA's stages go four deep; the delta rule's, with K and W, fit two)
   static constexpr int STATE = 0;  // the state's consumer warpgroup (the outputs': 1)
   static_assert(C == 64 && VS == 64 && (K == 64 || K == 128));
   struct Shared {
