@@ -22,18 +22,30 @@ using namespace tk;
 
 template <typename T, int K> struct Wy {
   static constexpr int C = CHUNK, VS = V_SLICE, THREADS = 128;
-  struct Shared {
-    st<T, C, K> k;
-    st<T, C, VS> v[2];   // slices of V, double-buffered
-    st<T, C, C> tu, tw;  // T diag(beta), T diag(beta exp(G))
-    st<T, C, C> x, y;    // block_inverse's operands: the inverse so far, corner times it
+  // The solve's buffers and the products' share memory (one is done before the other starts): at 66 KB
+  // a block, three fit on an SM, where the latency of each block's chain of small steps wants warps.
+  struct Solve {
     float a[C][C + 1];   // A (float32; a padded row: column c of the solve reads across rows)
     float xf[C][C + 1];  // the diagonal blocks' inverses (float32)
+    st<T, C, C> x, y;    // block_inverse's operands: the inverse so far, corner times it
+  };
+  struct Products {
+    st<T, C, C> tu, tw;  // T diag(beta), T diag(beta exp(G))
+    st<T, C, VS> v[2];   // slices of V, double-buffered
+  };
+  struct Shared {
+    st<T, C, K> k;
+    union {
+      Solve solve;
+      Products products;
+    };
     float beta[C], cum[C];
   };
+  static constexpr int BLOCKS_PER_SM = 3;
+  static_assert(BLOCKS_PER_SM * (sizeof(Shared) + 1024) <= 228 * 1024);  // (an H100/H200 SM; 2 on an A100)
 };
 
-// T = (I + A)^-1 by blocks (every thread of the block; A in sm.a). The inverse of [[X, 0], [Y, Z]] is
+// T = (I + A)^-1 by blocks (every thread of the block; A in sm.solve.a). The inverse of [[X, 0], [Y, Z]] is
 // [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]]: with `inv` holding the inverses of the diagonal blocks of size s,
 // inv - inv L inv, L the lower-left s-blocks of the diagonal blocks of size 2s (A's), holds those of
 // size 2s. s = 16 by forward substitution in float32 (thread c < C: column c of its block, 16 steps),
@@ -42,7 +54,7 @@ template <typename T, int K> struct Wy {
 template <typename T, int K> __device__ __forceinline__ rt_fl<16, CHUNK> block_inverse(typename Wy<T, K>::Shared &sm) {
   constexpr int C = Wy<T, K>::C, B = 16;
   const int tid = threadIdx.x, w = tid / 32;
-  for (int i = tid; i < C * (C + 1); i += Wy<T, K>::THREADS) (&sm.xf[0][0])[i] = 0.f;
+  for (int i = tid; i < C * (C + 1); i += Wy<T, K>::THREADS) (&sm.solve.xf[0][0])[i] = 0.f;
   __syncthreads();
   if (tid < C) {
     const int d = tid / B * B;  // the block's first row and column
@@ -51,23 +63,23 @@ template <typename T, int K> __device__ __forceinline__ rt_fl<16, CHUNK> block_i
     for (int i = 0; i < B; i++) {
       float s = d + i == tid ? 1.f : 0.f;
 #pragma unroll
-      for (int j = 0; j < i; j++) s -= sm.a[d + i][d + j] * t[j];
+      for (int j = 0; j < i; j++) s -= sm.solve.a[d + i][d + j] * t[j];
       t[i] = s;
-      sm.xf[d + i][tid] = s;
+      sm.solve.xf[d + i][tid] = s;
     }
   }
   __syncthreads();
   const auto view = [](float (*m)[C + 1]) { return gl<float>::make(&m[0][0], 1, C, 1, C + 1); };
   rt_fl<16, C> inv, acc;
   rt<T, 16, C> ir;
-  warp::load(inv, view(sm.xf), {0, 16 * w, 0, 0});
+  warp::load(inv, view(sm.solve.xf), {0, 16 * w, 0, 0});
   warp::copy(ir, inv);
-  warp::store(sm.x, ir, 16 * w, 0);
+  warp::store(sm.solve.x, ir, 16 * w, 0);
   __syncthreads();
 #pragma unroll
   for (int s = B; s < C; s *= 2) {
     rt_fl<16, C> corner;  // this warp's rows of L
-    warp::load(corner, view(sm.a), {0, 16 * w, 0, 0});
+    warp::load(corner, view(sm.solve.a), {0, 16 * w, 0, 0});
     warp::map_indexed(corner, corner, [=](int r, int j, float x) {
       const int i = 16 * w + r;
       return i / s == j / s + 1 && (j / s) % 2 == 0 ? x : 0.f;
@@ -75,25 +87,25 @@ template <typename T, int K> __device__ __forceinline__ rt_fl<16, CHUNK> block_i
     rt<T, 16, C> cr;
     rt<T, C, C, col_l> xb;
     warp::copy(cr, corner);
-    warp::load(xb, sm.x);
+    warp::load(xb, sm.solve.x);
     warp::zero(acc);
     warp::mma_AB(acc, cr, xb, acc);  // L inv
     warp::copy(cr, acc);
-    warp::store(sm.y, cr, 16 * w, 0);
+    warp::store(sm.solve.y, cr, 16 * w, 0);
     __syncthreads();
-    warp::load(xb, sm.y);
+    warp::load(xb, sm.solve.y);
     warp::zero(acc);
     warp::mma_AB(acc, ir, xb, acc);  // inv (L inv)
     warp::map(inv, inv, acc, [](float x, float y) { return x - y; });
     warp::copy(ir, inv);
-    __syncthreads();  // (every warp has read sm.x)
-    warp::store(sm.x, ir, 16 * w, 0);
+    __syncthreads();  // (every warp has read sm.solve.x)
+    warp::store(sm.solve.x, ir, 16 * w, 0);
     __syncthreads();
   }
   return inv;
 }
 
-template <typename T, int K> __global__ __launch_bounds__(128) void wy_fwd_kernel(const __grid_constant__ WyParams p) {
+template <typename T, int K> __global__ __launch_bounds__(128, Wy<T, K>::BLOCKS_PER_SM) void wy_fwd_kernel(const __grid_constant__ WyParams p) {
   using W = Wy<T, K>;
   constexpr int C = W::C, VS = W::VS;
   extern __shared__ __align__(1024) char smem_raw[];
@@ -106,11 +118,10 @@ template <typename T, int K> __global__ __launch_bounds__(128) void wy_fwd_kerne
   const int tid = threadIdx.x, w = tid / 32, hq = h / (p.v_heads / p.heads);
   const size_t row0 = (size_t)b * p.seq_len + bos + t0;  // (the chunk's first token in [batch * seq_len])
 
-  // K's rows and V's first slice (zeros past the sequence), beta and the decays' cumulative sum G.
+  // K's rows (zeros past the sequence), beta and the decays' cumulative sum G.
   const auto kg = gl<const T>::make(static_cast<const T *>(p.k) + row0 * p.heads * K, 1, valid, p.heads, K);
   const auto vg = gl<const T>::make(static_cast<const T *>(p.v) + row0 * p.v_heads * p.v_dim, 1, valid, p.v_heads, p.v_dim);
   load_async<W::THREADS>(sm.k, kg, {0, 0, hq, 0}, tid);
-  load_async<W::THREADS>(sm.v[0], vg, {0, 0, h, 0}, tid);
   commit_group();
   const size_t gate = ((size_t)b * p.v_heads + h) * p.seq_len + bos + t0;
   if (tid < C) {
@@ -146,21 +157,24 @@ template <typename T, int K> __global__ __launch_bounds__(128) void wy_fwd_kerne
     warp::map_index(rows, [&](int r) { return 16 * w + r; });
     warp::map_outer(acc, acc, ri, gj, [](float x, float2 i, float gj) { return i.y * x * exp2f((i.x - gj) * LOG2E); });
     warp::map_outer(acc, acc, rows, cols, [](float x, int i, int j) { return j < i ? x : 0.f; });
-    warp::store(gl<float>::make(&sm.a[0][0], 1, C, 1, C + 1), acc, {0, 16 * w, 0, 0});
+    warp::store(gl<float>::make(&sm.solve.a[0][0], 1, C, 1, C + 1), acc, {0, 16 * w, 0, 0});
   }
   __syncthreads();
   {  // T diag(beta), T diag(beta exp(G)) (this warp's rows), and T itself where kept (for the backward)
     rt_fl<16, C> t = block_inverse<T, K>(sm), tb;
+    // (the solve's buffers are free: V's first slice loads into them while T diag(beta), W run)
+    load_async<W::THREADS>(sm.products.v[0], vg, {0, 0, h, 0}, tid);
+    commit_group();
     rv<float, C, typename row_vec<rt_fl<16, C>>::layout> bj, bgj;
     warp::map_index(bj, [&](int j) { return sm.beta[j]; });
     warp::map_index(bgj, [&](int j) { return sm.beta[j] * exp2f(sm.cum[j] * LOG2E); });
     rt<T, 16, C> tr;
     warp::map_col(tb, t, bj, [](float x, float s) { return x * s; });
     warp::copy(tr, tb);
-    warp::store(sm.tu, tr, 16 * w, 0);
+    warp::store(sm.products.tu, tr, 16 * w, 0);
     warp::map_col(tb, t, bgj, [](float x, float s) { return x * s; });
     warp::copy(tr, tb);
-    warp::store(sm.tw, tr, 16 * w, 0);
+    warp::store(sm.products.tw, tr, 16 * w, 0);
     if (p.t)
       warp::store(gl<T>::make(static_cast<T *>(p.t) + row0 * p.v_heads * C, 1, valid, p.v_heads, C), t, {0, 16 * w, h, 0});
   }
@@ -170,7 +184,7 @@ template <typename T, int K> __global__ __launch_bounds__(128) void wy_fwd_kerne
     rt<T, 16, C> tr;
     rt<T, C, K, col_l> kb;
     rt_fl<16, K> acc;
-    warp::load(tr, sm.tw, 16 * w, 0);
+    warp::load(tr, sm.products.tw, 16 * w, 0);
     warp::load(kb, sm.k);
     warp::zero(acc);
     warp::mma_AB(acc, tr, kb, acc);
@@ -178,13 +192,13 @@ template <typename T, int K> __global__ __launch_bounds__(128) void wy_fwd_kerne
   }
   // U' = T diag(beta) V, a slice of V at a time.
   rt<T, 16, C> tr;
-  warp::load(tr, sm.tu, 16 * w, 0);
+  warp::load(tr, sm.products.tu, 16 * w, 0);
   const auto ug = gl<T>::make(static_cast<T *>(p.u) + row0 * p.v_heads * p.v_dim, 1, valid, p.v_heads, p.v_dim);
   const int slices = p.v_dim / VS;
   for (int s = 0; s < slices; s++) {
     if (s + 1 < slices) {
       __syncthreads();  // (the slice two back, in the buffer this load fills, has been read)
-      load_async<W::THREADS>(sm.v[(s + 1) % 2], vg, {0, 0, h, (s + 1) * VS}, tid);
+      load_async<W::THREADS>(sm.products.v[(s + 1) % 2], vg, {0, 0, h, (s + 1) * VS}, tid);
       commit_group();
       wait_group<1>();
     } else {
@@ -193,7 +207,7 @@ template <typename T, int K> __global__ __launch_bounds__(128) void wy_fwd_kerne
     __syncthreads();
     rt<T, C, VS, col_l> vb;
     rt_fl<16, VS> acc;
-    warp::load(vb, sm.v[s % 2]);
+    warp::load(vb, sm.products.v[s % 2]);
     warp::zero(acc);
     warp::mma_AB(acc, tr, vb, acc);
     warp::store(ug, acc, {0, 16 * w, h, s * VS});
