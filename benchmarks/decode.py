@@ -68,7 +68,7 @@ from benchmarks.harness import Result, Skip
 from benchmarks.timers import make_timer
 
 DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp16": jnp.float16, "float16": jnp.float16}
-LAYOUTS = {"contiguous": 0, "paged16": 16, "paged64": 64}
+LAYOUTS = {"contiguous": 0, "paged16": 16, "paged64": 64, "paged256": 256}
 
 BATCHES = (1, 8, 32, 64, 128)
 CACHES = (2048, 8192, 32768, 131072)

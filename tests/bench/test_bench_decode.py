@@ -77,7 +77,7 @@ def test_default_configs():
     assert {(c.batch, c.cache_len) for c in others} == set(decode.VARIATION_POINTS)
     # every setting of the issue appears: 64/8 heads, head_dim 256, T_new 4 (and 16), pages of 16 and 64
     assert {c.heads for c in others} == {32, 64} and {c.head_dim for c in others} == {128, 256}
-    assert {c.new_tokens for c in others} == {1, 4, 16} and {c.page_size for c in others} == {0, 16, 64}
+    assert {c.new_tokens for c in others} == {1, 4, 16} and {c.page_size for c in others} == {0, 16, 64, 256}
     quick = decode.default_configs(quick=True)
     assert max(c.bytes() for c in quick) < 2e6 and {c.page_size for c in quick} == {0, 16}
 
@@ -90,7 +90,7 @@ def test_cli_configs():
         [(2, 1024, 8, 2, 16), (4, 1024, 8, 2, 16)]
     assert all(c.head_dim == 128 and c.new_tokens == 1 for c in configs)
     full = decode.configs_from(p.parse_args(["decode", "--full"]))
-    assert len(full) == 5 * 4 * 2 * 2 * 3 * 3
+    assert len(full) == 5 * 4 * 2 * 2 * 3 * 4
     assert decode.configs_from(p.parse_args(["decode"])) == decode.default_configs()
     assert decode.heads_list("32/8,64/8,16") == [(32, 8), (64, 8), (16, 16)]
 
