@@ -7,7 +7,8 @@
 //
 // Every exponent is <= 0 (g <= 0): no factor exceeds 1, however long the sequence. A thread block
 // takes one sequence, one value head and V_SLICE columns of its values and state (the state's K rows
-// whole: 2 x 64 rows of accumulators), and walks the sequence's chunks with three warpgroups:
+// whole: 2 x 64 rows of accumulators), and walks the sequence's chunks with three warpgroups (four for
+// simple GLA, whose outputs take two, each every other chunk):
 //
 // - a producer thread loads each chunk's Q, K (the value head's q/k head) and V slice by TMA into a
 //   ring of two stages; rows past the tensor arrive as zeros, and rows past the sequence (a packed
@@ -16,7 +17,7 @@
 //   with its rows scaled by exp(G_last - G_j) (0 past the sequence; the next chunk's formed while this
 //   one's product runs), and hands each chunk's starting state, as bf16, to the outputs' warpgroup
 //   through a second ring of two buffers;
-// - the outputs' warpgroup computes Q K^T, scales and masks it to P, adds P V to diag(exp(G)) Q S
+// - an outputs' warpgroup computes Q K^T, scales and masks it to P, adds P V to diag(exp(G)) Q S
 //   once that chunk's state has arrived, and stores O.
 // Only the state's update is a chain from chunk to chunk; the outputs' work of one chunk runs beside
 // the update of the next.
@@ -33,11 +34,16 @@ namespace {
 using namespace tk;
 
 template <typename T, int K, bool DELTA> struct Gla {
-  using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
+  // Simple GLA's outputs take two warpgroups, chunks 0, 2, 4, ... and 1, 3, 5, ...: a chunk's outputs
+  // are a chain of three products with waits between them, which a second warpgroup overlaps. (The
+  // delta rule's state warpgroup needs the registers that a fourth warpgroup would take.)
+  static constexpr int OUTPUTS = DELTA ? 1 : 2;
+  using Roles = std::conditional_t<DELTA, roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>,
+                                   roles</*CONSUMERS=*/3, /*PRODUCER_REGS=*/24, /*CONSUMER_REGS=*/160>>;
   static constexpr int C = CHUNK, VS = V_SLICE, STAGES = DELTA ? 2 : 4, THREADS = Roles::THREADS;
   // (a block walks its chunks in order, so a chunk's load latency hides only behind the chunks in flight
   // ahead of it: simple GLA's stages go four deep; the delta rule's, with K and W, fit two)
-  static constexpr int STATE = 0;  // the state's consumer warpgroup (the outputs': 1)
+  static constexpr int STATE = 0;  // the state's consumer warpgroup (the outputs': 1 .. OUTPUTS)
   static_assert(C == 64 && VS == 64 && (K == 64 || K == 128));
   struct Shared {
     st<T, C, K> q[STAGES], k[STAGES];
@@ -46,7 +52,7 @@ template <typename T, int K, bool DELTA> struct Gla {
     st<T, K, VS> s[2];       // the state a chunk starts from (bf16), handed to the outputs' warpgroup
     [[no_unique_address]] std::conditional_t<DELTA, st<T, C, VS>, Empty> u[2];  // U (DELTA), with it
     st<T, C, VS> vd[2];      // V', the chunk's values weighted for the state update (by chunk parity)
-    float cum[2][2][C];      // G, per consumer warpgroup and chunk parity
+    float cum[1 + OUTPUTS][2][C];  // G, per consumer warpgroup and the parity of its own chunks
     semaphore full[STAGES], empty[STAGES], state_full[2], state_empty[2];
   };
   static_assert(sizeof(Shared) <= MAX_SHARED_BYTES);
@@ -104,20 +110,21 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
     }
   }
 
-  // G of chunk `c` (scan_decays) into this warpgroup's copy for the chunk's parity. `g_next` holds this
-  // chunk's decays on entry (thread t < C: token t), the next chunk's on return: loaded a chunk early,
-  // off the chain. `bar`: the warpgroup's named barrier.
-  __device__ __forceinline__ float *scan(int c, int bar, float &g_next) const {
-    const int tid = threadIdx.x % 128, t = C * (c + 1) + tid;
-    float *cum = sm.cum[wg][c % 2];
+  // G of chunk `c` (scan_decays) into this warpgroup's copy for the parity of c / step (this warpgroup
+  // takes every step-th chunk). `g_next` holds this chunk's decays on entry (thread t < C: token t),
+  // those of chunk c + step on return: loaded a chunk early, off the chain. The warpgroup's named
+  // barrier: 1 + wg.
+  __device__ __forceinline__ float *scan(int c, int step, float &g_next) const {
+    const int tid = threadIdx.x % 128, t = C * (c + step) + tid, bar = 1 + wg;
+    float *cum = sm.cum[wg][c / step % 2];
     const float x = g_next;
     if (tid < C) g_next = t < len ? g[t] : 0.f;
     scan_decays(cum, x, bar);
     return cum;
   }
-  __device__ __forceinline__ float first_decays() const {
-    const int tid = threadIdx.x % 128;
-    return tid < C && tid < len ? g[tid] : 0.f;
+  __device__ __forceinline__ float first_decays(int c) const {  // chunk c's, for scan
+    const int t = C * c + threadIdx.x % 128;
+    return threadIdx.x % 128 < C && t < len ? g[t] : 0.f;
   }
 
   // This warp's 16 rows of the state's top (K rows 0..63) or bottom (64..127) half: from or to float32
@@ -132,7 +139,7 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
 
   __device__ __forceinline__ void consume() const {
     if (wg == G::STATE) carry_state();
-    else outputs();
+    else outputs(wg - 1, G::OUTPUTS);
   }
 
   // Chunk `at`'s values weighted for the state's update, V' = diag(exp(G_last - G)) V with 0 past the
@@ -196,7 +203,7 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
       if (!DELTA && laneid() == 0) arrive_full(states(), c);
     };
     publish(0);
-    float g_next = first_decays(), decay = 0.f;
+    float g_next = first_decays(0), decay = 0.f;
     if (!DELTA && chunks > 0) {  // (a sequence of no tokens has no chunk to weigh)
       decay = weigh(ring_pos<STAGES>(0), g_next);
       sync_named(1, 128);
@@ -230,16 +237,18 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
     for (int i = 0; i < K / 64; i++) warp::store(state_view(p.ht), s[i], {0, 64 * i + 16 * w, 0, VS * slice});
   }
 
-  // The outputs' warpgroup: per chunk, O = scale (diag(exp(G)) Q S + (Q K^T * D) V) (DELTA: U for V).
-  __device__ __forceinline__ void outputs() const {
+  // An outputs' warpgroup, on chunks first, first + step, ...: O = scale (diag(exp(G)) Q S + (Q K^T * D) V)
+  // (DELTA: U for V).
+  __device__ __forceinline__ void outputs(int first, int step) const {
     const int w = warpid() % 4;
     const float scale = p.scale;
     const gl<T> out = gl<T>::make(static_cast<T *>(p.o) + (size_t)b * p.seq_len * p.v_heads * p.v_dim + (size_t)bos * p.v_heads * p.v_dim,
                                   1, len, p.v_heads, p.v_dim);
-    float g_next = first_decays();
-    for (ring_pos<STAGES> at(0); at.n < chunks; ++at) {
-      const int c = at.n, t0 = C * c, valid = min(C, len - t0);
-      const float *cum = scan(c, 2, g_next);
+    float g_next = first_decays(first);
+    for (int c = first; c < chunks; c += step) {
+      const ring_pos<STAGES> at(c);
+      const int t0 = C * c, valid = min(C, len - t0);
+      const float *cum = scan(c, step, g_next);
       tile o, pv, qk;
       rt<T, 16, 64> pw;
       wait_full(kv(), at);
