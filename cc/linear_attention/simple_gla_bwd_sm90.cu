@@ -6,7 +6,7 @@
 //
 // a chain of scalings and sums whose products need no state. A thread block takes one sequence, value
 // head and V_SLICE columns, as the forward does: a producer thread loads each chunk's Q and dO slice by
-// TMA, last chunk first, into a ring of two stages; one consumer warpgroup keeps dS in registers
+// TMA, last chunk first, into a ring of STAGES; one consumer warpgroup keeps dS in registers
 // (float32), stores each chunk's dS' (in q's dtype, for the second pass, simple_gla_bwd_chunks_sm90.cu)
 // and at the end dS_0, the initial state's gradient.
 //

@@ -11,7 +11,7 @@
 // simple GLA, whose outputs take two, each every other chunk):
 //
 // - a producer thread loads each chunk's Q, K (the value head's q/k head) and V slice by TMA into a
-//   ring of two stages; rows past the tensor arrive as zeros, and rows past the sequence (a packed
+//   ring of STAGES; rows past the tensor arrive as zeros, and rows past the sequence (a packed
 //   batch's next one) are masked out of every product below;
 // - the state's warpgroup carries S (float32, in registers) from chunk to chunk: K^T V', where V' is V
 //   with its rows scaled by exp(G_last - G_j) (0 past the sequence; the next chunk's formed while this
