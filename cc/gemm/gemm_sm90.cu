@@ -153,17 +153,19 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
   // FP8 (DeepSeek-V3's recipe): each step's product (one 128-wide block of k) in float32 on its own,
   // then scaled by its blocks' scales, a's per row and b's per 128 columns, and added to acc: the
   // tensor cores' FP8 sums are short, so they never run past one block. The product is formed in
-  // pieces of 64 columns, two in flight: each piece is scaled into acc while the next one runs, and
-  // its registers then take the piece after that (a whole second 64 x 256 accumulator would not fit
-  // beside acc). The scales' loads are issued before the step's wait, so that they land while the
-  // product runs.
+  // pieces of 128 columns (one block of b's scales), one at a time: a whole second 64 x 256
+  // accumulator would not fit beside acc, and narrower pieces re-read the warpgroup's rows of a from
+  // shared memory once per piece (64-column pieces put a step's reads plus its loads at about 1.3x
+  // what shared memory delivers while the tensor cores run at full rate). While one warpgroup scales
+  // its piece, the other's product runs. The scales' loads are issued before the step's wait, so that
+  // they land while the product runs.
   // In CONTRACT_BT the rows of out are k and the steps are blocks of a's rows (along m): a's scales
   // [blocks of m, k], b's [blocks of m, blocks of n], the step's block j + r0 / 128.
   __device__ __forceinline__ void fp8_steps(rt_fl<16, TN> &acc, const TileSlot &x, int count, int row0, ring_pos<STAGES> &pos) {
     const Params &p = a.p;
     constexpr bool BT = KIND == CONTRACT_BT;
-    constexpr int PIECE = 64, PIECES = TN / PIECE, BLOCKS = TN / FP8_BLOCK;
-    static_assert(TN % FP8_BLOCK == 0 && PIECES >= 2);
+    constexpr int PIECE = FP8_BLOCK, PIECES = TN / PIECE, BLOCKS = TN / FP8_BLOCK;
+    static_assert(TN % FP8_BLOCK == 0);
     const int blocks_n = (p.n + FP8_BLOCK - 1) / FP8_BLOCK, blocks_k = (p.k + FP8_BLOCK - 1) / FP8_BLOCK;
     const int rows = BT ? p.k : p.m, first = BT ? x.r0 / FP8_BLOCK : 0;
     const int r = row0 + 16 * (warpid() % 4) + laneid() / 4;  // this thread's rows: r and r + 8
@@ -179,20 +181,15 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
       wait_full(slots(), pos);
       if constexpr (BT) clear_other_rows(sm.a[pos.slot], x, first + j);
       const auto rows_a = window<64, TK>(sm.a[pos.slot], 64 * wg, 0);
-      rt_fl<16, PIECE> part[2];
-      auto issue = [&](int q) { warpgroup::mma_ABt(part[q % 2], rows_a, window<PIECE, TK>(sm.b[pos.slot], q * PIECE, 0), false); };
-      issue(0);
-      issue(1);
+      rt_fl<16, PIECE> part;
       [&]<int... Q>(std::integer_sequence<int, Q...>) {
-        ([&] {  // piece Q: done (the one after it may still run), scaled, its registers given to Q + 2
-          if constexpr (Q + 1 < PIECES) warpgroup::wait<1>();
-          else warpgroup::wait<0>();
-          warpgroup::fence_registers(part[Q % 2]);
+        ([&] {  // piece Q: its product, then scaled into acc
+          warpgroup::mma_ABt(part, rows_a, window<PIECE, TK>(sm.b[pos.slot], Q * PIECE, 0), false);
+          warpgroup::wait<0>();
+          warpgroup::fence_registers(part);
           if constexpr (Q + 1 == PIECES)
             if (laneid() == 0) arrive_empty(slots(), pos);
-          const float f = b[Q * PIECE / FP8_BLOCK];
-          scale_into(acc, part[Q % 2], Q * PIECE / 16, s0 * f, s1 * f);
-          if constexpr (Q + 2 < PIECES) issue(Q + 2);
+          scale_into(acc, part, Q * PIECE / 16, s0 * b[Q], s1 * b[Q]);
         }(), ...);
       }(std::make_integer_sequence<int, PIECES>{});
     }
