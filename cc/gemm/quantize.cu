@@ -23,13 +23,20 @@ __device__ __forceinline__ float to_float(const float &x) { return x; }
 __device__ __forceinline__ float to_float(const __nv_fp8_e4m3 &x) { return float(x); }
 
 // The input tile [T rows][T cols] from (r0, c0), as float32, into s; zeros outside the input and at
-// or past the row limit. 16-byte loads where the rows allow them.
+// or past the row limit. 16-byte loads where the rows allow them. Each output row's absolute maximum
+// comes from the registers as they are loaded, into amax[T]: a row's (untransposed) across the lanes
+// that load it, or a column's (transposed) across the warps through cols[WARPS][T], in place of one
+// thread per output row reading its 128 values back from s one after another.
+constexpr int WARPS = THREADS / 32;
 template <typename In>
-__device__ void load_tile(const QuantParams &p, float *s, int b, long long r0, long long c0, int limit) {
-  constexpr int VEC = 16 / sizeof(In), PER_ROW = T / VEC;
+__device__ void load_tile(const QuantParams &p, float *s, float *amax, float (*cols)[T], int b, long long r0, long long c0, int limit) {
+  constexpr int VEC = 16 / sizeof(In), PER_ROW = T / VEC;  // (a row's loads: PER_ROW neighbouring lanes)
+  static_assert(PER_ROW <= 32 && THREADS % PER_ROW == 0);
   const In *x = static_cast<const In *>(p.x) + (long long)b * p.rows * p.cols;
+  const int ic = threadIdx.x % PER_ROW * VEC;  // this thread's columns, the same in every row it loads
+  float col_max[VEC] = {};
   for (int i = threadIdx.x; i < T * PER_ROW; i += THREADS) {
-    const int ir = i / PER_ROW, ic = i % PER_ROW * VEC;
+    const int ir = i / PER_ROW;
     const long long r = r0 + ir, c = c0 + ic;
     float v[VEC];
     if (r < limit && p.vector_loads && c + VEC <= p.cols) {
@@ -43,8 +50,34 @@ __device__ void load_tile(const QuantParams &p, float *s, int b, long long r0, l
     }
     // (an FP8 input's scale: c0 is a multiple of 128, the tile one block of its 1 x 128 blocks)
     const float scale = p.x_scales && r < limit ? p.x_scales[r * ((p.cols + T - 1) / T) + c0 / T] : 1.0f;
+    float row_max = 0.0f;
 #pragma unroll
-    for (int j = 0; j < VEC; j++) s[ir * PITCH + ic + j] = v[j] * scale;
+    for (int j = 0; j < VEC; j++) {
+      v[j] *= scale;
+      s[ir * PITCH + ic + j] = v[j];
+      row_max = fmaxf(row_max, fabsf(v[j]));
+      col_max[j] = fmaxf(col_max[j], fabsf(v[j]));
+    }
+    if (!p.transposed) {
+#pragma unroll
+      for (int o = 1; o < PER_ROW; o *= 2) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, o));
+      if (threadIdx.x % PER_ROW == 0) amax[ir] = row_max;
+    }
+  }
+  if (!p.transposed) return;
+  // A column's loads: the lanes PER_ROW apart in each warp, then the warps.
+#pragma unroll
+  for (int j = 0; j < VEC; j++) {
+#pragma unroll
+    for (int o = PER_ROW; o < 32; o *= 2) col_max[j] = fmaxf(col_max[j], __shfl_xor_sync(0xffffffffu, col_max[j], o));
+    if (threadIdx.x % 32 < PER_ROW) cols[threadIdx.x / 32][ic + j] = col_max[j];
+  }
+  __syncthreads();
+  if (threadIdx.x < T) {
+    float m = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) m = fmaxf(m, cols[w][threadIdx.x]);
+    amax[threadIdx.x] = m;
   }
 }
 
@@ -65,22 +98,16 @@ __device__ __forceinline__ float fp8_quotient(float x, float d, float inv) {
 
 template <typename In> __global__ void __launch_bounds__(THREADS) quantize_kernel(const QuantParams p) {
   extern __shared__ float s[];  // [T][PITCH]: the input tile
-  __shared__ float row_scale[T], row_inv[T];
+  __shared__ float row_scale[T], row_inv[T], cols[WARPS][T];
   const int b = blockIdx.z;
   const long long o_r0 = (long long)blockIdx.y * T, o_c0 = (long long)blockIdx.x * T;  // the output tile
   const long long i_r0 = p.transposed ? o_c0 : o_r0, i_c0 = p.transposed ? o_r0 : o_c0;
   const int limit = p.row_limit ? min(max(*p.row_limit, 0), p.rows) : p.rows;
-  load_tile<In>(p, s, b, i_r0, i_c0, limit);
+  load_tile<In>(p, s, row_scale, cols, b, i_r0, i_c0, limit);  // (row_scale: each output row's maximum)
   __syncthreads();
   // Output row t's elements: s[t][*], or transposed s[*][t].
   const int t = threadIdx.x;
   const int along = p.transposed ? PITCH : 1, across = p.transposed ? 1 : PITCH;
-  if (t < T) {
-    float amax = 0.0f;
-    for (int j = 0; j < T; j++) amax = fmaxf(amax, fabsf(s[t * across + j * along]));
-    row_scale[t] = amax;
-  }
-  __syncthreads();
   if (p.block_rows == T && t < 32) {  // (one block: the tile's maximum)
     float amax = 0.0f;
     for (int j = t; j < T; j += 32) amax = fmaxf(amax, row_scale[j]);
