@@ -132,17 +132,21 @@ template <typename In> __global__ void __launch_bounds__(THREADS) quantize_kerne
     const int orow = i / (T / 4), oc = i % (T / 4) * 4;
     const long long r = o_r0 + orow, c = o_c0 + oc;
     if (r >= out_rows || c >= out_cols) continue;
-    uint8_t q[4];
+    // A warp's lanes take one output row, 4 columns each; lane l reads them from the (l / 8 % 4)-th on,
+    // so that the 32 lanes' reads fall in 32 banks (in order, lanes 8 apart would meet in one).
+    const int rot = i / 8 % 4;
+    uint32_t packed = 0;
 #pragma unroll
     for (int j = 0; j < 4; j++) {
-      const float x = s[orow * across + (oc + j) * along];
-      q[j] = __nv_cvt_float_to_fp8(fp8_quotient(x, row_scale[orow], row_inv[orow]), __NV_SATFINITE, __NV_E4M3);
+      const int jj = (j + rot) % 4;
+      const float x = s[orow * across + (oc + jj) * along];
+      packed |= uint32_t(__nv_cvt_float_to_fp8(fp8_quotient(x, row_scale[orow], row_inv[orow]), __NV_SATFINITE, __NV_E4M3)) << (8 * jj);
     }
     uint8_t *dst = values + r * out_cols + c;
     if (out_cols % 4 == 0) {
-      *reinterpret_cast<uint32_t *>(dst) = q[0] | q[1] << 8 | q[2] << 16 | uint32_t(q[3]) << 24;
+      *reinterpret_cast<uint32_t *>(dst) = packed;
     } else {
-      for (int j = 0; j < 4 && c + j < out_cols; j++) dst[j] = q[j];
+      for (int j = 0; j < 4 && c + j < out_cols; j++) dst[j] = uint8_t(packed >> (8 * j));
     }
   }
 }
