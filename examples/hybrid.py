@@ -19,7 +19,7 @@ Each group of four layers is three linear-attention layers and one causal attent
 
 Printed: the loss while training, then the training step's tokens/s with each linear-attention path
 timed on the same batch after a compiling step: ``tk`` (``implementation=None``: jax_tk's forward
-kernels on an H100/H200 in bf16/fp16, their gradient the chunked path's) and ``xla`` (the chunked XLA
+and backward kernels on an H100/H200 in bf16/fp16) and ``xla`` (the chunked XLA
 path). The line says which path the kernels take here. The module has no side effects on import.
 """
 from __future__ import annotations

@@ -383,8 +383,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       sinks: ``[q_heads]`` floats (attention sinks, as in gpt-oss), or None: one learned logit per query
         head that joins every row's softmax denominator and has no value, ``p_j = exp(l_j) / (exp(sink)
         + sum_j exp(l_j))``. Differentiable (its gradient in its own dtype); combines with every option
-        (not with ``implementation="cudnn"``). Applied exactly to the kernel's output and log-sum-exp:
-        ``out * exp(lse - logaddexp(lse, sink))``, one elementwise pass over the output.
+        (not with ``implementation="cudnn"``). The kernels take them into their softmax, forward and
+        backward; the reference adds ``exp(sink)`` to each row's denominator.
       dtype, precision, module, qk_attn_weights_einsum, attn_weights_value_einsum: the other keywords
         Flax passes to an ``attention_fn``. ``dtype`` casts query, key and value to it; ``precision`` is
         ignored (products accumulate in float32, and the float32 reference computes them at full

@@ -165,7 +165,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
         tokens, matrix products inside a chunk and a scan over chunks); ``"reference"``: the recurrence
         one token at a time (float32, slow on long sequences: the tests' oracle); ``"tk"``: the forward
         kernels (H100/H200: bfloat16/float16, K 64 or 128, V a multiple of 64), which ``None`` also
-        takes where they apply; their gradient is the chunked path's.
+        takes where they apply, with their backward kernels.
 
     Arithmetic is float32 on every path. Differentiable in q, k, v, g, beta and initial_state (JAX's
     autodiff of the path that runs). Works under ``jit`` and ``vmap``.
@@ -197,7 +197,7 @@ def simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state
     multiple of ``heads``; flash-linear-attention's op has them equal), g ``[batch, T, value_heads]``.
 
     On H100/H200 the forward runs jax_tk's kernel (``implementation=None`` or ``"tk"``) for bfloat16 and
-    float16 inputs with K 64 or 128 and V a multiple of 64; its gradient is the chunked path's.
+    float16 inputs with K 64 or 128 and V a multiple of 64, and its backward kernels for the gradient.
     """
     scale, cu = _sequence_call(_GLA, q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens)
     return _run(_GLA, implementation, _Spec(scale, False), q, k, v, g, None, cu, initial_state, output_final_state)
@@ -214,9 +214,9 @@ def _run(op, implementation, spec, q, k, v, g, beta, cu, initial_state, output_f
     return o, (final if output_final_state else None)
 
 
-# The forward kernels (simple GLA's; the gated delta rule's where beta is given). Their gradient is the
-# chunked path's (JAX's autodiff of it); the forward goes through the partitioning below, so that
-# sharded inputs run on their shards.
+# The forward kernels (simple GLA's; the gated delta rule's where beta is given), with their backward
+# kernels as the custom_vjp's backward on CUDA (_kernel_path_bwd); both go through the partitioning
+# below, so that sharded inputs run on their shards.
 @dataclasses.dataclass(frozen=True)
 class _Spec:
     scale: float
