@@ -23,45 +23,68 @@ __device__ __forceinline__ float to_float(const float &x) { return x; }
 __device__ __forceinline__ float to_float(const __nv_fp8_e4m3 &x) { return float(x); }
 
 // The input tile [T rows][T cols] from (r0, c0), as float32, into s; zeros outside the input and at
-// or past the row limit. 16-byte loads where the rows allow them. Each output row's absolute maximum
-// comes from the registers as they are loaded, into amax[T]: a row's (untransposed) across the lanes
-// that load it, or a column's (transposed) across the warps through cols[WARPS][T], in place of one
-// thread per output row reading its 128 values back from s one after another.
+// or past the row limit. Each output row's absolute maximum comes from the registers as they are
+// loaded, into amax[T]: a row's (untransposed) across the lanes that load it, or a column's
+// (transposed) across the warps through cols[WARPS][T].
+//
+// The pass is bound by the bytes in flight: a thread's loads go out BATCH at a time, 16 bytes each,
+// before any is used. In a tile wholly inside the input (the block's one uniform test) they are plain
+// vector loads with nothing between them; a load under a per-row condition, or one whose value is
+// stored to shared memory before the next is issued, would leave one load in flight per thread.
 constexpr int WARPS = THREADS / 32;
 template <typename In>
 __device__ void load_tile(const QuantParams &p, float *s, float *amax, float (*cols)[T], int b, long long r0, long long c0, int limit) {
   constexpr int VEC = 16 / sizeof(In), PER_ROW = T / VEC;  // (a row's loads: PER_ROW neighbouring lanes)
-  static_assert(PER_ROW <= 32 && THREADS % PER_ROW == 0);
+  constexpr int LOADS = T * PER_ROW / THREADS, BATCH = LOADS < 8 ? LOADS : 8;
+  static_assert(PER_ROW <= 32 && THREADS % PER_ROW == 0 && LOADS % BATCH == 0);
   const In *x = static_cast<const In *>(p.x) + (long long)b * p.rows * p.cols;
   const int ic = threadIdx.x % PER_ROW * VEC;  // this thread's columns, the same in every row it loads
+  const int row_blocks = (p.cols + T - 1) / T;
+  const bool inside = p.vector_loads && r0 + T <= limit && c0 + T <= p.cols;
   float col_max[VEC] = {};
-  for (int i = threadIdx.x; i < T * PER_ROW; i += THREADS) {
-    const int ir = i / PER_ROW;
-    const long long r = r0 + ir, c = c0 + ic;
-    float v[VEC];
-    if (r < limit && p.vector_loads && c + VEC <= p.cols) {
-      const uint4 raw = *reinterpret_cast<const uint4 *>(x + r * p.cols + c);
-      const In *e = reinterpret_cast<const In *>(&raw);
+#pragma unroll 1
+  for (int l0 = 0; l0 < LOADS; l0 += BATCH) {
+    uint4 raw[BATCH];
+    float scale[BATCH];
+    if (inside) {
 #pragma unroll
-      for (int j = 0; j < VEC; j++) v[j] = to_float(e[j]);
+      for (int l = 0; l < BATCH; l++) {
+        const long long r = r0 + (threadIdx.x + (l0 + l) * THREADS) / PER_ROW;
+        raw[l] = __ldcs(reinterpret_cast<const uint4 *>(x + r * p.cols + c0 + ic));
+      }
     } else {
 #pragma unroll
-      for (int j = 0; j < VEC; j++) v[j] = r < limit && c + j < p.cols ? to_float(x[r * p.cols + c + j]) : 0.0f;
-    }
-    // (an FP8 input's scale: c0 is a multiple of 128, the tile one block of its 1 x 128 blocks)
-    const float scale = p.x_scales && r < limit ? p.x_scales[r * ((p.cols + T - 1) / T) + c0 / T] : 1.0f;
-    float row_max = 0.0f;
+      for (int l = 0; l < BATCH; l++) {
+        const long long r = r0 + (threadIdx.x + (l0 + l) * THREADS) / PER_ROW, c = c0 + ic;
+        In *e = reinterpret_cast<In *>(&raw[l]);
 #pragma unroll
-    for (int j = 0; j < VEC; j++) {
-      v[j] *= scale;
-      s[ir * PITCH + ic + j] = v[j];
-      row_max = fmaxf(row_max, fabsf(v[j]));
-      col_max[j] = fmaxf(col_max[j], fabsf(v[j]));
+        for (int j = 0; j < VEC; j++) e[j] = r < limit && c + j < p.cols ? x[r * p.cols + c + j] : In(0.0f);
+      }
     }
-    if (!p.transposed) {
+    // (an FP8 input's scale: c0 is a multiple of 128, the tile one block of its 1 x 128 blocks; none
+    // for a tile wholly in the output's padding)
 #pragma unroll
-      for (int o = 1; o < PER_ROW; o *= 2) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, o));
-      if (threadIdx.x % PER_ROW == 0) amax[ir] = row_max;
+    for (int l = 0; l < BATCH; l++) {
+      const long long r = r0 + (threadIdx.x + (l0 + l) * THREADS) / PER_ROW;
+      scale[l] = p.x_scales && r < limit && c0 < p.cols ? p.x_scales[r * row_blocks + c0 / T] : 1.0f;
+    }
+#pragma unroll
+    for (int l = 0; l < BATCH; l++) {
+      const int ir = (threadIdx.x + (l0 + l) * THREADS) / PER_ROW;
+      const In *e = reinterpret_cast<const In *>(&raw[l]);
+      float row_max = 0.0f;
+#pragma unroll
+      for (int j = 0; j < VEC; j++) {
+        const float v = to_float(e[j]) * scale[l];
+        s[ir * PITCH + ic + j] = v;
+        row_max = fmaxf(row_max, fabsf(v));
+        col_max[j] = fmaxf(col_max[j], fabsf(v));
+      }
+      if (!p.transposed) {
+#pragma unroll
+        for (int o = 1; o < PER_ROW; o *= 2) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, o));
+        if (threadIdx.x % PER_ROW == 0) amax[ir] = row_max;
+      }
     }
   }
   if (!p.transposed) return;
@@ -96,7 +119,7 @@ __device__ __forceinline__ float fp8_quotient(float x, float d, float inv) {
   return clear ? q : __fdiv_rn(x, d);
 }
 
-template <typename In> __global__ void __launch_bounds__(THREADS) quantize_kernel(const QuantParams p) {
+template <typename In> __global__ void __launch_bounds__(THREADS, 3) quantize_kernel(const QuantParams p) {
   extern __shared__ float s[];  // [T][PITCH]: the input tile
   __shared__ float row_scale[T], row_inv[T], cols[WARPS][T];
   const int b = blockIdx.z;
