@@ -1,12 +1,17 @@
-// FP8 block quantization (the FP8 GEMM's operands, forward and backward): one block of 128 threads
-// x 2 per 128 x 128 tile of the output. The tile's input comes into shared memory as float32 (an
-// FP8 input times its 1 x 128 row scales, rows at or past the limit as zeros), each output row's
-// absolute maximum (or the tile's, for 128 x 128 blocks) gives its scale, and the values go out
-// rounded to nearest, saturating, the output's rows 128 bytes at a time. Transposed, the tile is
-// read along the input's rows and written along its columns: the quantized transpose in one pass
-// over memory, where XLA takes several.
+// FP8 block quantization (the FP8 GEMM's operands, forward and backward). Each output row's absolute
+// maximum over its 1 x 128 block (or its 128 x 128 block's) gives the block's scale, amax / 448 (1 for
+// a block of zeros); an FP8 input is first multiplied by its 1 x 128 row scales, and rows at or past
+// the limit are zeros. The values go out rounded to nearest, saturating. The pass is bound by bytes in
+// flight and by instructions per element, so loads are issued in batches and values convert in pairs.
+//
+// - Untransposed 1 x 128 blocks (quantize_rows_kernel): no tile; a block's 128 values lie in 8-32
+//   neighbouring lanes' registers.
+// - Otherwise (quantize_kernel), one block of 256 threads per 128 x 128 tile of the output: the input
+//   tile comes into shared memory as float32 and goes out along its rows, or transposed along its
+//   columns: the quantized transpose in one pass over memory, where XLA takes several.
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "gemm/gemm.h"
@@ -119,6 +124,32 @@ __device__ __forceinline__ float fp8_quotient(float x, float d, float inv) {
   return clear ? q : __fdiv_rn(x, d);
 }
 
+// Four values of one output row divided by its scale d and rounded to float8, packed little-endian: as
+// fp8_quotient rounds them, with its tests batched (a warp takes the division only where one of its
+// lanes needs it) and the conversions two at a time. Below 2^-11 the product and the quotient both
+// round to a zero of x's sign, so only [2^-11, 2^-6) of float8's subnormal range divides. d_ok: d in
+// [2^-100, 2^100], the row's.
+__device__ __forceinline__ uint32_t fp8x4(const float (&x)[4], float d, float inv, bool d_ok) {
+  float q[4];
+  bool clear = d_ok;
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    q[j] = __fmul_rn(x[j], inv);
+    const float a = fabsf(q[j]);
+    const uint32_t low = __float_as_uint(q[j]) & 0xFFFFFu;
+    clear &= a < 0x1p-11f || (a >= 0x1p-6f && low - 0x7FFFCu > 8u);
+  }
+  if (!clear) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) q[j] = fp8_quotient(x[j], d, inv);
+  }
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(q[0], q[1]), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(q[2], q[3]), __NV_SATFINITE, __NV_E4M3);
+  return lo | hi << 16;
+}
+
+__device__ __forceinline__ bool reciprocal_exact_enough(float d) { return d >= 0x1p-100f && d <= 0x1p100f; }
+
 template <typename In> __global__ void __launch_bounds__(THREADS, 3) quantize_kernel(const QuantParams p) {
   extern __shared__ float s[];  // [T][PITCH]: the input tile
   __shared__ float row_scale[T], row_inv[T], cols[WARPS][T];
@@ -157,14 +188,14 @@ template <typename In> __global__ void __launch_bounds__(THREADS, 3) quantize_ke
     if (r >= out_rows || c >= out_cols) continue;
     // A warp's lanes take one output row, 4 columns each; lane l reads them from the (l / 8 % 4)-th on,
     // so that the 32 lanes' reads fall in 32 banks (in order, lanes 8 apart would meet in one).
+    // The bytes come out in that order and rotate into place.
     const int rot = i / 8 % 4;
-    uint32_t packed = 0;
+    float x[4];
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-      const int jj = (j + rot) % 4;
-      const float x = s[orow * across + (oc + jj) * along];
-      packed |= uint32_t(__nv_cvt_float_to_fp8(fp8_quotient(x, row_scale[orow], row_inv[orow]), __NV_SATFINITE, __NV_E4M3)) << (8 * jj);
-    }
+    for (int j = 0; j < 4; j++) x[j] = s[orow * across + (oc + (j + rot) % 4) * along];
+    const float d = row_scale[orow];
+    uint32_t packed = fp8x4(x, d, row_inv[orow], reciprocal_exact_enough(d));
+    packed = __funnelshift_l(packed, packed, 8 * rot);
     uint8_t *dst = values + r * out_cols + c;
     if (out_cols % 4 == 0) {
       *reinterpret_cast<uint32_t *>(dst) = packed;
@@ -174,7 +205,82 @@ template <typename In> __global__ void __launch_bounds__(THREADS, 3) quantize_ke
   }
 }
 
+// Untransposed 1 x 128 blocks (the activations of the forward, the cotangent of the backward's dgrad)
+// need no tile: LANES neighbouring lanes take one row's block, 16 bytes each, a thread loads UNROLL
+// rows' before it uses any, and a block's maximum is a reduction across its lanes. The rows of a
+// block of threads: GROUPS * UNROLL, GROUPS apart for a thread.
+template <typename In> __global__ void __launch_bounds__(THREADS) quantize_rows_kernel(const QuantParams p) {
+  constexpr int VEC = 16 / sizeof(In), LANES = T / VEC, GROUPS = THREADS / LANES, UNROLL = 4;
+  static_assert(LANES <= 32 && 32 % LANES == 0 && VEC % 4 == 0);
+  const int b = blockIdx.z, lane = threadIdx.x % LANES;
+  const long long c0 = (long long)blockIdx.x * T, c = c0 + lane * VEC;
+  const int limit = p.row_limit ? min(max(*p.row_limit, 0), p.rows) : p.rows;
+  const In *x = static_cast<const In *>(p.x) + (long long)b * p.rows * p.cols;
+  const int col_blocks = (p.out_cols + T - 1) / T, in_blocks = (p.cols + T - 1) / T;
+  float *scales = p.scales + (long long)b * p.out_rows * col_blocks;
+  uint8_t *values = static_cast<uint8_t *>(p.values) + (long long)b * p.out_rows * p.out_cols;
+  const bool inside = p.vector_loads && c0 + T <= p.cols && limit > 0;  // (the block's; no per-row branch)
+  const long long row_steps = (p.out_rows + GROUPS * UNROLL - 1) / (GROUPS * UNROLL);
+  for (long long step = blockIdx.y; step < row_steps; step += gridDim.y) {
+    const long long r0 = step * GROUPS * UNROLL + threadIdx.x / LANES;  // this thread's rows: r0 + GROUPS u
+    uint4 raw[UNROLL];
+    if (inside) {
+#pragma unroll
+      for (int u = 0; u < UNROLL; u++) {
+        const long long r = min(r0 + GROUPS * u, (long long)limit - 1);  // (a row past the limit: zeros next)
+        raw[u] = __ldcs(reinterpret_cast<const uint4 *>(x + r * p.cols + c));
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; u++)
+        if (r0 + GROUPS * u >= limit) raw[u] = make_uint4(0, 0, 0, 0);  // (not a product: it may hold NaN)
+    } else {
+#pragma unroll
+      for (int u = 0; u < UNROLL; u++) {
+        const long long r = r0 + GROUPS * u;
+        In *e = reinterpret_cast<In *>(&raw[u]);
+#pragma unroll
+        for (int j = 0; j < VEC; j++) e[j] = r < limit && c + j < p.cols ? x[r * p.cols + c + j] : In(0.0f);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+      const long long r = r0 + GROUPS * u;
+      const float x_scale = p.x_scales && r < limit && c0 < p.cols ? p.x_scales[r * in_blocks + c0 / T] : 1.0f;
+      const In *e = reinterpret_cast<const In *>(&raw[u]);
+      float v[VEC], amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < VEC; j++) {
+        v[j] = to_float(e[j]) * x_scale;
+        amax = fmaxf(amax, fabsf(v[j]));
+      }
+#pragma unroll
+      for (int o = 1; o < LANES; o *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      if (r >= p.out_rows || c >= p.out_cols) continue;
+      const float d = amax > 0.0f ? __fdiv_rn(amax, FP8_MAX) : 1.0f, inv = __frcp_rn(d);  // (as the tile kernel's)
+      if (lane == 0) scales[r * col_blocks + c0 / T] = d;
+      uint32_t packed[VEC / 4];
+#pragma unroll
+      for (int k = 0; k < VEC / 4; k++) packed[k] = fp8x4(*reinterpret_cast<const float(*)[4]>(&v[4 * k]), d, inv, reciprocal_exact_enough(d));
+      uint8_t *dst = values + r * p.out_cols + c;
+      if (p.out_cols % VEC == 0) {
+        if constexpr (VEC == 16) *reinterpret_cast<uint4 *>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        if constexpr (VEC == 8) *reinterpret_cast<uint2 *>(dst) = make_uint2(packed[0], packed[1]);
+        if constexpr (VEC == 4) *reinterpret_cast<uint32_t *>(dst) = packed[0];
+      } else {
+        for (int j = 0; j < VEC && c + j < p.out_cols; j++) dst[j] = uint8_t(packed[j / 4] >> (8 * (j % 4)));
+      }
+    }
+  }
+}
+
 template <typename In> cudaError_t launch(const QuantParams &p, cudaStream_t stream) {
+  if (!p.transposed && p.block_rows == 1) {
+    constexpr int rows_per_block = THREADS / (T / (16 / sizeof(In))) * 4;
+    const long long steps = (p.out_rows + rows_per_block - 1) / rows_per_block;
+    const dim3 grid((p.out_cols + T - 1) / T, (unsigned)std::min<long long>(steps, 65535), p.batch);
+    quantize_rows_kernel<In><<<grid, THREADS, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
   constexpr int smem = T * PITCH * sizeof(float);
   if (auto e = cudaFuncSetAttribute(quantize_kernel<In>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       e != cudaSuccess)

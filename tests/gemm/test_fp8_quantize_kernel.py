@@ -1,10 +1,10 @@
 """The FP8 quantization kernel (launch.quantize_call, any CUDA GPU from sm_80) against its definition
 in numpy float32, to the bit, and near the XLA composition it replaces (fp8._requantize_xla: XLA may
 turn a division into a product with the reciprocal, one float32 ulp apart): bfloat16/float16/float32
-and FP8 (with its scales) inputs, 1 x 128 and 128 x 128 blocks, batched weights, transposed, rows cut
-by a limit (inside, past and before the rows), zero padding, edges that are not multiples of 128 or
-of the 16-byte loads, a block of zeros, magnitudes from 2^-20 to 2^20 (float16: 2^-8 to 2^8); both
-outputs poisoned first. Plus, without a GPU, the call's CUDA lowering."""
+and FP8 (with its scales) inputs, 1 x 128 and 128 x 128 blocks, batched weights and rows, transposed,
+rows cut by a limit (inside, past and before the rows; NaN past it), zero padding, edges that are not
+multiples of 128 or of the 16-byte loads, a block of zeros, magnitudes from 2^-20 to 2^20 (float16:
+2^-8 to 2^8); both outputs poisoned first. Plus, without a GPU, the call's CUDA lowering."""
 from __future__ import annotations
 
 import re
@@ -38,6 +38,10 @@ CASES = {  # shape, dtype, block rows, transposed, row limit, out shape (None: x
     "cotangent_t_f32": ((129, 136), F32, 128, True, 129, (136, 144)),
     "limit_past": ((40, 128), BF16, 1, True, 1000, (128, 48)),
     "limit_negative": ((40, 128), F32, 128, True, -3, (128, 48)),
+    "rows_fp8_limit": ((300, 272), FP8, 1, False, 250, (300, 400)),     # (FP8 in, untransposed)
+    "rows_batched": ((2, 130, 256), BF16, 1, False, None, None),
+    "nan_past_limit": ((300, 272), BF16, 1, False, 201, None),          # (rows past the limit hold NaN)
+    "nan_past_limit_t": ((300, 272), BF16, 128, True, 201, (272, 304)),
 }
 
 
@@ -47,6 +51,8 @@ def inputs(case):
     e = 8 if dtype == F16 else 20  # (float16's range)
     x = rng.standard_normal(shape) * 2.0 ** rng.integers(-e, e + 1, size=shape[:-1] + (1,))
     x[..., 5, :] = 0.0  # (a row of zeros: its 1 x 128 blocks get scale 1)
+    if case.startswith("nan"):
+        x[..., CASES[case][4]:, :] = np.nan  # (must give zeros, not a NaN block, whatever it holds)
     if dtype != FP8:
         return jnp.asarray(x, dtype), None
     return fp8.quantize_fp8(jnp.asarray(x, F32), (1, 128))
