@@ -8,6 +8,11 @@ namespace jax_tk::linear_attention {
 
 constexpr float LOG2E = 1.4426950408889634f;
 
+// The ring depth of the sequential passes (forward and the backward's state pass): a block walks its
+// chunks in order, so a chunk's load latency hides only behind the chunks in flight ahead of it; four
+// stages, but two for the delta rule's at K = 128, whose K and W slices leave no room for more.
+template <bool DELTA, int K> constexpr int SEQUENTIAL_STAGES = DELTA && K == 128 ? 2 : 4;
+
 // Sequence n of a call: tokens [bos, bos + len) of batch row b, in `chunks` chunks, whose states (kept
 // for the backward) take slots slot, slot + 1, ... (state_slots). Without cu_seqlens n = b, bos = 0 and
 // len = seq_len; with it (batch 1), bos = cu_seqlens[n], len = cu_seqlens[n + 1] - bos.

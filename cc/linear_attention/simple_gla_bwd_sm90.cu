@@ -26,9 +26,7 @@ using namespace tk;
 
 template <typename T, int K, bool DELTA> struct GlaDs {
   using Roles = roles</*CONSUMERS=*/1, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
-  static constexpr int C = CHUNK, VS = V_SLICE, STAGES = DELTA && K == 128 ? 2 : 4, THREADS = Roles::THREADS;
-  // (a block walks its chunks in order, so a chunk's load latency hides only behind the chunks in flight
-  // ahead of it: four stages, but two for the delta rule's at K = 128, whose K and W leave no room)
+  static constexpr int C = CHUNK, VS = V_SLICE, STAGES = SEQUENTIAL_STAGES<DELTA, K>, THREADS = Roles::THREADS;
   static_assert(C == 64 && VS == 64 && (K == 64 || K == 128));
   template <typename X> using delta_only = std::conditional_t<DELTA, X, Empty>;
   struct Shared {

@@ -40,9 +40,7 @@ template <typename T, int K, bool DELTA> struct Gla {
   static constexpr int OUTPUTS = DELTA ? 1 : 2;
   using Roles = std::conditional_t<DELTA, roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>,
                                    roles</*CONSUMERS=*/3, /*PRODUCER_REGS=*/24, /*CONSUMER_REGS=*/160>>;
-  static constexpr int C = CHUNK, VS = V_SLICE, STAGES = DELTA && K == 128 ? 2 : 4, THREADS = Roles::THREADS;
-  // (a block walks its chunks in order, so a chunk's load latency hides only behind the chunks in flight
-  // ahead of it: four stages, but two for the delta rule's at K = 128, whose K and W leave no room)
+  static constexpr int C = CHUNK, VS = V_SLICE, STAGES = SEQUENTIAL_STAGES<DELTA, K>, THREADS = Roles::THREADS;
   static constexpr int STATE = 0;  // the state's consumer warpgroup (the outputs': 1 .. OUTPUTS)
   static_assert(C == 64 && VS == 64 && (K == 64 || K == 128));
   struct Shared {
