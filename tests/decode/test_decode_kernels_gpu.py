@@ -161,6 +161,15 @@ def test_many_splits_short_lengths():
     check(3, 2, 1, 8, 2, 128, (20, 5), BF16, parts=(1, 7, 64))
 
 
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_scheduler_edges(page_size):
+    # every length 0 (each row 0 with lse -inf, whatever the cache holds); one long sequence among short
+    # ones (its parts against many sequences of one key block); a batch of one
+    check(11, 3, 2, 32, 8, 128, (0, 0, 0), BF16, page_size=page_size)
+    check(12, 8, 1, 32, 8, 128, (30011, 1, 5, 17, 0, 3, 2, 9), BF16, page_size=page_size)
+    check(13, 1, 1, 64, 8, 128, (4099,), BF16, page_size=page_size)
+
+
 @pytest.mark.parametrize("h", [64, 128, 256])
 @pytest.mark.parametrize("t", [2, 8, 32])  # 8, 32 and 128 query rows per KV head
 def test_grid_of_several_waves(h, t):
