@@ -251,6 +251,16 @@ def _reshard(x, mesh, spec):
     return jax.sharding.reshard(x, NamedSharding(mesh, P(*_spec_entries(spec, x.ndim))))
 
 
+def typed_like(cotangent, primal):
+    """``cotangent`` with ``primal``'s sharding where that is explicit, a part of the type that a custom_vjp
+    cotangent must share with its primal (e.g. the sinks' gradient, reduced from rows split over the heads,
+    for sinks replicated over those axes)."""
+    mesh, types = _mesh_axis_types(primal)
+    if not any(t == jax.sharding.AxisType.Explicit for t in types.values()):
+        return cotangent
+    return _reshard(cotangent, mesh, jax.typeof(primal).sharding.spec)
+
+
 def _caller_spec(layout: Layout, labels: str, lead_labels: str, lead_spec, own_spec):
     """The sharding a result is given back: the leading operand's entries for the labels it shares
     with it, else (the results of operands of their own, e.g. their gradients) ``own_spec``."""

@@ -190,7 +190,12 @@ def _attention_bwd(spec, residuals, cotangents):
     dout, dlse = cotangents
     grads = bwd(spec, query, key, value, out, lse, dout, dlse, masks, bias, sinks)
     dbias = dispatch.sum_as(grads[3], bias) if bias is not None else None
-    dsinks = sinks_.grad(sinks, lse, grads[-1]) if sinks is not None else None
+    # The sinks' gradient has the sinks' type (a custom_vjp cotangent has its primal's): inside a user's
+    # shard_map it is summed over the manual axes the sinks are shared over (e.g. replicated over the batch
+    # shards); under explicit sharding it gets the sinks' sharding (e.g. replicated, with the heads split).
+    dsinks = None
+    if sinks is not None:
+        dsinks = sharding.typed_like(dispatch.sum_as(sinks_.grad(sinks, lse, grads[-1]), sinks), sinks)
     return (*grads[:3], None, dbias, dsinks)
 
 

@@ -237,8 +237,10 @@ def _attention_fwd(spec, *args):
 def _attention_bwd(spec, args, cotangents):
     paged, sinks = args[4] is not None, args[5] is not None
     grads = sharding.call(_bwd_layout(paged, sinks), _bwd_local, spec, *args, *cotangents,
-                          result_like=(0, 1, 2, None)[:3 + sinks])
-    return (*grads[:3], None, None, grads[3] if sinks else None)
+                          result_like=(0, 1, 2, 5)[:3 + sinks])  # (the sinks' gradient sharded like the sinks)
+    # (inside a user's shard_map the sinks' gradient is per device: summed over the devices that share them,
+    # e.g. the batch shards, as a custom_vjp cotangent has its primal's type)
+    return (*grads[:3], None, None, dispatch.sum_as(grads[3], args[5]) if sinks else None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

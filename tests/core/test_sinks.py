@@ -114,3 +114,69 @@ def test_sinks_errors():
         jax_tk.attention(q, q, q, sinks=jnp.zeros((4,)), implementation="cudnn")
     with pytest.raises(ValueError, match=r"sinks must have shape \[q_heads\]"):
         jax_tk.decode.attention(q[:, :1], q, q, jnp.array([8]), sinks=jnp.zeros((3,)))
+
+
+def _decode_oracle(q, kc, vc, lengths, sinks, *, scale, is_causal, window, cap):
+    """(out, lse) of decode attention with sinks, written out plainly in float32: row i of sequence b is
+    at position p = lengths[b] - T_new + i and sees key j if p >= 0, j < lengths[b], p - left <= j <=
+    p + right (and j <= p when causal); its weights are p_j = exp(l_j) / (exp(sink) + sum_j exp(l_j))
+    over the soft-capped logits l_j of those keys, and lse = log(exp(sink) + sum_j exp(l_j))."""
+    q, kc, vc = (x.astype(jnp.float32) for x in (q, kc, vc))
+    b, t, n, _ = q.shape
+    kc, vc = (jnp.repeat(x, n // x.shape[2], axis=2) for x in (kc, vc))
+    logits = jnp.einsum("btnd,bsnd->bnts", q, kc, precision="highest") * scale
+    logits = cap * jnp.tanh(logits / cap)
+    p = (lengths[:, None] - t + jnp.arange(t)[None, :])[:, None, :, None]  # [b, 1, t, 1]
+    j = jnp.arange(kc.shape[1])
+    seen = (p >= 0) & (j < lengths[:, None, None, None]) & (j >= p - window[0]) & (j <= p + window[1])
+    if is_causal:
+        seen &= j <= p
+    e = jnp.where(seen, jnp.exp(logits), 0.0)  # (|logits| <= cap: no overflow)
+    denom = jnp.exp(sinks)[None, :, None] + e.sum(-1)  # [b, n, t]
+    out = jnp.einsum("bnts,bsnd->btnd", e / denom[..., None], vc, precision="highest")
+    return out, jnp.log(denom)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("is_causal,window,paged", [(True, (9, 0), False), (False, (5, 3), True)],
+                         ids=["causal_contiguous", "window_paged"])
+def test_decode_sinks_window_softcap(implementation, is_causal, window, paged):
+    """jax_tk.decode.attention with sinks, a window, a soft cap and lengths of 0, shorter than the new
+    tokens and the whole cache (contiguous and paged), against the plain softmax above: out, lse, and
+    the gradients in the query, the caches and the sinks. Rows that see no key give 0 and lse = sink."""
+    dtype = jnp.bfloat16 if implementation == "tk" else jnp.float32
+    b, t_new, n, kh, d, s_max, page, cap = 4, 3, 8, 2, 64, 48, 16, 2.0
+    rng = np.random.default_rng(5)
+    q = (2.0 * helpers.randn(rng, (b, t_new, n, d), jnp.float32)).astype(dtype)  # (logits well past the cap)
+    kc, vc = helpers.randn(rng, (b, s_max, kh, d), dtype), helpers.randn(rng, (b, s_max, kh, d), dtype)
+    lengths = jnp.array([s_max, 0, 2, 29], jnp.int32)
+    sinks = jnp.asarray(rng.normal(size=n).astype(np.float32)).at[1].set(6.0)
+    table = None
+    if paged:  # the caches as a shuffled pool of pages (one spare) and its page table
+        per = s_max // page
+        perm = rng.permutation(b * per + 1)
+        table = jnp.asarray(perm[: b * per].reshape(b, per), jnp.int32)
+        pool = lambda c: (jnp.zeros((b * per + 1, page, kh, d), dtype).at[perm[b * per:]].set(1.5)
+                          .at[perm[: b * per]].set(c.reshape(b * per, page, kh, d)))
+        kc, vc = pool(kc), pool(vc)
+
+    def ours(q, kc, vc, sinks):
+        return jax_tk.decode.attention_with_lse(q, kc, vc, lengths, page_table=table, is_causal=is_causal,
+                                                local_window_size=window, logits_soft_cap=cap, sinks=sinks,
+                                                implementation=implementation)
+
+    def oracle(q, kc, vc, sinks):
+        if paged:
+            kc, vc = (x[table].reshape(b, s_max, kh, d) for x in (kc, vc))
+        return _decode_oracle(q, kc, vc, lengths, sinks, scale=d ** -0.5, is_causal=is_causal, window=window, cap=cap)
+
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    out, vjp = jax.vjp(jax.jit(ours), q, kc, vc, sinks)
+    out_ref, vjp_ref = jax.vjp(oracle, q, kc, vc, sinks)
+    _check(out, out_ref, tol)
+    assert np.all(np.asarray(out[0][1]) == 0) and np.all(np.asarray(out[0][2, 0]) == 0)  # rows that see no key
+    np.testing.assert_allclose(np.asarray(out[1][1]), np.broadcast_to(np.asarray(sinks)[:, None], (n, t_new)),
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(out[1][2, :, 0]), np.asarray(sinks), rtol=1e-6)
+    ct = (helpers.randn(rng, out[0].shape, jnp.float32), helpers.randn(rng, out[1].shape, jnp.float32))
+    _check(vjp((ct[0].astype(dtype), ct[1])), vjp_ref(ct), tol)
