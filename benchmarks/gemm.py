@@ -1,10 +1,10 @@
 """GEMM benchmarks: the grouped GEMM of mixtures of experts (``ragged_dot``) and the dense GEMM
 (``matmul``), jax_tk against its peers, in one process, with one timer.
 
-    python -m benchmarks ragged_dot                         # every shape, uniform and skewed sizes
+    python -m benchmarks ragged_dot                         # every shape, uniform and routed sizes
     python -m benchmarks ragged_dot --shapes mixtral,qwen --dist dirichlet --modes fwd
     python -m benchmarks ragged_dot --quick                 # tiny shapes (seconds, CPU too)
-    python -m benchmarks matmul                             # 8192^3 and the same shapes, dense
+    python -m benchmarks matmul                             # 8192^3, odd, skinny, the grouped shapes dense
     python -m benchmarks matmul --shapes cube8k --modes fwd
     python -m benchmarks ragged_dot --dtype fp8             # FP8 (e4m3) GEMMs of the same shapes
 
@@ -15,10 +15,14 @@ Grouped shapes (bf16; ``m`` rows of ``k`` times one ``[k, n]`` matrix per expert
 - ``deepseek``: 32768 x 7168 -> 2048, 64 experts (DeepSeek-like)
 - ``deepseek-v3``: 256 experts, top-8 routing of 16k tokens: m = 16384 * 8 = 131072, k = 7168, n = 2048
 
-Group sizes (``--dist``): ``uniform`` (m / g each) and ``dirichlet`` (shares drawn from a Dirichlet
-with alpha 0.5, numpy seed 0: a few experts get most tokens, some almost none), passed as a traced
-int32 array to every provider. Dense shapes (``[m, k] @ [k, n]``): ``cube8k`` 8192 x 8192 x 8192 and
-the grouped shapes without their groups.
+Group sizes (``--dist``, default ``uniform,routed``): ``uniform`` (m / g each), ``routed`` (each
+token's top-k of a router whose experts are uneven, see ROUTER_BIAS_STD) and ``dirichlet`` (shares
+drawn from a Dirichlet with alpha 0.5, numpy seed 0: a few experts get most tokens, some almost
+none), passed as a traced int32 array to every provider. Dense shapes (``[m, k] @ [k, n]``):
+``cube8k`` 8192 x 8192 x 8192, ``odd`` 3000 x 5000 x 7000 (no size a multiple of a tile: partial
+tiles at every edge; ``--dtype fp8`` skips jax_tk there, its FP8 kernel takes k a multiple of 16),
+``skinny`` 128 x 8192 x 8192 (few rows: too few output tiles to fill the GPU), and the grouped
+shapes without their groups.
 
 Providers (``gemm_providers``): ragged_dot ``jax_tk``, ``lax`` (``jax.lax.ragged_dot``), ``dense``
 (XLA's GEMM of the same FLOPs, the ceiling), ``tokamax`` and ``jla`` where installed; matmul
@@ -55,7 +59,7 @@ MODES = ("fwd", "bwd", "fwd_bwd")
 DEFAULT_MODES = ("fwd", "fwd_bwd")
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.0, "fwd_bwd": 3.0}
 DISTRIBUTIONS = ("uniform", "dirichlet", "routed")
-DEFAULT_DISTRIBUTIONS = ("uniform", "dirichlet")
+DEFAULT_DISTRIBUTIONS = ("uniform", "routed")  # even experts, and uneven ones as a trained router makes them
 DIRICHLET_ALPHA = 0.5  # skewed: a few groups get most rows, some nearly none
 # "routed": each of m / top_k tokens takes the top_k of standard-normal logits plus a per-expert bias
 # of this standard deviation (drawn once per seed): uneven the way trained routers are, the busiest
@@ -399,7 +403,12 @@ RAGGED_SHAPES = {  # name: (m, k, n, groups, top_k): m = tokens x top_k rows
     "mixtral-8x22b": (8192 * 2, 6144, 16384, 8, 2),
 }
 RAGGED_QUICK_SHAPES = {"tiny": (256, 64, 128, 4, 2), "tiny-many": (384, 32, 64, 32, 4)}
-MATMUL_SHAPES = {"cube8k": (8192, 8192, 8192), **{name: s[:3] for name, s in RAGGED_SHAPES.items()}}
+MATMUL_SHAPES = {  # name: (m, k, n)
+    "cube8k": (8192, 8192, 8192),
+    "odd": (3000, 5000, 7000),  # partial tiles at every edge (k and n multiples of 8, as the kernel needs)
+    "skinny": (128, 8192, 8192),  # few rows: too few output tiles to fill the GPU
+    **{name: s[:3] for name, s in RAGGED_SHAPES.items()},  # the grouped shapes without their groups
+}
 MATMUL_QUICK_SHAPES = {"tiny": (128, 64, 96), "tiny-tall": (512, 32, 48)}
 
 
@@ -415,7 +424,7 @@ def matmul_configs(shapes: dict, names: Sequence[str], dtype: str = "bf16") -> l
 def _dist_argument(a) -> None:
     a.add_argument("--dist", type=cli.str_list(DISTRIBUTIONS), default=None,
                    help="group sizes: uniform, dirichlet, routed (each shape's tokens through a top-k "
-                        "router with uneven experts) (default uniform,dirichlet)")
+                        f"router with uneven experts) (default {','.join(DEFAULT_DISTRIBUTIONS)})")
 
 
 RAGGED_DOT, bench_ragged_dot = command(

@@ -22,8 +22,14 @@ def test_shapes_of_the_issue():
         "mixtral-8x22b": (16384, 6144, 16384, 8, 2)}
     for m, k, n, g, top_k in gemm.RAGGED_SHAPES.values():  # (whole tokens; the FP8 kernel's k and n)
         assert m % top_k == 0 and k % 16 == 0 and n % 8 == 0
-    assert gemm.MATMUL_SHAPES["cube8k"] == (8192, 8192, 8192)
-    assert set(gemm.MATMUL_SHAPES) == {"cube8k", *gemm.RAGGED_SHAPES}
+    # the issue's dense rows: 8192^3, odd sizes (partial tiles at every edge), few rows; then the
+    # grouped shapes without their groups
+    assert {n: gemm.MATMUL_SHAPES[n] for n in ("cube8k", "odd", "skinny")} == {
+        "cube8k": (8192, 8192, 8192), "odd": (3000, 5000, 7000), "skinny": (128, 8192, 8192)}
+    assert list(gemm.MATMUL_SHAPES) == ["cube8k", "odd", "skinny", *gemm.RAGGED_SHAPES]
+    assert all(gemm.MATMUL_SHAPES[n] == s[:3] for n, s in gemm.RAGGED_SHAPES.items())
+    for m, k, n in gemm.MATMUL_SHAPES.values():  # (the bf16 kernel's k and n)
+        assert k % 8 == 0 and n % 8 == 0
     assert {"ragged_dot", "matmul"} <= set(cli.load_ops())
 
 
@@ -61,6 +67,19 @@ def test_routed_group_sizes(m, g, top_k):
         gemm.group_sizes(m + 1, g, "routed", top_k=top_k)
     with pytest.raises(ValueError, match="top_k"):
         gemm.group_sizes(m, g, "routed", top_k=g + 1)
+
+
+def test_default_group_sizes_uniform_and_routed(tmp_path):
+    """Without --dist, every shape runs with uniform and routed group sizes (the issue's rows)."""
+    assert gemm.DEFAULT_DISTRIBUTIONS == ("uniform", "routed")
+    if harness.has_gpu():
+        pytest.skip("the CPU run")
+    assert cli.main(["ragged_dot", "--quick", "--modes", "fwd", "--providers", "dense", "--no-check",
+                     "--out", str(tmp_path), "--png", "none"]) == 0
+    rows = _rows(tmp_path / "ragged_dot.csv")
+    assert [(r["name"], r["dist"]) for r in rows] == [(name, d) for name in gemm.RAGGED_QUICK_SHAPES
+                                                      for d in ("uniform", "routed")]
+    assert all(r["status"] == "ok" for r in rows), rows
 
 
 def test_routed_configs():

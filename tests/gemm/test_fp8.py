@@ -2,7 +2,8 @@
 quantization error bounds, zero and ragged edge blocks, saturation; the products against float64
 numpy products of the dequantized operands; pair and array inputs; straight-through gradients;
 jit/vmap; argument checks; implementation="tk"'s errors; the kernel path (the FP8 kernel replaced by a
-stand-in with its contract) against the reference, values and gradients."""
+stand-in with its contract) against the reference, values and gradients; NaN and inf in lhs's rows
+past the groups, on every path."""
 from __future__ import annotations
 
 import types
@@ -505,3 +506,72 @@ def wgrad_of_requantized(x, dout, sizes, group_offset, local, transposed=False):
     qg = np_dequantize(*jax_tk.quantize_fp8(jnp.asarray(gt, F32), (128, 128)), (128, 128))
     ends = np.cumsum(local_sizes)
     return np.stack([qa[:, e - s:e] @ qg[:, e - s:e].T for s, e in zip(local_sizes, ends)])
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows past the groups holding NaN or inf (a padded buffer)
+# ----------------------------------------------------------------------------------------------
+
+
+def pad_rows(x, start, pad):
+    """``x`` with its rows from ``start`` on set to non-finite values (made on the host): all NaN,
+    all inf, or ("mixed") NaN, +inf and -inf rows and rows with one inf among finite values."""
+    y = np.array(x.astype(F32))
+    if pad == "mixed":
+        y[start::4], y[start + 1::4], y[start + 2::4] = np.nan, np.inf, -np.inf
+        y[start + 3::4, 1] = np.inf
+    else:
+        y[start:] = np.nan if pad == "nan" else np.inf
+    return jnp.asarray(y).astype(x.dtype)
+
+
+@pytest.mark.parametrize("pad,offset", [("nan", None), ("mixed", None), ("inf", 2)])
+@pytest.mark.parametrize("lhs_kind", ["f32", "bf16", "pair"])
+@pytest.mark.parametrize("path", ["default", "xla", "kernel"])
+def test_nonfinite_rows_past_the_groups(request, path, lhs_kind, pad, offset):
+    """Rows of lhs past sum(group_sizes) may hold anything (a padded buffer), NaN and inf included,
+    given as an array or quantized into a pair: they give exact zeros, and the other rows and both
+    gradients are exactly those of the same lhs with those rows zeroed (lhs's rows past: 0). A NaN
+    could leak through a block scale (the kernel path's rhs gradient re-quantizes lhs^T in blocks of
+    128 rows, here mixing rows inside and past the groups) or through a product with a 0/1 mask.
+    "default" (implementation=None) is the FP8 kernels on an H100/H200 and the reference ("xla")
+    elsewhere; "kernel" is the kernel path with the FP8 kernels replaced by their stand-in (its
+    Python side: the custom_vjp, the re-quantizations, the row limit of rhs's gradient)."""
+    if path == "kernel":
+        request.getfixturevalue("fake_fp8_kernel")
+    m, k, n, sizes = 40, 144, 24, [0, 9, 0, 14, 0]  # empty groups first, between and last; rows 23.. in none
+    end = sum(sizes)
+    dtype = BF16 if lhs_kind == "bf16" else F32
+    x, w = fp8_inputs(16, m, k, n, len(sizes), dtype)  # (with offset 2: rhs's last 2 groups past the 5)
+    gs = jnp.asarray(sizes, jnp.int32)
+    go = None if offset is None else jnp.asarray([offset], jnp.int32)
+    out_dtype = BF16 if lhs_kind == "bf16" else F32
+    dout = randn(np.random.default_rng(17), (m, n), out_dtype)
+    padded, clean = pad_rows(x, end, pad), x.at[end:].set(0)
+    if lhs_kind == "pair":
+        padded, clean = jax_tk.quantize_fp8(padded, (1, 128)), jax_tk.quantize_fp8(clean, (1, 128))
+        assert not np.isfinite(np.asarray(padded[0][end:].astype(F32))).all(axis=1).any()
+        if pad == "nan":  # (quantizing gives NaN rows scale 1: a pair from elsewhere may have NaN scales too)
+            padded = (padded[0], padded[1].at[end:].set(jnp.nan))
+
+    def f(a, b):
+        return jax_tk.ragged_dot_fp8(a, b, gs, group_offset=go, preferred_element_type=out_dtype,
+                                     implementation="xla" if path == "xla" else None)
+
+    out, vjp = jax.vjp(f, padded, w)
+    want, want_vjp = jax.vjp(f, clean, w)
+    assert out.dtype == out_dtype
+    got32 = np.asarray(out.astype(F32))
+    assert np.all(got32[end:] == 0) and np.all(np.isfinite(got32))
+    assert np.abs(got32[:end]).max() > 0  # (not vacuous: the groups' rows have values)
+    np.testing.assert_array_equal(got32, np.asarray(want.astype(F32)))
+    (dl, dw), (want_dl, want_dw) = vjp(dout), want_vjp(dout)
+    as32 = lambda t: np.asarray(t.astype(F32))
+    if lhs_kind == "pair":  # a constant: zero gradients, for its values and its scales
+        assert not np.any(as32(dl[0])) and not np.any(as32(dl[1]))
+    else:
+        assert dl.dtype == dtype and np.all(np.isfinite(as32(dl))) and np.all(as32(dl)[end:] == 0)
+        assert np.abs(as32(dl)[:end]).max() > 0
+        np.testing.assert_array_equal(as32(dl), as32(want_dl))
+    assert dw.dtype == dtype and np.all(np.isfinite(as32(dw))) and np.abs(as32(dw)).max() > 0
+    np.testing.assert_array_equal(as32(dw), as32(want_dw))

@@ -168,6 +168,37 @@ def test_nonfinite_rows_past_the_groups(implementation, dtype, pad):
     np.testing.assert_array_equal(np.asarray(drhs, np.float32), np.asarray(clean_drhs, np.float32))
 
 
+@pytest.mark.parametrize("pad", ["nan", "mixed"])
+@pytest.mark.parametrize("path,offset", [("kernel", None), ("kernel", 2), ("default", 2), ("xla", 2)])
+def test_nonfinite_rows_past_the_groups_kernel_path_and_offset(request, path, offset, pad):
+    """As test_nonfinite_rows_past_the_groups, on the kernel path (its stand-in, which gets the rows
+    and sizes the kernel would: the Python side of that path, its backward's casts included) and with
+    group_offset (rows rolled so that the local groups come first: the rows past every group must
+    stay past the local ones): rows past sum(group_sizes) give exact zeros, and the other rows and
+    both gradients are exactly those of the same lhs with those rows zeroed (lhs's rows past: 0)."""
+    if path == "kernel":
+        request.getfixturevalue("fake_kernel")
+    m, k, n, sizes = 24, 8, 16, [0, 5, 0, 11, 0]  # rows 16.. in no group
+    end = sum(sizes)
+    lhs, rhs, gs, dout = inputs(11, m, k, n, sizes, BF16)  # (with offset 2: rhs's last 2 groups past the 5)
+    padded, clean = _pad_rows(lhs, end, pad), lhs.at[end:].set(0)
+    go = None if offset is None else jnp.asarray([offset], jnp.int32)
+
+    def f(lhs, rhs):
+        return jax_tk.ragged_dot(lhs, rhs, gs, group_offset=go, implementation="xla" if path == "xla" else None)
+
+    out, vjp = jax.vjp(f, padded, rhs)
+    want, want_vjp = jax.vjp(f, clean, rhs)
+    as32 = lambda t: np.asarray(t, np.float32)
+    assert np.all(as32(out)[end:] == 0) and np.abs(as32(out)[:end]).max() > 0
+    np.testing.assert_array_equal(as32(out), as32(want))
+    (dlhs, drhs), (want_dlhs, want_drhs) = vjp(dout), want_vjp(dout)
+    assert np.all(np.isfinite(as32(dlhs))) and np.all(np.isfinite(as32(drhs)))
+    assert np.all(as32(dlhs)[end:] == 0) and np.abs(as32(drhs)).max() > 0
+    np.testing.assert_array_equal(as32(dlhs), as32(want_dlhs))
+    np.testing.assert_array_equal(as32(drhs), as32(want_drhs))
+
+
 @pytest.mark.parametrize("implementation", [None, "xla"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_group_sizes_past_the_rows_as_lax(implementation, dtype):
