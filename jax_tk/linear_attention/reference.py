@@ -37,8 +37,12 @@ functions.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from jax_tk._core import dispatch
 
 F32 = jnp.float32
 HI = jax.lax.Precision.HIGHEST
@@ -90,7 +94,10 @@ def _start(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm: bool):
     (b, _, _, kd), (hv, vd) = q.shape, v.shape[2:]
     n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
     init = jnp.zeros((n, hv, kd, vd), F32) if initial_state is None else initial_state.astype(F32)
-    state0 = init if cu_seqlens is None else jnp.zeros((1, hv, kd, vd), F32)
+    # Inside shard_map the carried state varies over every manual mesh axis that the inputs vary over:
+    # the state it starts from is typed so too (a cast of the type, no data moved), as the scan requires.
+    init = functools.reduce(dispatch.vary_as, [x for x in (q, k, v, g, beta) if x is not None], init)
+    state0 = init if cu_seqlens is None else dispatch.vary_as(jnp.zeros((1, hv, kd, vd), F32), init)
     return _prepare(q, k, v, g, beta, use_qk_l2norm), init, state0
 
 
@@ -185,13 +192,16 @@ def chunked(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlens=No
         chunks, resets, pos = -(-t // chunk_size), None, None
     else:
         pos, chunks, resets, last, lengths = _varlen_layout(cu_seqlens, t, chunk_size)
+        # The token at each position of the padded stream; t: a padding token (zeros, appended below).
+        src = jnp.full((chunks * chunk_size,), t, jnp.int32).at[pos].set(jnp.arange(t, dtype=jnp.int32))
 
     def split(x):
-        """``[B, chunks, HV, chunk, ...]``, packed sequences moved to chunks of their own first."""
+        """``[B, chunks, HV, chunk, ...]``, packed sequences moved to chunks of their own first (a gather of
+        the tokens rather than a scatter into zeros: the result keeps x's sharding, e.g. over heads)."""
         if x is None:
             return None
         if pos is not None:
-            x = jnp.zeros((1, chunks * chunk_size, *x.shape[2:]), F32).at[:, pos].set(x)
+            x = jnp.pad(x, [(0, 0), (0, 1)] + [(0, 0)] * (x.ndim - 2))[:, src]
         return _to_chunks(x, chunks, chunk_size)
 
     qc, kc, vc, gc, bc = map(split, (q32, k32, v32, g32, b32))  # g, beta: [B, chunks, HV, chunk]
