@@ -98,6 +98,17 @@ def _compile_checked(fwd, grad, args, grad_args, axis_type, heads):
     return fwd_compiled, grad_compiled
 
 
+def _run_sharded(fwd, grad, args, cts, specs, q_spec, axis_type):
+    """fwd and grad compiled for ``args`` placed by ``specs`` (the cotangents like q and its lse rows) and
+    checked for gathers, then run: ((out, lse), grads)."""
+    mesh = _mesh(axis_type)
+    lse_spec = P(q_spec[0], q_spec[2] if len(q_spec) > 2 else None)
+    sharded = [_put(x, mesh, s) for x, s in zip(args, specs)]
+    sharded_cts = [_put(cts[0], mesh, q_spec), _put(cts[1], mesh, lse_spec)]
+    fwd_sharded, grad_sharded = _compile_checked(fwd, grad, sharded, (*sharded, *sharded_cts), axis_type, 8)
+    return fwd_sharded(*sharded), grad_sharded(*sharded, *sharded_cts)
+
+
 def _check_close(got, want, names):
     for name, g, w in zip(names, jax.tree.leaves(got), jax.tree.leaves(want)):
         assert g.shape == w.shape, (name, g.shape, w.shape)
@@ -163,18 +174,10 @@ def test_attention_jit_sharded(case):
     the inputs sharded as ``case``: out, lse and the gradients (sinks' included) equal one device's; the
     programs gather no query/key/value; results and gradients keep their inputs' shardings."""
     name, axis_type, kh, q_spec, kv_spec, sinks_spec = case
-    mesh = _mesh(axis_type)
     args, cts = _attention_inputs(0, kh=kh)
-    batch = P(q_spec[0])
-    lse_spec = P(q_spec[0], q_spec[2] if len(q_spec) > 2 else None)
-    specs = (q_spec, kv_spec, kv_spec, sinks_spec) + (batch,) * 4
-    sharded = [_put(x, mesh, s) for x, s in zip(args, specs)]
-    sharded_cts = [_put(cts[0], mesh, q_spec), _put(cts[1], mesh, lse_spec)]
+    specs = (q_spec, kv_spec, kv_spec, sinks_spec) + (P(q_spec[0]),) * 4
     fwd, grad = _attention_fwd, _attention_grad
-    fwd_sharded, grad_sharded = _compile_checked(fwd, grad, sharded, (*sharded, *sharded_cts), axis_type, 8)
-
-    out, lse = fwd_sharded(*sharded)
-    grads = grad_sharded(*sharded, *sharded_cts)
+    (out, lse), grads = _run_sharded(fwd, grad, args, cts, specs, q_spec, axis_type)
     _check_close((out, lse), fwd(*args), ("out", "lse"))
     _check_close(grads, grad(*args, *cts), ("dq", "dk", "dv", "dsinks"))
     if axis_type == AxisType.Explicit:  # (the types: results sharded like their inputs)
@@ -233,18 +236,11 @@ def test_decode_jit_sharded(case):
     under jit with the inputs sharded as ``case``: out, lse and the gradients (sinks' included) equal one
     device's; rows that see no key give 0 and lse = sink; the programs gather no query or cache."""
     name, axis_type, kh, q_spec, cache_spec, sinks_spec, paged = case
-    mesh = _mesh(axis_type)
     args, cts = _decode_inputs(1, kh=kh, paged=paged)
     batch = P(q_spec[0])
-    lse_spec = P(q_spec[0], q_spec[2] if len(q_spec) > 2 else None)
     specs = (q_spec, cache_spec, cache_spec, batch, sinks_spec, batch)
-    sharded = [_put(x, mesh, s) for x, s in zip(args, specs)]
-    sharded_cts = [_put(cts[0], mesh, q_spec), _put(cts[1], mesh, lse_spec)]
     fwd, grad = _decode_fwd, _decode_grad
-    fwd_sharded, grad_sharded = _compile_checked(fwd, grad, sharded, (*sharded, *sharded_cts), axis_type, 8)
-
-    out, lse = fwd_sharded(*sharded)
-    grads = grad_sharded(*sharded, *sharded_cts)
+    (out, lse), grads = _run_sharded(fwd, grad, args, cts, specs, q_spec, axis_type)
     want = fwd(*args)
     _check_close((out, lse), want, ("out", "lse"))
     # rows that see no key (length 0; the row before the start of a length-1 sequence): 0, lse = sink
