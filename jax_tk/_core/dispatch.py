@@ -148,18 +148,19 @@ def vary_like(fn: Callable, *args):
     return type(outs)(fix(o) for o in outs) if isinstance(outs, (tuple, list)) else fix(outs)
 
 
-def vary_as(x, like):
-    """``x`` typed as varying over every manual mesh axis ``like`` varies over (a type-level cast). The
-    gradient with respect to the result is then per device, as a kernel gives it, instead of summed by
-    autodiff over the axes ``x`` is invariant over."""
-    missing = vma(like) - vma(x)
+def vary_as(x, *like):
+    """``x`` typed as varying over every manual mesh axis one of ``like`` varies over (a type-level cast;
+    None entries are skipped). The gradient with respect to the result is then per device, as a kernel
+    gives it, instead of summed by autodiff over the axes ``x`` is invariant over."""
+    missing = frozenset().union(*(vma(y) for y in like if y is not None)) - vma(x)
     return _pcast_varying(x, tuple(sorted(missing))) if missing else x
 
 
 def zeros(shape, dtype, *like):
-    """Zeros typed as varying over every manual mesh axis one of ``like`` varies over: the result of an
-    op with nothing to compute (an empty dimension), typed as its computed result would be."""
-    return functools.reduce(vary_as, like, jnp.zeros(shape, dtype))
+    """Zeros typed as varying over every manual mesh axis one of ``like`` varies over (None entries
+    skipped): the result of an op with nothing to compute (an empty dimension), or a stand-in for a
+    result, typed as its computed result would be."""
+    return vary_as(jnp.zeros(shape, dtype), *like)
 
 
 def sum_as(cotangent, primal):

@@ -202,7 +202,7 @@ def _bwd_reference(spec: GemmSpec, lhs, rhs, sizes, dout):
     # Inside shard_map, the VJP of an array replicated over an axis would sum its cotangent over
     # that axis by itself; typed as varying like the rest, each input gets this shard's part, as the
     # kernel branch does (the two branches must have the same types), and bwd_local sums both alike.
-    lhs, rhs = (functools.reduce(dispatch.vary_as, (lhs, rhs, sizes, dout), x) for x in (lhs, rhs))
+    lhs, rhs = (dispatch.vary_as(x, lhs, rhs, sizes, dout) for x in (lhs, rhs))
     f = lambda a, b: reference.ragged_dot(a, b, sizes, out_dtype=spec.out_dtype)
     return jax.vjp(f, lhs, rhs)[1](dout)
 

@@ -298,17 +298,12 @@ def _local_keep(spec: _Spec, v, q, k, g, initial_state, cu_seqlens):
     def chunked(q, k, v, g, cu_seqlens, initial_state):
         o, ht = _chunked(spec, q, k, v, g, None, cu_seqlens, initial_state)
         shape = (launch.state_slots(q, cu_seqlens), v.shape[2], q.shape[3], v.shape[3])
-        states = _placeholder(shape, q.dtype, q, k, v, g, cu_seqlens, initial_state)
+        # (stand-ins for what the chunked backward does not read, typed as the kernel branch's results
+        # inside shard_map, so that the platform dispatch's two branches have one type; likewise the zero
+        # initial states of the backward's chunked branches, whose gradient is a per-device part)
+        states = dispatch.zeros(shape, q.dtype, q, k, v, g, cu_seqlens, initial_state)
         return o, ht, _states_view(states, q, cu_seqlens)
     return dispatch.platform_dispatch(True, kernel, chunked, q, k, v, g, cu_seqlens, initial_state)
-
-
-def _placeholder(shape, dtype, *args):
-    """Zeros typed as the kernel branch types its results: varying over every manual mesh axis one of
-    ``args`` varies over (inside ``shard_map``). For what the chunked path's backward does not read (the
-    two branches of the platform dispatch then have one type), and for the zero initial state whose
-    gradient the chunked backward computes (a per-device part, not summed over the devices)."""
-    return dispatch.zeros(shape, dtype, *(a for a in args if a is not None))
 
 
 def _states_view(states, q, cu_seqlens):
@@ -328,8 +323,8 @@ def _local_gdr_keep(spec: _Spec, v, q, k, g, beta, initial_state, cu_seqlens):
         o, ht = _chunked(spec, q, k, v, g, beta, cu_seqlens, initial_state)
         (b, t, _, kd), (hv, vd) = q.shape, v.shape[2:]
         args = (q, k, v, g, beta, cu_seqlens, initial_state)
-        states = _placeholder((launch.state_slots(q, cu_seqlens), hv, kd, vd), q.dtype, *args)
-        zeros = [_placeholder(shape, q.dtype, *args) for shape in ((b, t, hv, kd), v.shape, (b, t, hv, chunk_size()))]
+        states = dispatch.zeros((launch.state_slots(q, cu_seqlens), hv, kd, vd), q.dtype, *args)
+        zeros = [dispatch.zeros(shape, q.dtype, *args) for shape in ((b, t, hv, kd), v.shape, (b, t, hv, chunk_size()))]
         return o, ht, _states_view(states, q, cu_seqlens), *zeros
     return dispatch.platform_dispatch(True, kernel, chunked, q, k, v, g, beta, cu_seqlens, initial_state)
 
@@ -343,8 +338,8 @@ def _local_gdr_bwd(spec: _Spec, v, q, k, g, beta, initial_state, cu_seqlens, sta
         return dv, dq, dk, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0
 
     def chunked(q, k, v, g, beta, cu_seqlens, initial_state, states, w, u, tk, do, dht):
-        h0 = initial_state if initial_state is not None else _placeholder(dht.shape, jnp.float32, q, k, v, g, beta, do,
-                                                                          dht)
+        h0 = initial_state if initial_state is not None else dispatch.zeros(dht.shape, jnp.float32, q, k, v, g, beta,
+                                                                            do, dht)
         f = lambda q, k, v, g, beta, h0: _chunked(spec, q, k, v, g, beta, cu_seqlens, h0)
         dq, dk, dv, dg, dbeta, dh0 = jax.vjp(f, q, k, v, g, beta, h0)[1]((do, dht))
         return dv, dq, dk, dg, dbeta, dh0.astype(jnp.float32)
@@ -361,7 +356,7 @@ def _local_gla_bwd(spec: _Spec, v, q, k, g, initial_state, cu_seqlens, states, d
         return dv, dq, dk, dg.astype(g.dtype), dh0
 
     def chunked(q, k, v, g, cu_seqlens, initial_state, states, do, dht):
-        h0 = initial_state if initial_state is not None else _placeholder(dht.shape, jnp.float32, q, k, v, g, do, dht)
+        h0 = initial_state if initial_state is not None else dispatch.zeros(dht.shape, jnp.float32, q, k, v, g, do, dht)
         f = lambda q, k, v, g, h0: _chunked(spec, q, k, v, g, None, cu_seqlens, h0)
         dq, dk, dv, dg, dh0 = jax.vjp(f, q, k, v, g, h0)[1]((do, dht))
         return dv, dq, dk, dg, dh0.astype(jnp.float32)

@@ -37,8 +37,6 @@ functions.
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -96,8 +94,8 @@ def _start(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm: bool):
     init = jnp.zeros((n, hv, kd, vd), F32) if initial_state is None else initial_state.astype(F32)
     # Inside shard_map the carried state varies over every manual mesh axis that the inputs vary over:
     # the state it starts from is typed so too (a cast of the type, no data moved), as the scan requires.
-    init = functools.reduce(dispatch.vary_as, [x for x in (q, k, v, g, beta) if x is not None], init)
-    state0 = init if cu_seqlens is None else dispatch.vary_as(jnp.zeros((1, hv, kd, vd), F32), init)
+    init = dispatch.vary_as(init, q, k, v, g, beta)
+    state0 = init if cu_seqlens is None else dispatch.zeros((1, hv, kd, vd), F32, init)
     return _prepare(q, k, v, g, beta, use_qk_l2norm), init, state0
 
 
