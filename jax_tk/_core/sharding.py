@@ -240,6 +240,12 @@ def _mesh_axis_types(x) -> tuple[object, dict]:
     return (mesh, _axis_types(mesh)) if mesh is not None else (None, {})
 
 
+def explicit(x) -> bool:
+    """Whether ``x`` is typed as sharded over a mesh with an Explicit axis (where ``call`` runs its
+    function in a shard_map of its own)."""
+    return any(t == jax.sharding.AxisType.Explicit for t in _mesh_axis_types(x)[1].values())
+
+
 def _same(spec_a, spec_b, ndim) -> bool:
     a, b = _spec_entries(spec_a, ndim), _spec_entries(spec_b, ndim)
     return all(_axes(x) == _axes(y) for x, y in zip(a, b))

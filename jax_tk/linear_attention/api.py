@@ -208,9 +208,15 @@ def _run(op, implementation, spec, q, k, v, g, beta, cu, initial_state, output_f
     else the pure-JAX path it names."""
     run = _reference_path(op, implementation)
     if implementation == "reference" or not dispatch.use_kernel(op, implementation, launch.unsupported_reason(q, v)):
-        return run(q, k, v, g, beta, scale=spec.scale, initial_state=initial_state, cu_seqlens=cu,
-                   output_final_state=bool(output_final_state), **reference_options)
-    o, final = _kernel_path(spec, q, k, v, g, beta, cu, initial_state)
+        if implementation == "reference" or not sharding.explicit(v):
+            return run(q, k, v, g, beta, scale=spec.scale, initial_state=initial_state, cu_seqlens=cu,
+                       output_final_state=bool(output_final_state), **reference_options)
+        # Under explicit sharding the chunked path runs on the shards as the kernel path does, differentiated
+        # by JAX: partitioned by XLA, a q/k head shared by several head shards was repeated to the value
+        # heads replicated, and its backward gathered every value head's per-chunk cotangents.
+        o, final = sharding.call(_layout(cu), _local_chunked, spec, v, q, k, g, beta, initial_state, cu)
+    else:
+        o, final = _kernel_path(spec, q, k, v, g, beta, cu, initial_state)
     return o, (final if output_final_state else None)
 
 
@@ -226,13 +232,21 @@ class _Spec:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kernel_path(spec: _Spec, q, k, v, g, beta, cu_seqlens, initial_state):
     """(o, final_state)."""
-    layout = _LAYOUT if cu_seqlens is None else _PACKED_LAYOUT
-    return sharding.call(layout, _local, spec, v, q, k, g, beta, initial_state, cu_seqlens)
+    return sharding.call(_layout(cu_seqlens), _local, spec, v, q, k, g, beta, initial_state, cu_seqlens)
+
+
+def _layout(cu_seqlens):
+    return _LAYOUT if cu_seqlens is None else _PACKED_LAYOUT
 
 
 def _chunked(spec: _Spec, q, k, v, g, beta, cu_seqlens, initial_state):
     return reference.chunked(q, k, v, g, beta, scale=spec.scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                              output_final_state=True, use_qk_l2norm=spec.use_qk_l2norm, chunk_size=chunk_size())
+
+
+def _local_chunked(spec: _Spec, v, q, k, g, beta, initial_state, cu_seqlens):
+    """(o, final_state) of the chunked path on one device's arrays (the operands in _LAYOUT's order)."""
+    return _chunked(spec, q, k, v, g, beta, cu_seqlens, initial_state)
 
 
 def _kernel(spec: _Spec, q, k, v, g, beta, cu_seqlens, initial_state):

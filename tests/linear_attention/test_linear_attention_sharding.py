@@ -3,11 +3,11 @@ under jit with inputs sharded over batch, over heads and over both (explicit and
 value heads split with their q/k head, or sharing one q/k head among several devices), inside shard_map
 and vmap, and packed sequences (cu_seqlens) with their heads split. Outputs, final states and the
 gradients in q, k, v, g, beta and initial_state match one device's; the compiled programs have no
-collectives, except the sums of dq and dk over the devices that share a q/k head. (The chunked path under
-explicit sharding with shared q/k heads communicates more: an expected failure, see its reason.)
+collectives, except the sums of dq and dk over the devices that share a q/k head.
 
 Two paths are partitioned. The op as it runs off H100/H200 (here, and for float32) is the chunked XLA
-path, which XLA partitions as any program. The kernel path (``api._kernel_path``: the custom_vjp and the
+path: XLA partitions it under auto sharding, and under explicit sharding jax_tk runs it on the shards
+(a shard_map, differentiated by JAX). The kernel path (``api._kernel_path``: the custom_vjp and the
 partitioning around the CUDA kernels, which runs the chunked path off CUDA) is split by jax_tk itself:
 shard_map for explicit sharding, custom_partitioning for auto. Its CUDA lowering (checked without a GPU
 through jax.export) runs the kernels on the local shards.
@@ -204,8 +204,8 @@ def _check_jit_sharded(path, case, axis_type, allowed=("all-reduce",)):
     _check_collectives(compiled.as_text(), case, allowed)
     text = lowered.as_text()
     # The kernel path is split by jax_tk (a shard_map for explicit sharding, custom_partitioning for auto);
-    # the op's chunked path by XLA alone.
-    assert ("manual_computation" in text) == (path == "kernel" and axis_type == AxisType.Explicit)
+    # the op's chunked path by a shard_map of jax_tk's for explicit sharding, else by XLA alone.
+    assert ("manual_computation" in text) == (axis_type == AxisType.Explicit)
     assert ("CustomSPMDPartitioning" in text) == (path == "kernel" and axis_type == AxisType.Auto)
     got = compiled(args, cotangents)
     _check_close(got, _one_device(0))
@@ -220,23 +220,14 @@ def _check_jit_sharded(path, case, axis_type, allowed=("all-reduce",)):
 @needs_devices
 @pytest.mark.parametrize("case,axis_type", [
     (CASE["batch"], AxisType.Explicit), (CASE["heads"], AxisType.Auto), (CASE["batch_heads"], AxisType.Explicit),
-    (CASE["heads_shared"], AxisType.Auto),
-], ids=["batch-explicit", "heads-auto", "batch_heads-explicit", "heads_shared-auto"])
+    (CASE["heads_shared"], AxisType.Auto), (CASE["heads_shared"], AxisType.Explicit),
+], ids=["batch-explicit", "heads-auto", "batch_heads-explicit", "heads_shared-auto", "heads_shared-explicit"])
 def test_op_jit_sharded(case, axis_type):
     """The op (the chunked XLA path): values and layouts of one device, no collectives; with a q/k head
-    shared by head shards, only dq and dk are communicated (XLA sums each device's part over the 2 devices
-    that share a q/k head, then all-gathers the 2 q/k heads)."""
+    shared by head shards, only dq and dk are communicated (under auto sharding XLA sums each device's part
+    over the 2 devices that share a q/k head, then all-gathers the 2 q/k heads; under explicit sharding
+    each device slices the q/k head it uses, and one all-reduce sums dq and dk over its sharers)."""
     _check_jit_sharded("op", case, axis_type, allowed=("all-reduce", "all-gather"))
-
-
-@needs_devices
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "explicit sharding, q/k heads shared by head shards: the chunked path's jnp.repeat of q and k "
-    "(reference._prepare) is typed replicated over 'model', so the backward all-gathers the per-chunk "
-    "cotangents of every value head [B/2, chunks, HV, 64, K or 64] over 'model'"))
-def test_op_jit_sharded_shared_heads_explicit():
-    """As test_op_jit_sharded, with explicit sharding and each q/k head shared by two head shards."""
-    _check_jit_sharded("op", CASE["heads_shared"], AxisType.Explicit, allowed=("all-reduce", "all-gather"))
 
 
 @needs_devices
