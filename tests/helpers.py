@@ -149,6 +149,20 @@ def run_in_subprocess(path):
                       **{CHILD_ENV: "1"})
 
 
+def multi_device_tests(path):
+    """For a test file whose tests need N_DEVICES CPU devices: ``test_in_subprocess, needs_devices =
+    multi_device_tests(__file__)``. Where this process lacks the devices, test_in_subprocess reruns the
+    file in a child that has them (run_in_subprocess); where it has them, the tests marked
+    needs_devices run here."""
+    here = have_devices()
+
+    @pytest.mark.skipif(here, reason="this process has the devices: the tests run here")
+    def test_in_subprocess():
+        run_in_subprocess(path)
+
+    return test_in_subprocess, pytest.mark.skipif(not here, reason=f"runs in the {N_DEVICES}-device subprocess")
+
+
 def child_env(xla_flags: str, **env_updates) -> dict:
     """This process's environment for a child Python: ``xla_flags`` added to XLA_FLAGS, ``env_updates`` set."""
     env = dict(os.environ, **env_updates)

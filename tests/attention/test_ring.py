@@ -4,7 +4,6 @@ causal or not, grouped-query attention, several ring sizes, and a 2-D (data x se
 zig-zag helpers; input errors. As in test_sharding.py, this file reruns itself in a subprocess with 8
 host devices unless this process already has them.
 """
-import os
 import re
 
 import jax
@@ -17,16 +16,12 @@ import jax_tk
 from jax_tk.attention import reference
 from jax_tk import unzigzag, zigzag, zigzag_indices
 
-from helpers import CHILD_ENV as _CHILD_ENV, attention_inputs, have_devices as _have_devices, rel_err, run_in_subprocess
+from helpers import attention_inputs, have_devices as _have_devices, multi_device_tests, rel_err
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
 
-@pytest.mark.skipif(_have_devices(), reason="this process has the devices: the tests run here")
-def test_in_subprocess():
-    if os.environ.get(_CHILD_ENV):
-        pytest.fail("the 8-device subprocess did not get 8 CPU devices")
-    run_in_subprocess(__file__)
+test_in_subprocess, _ = multi_device_tests(__file__)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,11 +19,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jax_tk
 from jax_tk.attention import reference
 from helpers import (N_DEVICES, attention_inputs, collectives, have_devices as _have_devices,
-                     load_example, needs_extension, rel_err, run_in_subprocess)
+                     load_example, multi_device_tests, needs_extension, rel_err)
 
-@pytest.mark.skipif(_have_devices(), reason="this process has the devices: the tests run here")
-def test_in_subprocess():
-    run_in_subprocess(__file__)
+test_in_subprocess, _ = multi_device_tests(__file__)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from helpers import REPO, attention_inputs, have_devices, needs_extension, rel_err, run_in_subprocess
+from helpers import REPO, attention_inputs, multi_device_tests, needs_extension, rel_err
 from jax_tk._core import checks, dispatch, extension, sharding
 from jax_tk._core.ffi import kernel_call
 
@@ -244,12 +244,10 @@ def test_plan_rules():
         sharding.call(LAYOUT, _toy_local, 1.0, jnp.ones((2, 2, 2, 2)))
 
 
-@pytest.mark.skipif(have_devices(), reason="this process has the devices: the tests run here")
-def test_in_subprocess():
-    run_in_subprocess(__file__)
+test_in_subprocess, needs_devices = multi_device_tests(__file__)
 
 
-@pytest.mark.skipif(not have_devices(), reason="runs in the 8-device subprocess")
+@needs_devices
 @pytest.mark.parametrize("kh", [4, 2])
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_toy_op_runs_on_shards(kh, axis_type):
@@ -284,7 +282,7 @@ def test_rows_toy_op_unpartitioned():
     np.testing.assert_array_equal(w, x.sum(0))
 
 
-@pytest.mark.skipif(not have_devices(), reason="runs in the 8-device subprocess")
+@needs_devices
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_rows_toy_op_batch_offset_and_summed(axis_type):
     x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 3)), jnp.float32)

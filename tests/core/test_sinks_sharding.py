@@ -29,7 +29,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from helpers import collectives, have_devices as _have_devices, randn, rel_err, run_in_subprocess
+from helpers import collectives, multi_device_tests, randn, rel_err
 from jax_tk.decode import launch, reference as decode_reference
 from jax_tk.decode.api import DecodeSpec
 
@@ -37,12 +37,7 @@ F32 = jnp.float32
 TOL = 1e-5
 
 
-@pytest.mark.skipif(_have_devices(), reason="this process has the devices: the tests run here")
-def test_in_subprocess():
-    run_in_subprocess(__file__)
-
-
-needs_devices = pytest.mark.skipif(not _have_devices(), reason="runs in the 8-device subprocess")
+test_in_subprocess, needs_devices = multi_device_tests(__file__)
 
 # ----------------------------------------------------------------------------------------------
 # Helpers

@@ -15,17 +15,12 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from helpers import collectives, have_devices as _have_devices, needs_extension, randn, rel_err, run_in_subprocess
+from helpers import collectives, multi_device_tests, needs_extension, randn, rel_err
 
 F32 = jnp.float32
 
 
-@pytest.mark.skipif(_have_devices(), reason="this process has the devices: the tests run here")
-def test_in_subprocess():
-    run_in_subprocess(__file__)
-
-
-needs_devices = pytest.mark.skipif(not _have_devices(), reason="runs in the 8-device subprocess")
+test_in_subprocess, needs_devices = multi_device_tests(__file__)
 
 # ----------------------------------------------------------------------------------------------
 # Helpers

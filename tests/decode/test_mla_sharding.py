@@ -12,18 +12,13 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from helpers import collectives, have_devices as _have_devices, randn, rel_err, run_in_subprocess
+from helpers import collectives, multi_device_tests, randn, rel_err
 from test_decode_sharding import _gathered_shapes, _mesh, _pages, _put
 
 F32 = jnp.float32
 
 
-@pytest.mark.skipif(_have_devices(), reason="this process has the devices: the tests run here")
-def test_in_subprocess():
-    run_in_subprocess(__file__)
-
-
-needs_devices = pytest.mark.skipif(not _have_devices(), reason="runs in the 8-device subprocess")
+test_in_subprocess, needs_devices = multi_device_tests(__file__)
 
 
 def _inputs(seed, b=8, t=2, n=16, d=576, s=64, page_size=16):

@@ -14,15 +14,13 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_tk
-from helpers import (collectives, have_devices as _have_devices, load_example, needs_extension, randn, rel_err,
-                     run_in_subprocess)
+from helpers import (collectives, have_devices as _have_devices, load_example, multi_device_tests,
+                     needs_extension, randn, rel_err)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
-@pytest.mark.skipif(_have_devices(), reason="this process has the devices: the tests run here")
-def test_in_subprocess():
-    run_in_subprocess(__file__)
+test_in_subprocess, _ = multi_device_tests(__file__)
 
 
 def _inputs(seed, m, k, n, sizes, dtype=F32):

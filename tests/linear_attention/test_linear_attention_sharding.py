@@ -24,19 +24,14 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from helpers import collectives, have_devices as _have_devices, needs_extension, rel_err, run_in_subprocess
+from helpers import collectives, multi_device_tests, needs_extension, rel_err
 from jax_tk import linear_attention as la
 from jax_tk._core import ffi
 
 F32 = jnp.float32
 
 
-@pytest.mark.skipif(_have_devices(), reason="this process has the devices: the tests run here")
-def test_in_subprocess():
-    run_in_subprocess(__file__)
-
-
-needs_devices = pytest.mark.skipif(not _have_devices(), reason="runs in the 8-device subprocess")
+test_in_subprocess, needs_devices = multi_device_tests(__file__)
 
 # ----------------------------------------------------------------------------------------------
 # Inputs, the two ops on both paths, and their gradients
