@@ -261,10 +261,9 @@ def typed_like(cotangent, primal):
     """``cotangent`` with ``primal``'s sharding where that is explicit, a part of the type that a custom_vjp
     cotangent must share with its primal (e.g. the sinks' gradient, reduced from rows split over the heads,
     for sinks replicated over those axes)."""
-    mesh, types = _mesh_axis_types(primal)
-    if not any(t == jax.sharding.AxisType.Explicit for t in types.values()):
+    if not explicit(primal):
         return cotangent
-    return _reshard(cotangent, mesh, jax.typeof(primal).sharding.spec)
+    return _reshard(cotangent, _mesh_axis_types(primal)[0], jax.typeof(primal).sharding.spec)
 
 
 def _caller_spec(layout: Layout, labels: str, lead_labels: str, lead_spec, own_spec):
