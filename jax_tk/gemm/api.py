@@ -25,10 +25,12 @@ class GemmSpec:
     """Static description of one grouped GEMM (hashable: a custom_vjp nondiff argument).
 
     out_dtype: the result's dtype name (the inputs' or float32). use_kernel: the CUDA kernel on CUDA
-    devices (the reference elsewhere)."""
+    devices (the reference elsewhere). dense: one group of all the rows (matmul), whose forward may
+    split k where its output tiles are few (launch.split_k_parts)."""
 
     out_dtype: str
     use_kernel: bool
+    dense: bool = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,11 +181,19 @@ def local_group_sizes(group_sizes, start, rows: int):
     return jnp.clip(ends, lo, hi) - jnp.clip(starts, lo, hi)
 
 
+def _fwd_kernel(spec: GemmSpec, lhs, rhs, sizes):
+    (m, k), n = lhs.shape, rhs.shape[2]
+    parts = launch.split_k_parts(m, k, n) if spec.dense and rhs.shape[0] == 1 else 1
+    if parts > 1:  # (every row is group 0's: the sizes say nothing more)
+        return launch.split_k_dot(lhs, rhs[0], parts, out_dtype=spec.out_dtype)
+    return launch.ragged_dot(lhs, rhs, sizes, out_dtype=spec.out_dtype)
+
+
 def fwd_local(spec: GemmSpec, lhs, rhs, group_sizes, *, batch_start):
     sizes = local_group_sizes(group_sizes, batch_start, lhs.shape[0])
     out = dispatch.platform_dispatch(
         spec.use_kernel,
-        lambda a, b, s: launch.ragged_dot(a, b, s, out_dtype=spec.out_dtype),
+        functools.partial(_fwd_kernel, spec),
         lambda a, b, s: reference.ragged_dot(a, b, s, out_dtype=spec.out_dtype),
         lhs, rhs, sizes)
     return (out,)
@@ -315,6 +325,9 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, implementation=
       implementation: as for :func:`ragged_dot` (``"xla"``: the float32 reference).
 
     One launch either way: a's rows are one group (2-D b), or each leading index is a group of m rows.
+    Where a's rows are too few for the kernel's output tiles to fill the GPU (e.g. 128 rows against a
+    large 2-D b), the forward splits k instead: one launch of the contracting kernel on ``a^T``, one
+    group per range of k, and XLA's sum of the float32 partial products.
     Differentiable; works under ``jit``, ``vmap`` and sharded ``jit`` (rows of a split) like
     :func:`ragged_dot`.
 
@@ -348,6 +361,6 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, implementation=
     if rows > launch.MAX_ROWS:
         raise ValueError(f"jax_tk.{op}: {rows} rows of a do not fit int32 indices")
     sizes = jnp.asarray(np.full((g,), rows // g, np.int32))
-    spec = GemmSpec(out_dtype, use_kernel(op, a.dtype, k, n, g, rows, implementation))
+    spec = GemmSpec(out_dtype, use_kernel(op, a.dtype, k, n, g, rows, implementation), dense=True)
     out = ragged_dot_vjp(a.reshape(rows, k), rhs, sizes, spec)
     return out.reshape(*lead, m, n)

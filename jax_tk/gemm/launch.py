@@ -271,6 +271,39 @@ def ragged_dot(a, b, group_sizes, *, out_dtype, b_transposed=False, out_init=Non
     return _rows_fn(jnp.dtype(out_dtype).name, bool(b_transposed), variant)(a, b, group_sizes)
 
 
+# Split-k of a dense product whose output tiles would leave most of the GPU idle (e.g. 128 rows of a
+# against a large b): its k is cut into parts, each a group of the contracting kernel (mode 1), whose
+# float32 partial products are then summed. WAVE_TILES: output tiles of one wave (one per SM of an
+# H100/H200); SPLIT_K_MIN: the fewest positions of k per part (the partial sums' traffic must stay
+# small beside the operands').
+WAVE_TILES = 132
+SPLIT_K_MIN = 1024
+
+
+def split_k_parts(m: int, k: int, n: int) -> int:
+    """How many parts of k the product of a ``[m, k]`` and b ``[k, n]`` is split into: 1 where its output
+    tiles fill half a wave or more, or where m is not a multiple of DIM_MULTIPLE (the contracting kernel's
+    output rows); else enough to fill about one wave, each at least SPLIT_K_MIN of k."""
+    c = contract()
+    tiles = -(-m // c["SM90_TILE_M"]) * -(-n // c["SM90_TILE_N"])
+    if 2 * tiles >= WAVE_TILES or m % c["DIM_MULTIPLE"]:
+        return 1
+    return max(1, min(WAVE_TILES // tiles, k // SPLIT_K_MIN))
+
+
+def split_k_dot(a, b, parts: int, *, out_dtype):
+    """``a [m, k] @ b [k, n]`` as the sum of ``parts`` products over consecutive ranges of k (multiples
+    of the kernel's steps but the last), in float32: one launch of the contracting kernel (mode 1) on
+    ``a^T``, whose group i is range i, then XLA's sum of the partial products."""
+    k = a.shape[1]
+    step = contract()["SM90_TILE_K"]
+    part = -(-k // (parts * step)) * step
+    ends = np.minimum(np.arange(1, parts + 1) * part, k)
+    sizes = jnp.asarray(np.diff(ends, prepend=0).astype(np.int32))
+    partial = ragged_contracting(a.T, b, sizes, out_dtype=jnp.float32)
+    return jnp.sum(partial, axis=0).astype(out_dtype)
+
+
 def ragged_contracting(a, b, group_sizes, *, out_dtype, out_init=None, variant=None):
     """Mode 1: ``out[i] = a[rows_i]^T @ b[rows_i]``, [g, k, n]. ``variant``: as in :func:`ragged_dot`."""
     variant = dispatch.kernel_variant() if variant is None else variant

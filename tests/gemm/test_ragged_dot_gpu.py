@@ -147,7 +147,8 @@ def test_vmap_is_one_launch_and_correct():
     assert f.lower(lhs, rhs, sizes, dout).as_text().count("custom_call @jax_tk_gemm_ragged") == 3
 
 
-@pytest.mark.parametrize("shape", [((513, 264), (264, 136)), ((4, 77, 64), (4, 64, 128)), ((2048, 1024), (1024, 2048))])
+@pytest.mark.parametrize("shape", [((513, 264), (264, 136)), ((4, 77, 64), (4, 64, 128)), ((2048, 1024), (1024, 2048)),
+                                   ((128, 8192), (8192, 2048)), ((64, 3000), (3000, 512))])  # (the last two split k)
 def test_matmul(shape):
     rng = np.random.default_rng(4)
     a, b = helpers.randn(rng, shape[0], BF16), helpers.randn(rng, shape[1], BF16)
