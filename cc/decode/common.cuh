@@ -11,6 +11,16 @@ namespace jax_tk::decode {
 
 using namespace tk;
 
+// The call's parameters as a kernel compiled for one cache layout sees them: without a page table
+// where PAGED is false, which the compiler then knows. A contiguous cache's kernel so holds none of
+// the paged paths (most of a kernel's code): a call of a few microseconds spends much of its time
+// fetching instructions, and fewer, in one run, are fetched sooner.
+template <bool PAGED> __device__ __forceinline__ Params cache_layout(const Params &p) {
+  Params q = p;
+  if constexpr (!PAGED) q.page_table = nullptr;
+  return q;
+}
+
 // The cache row of position j (of some sequence) that lies in page `page` of a paged cache; -1 for a
 // page outside the pool.
 __device__ __forceinline__ int page_row(const Params &p, int page, int j) {

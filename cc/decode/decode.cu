@@ -65,8 +65,9 @@ template <typename T, int D, int W, int TILES_> struct Config {
   static_assert(W != SMALL || sizeof(Shared) <= SMALL_GPU_SMEM);
 };
 
-template <typename T, int D, typename C>
-__global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(const __grid_constant__ Params p) {
+template <typename T, int D, typename C, bool PAGED>
+__global__ __launch_bounds__(C::THREADS, C::BLOCKS_PER_SM) void decode_kernel(const __grid_constant__ Params params) {
+  const Params p = cache_layout<PAGED>(params);
   constexpr int KEYS = C::KEYS, STAGES = C::STAGES, TILES = C::TILES, GROUPS = C::GROUPS;
   grid_dependency_wait();  // (launched to wait here: see launch)
   extern __shared__ __align__(1024) char smem_raw[];
@@ -284,7 +285,7 @@ template <typename T, int D, int TILES> cudaError_t by_grid(const Params &p, siz
   const dim3 grid = grid_of(p, TILE_ROWS * TILES);
   auto go = [&]<int W>() {
     using C = Config<T, D, W, TILES>;
-    return launch(decode_kernel<T, D, C>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p, true);
+    return launch(p.page_table ? decode_kernel<T, D, C, true> : decode_kernel<T, D, C, false>, grid, dim3(C::THREADS), sizeof(typename C::Shared), stream, p, true);
   };
   if constexpr (TILES == 8) {
     return go.template operator()<WIDE>();
