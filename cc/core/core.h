@@ -45,7 +45,10 @@ namespace jax_tk::core {
   X(VARIANT_SM80, 1)  /* the mma.sync (sm_80) kernels on every GPU: the portable path, run on Hopper too */ \
   X(VARIANT_SM86, 2)  /* as SM80, within the shared memory of sm_86/sm_89 GPUs (decode's SMALL_GPU_SMEM) */ \
   /* The kernels index rows, elements and positions with int32: every such count stays at or below. */    \
-  X(MAX_INDEX, 2147483647)
+  X(MAX_INDEX, 2147483647)                                                                                 \
+  /* Thread blocks of one wave where each takes a whole SM (one per SM of an H100/H200): grids of few     \
+     blocks (decode's split count, matmul's split k) are sized to fill it. */                            \
+  X(WAVE_BLOCKS, 132)
 // clang-format on
 JAX_TK_DECLARE_CONTRACT(JAX_TK_CORE_CONTRACT)
 #define JAX_TK_CORE_FORMULAS(F)

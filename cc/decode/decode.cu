@@ -31,7 +31,7 @@ namespace {
 
 // Many short warps beat few deep ones: a warp's step is a chain of dependent mma, shuffles and exp2
 // that only more warps overlap, while two stages already keep enough bytes in flight. WIDE blocks take
-// a whole SM (TARGET_BLOCKS counts on it): a grid of one wave. A grid of several waves takes blocks of
+// a whole SM (core::WAVE_BLOCKS counts on it): a grid of one wave. A grid of several waves takes blocks of
 // half the warps (HALF), two per SM, so that one block's ramp and tail overlap the other's streaming
 // instead of leaving the SM idle between blocks. A block of TILES row tiles has WARPS / TILES groups
 // (at least TILES warps: eight tiles take a whole SM), each with a ring of key blocks TILES times
@@ -290,7 +290,7 @@ template <typename T, int D, int TILES> cudaError_t by_grid(const Params &p, siz
   if constexpr (TILES == 8) {
     return go.template operator()<WIDE>();
   } else {
-    if (fits<T, D, WIDE, TILES>(smem) && size_t(grid.x) * grid.y * grid.z <= TARGET_BLOCKS) return go.template operator()<WIDE>();
+    if (fits<T, D, WIDE, TILES>(smem) && size_t(grid.x) * grid.y * grid.z <= core::WAVE_BLOCKS) return go.template operator()<WIDE>();
     if constexpr (D > 128 && TILES < 4)  // (run() gives four tiles at D=256 only where they fit)
       if (!fits<T, D, HALF, TILES>(smem)) return go.template operator()<SMALL>();
     return go.template operator()<HALF>();

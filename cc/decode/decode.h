@@ -21,9 +21,7 @@ enum class DType { bf16, fp16 };
   X(MAX_SPLITS, 128)       /* parts a sequence's cache may be split into (the split-KV grid) */            \
   X(SPLIT_MIN_KEYS, 128)   /* ... each covering at least this many positions of the capacity */            \
   X(SMALL_GPU_SMEM, 99 * 1024)  /* shared memory a block may take on sm_86 / sm_89 GPUs: every head dim    \
-                                   and block size has a config within it (VARIANT_SM86 keeps to it) */     \
-  X(TARGET_BLOCKS, 132)    /* thread blocks of one wave (one per SM of an H100/H200): the split count      \
-                              stays within it; a larger grid takes blocks of two per SM */
+                                   and block size has a config within it (VARIANT_SM86 keeps to it) */
 // clang-format on
 JAX_TK_DECLARE_CONTRACT(JAX_TK_DECODE_CONTRACT)
 

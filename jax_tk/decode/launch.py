@@ -46,7 +46,7 @@ SPLIT_UNIT_KEYS = 4096
 
 def splits(batch: int, t_new: int, heads: int, kv_heads: int, capacity: int, head_dim: int = 0) -> int:
     """How many parts each sequence's keys are split into: as many as keep the grid within one wave of
-    TARGET_BLOCKS thread blocks (a second, partial wave would cost as much as the first), each part
+    the core contract's WAVE_BLOCKS thread blocks (a second, partial wave would cost as much as the first), each part
     covering at least SPLIT_MIN_KEYS positions of the cache's capacity. (``head_dim``: MLA's latent rows
     take blocks of MLA_BLOCK_ROWS rows.)
 
@@ -62,7 +62,7 @@ def splits(batch: int, t_new: int, heads: int, kv_heads: int, capacity: int, hea
     mla = head_dim == c["MLA_HEAD_DIM"]
     chunk = c["MLA_BLOCK_ROWS"] if mla else formulas().block_rows(rows)
     blocks = batch * kv_heads * math.ceil(rows / chunk)
-    want = c["TARGET_BLOCKS"] // blocks
+    want = extension.contract("core")["WAVE_BLOCKS"] // blocks
     if want <= 1 and not mla and chunk < c["MAX_TILE_ROWS"] and capacity >= 2 * SPLIT_UNIT_KEYS:
         return min(capacity // SPLIT_UNIT_KEYS, c["MAX_SPLITS"])
     return max(1, min(want, c["MAX_SPLITS"], capacity // c["SPLIT_MIN_KEYS"]))

@@ -273,10 +273,9 @@ def ragged_dot(a, b, group_sizes, *, out_dtype, b_transposed=False, out_init=Non
 
 # Split-k of a dense product whose output tiles would leave most of the GPU idle (e.g. 128 rows of a
 # against a large b): its k is cut into parts, each a group of the contracting kernel (mode 1), whose
-# float32 partial products are then summed. WAVE_TILES: output tiles of one wave (one per SM of an
-# H100/H200); SPLIT_K_MIN: the fewest positions of k per part (the partial sums' traffic must stay
-# small beside the operands').
-WAVE_TILES = 132
+# float32 partial products are then summed, so that about a wave of tiles (the core contract's
+# WAVE_BLOCKS) runs. SPLIT_K_MIN: the fewest positions of k per part (the partial sums' traffic must
+# stay small beside the operands').
 SPLIT_K_MIN = 1024
 
 
@@ -284,11 +283,11 @@ def split_k_parts(m: int, k: int, n: int) -> int:
     """How many parts of k the product of a ``[m, k]`` and b ``[k, n]`` is split into: 1 where its output
     tiles fill half a wave or more, or where m is not a multiple of DIM_MULTIPLE (the contracting kernel's
     output rows); else enough to fill about one wave, each at least SPLIT_K_MIN of k."""
-    c = contract()
+    c, wave = contract(), extension.contract("core")["WAVE_BLOCKS"]
     tiles = -(-m // c["SM90_TILE_M"]) * -(-n // c["SM90_TILE_N"])
-    if 2 * tiles >= WAVE_TILES or m % c["DIM_MULTIPLE"]:
+    if 2 * tiles >= wave or m % c["DIM_MULTIPLE"]:
         return 1
-    return max(1, min(WAVE_TILES // tiles, k // SPLIT_K_MIN))
+    return max(1, min(wave // tiles, k // SPLIT_K_MIN))
 
 
 def split_k_dot(a, b, parts: int, *, out_dtype):

@@ -15,7 +15,7 @@ import pytest
 
 import jax_tk
 from helpers import nan, randn, rel_err, scan_step
-from jax_tk._core import dispatch
+from jax_tk._core import dispatch, extension
 from jax_tk.decode import launch, reference
 from jax_tk.decode.api import DecodeSpec
 from test_decode import poison_past, to_pages
@@ -173,9 +173,9 @@ def test_scheduler_edges(page_size):
 @pytest.mark.parametrize("h", [64, 128, 256])
 @pytest.mark.parametrize("t", [2, 8, 32])  # 8, 32 and 128 query rows per KV head
 def test_grid_of_several_waves(h, t):
-    # more thread blocks than one wave (TARGET_BLOCKS) take the kernel of two blocks per SM
+    # more thread blocks than one wave (the core contract's WAVE_BLOCKS) take the kernel of two blocks per SM
     b, kh = 34, 4
-    assert b * kh > launch.contract()["TARGET_BLOCKS"]
+    assert b * kh > extension.contract("core")["WAVE_BLOCKS"]
     lengths = np.random.default_rng(5).integers(0, 700, b)
     check(5, b, t, 16, kh, h, lengths, BF16, parts=(1, 2))
 
