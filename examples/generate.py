@@ -4,7 +4,8 @@ The prompt (one slice of Shakespeare per sequence) goes through the model once (
 layer's key/value cache with ``jax_tk.decode.update_kv_cache``; then a ``lax.scan`` (or
 ``lax.while_loop``, ``--loop while``) generates one byte per sequence and step: each layer appends the
 new token's key/value to its cache and attends over it. The caches are donated to the jitted loop, so
-XLA updates them in place. The same generation runs with each attention implementation
+XLA updates them in place; the blocks' matmul weights are cast to the compute dtype once, as a server
+holds them (``serving_params``), not at every step. The same generation runs with each attention implementation
 (``--attention``):
 
 - ``tk``: ``jax_tk.decode.attention`` (``implementation=None``: jax_tk's kernel where it takes the
@@ -112,6 +113,23 @@ def forward_cached(params, tokens, caches, lengths, page_table, config, attentio
     return train_gpt.logits_of(params, x, config), tuple(new_caches)
 
 
+# The weights the blocks multiply by, cast to the compute dtype at every use (train_gpt.block_qkv,
+# block_out); the layer norms' and the embeddings' stay float32 (the embedding table is also read in
+# float32 by the token lookup).
+_MATMUL_WEIGHTS = ("qkv_w", "qkv_b", "proj_w", "proj_b", "fc_w", "fc_b", "out_w", "out_b")
+
+
+def serving_params(params, config):
+    """The parameters as a server holds them: the blocks' matmul weights in the compute dtype, once.
+    train_gpt keeps float32 master weights and casts them at every use; inside a decoding loop that
+    cast would re-read every float32 weight at every step (twice the bytes of the bf16 weights, plus
+    the copies), which is most of a step's time at serving shapes. The model's results are unchanged:
+    it casts the same values to the same dtype."""
+    dt = config.compute_dtype
+    blocks = {k: v.astype(dt) if k in _MATMUL_WEIGHTS else v for k, v in params["blocks"].items()}
+    return {**params, "blocks": blocks}
+
+
 def empty_caches(config, batch: int, max_len: int, page_size: int | None, seed: int = 0):
     """Per layer a (key, value) cache for ``max_len`` positions: contiguous [B, max_len, K, H] (K the
     key/value heads), or with ``page_size`` a pool of B * max_len / page_size pages in shuffled order
@@ -207,7 +225,7 @@ def generate(params, config, prompt, new_tokens, *, attention="tk", page_size=No
         raise ValueError(f"the batch ({b}) must split evenly over {devices} devices")
     max_len = p + new_tokens
     put = batch_placement(devices)
-    params = jax.tree_util.tree_map(lambda x: put(x, None), params)
+    params = jax.tree_util.tree_map(lambda x: put(x, None), serving_params(params, config))
     prompt = put(jnp.asarray(prompt, jnp.int32))
     forced = None if forced is None else put(jnp.asarray(forced, jnp.int32))
     key = jax.random.key(seed)

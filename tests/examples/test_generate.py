@@ -48,6 +48,29 @@ def test_cached_generation_matches_full_forward(paged, loop, heads, kv_heads):
     np.testing.assert_array_equal(tokens, want.argmax(-1))  # greedy
 
 
+def test_serving_params_cast_the_matmul_weights_once_and_change_nothing():
+    import jax
+    import jax.numpy as jnp
+
+    g = load_generate()
+    m = _train_gpt.load_example()
+    config = m.Config(layers=2, width=64, heads=4, seq=32, kv_heads=2, dtype="bfloat16")
+    params = m.init_params(jax.random.key(3), config)
+    served = g.serving_params(params, config)
+    for name, leaf in served["blocks"].items():
+        want = jnp.bfloat16 if name.endswith(("_w", "_b")) and not name.startswith("ln") else jnp.float32
+        assert leaf.dtype == want, name
+    assert served["wte"].dtype == served["wpe"].dtype == jnp.float32
+    prompt = jnp.asarray(g.prompts(2, 6, seed=2))
+    caches, _ = g.empty_caches(config, 2, 8, None)
+    lengths = jnp.zeros((2,), jnp.int32)
+    run = jax.jit(g.forward_cached, static_argnames=("config", "attention", "prefill"))
+    want, _ = run(params, prompt, caches, lengths, None, config=config, attention="tk", prefill=True)
+    got, _ = run(served, prompt, caches, lengths, None, config=config, attention="tk", prefill=True)
+    assert np.isfinite(np.asarray(want)).all() and np.abs(np.asarray(want)).max() > 0
+    assert g.rel_err(got, want) < 1e-6
+
+
 def test_sampling_with_temperature():
     import jax
 
