@@ -123,8 +123,7 @@ def serving_params(params, config):
     """The parameters as a server holds them: the blocks' matmul weights in the compute dtype, once.
     train_gpt keeps float32 master weights and casts them at every use; inside a decoding loop that
     cast would re-read every float32 weight at every step (twice the bytes of the bf16 weights, plus
-    the copies), which is most of a step's time at serving shapes. The model's results are unchanged:
-    it casts the same values to the same dtype."""
+    the copies). The model's results are unchanged: it casts the same values to the same dtype."""
     dt = config.compute_dtype
     blocks = {k: v.astype(dt) if k in _MATMUL_WEIGHTS else v for k, v in params["blocks"].items()}
     return {**params, "blocks": blocks}
