@@ -172,3 +172,5 @@ def formulas(op: str):
 
 # The largest index, size or length the kernels take (their indices are int32).
 MAX_INDEX = contract("core")["MAX_INDEX"]
+# Thread blocks of one wave of whole-SM blocks: grids of few blocks are sized to fill it.
+WAVE_BLOCKS = contract("core")["WAVE_BLOCKS"]

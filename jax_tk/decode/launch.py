@@ -62,7 +62,7 @@ def splits(batch: int, t_new: int, heads: int, kv_heads: int, capacity: int, hea
     mla = head_dim == c["MLA_HEAD_DIM"]
     chunk = c["MLA_BLOCK_ROWS"] if mla else formulas().block_rows(rows)
     blocks = batch * kv_heads * math.ceil(rows / chunk)
-    want = extension.contract("core")["WAVE_BLOCKS"] // blocks
+    want = extension.WAVE_BLOCKS // blocks
     if want <= 1 and not mla and chunk < c["MAX_TILE_ROWS"] and capacity >= 2 * SPLIT_UNIT_KEYS:
         return min(capacity // SPLIT_UNIT_KEYS, c["MAX_SPLITS"])
     return max(1, min(want, c["MAX_SPLITS"], capacity // c["SPLIT_MIN_KEYS"]))

@@ -283,7 +283,7 @@ def split_k_parts(m: int, k: int, n: int) -> int:
     """How many parts of k the product of a ``[m, k]`` and b ``[k, n]`` is split into: 1 where its output
     tiles fill half a wave or more, or where m is not a multiple of DIM_MULTIPLE (the contracting kernel's
     output rows); else enough to fill about one wave, each at least SPLIT_K_MIN of k."""
-    c, wave = contract(), extension.contract("core")["WAVE_BLOCKS"]
+    c, wave = contract(), extension.WAVE_BLOCKS
     tiles = -(-m // c["SM90_TILE_M"]) * -(-n // c["SM90_TILE_N"])
     if 2 * tiles >= wave or m % c["DIM_MULTIPLE"]:
         return 1

@@ -175,7 +175,7 @@ def test_scheduler_edges(page_size):
 def test_grid_of_several_waves(h, t):
     # more thread blocks than one wave (the core contract's WAVE_BLOCKS) take the kernel of two blocks per SM
     b, kh = 34, 4
-    assert b * kh > extension.contract("core")["WAVE_BLOCKS"]
+    assert b * kh > extension.WAVE_BLOCKS
     lengths = np.random.default_rng(5).integers(0, 700, b)
     check(5, b, t, 16, kh, h, lengths, BF16, parts=(1, 2))
 
