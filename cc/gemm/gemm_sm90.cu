@@ -20,7 +20,15 @@
 // (they are not stored), CONTRACT zeroes those rows of its last step in shared memory before the
 // products (whole 128-byte rows: the swizzle stays inside a row). Rows and columns past the arrays'
 // ends arrive from TMA as zeros and are not stored.
+//
+// RAGGED and RAGGED_BT may run in clusters of two blocks (CLUSTER = 2) on tiles of 256 x 256 cut in
+// two 128-row halves, one per block: both halves multiply the same columns of b, so each block loads
+// half of b's tile of a step and multicasts it to both (TMA), and b's reads from L2 halve. The two
+// blocks' rings then move together (ring.cuh: arrive_empty_cluster). The tiles are those of 256
+// rows: the host picks clusters where groups are long (launch), since a group's last 256-row tile
+// may leave one half with no rows of the group (computed, not stored).
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <utility>
 
@@ -37,7 +45,7 @@ enum Kind { RAGGED = 0, RAGGED_BT = 1, CONTRACT = 2, CONTRACT_BT = 3 };
 // cover, the first and last of a group holding other groups' rows, zeroed in a's tile.)
 template <int KIND> constexpr bool contracts = KIND == CONTRACT || KIND == CONTRACT_BT;
 
-template <typename T, typename TO, int KIND> struct Sm90 {
+template <typename T, typename TO, int KIND, int CLUSTER> struct Sm90 {
   using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
   static constexpr int CONSUMERS = Roles::CONSUMERS, THREADS = Roles::THREADS;
   // FP8: steps of one scale block (128 bytes of k, as the 16-bit steps), tiles as wide as the 16-bit
@@ -45,8 +53,13 @@ template <typename T, typename TO, int KIND> struct Sm90 {
   static constexpr bool FP8 = is_8bit<T>;
   static constexpr int TM = SM90_TILE_M, TN = SM90_TILE_N, TK = FP8 ? FP8_BLOCK : SM90_TILE_K, STAGES = 4;
   static_assert(TM == 64 * CONSUMERS && (!FP8 || KIND == RAGGED_BT || KIND == CONTRACT_BT) && (FP8 || KIND != CONTRACT_BT));
+  static_assert(CLUSTER == 1 || (CLUSTER == 2 && !contracts<KIND>));
   using ATile = std::conditional_t<KIND == CONTRACT, st<T, TK, TM>, st<T, TM, TK>>;
   using BTile = std::conditional_t<KIND == RAGGED_BT || KIND == CONTRACT_BT, st<T, TN, TK>, st<T, TK, TN>>;
+  // b's tile in two halves (a cluster's blocks load one each): its panels where it has several (b
+  // N-major), else its rows, loaded by boxes of half the rows.
+  static constexpr bool HALF_PANELS = BTile::panels >= 2;
+  static constexpr int B_ROWS = HALF_PANELS || contracts<KIND> ? BTile::rows : BTile::rows / 2;
   static constexpr int OUT_COLS = 128 / int(sizeof(TO));  // columns of a staged piece of out
   using OTile = st<TO, 64, OUT_COLS>;
   struct Shared {
@@ -59,7 +72,7 @@ template <typename T, typename TO, int KIND> struct Sm90 {
   struct Args {
     Params p;
     tma_map<T, ATile::rows> a;
-    tma_map<T, BTile::rows> b;
+    tma_map<T, B_ROWS> b;
     tma_map<TO, 64> out;
   };
   static constexpr size_t smem = sizeof(Shared) + 1024;  // + room to align the base to 1024
@@ -81,8 +94,9 @@ template <int KIND, int TK> __device__ __forceinline__ int steps(const Params &p
 
 // The kernel's parts (pipeline/kernel.cuh: persistent). Each thread's object keeps its role's place in
 // the ring and, in the consumers, the pieces of out staged so far.
-template <typename T, typename TO, int KIND> struct RaggedSm90 {
-  using C = Sm90<T, TO, KIND>;
+template <typename T, typename TO, int KIND, int CLUSTER_> struct RaggedSm90 {
+  static constexpr int CLUSTER = CLUSTER_;
+  using C = Sm90<T, TO, KIND, CLUSTER>;
   using Roles = typename C::Roles;
   static constexpr int TM = C::TM, TN = C::TN, TK = C::TK, STAGES = C::STAGES, CONSUMERS = C::CONSUMERS;
   const typename C::Args &a;
@@ -91,17 +105,45 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
   const int tiles = INT_MAX;  // (the scheduler ends with t = INT_MAX)
   // The ring (ring.cuh), formed where it is used: each semaphore's address a base and a constant offset.
   __device__ __forceinline__ ring<STAGES> slots() const { return {sm.full, sm.empty}; }
-  GroupWalk<TM, TN> walk;  // (the scheduler's)
+  GroupWalk<TM * CLUSTER, TN> walk;  // (the scheduler's: tiles of the cluster)
+  const unsigned rank = CLUSTER > 1 ? cluster_rank() : 0;
   int n = 0, staged = 0;   // ring uses, pieces of out staged so far
 
   __device__ __forceinline__ tile_queue<TileSlot> queue() const { return {{sm.tile_full, sm.tile_empty}, sm.tile}; }
-  // full: the loader (and its bytes); empty: each consumer warp
-  __device__ __forceinline__ void init() const { tk::init(slots(), 1, CONSUMERS * 4); }
+  // full: the loader (and its bytes); empty: each consumer warp of the cluster
+  __device__ __forceinline__ void init() const { tk::init(slots(), 1, CONSUMERS * 4 * CLUSTER); }
+  __device__ __forceinline__ void drain() const { drain_empty(slots(), n); }
+  // A consumer warp is done with use u (lane 0).
+  __device__ __forceinline__ void free_slot(ring_use<STAGES> u) const {
+    if constexpr (CLUSTER > 1) arrive_empty_cluster(slots(), u, CLUSTER);
+    else arrive_empty(slots(), u);
+  }
 
-  // Block b takes tiles b, b + G, b + 2G, ... (common.cuh orders them).
+  // Cluster c (block b alone: c = b) takes tiles c, c + G, c + 2G, ... of G clusters (common.cuh
+  // orders them); a block of a cluster, its rank's rows of the tile.
   __device__ __forceinline__ TileSlot schedule(int k, int) {
-    const long long t = blockIdx.x + (long long)k * gridDim.x;
-    return t < INT_MAX ? walk.find(a.p, int(t)) : TileSlot{INT_MAX, 0, 0, 0, 0, 0};
+    const long long t = blockIdx.x / CLUSTER + (long long)k * (gridDim.x / CLUSTER);
+    if (t >= INT_MAX) return TileSlot{INT_MAX, 0, 0, 0, 0, 0};
+    TileSlot x = walk.find(a.p, int(t));
+    x.m0 += TM * rank;
+    return x;
+  }
+
+  // b's tile of step k0 (a cluster's block: its half, to every block).
+  __device__ __forceinline__ void load_b(typename C::BTile &dst, const TileSlot &x, int k0, semaphore &full) const {
+    const coord o = KIND == RAGGED ? coord{x.group, k0, 0, x.n0} : coord{x.group, x.n0, 0, k0};
+    constexpr int P = C::BTile::panels, R = C::B_ROWS;
+    if constexpr (CLUSTER == 1) {
+      if constexpr (C::HALF_PANELS) load_async(dst, a.b, o, full);
+      else {
+        load_rows_async(dst, 0, a.b, o, full);
+        load_rows_async(dst, R, a.b, {o.b, o.s + R, o.h, o.d}, full);
+      }
+    } else if constexpr (C::HALF_PANELS) {
+      multicast_rows_async(dst, 0, P / 2 * rank, P / 2 * (rank + 1), a.b, o, full, 0b11);
+    } else {
+      multicast_rows_async(dst, R * rank, 0, P, a.b, {o.b, o.s + R * int(rank), o.h, o.d}, full, 0b11);
+    }
   }
 
   template <typename Release> __device__ __forceinline__ void load(int slot, Release release) {
@@ -122,8 +164,7 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
         load_async(sm.b[s], a.b, {0, x.n0, 0, r}, slots().full(u));
       } else {
         load_async(sm.a[s], a.a, {0, x.m0, 0, k0}, slots().full(u));
-        if constexpr (KIND == RAGGED) load_async(sm.b[s], a.b, {x.group, k0, 0, x.n0}, slots().full(u));
-        else load_async(sm.b[s], a.b, {x.group, x.n0, 0, k0}, slots().full(u));
+        load_b(sm.b[s], x, k0, slots().full(u));
       }
     }
   }
@@ -188,7 +229,7 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
           warpgroup::wait<0>();
           warpgroup::fence_registers(part);
           if constexpr (Q + 1 == PIECES)
-            if (laneid() == 0) arrive_empty(slots(), pos);
+            if (laneid() == 0) free_slot(pos);
           scale_into(acc, part, Q * PIECE / 16, s0 * b[Q], s1 * b[Q]);
         }(), ...);
       }(std::make_integer_sequence<int, PIECES>{});
@@ -247,11 +288,11 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
         ++pos;
         step(acc, x, j, pos, true);
         warpgroup::wait<1>();  // the step before is done: free its slot
-        if (laneid() == 0) arrive_empty(slots(), prev);
+        if (laneid() == 0) free_slot(prev);
       }
       warpgroup::wait<0>();
       warpgroup::fence_registers(acc);
-      if (laneid() == 0) arrive_empty(slots(), pos);
+      if (laneid() == 0) free_slot(pos);
       ++pos;
     }
     n = pos.n;
@@ -311,17 +352,24 @@ template <typename T, typename TO, int KIND> struct RaggedSm90 {
   }
 };
 
-template <typename T, typename TO, int KIND>
-__global__ __launch_bounds__(Sm90<T, TO, KIND>::THREADS, 1) void ragged_sm90_kernel(const __grid_constant__ typename Sm90<T, TO, KIND>::Args a) {
+template <typename T, typename TO, int KIND, int CLUSTER>
+__global__ __launch_bounds__(Sm90<T, TO, KIND, CLUSTER>::THREADS, 1) void ragged_sm90_kernel(
+    const __grid_constant__ typename Sm90<T, TO, KIND, CLUSTER>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem_raw[];
-  RaggedSm90<T, TO, KIND> k{a, align_shared<typename Sm90<T, TO, KIND>::Shared>(smem_raw)};
+  RaggedSm90<T, TO, KIND, CLUSTER> k{a, align_shared<typename Sm90<T, TO, KIND, CLUSTER>::Shared>(smem_raw)};
   persistent(k);
 #endif
 }
 
-template <typename T, typename TO, int KIND> cudaError_t launch(const Params &p, cudaStream_t stream) {
-  using C = Sm90<T, TO, KIND>;
+// Clusters of two where they pay: products of rows (not contractions) whose groups are long, about
+// four tiles of 256 rows each or more, so that the rows computed and not stored at each group's end
+// (at most 128 a group) stay a few percent. (Dense products are one group.)
+constexpr long long CLUSTER_ROWS_PER_GROUP = 1024;
+constexpr int MAX_DEVICES = 64;
+
+template <typename T, typename TO, int KIND, int CLUSTER> cudaError_t launch(const Params &p, int sms, cudaStream_t stream) {
+  using C = Sm90<T, TO, KIND, CLUSTER>;
   typename C::Args a{p, {}, {}, {}};
   const bool ok = KIND == CONTRACT
                       ? make_tma_map(a.a, p.a, 1, p.m, 1, p.k, true) && make_tma_map(a.b, p.b, 1, p.m, 1, p.n, true) &&
@@ -334,17 +382,48 @@ template <typename T, typename TO, int KIND> cudaError_t launch(const Params &p,
                                             : make_tma_map(a.b, p.b, p.groups, p.n, 1, p.k, true)) &&
                             make_tma_map(a.out, p.out, 1, p.m, 1, p.n, true);
   if (!ok) return cudaErrorInvalidValue;
+  const long long tiles = tile_bound(p, C::TM * CLUSTER, C::TN);  // (the cluster's tiles)
+  if (tiles + 2LL * sms >= INT_MAX) return cudaErrorInvalidValue;
+  auto kernel = ragged_sm90_kernel<T, TO, KIND, CLUSTER>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::smem));
+  if (e != cudaSuccess) return e;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim = {unsigned(CLUSTER), 1, 1};
+  cudaLaunchConfig_t config{};
+  config.blockDim = dim3(C::THREADS);
+  config.dynamicSmemBytes = C::smem;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  // As many clusters as can run at once (a pair of SMs each where the GPU's layout allows; none: the
+  // blocks alone), found once per device.
+  int clusters = sms;
+  if constexpr (CLUSTER > 1) {
+    static std::atomic<int> active[MAX_DEVICES] = {};
+    int dev = 0;
+    if (e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+    clusters = dev < MAX_DEVICES ? active[dev].load() : 0;
+    if (clusters == 0) {
+      config.gridDim = dim3(unsigned(sms / CLUSTER * CLUSTER));
+      if (e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config); e != cudaSuccess) return e;
+      if (clusters < 1) clusters = -1;  // (none; 0: not asked yet)
+      if (dev < MAX_DEVICES) active[dev] = clusters;
+    }
+    if (clusters < 1) return launch<T, TO, KIND, 1>(p, sms, stream);
+  }
+  config.gridDim = dim3(unsigned(std::min<long long>(tiles, clusters) * CLUSTER));
+  return cudaLaunchKernelEx(&config, kernel, a);
+}
+
+template <typename T, typename TO, int KIND> cudaError_t launch(const Params &p, cudaStream_t stream) {
   int dev = 0, sms = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (e != cudaSuccess) return e;
-  const long long tiles = tile_bound(p, C::TM, C::TN);
-  if (tiles + 2LL * sms >= INT_MAX) return cudaErrorInvalidValue;
-  auto kernel = ragged_sm90_kernel<T, TO, KIND>;
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::smem));
-  if (e != cudaSuccess) return e;
-  kernel<<<unsigned(std::min<long long>(tiles, sms)), C::THREADS, C::smem, stream>>>(a);
-  return cudaGetLastError();
+  if constexpr (!contracts<KIND>)
+    if (sms >= 2 && p.m >= CLUSTER_ROWS_PER_GROUP * p.groups) return launch<T, TO, KIND, 2>(p, sms, stream);
+  return launch<T, TO, KIND, 1>(p, sms, stream);
 }
 
 template <typename T, typename TO> cudaError_t launch_kind(const Params &p, cudaStream_t stream) {

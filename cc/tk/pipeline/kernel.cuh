@@ -9,6 +9,11 @@
 //   void init();                                     one thread: init() of the kernel's own rings
 //
 // persistent(k): a grid of about one block per SM works through k.tiles tiles (scheduler.cuh):
+//   static constexpr int CLUSTER;                    (optional; 1 if absent) blocks per cluster, which
+//                                                    fill each other's rings (ring.cuh): the set-up
+//                                                    waits for the whole cluster's, and the loader,
+//                                                    after its last tile, for drain()
+//   void drain();                                    (CLUSTER > 1) the loader: drain_empty of its rings
 //   tile_queue<Tile> queue();                        the announcements' slots (in K's shared memory)
 //   int tiles;                                       the tile count: a Tile with t >= tiles ends
 //   Tile schedule(int n, int slot);                  the scheduler warp (32 lanes): the block's n-th
@@ -44,6 +49,11 @@
 
 namespace tk {
 
+template <typename K> constexpr int cluster_of() {
+  if constexpr (requires { K::CLUSTER; }) return K::CLUSTER;
+  else return 1;
+}
+
 template <typename K> __device__ __forceinline__ void persistent(K &k) {
   using R = typename K::Roles;
   if (threadIdx.x == 0) {  // the queue's full: the scheduler's lane 0; empty: each consumer warp, the loader
@@ -51,7 +61,8 @@ template <typename K> __device__ __forceinline__ void persistent(K &k) {
     init(k.queue().ring, 1, R::CONSUMERS * 4 + 1);
     fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (cluster_of<K>() > 1) cluster_sync();
+  else __syncthreads();
 
   if (k.wg == R::PRODUCER) {
     R::enter_producer();
@@ -67,9 +78,11 @@ template <typename K> __device__ __forceinline__ void persistent(K &k) {
     if (threadIdx.x != R::CONSUMERS * 128) return;
     for (int n = 0;; n++) {  // the loader
       const ring_use<2> at(n);
-      if (!wait_tile(k.queue(), at, k.tiles)) return;
+      if (!wait_tile(k.queue(), at, k.tiles)) break;
       k.load(at.slot, [&] { arrive_empty(k.queue().ring, at); });
     }
+    if constexpr (cluster_of<K>() > 1) k.drain();
+    return;
   }
 
   R::enter_consumer();

@@ -94,6 +94,24 @@ template <int S> __device__ __forceinline__ void arrive_empty(const ring<S> &r, 
   arrive(r.empty(u));
 }
 
+// A ring whose slots the blocks of a cluster fill together (each block's slot s receives loads that
+// other blocks issue, multicast): a slot may be refilled only when the consumers of every block that
+// receives the load are done with it, so each consumer frees slot s in its own block and in the
+// other blocks (init: empty_arrivals counts the consumers of all of them), and a producer's block
+// outlives the other blocks' last arrivals on its semaphores: after its last use n - 1 it waits
+// for the release of every slot (drain_empty).
+template <int S>
+__device__ __forceinline__ void arrive_empty_cluster(const ring<S> &r, std::type_identity_t<ring_use<S>> u, unsigned blocks) {
+  arrive(r.empty(u));
+  const unsigned self = cluster_rank();
+  for (unsigned b = 0; b < blocks; b++)
+    if (b != self) arrive_remote(r.empty(u), b);
+}
+template <int S> __device__ __forceinline__ void drain_empty(const ring<S> &r, int n) {
+#pragma unroll
+  for (int i = 0; i < S; i++) wait_empty(r, n + i);
+}
+
 // A semaphore that completes one phase in the kernel's whole life (operands loaded once, results
 // handed over once): its waiters wait for that first phase.
 __device__ __forceinline__ void wait_once(semaphore &s) { wait(s, 0); }

@@ -44,4 +44,24 @@ __device__ __forceinline__ void wait(semaphore &s, int parity) {
       : "memory");
 }
 
+// Thread-block clusters (sm_90): blocks launched together on neighbouring SMs, each of which can
+// arrive on the others' semaphores and receive their TMA loads (multicast).
+// This block's rank in its cluster.
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// Every thread of every block of the cluster (a block-wide barrier across the cluster): what each
+// wrote before (semaphore initializations included, after fence_barrier_init) is visible to all.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// Arrive on the semaphore at the same place in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ void arrive_remote(semaphore &s, unsigned rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(&s.bar)), "r"(rank));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+
 }  // namespace tk

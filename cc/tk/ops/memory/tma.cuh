@@ -72,6 +72,21 @@ __device__ __forceinline__ void load_rows_async(ST &dst, int row0, const tma_map
         : "memory");
   }
 }
+// Panels [p0, p1) of rows [row0, row0 + ROWS) of tile dst, as load_rows_async, landing at the same
+// place in the shared memory of every block of the cluster in `ctas` (bit r: rank r) and completing
+// on each one's semaphore at bar's place (each announces the bytes it receives).
+template <SharedTile ST, int ROWS>
+__device__ __forceinline__ void multicast_rows_async(ST &dst, int row0, int p0, int p1, const tma_map<typename ST::dtype, ROWS> &m,
+                                                     coord o, semaphore &bar, uint16_t ctas) {
+  static_assert(ST::rows % ROWS == 0 && ST::panel_cols * sizeof(typename ST::dtype) == 128);
+  for (int p = p0; p < p1; p++) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(
+            smem_addr(dst.panel(p) + row0 * ST::panel_cols)),
+        "l"(&m.map), "r"(o.d + p * ST::panel_cols), "r"(o.h), "r"(o.s), "r"(o.b), "r"(smem_addr(&bar.bar)), "h"(ctas)
+        : "memory");
+  }
+}
 // The whole tile (ROWS of them).
 template <SharedTile ST, int ROWS>
 __device__ __forceinline__ void load_async(ST &dst, const tma_map<typename ST::dtype, ROWS> &m, coord o, semaphore &bar) {
