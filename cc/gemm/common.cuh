@@ -6,8 +6,9 @@
 // first row off_i, not at a multiple of TM: a row block never holds rows of an earlier group),
 // then a last pseudo-group of the rows past the groups' sum (zero tiles); in MODE_CONTRACT every
 // group has the ceil(k / TM) x ceil(n / TN) tiles of its out[i]. Inside a group the tiles go in
-// bands of BAND row blocks, down a band's column of tiles first, so that the tiles running at once
-// share their rows of a and their columns of b in L2.
+// bands of BAND_ROWS rows (BAND_ROWS / TM row blocks, whatever the tiles' height), down a band's
+// column of tiles first, so that the tiles running at once share their rows of a and their columns
+// of b in L2.
 #pragma once
 #include <climits>
 
@@ -16,7 +17,7 @@
 
 namespace jax_tk::gemm {
 
-constexpr int BAND = 16;
+constexpr int BAND_ROWS = 2048;
 
 // A tile as the kernels take it.
 struct alignas(16) TileSlot {
@@ -32,6 +33,8 @@ struct alignas(16) TileSlot {
 // the counts); the first lane whose groups hold tile t has it. The window then starts at that
 // group, so the next, later tile is found from there.
 template <int TM, int TN> struct GroupWalk {
+  static constexpr int BAND = BAND_ROWS / TM;
+  static_assert(BAND >= 1 && BAND_ROWS % TM == 0);
   int gb = 0, rows = 0, tiles = 0;
 
   __device__ __forceinline__ TileSlot find(const Params &p, int t) {

@@ -104,8 +104,7 @@ template <int S>
 __device__ __forceinline__ void arrive_empty_cluster(const ring<S> &r, std::type_identity_t<ring_use<S>> u, unsigned blocks) {
   arrive(r.empty(u));
   const unsigned self = cluster_rank();
-  for (unsigned b = 0; b < blocks; b++)
-    if (b != self) arrive_remote(r.empty(u), b);
+  for (unsigned d = 1; d < blocks; d++) arrive_remote(r.empty(u), (self + d) % blocks);
 }
 template <int S> __device__ __forceinline__ void drain_empty(const ring<S> &r, int n) {
 #pragma unroll

@@ -57,11 +57,14 @@ __device__ __forceinline__ unsigned cluster_rank() {
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
-// Arrive on the semaphore at the same place in the shared memory of the cluster's block `rank`.
+// Arrive on the semaphore at the same place in the shared memory of the cluster's block `rank`. With
+// the default (release at the block's scope) ordering: a release to the cluster's scope costs a
+// MEMBAR.ALL.GPU before each arrival, and a consumer that frees a slot has only read it (its reads
+// are done: nothing of its needs to be made visible).
 __device__ __forceinline__ void arrive_remote(semaphore &s, unsigned rank) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(&s.bar)), "r"(rank));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
 }
 
 }  // namespace tk
