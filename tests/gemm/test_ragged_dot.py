@@ -400,6 +400,8 @@ def fake_kernel(monkeypatch):
         launches.append((mode, a.shape, b.shape, sizes.shape, bool(b_transposed)))
         if mode == launch.contract()["MODE_RAGGED"]:
             out = reference.ragged_dot(a, b, sizes, out_dtype=out_dtype, rhs_transposed=b_transposed)
+        elif b_transposed:  # (both K-major: a [k, m], b [n, m])
+            out = reference.ragged_contracting(a.T, b.T, sizes, out_dtype=out_dtype)
         else:
             out = reference.ragged_contracting(a, b, sizes, out_dtype=out_dtype)
         assert out.shape == tuple(out_shape)
@@ -445,6 +447,27 @@ def test_matmul_splits_k_of_few_tiles(fake_kernel, m, k, n):
     modes = [(l[0], l[1], l[3]) for l in fake_kernel]
     assert modes[0] == (1, (k, m), (parts,)), modes  # a^T, one group per range of k
     assert [l[0] for l in fake_kernel[1:]] == [0, 1], modes  # the gradient: d a, then d b
+
+
+@pytest.mark.parametrize("m, k, n", [(128, 2048, 8192), (64, 2200, 4096)])
+def test_matmul_gradient_splits_too_on_hopper(fake_kernel, monkeypatch, m, k, n):
+    """Where the contracting kernel takes both operands K-major (sm_90a: launch.split_k_transposed_runs),
+    the input's gradient d @ b^T, whose [m, k] output is as few tiles, splits its contraction (n) the
+    same way, on d and b as they are (no transpose): mode 1 with b_transposed, one group per range of n
+    (multiples of the kernel's steps but the last)."""
+    monkeypatch.setattr(launch, "split_k_transposed_runs", lambda: True)
+    parts = launch.split_k_parts(m, n, k)
+    assert parts > 1
+    rng = np.random.default_rng(m + n)
+    a, b, dout = randn(rng, (m, k), BF16), randn(rng, (k, n), BF16), randn(rng, (m, n), BF16)
+    out, vjp = jax.vjp(jax_tk.matmul, a, b)
+    da, db = vjp(dout)
+    a64, b64, d64 = (np.asarray(x, np.float64) for x in (a, b, dout))
+    assert rel_err(da, d64 @ b64.T) < 1e-2 and rel_err(db, a64.T @ d64) < 1e-2
+    assert da.dtype == BF16
+    calls = [(l[0], l[1], l[2], l[3], l[4]) for l in fake_kernel]
+    assert calls[1] == (1, (m, n), (k, n), (parts,), True), calls  # d a: d and b (b's [k, n] read K-major)
+    assert [c[0] for c in calls[2:]] == [1], calls  # d b: the contraction over m, k whole
 
 
 def test_matmul_keeps_k_whole_where_tiles_fill_the_gpu(fake_kernel):
