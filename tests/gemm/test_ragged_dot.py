@@ -428,60 +428,6 @@ def test_kernel_path_calls(fake_kernel):
     assert rel_err(dr, numpy_contracting(lhs, dout, sizes)) < 1e-2
 
 
-@pytest.mark.parametrize("m, k, n", [(128, 8192, 2048), (64, 3000, 512), (8, 2112, 256)])
-def test_matmul_splits_k_of_few_tiles(fake_kernel, m, k, n):
-    """A dense product with too few output tiles to fill the GPU: its forward is one launch of the
-    contracting kernel (mode 1) on a^T with k cut into launch.split_k_parts ranges (multiples of the
-    kernel's steps but the last), whose float32 partial products XLA sums; its gradient is the usual
-    pair of launches. Values and gradients against float64 numpy."""
-    parts = launch.split_k_parts(m, k, n)
-    assert parts > 1
-    rng = np.random.default_rng(m + k)
-    a, b, dout = randn(rng, (m, k), BF16), randn(rng, (k, n), BF16), randn(rng, (m, n), BF16)
-    out, vjp = jax.vjp(jax_tk.matmul, a, b)
-    da, db = vjp(dout)
-    assert out.dtype == BF16
-    a64, b64, d64 = (np.asarray(x, np.float64) for x in (a, b, dout))
-    assert rel_err(out, a64 @ b64) < 1e-2
-    assert rel_err(da, d64 @ b64.T) < 1e-2 and rel_err(db, a64.T @ d64) < 1e-2
-    modes = [(l[0], l[1], l[3]) for l in fake_kernel]
-    assert modes[0] == (1, (k, m), (parts,)), modes  # a^T, one group per range of k
-    assert [l[0] for l in fake_kernel[1:]] == [0, 1], modes  # the gradient: d a, then d b
-
-
-@pytest.mark.parametrize("m, k, n", [(128, 2048, 8192), (64, 2200, 4096)])
-def test_matmul_gradient_splits_too_on_hopper(fake_kernel, monkeypatch, m, k, n):
-    """Where the contracting kernel takes both operands K-major (sm_90a: launch.split_k_transposed_runs),
-    the input's gradient d @ b^T, whose [m, k] output is as few tiles, splits its contraction (n) the
-    same way, on d and b as they are (no transpose): mode 1 with b_transposed, one group per range of n
-    (multiples of the kernel's steps but the last)."""
-    monkeypatch.setattr(launch, "split_k_transposed_runs", lambda: True)
-    parts = launch.split_k_parts(m, n, k)
-    assert parts > 1
-    rng = np.random.default_rng(m + n)
-    a, b, dout = randn(rng, (m, k), BF16), randn(rng, (k, n), BF16), randn(rng, (m, n), BF16)
-    out, vjp = jax.vjp(jax_tk.matmul, a, b)
-    da, db = vjp(dout)
-    a64, b64, d64 = (np.asarray(x, np.float64) for x in (a, b, dout))
-    assert rel_err(da, d64 @ b64.T) < 1e-2 and rel_err(db, a64.T @ d64) < 1e-2
-    assert da.dtype == BF16
-    calls = [(l[0], l[1], l[2], l[3], l[4]) for l in fake_kernel]
-    assert calls[1] == (1, (m, n), (k, n), (parts,), True), calls  # d a: d and b (b's [k, n] read K-major)
-    assert [c[0] for c in calls[2:]] == [1], calls  # d b: the contraction over m, k whole
-
-
-def test_matmul_keeps_k_whole_where_tiles_fill_the_gpu(fake_kernel):
-    """Enough output tiles (or m not a multiple of 8, or one group per matrix of a batched b): one
-    launch of the row kernel, k whole."""
-    for m, k, n, lead in ((2048, 4096, 4096, ()), (100, 8192, 2048, ()), (128, 8192, 2048, (2,))):
-        assert lead or launch.split_k_parts(m, k, n) == 1
-        rng = np.random.default_rng(m)
-        a, b = randn(rng, (*lead, m, k), BF16), randn(rng, (*lead, k, n), BF16)
-        fake_kernel.clear()
-        jax_tk.matmul(a, b)
-        assert [l[0] for l in fake_kernel] == [0], fake_kernel
-
-
 @pytest.mark.parametrize("axes", [(0, 0, 0), (0, 0, None), (None, 0, 0), (0, None, 0)])
 def test_kernel_path_vmap_folds_into_groups(fake_kernel, axes):
     """vmap over a mapped rhs: one launch per direction, the batch folded into the groups (rows past
