@@ -49,30 +49,24 @@ ffi::Error ragged_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, 
   if (a.dimensions().size() != 2) return invalid(std::string("gemm: a must be ") + (contract_bt ? "[k, m]" : "[m, k]") + ", got " + dims_of(a));
   const int64_t m = a.dimensions()[contract_bt ? 1 : 0], k = a.dimensions()[contract_bt ? 0 : 1], g = group_sizes.dimensions()[0];
   int64_t n = 0;
-  if (contract_bt) {
-    if (b.dimensions().size() != 2 || b.dimensions()[1] != m)
-      return invalid("gemm: in mode 1 with b_transposed, b must be [n, m] with a [k, m] = " + dims_of(a) + ", got " + dims_of(b));
-    n = b.dimensions()[0];
-    if (!dims_are(*out, {g, k, n}))
-      return invalid("gemm: in mode 1, out must be [g, k, n] = [" + std::to_string(g) + ", " + std::to_string(k) + ", " +
-                     std::to_string(n) + "]");
-    if (m % gemm::DIM_MULTIPLE != 0)
-      return invalid("gemm: in mode 1 with b_transposed, m must be a multiple of " + std::to_string(gemm::DIM_MULTIPLE) +
-                     ", got " + std::to_string(m));
-  } else if (mode == gemm::MODE_RAGGED) {
+  if (mode == gemm::MODE_RAGGED) {
     auto bd = b.dimensions();
     if (bd.size() != 3 || bd[0] != g || bd[p.b_transposed ? 2 : 1] != k)
       return invalid("gemm: b must be " + std::string(p.b_transposed ? "[g, n, k]" : "[g, k, n]") + " with a [m, k] = " +
                      dims_of(a) + " and g = " + std::to_string(g) + " groups, got " + dims_of(b));
     n = bd[p.b_transposed ? 1 : 2];
     if (!dims_are(*out, {m, n})) return invalid("gemm: out must be [m, n] = [" + std::to_string(m) + ", " + std::to_string(n) + "]");
-  } else {
-    if (b.dimensions().size() != 2 || b.dimensions()[0] != m)
-      return invalid("gemm: in mode 1, b must be [m, n] with a [m, k] = " + dims_of(a) + ", got " + dims_of(b));
-    n = b.dimensions()[1];
+  } else {  // (mode 1: b [m, n], or [n, m] with a [k, m])
+    if (b.dimensions().size() != 2 || b.dimensions()[contract_bt ? 1 : 0] != m)
+      return invalid(std::string("gemm: in mode 1, b must be ") + (contract_bt ? "[n, m] with a [k, m] = " : "[m, n] with a [m, k] = ") +
+                     dims_of(a) + ", got " + dims_of(b));
+    n = b.dimensions()[contract_bt ? 0 : 1];
     if (!dims_are(*out, {g, k, n}))
       return invalid("gemm: in mode 1, out must be [g, k, n] = [" + std::to_string(g) + ", " + std::to_string(k) + ", " +
                      std::to_string(n) + "]");
+    if (contract_bt && m % gemm::DIM_MULTIPLE != 0)
+      return invalid("gemm: in mode 1 with b_transposed, m must be a multiple of " + std::to_string(gemm::DIM_MULTIPLE) +
+                     ", got " + std::to_string(m));
   }
   for (auto d : {m, k, n, g})
     if (d > core::MAX_INDEX) return invalid("gemm: every dimension must be below 2^31");

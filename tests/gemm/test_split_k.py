@@ -18,6 +18,19 @@ from test_ragged_dot import fake_kernel  # noqa: F401 (a fixture)
 BF16 = jnp.bfloat16
 
 
+def matmul_checked(m, k, n, seed):
+    """jax_tk.matmul of fresh bf16 a [m, k], b [k, n] and its gradients for a fresh cotangent, each
+    against float64 numpy."""
+    rng = np.random.default_rng(seed)
+    a, b, dout = randn(rng, (m, k), BF16), randn(rng, (k, n), BF16), randn(rng, (m, n), BF16)
+    out, vjp = jax.vjp(jax_tk.matmul, a, b)
+    da, db = vjp(dout)
+    assert out.dtype == da.dtype == db.dtype == BF16
+    a64, b64, d64 = (np.asarray(x, np.float64) for x in (a, b, dout))
+    assert rel_err(out, a64 @ b64) < 1e-2
+    assert rel_err(da, d64 @ b64.T) < 1e-2 and rel_err(db, a64.T @ d64) < 1e-2
+
+
 @pytest.mark.parametrize("m, k, n", [(128, 8192, 2048), (64, 3000, 512), (8, 2112, 256)])
 def test_matmul_splits_k_of_few_tiles(fake_kernel, m, k, n):  # noqa: F811 (the fixture)
     """A dense product with too few output tiles to fill the GPU: its forward is one launch of the
@@ -26,14 +39,7 @@ def test_matmul_splits_k_of_few_tiles(fake_kernel, m, k, n):  # noqa: F811 (the 
     pair of launches. Values and gradients against float64 numpy."""
     parts = launch.split_k_parts(m, k, n)
     assert parts > 1
-    rng = np.random.default_rng(m + k)
-    a, b, dout = randn(rng, (m, k), BF16), randn(rng, (k, n), BF16), randn(rng, (m, n), BF16)
-    out, vjp = jax.vjp(jax_tk.matmul, a, b)
-    da, db = vjp(dout)
-    assert out.dtype == BF16
-    a64, b64, d64 = (np.asarray(x, np.float64) for x in (a, b, dout))
-    assert rel_err(out, a64 @ b64) < 1e-2
-    assert rel_err(da, d64 @ b64.T) < 1e-2 and rel_err(db, a64.T @ d64) < 1e-2
+    matmul_checked(m, k, n, seed=m + k)
     modes = [(l[0], l[1], l[3]) for l in fake_kernel]
     assert modes[0] == (1, (k, m), (parts,)), modes  # a^T, one group per range of k
     assert [l[0] for l in fake_kernel[1:]] == [0, 1], modes  # the gradient: d a, then d b
@@ -48,13 +54,7 @@ def test_matmul_gradient_splits_too_on_hopper(fake_kernel, monkeypatch, m, k, n)
     monkeypatch.setattr(launch, "split_k_transposed_runs", lambda: True)
     parts = launch.split_k_parts(m, n, k)
     assert parts > 1
-    rng = np.random.default_rng(m + n)
-    a, b, dout = randn(rng, (m, k), BF16), randn(rng, (k, n), BF16), randn(rng, (m, n), BF16)
-    out, vjp = jax.vjp(jax_tk.matmul, a, b)
-    da, db = vjp(dout)
-    a64, b64, d64 = (np.asarray(x, np.float64) for x in (a, b, dout))
-    assert rel_err(da, d64 @ b64.T) < 1e-2 and rel_err(db, a64.T @ d64) < 1e-2
-    assert da.dtype == BF16
+    matmul_checked(m, k, n, seed=m + n)
     calls = [(l[0], l[1], l[2], l[3], l[4]) for l in fake_kernel]
     assert calls[1] == (1, (m, n), (k, n), (parts,), True), calls  # d a: d and b (b's [k, n] read K-major)
     assert [c[0] for c in calls[2:]] == [1], calls  # d b: the contraction over m, k whole
