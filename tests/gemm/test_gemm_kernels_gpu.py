@@ -192,10 +192,11 @@ def test_hopper_matches_sm80():
 @pytest.mark.parametrize("m,k,n,kind,match", [
     (64, 12, 16, RAGGED, "multiples of 8"),
     (64, 16, 12, CONTRACT, "multiples of 8"),
+    (60, 16, 16, CONTRACT_BT, "m must be a multiple of 8"),
 ])
 def test_rejects_unsupported(m, k, n, kind, match):
     a, b, gs = make_inputs(0, m, k, n, [m], kind, BF16)
-    out_shape = (1, k, n) if kind == CONTRACT else (m, n)
+    out_shape = (1, k, n) if kind in CONTRACTS else (m, n)
     with pytest.raises(Exception, match=match):
         jax.block_until_ready(kernel(a, b, gs, kind=kind, out_dtype=BF16, out_shape=out_shape))
 
