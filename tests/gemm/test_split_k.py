@@ -70,3 +70,20 @@ def test_matmul_keeps_k_whole_where_tiles_fill_the_gpu(fake_kernel):  # noqa: F8
         fake_kernel.clear()
         jax_tk.matmul(a, b)
         assert [l[0] for l in fake_kernel] == [0], fake_kernel
+
+
+def test_matmul_gradient_split_under_vmap(fake_kernel, monkeypatch):  # noqa: F811
+    """Under vmap over a (b shared), each entry's product splits as above; the input gradient's
+    launches (mode 1 with b transposed) run one per entry (its batching rule does not fold entries:
+    their rows are columns there). Values against float64 numpy."""
+    monkeypatch.setattr(launch, "split_k_transposed_runs", lambda: True)
+    e, m, k, n = 3, 64, 1024, 4096
+    rng = np.random.default_rng(5)
+    a, b, dout = randn(rng, (e, m, k), BF16), randn(rng, (k, n), BF16), randn(rng, (e, m, n), BF16)
+    f = jax.vmap(jax_tk.matmul, in_axes=(0, None))
+    out, vjp = jax.vjp(f, a, b)
+    da, db = vjp(dout)
+    a64, b64, d64 = (np.asarray(x, np.float64) for x in (a, b, dout))
+    assert rel_err(out, a64 @ b64) < 1e-2
+    assert rel_err(da, d64 @ b64.T) < 1e-2 and rel_err(db, np.einsum("emk,emn->kn", a64, d64)) < 1e-2
+    assert any(l[0] == 1 and l[4] for l in fake_kernel), fake_kernel  # the split input gradient ran
