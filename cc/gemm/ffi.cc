@@ -40,14 +40,14 @@ ffi::Error ragged_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, 
   if (out->element_type() == ffi::DataType::F32) p.out_f32 = true;
   else if (out->element_type() != a.element_type()) return invalid("gemm: out must have the inputs' dtype or be float32");
   if (mode != gemm::MODE_RAGGED && mode != gemm::MODE_CONTRACT) return invalid("gemm: mode must be 0 (ragged) or 1 (contract)");
-  if (b_transposed != 0 && (b_transposed != 1 || mode != gemm::MODE_RAGGED))
-    return invalid("gemm: b_transposed must be 0, or 1 in mode 0");
+  if (b_transposed != 0 && b_transposed != 1) return invalid("gemm: b_transposed must be 0 or 1");
   p.mode = mode;
   p.b_transposed = b_transposed != 0;
   if (group_sizes.element_type() != ffi::DataType::S32 || group_sizes.dimensions().size() != 1)
     return invalid("gemm: group_sizes must be a one-dimensional int32 array");
-  if (a.dimensions().size() != 2) return invalid("gemm: a must be [m, k], got " + dims_of(a));
-  const int64_t m = a.dimensions()[0], k = a.dimensions()[1], g = group_sizes.dimensions()[0];
+  const bool contract_bt = mode == gemm::MODE_CONTRACT && p.b_transposed;
+  if (a.dimensions().size() != 2) return invalid(std::string("gemm: a must be ") + (contract_bt ? "[k, m]" : "[m, k]") + ", got " + dims_of(a));
+  const int64_t m = a.dimensions()[contract_bt ? 1 : 0], k = a.dimensions()[contract_bt ? 0 : 1], g = group_sizes.dimensions()[0];
   int64_t n = 0;
   if (mode == gemm::MODE_RAGGED) {
     auto bd = b.dimensions();
@@ -56,13 +56,17 @@ ffi::Error ragged_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, 
                      dims_of(a) + " and g = " + std::to_string(g) + " groups, got " + dims_of(b));
     n = bd[p.b_transposed ? 1 : 2];
     if (!dims_are(*out, {m, n})) return invalid("gemm: out must be [m, n] = [" + std::to_string(m) + ", " + std::to_string(n) + "]");
-  } else {
-    if (b.dimensions().size() != 2 || b.dimensions()[0] != m)
-      return invalid("gemm: in mode 1, b must be [m, n] with a [m, k] = " + dims_of(a) + ", got " + dims_of(b));
-    n = b.dimensions()[1];
+  } else {  // (mode 1: b [m, n], or [n, m] with a [k, m])
+    if (b.dimensions().size() != 2 || b.dimensions()[contract_bt ? 1 : 0] != m)
+      return invalid(std::string("gemm: in mode 1, b must be ") + (contract_bt ? "[n, m] with a [k, m] = " : "[m, n] with a [m, k] = ") +
+                     dims_of(a) + ", got " + dims_of(b));
+    n = b.dimensions()[contract_bt ? 0 : 1];
     if (!dims_are(*out, {g, k, n}))
       return invalid("gemm: in mode 1, out must be [g, k, n] = [" + std::to_string(g) + ", " + std::to_string(k) + ", " +
                      std::to_string(n) + "]");
+    if (contract_bt && m % gemm::DIM_MULTIPLE != 0)
+      return invalid("gemm: in mode 1 with b_transposed, m must be a multiple of " + std::to_string(gemm::DIM_MULTIPLE) +
+                     ", got " + std::to_string(m));
   }
   for (auto d : {m, k, n, g})
     if (d > core::MAX_INDEX) return invalid("gemm: every dimension must be below 2^31");
@@ -84,6 +88,7 @@ ffi::Error ragged_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, 
   if (k == 0 || g == 0 || m == 0)  // (mode 0: k = 0 or no groups; mode 1: no rows) out is all zeros
     return cuda_error(cudaMemsetAsync(p.out, 0, out_bytes, stream), "gemm: clearing out");
   if (kernels.sm90) return cuda_error(gemm::ragged_sm90(p, stream), "gemm (sm_90a)");
+  if (contract_bt) return invalid("gemm: mode 1 with b_transposed runs on the sm_90a kernel (H100/H200) only");
   return cuda_error(gemm::ragged_sm80(p, stream), "gemm");
 }
 

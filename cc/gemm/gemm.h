@@ -15,6 +15,10 @@
 //   mode MODE_CONTRACT (the gradient of ragged_dot with respect to b):
 //     a [m, k], b [m, n] (rows grouped as above), b_transposed = 0; out [g, k, n] with
 //     out[i] = a[rows_i]^T @ b[rows_i] (zeros for an empty group).
+//     b_transposed = 1 (the sm_90a kernel only; m a multiple of DIM_MULTIPLE): both K-major, a [k, m]
+//     and b [n, m], out[i] = a[:, rows_i] @ b[:, rows_i]^T; b's columns past the groups must be
+//     finite (they meet zeros). A split-k product's input gradient, g @ w^T, takes its operands so,
+//     as they are.
 //   Dtypes: a and b both bfloat16 or both float16; out the same dtype or float32 (the result
 //   buffer's dtype decides); fp32 accumulation. k and n must be multiples of DIM_MULTIPLE (the
 //   tensor copies need 16-byte row strides); m is free. Zero-sized dimensions are allowed.

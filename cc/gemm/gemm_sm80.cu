@@ -155,6 +155,7 @@ template <typename T, typename TO> cudaError_t launch_kind(const Params &p, cuda
 }  // namespace
 
 cudaError_t ragged_sm80(const Params &p, cudaStream_t stream) {
+  if (p.mode == MODE_CONTRACT && p.b_transposed) return cudaErrorNotSupported;  // (sm_90a's only)
   if (p.dtype == DType::bf16) return p.out_f32 ? launch_kind<bf16, float>(p, stream) : launch_kind<bf16, bf16>(p, stream);
   return p.out_f32 ? launch_kind<half, float>(p, stream) : launch_kind<half, half>(p, stream);
 }

@@ -40,9 +40,10 @@ namespace {
 using namespace tk;
 
 enum Kind { RAGGED = 0, RAGGED_BT = 1, CONTRACT = 2, CONTRACT_BT = 3 };
-// (CONTRACT_BT, FP8 only: out[i] = a[:, rows_i] @ b[:, rows_i]^T with a [k, m] and b [n, m], both
-// K-major, as 8-bit operands must be; its steps are the 128-wide blocks of rows that the scales
-// cover, the first and last of a group holding other groups' rows, zeroed in a's tile.)
+// (CONTRACT_BT: out[i] = a[:, rows_i] @ b[:, rows_i]^T with a [k, m] and b [n, m], both K-major, as
+// 8-bit operands must be and as a split-k product's input gradient has them; its steps are blocks
+// of TK rows (FP8: the 128-wide blocks that the scales cover), the first and last of a group
+// holding other groups' rows, zeroed in a's tile.)
 template <int KIND> constexpr bool contracts = KIND == CONTRACT || KIND == CONTRACT_BT;
 
 template <typename T, typename TO, int KIND, int CLUSTER> struct Sm90 {
@@ -52,7 +53,7 @@ template <typename T, typename TO, int KIND, int CLUSTER> struct Sm90 {
   // ones (the same bytes per stage; narrower tiles read more of a and b from L2 per product).
   static constexpr bool FP8 = is_8bit<T>;
   static constexpr int TM = SM90_TILE_M, TN = SM90_TILE_N, TK = FP8 ? FP8_BLOCK : SM90_TILE_K, STAGES = 4;
-  static_assert(TM == 64 * CONSUMERS && (!FP8 || KIND == RAGGED_BT || KIND == CONTRACT_BT) && (FP8 || KIND != CONTRACT_BT));
+  static_assert(TM == 64 * CONSUMERS && (!FP8 || KIND == RAGGED_BT || KIND == CONTRACT_BT));
   static_assert(CLUSTER == 1 || (CLUSTER == 2 && !contracts<KIND>));
   using ATile = std::conditional_t<KIND == CONTRACT, st<T, TK, TM>, st<T, TM, TK>>;
   using BTile = std::conditional_t<KIND == RAGGED_BT || KIND == CONTRACT_BT, st<T, TN, TK>, st<T, TK, TN>>;
@@ -186,6 +187,7 @@ template <typename T, typename TO, int KIND, int CLUSTER_> struct RaggedSm90 {
         sync_named(1, 128 * CONSUMERS);
       }
     }
+    if constexpr (KIND == CONTRACT_BT) clear_other_rows(sm.a[s], x, x.r0 / TK + j);
     if constexpr (KIND == CONTRACT) warpgroup::mma_AtB(acc, window<TK, 64>(sm.a[s], 0, 64 * wg), sm.b[s], accumulate);
     else if constexpr (KIND == RAGGED) warpgroup::mma_AB(acc, window<64, TK>(sm.a[s], 64 * wg, 0), sm.b[s], accumulate);
     else warpgroup::mma_ABt(acc, window<64, TK>(sm.a[s], 64 * wg, 0), sm.b[s], accumulate);
@@ -257,7 +259,10 @@ template <typename T, typename TO, int KIND, int CLUSTER_> struct RaggedSm90 {
     if (lo == 0 && hi == TK) return;
     for (int i = threadIdx.x % 128; i < 64 * TK; i += 128) {
       const int row = 64 * wg + i / TK, col = i % TK;
-      if (col < lo || col >= hi) reinterpret_cast<unsigned char &>(t(row, col)) = 0;
+      if (col < lo || col >= hi) {
+        if constexpr (sizeof(T) == 1) reinterpret_cast<unsigned char &>(t(row, col)) = 0;
+        else reinterpret_cast<unsigned short &>(t(row, col)) = 0;
+      }
     }
     warpgroup::fence_shared_writes();
     sync_named(2 + wg, 128);
@@ -427,7 +432,7 @@ template <typename T, typename TO, int KIND> cudaError_t launch(const Params &p,
 }
 
 template <typename T, typename TO> cudaError_t launch_kind(const Params &p, cudaStream_t stream) {
-  if (p.mode == MODE_CONTRACT) return launch<T, TO, CONTRACT>(p, stream);
+  if (p.mode == MODE_CONTRACT) return p.b_transposed ? launch<T, TO, CONTRACT_BT>(p, stream) : launch<T, TO, CONTRACT>(p, stream);
   return p.b_transposed ? launch<T, TO, RAGGED_BT>(p, stream) : launch<T, TO, RAGGED>(p, stream);
 }
 

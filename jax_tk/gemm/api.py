@@ -199,11 +199,17 @@ def fwd_local(spec: GemmSpec, lhs, rhs, group_sizes, *, batch_start):
     return (out,)
 
 
-def _bwd_kernel(lhs, rhs, sizes, dout):
+def _bwd_kernel(spec: GemmSpec, lhs, rhs, sizes, dout):
     # A float32 cotangent (preferred_element_type=float32) is rounded to the inputs' dtype: the
     # kernel multiplies bf16/fp16 operands (accumulating in float32).
     d = dout.astype(lhs.dtype)
-    dlhs = launch.ragged_dot(d, rhs, sizes, out_dtype=lhs.dtype, b_transposed=True)
+    (m, k), n = lhs.shape, rhs.shape[2]
+    # d lhs = d @ rhs^T contracts n: split where its [m, k] output is few tiles, as the forward
+    parts = launch.split_k_parts(m, n, k) if spec.dense and rhs.shape[0] == 1 else 1
+    if parts > 1 and launch.split_k_transposed_runs():
+        dlhs = launch.split_k_dot(d, rhs[0], parts, out_dtype=lhs.dtype, b_transposed=True)
+    else:
+        dlhs = launch.ragged_dot(d, rhs, sizes, out_dtype=lhs.dtype, b_transposed=True)
     drhs = launch.ragged_contracting(lhs, d, sizes, out_dtype=rhs.dtype)
     return dlhs, drhs
 
@@ -220,7 +226,8 @@ def _bwd_reference(spec: GemmSpec, lhs, rhs, sizes, dout):
 def bwd_local(spec: GemmSpec, lhs, rhs, group_sizes, dout, *, batch_start):
     sizes = local_group_sizes(group_sizes, batch_start, lhs.shape[0])
     dlhs, drhs = dispatch.platform_dispatch(
-        spec.use_kernel, _bwd_kernel, functools.partial(_bwd_reference, spec), lhs, rhs, sizes, dout)
+        spec.use_kernel, functools.partial(_bwd_kernel, spec), functools.partial(_bwd_reference, spec), lhs, rhs, sizes,
+        dout)
     # (rhs is usually replicated over the axes that split the rows: its gradient is summed over them)
     return dispatch.sum_as(dlhs, lhs), dispatch.sum_as(drhs, rhs)
 

@@ -7,7 +7,8 @@ three int attributes, ``variant`` (the kernels: ``dispatch.kernel_variant``) and
   (``b_transposed=1``); out ``[m, n]``: group i owns rows ``[off_i, off_i + size_i)`` (``off`` the
   exclusive cumulative sum); rows past the sum give 0.
 - ``mode=MODE_CONTRACT`` (1, ragged contracting dimension): a ``[m, k]``, b ``[m, n]``; out ``[g, k, n]``,
-  ``out_i = a[rows_i]^T b[rows_i]``; an empty group gives 0.
+  ``out_i = a[rows_i]^T b[rows_i]``; an empty group gives 0. With ``b_transposed=1`` (the sm_90a kernel
+  only) both are K-major, a ``[k, m]`` and b ``[n, m]``: ``out_i = a[:, rows_i] b[:, rows_i]^T``.
 
 a and b are both bfloat16 or both float16; out is that dtype or float32 (the kernel reads the result
 buffer's dtype). The numbers the kernel and this file share (``MODE_RAGGED``, ``MODE_CONTRACT``,
@@ -174,9 +175,9 @@ def _rows_call(a, b, group_sizes, out_dtype, b_transposed, variant, out_init=Non
                      out_init)
 
 
-def _contracting_call(a, b, group_sizes, out_dtype, variant, out_init=None):
-    shape = (group_sizes.shape[0], a.shape[1], b.shape[1])
-    return _raw_call(contract()["MODE_CONTRACT"], a, b, group_sizes, shape, out_dtype, False, variant, out_init)
+def _contracting_call(a, b, group_sizes, out_dtype, variant, out_init=None, b_transposed=False):
+    shape = (group_sizes.shape[0], *((a.shape[0], b.shape[0]) if b_transposed else (a.shape[1], b.shape[1])))
+    return _raw_call(contract()["MODE_CONTRACT"], a, b, group_sizes, shape, out_dtype, b_transposed, variant, out_init)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,13 +232,15 @@ def _row_groups(sizes, m: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _contracting_fn(out_dtype: str, variant: int):
+def _contracting_fn(out_dtype: str, variant: int, b_transposed: bool = False):
     @jax.custom_batching.custom_vmap
     def fn(a, b, group_sizes):
-        return _contracting_call(a, b, group_sizes, out_dtype, variant)
+        return _contracting_call(a, b, group_sizes, out_dtype, variant, b_transposed=b_transposed)
 
     @fn.def_vmap
     def rule(axis_size, in_batched, a, b, group_sizes):
+        if b_transposed:  # (a launch per entry: the entries' rows are columns here)
+            return map_entries(fn, in_batched, (a, b, group_sizes)), True
         # Entry i's rows become rows [i*m, (i+1)*m) of one call, its groups g of its g + 1: one more
         # group takes the rows past its own groups (so that the next entry starts at (i+1)*m), and its
         # result is dropped.
@@ -290,22 +293,34 @@ def split_k_parts(m: int, k: int, n: int) -> int:
     return max(1, min(wave // tiles, k // SPLIT_K_MIN))
 
 
-def split_k_dot(a, b, parts: int, *, out_dtype):
-    """``a [m, k] @ b [k, n]`` as the sum of ``parts`` products over consecutive ranges of k (multiples
-    of the kernel's steps but the last), in float32: one launch of the contracting kernel (mode 1) on
-    ``a^T``, whose group i is range i, then XLA's sum of the partial products."""
+def split_k_transposed_runs() -> bool:
+    """Whether split_k_dot takes ``b_transposed`` here: its kernel (mode 1 with both operands K-major)
+    is the sm_90a kernel's only."""
+    return extension.takes_sm90_kernels(extension.cuda_device_capability(), dispatch.kernel_variant())
+
+
+def split_k_dot(a, b, parts: int, *, out_dtype, b_transposed=False):
+    """``a [m, k] @ b [k, n]`` (``b [n, k]`` transposed with ``b_transposed``) as the sum of ``parts``
+    products over consecutive ranges of k (multiples of the kernel's steps but the last), in float32:
+    one launch of the contracting kernel (mode 1), whose group i is range i, on ``a^T`` and b (both as
+    they are with ``b_transposed``: split_k_transposed_runs), then XLA's sum of the partial products."""
     k = a.shape[1]
     step = contract()["SM90_TILE_K"]
     part = -(-k // (parts * step)) * step
     ends = np.minimum(np.arange(1, parts + 1) * part, k)
     sizes = jnp.asarray(np.diff(ends, prepend=0).astype(np.int32))
-    partial = ragged_contracting(a.T, b, sizes, out_dtype=jnp.float32)
+    if b_transposed:
+        partial = ragged_contracting(a, b, sizes, out_dtype=jnp.float32, b_transposed=True)
+    else:
+        partial = ragged_contracting(a.T, b, sizes, out_dtype=jnp.float32)
     return jnp.sum(partial, axis=0).astype(out_dtype)
 
 
-def ragged_contracting(a, b, group_sizes, *, out_dtype, out_init=None, variant=None):
-    """Mode 1: ``out[i] = a[rows_i]^T @ b[rows_i]``, [g, k, n]. ``variant``: as in :func:`ragged_dot`."""
+def ragged_contracting(a, b, group_sizes, *, out_dtype, out_init=None, variant=None, b_transposed=False):
+    """Mode 1: ``out[i] = a[rows_i]^T @ b[rows_i]``, [g, k, n]; with ``b_transposed`` (sm_90a only)
+    ``out[i] = a[:, rows_i] @ b[:, rows_i]^T`` of a [k, m] and b [n, m]. ``variant``: as in
+    :func:`ragged_dot`."""
     variant = dispatch.kernel_variant() if variant is None else variant
     if out_init is not None:
-        return _contracting_call(a, b, group_sizes, out_dtype, variant, out_init)
-    return _contracting_fn(jnp.dtype(out_dtype).name, variant)(a, b, group_sizes)
+        return _contracting_call(a, b, group_sizes, out_dtype, variant, out_init, b_transposed)
+    return _contracting_fn(jnp.dtype(out_dtype).name, variant, bool(b_transposed))(a, b, group_sizes)

@@ -21,7 +21,8 @@ from jax_tk._core.ffi import kernel_call
 
 TARGET = "jax_tk_gemm_ragged"
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
-RAGGED, RAGGED_BT, CONTRACT = "ragged", "ragged_bt", "contract"
+RAGGED, RAGGED_BT, CONTRACT, CONTRACT_BT = "ragged", "ragged_bt", "contract", "contract_bt"
+CONTRACTS = (CONTRACT, CONTRACT_BT)
 
 
 def contract():
@@ -31,9 +32,9 @@ def contract():
 @functools.partial(jax.jit, static_argnames=("kind", "out_dtype", "out_shape", "kernels"))
 def kernel(a, b, sizes, *, kind, out_dtype, out_shape, kernels="auto"):
     c = contract()
-    mode = c["MODE_CONTRACT"] if kind == CONTRACT else c["MODE_RAGGED"]
+    mode = c["MODE_CONTRACT"] if kind in CONTRACTS else c["MODE_RAGGED"]
     out_init = (jnp.full(out_shape, jnp.nan, out_dtype),)
-    attributes = {"mode": np.int32(mode), "b_transposed": np.int32(kind == RAGGED_BT),
+    attributes = {"mode": np.int32(mode), "b_transposed": np.int32(kind in (RAGGED_BT, CONTRACT_BT)),
                   "variant": np.int32(dispatch.kernel_variant(kernels))}
     (out,) = kernel_call(TARGET, (jax.ShapeDtypeStruct(out_shape, out_dtype),), (a, b, sizes), attributes,
                          out_init=out_init)
@@ -52,9 +53,11 @@ def group_rows(sizes, m):
 
 def reference(a, b, sizes, kind):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if kind == CONTRACT_BT:  # (a [k, m], b [n, m]: the contraction's rows are their columns)
+        a, b = a.T, b.T
     m, k = a.shape
     rows = group_rows(sizes, m)
-    if kind == CONTRACT:
+    if kind in CONTRACTS:
         out = np.zeros((len(sizes), k, b.shape[1]))
         for i, (r0, r1) in enumerate(rows):
             out[i] = a[r0:r1].T @ b[r0:r1]
@@ -66,11 +69,12 @@ def reference(a, b, sizes, kind):
 
 
 def make_inputs(seed, m, k, n, sizes, kind, dtype):
-    """Fresh normal a and b (never zeros or ones); the rows past the groups' sum are inf."""
+    """Fresh normal a and b (never zeros or ones); the rows past the groups' sum are inf (CONTRACT_BT:
+    a's columns, a [k, m] and b [n, m]; b's stay finite there, as its contract asks)."""
     rng = np.random.default_rng(seed)
     g = len(sizes)
     a = rng.standard_normal((m, k), dtype=np.float32)
-    if kind == CONTRACT:
+    if kind in CONTRACTS:
         b = rng.standard_normal((m, n), dtype=np.float32)
     else:
         b = rng.standard_normal((g, n, k) if kind == RAGGED_BT else (g, k, n), dtype=np.float32)
@@ -78,6 +82,8 @@ def make_inputs(seed, m, k, n, sizes, kind, dtype):
     a[total:] = np.inf
     if kind == CONTRACT:
         b[total:] = -np.inf
+    if kind == CONTRACT_BT:
+        a, b = np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)
     np_dtype = jnp.dtype(dtype)
     return a.astype(np_dtype), b.astype(np_dtype), np.asarray(sizes, np.int32)
 
@@ -87,7 +93,7 @@ def check(m, k, n, sizes, kind, dtype=BF16, out_dtype=None, seed=None, kernels="
     g = len(sizes)
     seed = zlib.crc32(repr((m, k, n, tuple(sizes), kind, jnp.dtype(dtype).name)).encode()) if seed is None else seed
     a, b, gs = make_inputs(seed, m, k, n, sizes, kind, dtype)
-    out_shape = (g, k, n) if kind == CONTRACT else (m, n)
+    out_shape = (g, k, n) if kind in CONTRACTS else (m, n)
     got = np.asarray(kernel(a, b, gs, kind=kind, out_dtype=out_dtype, out_shape=out_shape, kernels=kernels))
     got = got.astype(np.float64)
     want = reference(a, b, sizes, kind)
@@ -96,7 +102,7 @@ def check(m, k, n, sizes, kind, dtype=BF16, out_dtype=None, seed=None, kernels="
     assert not bad.any(), f"{bad.sum()} of {got.size} outputs are NaN/inf (first at {np.argwhere(bad)[0]})"
     # What must be exactly zero is: rows past the groups' sum (ragged), empty groups (contract).
     zero = np.zeros(want.shape, bool)
-    if kind == CONTRACT:
+    if kind in CONTRACTS:
         for i, (r0, r1) in enumerate(group_rows(sizes, m)):
             zero[i] = r0 == r1
     else:
@@ -189,12 +195,43 @@ def test_hopper_matches_sm80():
 @pytest.mark.parametrize("m,k,n,kind,match", [
     (64, 12, 16, RAGGED, "multiples of 8"),
     (64, 16, 12, CONTRACT, "multiples of 8"),
+    (60, 16, 16, CONTRACT_BT, "m must be a multiple of 8"),
 ])
 def test_rejects_unsupported(m, k, n, kind, match):
     a, b, gs = make_inputs(0, m, k, n, [m], kind, BF16)
-    out_shape = (1, k, n) if kind == CONTRACT else (m, n)
+    out_shape = (1, k, n) if kind in CONTRACTS else (m, n)
     with pytest.raises(Exception, match=match):
         jax.block_until_ready(kernel(a, b, gs, kind=kind, out_dtype=BF16, out_shape=out_shape))
+
+
+# Mode 1 with both operands K-major (a split-k product's input gradient): the sm_90a kernel's only.
+# (m, k, n, sizes): groups that start and end inside the kernel's 64-wide steps (their other groups'
+# columns zeroed), empty groups, columns past the groups, ranges as split-k cuts them.
+CONTRACT_BT_CASES = [
+    (1000, 136, 264, _sizes(6, 5, 1000, fill=0.9)),
+    (520, 264, 392, [100, 0, 333, 7]),
+    (8192, 128, 520, [2048] * 4),
+    (2200, 64, 136, [1152, 1048]),
+    (72, 8, 8, [72]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [None, F32], ids=["same", "f32"])
+@pytest.mark.parametrize("case", CONTRACT_BT_CASES, ids=_case_id)
+def test_contract_bt_vs_reference(case, out_dtype):
+    if extension.cuda_device_capability() != (9, 0):
+        pytest.skip("mode 1 with b transposed runs on the sm_90a kernel")
+    m, k, n, sizes = case
+    check(m, k, n, sizes, CONTRACT_BT, BF16, out_dtype)
+    check(m, k, n, sizes, CONTRACT_BT, F16, out_dtype)
+
+
+@pytest.mark.gpu
+def test_contract_bt_is_refused_by_the_mma_sync_kernel():
+    a, b, gs = make_inputs(0, 64, 16, 16, [64], CONTRACT_BT, BF16)
+    with pytest.raises(Exception, match="sm_90a kernel"):
+        jax.block_until_ready(kernel(a, b, gs, kind=CONTRACT_BT, out_dtype=BF16, out_shape=(1, 16, 16), kernels="sm80"))
 
 
 def test_contract_constants():

@@ -400,6 +400,8 @@ def fake_kernel(monkeypatch):
         launches.append((mode, a.shape, b.shape, sizes.shape, bool(b_transposed)))
         if mode == launch.contract()["MODE_RAGGED"]:
             out = reference.ragged_dot(a, b, sizes, out_dtype=out_dtype, rhs_transposed=b_transposed)
+        elif b_transposed:  # (both K-major: a [k, m], b [n, m])
+            out = reference.ragged_contracting(a.T, b.T, sizes, out_dtype=out_dtype)
         else:
             out = reference.ragged_contracting(a, b, sizes, out_dtype=out_dtype)
         assert out.shape == tuple(out_shape)
@@ -424,39 +426,6 @@ def test_kernel_path_calls(fake_kernel):
     assert rel_err(out, numpy_ragged_dot(lhs, rhs, sizes)) < 1e-2
     assert rel_err(dl, numpy_ragged_dot(dout, np.swapaxes(np.asarray(rhs, np.float32), 1, 2), sizes)) < 1e-2
     assert rel_err(dr, numpy_contracting(lhs, dout, sizes)) < 1e-2
-
-
-@pytest.mark.parametrize("m, k, n", [(128, 8192, 2048), (64, 3000, 512), (8, 2112, 256)])
-def test_matmul_splits_k_of_few_tiles(fake_kernel, m, k, n):
-    """A dense product with too few output tiles to fill the GPU: its forward is one launch of the
-    contracting kernel (mode 1) on a^T with k cut into launch.split_k_parts ranges (multiples of the
-    kernel's steps but the last), whose float32 partial products XLA sums; its gradient is the usual
-    pair of launches. Values and gradients against float64 numpy."""
-    parts = launch.split_k_parts(m, k, n)
-    assert parts > 1
-    rng = np.random.default_rng(m + k)
-    a, b, dout = randn(rng, (m, k), BF16), randn(rng, (k, n), BF16), randn(rng, (m, n), BF16)
-    out, vjp = jax.vjp(jax_tk.matmul, a, b)
-    da, db = vjp(dout)
-    assert out.dtype == BF16
-    a64, b64, d64 = (np.asarray(x, np.float64) for x in (a, b, dout))
-    assert rel_err(out, a64 @ b64) < 1e-2
-    assert rel_err(da, d64 @ b64.T) < 1e-2 and rel_err(db, a64.T @ d64) < 1e-2
-    modes = [(l[0], l[1], l[3]) for l in fake_kernel]
-    assert modes[0] == (1, (k, m), (parts,)), modes  # a^T, one group per range of k
-    assert [l[0] for l in fake_kernel[1:]] == [0, 1], modes  # the gradient: d a, then d b
-
-
-def test_matmul_keeps_k_whole_where_tiles_fill_the_gpu(fake_kernel):
-    """Enough output tiles (or m not a multiple of 8, or one group per matrix of a batched b): one
-    launch of the row kernel, k whole."""
-    for m, k, n, lead in ((2048, 4096, 4096, ()), (100, 8192, 2048, ()), (128, 8192, 2048, (2,))):
-        assert lead or launch.split_k_parts(m, k, n) == 1
-        rng = np.random.default_rng(m)
-        a, b = randn(rng, (*lead, m, k), BF16), randn(rng, (*lead, k, n), BF16)
-        fake_kernel.clear()
-        jax_tk.matmul(a, b)
-        assert [l[0] for l in fake_kernel] == [0], fake_kernel
 
 
 @pytest.mark.parametrize("axes", [(0, 0, 0), (0, 0, None), (None, 0, 0), (0, None, 0)])

@@ -148,7 +148,9 @@ def test_vmap_is_one_launch_and_correct():
 
 
 @pytest.mark.parametrize("shape", [((513, 264), (264, 136)), ((4, 77, 64), (4, 64, 128)), ((2048, 1024), (1024, 2048)),
-                                   ((128, 8192), (8192, 2048)), ((64, 3000), (3000, 512))])  # (the last two split k)
+                                   ((128, 8192), (8192, 2048)), ((64, 3000), (3000, 512)),
+                                   ((128, 2048), (2048, 8192)), ((64, 2200), (2200, 4104))])
+# (the last four split k in the forward; on Hopper all but (64, 3000) also in the input's gradient)
 def test_matmul(shape):
     rng = np.random.default_rng(4)
     a, b = helpers.randn(rng, shape[0], BF16), helpers.randn(rng, shape[1], BF16)

@@ -45,7 +45,8 @@ double fro_err(const std::vector<float> &got, const std::vector<double> &want) {
   return std::sqrt(num / std::max(den, 1e-30));
 }
 
-// mode RAGGED (b_transposed or not) or CONTRACT; out bf16 or float32. Returns the relative error.
+// mode RAGGED or CONTRACT, b_transposed or not (CONTRACT: a [k, m] and b [n, m], Hopper only); out
+// bf16 or float32. Returns the relative error.
 double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool out_f32, bool hopper) {
   std::mt19937 rng(m * 7 + k * 3 + n + int(sizes.size()));
   const int g = int(sizes.size());
@@ -71,7 +72,8 @@ double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool 
   const std::vector<float> got = download(out, no, out_f32);
   // float64 reference
   std::vector<double> want(no, 0.0);
-  auto A = [&](int r, int c) { return double(__bfloat162float(ha[size_t(r) * k + c])); };
+  const bool cbt = mode == MODE_CONTRACT && bt;  // (a [k, m], b [n, m])
+  auto A = [&](int r, int c) { return double(__bfloat162float(ha[cbt ? size_t(c) * m + r : size_t(r) * k + c])); };
   for (int i = 0, off = 0; i < g; i++) {
     const int s = std::min(std::max(sizes[i], 0), m - off), r0 = off, r1 = off + s;
     off += s;
@@ -79,7 +81,7 @@ double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool 
       for (int c = 0; c < k; c++)
         for (int j = 0; j < n; j++) {
           if (mode == MODE_CONTRACT) {
-            want[(size_t(i) * k + c) * n + j] += A(r, c) * __bfloat162float(hb[size_t(r) * n + j]);
+            want[(size_t(i) * k + c) * n + j] += A(r, c) * __bfloat162float(hb[cbt ? size_t(j) * m + r : size_t(r) * n + j]);
           } else {
             const size_t bi = bt ? (size_t(i) * n + j) * k + c : (size_t(i) * k + c) * n + j;
             want[size_t(r) * n + j] += A(r, c) * __bfloat162float(hb[bi]);
@@ -251,6 +253,7 @@ int main() {
       // long groups (clusters of two blocks on Hopper): halves across a group's end and past m
       failed += run(2300, 72, 264, {1300, 900}, MODE_RAGGED, false, out_f32, hopper);
       failed += run(2300, 72, 264, {1300, 900}, MODE_RAGGED, true, out_f32, hopper);
+      if (hopper) failed += run(1000, 136, 264, {0, 130, 3, 0, 700}, MODE_CONTRACT, true, out_f32, hopper);
     }
     failed += run(700, 64, 520, std::vector<int>(40, 17), MODE_RAGGED, false, false, hopper);
     failed += run(700, 64, 136, std::vector<int>(40, 17), MODE_CONTRACT, false, false, hopper);
