@@ -25,8 +25,8 @@
 // two 128-row halves, one per block: both halves multiply the same columns of b, so each block loads
 // half of b's tile of a step and multicasts it to both (TMA), and b's reads from L2 halve. The two
 // blocks' rings then move together (ring.cuh: arrive_empty_cluster). The tiles are those of 256
-// rows: the host picks clusters where groups are long (launch), since a group's last 256-row tile
-// may leave one half with no rows of the group (computed, not stored).
+// rows, so a group's last tile may leave one half with no rows of the group (computed, not stored);
+// the host picks clusters for dense products only (launch).
 #include <algorithm>
 #include <atomic>
 #include <climits>
@@ -367,10 +367,10 @@ __global__ __launch_bounds__(Sm90<T, TO, KIND, CLUSTER>::THREADS, 1) void ragged
 #endif
 }
 
-// Clusters of two where they pay: products of rows (not contractions) whose groups are long, about
-// four tiles of 256 rows each or more, so that the rows computed and not stored at each group's end
-// (at most 128 a group) stay a few percent. (Dense products are one group.)
-constexpr long long CLUSTER_ROWS_PER_GROUP = 1024;
+// Clusters of two where they pay: dense products of rows (one group, not a contraction) of four
+// tiles of 256 rows or more. Grouped products, measured with groups of 2048 rows on average, gained
+// nothing with clusters (and lost where the groups' lengths vary), so they run alone.
+constexpr long long CLUSTER_MIN_ROWS = 1024;
 constexpr int MAX_DEVICES = 64;
 
 template <typename T, typename TO, int KIND, int CLUSTER> cudaError_t launch(const Params &p, int sms, cudaStream_t stream) {
@@ -427,7 +427,7 @@ template <typename T, typename TO, int KIND> cudaError_t launch(const Params &p,
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (e != cudaSuccess) return e;
   if constexpr (!contracts<KIND>)
-    if (sms >= 2 && p.m >= CLUSTER_ROWS_PER_GROUP * p.groups) return launch<T, TO, KIND, 2>(p, sms, stream);
+    if (sms >= 2 && p.groups == 1 && p.m >= CLUSTER_MIN_ROWS) return launch<T, TO, KIND, 2>(p, sms, stream);
   return launch<T, TO, KIND, 1>(p, sms, stream);
 }
 

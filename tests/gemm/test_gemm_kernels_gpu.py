@@ -143,9 +143,10 @@ CASES = [
     (2048, 1024, 1536, [2048]),                 # dense, many steps
     (3000, 512, 768, _sizes(3, 8, 3000, zeros=0.0, fill=0.95)),  # MoE-like
     (64, 8, 8, [0, 0, 0]),                      # every group empty: all zeros
-    # Long groups run on Hopper in clusters of two blocks, tiles of 256 rows in two halves (gemm_sm90.cu):
+    # Dense products run on Hopper in clusters of two blocks, tiles of 256 rows in two halves (gemm_sm90.cu):
     (1100, 72, 264, [1100]),                    # the last tile's second half wholly past m
-    (3000, 200, 392, [1500, 1000]),             # halves that cross a group's end; 500 rows past the groups
+    (3000, 200, 392, [2900]),                   # a half that crosses the group's end; rows past it
+    (3000, 200, 392, [1500, 1000]),             # long groups (no clusters)
 ]
 
 

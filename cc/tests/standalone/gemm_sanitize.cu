@@ -250,9 +250,11 @@ int main() {
       failed += run(200, 72, 264, {0, 70, 3, 0, 100}, MODE_CONTRACT, false, out_f32, hopper);
       failed += run(129, 8, 8, {129}, MODE_RAGGED, false, out_f32, hopper);
       failed += run(300, 136, 40, {-3, 150, 400}, MODE_CONTRACT, false, out_f32, hopper);  // clipped
-      // long groups (clusters of two blocks on Hopper): halves across a group's end and past m
+      // long groups; one (clusters of two blocks on Hopper): a half past the group, both past m
       failed += run(2300, 72, 264, {1300, 900}, MODE_RAGGED, false, out_f32, hopper);
       failed += run(2300, 72, 264, {1300, 900}, MODE_RAGGED, true, out_f32, hopper);
+      failed += run(2300, 72, 264, {2100}, MODE_RAGGED, false, out_f32, hopper);
+      failed += run(2300, 72, 264, {2100}, MODE_RAGGED, true, out_f32, hopper);
       if (hopper) failed += run(1000, 136, 264, {0, 130, 3, 0, 700}, MODE_CONTRACT, true, out_f32, hopper);
     }
     failed += run(700, 64, 520, std::vector<int>(40, 17), MODE_RAGGED, false, false, hopper);
@@ -262,7 +264,7 @@ int main() {
     for (bool out_f32 : {false, true}) {
       failed += run_fp8(200, 272, 136, {0, 70, 3, 0, 100}, out_f32);  // k: a 16-wide last block; sum < m
       failed += run_fp8(129, 128, 8, {129}, out_f32);
-      failed += run_fp8(2300, 256, 136, {1300, 900}, out_f32);  // clusters
+      failed += run_fp8(2300, 256, 136, {2100}, out_f32);  // clusters: a half past the group
       // groups across the 128-row blocks, empty ones, rows past the groups; k and n past a tile
       failed += run_fp8_contract(400, 136, 200, {0, 70, 3, 0, 200, 100}, out_f32);
       failed += run_fp8_contract(256, 64, 8, {256}, out_f32);
