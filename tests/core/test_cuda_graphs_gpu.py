@@ -9,6 +9,7 @@ in). A decoding loop (``lax.scan`` of cache update + decode attention, contiguou
 same way: there XLA wraps the decode call in a dynamic-slice fusion (it writes the step's slice of the
 stacked output), which command buffers take when DYNAMIC_SLICE_FUSION is enabled. So does MLA's
 (one latent cache, 16 query heads of 576 dims, two new tokens a step), contiguous and in pages of 64.
+matmul runs its clustered and its split-k kernels there too.
 
 XLA reads its flags when its backend starts, so ``test_in_subprocess`` reruns this file in a fresh
 Python with them.
@@ -40,7 +41,7 @@ def test_in_subprocess(tmp_path):
     # (The child takes GPU memory as it needs it: this process may hold most of it already.)
     summary = run_file_in_child(__file__, flags, JAX_TK_GRAPH_DUMP=str(tmp_path), XLA_PYTHON_CLIENT_PREALLOCATE="false")
     # (the child ran every test below: on a GPU other than H100/H200 the MLA loops skip)
-    want = 6 if extension.cuda_device_capability() == (9, 0) else 4
+    want = 7 if extension.cuda_device_capability() == (9, 0) else 5
     assert re.search(rf"\b{want} passed", summary), summary
 
 
@@ -112,6 +113,21 @@ def test_ragged_dot_forward_and_backward():
                      jnp.asarray(sizes, jnp.int32), randn(rng, (400, 200), BF16)))
     check("ragged_dot", f, lambda lhs, rhs, sizes, dout: f(*to_f32(lhs, rhs), sizes, dout.astype(F32), impl="xla"),
           sets)
+
+
+@in_child
+def test_matmul_forward_and_backward():
+    # On H100/H200 a dense product of 1024 rows or more runs in clusters of two blocks (launched with
+    # the cluster's dimension; the count of clusters that fit is asked once, maybe while XLA records);
+    # one of few output tiles splits k, forward and (there) its input gradient.
+    def f(a, b, dout, impl="tk"):
+        out, vjp = jax.vjp(lambda a, b: jax_tk.matmul(a, b, implementation=impl), a, b)
+        return out, vjp(dout)
+
+    rng = np.random.default_rng(2)
+    for m, k, n in [(1100, 200, 392), (128, 4096, 2048)]:
+        sets = [(randn(rng, (m, k), BF16), randn(rng, (k, n), BF16), randn(rng, (m, n), BF16)) for _ in range(2)]
+        check(f"matmul_{m}", f, lambda a, b, dout: f(*to_f32(a, b), dout.astype(F32), impl="xla"), sets)
 
 
 @in_child
