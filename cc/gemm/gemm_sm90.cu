@@ -410,8 +410,14 @@ template <typename T, typename TO, int KIND, int CLUSTER> cudaError_t launch(con
     if (e = cudaGetDevice(&dev); e != cudaSuccess) return e;
     clusters = dev < MAX_DEVICES ? active[dev].load() : 0;
     if (clusters == 0) {
+      // (asked of the current device's context, not of XLA's stream: the first call may come while XLA
+      // records that stream into a CUDA graph, where a query naming the stream may be refused and end
+      // the recording)
       config.gridDim = dim3(unsigned(sms / CLUSTER * CLUSTER));
-      if (e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config); e != cudaSuccess) return e;
+      config.stream = nullptr;
+      e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+      config.stream = stream;
+      if (e != cudaSuccess) return e;
       if (clusters < 1) clusters = -1;  // (none; 0: not asked yet)
       if (dev < MAX_DEVICES) active[dev] = clusters;
     }
