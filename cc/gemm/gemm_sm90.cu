@@ -398,7 +398,6 @@ template <typename T, typename TO, int KIND, int CLUSTER> cudaError_t launch(con
   cudaLaunchConfig_t config{};
   config.blockDim = dim3(C::THREADS);
   config.dynamicSmemBytes = C::smem;
-  config.stream = stream;
   config.attrs = &cluster;
   config.numAttrs = 1;
   // As many clusters as can run at once (a pair of SMs each where the GPU's layout allows; none: the
@@ -410,20 +409,18 @@ template <typename T, typename TO, int KIND, int CLUSTER> cudaError_t launch(con
     if (e = cudaGetDevice(&dev); e != cudaSuccess) return e;
     clusters = dev < MAX_DEVICES ? active[dev].load() : 0;
     if (clusters == 0) {
-      // (asked of the current device's context, not of XLA's stream: the first call may come while XLA
-      // records that stream into a CUDA graph, where a query naming the stream may be refused and end
-      // the recording)
+      // (asked of the current device's context, the config naming no stream yet: the first call may
+      // come while XLA records its stream into a CUDA graph, where a query naming the stream may be
+      // refused and end the recording)
       config.gridDim = dim3(unsigned(sms / CLUSTER * CLUSTER));
-      config.stream = nullptr;
-      e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
-      config.stream = stream;
-      if (e != cudaSuccess) return e;
+      if (e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config); e != cudaSuccess) return e;
       if (clusters < 1) clusters = -1;  // (none; 0: not asked yet)
       if (dev < MAX_DEVICES) active[dev] = clusters;
     }
     if (clusters < 1) return launch<T, TO, KIND, 1>(p, sms, stream);
   }
   config.gridDim = dim3(unsigned(std::min<long long>(tiles, clusters) * CLUSTER));
+  config.stream = stream;
   return cudaLaunchKernelEx(&config, kernel, a);
 }
 
