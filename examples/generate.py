@@ -8,8 +8,9 @@ XLA updates them in place; the blocks' matmul weights are cast to the compute dt
 holds them (``serving_params``), not at every step. The same generation runs with each attention implementation
 (``--attention``):
 
-- ``tk``: ``jax_tk.decode.attention`` (``implementation=None``: jax_tk's kernel where it takes the
-  call, its pure-JAX reference elsewhere) over a contiguous cache, or a paged one with ``--paged``
+- ``tk``: ``jax_tk.decode.append_attention`` (the step's cache update and ``jax_tk.decode.attention`` in
+  one call; ``implementation=None``: jax_tk's kernels where they take the call, its pure-JAX reference
+  elsewhere) over a contiguous cache, or a paged one with ``--paged``
   (pages of ``--page-size`` rows in a shuffled pool, a page table per sequence);
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` of the new token over the
   contiguous cache with ``key_value_seq_lengths`` (GPU only; skipped with a message on CPU);
@@ -80,9 +81,8 @@ def _layer(params, l):
 
 
 def _cached_attention(q, k_cache, v_cache, lengths, page_table, attention):
-    """Attention of the new token(s) q [B, T, N, H] over the cache (lengths include them)."""
-    if attention == "tk":
-        return jax_tk.decode.attention(q, k_cache, v_cache, lengths, page_table=page_table)
+    """Attention of the new token(s) q [B, T, N, H] over the cache (lengths include them): cuDNN's or XLA's
+    (jax_tk's comes with the cache's update: forward_cached)."""
     if q.shape[1] != 1:
         raise ValueError("cudnn/xla decode one token at a time here (no bottom-right causal mask)")
     # One new token sees every valid key: the padding mask of the lengths is all it needs.
@@ -102,12 +102,13 @@ def forward_cached(params, tokens, caches, lengths, page_table, config, attentio
     for l, (kc, vc) in enumerate(caches):
         p = _layer(params, l)
         q, k, v = train_gpt.block_qkv(x, p, config)
-        kc = jax_tk.decode.update_kv_cache(kc, k, lengths, page_table=page_table)
-        vc = jax_tk.decode.update_kv_cache(vc, v, lengths, page_table=page_table)
-        if prefill:
-            a = train_gpt.attend(q, k, v, attention)
+        if attention == "tk" and not prefill:  # (the cache's update and the attention in one call)
+            a, kc, vc = jax_tk.decode.append_attention(q, k, v, kc, vc, lengths, page_table=page_table)
         else:
-            a = _cached_attention(q, kc, vc, lengths + t, page_table, attention)
+            kc = jax_tk.decode.update_kv_cache(kc, k, lengths, page_table=page_table)
+            vc = jax_tk.decode.update_kv_cache(vc, v, lengths, page_table=page_table)
+            a = train_gpt.attend(q, k, v, attention) if prefill else _cached_attention(
+                q, kc, vc, lengths + t, page_table, attention)
         x = train_gpt.block_out(x, a, p, config)
         new_caches.append((kc, vc))
     return train_gpt.logits_of(params, x, config), tuple(new_caches)

@@ -319,7 +319,38 @@ template <typename T, int D> cudaError_t run(const Params &p, cudaStream_t strea
   return merge<T, D>(p, stream);
 }
 
+// One warp per new row (sequence b, token t, KV head h), its key and its value in 16-byte pieces.
+template <int D> __global__ __launch_bounds__(128) void append_kernel(const __grid_constant__ Params p, const __grid_constant__ Append a) {
+  if (blockIdx.x == 0)
+    for (int b = threadIdx.x; b < p.batch; b += blockDim.x) a.lengths_after[b] = a.lengths_before[b] + p.q_len;
+  const long long row = (long long)blockIdx.x * 4 + warpid();
+  if (row >= (long long)p.batch * p.q_len * p.kv_heads) return;
+  const int h = int(row % p.kv_heads), t = int(row / p.kv_heads % p.q_len), b = int(row / p.kv_heads / p.q_len);
+  const int pos = a.lengths_before[b] + t;
+  if (pos < 0 || pos >= p.capacity) return;
+  long long at = (long long)b * p.capacity + pos;  // the cache's row
+  if (p.page_table) {
+    const int page = p.page_table[(size_t)b * p.max_pages + pos / p.page_size];
+    if (page < 0 || page >= p.num_pages) return;
+    at = (long long)page * p.page_size + pos % p.page_size;
+  }
+  constexpr int PIECES = D * 2 / 16;  // (2-byte elements)
+  const uint4 *src[2] = {static_cast<const uint4 *>(a.k_new) + row * PIECES, static_cast<const uint4 *>(a.v_new) + row * PIECES};
+  uint4 *dst[2] = {static_cast<uint4 *>(const_cast<void *>(p.k)) + (at * p.kv_heads + h) * PIECES,
+                   static_cast<uint4 *>(const_cast<void *>(p.v)) + (at * p.kv_heads + h) * PIECES};
+  for (int i = laneid(); i < 2 * PIECES; i += 32) dst[i / PIECES][i % PIECES] = src[i / PIECES][i % PIECES];
+}
+
 }  // namespace
+
+cudaError_t append(const Params &p, const Append &a, cudaStream_t stream) {
+  const long long rows = (long long)p.batch * p.q_len * p.kv_heads;
+  const dim3 grid(unsigned(std::max<long long>((rows + 3) / 4, 1)));
+  return by_type<64, 128, 256>(p, [&]<typename T, int D>() {
+    append_kernel<D><<<grid, 128, 0, stream>>>(p, a);
+    return cudaGetLastError();
+  });
+}
 
 cudaError_t decode(const Params &p, cudaStream_t stream) {
   if (p.head_dim == MLA_HEAD_DIM) {

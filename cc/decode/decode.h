@@ -78,7 +78,20 @@ JAX_TK_HD constexpr int v_head_dim(int d) { return d == MLA_HEAD_DIM ? MLA_V_HEA
 // The formulas Python calls (jax_tk._tk.decode.<name>).
 #define JAX_TK_DECODE_FORMULAS(F) F(workspace_words) F(block_rows) F(v_head_dim)
 
+// New tokens' keys and values appended to the cache before the attention, in the same call
+// (jax_tk_decode_append): rows k_new and v_new [batch, q_len, kv_heads, head_dim] go to positions
+// lengths_before[b] + t of the cache (Params: p.k and p.v, written), dropped where the position is
+// negative or past the capacity, or its page-table entry outside the pool; lengths_after[b] =
+// lengths_before[b] + q_len, which the attention then reads (p.lengths).
+struct Append {
+  const void *k_new, *v_new;
+  const int *lengths_before;
+  int *lengths_after;
+};
+
 #ifdef JAX_TK_CUDA_HEADERS
+// The append (a kernel of its own, before decode()'s, which waits for it: programmatic dependent launch).
+cudaError_t append(const Params &p, const Append &a, cudaStream_t stream);
 // The kernel (mma.sync and cp.async: sm_80 and newer; wgmma on sm_90a), and the merge of the parts when
 // splits > 1.
 // head_dim MLA_HEAD_DIM: MLA's latent cache (k and v the same cache; sm_90a only).

@@ -1,5 +1,6 @@
-// XLA FFI handler of decode attention: decode buffers and attributes into Params, check what the
-// kernel can take, launch on XLA's stream. No allocation and no host synchronization (the lengths
+// XLA FFI handlers of decode attention (jax_tk_decode) and of appending new tokens then attending
+// (jax_tk_decode_append): decode buffers and attributes into Params, check what the kernel can take,
+// launch on XLA's stream. No allocation and no host synchronization (the lengths
 // stay on the device; the split count is an attribute): CUDA-graph compatible.
 //
 // Operands: query [batch, q_len, q_heads, head_dim]; key_cache and value_cache (head_dim 576: MLA's
@@ -55,15 +56,11 @@ ffi::Error check_cache(Params &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
-// Extra... is empty in the production target; the test target takes ffi::RemainingArgs there (buffers
-// that tests alias to the outputs to poison them), ignored here.
-template <typename... Extra>
-ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer lengths,
-                       ffi::AnyBuffer page_table, ffi::AnyBuffer sinks, Extra..., ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                       ffi::Result<ffi::AnyBuffer> workspace,
-                       float scale, int32_t is_causal, int32_t window_left, int32_t window_right, float softcap,
-                       int32_t splits, int32_t variant) {
-  Params p{};
+// The call's Params from its buffers and attributes, checked (everything but the launch).
+ffi::Error fill(Params &p, const ffi::AnyBuffer &q, const ffi::AnyBuffer &k, const ffi::AnyBuffer &v,
+                const ffi::AnyBuffer &lengths, const ffi::AnyBuffer &page_table, const ffi::AnyBuffer &sinks,
+                ffi::AnyBuffer &o, ffi::AnyBuffer &lse, ffi::AnyBuffer &workspace, float scale, int32_t is_causal,
+                int32_t window_left, int32_t window_right, float softcap, int32_t splits, int32_t variant) {
   if (q.element_type() == ffi::DataType::BF16) p.dtype = decode::DType::bf16;
   else if (q.element_type() == ffi::DataType::F16) p.dtype = decode::DType::fp16;
   else return invalid("the decode kernel takes bfloat16 or float16");
@@ -87,10 +84,10 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   const int dv = decode::v_head_dim(p.head_dim);
   if (lengths.element_type() != ffi::DataType::S32 || lengths.dimensions().size() != 1 || lengths.dimensions()[0] != p.batch)
     return invalid("lengths must be int32 [batch]");
-  if (o->element_type() != q.element_type() || !same_lead_dims(*o, q) || o->dimensions().back() != dv)
+  if (o.element_type() != q.element_type() || !same_lead_dims(o, q) || o.dimensions().back() != dv)
     return invalid("out must have the query's dtype and shape, with head_dim " + std::to_string(dv));
-  auto ld = lse->dimensions();
-  if (lse->element_type() != ffi::DataType::F32 || ld.size() != 3 || ld[0] != p.batch || ld[1] != p.q_heads || ld[2] != p.q_len)
+  auto ld = lse.dimensions();
+  if (lse.element_type() != ffi::DataType::F32 || ld.size() != 3 || ld[0] != p.batch || ld[1] != p.q_heads || ld[2] != p.q_len)
     return invalid("lse must be float32 [batch, q_heads, q_len]");
   if (auto sd = sinks.dimensions(); sd.size() != 1 || sd[0] != 0) {
     if (sinks.element_type() != ffi::DataType::F32 || sd.size() < 1 || sd.size() > 2 || sd.back() != p.q_heads ||
@@ -101,8 +98,8 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   }
   if (splits < 1 || splits > decode::MAX_SPLITS) return invalid("splits must be in [1, MAX_SPLITS]");
   const size_t words = decode::workspace_words(splits, p.batch, p.q_len, p.q_heads, dv);
-  auto wd = workspace->dimensions();
-  if (workspace->element_type() != ffi::DataType::F32 || wd.size() != 1 || size_t(wd[0]) < std::max<size_t>(words, 1))
+  auto wd = workspace.dimensions();
+  if (workspace.element_type() != ffi::DataType::F32 || wd.size() != 1 || size_t(wd[0]) < std::max<size_t>(words, 1))
     return invalid("workspace must be float32 [max(workspace_words, 1)]");
   if (window_left < -1 || window_right < -1) return invalid("window_left and window_right must be >= -1");
   if (!(softcap >= 0.f) || softcap == __builtin_huge_valf()) return invalid("softcap must be finite and >= 0");
@@ -116,11 +113,70 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   p.sm90 = kernels.sm90;
   p.smem_limit = kernels.small_smem ? decode::SMALL_GPU_SMEM : 0;
   p.q = q.untyped_data();
-  p.o = o->untyped_data();
-  p.lse = static_cast<float *>(lse->untyped_data());
-  p.workspace = static_cast<float *>(workspace->untyped_data());
+  p.o = o.untyped_data();
+  p.lse = static_cast<float *>(lse.untyped_data());
+  p.workspace = static_cast<float *>(workspace.untyped_data());
   if (!aligned16(p.q) || !aligned16(p.o)) return invalid("query and out must be 16-byte aligned");
+  return ffi::Error::Success();
+}
+
+// Extra... is empty in the production target; the test target takes ffi::RemainingArgs there (buffers
+// that tests alias to the outputs to poison them), ignored here.
+template <typename... Extra>
+ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer lengths,
+                       ffi::AnyBuffer page_table, ffi::AnyBuffer sinks, Extra..., ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                       ffi::Result<ffi::AnyBuffer> workspace,
+                       float scale, int32_t is_causal, int32_t window_left, int32_t window_right, float softcap,
+                       int32_t splits, int32_t variant) {
+  Params p{};
+  if (auto e = fill(p, q, k, v, lengths, page_table, sinks, *o, *lse, *workspace, scale, is_causal, window_left, window_right,
+                    softcap, splits, variant);
+      e.failure())
+    return e;
   return cuda_error(decode::decode(p, stream), "decode attention");
+}
+
+// The same after appending the new tokens' keys and values (k_new, v_new [batch, q_len, kv_heads,
+// head_dim]) to the caches, which are also results (k_out, v_out: jax_tk aliases them to k and v, so
+// that the append writes in place); lengths are those before the new tokens, lengths_after (int32
+// [batch]) those after, which the attention reads.
+template <typename... Extra>
+ffi::Error append_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::AnyBuffer k,
+                       ffi::AnyBuffer v, ffi::AnyBuffer lengths, ffi::AnyBuffer page_table, ffi::AnyBuffer sinks, Extra...,
+                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
+                       ffi::Result<ffi::AnyBuffer> lengths_after, ffi::Result<ffi::AnyBuffer> k_out,
+                       ffi::Result<ffi::AnyBuffer> v_out, float scale, int32_t is_causal, int32_t window_left,
+                       int32_t window_right, float softcap, int32_t splits, int32_t variant) {
+  if (k_out->untyped_data() != k.untyped_data() || v_out->untyped_data() != v.untyped_data())
+    return invalid("the caches' results must be aliased to the caches");
+  Params p{};
+  if (auto e = fill(p, q, k, v, lengths, page_table, sinks, *o, *lse, *workspace, scale, is_causal, window_left, window_right,
+                    softcap, splits, variant);
+      e.failure())
+    return e;
+  if (p.head_dim == decode::MLA_HEAD_DIM) return invalid("appending takes head_dim 64, 128 or 256 (not MLA's latent rows)");
+  for (const ffi::AnyBuffer *x : {&k_new, &v_new})
+    if (x->element_type() != q.element_type() || !dims_are(*x, {p.batch, p.q_len, p.kv_heads, p.head_dim}))
+      return invalid("the new keys and values must be [batch, q_len, kv_heads, head_dim] in the query's dtype");
+  if (!aligned16(k_new.untyped_data()) || !aligned16(v_new.untyped_data())) return invalid("the new keys and values must be 16-byte aligned");
+  if (lengths_after->element_type() != ffi::DataType::S32 || !dims_are(*lengths_after, {p.batch}))
+    return invalid("lengths_after must be int32 [batch]");
+  decode::Append a{k_new.untyped_data(), v_new.untyped_data(), p.lengths, static_cast<int *>(lengths_after->untyped_data())};
+  p.lengths = a.lengths_after;
+  if (auto e = cuda_error(decode::append(p, a, stream), "decode attention: appending"); e.failure()) return e;
+  return cuda_error(decode::decode(p, stream), "decode attention");
+}
+
+// The attributes, after the results (both targets).
+auto with_attributes(auto &&b) {
+  return std::move(b)
+      .template Attr<float>("scale")
+      .template Attr<int32_t>("is_causal")
+      .template Attr<int32_t>("window_left")
+      .template Attr<int32_t>("window_right")
+      .template Attr<float>("softcap")
+      .template Attr<int32_t>("splits")
+      .template Attr<int32_t>("variant");
 }
 
 template <bool TEST> auto binding() {
@@ -135,17 +191,35 @@ template <bool TEST> auto binding() {
         .Arg<ffi::AnyBuffer>();  // sinks
   };
   auto tail = [](auto &&b) {
-    return std::move(b)
-        .template Ret<ffi::AnyBuffer>()  // out
-        .template Ret<ffi::AnyBuffer>()  // lse
-        .template Ret<ffi::AnyBuffer>()  // workspace
-        .template Attr<float>("scale")
-        .template Attr<int32_t>("is_causal")
-        .template Attr<int32_t>("window_left")
-        .template Attr<int32_t>("window_right")
-        .template Attr<float>("softcap")
-        .template Attr<int32_t>("splits")
-        .template Attr<int32_t>("variant");
+    return with_attributes(std::move(b)
+                               .template Ret<ffi::AnyBuffer>()    // out
+                               .template Ret<ffi::AnyBuffer>()    // lse
+                               .template Ret<ffi::AnyBuffer>());  // workspace
+  };
+  return bind<TEST>(head, tail);
+}
+
+template <bool TEST> auto append_binding() {
+  auto head = [] {
+    return ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()   // query
+        .Arg<ffi::AnyBuffer>()   // k_new
+        .Arg<ffi::AnyBuffer>()   // v_new
+        .Arg<ffi::AnyBuffer>()   // key_cache
+        .Arg<ffi::AnyBuffer>()   // value_cache
+        .Arg<ffi::AnyBuffer>()   // lengths (before the new tokens)
+        .Arg<ffi::AnyBuffer>()   // page_table
+        .Arg<ffi::AnyBuffer>();  // sinks
+  };
+  auto tail = [](auto &&b) {
+    return with_attributes(std::move(b)
+                               .template Ret<ffi::AnyBuffer>()    // out
+                               .template Ret<ffi::AnyBuffer>()    // lse
+                               .template Ret<ffi::AnyBuffer>()    // workspace
+                               .template Ret<ffi::AnyBuffer>()    // lengths_after
+                               .template Ret<ffi::AnyBuffer>()    // key_cache (aliased)
+                               .template Ret<ffi::AnyBuffer>());  // value_cache (aliased)
   };
   return bind<TEST>(head, tail);
 }
@@ -157,9 +231,13 @@ FfiTargets ffi_targets();
 }
 
 JAX_TK_DEFINE_HANDLERS(Decode, decode_impl, binding);
+JAX_TK_DEFINE_HANDLERS(DecodeAppend, append_impl, append_binding);
 
 FfiTargets decode::ffi_targets() {  // (declared by cc/module.cc)
-  return {{"jax_tk_decode", reinterpret_cast<void *>(Decode)}, {"jax_tk_decode_test", reinterpret_cast<void *>(DecodeTest)}};
+  return {{"jax_tk_decode", reinterpret_cast<void *>(Decode)},
+          {"jax_tk_decode_test", reinterpret_cast<void *>(DecodeTest)},
+          {"jax_tk_decode_append", reinterpret_cast<void *>(DecodeAppend)},
+          {"jax_tk_decode_append_test", reinterpret_cast<void *>(DecodeAppendTest)}};
 }
 
 }  // namespace jax_tk

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -43,6 +44,13 @@ template <typename A, typename B> bool same_lead_dims(const A &a, const B &b) {
 }
 template <typename A, typename B> bool same_type_and_dims(const A &a, const B &b) {
   return a.element_type() == b.element_type() && same_dims(a, b);
+}
+inline bool dims_are(const ffi::AnyBuffer &x, std::initializer_list<int64_t> want) {
+  auto d = x.dimensions();
+  if (d.size() != want.size()) return false;
+  for (size_t i = 0; i < want.size(); i++)
+    if (d[i] != want.begin()[i]) return false;
+  return true;
 }
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 

@@ -19,14 +19,6 @@ std::string dims_of(const ffi::AnyBuffer &x) {
   return "[" + s.substr(0, s.size() >= 2 ? s.size() - 2 : 0) + "]";
 }
 
-bool dims_are(const ffi::AnyBuffer &x, std::initializer_list<int64_t> want) {
-  auto d = x.dimensions();
-  if (d.size() != want.size()) return false;
-  for (size_t i = 0; i < want.size(); i++)
-    if (d[i] != want.begin()[i]) return false;
-  return true;
-}
-
 // Extra... is empty in the production target; the test target takes ffi::RemainingArgs there (the
 // buffers that tests alias to the output to poison it), ignored here.
 template <typename... Extra>

@@ -414,6 +414,27 @@ def _explicit_context() -> tuple[object, dict]:
     return context, types
 
 
+def _context(lead) -> tuple[object, dict, list, list]:
+    """The mesh a call with leading operand ``lead`` runs on, {axis: AxisType}, its Explicit and its
+    Manual axes."""
+    mesh, types = _mesh_axis_types(lead)
+    if not types:
+        # Not on a mesh (e.g. left on one device) inside jax.set_mesh of an explicit mesh: XLA replicates
+        # such an operand over the mesh, and the op runs whole on each device, through the explicit path.
+        # (custom_partitioning, the auto path, does not compile there.)
+        mesh, types = _explicit_context()
+    explicit = [a for a, t in types.items() if t == jax.sharding.AxisType.Explicit]
+    manual = [a for a, t in types.items() if t == jax.sharding.AxisType.Manual]
+    return mesh, types, explicit, manual
+
+
+def runs_locally(lead) -> bool:
+    """Whether :func:`call` with leading operand ``lead`` runs its function on the operands as they are
+    (one device, or local shards inside ``shard_map``), rather than partitioning the call."""
+    _, _, explicit, manual = _context(lead)
+    return not explicit and (bool(manual) or not _AUTO_PARTITIONING or not _multi_device())
+
+
 def call(layout: Layout, local_fn: Callable, static, *args, result_like: Sequence[int | None] | None = None):
     """``local_fn(static, *args)`` (a tuple of results, ``layout.outputs``) run on per-device shards.
 
@@ -422,16 +443,8 @@ def call(layout: Layout, local_fn: Callable, static, *args, result_like: Sequenc
     whose sharding result ``k`` is given back (e.g. a gradient's), None: from the leading operand."""
     if len(args) != len(layout.inputs) or len(layout.inputs[0].split()) != args[0].ndim:
         raise ValueError(f"jax_tk: {len(args)} operands for the layout {layout.inputs}")
-    mesh, types = _mesh_axis_types(args[0])
-    if not types:
-        # Not on a mesh (e.g. left on one device) inside jax.set_mesh of an explicit mesh: XLA replicates
-        # such an operand over the mesh, and the op runs whole on each device, through the explicit path.
-        # (custom_partitioning, the auto path, does not compile there.)
-        mesh, types = _explicit_context()
-    explicit = [a for a, t in types.items() if t == jax.sharding.AxisType.Explicit]
-    manual = [a for a, t in types.items() if t == jax.sharding.AxisType.Manual]
-    if not explicit and (manual or not _AUTO_PARTITIONING or not _multi_device()):
-        # local shards (shard_map, pmap), or nothing to partition
+    mesh, _, explicit, _ = _context(args[0])
+    if runs_locally(args[0]):  # local shards (shard_map, pmap), or nothing to partition
         return tuple(local_fn(static, *args, **({"batch_start": 0} if layout.batch_offset else {})))
     present = tuple(i for i, a in enumerate(args) if a is not None)
     given = tuple(args[i] for i in present)

@@ -182,36 +182,45 @@ def attention_with_lse(query, key_cache, value_cache, cache_lengths, *, page_tab
       exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b`` (the weights per row and head, moved to
       ``[batch, T_new, heads, 1]``).
     """
-    _float_array(_OP, "query", query, "[batch, T_new, heads, head_dim]", empty_ok=(0, 1))
-    b, t, n, h = query.shape
-    capacity, page_size = _check_cache(_OP, key_cache, value_cache, b, page_table)
-    if key_cache.dtype != query.dtype:
-        raise TypeError(f"jax_tk.{_OP}: key_cache/value_cache must have the query's dtype {query.dtype}, got "
-                        f"{key_cache.dtype}")
-    if key_cache.shape[3] != h:
-        raise ValueError(f"jax_tk.{_OP}: head_dim of key_cache/value_cache ({key_cache.shape[3]}) != head_dim "
-                         f"of query ({h})")
-    kh = key_cache.shape[2]
-    if n % kh != 0:
-        raise ValueError(f"jax_tk.{_OP}: the number of query heads ({n}) must be a multiple of the number of "
-                         f"key/value heads ({kh})")
-    _check_t_new(_OP, t, capacity, page_table)
-    cache_lengths = _lengths(_OP, cache_lengths, b)
-    scale = checks.positive_float(_OP, "scale", scale)
-    scale = 1.0 / math.sqrt(h) if scale is None else scale
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"jax_tk.{_OP}: is_causal must be a bool, got {is_causal!r}")
-    # Positions count from the length as given, which may exceed the capacity: only the right side of a
-    # window is bounded by the cache.
-    window = checks.window(_OP, local_window_size, extension.MAX_INDEX, capacity)
-    softcap = checks.positive_float(_OP, "logits_soft_cap", logits_soft_cap)
-    use = dispatch.use_kernel(_OP, implementation, launch.kernel_unsupported_reason(query, key_cache))
-    spec = DecodeSpec(scale, bool(is_causal), use, window, softcap, page_size)
-    sinks = sinks_.check(_OP, sinks, n)
+    spec, cache_lengths, sinks = checked_call(_OP, query, key_cache, value_cache, cache_lengths, page_table, scale,
+                                              is_causal, local_window_size, logits_soft_cap, implementation, sinks)
+    b, t, n = query.shape[:3]
     if b == 0 or t == 0:
         return sinks_.apply(dispatch.zeros(query.shape, query.dtype, query, key_cache, value_cache),
                             dispatch.zeros((b, n, t), jnp.float32, query, key_cache, value_cache) - jnp.inf, sinks)
     return _attention(spec, query, key_cache, value_cache, cache_lengths, _page_table_int32(page_table), sinks)
+
+
+def checked_call(op, query, key_cache, value_cache, cache_lengths, page_table, scale, is_causal, local_window_size,
+                 logits_soft_cap, implementation, sinks):
+    """An attention call's checks (:func:`attention`'s arguments): its spec, and its lengths and sinks as
+    the kernel takes them."""
+    _float_array(op, "query", query, "[batch, T_new, heads, head_dim]", empty_ok=(0, 1))
+    b, t, n, h = query.shape
+    capacity, page_size = _check_cache(op, key_cache, value_cache, b, page_table)
+    if key_cache.dtype != query.dtype:
+        raise TypeError(f"jax_tk.{op}: key_cache/value_cache must have the query's dtype {query.dtype}, got "
+                        f"{key_cache.dtype}")
+    if key_cache.shape[3] != h:
+        raise ValueError(f"jax_tk.{op}: head_dim of key_cache/value_cache ({key_cache.shape[3]}) != head_dim "
+                         f"of query ({h})")
+    kh = key_cache.shape[2]
+    if n % kh != 0:
+        raise ValueError(f"jax_tk.{op}: the number of query heads ({n}) must be a multiple of the number of "
+                         f"key/value heads ({kh})")
+    _check_t_new(op, t, capacity, page_table)
+    cache_lengths = _lengths(op, cache_lengths, b)
+    scale = checks.positive_float(op, "scale", scale)
+    scale = 1.0 / math.sqrt(h) if scale is None else scale
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"jax_tk.{op}: is_causal must be a bool, got {is_causal!r}")
+    # Positions count from the length as given, which may exceed the capacity: only the right side of a
+    # window is bounded by the cache.
+    window = checks.window(op, local_window_size, extension.MAX_INDEX, capacity)
+    softcap = checks.positive_float(op, "logits_soft_cap", logits_soft_cap)
+    use = dispatch.use_kernel(op, implementation, launch.kernel_unsupported_reason(query, key_cache))
+    spec = DecodeSpec(scale, bool(is_causal), use, window, softcap, page_size)
+    return spec, cache_lengths, sinks_.check(op, sinks, n)
 
 
 def kernel_unsupported_reason(query, key_cache) -> str | None:

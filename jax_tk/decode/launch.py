@@ -101,14 +101,44 @@ def _call(query, key_cache, value_cache, cache_lengths, table, sinks=None, *, sp
     parts = splits(b, t, n, key_cache.shape[2], capacity, h) if parts is None else parts
     out_types = (jax.ShapeDtypeStruct((b, t, n, dv), query.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32),
                  jax.ShapeDtypeStruct((workspace_words(parts, b, t, n, dv),), jnp.float32))
-    left, right = spec.window if spec.window is not None else (-1, -1)
-    attributes = dict(scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal), window_left=np.int32(left),
-                      window_right=np.int32(right), softcap=np.float32(spec.softcap or 0.0), splits=np.int32(parts),
-                      variant=np.int32(variant))
     sinks = jnp.zeros((0,), jnp.float32) if sinks is None else sinks
     out, lse, _ = kernel_call(TARGET, out_types, (query, key_cache, value_cache, cache_lengths, table, sinks),
-                              attributes, out_init=out_init)
+                              _attributes(spec, parts, variant), out_init=out_init)
     return out, lse
+
+
+APPEND_TARGET = ffi.target("jax_tk_decode_append")
+
+
+def append_kernel(query, new_key, new_value, key_cache, value_cache, cache_lengths, page_table, spec, sinks=None,
+                  parts=None, variant=None, out_init=None):
+    """The append-then-attend call (one launch of each kernel, one FFI call): ``new_key`` and
+    ``new_value`` ``[batch, T_new, kv_heads, head_dim]`` written into the caches at positions
+    ``cache_lengths[b] + t`` (in place: the caches are aliased to the results), then the decode
+    kernel over the lengths after them. Returns ``(out, lse, key_cache, value_cache)``. ``out_init``
+    (tests): buffers aliased to (out, lse, workspace, lengths after). Under ``vmap`` the entries run one
+    after the other (the FFI call's sequential rule)."""
+    b, t, n, h = query.shape
+    table = page_table if page_table is not None else jnp.zeros((0,), jnp.int32)
+    capacity = key_cache.shape[1] * (table.shape[1] if spec.page_size is not None else 1)
+    parts = splits(b, t, n, key_cache.shape[2], capacity, h) if parts is None else parts
+    out_types = (jax.ShapeDtypeStruct((b, t, n, h), query.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+                 jax.ShapeDtypeStruct((workspace_words(parts, b, t, n, h),), jnp.float32),
+                 jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct(key_cache.shape, key_cache.dtype),
+                 jax.ShapeDtypeStruct(value_cache.shape, value_cache.dtype))
+    sinks = jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    variant = dispatch.kernel_variant() if variant is None else variant
+    operands = (query, new_key, new_value, key_cache, value_cache, cache_lengths, table, sinks)
+    out, lse, _, _, key_cache, value_cache = kernel_call(
+        APPEND_TARGET, out_types, operands, _attributes(spec, parts, variant), out_init=out_init, aliases={3: 4, 4: 5})
+    return out, lse, key_cache, value_cache
+
+
+def _attributes(spec, parts: int, variant: int) -> dict:
+    left, right = spec.window if spec.window is not None else (-1, -1)
+    return dict(scale=np.float32(spec.scale), is_causal=np.int32(spec.is_causal), window_left=np.int32(left),
+                window_right=np.int32(right), softcap=np.float32(spec.softcap or 0.0), splits=np.int32(parts),
+                variant=np.int32(variant))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ in). A decoding loop (``lax.scan`` of cache update + decode attention, contiguou
 same way: there XLA wraps the decode call in a dynamic-slice fusion (it writes the step's slice of the
 stacked output), which command buffers take when DYNAMIC_SLICE_FUSION is enabled. So does MLA's
 (one latent cache, 16 query heads of 576 dims, two new tokens a step), contiguous and in pages of 64.
-matmul runs its clustered and its split-k kernels there too.
+matmul runs its clustered and its split-k kernels there too, and append_attention's loop its fused call.
 
 XLA reads its flags when its backend starts, so ``test_in_subprocess`` reruns this file in a fresh
 Python with them.
@@ -41,7 +41,7 @@ def test_in_subprocess(tmp_path):
     # (The child takes GPU memory as it needs it: this process may hold most of it already.)
     summary = run_file_in_child(__file__, flags, JAX_TK_GRAPH_DUMP=str(tmp_path), XLA_PYTHON_CLIENT_PREALLOCATE="false")
     # (the child ran every test below: on a GPU other than H100/H200 the MLA loops skip)
-    want = 7 if extension.cuda_device_capability() == (9, 0) else 5
+    want = 8 if extension.cuda_device_capability() == (9, 0) else 6
     assert re.search(rf"\b{want} passed", summary), summary
 
 
@@ -113,6 +113,31 @@ def test_ragged_dot_forward_and_backward():
                      jnp.asarray(sizes, jnp.int32), randn(rng, (400, 200), BF16)))
     check("ragged_dot", f, lambda lhs, rhs, sizes, dout: f(*to_f32(lhs, rhs), sizes, dout.astype(F32), impl="xla"),
           sets)
+
+
+@in_child
+def test_append_decoding_loop():
+    """The same loop with each step's cache update and attention in one call (append_attention: the
+    caches aliased to its results)."""
+    b, s, n, kh, h, steps = 2, 1024, 8, 2, 128, 4
+
+    def loop(impl, f32=False):
+        def f(k_cache, v_cache, lengths, q, new):
+            if f32:
+                k_cache, v_cache, q, new = to_f32(k_cache, v_cache, q, new)
+
+            def step(carry, x):
+                kc, vc, lens = carry
+                out, kc, vc = jax_tk.decode.append_attention(x[0], x[1], x[1], kc, vc, lens, implementation=impl)
+                return (kc, vc, lens + 1), out
+            return jax.lax.scan(step, (k_cache, v_cache, lengths), (q, new))[1]
+        return f
+
+    rng = np.random.default_rng(3)
+    sets = [(randn(rng, (b, s, kh, h), BF16), randn(rng, (b, s, kh, h), BF16), jnp.asarray(lengths, jnp.int32),
+             randn(rng, (steps, b, 1, n, h), BF16), randn(rng, (steps, b, 1, kh, h), BF16))
+            for lengths in [(700, 3), (0, 1000)]]
+    check("append", loop("tk"), loop("xla", f32=True), sets)
 
 
 @in_child

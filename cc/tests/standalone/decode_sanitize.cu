@@ -1,6 +1,7 @@
 // A standalone driver of the decode kernel for compute-sanitizer (memcheck, racecheck, synccheck) and
 // a quick check without JAX: small odd shapes, contiguous and paged caches (a shuffled table with
 // entries outside the pool), lengths 0, shorter than the new tokens and full, GQA, windows, soft cap,
+// the new tokens' rows written by append() before the attention,
 // head dims 64/128/256, one and several parts, grids of one wave and of several. Each buffer is its own
 // cudaMalloc (an out-of-bounds access is caught); the cache rows past each length, the output, the lse
 // and the workspace hold NaN, and the results are compared with a float64 host reference.
@@ -32,6 +33,7 @@ struct Case {
   int left = -1, right = -1;
   float softcap = 0.f;
   bool sinks = false;  // attention sinks: one logit per query head (Params::sinks)
+  bool append = false;  // the new tokens' rows arrive through append() (contiguous caches)
 };
 
 template <typename T> T *upload(const std::vector<T> &host) {
@@ -89,6 +91,27 @@ int run(const Case &c, bool sm90, int smem_limit = 0) {
           v[size_t(r) * k_count * d + i] = mla ? k[size_t(r) * k_count * d + i] : __float2bfloat16(dist(rng));
         }
 
+  // append: the rows of the new tokens (positions length - q_len + t) reach the cache through append(),
+  // from k_new and v_new; the cache uploaded holds NaN there
+  std::vector<bf16> kd = k, vd = v, k_new, v_new;
+  std::vector<int> before(b_count);
+  if (c.append) {
+    k_new.resize(size_t(b_count) * t_count * k_count * d);
+    v_new.resize(k_new.size());
+    for (int b = 0; b < b_count; b++) {
+      before[b] = c.lengths[b] - t_count;
+      for (int t = 0; t < t_count; t++) {
+        const int pos = before[b] + t, r = pos >= 0 && pos < c.capacity ? row_of(b, pos) : -1;
+        for (int i = 0; i < k_count * d; i++) {
+          const size_t at = (size_t(b) * t_count + t) * k_count * d + i, in = size_t(r) * k_count * d + i;
+          k_new[at] = r >= 0 ? k[in] : __float2bfloat16(dist(rng));  // (dropped where r < 0)
+          v_new[at] = r >= 0 ? v[in] : __float2bfloat16(dist(rng));
+          if (r >= 0) kd[in] = vd[in] = __float2bfloat16(nan);
+        }
+      }
+    }
+  }
+
   Params p{};
   p.dtype = DType::bf16;
   p.batch = b_count; p.q_len = t_count; p.q_heads = n_count; p.kv_heads = k_count; p.head_dim = d;
@@ -101,7 +124,7 @@ int run(const Case &c, bool sm90, int smem_limit = 0) {
   p.lengths = upload(c.lengths);
   p.scale = 1.f / std::sqrt(float(d));
   p.causal = c.causal; p.window_left = c.left; p.window_right = c.right; p.softcap = c.softcap;
-  p.q = upload(q); p.k = upload(k); p.v = mla ? p.k : upload(v);
+  p.q = upload(q); p.k = upload(kd); p.v = mla ? p.k : upload(vd);
   std::vector<float> sinks(n_count, -INFINITY);
   if (c.sinks) {
     for (float &x : sinks) x = dist(rng);
@@ -116,8 +139,22 @@ int run(const Case &c, bool sm90, int smem_limit = 0) {
   p.workspace = upload(std::vector<float>(workspace_words(c.splits, b_count, t_count, n_count, dv), nan));
   p.sm90 = sm90;
   p.smem_limit = smem_limit;
+  Append a{};
+  if (c.append) {
+    a = {upload(k_new), upload(v_new), upload(before), upload(std::vector<int>(b_count, -7))};
+    CHECK(cudaFree(const_cast<int *>(p.lengths)));  // (the attention reads the lengths append() leaves)
+    p.lengths = a.lengths_after;
+    CHECK(append(p, a, 0));
+  }
   CHECK(decode(p, 0));
   CHECK(cudaDeviceSynchronize());
+  bool lengths_ok = true;
+  if (c.append) {
+    const auto after = download(a.lengths_after, b_count);
+    for (int b = 0; b < b_count; b++) lengths_ok = lengths_ok && after[b] == c.lengths[b];
+    for (const void *x : {a.k_new, a.v_new, static_cast<const void *>(a.lengths_before), static_cast<const void *>(a.lengths_after)})
+      CHECK(cudaFree(const_cast<void *>(x)));
+  }
   auto o = download(static_cast<bf16 *>(p.o), o_n);
   auto lse = download(p.lse, lse_n);
 
@@ -171,13 +208,13 @@ int run(const Case &c, bool sm90, int smem_limit = 0) {
         }
       }
   const double err = finite ? std::sqrt(num / std::max(den, 1e-30)) : INFINITY;
-  const bool ok = err < 1e-2 && lse_err < 1e-2;
-  const void *buffers[] = {p.page_table, p.lengths, p.q, p.k, mla ? nullptr : p.v, p.o, p.lse, p.workspace, p.sinks};
+  const bool ok = err < 1e-2 && lse_err < 1e-2 && lengths_ok;
+  const void *buffers[] = {p.page_table, c.append ? nullptr : p.lengths, p.q, p.k, mla ? nullptr : p.v, p.o, p.lse, p.workspace, p.sinks};
   for (const void *x : buffers)
     if (x) CHECK(cudaFree(const_cast<void *>(x)));
-  std::printf("%s B=%d T=%d heads %d/%d D=%d cap=%d page=%d splits=%d%s%s: rel err %.3g, lse err %.3g\n",
+  std::printf("%s B=%d T=%d heads %d/%d D=%d cap=%d page=%d splits=%d%s%s%s: rel err %.3g, lse err %.3g\n",
               ok ? "ok  " : "FAIL", b_count, t_count, n_count, k_count, d, c.capacity, c.page_size, c.splits,
-              c.sinks ? " sinks" : "", sm90 ? " (sm_90a)" : smem_limit ? " (small)" : "", err, lse_err);
+              c.sinks ? " sinks" : "", c.append ? " append" : "", sm90 ? " (sm_90a)" : smem_limit ? " (small)" : "", err, lse_err);
   return ok ? 0 : 1;
 }
 
@@ -195,6 +232,8 @@ int main() {
     check({3, 8, 1, 128, {130, 2, 200}, 200, 0, splits, true, 40, 0, 30.f});  // MQA, window, soft cap
   }
   check({1, 2, 2, 256, {300, 45}, 301, 0, 2, false});  // D=256, not causal
+  // the new tokens appended in the same call: a length shorter than the new tokens, a full cache
+  for (int splits : {1, 3}) check({3, 8, 2, 128, {2, 150, 200}, 200, 0, splits, true, -1, -1, 0.f, false, true});
   // paged (table entries outside the pool inside the lengths read as zeros)
   check({1, 4, 1, 128, {0, 64, 63, 17}, 80, 16, 2});
   check({4, 16, 4, 64, {250, 9}, 256, 64, 1, false, -1, 2});  // GQA 4 x 4 new tokens, right window
