@@ -107,3 +107,18 @@ def test_public_call_in_a_jitted_scan():
     assert rel_err(out, ref) < TOL[BF16]
     np.testing.assert_array_equal(np.asarray(k2.astype(F32)), np.asarray(k_ref))
     np.testing.assert_array_equal(np.asarray(v2.astype(F32)), np.asarray(v_ref))
+
+
+def test_vmapped_public_call():
+    # (the fused call runs once per entry under vmap)
+    rng = np.random.default_rng(4)
+    e, b, n, kh, h, s = 3, 2, 16, 4, 64, 256
+    q, nk, nv = randn(rng, (e, b, 1, n, h), BF16), randn(rng, (e, b, 1, kh, h), BF16), randn(rng, (e, b, 1, kh, h), BF16)
+    kc, vc = randn(rng, (e, b, s, kh, h), BF16), randn(rng, (e, b, s, kh, h), BF16)
+    lengths = jnp.asarray(rng.integers(0, s, size=(e, b)), jnp.int32)
+    f = lambda impl: jax.jit(jax.vmap(functools.partial(jax_tk.decode.append_attention, implementation=impl)))
+    got = f("tk")(q, nk, nv, kc, vc, lengths)
+    want_ = f("xla")(*(x.astype(F32) for x in (q, nk, nv, kc, vc)), lengths)
+    assert rel_err(got[0], want_[0]) < TOL[BF16]
+    for g, w in zip(got[1:], want_[1:]):
+        np.testing.assert_array_equal(np.asarray(g.astype(F32)), np.asarray(w))
