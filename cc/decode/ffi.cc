@@ -167,7 +167,16 @@ ffi::Error append_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_n
   return cuda_error(decode::decode(p, stream), "decode attention");
 }
 
-// The attributes, after the results (both targets).
+// N buffer operands (ARGS) or results, then (with_attributes) the attributes: the handlers' signatures
+// above name them.
+template <int N, bool ARGS> auto with_buffers(auto &&b) {  // (N >= 1: a binding is built, never moved)
+  auto one = [](auto &&x) {
+    if constexpr (ARGS) return std::move(x).template Arg<ffi::AnyBuffer>();
+    else return std::move(x).template Ret<ffi::AnyBuffer>();
+  };
+  if constexpr (N == 1) return one(std::move(b));
+  else return with_buffers<N - 1, ARGS>(one(std::move(b)));
+}
 auto with_attributes(auto &&b) {
   return std::move(b)
       .template Attr<float>("scale")
@@ -178,51 +187,14 @@ auto with_attributes(auto &&b) {
       .template Attr<int32_t>("splits")
       .template Attr<int32_t>("variant");
 }
-
-template <bool TEST> auto binding() {
-  auto head = [] {
-    return ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::AnyBuffer>()   // query
-        .Arg<ffi::AnyBuffer>()   // key_cache
-        .Arg<ffi::AnyBuffer>()   // value_cache
-        .Arg<ffi::AnyBuffer>()   // lengths
-        .Arg<ffi::AnyBuffer>()   // page_table
-        .Arg<ffi::AnyBuffer>();  // sinks
-  };
-  auto tail = [](auto &&b) {
-    return with_attributes(std::move(b)
-                               .template Ret<ffi::AnyBuffer>()    // out
-                               .template Ret<ffi::AnyBuffer>()    // lse
-                               .template Ret<ffi::AnyBuffer>());  // workspace
-  };
+// A target of OPERANDS buffers and RESULTS results (decode_impl's 6 and 3, append_impl's 8 and 6).
+template <bool TEST, int OPERANDS, int RESULTS> auto binding_of() {
+  auto head = [] { return with_buffers<OPERANDS, true>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()); };
+  auto tail = [](auto &&b) { return with_attributes(with_buffers<RESULTS, false>(std::move(b))); };
   return bind<TEST>(head, tail);
 }
-
-template <bool TEST> auto append_binding() {
-  auto head = [] {
-    return ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::AnyBuffer>()   // query
-        .Arg<ffi::AnyBuffer>()   // k_new
-        .Arg<ffi::AnyBuffer>()   // v_new
-        .Arg<ffi::AnyBuffer>()   // key_cache
-        .Arg<ffi::AnyBuffer>()   // value_cache
-        .Arg<ffi::AnyBuffer>()   // lengths (before the new tokens)
-        .Arg<ffi::AnyBuffer>()   // page_table
-        .Arg<ffi::AnyBuffer>();  // sinks
-  };
-  auto tail = [](auto &&b) {
-    return with_attributes(std::move(b)
-                               .template Ret<ffi::AnyBuffer>()    // out
-                               .template Ret<ffi::AnyBuffer>()    // lse
-                               .template Ret<ffi::AnyBuffer>()    // workspace
-                               .template Ret<ffi::AnyBuffer>()    // lengths_after
-                               .template Ret<ffi::AnyBuffer>()    // key_cache (aliased)
-                               .template Ret<ffi::AnyBuffer>());  // value_cache (aliased)
-  };
-  return bind<TEST>(head, tail);
-}
+template <bool TEST> auto binding() { return binding_of<TEST, 6, 3>(); }
+template <bool TEST> auto append_binding() { return binding_of<TEST, 8, 6>(); }
 
 }  // namespace
 
