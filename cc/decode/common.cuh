@@ -210,9 +210,32 @@ struct Block {
   }
 };
 
-// Blocks along x: the parts of each chunk of ROWS query rows; y: KV heads; z: sequences.
+// Sequences longest first: the GPU starts a grid's blocks about in order, z (the sequence) slowest,
+// so block z takes the sequence of rank z by decreasing length (ties by index). A ragged batch then
+// ends on its shortest sequences' blocks rather than on whichever long one the batch holds last.
+// Each warp ranks the sequences itself from the lengths in its lanes' registers (no barrier: the
+// kernels form their block before their roles part); past LONGEST_FIRST_MAX sequences the ranking
+// would cost a short call more than it saves, and the grid's order stays.
+constexpr int LONGEST_FIRST_MAX = 64;
+__device__ __forceinline__ int sequence_of(const Params &p, int z) {
+  if (p.batch <= 1 || p.batch > LONGEST_FIRST_MAX) return z;
+  static_assert(LONGEST_FIRST_MAX == 64);  // (two sequences per lane)
+  const int lane = laneid();
+  const int len0 = lane < p.batch ? p.lengths[lane] : INT_MIN, len1 = 32 + lane < p.batch ? p.lengths[32 + lane] : INT_MIN;
+  int rank0 = 0, rank1 = 0;  // of sequences lane and 32 + lane
+  for (int t = 0; t < p.batch; t++) {
+    const int l = __shfl_sync(0xffffffffu, t < 32 ? len0 : len1, t % 32);
+    rank0 += l > len0 || (l == len0 && t < lane);
+    rank1 += l > len1 || (l == len1 && t < 32 + lane);
+  }
+  const unsigned hit0 = __ballot_sync(0xffffffffu, lane < p.batch && rank0 == z);
+  const unsigned hit1 = __ballot_sync(0xffffffffu, 32 + lane < p.batch && rank1 == z);
+  return hit0 ? __ffs(hit0) - 1 : 32 + __ffs(hit1) - 1;
+}
+
+// Blocks along x: the parts of each chunk of ROWS query rows; y: KV heads; z: sequences (sequence_of).
 template <int ROWS, int KEYS> __device__ __forceinline__ Block block_of(const Params &p) {
-  const int b = blockIdx.z, h = blockIdx.y, group = p.q_heads / p.kv_heads, rows = group * p.q_len;
+  const int b = sequence_of(p, blockIdx.z), h = blockIdx.y, group = p.q_heads / p.kv_heads, rows = group * p.q_len;
   const int chunks = (rows + ROWS - 1) / ROWS, chunk = blockIdx.x % chunks, part = blockIdx.x / chunks;
   const int length = p.lengths[b];
   const Rows R{min(max(length, 0), p.capacity), length, group, p.q_len, chunk * ROWS, rows};

@@ -170,6 +170,16 @@ def test_scheduler_edges(page_size):
     check(13, 1, 1, 64, 8, 128, (4099,), BF16, page_size=page_size)
 
 
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("b", [33, 64, 65])
+def test_longest_first_order(b, page_size):
+    # blocks take the sequences by decreasing length up to 64 of them (common.cuh: sequence_of), in the
+    # grid's order past that: lengths with ties, zeros and one long sequence in the middle
+    lengths = np.random.default_rng(b).integers(0, 12, b) * 37
+    lengths[b // 2] = 5001
+    check(14, b, 1, 16, 4, 128, lengths, BF16, page_size=page_size, parts=(1, 3))
+
+
 @pytest.mark.parametrize("h", [64, 128, 256])
 @pytest.mark.parametrize("t", [2, 8, 32])  # 8, 32 and 128 query rows per KV head
 def test_grid_of_several_waves(h, t):
