@@ -214,12 +214,13 @@ struct Block {
 // so block z takes the sequence of rank z by decreasing length (ties by index). A ragged batch then
 // ends on its shortest sequences' blocks rather than on whichever long one the batch holds last.
 // Each warp ranks the sequences itself from the lengths in its lanes' registers (no barrier: the
-// kernels form their block before their roles part). Only split calls rank (the host splits every
-// long cache, the calls that last several waves of blocks; a grid of short ones runs at once, in any
-// order), and only up to LONGEST_FIRST_MAX sequences: past that the ranking costs more than it saves.
+// kernels form their block before their roles part). Only grids of more than one wave rank (the
+// blocks of one wave all start at once, in any order, and the ranking's dependent loads would only
+// delay them), and only up to LONGEST_FIRST_MAX sequences: past that the ranking costs more than it saves.
 constexpr int LONGEST_FIRST_MAX = 64;
 __device__ __forceinline__ int sequence_of(const Params &p, int z) {
-  if (p.batch <= 1 || p.batch > LONGEST_FIRST_MAX || p.splits == 1) return z;
+  if (p.batch <= 1 || p.batch > LONGEST_FIRST_MAX || size_t(gridDim.x) * gridDim.y * gridDim.z <= core::WAVE_BLOCKS)
+    return z;
   static_assert(LONGEST_FIRST_MAX == 64);  // (two sequences per lane)
   const int lane = laneid();
   const int len0 = lane < p.batch ? p.lengths[lane] : INT_MIN, len1 = 32 + lane < p.batch ? p.lengths[32 + lane] : INT_MIN;

@@ -173,8 +173,9 @@ def test_scheduler_edges(page_size):
 @pytest.mark.parametrize("page_size", [None, 16])
 @pytest.mark.parametrize("b", [33, 64, 65])
 def test_longest_first_order(b, page_size):
-    # blocks take the sequences by decreasing length up to 64 of them (common.cuh: sequence_of), in the
-    # grid's order past that: lengths with ties, zeros and one long sequence in the middle
+    # in grids of more than one wave (here 3 parts: 4 x 3 blocks a sequence), blocks take the sequences by
+    # decreasing length up to 64 of them (common.cuh: sequence_of), in the grid's order past that and in
+    # grids of one wave (1 part, b = 33): lengths with ties, zeros and one long sequence in the middle
     lengths = np.random.default_rng(b).integers(0, 12, b) * 37
     lengths[b // 2] = 5001
     check(14, b, 1, 16, 4, 128, lengths, BF16, page_size=page_size, parts=(1, 3))
