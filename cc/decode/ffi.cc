@@ -147,8 +147,6 @@ ffi::Error append_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_n
                        ffi::Result<ffi::AnyBuffer> lengths_after, ffi::Result<ffi::AnyBuffer> k_out,
                        ffi::Result<ffi::AnyBuffer> v_out, float scale, int32_t is_causal, int32_t window_left,
                        int32_t window_right, float softcap, int32_t splits, int32_t variant) {
-  if (k_out->untyped_data() != k.untyped_data() || v_out->untyped_data() != v.untyped_data())
-    return invalid("the caches' results must be aliased to the caches");
   Params p{};
   if (auto e = fill(p, q, k, v, lengths, page_table, sinks, *o, *lse, *workspace, scale, is_causal, window_left, window_right,
                     softcap, splits, variant);
@@ -161,6 +159,17 @@ ffi::Error append_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_n
   if (!aligned16(k_new.untyped_data()) || !aligned16(v_new.untyped_data())) return invalid("the new keys and values must be 16-byte aligned");
   if (lengths_after->element_type() != ffi::DataType::S32 || !dims_are(*lengths_after, {p.batch}))
     return invalid("lengths_after must be int32 [batch]");
+  // The results are the caches' own buffers (aliased), unless XLA hands them buffers of their own (as
+  // it may where it passes a slice of a stacked cache by address, under vmap's sequential rule): the
+  // caches are then copied there first, and the append and the attention work on the copies.
+  for (auto [in, out] : {std::pair{&k, &k_out}, std::pair{&v, &v_out}})
+    if ((*out)->untyped_data() != in->untyped_data())
+      if (auto e = cuda_error(cudaMemcpyAsync((*out)->untyped_data(), in->untyped_data(), in->size_bytes(), cudaMemcpyDeviceToDevice, stream),
+                              "decode attention: copying a cache");
+          e.failure())
+        return e;
+  p.k = k_out->untyped_data();
+  p.v = v_out->untyped_data();
   decode::Append a{k_new.untyped_data(), v_new.untyped_data(), p.lengths, static_cast<int *>(lengths_after->untyped_data())};
   p.lengths = a.lengths_after;
   if (auto e = cuda_error(decode::append(p, a, stream), "decode attention: appending"); e.failure()) return e;

@@ -114,7 +114,8 @@ def append_kernel(query, new_key, new_value, key_cache, value_cache, cache_lengt
                   parts=None, variant=None, out_init=None):
     """The append-then-attend call (one launch of each kernel, one FFI call): ``new_key`` and
     ``new_value`` ``[batch, T_new, kv_heads, head_dim]`` written into the caches at positions
-    ``cache_lengths[b] + t`` (in place: the caches are aliased to the results), then the decode
+    ``cache_lengths[b] + t`` (in place: the caches are aliased to the results; where XLA still gives
+    the results buffers of their own, the handler copies the caches there first), then the decode
     kernel over the lengths after them. Returns ``(out, lse, key_cache, value_cache)``. ``out_init``
     (tests): buffers aliased to (out, lse, workspace, lengths after). Under ``vmap`` the entries run one
     after the other (the FFI call's sequential rule)."""

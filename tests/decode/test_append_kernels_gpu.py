@@ -110,7 +110,8 @@ def test_public_call_in_a_jitted_scan():
 
 
 def test_vmapped_public_call():
-    # (the fused call runs once per entry under vmap)
+    # (the fused call runs once per entry under vmap, where XLA may give the caches' results buffers of
+    # their own: the handler then copies the caches there before appending)
     rng = np.random.default_rng(4)
     e, b, n, kh, h, s = 3, 2, 16, 4, 64, 256
     q, nk, nv = randn(rng, (e, b, 1, n, h), BF16), randn(rng, (e, b, 1, kh, h), BF16), randn(rng, (e, b, 1, kh, h), BF16)
