@@ -218,21 +218,26 @@ struct Block {
 // blocks of one wave all start at once, in any order, and the ranking's dependent loads would only
 // delay them), and only up to LONGEST_FIRST_MAX sequences: past that the ranking costs more than it saves.
 constexpr int LONGEST_FIRST_MAX = 64;
-__device__ __forceinline__ int sequence_of(const Params &p, int z) {
-  if (p.batch <= 1 || p.batch > LONGEST_FIRST_MAX || size_t(gridDim.x) * gridDim.y * gridDim.z <= core::WAVE_BLOCKS)
-    return z;
+// (Out of line: the ranking stays out of the short calls' prologue, whose instruction fetches are
+// much of their time.)
+__device__ inline __noinline__ int rank_longest_first(const int *lengths, int batch, int z) {
   static_assert(LONGEST_FIRST_MAX == 64);  // (two sequences per lane)
   const int lane = laneid();
-  const int len0 = lane < p.batch ? p.lengths[lane] : INT_MIN, len1 = 32 + lane < p.batch ? p.lengths[32 + lane] : INT_MIN;
+  const int len0 = lane < batch ? lengths[lane] : INT_MIN, len1 = 32 + lane < batch ? lengths[32 + lane] : INT_MIN;
   int rank0 = 0, rank1 = 0;  // of sequences lane and 32 + lane
-  for (int t = 0; t < p.batch; t++) {
+  for (int t = 0; t < batch; t++) {
     const int l = __shfl_sync(0xffffffffu, t < 32 ? len0 : len1, t % 32);
     rank0 += l > len0 || (l == len0 && t < lane);
     rank1 += l > len1 || (l == len1 && t < 32 + lane);
   }
-  const unsigned hit0 = __ballot_sync(0xffffffffu, lane < p.batch && rank0 == z);
-  const unsigned hit1 = __ballot_sync(0xffffffffu, 32 + lane < p.batch && rank1 == z);
+  const unsigned hit0 = __ballot_sync(0xffffffffu, lane < batch && rank0 == z);
+  const unsigned hit1 = __ballot_sync(0xffffffffu, 32 + lane < batch && rank1 == z);
   return hit0 ? __ffs(hit0) - 1 : 32 + __ffs(hit1) - 1;
+}
+__device__ __forceinline__ int sequence_of(const Params &p, int z) {
+  if (p.batch <= 1 || p.batch > LONGEST_FIRST_MAX || size_t(gridDim.x) * gridDim.y * gridDim.z <= core::WAVE_BLOCKS)
+    return z;
+  return rank_longest_first(p.lengths, p.batch, z);
 }
 
 // Blocks along x: the parts of each chunk of ROWS query rows; y: KV heads; z: sequences (sequence_of).
