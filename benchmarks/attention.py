@@ -262,7 +262,7 @@ def run_attention(args) -> int:
         configs = sweep_configs(head_dims, seq_lens, causals, tokens=tokens, hidden=hidden, dtype=dtype)
         flops_note = "FLOPs: fwd 4*B*H*T*S*D (/2 causal), bwd 2.5x fwd, fwd_bwd 3.5x fwd"
         what = f"tokens={tokens} hidden={hidden}"
-    timer = make_timer(args.timer, reps, quick=quick)
+    timer = make_timer(args.timer, reps, quick=quick, rounds=args.rounds)
     env = output.environment(timer.name)
     header = [f"# jax_tk attention benchmark: {output.env_header(env)}",
               f"# providers={','.join(providers)} modes={','.join(modes)} dtype={dtype} {what} "

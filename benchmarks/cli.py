@@ -116,6 +116,9 @@ def add_common_arguments(p: argparse.ArgumentParser, *, op: str, providers: Sequ
                         "under its line (default wall)")
     p.add_argument("--reps", type=int, default=MIN_REPS,
                    help=f"samples per measurement (>= {MIN_REPS}; default {MIN_REPS})")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time each configuration's providers this many times, taking turns, and report each "
+                        "one's median round (default 1)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the correctness check against the float32 reference")
     p.add_argument("--quick", action="store_true", help=quick_help)

@@ -529,7 +529,7 @@ def run_op(args, command: cli.Command, configs: Sequence, providers: Sequence[st
     ``add_run_arguments`` and the shared ones, the read ceiling measured first (into every
     configuration's ``ceiling_tbs``), then ``bench_decode(..., op=op)``, the CSV, table and plot."""
     reps = cli.reps_from(args)
-    timer = make_timer(args.timer, reps, quick=args.quick)
+    timer = make_timer(args.timer, reps, quick=args.quick, rounds=args.rounds)
     device = _device_bytes()
     max_bytes = args.max_gb * 1e9 if args.max_gb is not None else (0.6 * device if device else CPU_MAX_BYTES)
     if args.ceiling_gb is not None:

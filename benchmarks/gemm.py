@@ -366,7 +366,7 @@ def command(op: str, help: str, factories: dict, fp8_factories: dict, *, baselin
         modes = args.modes or list(DEFAULT_MODES)
         reps = cli.reps_from(args)
         csv_path, png_path = cli.output_paths(args, op)
-        timer = make_timer(args.timer, reps, quick=args.quick)
+        timer = make_timer(args.timer, reps, quick=args.quick, rounds=args.rounds)
         env = output.environment(timer.name)
         header = [f"# jax_tk {op} benchmark: {output.env_header(env)}",
                   f"# providers={','.join(shown)} modes={','.join(modes)} dtype={args.dtype} reps={reps}; "

@@ -346,6 +346,21 @@ def _time_best_variant(op, provider, cfg, sets, modes, timer, check) -> list[Res
     return best
 
 
+def median_of_rounds(rounds: Sequence[Result]) -> Result:
+    """One provider's results of the same configuration and mode over several rounds, as one: the round
+    of the median time (the lower of two middle ones: a round's own figures, kernels included), with the
+    min and max over every round's samples; the first round that did not run ok, if any."""
+    bad = [r for r in rounds if r.status != "ok"]
+    if bad:
+        return bad[0]
+    times = sorted(r.time_ms for r in rounds)
+    mid = next(r for r in rounds if r.time_ms == times[(len(times) - 1) // 2])
+    spread = (times[-1] - times[0]) / times[(len(times) - 1) // 2]
+    return dataclasses.replace(
+        mid, min_ms=min(r.min_ms for r in rounds), max_ms=max(r.max_ms for r in rounds), reps=sum(r.reps for r in rounds),
+        note="; ".join(filter(None, [mid.note, f"median of {len(rounds)} rounds (their medians within {100 * spread:.1f}%)"])))
+
+
 def log_line(r: Result) -> str:
     t = f"{r.time_ms:9.4f} ms {fmt_tflops(r.tflops):>7} TFLOP/s" if r.status == "ok" else r.status
     err = f" err={r.rel_err:.1e}" if not math.isnan(r.rel_err) else ""
@@ -374,7 +389,8 @@ def run(op: OpBench, configs: Sequence, providers: Sequence[str], modes: Sequenc
         on_result: Callable[[Result], None] | None = None,
         log: Callable[[str], None] | None = print) -> list[Result]:
     """Times every provider on every configuration, one configuration at a time (the providers see
-    the same inputs, in the same process, with the same timer)."""
+    the same inputs, in the same process, with the same timer), in ``timer.rounds`` rounds (default 1)
+    of turns, each result the median round (:func:`median_of_rounds`)."""
     timer = timer or WallTimer()
     results: list[Result] = []
     by_key: dict[tuple, Result] = {}
@@ -393,6 +409,23 @@ def run(op: OpBench, configs: Sequence, providers: Sequence[str], modes: Sequenc
         for mode in modes:
             emit(Result(cfg, name, mode, status, note=note))
 
+    def made(cfg, name) -> Provider | None:  # (None: its results are emitted already)
+        try:
+            provider = op.make_provider(name, cfg)
+        except Skip as e:
+            emit_all(cfg, name, "skipped", str(e))
+            return None
+        except Exception as e:  # noqa: BLE001 - e.g. the Pallas module does not import
+            emit_all(cfg, name, "error", short_error(e))
+            return None
+        if provider.scratch_bytes > max_scratch_bytes:
+            emit_all(cfg, name, "skipped", "; ".join(filter(None, [
+                provider.note, f"{provider.scratch_what} = {provider.scratch_bytes / 1e9:.1f} GB > "
+                               f"{max_scratch_bytes / 1e9:.0f} GB"])))
+            return None
+        return provider
+
+    rounds = max(1, getattr(timer, "rounds", 1))
     t_start = time.perf_counter()
     for cfg in configs:
         if log is not None:
@@ -407,22 +440,18 @@ def run(op: OpBench, configs: Sequence, providers: Sequence[str], modes: Sequenc
             for name in providers:
                 emit_all(cfg, name, "error", f"inputs: {short_error(e)}")
             continue
-        for name in providers:
-            try:
-                provider = op.make_provider(name, cfg)
-            except Skip as e:
-                emit_all(cfg, name, "skipped", str(e))
-                continue
-            except Exception as e:  # noqa: BLE001 - e.g. the Pallas module does not import
-                emit_all(cfg, name, "error", short_error(e))
-                continue
-            if provider.scratch_bytes > max_scratch_bytes:
-                emit_all(cfg, name, "skipped", "; ".join(filter(None, [
-                    provider.note, f"{provider.scratch_what} = {provider.scratch_bytes / 1e9:.1f} GB > "
-                                   f"{max_scratch_bytes / 1e9:.0f} GB"])))
-                continue
-            for r in _time_best_variant(op, provider, cfg, sets, modes, timer, check):
-                emit(r)
+        if rounds == 1:  # (one provider alive at a time)
+            for name in providers:
+                if (provider := made(cfg, name)) is not None:
+                    for r in _time_best_variant(op, provider, cfg, sets, modes, timer, check):
+                        emit(r)
+        else:  # the providers take turns, round after round: a drift of the machine during the
+            # configuration (clocks, the host) spreads over all of them
+            alive = [p for p in (made(cfg, name) for name in providers) if p is not None]
+            timed = [[_time_best_variant(op, p, cfg, sets, modes, timer, check) for p in alive] for _ in range(rounds)]
+            for i in range(len(alive)):
+                for k in range(len(modes)):
+                    emit(median_of_rounds([outs[i][k] for outs in timed]))
         del sets
     if log is not None:
         log(f"({len(configs)} configurations in {time.perf_counter() - t_start:.0f} s)")

@@ -255,7 +255,7 @@ def run_linear_attention(args) -> int:
     modes = args.modes or list(DEFAULT_MODES)
     reps = cli.reps_from(args)
     csv_path, png_path = cli.output_paths(args, "linear_attention")
-    timer = make_timer(args.timer, reps, quick=args.quick)
+    timer = make_timer(args.timer, reps, quick=args.quick, rounds=args.rounds)
     env = output.environment(timer.name)
     header = [f"# jax_tk linear_attention benchmark: {output.env_header(env)}",
               f"# providers={','.join(shown)} modes={','.join(modes)} dtype={args.dtype} reps={reps}; FLOPs per "

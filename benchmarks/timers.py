@@ -186,9 +186,14 @@ def _summed(call: list[tuple[str, float]]) -> dict[str, float]:
     return out
 
 
-def make_timer(name: str, reps: int, quick: bool = False):
+def make_timer(name: str, reps: int, quick: bool = False, rounds: int = 1):
+    """The timer ``name``; ``rounds``: how many turns the harness gives every provider of a
+    configuration (harness.run)."""
     if name == "wall":
-        return WallTimer(reps, batch_ms=2.0 if quick else 20.0, warmup_ms=10.0 if quick else 200.0)
-    if name in ("cupti", "kernels"):
-        return CuptiTimer(reps, warmup_ms=10.0 if quick else 200.0, per_kernel=name == "kernels")
-    raise ValueError(f"unknown timer {name!r}: choose 'wall', 'cupti' or 'kernels'")
+        timer = WallTimer(reps, batch_ms=2.0 if quick else 20.0, warmup_ms=10.0 if quick else 200.0)
+    elif name in ("cupti", "kernels"):
+        timer = CuptiTimer(reps, warmup_ms=10.0 if quick else 200.0, per_kernel=name == "kernels")
+    else:
+        raise ValueError(f"unknown timer {name!r}: choose 'wall', 'cupti' or 'kernels'")
+    timer.rounds = max(1, int(rounds))
+    return timer

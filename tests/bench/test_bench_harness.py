@@ -137,6 +137,35 @@ def test_registered_op_runs_through_the_harness(toy_command, tmp_path, capsys):
     assert env["platform"] == jax.devices()[0].platform
 
 
+class _ScriptedTimer:
+    """Gives the times (ms) in the order it is asked (None: the measurement fails); ``rounds`` as
+    timers.make_timer sets it."""
+
+    def __init__(self, times, rounds):
+        self.times, self.rounds = iter(times), rounds
+
+    def measure(self, fn, arg_sets):
+        t = next(self.times)
+        if t is None:
+            raise RuntimeError("this round failed")
+        return timers.Timing(t, t - 0.5, t + 0.5, 20, 1, 0.1)
+
+
+def test_rounds_take_turns_and_report_the_median_round():
+    """With rounds, the providers of a configuration take turns (a, b, a, b, ...), and each result is
+    its median round, with the min and max of every round; a round that failed is the result."""
+    cfg, op = MatmulConfig(16, 32, 8), dataclasses.replace(TOY_OP, check_fwd=None)
+    # in turns, a gets 5, 1, 3 and b 50, 10, 30 (one provider after the other would give a 5, 50, 1)
+    results = harness.run(op, [cfg], ["a", "b"], ["fwd"], timer=_ScriptedTimer([5, 50, 1, 10, 3, 30], 3), log=None)
+    by = {r.provider: r for r in results}
+    assert len(results) == 2 and by["a"].status == by["b"].status == "ok"
+    assert (by["a"].time_ms, by["a"].min_ms, by["a"].max_ms, by["a"].reps) == (3, 0.5, 5.5, 60)
+    assert by["b"].time_ms == 30 and "median of 3 rounds (their medians within 133.3%)" in by["b"].note
+    assert timers.make_timer("wall", 20, rounds=3).rounds == 3 and timers.make_timer("cupti", 20).rounds == 1
+    (r,) = harness.run(op, [cfg], ["a"], ["fwd"], timer=_ScriptedTimer([5, None, 3], 3), log=None)
+    assert r.status == "error" and "this round failed" in r.note
+
+
 def test_wrong_results_are_not_timings(capsys):
     """A provider whose results fail the correctness check is reported as "wrong", not as a timing."""
     def make(name, cfg):
