@@ -159,9 +159,9 @@ ffi::Error append_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_n
   if (!aligned16(k_new.untyped_data()) || !aligned16(v_new.untyped_data())) return invalid("the new keys and values must be 16-byte aligned");
   if (lengths_after->element_type() != ffi::DataType::S32 || !dims_are(*lengths_after, {p.batch}))
     return invalid("lengths_after must be int32 [batch]");
-  // The results are the caches' own buffers (aliased), unless XLA hands them buffers of their own (as
-  // it may where it passes a slice of a stacked cache by address, under vmap's sequential rule): the
-  // caches are then copied there first, and the append and the attention work on the copies.
+  // The results are the caches' own buffers (aliased), unless XLA hands them buffers of their own (seen
+  // under vmap's sequential rule): the caches are then copied there first, and the append and the
+  // attention work on the copies.
   for (auto [in, out] : {std::pair{&k, &k_out}, std::pair{&v, &v_out}})
     if ((*out)->untyped_data() != in->untyped_data())
       if (auto e = cuda_error(cudaMemcpyAsync((*out)->untyped_data(), in->untyped_data(), in->size_bytes(), cudaMemcpyDeviceToDevice, stream),
