@@ -327,13 +327,8 @@ template <int D> __global__ __launch_bounds__(128) void append_kernel(const __gr
   if (row >= (long long)p.batch * p.q_len * p.kv_heads) return;
   const int h = int(row % p.kv_heads), t = int(row / p.kv_heads % p.q_len), b = int(row / p.kv_heads / p.q_len);
   const int pos = a.lengths_before[b] + t;
-  if (pos < 0 || pos >= p.capacity) return;
-  long long at = (long long)b * p.capacity + pos;  // the cache's row
-  if (p.page_table) {
-    const int page = p.page_table[(size_t)b * p.max_pages + pos / p.page_size];
-    if (page < 0 || page >= p.num_pages) return;
-    at = (long long)page * p.page_size + pos % p.page_size;
-  }
+  const long long at = pos < 0 ? -1 : cache_row(p, b, pos, p.capacity);  // (-1: no row to write)
+  if (at < 0) return;
   constexpr int PIECES = D * 2 / 16;  // (2-byte elements)
   const uint4 *src[2] = {static_cast<const uint4 *>(a.k_new) + row * PIECES, static_cast<const uint4 *>(a.v_new) + row * PIECES};
   uint4 *dst[2] = {static_cast<uint4 *>(const_cast<void *>(p.k)) + (at * p.kv_heads + h) * PIECES,

@@ -432,6 +432,10 @@ def runs_locally(lead) -> bool:
     """Whether :func:`call` with leading operand ``lead`` runs its function on the operands as they are
     (one device, or local shards inside ``shard_map``), rather than partitioning the call."""
     _, _, explicit, manual = _context(lead)
+    return _is_local(explicit, manual)
+
+
+def _is_local(explicit, manual) -> bool:  # (runs_locally, from the context's axes)
     return not explicit and (bool(manual) or not _AUTO_PARTITIONING or not _multi_device())
 
 
@@ -443,8 +447,8 @@ def call(layout: Layout, local_fn: Callable, static, *args, result_like: Sequenc
     whose sharding result ``k`` is given back (e.g. a gradient's), None: from the leading operand."""
     if len(args) != len(layout.inputs) or len(layout.inputs[0].split()) != args[0].ndim:
         raise ValueError(f"jax_tk: {len(args)} operands for the layout {layout.inputs}")
-    mesh, _, explicit, _ = _context(args[0])
-    if runs_locally(args[0]):  # local shards (shard_map, pmap), or nothing to partition
+    mesh, _, explicit, manual = _context(args[0])
+    if _is_local(explicit, manual):  # local shards (shard_map, pmap), or nothing to partition
         return tuple(local_fn(static, *args, **({"batch_start": 0} if layout.batch_offset else {})))
     present = tuple(i for i, a in enumerate(args) if a is not None)
     given = tuple(args[i] for i in present)

@@ -94,15 +94,24 @@ def workspace_words(parts: int, batch: int, t_new: int, heads: int, head_dim: in
     return max(formulas().workspace_words(parts, batch, t_new, heads, head_dim), 1)
 
 
-def _call(query, key_cache, value_cache, cache_lengths, table, sinks=None, *, spec, parts, variant, out_init=None):
+def _attention_results(query, key_cache, table, spec, parts):
+    """The split count (``parts``, else :func:`splits`'s) and the types of the decode kernel's results:
+    out, lse and workspace."""
     b, t, n, h = query.shape
     dv = formulas().v_head_dim(h)  # (the output's: MLA's values are the first dims of its latent rows)
     capacity = key_cache.shape[1] * (table.shape[1] if spec.page_size is not None else 1)
     parts = splits(b, t, n, key_cache.shape[2], capacity, h) if parts is None else parts
-    out_types = (jax.ShapeDtypeStruct((b, t, n, dv), query.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32),
-                 jax.ShapeDtypeStruct((workspace_words(parts, b, t, n, dv),), jnp.float32))
-    sinks = jnp.zeros((0,), jnp.float32) if sinks is None else sinks
-    out, lse, _ = kernel_call(TARGET, out_types, (query, key_cache, value_cache, cache_lengths, table, sinks),
+    return parts, (jax.ShapeDtypeStruct((b, t, n, dv), query.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+                   jax.ShapeDtypeStruct((workspace_words(parts, b, t, n, dv),), jnp.float32))
+
+
+def _sinks_operand(sinks):
+    return jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+
+
+def _call(query, key_cache, value_cache, cache_lengths, table, sinks=None, *, spec, parts, variant, out_init=None):
+    parts, out_types = _attention_results(query, key_cache, table, spec, parts)
+    out, lse, _ = kernel_call(TARGET, out_types, (query, key_cache, value_cache, cache_lengths, table, _sinks_operand(sinks)),
                               _attributes(spec, parts, variant), out_init=out_init)
     return out, lse
 
@@ -119,17 +128,12 @@ def append_kernel(query, new_key, new_value, key_cache, value_cache, cache_lengt
     kernel over the lengths after them. Returns ``(out, lse, key_cache, value_cache)``. ``out_init``
     (tests): buffers aliased to (out, lse, workspace, lengths after). Under ``vmap`` the entries run one
     after the other (the FFI call's sequential rule)."""
-    b, t, n, h = query.shape
     table = page_table if page_table is not None else jnp.zeros((0,), jnp.int32)
-    capacity = key_cache.shape[1] * (table.shape[1] if spec.page_size is not None else 1)
-    parts = splits(b, t, n, key_cache.shape[2], capacity, h) if parts is None else parts
-    out_types = (jax.ShapeDtypeStruct((b, t, n, h), query.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32),
-                 jax.ShapeDtypeStruct((workspace_words(parts, b, t, n, h),), jnp.float32),
-                 jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct(key_cache.shape, key_cache.dtype),
-                 jax.ShapeDtypeStruct(value_cache.shape, value_cache.dtype))
-    sinks = jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    parts, attention = _attention_results(query, key_cache, table, spec, parts)
+    out_types = (*attention, jax.ShapeDtypeStruct((query.shape[0],), jnp.int32),
+                 jax.ShapeDtypeStruct(key_cache.shape, key_cache.dtype), jax.ShapeDtypeStruct(value_cache.shape, value_cache.dtype))
     variant = dispatch.kernel_variant() if variant is None else variant
-    operands = (query, new_key, new_value, key_cache, value_cache, cache_lengths, table, sinks)
+    operands = (query, new_key, new_value, key_cache, value_cache, cache_lengths, table, _sinks_operand(sinks))
     out, lse, _, _, key_cache, value_cache = kernel_call(
         APPEND_TARGET, out_types, operands, _attributes(spec, parts, variant), out_init=out_init, aliases={3: 4, 4: 5})
     return out, lse, key_cache, value_cache
