@@ -2,6 +2,7 @@
 // buffers and attributes into Params, reject what the kernels cannot take, launch on XLA's stream.
 // No allocation; calls with an empty output return at once, calls whose output is all zeros (k = 0,
 // no groups, no rows to contract) clear it with a memset.
+#include <algorithm>
 #include <climits>
 #include <string>
 
@@ -31,17 +32,29 @@ ffi::Error ragged_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, 
   else return invalid("gemm: a and b must be bfloat16 or float16");
   if (out->element_type() == ffi::DataType::F32) p.out_f32 = true;
   else if (out->element_type() != a.element_type()) return invalid("gemm: out must have the inputs' dtype or be float32");
-  if (mode != gemm::MODE_RAGGED && mode != gemm::MODE_CONTRACT) return invalid("gemm: mode must be 0 (ragged) or 1 (contract)");
+  if (mode != gemm::MODE_RAGGED && mode != gemm::MODE_CONTRACT && mode != gemm::MODE_SPLIT_K)
+    return invalid("gemm: mode must be 0 (ragged), 1 (contract) or 2 (split k)");
   if (b_transposed != 0 && b_transposed != 1) return invalid("gemm: b_transposed must be 0 or 1");
-  p.mode = mode;
+  const bool split = mode == gemm::MODE_SPLIT_K;  // (MODE_RAGGED's kernel, a's columns split among the groups)
+  if (split && b_transposed) return invalid("gemm: mode 2 takes b [g, k, n] (b_transposed = 0)");
+  p.mode = split ? gemm::MODE_RAGGED : mode;
   p.b_transposed = b_transposed != 0;
   if (group_sizes.element_type() != ffi::DataType::S32 || group_sizes.dimensions().size() != 1)
     return invalid("gemm: group_sizes must be a one-dimensional int32 array");
   const bool contract_bt = mode == gemm::MODE_CONTRACT && p.b_transposed;
   if (a.dimensions().size() != 2) return invalid(std::string("gemm: a must be ") + (contract_bt ? "[k, m]" : "[m, k]") + ", got " + dims_of(a));
-  const int64_t m = a.dimensions()[contract_bt ? 1 : 0], k = a.dimensions()[contract_bt ? 0 : 1], g = group_sizes.dimensions()[0];
-  int64_t n = 0;
-  if (mode == gemm::MODE_RAGGED) {
+  int64_t m = a.dimensions()[contract_bt ? 1 : 0], k = a.dimensions()[contract_bt ? 0 : 1], n = 0;
+  const int64_t g = group_sizes.dimensions()[0];
+  if (split) {  // (a [rows, g k]: m = g rows rows of k)
+    auto bd = b.dimensions();
+    if (bd.size() != 3 || bd[0] != g || a.dimensions()[1] != g * bd[1])
+      return invalid("gemm: in mode 2, b must be [g, k, n] with a [rows, g * k] = " + dims_of(a) + " and g = " +
+                     std::to_string(g) + " groups, got " + dims_of(b));
+    m = g * a.dimensions()[0], k = bd[1], n = bd[2];
+    if (!dims_are(*out, {m, n}))
+      return invalid("gemm: in mode 2, out must be [g * rows, n] = [" + std::to_string(m) + ", " + std::to_string(n) + "]");
+    p.a_split = int(std::max<int64_t>(g, 1));
+  } else if (mode == gemm::MODE_RAGGED) {
     auto bd = b.dimensions();
     if (bd.size() != 3 || bd[0] != g || bd[p.b_transposed ? 2 : 1] != k)
       return invalid("gemm: b must be " + std::string(p.b_transposed ? "[g, n, k]" : "[g, k, n]") + " with a [m, k] = " +
@@ -80,7 +93,8 @@ ffi::Error ragged_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, 
   if (k == 0 || g == 0 || m == 0)  // (mode 0: k = 0 or no groups; mode 1: no rows) out is all zeros
     return cuda_error(cudaMemsetAsync(p.out, 0, out_bytes, stream), "gemm: clearing out");
   if (kernels.sm90) return cuda_error(gemm::ragged_sm90(p, stream), "gemm (sm_90a)");
-  if (contract_bt) return invalid("gemm: mode 1 with b_transposed runs on the sm_90a kernel (H100/H200) only");
+  if (contract_bt || split)
+    return invalid(std::string("gemm: ") + (split ? "mode 2" : "mode 1 with b_transposed") + " runs on the sm_90a kernel (H100/H200) only");
   return cuda_error(gemm::ragged_sm80(p, stream), "gemm");
 }
 

@@ -19,6 +19,10 @@
 //     and b [n, m], out[i] = a[:, rows_i] @ b[:, rows_i]^T; b's columns past the groups must be
 //     finite (they meet zeros). A split-k product's input gradient, g @ w^T, takes its operands so,
 //     as they are.
+//   mode MODE_SPLIT_K (the sm_90a kernel only; a dense product's split-k parts, as groups):
+//     a [rows, g * k], b [g, k, n], b_transposed = 0, group_sizes g times rows; out [g * rows, n]
+//     ([g, rows, n]) with out[i] = a[:, i k : (i + 1) k] @ b[i]: MODE_RAGGED's kernel, whose group i
+//     reads its rows of a as those columns of a's rows (no copy of a).
 //   Dtypes: a and b both bfloat16 or both float16; out the same dtype or float32 (the result
 //   buffer's dtype decides); fp32 accumulation. k and n must be multiples of DIM_MULTIPLE (the
 //   tensor copies need 16-byte row strides); m is free. Zero-sized dimensions are allowed.
@@ -34,6 +38,7 @@ namespace jax_tk::gemm {
 #define JAX_TK_GEMM_CONTRACT(X)                                                                            \
   X(MODE_RAGGED, 0)     /* attribute mode: out [m, n] = a @ b[group of the row] */                         \
   X(MODE_CONTRACT, 1)   /* attribute mode: out [g, k, n] = a[rows_i]^T @ b[rows_i] */                      \
+  X(MODE_SPLIT_K, 2)    /* attribute mode: out [g, rows, n] = a[:, i k : (i + 1) k] @ b[i] */              \
   X(DIM_MULTIPLE, 8)    /* k and n must be multiples of this */                                            \
   X(SM90_TILE_M, 128)   /* output tile of the sm_90a kernel (rows of out, or of out[i] in MODE_CONTRACT) */ \
   X(SM90_TILE_N, 256)                                                                                      \
@@ -63,6 +68,9 @@ struct Params {
                                     // CONTRACT [ceil(m / 128), k]: a's 1 x 128 blocks along m
   const float *b_scales = nullptr;  // RAGGED [groups, ceil(k / 128), ceil(n / 128)]: b's 128 x 128 blocks;
                                     // CONTRACT [ceil(m / 128), ceil(n / 128)]
+  // MODE_RAGGED from MODE_SPLIT_K (the sm_90a kernel): a is [m / a_split, a_split * k], and group i's
+  // rows are its rows' columns [i k, (i + 1) k) (the groups' sizes all m / a_split).
+  int a_split = 1;
 };
 
 // FP8 block quantization (target "jax_tk_fp8_quantize", cc/gemm/quantize.cu): values float8_e4m3fn

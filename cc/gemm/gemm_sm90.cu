@@ -164,7 +164,8 @@ template <typename T, typename TO, int KIND, int CLUSTER_> struct RaggedSm90 {
         load_async(sm.a[s], a.a, {0, x.m0, 0, r}, slots().full(u));
         load_async(sm.b[s], a.b, {0, x.n0, 0, r}, slots().full(u));
       } else {
-        load_async(sm.a[s], a.a, {0, x.m0, 0, k0}, slots().full(u));
+        const bool split = a.p.a_split > 1;  // (group x.group's rows: columns of a's rows)
+        load_async(sm.a[s], a.a, {0, split ? x.m0 - x.r0 : x.m0, split ? x.group : 0, k0}, slots().full(u));
         load_b(sm.b[s], x, k0, slots().full(u));
       }
     }
@@ -382,7 +383,7 @@ template <typename T, typename TO, int KIND, int CLUSTER> cudaError_t launch(con
                   : KIND == CONTRACT_BT
                       ? make_tma_map(a.a, p.a, 1, p.k, 1, p.m, true) && make_tma_map(a.b, p.b, 1, p.n, 1, p.m, true) &&
                             make_tma_map(a.out, p.out, p.groups, p.k, 1, p.n, true)
-                      : make_tma_map(a.a, p.a, 1, p.m, 1, p.k, true) &&
+                      : make_tma_map(a.a, p.a, 1, p.m / p.a_split, p.a_split, p.k, true) &&
                             (KIND == RAGGED ? make_tma_map(a.b, p.b, p.groups, p.k, 1, p.n, true)
                                             : make_tma_map(a.b, p.b, p.groups, p.n, 1, p.k, true)) &&
                             make_tma_map(a.out, p.out, 1, p.m, 1, p.n, true);

@@ -206,7 +206,7 @@ def _bwd_kernel(spec: GemmSpec, lhs, rhs, sizes, dout):
     (m, k), n = lhs.shape, rhs.shape[2]
     # d lhs = d @ rhs^T contracts n: split where its [m, k] output is few tiles, as the forward
     parts = launch.split_k_parts(m, n, k) if spec.dense and rhs.shape[0] == 1 else 1
-    if parts > 1 and launch.split_k_transposed_runs():
+    if parts > 1 and launch.split_k_on_sm90():
         dlhs = launch.split_k_dot(d, rhs[0], parts, out_dtype=lhs.dtype, b_transposed=True)
     else:
         dlhs = launch.ragged_dot(d, rhs, sizes, out_dtype=lhs.dtype, b_transposed=True)

@@ -293,19 +293,27 @@ def split_k_parts(m: int, k: int, n: int) -> int:
     return max(1, min(wave // tiles, k // SPLIT_K_MIN))
 
 
-def split_k_transposed_runs() -> bool:
-    """Whether split_k_dot takes ``b_transposed`` here: its kernel (mode 1 with both operands K-major)
-    is the sm_90a kernel's only."""
+def split_k_on_sm90() -> bool:
+    """Whether split_k_dot's launches of the sm_90a kernel alone (mode 2, and mode 1 with both operands
+    K-major: ``b_transposed``) run here."""
     return extension.takes_sm90_kernels(extension.cuda_device_capability(), dispatch.kernel_variant())
 
 
 def split_k_dot(a, b, parts: int, *, out_dtype, b_transposed=False):
     """``a [m, k] @ b [k, n]`` (``b [n, k]`` transposed with ``b_transposed``) as the sum of ``parts``
-    products over consecutive ranges of k (multiples of the kernel's steps but the last), in float32:
-    one launch of the contracting kernel (mode 1), whose group i is range i, on ``a^T`` and b (both as
-    they are with ``b_transposed``: split_k_transposed_runs), then XLA's sum of the partial products."""
+    products over consecutive ranges of k (multiples of the kernel's steps but the last), in float32,
+    then XLA's sum of the partial products. One launch: on the sm_90a kernel (split_k_on_sm90),
+    of mode 2 where the parts are equal (a and b read as they are; ``b [parts, k / parts, n]`` is a
+    view), else of the contracting kernel (mode 1), whose group i is range i, on a and b as they are
+    with ``b_transposed``, on ``a^T`` and b otherwise."""
     k = a.shape[1]
     step = contract()["SM90_TILE_K"]
+    if not b_transposed and k % (parts * step) == 0 and split_k_on_sm90():
+        m, n = a.shape[0], b.shape[1]
+        variant = dispatch.kernel_variant()
+        partial = _raw_call(contract()["MODE_SPLIT_K"], a, b.reshape(parts, k // parts, n),
+                            jnp.full((parts,), m, jnp.int32), (parts * m, n), jnp.float32, False, variant)
+        return jnp.sum(partial.reshape(parts, m, n), axis=0).astype(out_dtype)
     part = -(-k // (parts * step)) * step
     ends = np.minimum(np.arange(1, parts + 1) * part, k)
     sizes = jnp.asarray(np.diff(ends, prepend=0).astype(np.int32))

@@ -385,7 +385,7 @@ def test_kernel_unsupported_reasons():
 
 @pytest.fixture
 def fake_kernel(monkeypatch):
-    """Replaces the FFI call by the reference with the kernel's contract (mode 0 / mode 1, int32
+    """Replaces the FFI call by the reference with the kernel's contract (modes 0, 1 and 2, int32
     sizes, b transposed or not) and records every launch (mode, operand shapes). CPU only: on a GPU the
     real kernel runs (tests/gemm/test_ragged_dot_gpu.py)."""
     if jax.default_backend() != "cpu":
@@ -398,7 +398,12 @@ def fake_kernel(monkeypatch):
         assert sizes.dtype == jnp.int32 and a.dtype == b.dtype and a.dtype in (BF16, F16)
         assert variant == launch.dispatch.kernel_variant()
         launches.append((mode, a.shape, b.shape, sizes.shape, bool(b_transposed)))
-        if mode == launch.contract()["MODE_RAGGED"]:
+        if mode == launch.contract()["MODE_SPLIT_K"]:  # a [rows, g k], b [g, k, n]: part i of k, group i
+            g, k = b.shape[:2]
+            assert not b_transposed and a.shape[1] == g * k and sizes.shape == (g,)
+            parts = a.reshape(a.shape[0], g, k).transpose(1, 0, 2)
+            out = jnp.einsum("grk,gkn->grn", parts.astype(F32), b.astype(F32)).astype(out_dtype).reshape(-1, b.shape[2])
+        elif mode == launch.contract()["MODE_RAGGED"]:
             out = reference.ragged_dot(a, b, sizes, out_dtype=out_dtype, rhs_transposed=b_transposed)
         elif b_transposed:  # (both K-major: a [k, m], b [n, m])
             out = reference.ragged_contracting(a.T, b.T, sizes, out_dtype=out_dtype)

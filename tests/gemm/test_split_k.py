@@ -1,7 +1,8 @@
 """CPU tests of matmul's split k: a dense product with too few output tiles to fill the GPU cuts its
 contraction into ranges, one group each of the contracting kernel (mode 1), and sums the float32
-partial products (jax_tk/gemm/launch.py: split_k_parts, split_k_dot); on Hopper its input's gradient
-does the same on both operands as they are (mode 1 with b transposed). The kernel is replaced by a
+partial products (jax_tk/gemm/launch.py: split_k_parts, split_k_dot); on Hopper the forward's equal
+parts are the groups of mode 2 (a read as it is), and its input's gradient does the same on both
+operands as they are (mode 1 with b transposed). The kernel is replaced by a
 stand-in with its contract's semantics (test_ragged_dot.fake_kernel)."""
 from __future__ import annotations
 
@@ -45,13 +46,30 @@ def test_matmul_splits_k_of_few_tiles(fake_kernel, m, k, n):  # noqa: F811 (the 
     assert [l[0] for l in fake_kernel[1:]] == [0, 1], modes  # the gradient: d a, then d b
 
 
+@pytest.mark.parametrize("m, k, n", [(128, 8192, 2048), (64, 3000, 512), (8, 2112, 256)])
+def test_matmul_forward_split_on_hopper(fake_kernel, monkeypatch, m, k, n):  # noqa: F811
+    """On the sm_90a kernel (launch.split_k_on_sm90) the forward's parts, where they are equal (k a
+    multiple of parts x the kernel's steps), are the groups of one launch of mode 2 on a and b as they
+    are (a [m, k]; b [parts, k / parts, n], a view of it): no transpose of a. Elsewhere mode 1 on a^T,
+    as without it. Values and gradients against float64 numpy."""
+    monkeypatch.setattr(launch, "split_k_on_sm90", lambda: True)
+    parts = launch.split_k_parts(m, k, n)
+    assert parts > 1
+    matmul_checked(m, k, n, seed=m + k + 1)
+    first = fake_kernel[0][:4]
+    if k % (parts * launch.contract()["SM90_TILE_K"]) == 0:
+        assert first == (2, (m, k), (parts, k // parts, n), (parts,)), fake_kernel
+    else:
+        assert first == (1, (k, m), (k, n), (parts,)), fake_kernel
+
+
 @pytest.mark.parametrize("m, k, n", [(128, 2048, 8192), (64, 2200, 4096)])
 def test_matmul_gradient_splits_too_on_hopper(fake_kernel, monkeypatch, m, k, n):  # noqa: F811
-    """Where the contracting kernel takes both operands K-major (sm_90a: launch.split_k_transposed_runs),
+    """Where the contracting kernel takes both operands K-major (sm_90a: launch.split_k_on_sm90),
     the input's gradient d @ b^T, whose [m, k] output is as few tiles, splits its contraction (n) the
     same way, on d and b as they are (no transpose): mode 1 with b_transposed, one group per range of n
     (multiples of the kernel's steps but the last)."""
-    monkeypatch.setattr(launch, "split_k_transposed_runs", lambda: True)
+    monkeypatch.setattr(launch, "split_k_on_sm90", lambda: True)
     parts = launch.split_k_parts(m, n, k)
     assert parts > 1
     matmul_checked(m, k, n, seed=m + n)
@@ -76,7 +94,7 @@ def test_matmul_gradient_split_under_vmap(fake_kernel, monkeypatch):  # noqa: F8
     """Under vmap over a (b shared), each entry's product splits as above; the input gradient's
     launches (mode 1 with b transposed) run one per entry (its batching rule does not fold entries:
     their rows are columns there). Values against float64 numpy."""
-    monkeypatch.setattr(launch, "split_k_transposed_runs", lambda: True)
+    monkeypatch.setattr(launch, "split_k_on_sm90", lambda: True)
     e, m, k, n = 3, 64, 1024, 4096
     rng = np.random.default_rng(5)
     a, b, dout = randn(rng, (e, m, k), BF16), randn(rng, (k, n), BF16), randn(rng, (e, m, n), BF16)

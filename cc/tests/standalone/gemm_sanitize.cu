@@ -46,8 +46,9 @@ double fro_err(const std::vector<float> &got, const std::vector<double> &want) {
 }
 
 // mode RAGGED or CONTRACT, b_transposed or not (CONTRACT: a [k, m] and b [n, m], Hopper only); out
-// bf16 or float32. Returns the relative error.
-double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool out_f32, bool hopper) {
+// bf16 or float32. split > 1 (RAGGED, Hopper; MODE_SPLIT_K's Params): a [m / split, split k], group i's
+// rows its rows' columns [i k, (i + 1) k). Returns the relative error.
+double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool out_f32, bool hopper, int split = 1) {
   std::mt19937 rng(m * 7 + k * 3 + n + int(sizes.size()));
   const int g = int(sizes.size());
   const size_t na = size_t(m) * k, nb = mode == MODE_CONTRACT ? size_t(m) * n : size_t(g) * k * n;
@@ -67,13 +68,17 @@ double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool 
   CHECK(cudaMemcpy(gs, sizes.data(), g * sizeof(int), cudaMemcpyHostToDevice));
   CHECK(cudaMemset(out, 0xff, no * (out_f32 ? 4 : 2)));  // NaN in both types
   Params p{DType::bf16, out_f32, mode, bt, m, k, n, g, a, b, gs, out};
+  p.a_split = split;
   CHECK(hopper ? ragged_sm90(p, 0) : ragged_sm80(p, 0));
   CHECK(cudaDeviceSynchronize());
   const std::vector<float> got = download(out, no, out_f32);
   // float64 reference
   std::vector<double> want(no, 0.0);
   const bool cbt = mode == MODE_CONTRACT && bt;  // (a [k, m], b [n, m])
-  auto A = [&](int r, int c) { return double(__bfloat162float(ha[cbt ? size_t(c) * m + r : size_t(r) * k + c])); };
+  const int rows = m / split;  // (split: a's rows)
+  auto A = [&](int r, int c) {
+    return double(__bfloat162float(ha[cbt ? size_t(c) * m + r : size_t(r % rows) * split * k + size_t(r / rows) * k + c]));
+  };
   for (int i = 0, off = 0; i < g; i++) {
     const int s = std::min(std::max(sizes[i], 0), m - off), r0 = off, r1 = off + s;
     off += s;
@@ -91,8 +96,8 @@ double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool 
   const double err = fro_err(got, want);
   const void *buffers[] = {a, b, gs, out};
   for (const void *x : buffers) CHECK(cudaFree(const_cast<void *>(x)));
-  std::printf("%s m=%d k=%d n=%d g=%d mode=%d bt=%d out=%s %s: rel err %.3g\n", err < (out_f32 ? 1e-4 : 1e-2) ? "ok  " : "FAIL",
-              m, k, n, g, mode, int(bt), out_f32 ? "f32" : "bf16", hopper ? "sm90" : "sm80", err);
+  std::printf("%s m=%d k=%d n=%d g=%d mode=%d bt=%d split=%d out=%s %s: rel err %.3g\n", err < (out_f32 ? 1e-4 : 1e-2) ? "ok  " : "FAIL",
+              m, k, n, g, mode, int(bt), split, out_f32 ? "f32" : "bf16", hopper ? "sm90" : "sm80", err);
   return err < (out_f32 ? 1e-4 : 1e-2) ? 0 : 1;
 }
 
@@ -256,6 +261,11 @@ int main() {
       failed += run(2300, 72, 264, {2100}, MODE_RAGGED, false, out_f32, hopper);
       failed += run(2300, 72, 264, {2100}, MODE_RAGGED, true, out_f32, hopper);
       if (hopper) failed += run(1000, 136, 264, {0, 130, 3, 0, 700}, MODE_CONTRACT, true, out_f32, hopper);
+      if (hopper) {  // split k: parts of rows that fill the 128-row tiles and that do not
+        failed += run(3 * 128, 1024, 256, {128, 128, 128}, MODE_RAGGED, false, out_f32, hopper, 3);
+        failed += run(2 * 100, 64, 520, {100, 100}, MODE_RAGGED, false, out_f32, hopper, 2);
+        failed += run(4 * 300, 512, 264, {300, 300, 300, 300}, MODE_RAGGED, false, out_f32, hopper, 4);
+      }
     }
     failed += run(700, 64, 520, std::vector<int>(40, 17), MODE_RAGGED, false, false, hopper);
     failed += run(700, 64, 136, std::vector<int>(40, 17), MODE_CONTRACT, false, false, hopper);
