@@ -101,6 +101,27 @@ inline long long tile_bound(const Params &p, int tm, int tn) {
   return ((p.m + tm - 1) / tm + (long long)p.groups + 1) * nt;
 }
 
+// The tile width of a dense product that the sm_90a kernel runs in `clusters` clusters of two blocks
+// (tiles of 2 SM90_TILE_M rows): SM90_TILE_N, or a width of DENSE_TILE_WIDTHS whose waves take less
+// time by this model, in which a tile's time is proportional to its width and a wave takes as long
+// as its tiles (the last wave as long as a full one): by at least a twentieth, a margin for the
+// other widths' lower rate per column (narrower: more of a read per product; wider: three stages).
+// E.g. 3000 x 7000 on 66 clusters: 336 tiles of 256 columns are 6 waves (the last of 6 tiles), 264
+// of 320 columns are 4.
+constexpr int DENSE_TILE_WIDTHS[] = {320, 192};
+inline int dense_tile_n(long long m, long long n, int clusters) {
+  if (clusters < 1) return SM90_TILE_N;
+  auto cost = [&](int tn) {
+    const long long tiles = (m + 2 * SM90_TILE_M - 1) / (2 * SM90_TILE_M) * ((n + tn - 1) / tn);
+    return (tiles + clusters - 1) / clusters * tn;
+  };
+  int best = SM90_TILE_N;
+  long long limit = 19 * cost(SM90_TILE_N);  // (x 20: the margin; a tie keeps the earlier width)
+  for (int tn : DENSE_TILE_WIDTHS)
+    if (20 * cost(tn) <= limit) best = tn, limit = 20 * cost(tn) - 1;
+  return best;
+}
+
 // (Python needs no formula of the kernels.)
 #define JAX_TK_GEMM_FORMULAS(F)
 

@@ -26,7 +26,9 @@
 // half of b's tile of a step and multicasts it to both (TMA), and b's reads from L2 halve. The two
 // blocks' rings then move together (ring.cuh: arrive_empty_cluster). The tiles are those of 256
 // rows, so a group's last tile may leave one half with no rows of the group (computed, not stored);
-// the host picks clusters for dense products only (launch).
+// the host picks clusters for dense products only (launch). Their tiles may be 192 or 320 columns
+// wide instead of 256 where that fills the waves better (gemm.h: dense_tile_n), with one wgmma per
+// part of the width (128 + 64, 256 + 64) and, at 320, three stages.
 #include <algorithm>
 #include <atomic>
 #include <climits>
@@ -46,19 +48,23 @@ enum Kind { RAGGED = 0, RAGGED_BT = 1, CONTRACT = 2, CONTRACT_BT = 3 };
 // holding other groups' rows, zeroed in a's tile.)
 template <int KIND> constexpr bool contracts = KIND == CONTRACT || KIND == CONTRACT_BT;
 
-template <typename T, typename TO, int KIND, int CLUSTER> struct Sm90 {
+template <typename T, typename TO, int KIND, int CLUSTER, int TN_ = SM90_TILE_N> struct Sm90 {
   using Roles = roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>;
   static constexpr int CONSUMERS = Roles::CONSUMERS, THREADS = Roles::THREADS;
   // FP8: steps of one scale block (128 bytes of k, as the 16-bit steps), tiles as wide as the 16-bit
   // ones (the same bytes per stage; narrower tiles read more of a and b from L2 per product).
+  // TN: SM90_TILE_N, or (dense products in clusters) another width that fills the waves better
+  // (wide_tile_n); tiles wider than SM90_TILE_N leave room for three stages.
   static constexpr bool FP8 = is_8bit<T>;
-  static constexpr int TM = SM90_TILE_M, TN = SM90_TILE_N, TK = FP8 ? FP8_BLOCK : SM90_TILE_K, STAGES = 4;
+  static constexpr int TM = SM90_TILE_M, TN = TN_, TK = FP8 ? FP8_BLOCK : SM90_TILE_K, STAGES = TN > SM90_TILE_N ? 3 : 4;
   static_assert(TM == 64 * CONSUMERS && (!FP8 || KIND == RAGGED_BT || KIND == CONTRACT_BT));
   static_assert(CLUSTER == 1 || (CLUSTER == 2 && !contracts<KIND>));
+  static_assert(TN % 64 == 0 && (TN == SM90_TILE_N || (CLUSTER == 2 && !FP8)));
   using ATile = std::conditional_t<KIND == CONTRACT, st<T, TK, TM>, st<T, TM, TK>>;
   using BTile = std::conditional_t<KIND == RAGGED_BT || KIND == CONTRACT_BT, st<T, TN, TK>, st<T, TK, TN>>;
   // b's tile in two halves (a cluster's blocks load one each): its panels where it has several (b
-  // N-major), else its rows, loaded by boxes of half the rows.
+  // N-major; an odd count: the second block the larger share), else its rows, loaded by boxes of half
+  // the rows.
   static constexpr bool HALF_PANELS = BTile::panels >= 2;
   static constexpr int B_ROWS = HALF_PANELS || contracts<KIND> ? BTile::rows : BTile::rows / 2;
   static constexpr int OUT_COLS = 128 / int(sizeof(TO));  // columns of a staged piece of out
@@ -95,9 +101,9 @@ template <int KIND, int TK> __device__ __forceinline__ int steps(const Params &p
 
 // The kernel's parts (pipeline/kernel.cuh: persistent). Each thread's object keeps its role's place in
 // the ring and, in the consumers, the pieces of out staged so far.
-template <typename T, typename TO, int KIND, int CLUSTER_> struct RaggedSm90 {
+template <typename T, typename TO, int KIND, int CLUSTER_, int TN_> struct RaggedSm90 {
   static constexpr int CLUSTER = CLUSTER_;
-  using C = Sm90<T, TO, KIND, CLUSTER>;
+  using C = Sm90<T, TO, KIND, CLUSTER, TN_>;
   using Roles = typename C::Roles;
   static constexpr int TM = C::TM, TN = C::TN, TK = C::TK, STAGES = C::STAGES, CONSUMERS = C::CONSUMERS;
   const typename C::Args &a;
@@ -141,7 +147,7 @@ template <typename T, typename TO, int KIND, int CLUSTER_> struct RaggedSm90 {
         load_rows_async(dst, R, a.b, {o.b, o.s + R, o.h, o.d}, full);
       }
     } else if constexpr (C::HALF_PANELS) {
-      multicast_rows_async(dst, 0, P / 2 * rank, P / 2 * (rank + 1), a.b, o, full, 0b11);
+      multicast_rows_async(dst, 0, P / 2 * rank, P / 2 * (rank + 1) + P % 2 * rank, a.b, o, full, 0b11);
     } else {
       multicast_rows_async(dst, R * rank, 0, P, a.b, {o.b, o.s + R * int(rank), o.h, o.d}, full, 0b11);
     }
@@ -358,12 +364,12 @@ template <typename T, typename TO, int KIND, int CLUSTER_> struct RaggedSm90 {
   }
 };
 
-template <typename T, typename TO, int KIND, int CLUSTER>
-__global__ __launch_bounds__(Sm90<T, TO, KIND, CLUSTER>::THREADS, 1) void ragged_sm90_kernel(
-    const __grid_constant__ typename Sm90<T, TO, KIND, CLUSTER>::Args a) {
+template <typename T, typename TO, int KIND, int CLUSTER, int TN>
+__global__ __launch_bounds__(Sm90<T, TO, KIND, CLUSTER, TN>::THREADS, 1) void ragged_sm90_kernel(
+    const __grid_constant__ typename Sm90<T, TO, KIND, CLUSTER, TN>::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem_raw[];
-  RaggedSm90<T, TO, KIND, CLUSTER> k{a, align_shared<typename Sm90<T, TO, KIND, CLUSTER>::Shared>(smem_raw)};
+  RaggedSm90<T, TO, KIND, CLUSTER, TN> k{a, align_shared<typename Sm90<T, TO, KIND, CLUSTER, TN>::Shared>(smem_raw)};
   persistent(k);
 #endif
 }
@@ -374,8 +380,9 @@ __global__ __launch_bounds__(Sm90<T, TO, KIND, CLUSTER>::THREADS, 1) void ragged
 constexpr long long CLUSTER_MIN_ROWS = 1024;
 constexpr int MAX_DEVICES = 64;
 
-template <typename T, typename TO, int KIND, int CLUSTER> cudaError_t launch(const Params &p, int sms, cudaStream_t stream) {
-  using C = Sm90<T, TO, KIND, CLUSTER>;
+template <typename T, typename TO, int KIND, int CLUSTER, int TN = SM90_TILE_N>
+cudaError_t launch(const Params &p, int sms, cudaStream_t stream) {
+  using C = Sm90<T, TO, KIND, CLUSTER, TN>;
   typename C::Args a{p, {}, {}, {}};
   const bool ok = KIND == CONTRACT
                       ? make_tma_map(a.a, p.a, 1, p.m, 1, p.k, true) && make_tma_map(a.b, p.b, 1, p.m, 1, p.n, true) &&
@@ -390,7 +397,7 @@ template <typename T, typename TO, int KIND, int CLUSTER> cudaError_t launch(con
   if (!ok) return cudaErrorInvalidValue;
   const long long tiles = tile_bound(p, C::TM * CLUSTER, C::TN);  // (the cluster's tiles)
   if (tiles + 2LL * sms >= INT_MAX) return cudaErrorInvalidValue;
-  auto kernel = ragged_sm90_kernel<T, TO, KIND, CLUSTER>;
+  auto kernel = ragged_sm90_kernel<T, TO, KIND, CLUSTER, TN>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::smem));
   if (e != cudaSuccess) return e;
   cudaLaunchAttribute cluster{};
@@ -419,6 +426,11 @@ template <typename T, typename TO, int KIND, int CLUSTER> cudaError_t launch(con
       if (dev < MAX_DEVICES) active[dev] = clusters;
     }
     if (clusters < 1) return launch<T, TO, KIND, 1>(p, sms, stream);
+    if constexpr (TN == SM90_TILE_N && !C::FP8) {  // (the other widths' kernels have as many clusters)
+      const int tn = dense_tile_n(p.m, p.n, clusters);
+      if (tn == 192) return launch<T, TO, KIND, CLUSTER, 192>(p, sms, stream);
+      if (tn == 320) return launch<T, TO, KIND, CLUSTER, 320>(p, sms, stream);
+    }
   }
   config.gridDim = dim3(unsigned(std::min<long long>(tiles, clusters) * CLUSTER));
   config.stream = stream;

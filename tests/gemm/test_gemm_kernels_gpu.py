@@ -143,9 +143,12 @@ CASES = [
     (2048, 1024, 1536, [2048]),                 # dense, many steps
     (3000, 512, 768, _sizes(3, 8, 3000, zeros=0.0, fill=0.95)),  # MoE-like
     (64, 8, 8, [0, 0, 0]),                      # every group empty: all zeros
-    # Dense products run on Hopper in clusters of two blocks, tiles of 256 rows in two halves (gemm_sm90.cu):
-    (1100, 72, 264, [1100]),                    # the last tile's second half wholly past m
-    (3000, 200, 392, [2900]),                   # a half that crosses the group's end; rows past it
+    # Dense products run on Hopper in clusters of two blocks, tiles of 256 rows in two halves (gemm_sm90.cu),
+    # 192, 256 or 320 columns wide (gemm.h's dense_tile_n; the widths named are its picks on 132 SMs):
+    (1100, 72, 264, [1100]),                    # the last tile's second half wholly past m (192)
+    (3000, 200, 392, [2900]),                   # a half that crosses the group's end; rows past it (192)
+    (1025, 72, 2504, [1025]),                   # 256, a last row block of one row
+    (1284, 72, 2824, [1284]),                   # 320: five panels of b, two to one block, three to the other
     (3000, 200, 392, [1500, 1000]),             # long groups (no clusters)
 ]
 

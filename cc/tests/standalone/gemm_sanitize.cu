@@ -260,6 +260,12 @@ int main() {
       failed += run(2300, 72, 264, {1300, 900}, MODE_RAGGED, true, out_f32, hopper);
       failed += run(2300, 72, 264, {2100}, MODE_RAGGED, false, out_f32, hopper);
       failed += run(2300, 72, 264, {2100}, MODE_RAGGED, true, out_f32, hopper);
+      // dense products in clusters on tiles of each width (dense_tile_n's picks with 66 clusters, as on
+      // an H100 or H200: the one above 192 columns, these 256 and 320; a last row block of one row)
+      for (int n : {2504, 3336}) {
+        failed += run(1025, 72, n, {1025}, MODE_RAGGED, false, out_f32, hopper);
+        failed += run(1025, 72, n, {1025}, MODE_RAGGED, true, out_f32, hopper);
+      }
       if (hopper) failed += run(1000, 136, 264, {0, 130, 3, 0, 700}, MODE_CONTRACT, true, out_f32, hopper);
       if (hopper) {  // split k: parts of rows that fill the 128-row tiles and that do not
         failed += run(3 * 128, 1024, 256, {128, 128, 128}, MODE_RAGGED, false, out_f32, hopper, 3);

@@ -4,6 +4,8 @@
 //   mma_ABt(d, A smem [64 x K], B smem [N x K])       d (+)= A B^T   (both K-major; bf16, fp16 or fp8 e4m3)
 //   mma_AB (d, A regs rt<T,16,K>, B smem [K x N])     d (+)= A B     (B N-major, e.g. V in P V)
 //   mma_AtB(d, A smem [K x 64], B smem [K x N])        d (+)= A^T B   (A M-major, B N-major)
+// N is 32, 64, 128 or 256, one wgmma per k-step, or a sum of them (192 = 128 + 64, 320 = 256 + 64:
+// one wgmma per part, each on its columns of d and of B).
 #pragma once
 #include "../../types/rt.cuh"
 #include "../../types/st.cuh"
@@ -76,6 +78,21 @@ template <int N> __device__ __forceinline__ float (&accumulators(rt<float, 16, N
   return *reinterpret_cast<float(*)[N / 2]>(&d.tiles[0][0]);
 }
 
+namespace detail {
+template <int N> constexpr int part_width() { return N >= 256 ? 256 : N >= 128 ? 128 : N >= 64 ? 64 : 32; }
+// One k-step's wgmmas over the columns [C0, N) of d, part by part; b_at(c): B's descriptor for its
+// columns from c on.
+template <typename T, int N, int TRANS_B, int TRANS_A, int C0 = 0, typename BAt>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, BAt b_at, int scale_d) {
+  constexpr int W = part_width<N - C0>();
+  wgmma<T, W, TRANS_B>::template ss<TRANS_A>(*reinterpret_cast<float(*)[W / 2]>(&d[C0 / 2]), a, b_at(C0), scale_d);
+  if constexpr (C0 + W < N) wgmma_ss<T, N, TRANS_B, TRANS_A, C0 + W>(d, a, b_at, scale_d);
+}
+// B's columns from c on: N-major, whole panels (c a multiple of 64 bf16 columns); K-major, rows.
+template <SharedTile ST> constexpr uint32_t n_major_columns(int c) { return (c / ST::panel_cols) * ST::panel_bytes; }
+template <SharedTile ST> constexpr uint32_t k_major_rows(int c) { return c * ST::panel_cols * sizeof(typename ST::dtype); }
+}  // namespace detail
+
 // (both K-major: 16-bit operands 16 columns a step, 8-bit ones 32: 32 bytes either way)
 template <int N, SharedTile SA, SharedTile SB>
 __device__ __forceinline__ void mma_ABt(rt<float, 16, N, row_l> &d, const SA &a, const SB &b, bool accumulate) {
@@ -87,7 +104,8 @@ __device__ __forceinline__ void mma_ABt(rt<float, 16, N, row_l> &d, const SA &a,
   fence();
 #pragma unroll
   for (int k = 0; k < SA::cols / KS; k++)
-    detail::wgmma<T, N, 0>::ss(accumulators(d), da.at(k_offset<SA>(KS * k)), db.at(k_offset<SB>(KS * k)), accumulate || k > 0);
+    detail::wgmma_ss<T, N, 0, 0>(accumulators(d), da.at(k_offset<SA>(KS * k)),
+                                 [&](int c) { return db.at(k_offset<SB>(KS * k) + detail::k_major_rows<SB>(c)); }, accumulate || k > 0);
   commit();
 }
 
@@ -99,7 +117,8 @@ __device__ __forceinline__ void mma_AtB(rt<float, 16, N, row_l> &d, const SA &a,
   fence();
 #pragma unroll
   for (int k = 0; k < SA::rows / 16; k++)
-    detail::wgmma<T, N, 1>::template ss<1>(accumulators(d), da.at(n_offset(16 * k)), db.at(n_offset(16 * k)), accumulate || k > 0);
+    detail::wgmma_ss<T, N, 1, 1>(accumulators(d), da.at(n_offset(16 * k)),
+                                 [&](int c) { return db.at(n_offset(16 * k) + detail::n_major_columns<SB>(c)); }, accumulate || k > 0);
   commit();
 }
 
@@ -112,7 +131,8 @@ __device__ __forceinline__ void mma_AB(rt<float, 16, N, row_l> &d, const SA &a, 
   fence();
 #pragma unroll
   for (int k = 0; k < SA::cols / 16; k++)
-    detail::wgmma<T, N, 1>::ss(accumulators(d), da.at(k_offset<SA>(16 * k)), db.at(n_offset(16 * k)), accumulate || k > 0);
+    detail::wgmma_ss<T, N, 1, 0>(accumulators(d), da.at(k_offset<SA>(16 * k)),
+                                 [&](int c) { return db.at(n_offset(16 * k) + detail::n_major_columns<SB>(c)); }, accumulate || k > 0);
   commit();
 }
 
