@@ -54,7 +54,7 @@ template <typename T, typename TO, int KIND, int CLUSTER, int TN_ = SM90_TILE_N>
   // FP8: steps of one scale block (128 bytes of k, as the 16-bit steps), tiles as wide as the 16-bit
   // ones (the same bytes per stage; narrower tiles read more of a and b from L2 per product).
   // TN: SM90_TILE_N, or (dense products in clusters) another width that fills the waves better
-  // (wide_tile_n); tiles wider than SM90_TILE_N leave room for three stages.
+  // (dense_tile_n); tiles wider than SM90_TILE_N leave room for three stages.
   static constexpr bool FP8 = is_8bit<T>;
   static constexpr int TM = SM90_TILE_M, TN = TN_, TK = FP8 ? FP8_BLOCK : SM90_TILE_K, STAGES = TN > SM90_TILE_N ? 3 : 4;
   static_assert(TM == 64 * CONSUMERS && (!FP8 || KIND == RAGGED_BT || KIND == CONTRACT_BT));

@@ -88,7 +88,8 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, BAt b_at
   wgmma<T, W, TRANS_B>::template ss<TRANS_A>(*reinterpret_cast<float(*)[W / 2]>(&d[C0 / 2]), a, b_at(C0), scale_d);
   if constexpr (C0 + W < N) wgmma_ss<T, N, TRANS_B, TRANS_A, C0 + W>(d, a, b_at, scale_d);
 }
-// B's columns from c on: N-major, whole panels (c a multiple of 64 bf16 columns); K-major, rows.
+// B's columns from c on: N-major, whole panels (the parts' widths keep c a multiple of a panel's);
+// K-major, rows.
 template <SharedTile ST> constexpr uint32_t n_major_columns(int c) { return (c / ST::panel_cols) * ST::panel_bytes; }
 template <SharedTile ST> constexpr uint32_t k_major_rows(int c) { return c * ST::panel_cols * sizeof(typename ST::dtype); }
 }  // namespace detail
@@ -103,9 +104,10 @@ __device__ __forceinline__ void mma_ABt(rt<float, 16, N, row_l> &d, const SA &a,
   const descriptor da = k_major(a), db = k_major(b);
   fence();
 #pragma unroll
-  for (int k = 0; k < SA::cols / KS; k++)
-    detail::wgmma_ss<T, N, 0, 0>(accumulators(d), da.at(k_offset<SA>(KS * k)),
-                                 [&](int c) { return db.at(k_offset<SB>(KS * k) + detail::k_major_rows<SB>(c)); }, accumulate || k > 0);
+  for (int k = 0; k < SA::cols / KS; k++) {
+    const auto b_at = [&](int c) { return db.at(k_offset<SB>(KS * k) + detail::k_major_rows<SB>(c)); };
+    detail::wgmma_ss<T, N, 0, 0>(accumulators(d), da.at(k_offset<SA>(KS * k)), b_at, accumulate || k > 0);
+  }
   commit();
 }
 
@@ -116,9 +118,10 @@ __device__ __forceinline__ void mma_AtB(rt<float, 16, N, row_l> &d, const SA &a,
   const descriptor da = n_major(a), db = n_major(b);
   fence();
 #pragma unroll
-  for (int k = 0; k < SA::rows / 16; k++)
-    detail::wgmma_ss<T, N, 1, 1>(accumulators(d), da.at(n_offset(16 * k)),
-                                 [&](int c) { return db.at(n_offset(16 * k) + detail::n_major_columns<SB>(c)); }, accumulate || k > 0);
+  for (int k = 0; k < SA::rows / 16; k++) {
+    const auto b_at = [&](int c) { return db.at(n_offset(16 * k) + detail::n_major_columns<SB>(c)); };
+    detail::wgmma_ss<T, N, 1, 1>(accumulators(d), da.at(n_offset(16 * k)), b_at, accumulate || k > 0);
+  }
   commit();
 }
 
@@ -130,9 +133,10 @@ __device__ __forceinline__ void mma_AB(rt<float, 16, N, row_l> &d, const SA &a, 
   const descriptor da = k_major(a), db = n_major(b);
   fence();
 #pragma unroll
-  for (int k = 0; k < SA::cols / 16; k++)
-    detail::wgmma_ss<T, N, 1, 0>(accumulators(d), da.at(k_offset<SA>(16 * k)),
-                                 [&](int c) { return db.at(n_offset(16 * k) + detail::n_major_columns<SB>(c)); }, accumulate || k > 0);
+  for (int k = 0; k < SA::cols / 16; k++) {
+    const auto b_at = [&](int c) { return db.at(n_offset(16 * k) + detail::n_major_columns<SB>(c)); };
+    detail::wgmma_ss<T, N, 1, 0>(accumulators(d), da.at(k_offset<SA>(16 * k)), b_at, accumulate || k > 0);
+  }
   commit();
 }
 
