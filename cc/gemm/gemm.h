@@ -122,8 +122,8 @@ inline int dense_tile_n(long long m, long long n, int clusters) {
   return best;
 }
 
-// (Python needs no formula of the kernels.)
-#define JAX_TK_GEMM_FORMULAS(F)
+// (dense_tile_n for the tests, which name the widths their cases run on.)
+#define JAX_TK_GEMM_FORMULAS(F) F(dense_tile_n)
 
 #ifdef JAX_TK_CUDA_HEADERS
 // The kernels. Both take any Params the handler accepts (m, k, n, groups >= 1) and return the

@@ -75,6 +75,11 @@ def test_formulas_come_from_the_extension():
     assert (attention.fwd_tile_cap(129), attention.bwd_order_rows(128), attention.bwd_order_rows(256)) == (4, 128, 64)
     assert decode.workspace_words(1, 2, 3, 4, 64) == 0 and decode.workspace_words(3, 2, 1, 4, 64) == 3 * 2 * 4 * 65
     assert [decode.block_rows(r) for r in (1, 16, 17, 100, 1000)] == [16, 16, 32, 128, 128]
+    # dense products in clusters (66 of them on 132 SMs): the tile width whose waves take least time
+    tile_n = extension.formulas("gemm").dense_tile_n
+    shapes = ((3000, 7000), (8192, 8192), (16384, 1408), (1100, 264))
+    assert [tile_n(m, n, 66) for m, n in shapes] == [320, 256, 256, 192]
+    assert [tile_n(1025, n, 66) for n in (2504, 3336)] == [256, 320] and tile_n(3000, 7000, 0) == 256
 
 
 def test_without_the_extension(monkeypatch):

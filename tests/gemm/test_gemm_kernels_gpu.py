@@ -144,7 +144,8 @@ CASES = [
     (3000, 512, 768, _sizes(3, 8, 3000, zeros=0.0, fill=0.95)),  # MoE-like
     (64, 8, 8, [0, 0, 0]),                      # every group empty: all zeros
     # Dense products run on Hopper in clusters of two blocks, tiles of 256 rows in two halves (gemm_sm90.cu),
-    # 192, 256 or 320 columns wide (gemm.h's dense_tile_n; the widths named are its picks on 132 SMs):
+    # 192, 256 or 320 columns wide (gemm.h's dense_tile_n; the widths named are its picks on 132 SMs, which
+    # tests/core/test_core.py checks):
     (1100, 72, 264, [1100]),                    # the last tile's second half wholly past m (192)
     (3000, 200, 392, [2900]),                   # a half that crosses the group's end; rows past it (192)
     (1025, 72, 2504, [1025]),                   # 256, a last row block of one row
