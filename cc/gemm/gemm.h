@@ -43,6 +43,7 @@ namespace jax_tk::gemm {
   X(SM90_TILE_M, 128)   /* output tile of the sm_90a kernel (rows of out, or of out[i] in MODE_CONTRACT) */ \
   X(SM90_TILE_N, 256)                                                                                      \
   X(SM90_TILE_K, 64)    /* ... and its steps along the contraction */                                      \
+  X(SM90_SPLIT_TILE_N, 128) /* MODE_SPLIT_K's tiles' width: fewer, longer parts fill a wave */             \
   X(SM80_TILE_M, 128)   /* output tile of the mma.sync kernel */                                           \
   X(SM80_TILE_N, 128)                                                                                      \
   X(SM80_TILE_K, 32)                                                                                        \

@@ -53,13 +53,14 @@ template <typename T, typename TO, int KIND, int CLUSTER, int TN_ = SM90_TILE_N>
   static constexpr int CONSUMERS = Roles::CONSUMERS, THREADS = Roles::THREADS;
   // FP8: steps of one scale block (128 bytes of k, as the 16-bit steps), tiles as wide as the 16-bit
   // ones (the same bytes per stage; narrower tiles read more of a and b from L2 per product).
-  // TN: SM90_TILE_N, or (dense products in clusters) another width that fills the waves better
-  // (dense_tile_n); tiles wider than SM90_TILE_N leave room for three stages.
+  // TN: SM90_TILE_N, or another width: one that fills the waves better for dense products in clusters
+  // (dense_tile_n), SM90_SPLIT_TILE_N for MODE_SPLIT_K's parts. Tiles wider than SM90_TILE_N leave room
+  // for three stages.
   static constexpr bool FP8 = is_8bit<T>;
   static constexpr int TM = SM90_TILE_M, TN = TN_, TK = FP8 ? FP8_BLOCK : SM90_TILE_K, STAGES = TN > SM90_TILE_N ? 3 : 4;
   static_assert(TM == 64 * CONSUMERS && (!FP8 || KIND == RAGGED_BT || KIND == CONTRACT_BT));
   static_assert(CLUSTER == 1 || (CLUSTER == 2 && !contracts<KIND>));
-  static_assert(TN % 64 == 0 && (TN == SM90_TILE_N || (CLUSTER == 2 && !FP8)));
+  static_assert(TN % 64 == 0 && (TN == SM90_TILE_N || (!FP8 && !contracts<KIND>)));
   using ATile = std::conditional_t<KIND == CONTRACT, st<T, TK, TM>, st<T, TM, TK>>;
   using BTile = std::conditional_t<KIND == RAGGED_BT || KIND == CONTRACT_BT, st<T, TN, TK>, st<T, TK, TN>>;
   // b's tile in two halves (a cluster's blocks load one each): its panels where it has several (b
@@ -442,6 +443,8 @@ template <typename T, typename TO, int KIND> cudaError_t launch(const Params &p,
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (e != cudaSuccess) return e;
+  if constexpr (KIND == RAGGED && !is_8bit<T>)
+    if (p.a_split > 1) return launch<T, TO, KIND, 1, SM90_SPLIT_TILE_N>(p, sms, stream);
   if constexpr (!contracts<KIND>)
     if (sms >= 2 && p.groups == 1 && p.m >= CLUSTER_MIN_ROWS) return launch<T, TO, KIND, 2>(p, sms, stream);
   return launch<T, TO, KIND, 1>(p, sms, stream);

@@ -282,15 +282,28 @@ def ragged_dot(a, b, group_sizes, *, out_dtype, b_transposed=False, out_init=Non
 SPLIT_K_MIN = 1024
 
 
-def split_k_parts(m: int, k: int, n: int) -> int:
+def split_k_parts(m: int, k: int, n: int, tile_n: int | None = None) -> int:
     """How many parts of k the product of a ``[m, k]`` and b ``[k, n]`` is split into: 1 where its output
-    tiles fill half a wave or more, or where m is not a multiple of DIM_MULTIPLE (the contracting kernel's
-    output rows); else enough to fill about one wave, each at least SPLIT_K_MIN of k."""
+    tiles (``tile_n`` wide, by default SM90_TILE_N) fill half a wave or more, or where m is not a multiple
+    of DIM_MULTIPLE (the contracting kernel's output rows); else enough to fill about one wave, each at
+    least SPLIT_K_MIN of k."""
     c, wave = contract(), extension.WAVE_BLOCKS
-    tiles = -(-m // c["SM90_TILE_M"]) * -(-n // c["SM90_TILE_N"])
+    tiles = -(-m // c["SM90_TILE_M"]) * -(-n // (tile_n or c["SM90_TILE_N"]))
     if 2 * tiles >= wave or m % c["DIM_MULTIPLE"]:
         return 1
     return max(1, min(wave // tiles, k // SPLIT_K_MIN))
+
+
+def split_k_forward_parts(m: int, k: int, n: int) -> int:
+    """The forward's parts (split_k_parts). Where they run as mode 2 (split_k_dot), whose tiles are
+    SM90_SPLIT_TILE_N wide, they are counted in those tiles: as many blocks over fewer, longer ranges of
+    k, with fewer partial products to sum."""
+    c = contract()
+    if split_k_on_sm90():
+        parts = split_k_parts(m, k, n, c["SM90_SPLIT_TILE_N"])
+        if parts > 1 and k % (parts * c["SM90_TILE_K"]) == 0:
+            return parts
+    return split_k_parts(m, k, n)
 
 
 def split_k_on_sm90() -> bool:

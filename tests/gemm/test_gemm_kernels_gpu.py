@@ -242,7 +242,8 @@ def test_contract_bt_is_refused_by_the_mma_sync_kernel():
 # Mode 2 (a dense product's split-k parts as the groups of the row kernel; the sm_90a kernel's only):
 # a [rows, g k], b [g, k, n], out [g rows, n] with rows i of part p = a[i, p k : (p + 1) k] @ b[p]. Rows
 # that fill the kernel's 128-row tiles and that do not (a part's last tile reads the next part's rows
-# of a as rows past a's end: zeros, not stored), n past a 256-wide tile, one step of k and many.
+# of a as rows past a's end: zeros, not stored), n past a tile (SM90_SPLIT_TILE_N wide), one step of k
+# and many.
 SPLIT_K_CASES = [(128, 3, 1024, 256), (100, 2, 64, 520), (300, 4, 512, 264), (8, 2, 2048, 8)]
 
 

@@ -1,8 +1,8 @@
 """CPU tests of matmul's split k: a dense product with too few output tiles to fill the GPU cuts its
 contraction into ranges, one group each of the contracting kernel (mode 1), and sums the float32
 partial products (jax_tk/gemm/launch.py: split_k_parts, split_k_dot); on Hopper the forward's equal
-parts are the groups of mode 2 (a read as it is), and its input's gradient does the same on both
-operands as they are (mode 1 with b transposed). The kernel is replaced by a
+parts are the groups of mode 2 (a read as it is; split_k_forward_parts), and its input's gradient
+does the same on both operands as they are (mode 1 with b transposed). The kernel is replaced by a
 stand-in with its contract's semantics (test_ragged_dot.fake_kernel)."""
 from __future__ import annotations
 
@@ -48,19 +48,35 @@ def test_matmul_splits_k_of_few_tiles(fake_kernel, m, k, n):  # noqa: F811 (the 
 
 @pytest.mark.parametrize("m, k, n", [(128, 8192, 2048), (64, 3000, 512), (8, 2112, 256)])
 def test_matmul_forward_split_on_hopper(fake_kernel, monkeypatch, m, k, n):  # noqa: F811
-    """On the sm_90a kernel (launch.split_k_on_sm90) the forward's parts, where they are equal (k a
-    multiple of parts x the kernel's steps), are the groups of one launch of mode 2 on a and b as they
-    are (a [m, k]; b [parts, k / parts, n], a view of it): no transpose of a. Elsewhere mode 1 on a^T,
-    as without it. Values and gradients against float64 numpy."""
+    """On the sm_90a kernel (launch.split_k_on_sm90) the forward's parts, counted in mode 2's tiles
+    (SM90_SPLIT_TILE_N wide), where they are equal (k a multiple of parts x the kernel's steps), are the
+    groups of one launch of mode 2 on a and b as they are (a [m, k]; b [parts, k / parts, n], a view of
+    it): no transpose of a. Elsewhere mode 1 on a^T with split_k_parts's parts, as without it. Values
+    and gradients against float64 numpy."""
     monkeypatch.setattr(launch, "split_k_on_sm90", lambda: True)
-    parts = launch.split_k_parts(m, k, n)
+    c = launch.contract()
+    parts = launch.split_k_parts(m, k, n, c["SM90_SPLIT_TILE_N"])
     assert parts > 1
     matmul_checked(m, k, n, seed=m + k + 1)
     first = fake_kernel[0][:4]
-    if k % (parts * launch.contract()["SM90_TILE_K"]) == 0:
+    if k % (parts * c["SM90_TILE_K"]) == 0:
+        assert launch.split_k_forward_parts(m, k, n) == parts
         assert first == (2, (m, k), (parts, k // parts, n), (parts,)), fake_kernel
     else:
+        parts = launch.split_k_parts(m, k, n)
+        assert launch.split_k_forward_parts(m, k, n) == parts
         assert first == (1, (k, m), (k, n), (parts,)), fake_kernel
+
+
+def test_forward_parts_count_mode_2_tiles(monkeypatch):
+    """128 rows against 8192 x 8192 on 132 SMs: 32 tiles of 256 columns (4 parts of 2048) without mode
+    2, 64 tiles of 128 columns in 2 parts of 4096 with it."""
+    monkeypatch.setattr(launch.extension, "WAVE_BLOCKS", 132)
+    assert launch.split_k_parts(128, 8192, 8192) == 4
+    assert launch.split_k_forward_parts(128, 8192, 8192) == 4  # (no Hopper here: mode 1's parts)
+    monkeypatch.setattr(launch, "split_k_on_sm90", lambda: True)
+    assert launch.split_k_forward_parts(128, 8192, 8192) == 2
+    assert launch.split_k_forward_parts(128, 8000, 8192) == 4  # (8000 = 2 x 4000: not whole steps of 64)
 
 
 @pytest.mark.parametrize("m, k, n", [(128, 2048, 8192), (64, 2200, 4096)])
