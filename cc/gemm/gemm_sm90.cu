@@ -208,10 +208,15 @@ template <typename T, typename TO, int KIND, int CLUSTER_, int TN_> struct Ragge
   // accumulator would not fit beside acc, and narrower pieces re-read the warpgroup's rows of a from
   // shared memory once per piece (64-column pieces put a step's reads plus its loads at about 1.3x
   // what shared memory delivers while the tensor cores run at full rate). While one warpgroup scales
-  // its piece, the other's product runs. The scales' loads are issued before the step's wait, so that
-  // they land while the product runs.
+  // its piece, the other's product runs. Each step's scales are loaded one step ahead: a load from L2
+  // outlasts a step's product, and the first multiply by a scale was the kernel's largest stall.
   // In CONTRACT_BT the rows of out are k and the steps are blocks of a's rows (along m): a's scales
   // [blocks of m, k], b's [blocks of m, blocks of n], the step's block j + r0 / 128.
+  template <int BLOCKS>
+  struct StepScales {
+    float a0, a1, b[BLOCKS];  // a's for this thread's rows r and r + 8; b's per block of the tile's columns
+  };
+
   __device__ __forceinline__ void fp8_steps(rt_fl<16, TN> &acc, const TileSlot &x, int count, int row0, ring_pos<STAGES> &pos) {
     const Params &p = a.p;
     constexpr bool BT = KIND == CONTRACT_BT;
@@ -222,13 +227,21 @@ template <typename T, typename TO, int KIND, int CLUSTER_, int TN_> struct Ragge
     const int r = row0 + 16 * (warpid() % 4) + laneid() / 4;  // this thread's rows: r and r + 8
     const int bn = x.n0 / FP8_BLOCK;  // the tile's first block of columns
     const float *sb = p.b_scales + (BT ? 0 : (size_t)max(x.group, 0) * blocks_k * blocks_n) + bn;  // (group -1: no steps)
-    warp::zero(acc);
-    for (int j = 0; j < count; j++, ++pos) {
+    const auto load = [&](int j) {
+      StepScales<BLOCKS> s;
       const float *sa = p.a_scales + (size_t)(first + j) * rows;
-      const float s0 = r < rows ? __ldg(sa + r) : 0.f, s1 = r + 8 < rows ? __ldg(sa + r + 8) : 0.f;
-      float b[BLOCKS];
+      s.a0 = r < rows ? __ldg(sa + r) : 0.f;
+      s.a1 = r + 8 < rows ? __ldg(sa + r + 8) : 0.f;
 #pragma unroll
-      for (int h = 0; h < BLOCKS; h++) b[h] = bn + h < blocks_n ? __ldg(sb + (size_t)(first + j) * blocks_n + h) : 0.f;
+      for (int h = 0; h < BLOCKS; h++) s.b[h] = bn + h < blocks_n ? __ldg(sb + (size_t)(first + j) * blocks_n + h) : 0.f;
+      return s;
+    };
+    warp::zero(acc);
+    StepScales<BLOCKS> next{};
+    if (count > 0) next = load(0);
+    for (int j = 0; j < count; j++, ++pos) {
+      const StepScales<BLOCKS> s = next;
+      if (j + 1 < count) next = load(j + 1);
       wait_full(slots(), pos);
       if constexpr (BT) clear_other_rows(sm.a[pos.slot], x, first + j);
       const auto rows_a = window<64, TK>(sm.a[pos.slot], 64 * wg, 0);
@@ -240,7 +253,7 @@ template <typename T, typename TO, int KIND, int CLUSTER_, int TN_> struct Ragge
           warpgroup::fence_registers(part);
           if constexpr (Q + 1 == PIECES)
             if (laneid() == 0) free_slot(pos);
-          scale_into(acc, part, Q * PIECE / 16, s0 * b[Q], s1 * b[Q]);
+          scale_into(acc, part, Q * PIECE / 16, s.a0 * s.b[Q], s.a1 * s.b[Q]);
         }(), ...);
       }(std::make_integer_sequence<int, PIECES>{});
     }
