@@ -298,12 +298,17 @@ def split_k_forward_parts(m: int, k: int, n: int) -> int:
     """The forward's parts (split_k_parts). Where they run as mode 2 (split_k_dot), whose tiles are
     SM90_SPLIT_TILE_N wide, they are counted in those tiles: as many blocks over fewer, longer ranges of
     k, with fewer partial products to sum."""
-    c = contract()
     if split_k_on_sm90():
-        parts = split_k_parts(m, k, n, c["SM90_SPLIT_TILE_N"])
-        if parts > 1 and k % (parts * c["SM90_TILE_K"]) == 0:
+        parts = split_k_parts(m, k, n, contract()["SM90_SPLIT_TILE_N"])
+        if parts > 1 and split_k_in_place(k, parts):
             return parts
     return split_k_parts(m, k, n)
+
+
+def split_k_in_place(k: int, parts: int) -> bool:
+    """Whether split_k_dot runs ``parts`` parts of k as the groups of the row kernel (mode 2): on the
+    sm_90a kernel, where k cuts into equal parts of whole steps."""
+    return k % (parts * contract()["SM90_TILE_K"]) == 0 and split_k_on_sm90()
 
 
 def split_k_on_sm90() -> bool:
@@ -321,7 +326,7 @@ def split_k_dot(a, b, parts: int, *, out_dtype, b_transposed=False):
     with ``b_transposed``, on ``a^T`` and b otherwise."""
     k = a.shape[1]
     step = contract()["SM90_TILE_K"]
-    if not b_transposed and k % (parts * step) == 0 and split_k_on_sm90():
+    if not b_transposed and split_k_in_place(k, parts):
         m, n = a.shape[0], b.shape[1]
         variant = dispatch.kernel_variant()
         partial = _raw_call(contract()["MODE_SPLIT_K"], a, b.reshape(parts, k // parts, n),
