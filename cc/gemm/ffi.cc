@@ -36,7 +36,6 @@ ffi::Error ragged_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, 
     return invalid("gemm: mode must be 0 (ragged), 1 (contract) or 2 (split k)");
   if (b_transposed != 0 && b_transposed != 1) return invalid("gemm: b_transposed must be 0 or 1");
   const bool split = mode == gemm::MODE_SPLIT_K;  // (MODE_RAGGED's kernel, a's columns split among the groups)
-  if (split && b_transposed) return invalid("gemm: mode 2 takes b [g, k, n] (b_transposed = 0)");
   p.mode = split ? gemm::MODE_RAGGED : mode;
   p.b_transposed = b_transposed != 0;
   if (group_sizes.element_type() != ffi::DataType::S32 || group_sizes.dimensions().size() != 1)
@@ -45,12 +44,16 @@ ffi::Error ragged_impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, 
   if (a.dimensions().size() != 2) return invalid(std::string("gemm: a must be ") + (contract_bt ? "[k, m]" : "[m, k]") + ", got " + dims_of(a));
   int64_t m = a.dimensions()[contract_bt ? 1 : 0], k = a.dimensions()[contract_bt ? 0 : 1], n = 0;
   const int64_t g = group_sizes.dimensions()[0];
-  if (split) {  // (a [rows, g k]: m = g rows rows of k)
+  if (split) {  // (a [rows, g k]: m = g rows rows of k; b [g, k, n], or transposed [n, g k])
     auto bd = b.dimensions();
-    if (bd.size() != 3 || bd[0] != g || a.dimensions()[1] != g * bd[1])
-      return invalid("gemm: in mode 2, b must be [g, k, n] with a [rows, g * k] = " + dims_of(a) + " and g = " +
-                     std::to_string(g) + " groups, got " + dims_of(b));
-    m = g * a.dimensions()[0], k = bd[1], n = bd[2];
+    const bool ok = p.b_transposed ? bd.size() == 2 && bd[1] == a.dimensions()[1] && g > 0 && bd[1] % g == 0
+                                   : bd.size() == 3 && bd[0] == g && a.dimensions()[1] == g * bd[1];
+    if (!ok)
+      return invalid("gemm: in mode 2, b must be " + std::string(p.b_transposed ? "[n, g * k]" : "[g, k, n]") +
+                     " with a [rows, g * k] = " + dims_of(a) + " and g = " + std::to_string(g) + " groups, got " + dims_of(b));
+    m = g * a.dimensions()[0];
+    k = p.b_transposed ? bd[1] / g : bd[1];
+    n = p.b_transposed ? bd[0] : bd[2];
     if (!dims_are(*out, {m, n}))
       return invalid("gemm: in mode 2, out must be [g * rows, n] = [" + std::to_string(m) + ", " + std::to_string(n) + "]");
     p.a_split = int(std::max<int64_t>(g, 1));

@@ -20,9 +20,11 @@
 //     finite (they meet zeros). A split-k product's input gradient, g @ w^T, takes its operands so,
 //     as they are.
 //   mode MODE_SPLIT_K (the sm_90a kernel only; a dense product's split-k parts, as groups):
-//     a [rows, g * k], b [g, k, n], b_transposed = 0, group_sizes g times rows; out [g * rows, n]
-//     ([g, rows, n]) with out[i] = a[:, i k : (i + 1) k] @ b[i]: MODE_RAGGED's kernel, whose group i
-//     reads its rows of a as those columns of a's rows (no copy of a).
+//     a [rows, g * k], b [g, k, n], group_sizes g times rows; out [g * rows, n] ([g, rows, n]) with
+//     out[i] = a[:, i k : (i + 1) k] @ b[i]: MODE_RAGGED's kernel, whose group i reads its rows of a
+//     as those columns of a's rows (no copy of a). With b_transposed = 1, b is [n, g * k] and
+//     out[i] = a[:, i k : (i + 1) k] @ b[:, i k : (i + 1) k]^T (an input gradient's parts, b read
+//     in place as well).
 //   Dtypes: a and b both bfloat16 or both float16; out the same dtype or float32 (the result
 //   buffer's dtype decides); fp32 accumulation. k and n must be multiples of DIM_MULTIPLE (the
 //   tensor copies need 16-byte row strides); m is free. Zero-sized dimensions are allowed.
@@ -70,7 +72,8 @@ struct Params {
   const float *b_scales = nullptr;  // RAGGED [groups, ceil(k / 128), ceil(n / 128)]: b's 128 x 128 blocks;
                                     // CONTRACT [ceil(m / 128), ceil(n / 128)]
   // MODE_RAGGED from MODE_SPLIT_K (the sm_90a kernel): a is [m / a_split, a_split * k], and group i's
-  // rows are its rows' columns [i k, (i + 1) k) (the groups' sizes all m / a_split).
+  // rows are its rows' columns [i k, (i + 1) k) (the groups' sizes all m / a_split); b_transposed:
+  // b is [n, a_split * k], group i's b its columns [i k, (i + 1) k).
   int a_split = 1;
 };
 

@@ -139,7 +139,9 @@ template <typename T, typename TO, int KIND, int CLUSTER_, int TN_> struct Ragge
 
   // b's tile of step k0 (a cluster's block: its half, to every block).
   __device__ __forceinline__ void load_b(typename C::BTile &dst, const TileSlot &x, int k0, semaphore &full) const {
-    const coord o = KIND == RAGGED ? coord{x.group, k0, 0, x.n0} : coord{x.group, x.n0, 0, k0};
+    // (a split product's b transposed, [n, g k]: part x.group's columns of b's rows, a 4-D map)
+    const coord o = KIND == RAGGED ? coord{x.group, k0, 0, x.n0}
+                    : a.p.a_split > 1 ? coord{0, x.n0, x.group, k0} : coord{x.group, x.n0, 0, k0};
     constexpr int P = C::BTile::panels, R = C::B_ROWS;
     if constexpr (CLUSTER == 1) {
       if constexpr (C::HALF_PANELS) load_async(dst, a.b, o, full);
@@ -405,8 +407,9 @@ cudaError_t launch(const Params &p, int sms, cudaStream_t stream) {
                       ? make_tma_map(a.a, p.a, 1, p.k, 1, p.m, true) && make_tma_map(a.b, p.b, 1, p.n, 1, p.m, true) &&
                             make_tma_map(a.out, p.out, p.groups, p.k, 1, p.n, true)
                       : make_tma_map(a.a, p.a, 1, p.m / p.a_split, p.a_split, p.k, true) &&
-                            (KIND == RAGGED ? make_tma_map(a.b, p.b, p.groups, p.k, 1, p.n, true)
-                                            : make_tma_map(a.b, p.b, p.groups, p.n, 1, p.k, true)) &&
+                            (KIND == RAGGED      ? make_tma_map(a.b, p.b, p.groups, p.k, 1, p.n, true)
+                             : p.a_split > 1 ? make_tma_map(a.b, p.b, 1, p.n, p.a_split, p.k, true)
+                                             : make_tma_map(a.b, p.b, p.groups, p.n, 1, p.k, true)) &&
                             make_tma_map(a.out, p.out, 1, p.m, 1, p.n, true);
   if (!ok) return cudaErrorInvalidValue;
   const long long tiles = tile_bound(p, C::TM * CLUSTER, C::TN);  // (the cluster's tiles)
@@ -456,7 +459,7 @@ template <typename T, typename TO, int KIND> cudaError_t launch(const Params &p,
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (e != cudaSuccess) return e;
-  if constexpr (KIND == RAGGED && !is_8bit<T>)
+  if constexpr ((KIND == RAGGED || KIND == RAGGED_BT) && !is_8bit<T>)
     if (p.a_split > 1) return launch<T, TO, KIND, 1, SM90_SPLIT_TILE_N>(p, sms, stream);
   if constexpr (!contracts<KIND>)
     if (sms >= 2 && p.groups == 1 && p.m >= CLUSTER_MIN_ROWS) return launch<T, TO, KIND, 2>(p, sms, stream);

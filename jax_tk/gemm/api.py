@@ -183,7 +183,7 @@ def local_group_sizes(group_sizes, start, rows: int):
 
 def _fwd_kernel(spec: GemmSpec, lhs, rhs, sizes):
     (m, k), n = lhs.shape, rhs.shape[2]
-    parts = launch.split_k_forward_parts(m, k, n) if spec.dense and rhs.shape[0] == 1 else 1
+    parts = launch.split_k_launch_parts(m, k, n) if spec.dense and rhs.shape[0] == 1 else 1
     if parts > 1:  # (every row is group 0's: the sizes say nothing more)
         return launch.split_k_dot(lhs, rhs[0], parts, out_dtype=spec.out_dtype)
     return launch.ragged_dot(lhs, rhs, sizes, out_dtype=spec.out_dtype)
@@ -205,7 +205,7 @@ def _bwd_kernel(spec: GemmSpec, lhs, rhs, sizes, dout):
     d = dout.astype(lhs.dtype)
     (m, k), n = lhs.shape, rhs.shape[2]
     # d lhs = d @ rhs^T contracts n: split where its [m, k] output is few tiles, as the forward
-    parts = launch.split_k_parts(m, n, k) if spec.dense and rhs.shape[0] == 1 else 1
+    parts = launch.split_k_launch_parts(m, n, k) if spec.dense and rhs.shape[0] == 1 else 1
     if parts > 1 and launch.split_k_on_sm90():
         dlhs = launch.split_k_dot(d, rhs[0], parts, out_dtype=lhs.dtype, b_transposed=True)
     else:

@@ -294,10 +294,10 @@ def split_k_parts(m: int, k: int, n: int, tile_n: int | None = None) -> int:
     return max(1, min(wave // tiles, k // SPLIT_K_MIN))
 
 
-def split_k_forward_parts(m: int, k: int, n: int) -> int:
-    """The forward's parts (split_k_parts). Where they run as mode 2 (split_k_dot), whose tiles are
-    SM90_SPLIT_TILE_N wide, they are counted in those tiles: as many blocks over fewer, longer ranges of
-    k, with fewer partial products to sum."""
+def split_k_launch_parts(m: int, k: int, n: int) -> int:
+    """The parts split_k_dot runs a product of ``[m, k]`` and ``[k, n]`` in (split_k_parts). Where they
+    run as mode 2, whose tiles are SM90_SPLIT_TILE_N wide, they are counted in those tiles: as many
+    blocks over fewer, longer ranges of k, with fewer partial products to sum."""
     if split_k_on_sm90():
         parts = split_k_parts(m, k, n, contract()["SM90_SPLIT_TILE_N"])
         if parts > 1 and split_k_in_place(k, parts):
@@ -321,16 +321,16 @@ def split_k_dot(a, b, parts: int, *, out_dtype, b_transposed=False):
     """``a [m, k] @ b [k, n]`` (``b [n, k]`` transposed with ``b_transposed``) as the sum of ``parts``
     products over consecutive ranges of k (multiples of the kernel's steps but the last), in float32,
     then XLA's sum of the partial products. One launch: on the sm_90a kernel (split_k_on_sm90),
-    of mode 2 where the parts are equal (a and b read as they are; ``b [parts, k / parts, n]`` is a
-    view), else of the contracting kernel (mode 1), whose group i is range i, on a and b as they are
-    with ``b_transposed``, on ``a^T`` and b otherwise."""
+    of mode 2 where the parts are equal (a and b read as they are: ``b [parts, k / parts, n]`` is a
+    view, and b transposed is read in place), else of the contracting kernel (mode 1), whose group i
+    is range i, on a and b as they are with ``b_transposed``, on ``a^T`` and b otherwise."""
     k = a.shape[1]
     step = contract()["SM90_TILE_K"]
-    if not b_transposed and split_k_in_place(k, parts):
-        m, n = a.shape[0], b.shape[1]
-        variant = dispatch.kernel_variant()
-        partial = _raw_call(contract()["MODE_SPLIT_K"], a, b.reshape(parts, k // parts, n),
-                            jnp.full((parts,), m, jnp.int32), (parts * m, n), jnp.float32, False, variant)
+    if split_k_in_place(k, parts):
+        m, n = a.shape[0], b.shape[0 if b_transposed else 1]
+        b = b if b_transposed else b.reshape(parts, k // parts, n)
+        partial = _raw_call(contract()["MODE_SPLIT_K"], a, b, jnp.full((parts,), m, jnp.int32), (parts * m, n),
+                            jnp.float32, b_transposed, dispatch.kernel_variant())
         return jnp.sum(partial.reshape(parts, m, n), axis=0).astype(out_dtype)
     part = -(-k // (parts * step)) * step
     ends = np.minimum(np.arange(1, parts + 1) * part, k)

@@ -240,34 +240,37 @@ def test_contract_bt_is_refused_by_the_mma_sync_kernel():
 
 
 # Mode 2 (a dense product's split-k parts as the groups of the row kernel; the sm_90a kernel's only):
-# a [rows, g k], b [g, k, n], out [g rows, n] with rows i of part p = a[i, p k : (p + 1) k] @ b[p]. Rows
-# that fill the kernel's 128-row tiles and that do not (a part's last tile reads the next part's rows
-# of a as rows past a's end: zeros, not stored), n past a tile (SM90_SPLIT_TILE_N wide), one step of k
-# and many.
+# a [rows, g k], b [g, k, n] (or transposed, [n, g k]), out [g rows, n] with rows i of part p =
+# a[i, p k : (p + 1) k] @ b[p]. Rows that fill the kernel's 128-row tiles and that do not (a part's
+# last tile reads the next part's rows of a as rows past a's end: zeros, not stored), n past a tile
+# (SM90_SPLIT_TILE_N wide), one step of k and many.
 SPLIT_K_CASES = [(128, 3, 1024, 256), (100, 2, 64, 520), (300, 4, 512, 264), (8, 2, 2048, 8)]
 
 
-@functools.partial(jax.jit, static_argnames=("rows", "kernels"))
-def split_k_kernel(a, b, *, rows, kernels="auto"):
-    g, _, n = b.shape
-    attributes = {"mode": np.int32(contract()["MODE_SPLIT_K"]), "b_transposed": np.int32(0),
+@functools.partial(jax.jit, static_argnames=("rows", "groups", "b_transposed", "kernels"))
+def split_k_kernel(a, b, *, rows, groups, b_transposed=False, kernels="auto"):
+    n = b.shape[0] if b_transposed else b.shape[2]
+    attributes = {"mode": np.int32(contract()["MODE_SPLIT_K"]), "b_transposed": np.int32(b_transposed),
                   "variant": np.int32(dispatch.kernel_variant(kernels))}
-    (out,) = kernel_call(TARGET, (jax.ShapeDtypeStruct((g * rows, n), F32),), (a, b, jnp.full((g,), rows, jnp.int32)),
-                         attributes, out_init=(jnp.full((g * rows, n), jnp.nan, F32),))
+    shape = (groups * rows, n)
+    (out,) = kernel_call(TARGET, (jax.ShapeDtypeStruct(shape, F32),), (a, b, jnp.full((groups,), rows, jnp.int32)),
+                         attributes, out_init=(jnp.full(shape, jnp.nan, F32),))
     return out
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("b_transposed", [False, True], ids=["b", "bt"])
 @pytest.mark.parametrize("dtype", [BF16, F16])
 @pytest.mark.parametrize("case", SPLIT_K_CASES, ids=lambda c: "rows%d_g%d_k%d_n%d" % c)
-def test_split_k_mode_vs_reference(case, dtype):
+def test_split_k_mode_vs_reference(case, dtype, b_transposed):
     if extension.cuda_device_capability() != (9, 0):
         pytest.skip("mode 2 runs on the sm_90a kernel")
     rows, g, k, n = case
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     a = rng.standard_normal((rows, g * k), dtype=np.float32).astype(jnp.dtype(dtype))
     b = rng.standard_normal((g, k, n), dtype=np.float32).astype(jnp.dtype(dtype))
-    got = np.asarray(split_k_kernel(a, b, rows=rows), np.float64)
+    b_given = jnp.asarray(b).transpose(2, 0, 1).reshape(n, g * k) if b_transposed else b
+    got = np.asarray(split_k_kernel(a, b_given, rows=rows, groups=g, b_transposed=b_transposed), np.float64)
     parts = np.asarray(a, np.float64).reshape(rows, g, k).transpose(1, 0, 2)
     want = np.einsum("grk,gkn->grn", parts, np.asarray(b, np.float64)).reshape(g * rows, n)
     assert np.isfinite(got).all(), f"{np.sum(~np.isfinite(got))} outputs are NaN/inf"
@@ -278,9 +281,11 @@ def test_split_k_mode_vs_reference(case, dtype):
 def test_split_k_mode_checks():
     a, b = jnp.ones((64, 256), BF16), jnp.ones((2, 64, 16), BF16)  # (a's columns: 4 x 64, not 2 x 64)
     with pytest.raises(Exception, match="in mode 2, b must be"):
-        jax.block_until_ready(split_k_kernel(a, b, rows=64))
+        jax.block_until_ready(split_k_kernel(a, b, rows=64, groups=2))
+    with pytest.raises(Exception, match=r"in mode 2, b must be \[n, g \* k\]"):  # (b transposed: [16, 128])
+        jax.block_until_ready(split_k_kernel(a, jnp.ones((16, 128), BF16), rows=64, groups=2, b_transposed=True))
     with pytest.raises(Exception, match="sm_90a kernel"):
-        jax.block_until_ready(split_k_kernel(a[:, :128], b, rows=64, kernels="sm80"))
+        jax.block_until_ready(split_k_kernel(a[:, :128], b, rows=64, groups=2, kernels="sm80"))
 
 
 def test_contract_constants():

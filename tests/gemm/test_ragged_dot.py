@@ -398,9 +398,12 @@ def fake_kernel(monkeypatch):
         assert sizes.dtype == jnp.int32 and a.dtype == b.dtype and a.dtype in (BF16, F16)
         assert variant == launch.dispatch.kernel_variant()
         launches.append((mode, a.shape, b.shape, sizes.shape, bool(b_transposed)))
-        if mode == launch.contract()["MODE_SPLIT_K"]:  # a [rows, g k], b [g, k, n]: part i of k, group i
-            g, k = b.shape[:2]
-            assert not b_transposed and a.shape[1] == g * k and sizes.shape == (g,)
+        if mode == launch.contract()["MODE_SPLIT_K"]:  # a [rows, g k], b [g, k, n] or [n, g k]: part i of k, group i
+            g = sizes.shape[0]
+            if b_transposed:
+                b = b.reshape(b.shape[0], g, -1).transpose(1, 2, 0)
+            k = b.shape[1]
+            assert b.shape[0] == g and a.shape[1] == g * k
             parts = a.reshape(a.shape[0], g, k).transpose(1, 0, 2)
             out = jnp.einsum("grk,gkn->grn", parts.astype(F32), b.astype(F32)).astype(out_dtype).reshape(-1, b.shape[2])
         elif mode == launch.contract()["MODE_RAGGED"]:

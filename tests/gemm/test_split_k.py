@@ -1,8 +1,9 @@
 """CPU tests of matmul's split k: a dense product with too few output tiles to fill the GPU cuts its
 contraction into ranges, one group each of the contracting kernel (mode 1), and sums the float32
 partial products (jax_tk/gemm/launch.py: split_k_parts, split_k_dot); on Hopper the forward's equal
-parts are the groups of mode 2 (a read as it is; split_k_forward_parts), and its input's gradient
-does the same on both operands as they are (mode 1 with b transposed). The kernel is replaced by a
+parts are the groups of mode 2 (a read as it is; split_k_launch_parts), and so are its input
+gradient's (b transposed read in place), or mode 1 with both operands K-major where the parts are not
+equal. The kernel is replaced by a
 stand-in with its contract's semantics (test_ragged_dot.fake_kernel)."""
 from __future__ import annotations
 
@@ -60,11 +61,11 @@ def test_matmul_forward_split_on_hopper(fake_kernel, monkeypatch, m, k, n):  # n
     matmul_checked(m, k, n, seed=m + k + 1)
     first = fake_kernel[0][:4]
     if k % (parts * c["SM90_TILE_K"]) == 0:
-        assert launch.split_k_forward_parts(m, k, n) == parts
+        assert launch.split_k_launch_parts(m, k, n) == parts
         assert first == (2, (m, k), (parts, k // parts, n), (parts,)), fake_kernel
     else:
         parts = launch.split_k_parts(m, k, n)
-        assert launch.split_k_forward_parts(m, k, n) == parts
+        assert launch.split_k_launch_parts(m, k, n) == parts
         assert first == (1, (k, m), (k, n), (parts,)), fake_kernel
 
 
@@ -73,25 +74,37 @@ def test_forward_parts_count_mode_2_tiles(monkeypatch):
     2, 64 tiles of 128 columns in 2 parts of 4096 with it."""
     monkeypatch.setattr(launch.extension, "WAVE_BLOCKS", 132)
     assert launch.split_k_parts(128, 8192, 8192) == 4
-    assert launch.split_k_forward_parts(128, 8192, 8192) == 4  # (no Hopper here: mode 1's parts)
+    assert launch.split_k_launch_parts(128, 8192, 8192) == 4  # (no Hopper here: mode 1's parts)
     monkeypatch.setattr(launch, "split_k_on_sm90", lambda: True)
-    assert launch.split_k_forward_parts(128, 8192, 8192) == 2
-    assert launch.split_k_forward_parts(128, 8000, 8192) == 4  # (8000 = 2 x 4000: not whole steps of 64)
+    assert launch.split_k_launch_parts(128, 8192, 8192) == 2
+    assert launch.split_k_launch_parts(128, 8000, 8192) == 4  # (8000 = 2 x 4000: not whole steps of 64)
 
 
-@pytest.mark.parametrize("m, k, n", [(128, 2048, 8192), (64, 2200, 4096)])
+@pytest.mark.parametrize("m, k, n", [(128, 2048, 8192), (64, 2200, 4096), (128, 1024, 8000)])
 def test_matmul_gradient_splits_too_on_hopper(fake_kernel, monkeypatch, m, k, n):  # noqa: F811
-    """Where the contracting kernel takes both operands K-major (sm_90a: launch.split_k_on_sm90),
-    the input's gradient d @ b^T, whose [m, k] output is as few tiles, splits its contraction (n) the
-    same way, on d and b as they are (no transpose): mode 1 with b_transposed, one group per range of n
-    (multiples of the kernel's steps but the last)."""
+    """On the sm_90a kernel (launch.split_k_on_sm90) the input's gradient d @ b^T, whose [m, k] output
+    is as few tiles, splits its contraction (n) the same way, on d and b as they are (no transpose):
+    where n cuts into equal parts of whole steps, mode 2 with b transposed (b [k, n] is [k, parts *
+    n / parts]); elsewhere mode 1 with b_transposed, one group per range of n (multiples of the kernel's
+    steps but the last)."""
     monkeypatch.setattr(launch, "split_k_on_sm90", lambda: True)
-    parts = launch.split_k_parts(m, n, k)
+    parts = launch.split_k_launch_parts(m, n, k)
     assert parts > 1
     matmul_checked(m, k, n, seed=m + n)
     calls = [(l[0], l[1], l[2], l[3], l[4]) for l in fake_kernel]
-    assert calls[1] == (1, (m, n), (k, n), (parts,), True), calls  # d a: d and b (b's [k, n] read K-major)
+    mode = 2 if launch.split_k_in_place(n, parts) else 1
+    assert calls[1] == (mode, (m, n), (k, n), (parts,), True), calls  # d a: d and b (b's [k, n] read K-major)
     assert [c[0] for c in calls[2:]] == [1], calls  # d b: the contraction over m, k whole
+    if mode == 1:
+        assert parts == launch.split_k_parts(m, n, k)
+
+
+def test_gradient_parts_count_mode_2_tiles(monkeypatch):
+    """d a of 128 x 8192 x 8192 ([128, 8192] out, contracting 8192) splits as the forward: 2 parts of
+    mode 2's tiles on Hopper."""
+    monkeypatch.setattr(launch.extension, "WAVE_BLOCKS", 132)
+    monkeypatch.setattr(launch, "split_k_on_sm90", lambda: True)
+    assert launch.split_k_launch_parts(128, 8192, 8192) == 2 and launch.split_k_in_place(8192, 2)
 
 
 def test_matmul_keeps_k_whole_where_tiles_fill_the_gpu(fake_kernel):  # noqa: F811
@@ -109,7 +122,8 @@ def test_matmul_keeps_k_whole_where_tiles_fill_the_gpu(fake_kernel):  # noqa: F8
 def test_matmul_gradient_split_under_vmap(fake_kernel, monkeypatch):  # noqa: F811
     """Under vmap over a (b shared), each entry's product splits as above; the input gradient's
     launches (mode 1 with b transposed) run one per entry (its batching rule does not fold entries:
-    their rows are columns there). Values against float64 numpy."""
+    their rows are columns there) or, in equal parts, as mode 2 with b transposed. Values against
+    float64 numpy."""
     monkeypatch.setattr(launch, "split_k_on_sm90", lambda: True)
     e, m, k, n = 3, 64, 1024, 4096
     rng = np.random.default_rng(5)
@@ -120,4 +134,4 @@ def test_matmul_gradient_split_under_vmap(fake_kernel, monkeypatch):  # noqa: F8
     a64, b64, d64 = (np.asarray(x, np.float64) for x in (a, b, dout))
     assert rel_err(out, a64 @ b64) < 1e-2
     assert rel_err(da, d64 @ b64.T) < 1e-2 and rel_err(db, np.einsum("emk,emn->kn", a64, d64)) < 1e-2
-    assert any(l[0] == 1 and l[4] for l in fake_kernel), fake_kernel  # the split input gradient ran
+    assert any(l[0] in (1, 2) and l[4] for l in fake_kernel), fake_kernel  # the split input gradient ran

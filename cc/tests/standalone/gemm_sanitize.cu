@@ -47,7 +47,8 @@ double fro_err(const std::vector<float> &got, const std::vector<double> &want) {
 
 // mode RAGGED or CONTRACT, b_transposed or not (CONTRACT: a [k, m] and b [n, m], Hopper only); out
 // bf16 or float32. split > 1 (RAGGED, Hopper; MODE_SPLIT_K's Params): a [m / split, split k], group i's
-// rows its rows' columns [i k, (i + 1) k). Returns the relative error.
+// rows its rows' columns [i k, (i + 1) k) (bt: b [n, split k], group i's b its columns [i k, (i + 1) k)).
+// Returns the relative error.
 double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool out_f32, bool hopper, int split = 1) {
   std::mt19937 rng(m * 7 + k * 3 + n + int(sizes.size()));
   const int g = int(sizes.size());
@@ -88,7 +89,8 @@ double run(int m, int k, int n, std::vector<int> sizes, int mode, bool bt, bool 
           if (mode == MODE_CONTRACT) {
             want[(size_t(i) * k + c) * n + j] += A(r, c) * __bfloat162float(hb[cbt ? size_t(j) * m + r : size_t(r) * n + j]);
           } else {
-            const size_t bi = bt ? (size_t(i) * n + j) * k + c : (size_t(i) * k + c) * n + j;
+            const size_t bi = bt ? (split > 1 ? size_t(j) * g * k + size_t(i) * k + c : (size_t(i) * n + j) * k + c)
+                                 : (size_t(i) * k + c) * n + j;
             want[size_t(r) * n + j] += A(r, c) * __bfloat162float(hb[bi]);
           }
         }
@@ -271,6 +273,8 @@ int main() {
         failed += run(3 * 128, 1024, 256, {128, 128, 128}, MODE_RAGGED, false, out_f32, hopper, 3);
         failed += run(2 * 100, 64, 520, {100, 100}, MODE_RAGGED, false, out_f32, hopper, 2);
         failed += run(4 * 300, 512, 264, {300, 300, 300, 300}, MODE_RAGGED, false, out_f32, hopper, 4);
+        failed += run(2 * 100, 64, 520, {100, 100}, MODE_RAGGED, true, out_f32, hopper, 2);
+        failed += run(4 * 300, 512, 264, {300, 300, 300, 300}, MODE_RAGGED, true, out_f32, hopper, 4);
       }
     }
     failed += run(700, 64, 520, std::vector<int>(40, 17), MODE_RAGGED, false, false, hopper);
