@@ -151,6 +151,11 @@ CASES = [
     (1025, 72, 2504, [1025]),                   # 256, a last row block of one row
     (1284, 72, 2824, [1284]),                   # 320: five panels of b, two to one block, three to the other
     (3000, 200, 392, [1500, 1000]),             # long groups (no clusters)
+    # Groups whose last tile has 64 rows or fewer run it on Hopper as two halves of its columns, one per
+    # consumer (gemm_sm90.cu: HALF_TAILS): tails of 64, 1 and 63 rows, a half wholly past n (520 = 2 x 256
+    # + 8); the rows past the groups' sum (18 of them) as such a tile of zeros.
+    (700, 72, 520, [64, 1, 63, 300, 0, 200]),
+    (300, 64, 264, [10, 50, 64, 128, 30]),
 ]
 
 
