@@ -22,12 +22,13 @@
 // products (whole 128-byte rows: the swizzle stays inside a row). Rows and columns past the arrays'
 // ends arrive from TMA as zeros and are not stored.
 //
-// RAGGED and RAGGED_BT may run in clusters of two blocks (CLUSTER = 2) on tiles of 256 x 256 cut in
-// two 128-row halves, one per block: both halves multiply the same columns of b, so each block loads
-// half of b's tile of a step and multicasts it to both (TMA), and b's reads from L2 halve. The two
-// blocks' rings then move together (ring.cuh: arrive_empty_cluster). The tiles are those of 256
-// rows, so a group's last tile may leave one half with no rows of the group (computed, not stored);
-// the host picks clusters for dense products only (launch). Their tiles may be 192 or 320 columns
+// RAGGED, RAGGED_BT and CONTRACT may run in clusters of two blocks (CLUSTER = 2) on tiles of 256 x 256
+// cut in two 128-row halves, one per block: both halves multiply the same columns of b (CONTRACT: the
+// same rows and columns of b [m, n]), so each block loads half of b's tile of a step and multicasts it
+// to both (TMA), and b's reads from L2 halve. The two blocks' rings then move together (ring.cuh:
+// arrive_empty_cluster). The tiles are those of 256 rows, so a group's last tile may leave one half
+// with no rows of the group (computed, not stored); the host picks clusters for dense products only
+// (launch). Their tiles may be 192 or 320 columns
 // wide instead of 256 where that fills the waves better (gemm.h: dense_tile_n), with one wgmma per
 // part of the width (128 + 64, 256 + 64) and, at 320, three stages.
 #include <algorithm>
@@ -60,8 +61,8 @@ template <typename T, typename TO, int KIND, int CLUSTER, int TN_ = SM90_TILE_N>
   static constexpr bool FP8 = is_8bit<T>;
   static constexpr int TM = SM90_TILE_M, TN = TN_, TK = FP8 ? FP8_BLOCK : SM90_TILE_K, STAGES = TN > SM90_TILE_N ? 3 : 4;
   static_assert(TM == 64 * CONSUMERS && (!FP8 || KIND == RAGGED_BT || KIND == CONTRACT_BT));
-  static_assert(CLUSTER == 1 || (CLUSTER == 2 && !contracts<KIND>));
-  static_assert(TN % 64 == 0 && (TN == SM90_TILE_N || (!FP8 && !contracts<KIND>)));
+  static_assert(CLUSTER == 1 || (CLUSTER == 2 && KIND != CONTRACT_BT));
+  static_assert(TN % 64 == 0 && (TN == SM90_TILE_N || (!FP8 && KIND != CONTRACT_BT)));
   using ATile = std::conditional_t<KIND == CONTRACT, st<T, TK, TM>, st<T, TM, TK>>;
   using BTile = std::conditional_t<KIND == RAGGED_BT || KIND == CONTRACT_BT, st<T, TN, TK>, st<T, TK, TN>>;
   // b's tile in two halves (a cluster's blocks load one each): its panels where it has several (b
@@ -144,8 +145,10 @@ template <typename T, typename TO, int KIND, int CLUSTER_, int TN_> struct Ragge
 
   // b's tile of step k0 (a cluster's block: its half, to every block).
   __device__ __forceinline__ void load_b(typename C::BTile &dst, const TileSlot &x, int k0, semaphore &full) const {
-    // (a split product's b transposed, [n, g k]: part x.group's columns of b's rows, a 4-D map)
-    const coord o = KIND == RAGGED ? coord{x.group, k0, 0, x.n0}
+    // (a split product's b transposed, [n, g k]: part x.group's columns of b's rows, a 4-D map;
+    // CONTRACT: the group's rows of b [m, n])
+    const coord o = KIND == CONTRACT ? coord{0, x.r0 + k0, 0, x.n0}
+                    : KIND == RAGGED ? coord{x.group, k0, 0, x.n0}
                     : a.p.a_split > 1 ? coord{0, x.n0, x.group, k0} : coord{x.group, x.n0, 0, k0};
     constexpr int P = C::BTile::panels, R = C::B_ROWS;
     if constexpr (CLUSTER == 1) {
@@ -172,7 +175,7 @@ template <typename T, typename TO, int KIND, int CLUSTER_, int TN_> struct Ragge
       arrive_expect_bytes(slots().full(u), sizeof(sm.a[s].data) + sizeof(sm.b[s].data));
       if constexpr (KIND == CONTRACT) {
         load_async(sm.a[s], a.a, {0, x.r0 + k0, 0, x.m0}, slots().full(u));
-        load_async(sm.b[s], a.b, {0, x.r0 + k0, 0, x.n0}, slots().full(u));
+        load_b(sm.b[s], x, k0, slots().full(u));
       } else if constexpr (KIND == CONTRACT_BT) {
         const int r = (x.r0 / TK) * TK + k0;  // (whole blocks of rows)
         load_async(sm.a[s], a.a, {0, x.m0, 0, r}, slots().full(u));
@@ -201,10 +204,10 @@ template <typename T, typename TO, int KIND, int CLUSTER_, int TN_> struct Ragge
       if constexpr (KIND == CONTRACT) {
         const int valid = x.r1 - (x.r0 + j * TK);  // rows of this step in the group (>= 1)
         if (valid < TK) {
+          constexpr int P = C::BTile::panels;  // (consumer 0 the first P / 2, 1 the rest)
           const int tid = threadIdx.x % 128;
           C::zero_rows(sm.a[s].panel(wg), valid, tid);
-          C::zero_rows(sm.b[s].panel(2 * wg), valid, tid);
-          C::zero_rows(sm.b[s].panel(2 * wg + 1), valid, tid);
+          for (int q = wg * (P / 2); q < (wg ? P : P / 2); q++) C::zero_rows(sm.b[s].panel(q), valid, tid);
           warpgroup::fence_shared_writes();
           sync_named(1, 128 * CONSUMERS);
         }
@@ -419,9 +422,10 @@ __global__ __launch_bounds__(Sm90<T, TO, KIND, CLUSTER, TN>::THREADS, 1) void ra
 #endif
 }
 
-// Clusters of two where they pay: dense products of rows (one group, not a contraction) of four
-// tiles of 256 rows or more. Grouped products, measured with groups of 2048 rows on average, gained
-// nothing with clusters (and lost where the groups' lengths vary), so they run alone.
+// Clusters of two where they pay: dense products (one group) whose output has four tiles of 256 rows
+// or more (CONTRACT: out's rows are k; a dense product's weight gradient). Grouped products, measured
+// with groups of 2048 rows on average, gained nothing with clusters (and lost where the groups'
+// lengths vary), so they run alone.
 constexpr long long CLUSTER_MIN_ROWS = 1024;
 constexpr int MAX_DEVICES = 64;
 
@@ -473,7 +477,7 @@ cudaError_t launch(const Params &p, int sms, cudaStream_t stream) {
     }
     if (clusters < 1) return launch<T, TO, KIND, 1>(p, sms, stream);
     if constexpr (TN == SM90_TILE_N && !C::FP8) {  // (the other widths' kernels have as many clusters)
-      const int tn = dense_tile_n(p.m, p.n, clusters);
+      const int tn = dense_tile_n(KIND == CONTRACT ? p.k : p.m, p.n, clusters);  // (out's rows)
       if (tn == 192) return launch<T, TO, KIND, CLUSTER, 192>(p, sms, stream);
       if (tn == 320) return launch<T, TO, KIND, CLUSTER, 320>(p, sms, stream);
     }
@@ -490,8 +494,8 @@ template <typename T, typename TO, int KIND> cudaError_t launch(const Params &p,
   if (e != cudaSuccess) return e;
   if constexpr ((KIND == RAGGED || KIND == RAGGED_BT) && !is_8bit<T>)
     if (p.a_split > 1) return launch<T, TO, KIND, 1, SM90_SPLIT_TILE_N>(p, sms, stream);
-  if constexpr (!contracts<KIND>)
-    if (sms >= 2 && p.groups == 1 && p.m >= CLUSTER_MIN_ROWS) return launch<T, TO, KIND, 2>(p, sms, stream);
+  if constexpr (KIND != CONTRACT_BT)  // (CONTRACT: out's rows are k)
+    if (sms >= 2 && p.groups == 1 && (KIND == CONTRACT ? p.k : p.m) >= CLUSTER_MIN_ROWS) return launch<T, TO, KIND, 2>(p, sms, stream);
   return launch<T, TO, KIND, 1>(p, sms, stream);
 }
 

@@ -80,6 +80,7 @@ def test_formulas_come_from_the_extension():
     shapes = ((3000, 7000), (8192, 8192), (16384, 1408), (1100, 264))
     assert [tile_n(m, n, 66) for m, n in shapes] == [320, 256, 256, 192]
     assert [tile_n(1025, n, 66) for n in (2504, 3336)] == [256, 320] and tile_n(3000, 7000, 0) == 256
+    assert [tile_n(1032, n, 66) for n in (264, 2504, 3336)] == [192, 256, 320]  # (the contraction's GPU cases)
 
 
 def test_without_the_extension(monkeypatch):

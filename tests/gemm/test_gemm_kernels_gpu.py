@@ -175,6 +175,19 @@ def test_kernels_vs_reference(case, kind, kernels):
     check(m, k, n, sizes, kind, dtype, out_dtype, kernels=kernels)
 
 
+# One group's contraction (a dense product's weight gradient) whose output has 1024 rows (k) or more
+# runs on Hopper in clusters of two, each block 128 of a 256-row tile's rows of out, b's tile of a step
+# multicast; widths as dense_tile_n picks for [k, n] (192, 256 and 320 here; test_core checks the
+# picks). m = 190: a last step of 62 rows (rows of both operands past the group zeroed, every panel
+# of b), k = 1032: a last tile whose second half is all past k.
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [None, F32], ids=["same", "f32"])
+@pytest.mark.parametrize("n", [264, 2504, 3336])
+def test_contraction_in_clusters(n, out_dtype):
+    check(190, 1032, n, [190], CONTRACT, F16 if n == 2504 else BF16, out_dtype)
+    check(300, 1032, n, [190], CONTRACT, BF16, out_dtype)  # (rows past the group: -inf in b, inf in a)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [None, F32], ids=["same", "f32"])
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])

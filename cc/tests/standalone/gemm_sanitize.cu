@@ -269,6 +269,9 @@ int main() {
         failed += run(1025, 72, n, {1025}, MODE_RAGGED, true, out_f32, hopper);
       }
       if (hopper) failed += run(1000, 136, 264, {0, 130, 3, 0, 700}, MODE_CONTRACT, true, out_f32, hopper);
+      if (hopper)
+        for (int n : {264, 2504, 3336})  // one group's contraction in clusters, 192, 256 and 320 wide
+          failed += run(190, 1032, n, {190}, MODE_CONTRACT, false, out_f32, hopper);
       if (hopper) {  // split k: parts of rows that fill the 128-row tiles and that do not
         failed += run(3 * 128, 1024, 256, {128, 128, 128}, MODE_RAGGED, false, out_f32, hopper, 3);
         failed += run(2 * 100, 64, 520, {100, 100}, MODE_RAGGED, false, out_f32, hopper, 2);
