@@ -29,7 +29,7 @@ sanitized=(${JAX_TK_SANITIZE_OPS:-attention gemm decode linear_attention})
 if [ "${JAX_TK_SANITIZE:-0}" = "1" ]; then
   sanitizer_builds=()
   for op in "${sanitized[@]}"; do
-    nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
+    nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
       --expt-relaxed-constexpr -lineinfo -Icc "cc/tests/standalone/${op}_sanitize.cu" cc/$op/*.cu \
       -o "$out/${op}_sanitize" >"$out/sanitizer_build_$op.log" 2>&1 &
     sanitizer_builds+=($!)

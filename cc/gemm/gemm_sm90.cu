@@ -17,8 +17,7 @@
 // the same with b [g, n, k] (B tiles K-major); CONTRACT, out[i] = a[rows_i]^T @ b[rows_i] (A tiles
 // M-major: the contraction runs down the rows). A tile row block starts at its group's first row, so
 // the TMA loads read rows of the next group only at a group's end: RAGGED ignores their results
-// (they are not stored; a tile of 64 rows or fewer, blocks alone, 16-bit, runs as two halves of its
-// columns on its first 64 rows, so that neither consumer computes only rows it does not store), CONTRACT zeroes those rows of its last step in shared memory before the
+// (they are not stored), CONTRACT zeroes those rows of its last step in shared memory before the
 // products (whole 128-byte rows: the swizzle stays inside a row). Rows and columns past the arrays'
 // ends arrive from TMA as zeros and are not stored.
 //
@@ -69,10 +68,6 @@ template <typename T, typename TO, int KIND, int CLUSTER, int TN_ = SM90_TILE_N>
   // N-major; an odd count: the second block the larger share), else its rows, loaded by boxes of half
   // the rows.
   static constexpr bool HALF_PANELS = BTile::panels >= 2;
-  // A grouped product's tile of 64 rows or fewer (a group's last, in routed sizes about half of the
-  // groups end so) runs as two halves of its columns, one per consumer, both on the tile's first 64
-  // rows: else the second consumer's products would all be of rows past the group, not stored.
-  static constexpr bool HALF_TAILS = !contracts<KIND> && CLUSTER == 1 && !FP8 && TN == SM90_TILE_N;
   static constexpr int B_ROWS = HALF_PANELS || contracts<KIND> ? BTile::rows : BTile::rows / 2;
   static constexpr int OUT_COLS = 128 / int(sizeof(TO));  // columns of a staged piece of out
   using OTile = st<TO, 64, OUT_COLS>;
@@ -190,33 +185,25 @@ template <typename T, typename TO, int KIND, int CLUSTER_, int TN_> struct Ragge
 
   // Step j (ring position u) into acc, after making its slot ready: in CONTRACT, at the group's last
   // step, zero the next group's rows of both operands (each consumer its panel of A and half of B's
-  // panels: both read all of B, hence the barrier). An accumulator of half the width (HALF_TAILS):
-  // the tile's first 64 rows times this consumer's half of the columns.
-  template <int W>
-  __device__ __forceinline__ void step(rt_fl<16, W> &acc, const TileSlot &x, int j, ring_pos<STAGES> u, bool accumulate) {
+  // panels: both read all of B, hence the barrier).
+  __device__ __forceinline__ void step(rt_fl<16, TN> &acc, const TileSlot &x, int j, ring_pos<STAGES> u, bool accumulate) {
     wait_full(slots(), u);
     const int s = u.slot;
-    if constexpr (W != TN) {
-      static_assert(C::HALF_TAILS && 2 * W == TN);
-      if constexpr (KIND == RAGGED) warpgroup::mma_AB(acc, window<64, TK>(sm.a[s], 0, 0), window<TK, W>(sm.b[s], 0, W * wg), accumulate);
-      else warpgroup::mma_ABt(acc, window<64, TK>(sm.a[s], 0, 0), window<W, TK>(sm.b[s], W * wg, 0), accumulate);
-    } else {
-      if constexpr (KIND == CONTRACT) {
-        const int valid = x.r1 - (x.r0 + j * TK);  // rows of this step in the group (>= 1)
-        if (valid < TK) {
-          constexpr int P = C::BTile::panels;  // (consumer 0 the first P / 2, 1 the rest)
-          const int tid = threadIdx.x % 128;
-          C::zero_rows(sm.a[s].panel(wg), valid, tid);
-          for (int q = wg * (P / 2); q < (wg ? P : P / 2); q++) C::zero_rows(sm.b[s].panel(q), valid, tid);
-          warpgroup::fence_shared_writes();
-          sync_named(1, 128 * CONSUMERS);
-        }
+    if constexpr (KIND == CONTRACT) {
+      const int valid = x.r1 - (x.r0 + j * TK);  // rows of this step in the group (>= 1)
+      if (valid < TK) {
+        constexpr int P = C::BTile::panels;  // (consumer 0 the first P / 2, 1 the rest)
+        const int tid = threadIdx.x % 128;
+        C::zero_rows(sm.a[s].panel(wg), valid, tid);
+        for (int q = wg * (P / 2); q < (wg ? P : P / 2); q++) C::zero_rows(sm.b[s].panel(q), valid, tid);
+        warpgroup::fence_shared_writes();
+        sync_named(1, 128 * CONSUMERS);
       }
-      if constexpr (KIND == CONTRACT_BT) clear_other_rows(sm.a[s], x, x.r0 / TK + j);
-      if constexpr (KIND == CONTRACT) warpgroup::mma_AtB(acc, window<TK, 64>(sm.a[s], 0, 64 * wg), sm.b[s], accumulate);
-      else if constexpr (KIND == RAGGED) warpgroup::mma_AB(acc, window<64, TK>(sm.a[s], 64 * wg, 0), sm.b[s], accumulate);
-      else warpgroup::mma_ABt(acc, window<64, TK>(sm.a[s], 64 * wg, 0), sm.b[s], accumulate);
     }
+    if constexpr (KIND == CONTRACT_BT) clear_other_rows(sm.a[s], x, x.r0 / TK + j);
+    if constexpr (KIND == CONTRACT) warpgroup::mma_AtB(acc, window<TK, 64>(sm.a[s], 0, 64 * wg), sm.b[s], accumulate);
+    else if constexpr (KIND == RAGGED) warpgroup::mma_AB(acc, window<64, TK>(sm.a[s], 64 * wg, 0), sm.b[s], accumulate);
+    else warpgroup::mma_ABt(acc, window<64, TK>(sm.a[s], 64 * wg, 0), sm.b[s], accumulate);
   }
 
   // FP8 (DeepSeek-V3's recipe): each step's product (one 128-wide block of k) in float32 on its own,
@@ -319,58 +306,42 @@ template <typename T, typename TO, int KIND, int CLUSTER_, int TN_> struct Ragge
     // its products all the same: skipping them, in a branch of its own or per step, costs spills
     // and serialized wgmmas in every tile; such rows come only at a group's end.)
     const bool active = contracts<KIND> ? row0 < p.k : row0 < x.r1;
-    ring_pos<STAGES> pos(n);
-    if constexpr (C::HALF_TAILS) {
-      if (x.r1 - x.m0 <= 64) {  // (both consumers: the tile's rows, a half of its columns each)
-        rt_fl<16, TN / 2> half;
-        run_steps(half, x, count, pos);
-        n = pos.n;
-        store_out(half, x, x.m0, x.n0 + TN / 2 * wg);
-        return;
-      }
-    }
     rt_fl<16, TN> acc;
-    if constexpr (C::FP8) fp8_steps(acc, x, count, row0, pos);
-    else run_steps(acc, x, count, pos);
-    n = pos.n;
-    if (active) store_out(acc, x, row0, x.n0);
-  }
-
-  // The tile's steps into acc (pos: the ring's position, past them after), one product in flight
-  // while the next step is awaited.
-  template <int W> __device__ __forceinline__ void run_steps(rt_fl<16, W> &acc, const TileSlot &x, int count, ring_pos<STAGES> &pos) {
-    if (count == 0) {
+    ring_pos<STAGES> pos(n);
+    if constexpr (C::FP8) {
+      fp8_steps(acc, x, count, row0, pos);
+    } else if (count == 0) {
       warp::zero(acc);
-      return;
-    }
-    step(acc, x, 0, pos, false);
-    for (int j = 1; j < count; j++) {
-      const ring_pos<STAGES> prev = pos;
+    } else {  // one product in flight while the next step is awaited
+      step(acc, x, 0, pos, false);
+      for (int j = 1; j < count; j++) {
+        const ring_pos<STAGES> prev = pos;
+        ++pos;
+        step(acc, x, j, pos, true);
+        warpgroup::wait<1>();  // the step before is done: free its slot
+        if (laneid() == 0) free_slot(prev);
+      }
+      warpgroup::wait<0>();
+      warpgroup::fence_registers(acc);
+      if (laneid() == 0) free_slot(pos);
       ++pos;
-      step(acc, x, j, pos, true);
-      warpgroup::wait<1>();  // the step before is done: free its slot
-      if (laneid() == 0) free_slot(prev);
     }
-    warpgroup::wait<0>();
-    warpgroup::fence_registers(acc);
-    if (laneid() == 0) free_slot(pos);
-    ++pos;
+    n = pos.n;
+    if (active) store_out(acc, x, row0);
   }
 
-  // Out: acc's 64 rows from row0 and W columns from col_base, 128 bytes of columns at a time through
-  // this consumer's two staging tiles. The leader first waits until the TMA store that last read the
-  // tile has read it (at most one store, the other tile's, stays in flight); a tile stored by the
-  // threads needs every store done.
-  template <int W>
-  __device__ __forceinline__ void store_out(const rt_fl<16, W> &acc, const TileSlot &x, int row0, int col_base) {
+  // Out: 128 bytes of columns at a time through this consumer's two staging tiles. The leader first
+  // waits until the TMA store that last read the tile has read it (at most one store, the other
+  // tile's, stays in flight); a tile stored by the threads needs every store done.
+  __device__ __forceinline__ void store_out(const rt_fl<16, TN> &acc, const TileSlot &x, int row0) {
     const Params &p = a.p;
     const bool leader = threadIdx.x % 128 == 0;
     const int w = warpid() % 4, tid = threadIdx.x % 128;
     constexpr int COLS = C::OUT_COLS;
     const bool by_rows = !contracts<KIND> && row0 + 64 > x.r1 && x.r1 < p.m;  // the next group's rows follow
 #pragma unroll
-    for (int c = 0; c < W / COLS; c++) {
-      const int col0 = col_base + c * COLS;
+    for (int c = 0; c < TN / COLS; c++) {
+      const int col0 = x.n0 + c * COLS;
       if (col0 >= p.n) break;
       auto &stage = sm.out[wg][staged & 1];
       staged++;
@@ -423,9 +394,10 @@ __global__ __launch_bounds__(Sm90<T, TO, KIND, CLUSTER, TN>::THREADS, 1) void ra
 }
 
 // Clusters of two where they pay: dense products (one group) whose output has four tiles of 256 rows
-// or more (CONTRACT: out's rows are k; a dense product's weight gradient). Grouped products, measured
-// with groups of 2048 rows on average, gained nothing with clusters (and lost where the groups'
-// lengths vary), so they run alone.
+// or more. CONTRACT (a dense product's weight gradient; out's rows are k) also needs a contraction of
+// as many rows: a tile of a few steps is mostly its store, which sharing b's loads does not shorten,
+// while the two blocks' rings move in lockstep. Grouped products, measured with groups of 2048 rows on
+// average, gained nothing with clusters (and lost where the groups' lengths vary), so they run alone.
 constexpr long long CLUSTER_MIN_ROWS = 1024;
 constexpr int MAX_DEVICES = 64;
 
@@ -494,8 +466,10 @@ template <typename T, typename TO, int KIND> cudaError_t launch(const Params &p,
   if (e != cudaSuccess) return e;
   if constexpr ((KIND == RAGGED || KIND == RAGGED_BT) && !is_8bit<T>)
     if (p.a_split > 1) return launch<T, TO, KIND, 1, SM90_SPLIT_TILE_N>(p, sms, stream);
-  if constexpr (KIND != CONTRACT_BT)  // (CONTRACT: out's rows are k)
-    if (sms >= 2 && p.groups == 1 && (KIND == CONTRACT ? p.k : p.m) >= CLUSTER_MIN_ROWS) return launch<T, TO, KIND, 2>(p, sms, stream);
+  if constexpr (KIND != CONTRACT_BT) {
+    const bool rows = (KIND == CONTRACT ? std::min(p.k, p.m) : p.m) >= CLUSTER_MIN_ROWS;
+    if (sms >= 2 && p.groups == 1 && rows) return launch<T, TO, KIND, 2>(p, sms, stream);
+  }
   return launch<T, TO, KIND, 1>(p, sms, stream);
 }
 

@@ -151,11 +151,8 @@ CASES = [
     (1025, 72, 2504, [1025]),                   # 256, a last row block of one row
     (1284, 72, 2824, [1284]),                   # 320: five panels of b, two to one block, three to the other
     (3000, 200, 392, [1500, 1000]),             # long groups (no clusters)
-    # Groups whose last tile has 64 rows or fewer run it on Hopper as two halves of its columns, one per
-    # consumer (gemm_sm90.cu: HALF_TAILS): tails of 64, 1 and 63 rows, a half wholly past n (520 = 2 x 256
-    # + 8); the rows past the groups' sum (18 of them) as such a tile of zeros.
-    (700, 72, 520, [64, 1, 63, 300, 0, 200]),
-    (300, 64, 264, [10, 50, 64, 128, 30]),
+    (700, 72, 520, [64, 1, 63, 300, 0, 200]),   # groups ending in tiles of 64, 1 and 63 rows
+    (300, 64, 264, [10, 50, 64, 128, 30]),      # a last tile of 18 rows past the groups' sum
 ]
 
 
@@ -175,17 +172,17 @@ def test_kernels_vs_reference(case, kind, kernels):
     check(m, k, n, sizes, kind, dtype, out_dtype, kernels=kernels)
 
 
-# One group's contraction (a dense product's weight gradient) whose output has 1024 rows (k) or more
-# runs on Hopper in clusters of two, each block 128 of a 256-row tile's rows of out, b's tile of a step
-# multicast; widths as dense_tile_n picks for [k, n] (192, 256 and 320 here; test_core checks the
-# picks). m = 190: a last step of 62 rows (rows of both operands past the group zeroed, every panel
-# of b), k = 1032: a last tile whose second half is all past k.
+# One group's contraction (a dense product's weight gradient) whose output has 1024 rows (k) or more,
+# over 1024 rows or more, runs on Hopper in clusters of two, each block 128 of a 256-row tile's rows of
+# out, b's tile of a step multicast; widths as dense_tile_n picks for [k, n] (192, 256 and 320 here;
+# test_core checks the picks). m = 1086: a last step of 62 rows (rows of both operands past the group
+# zeroed, every panel of b), k = 1032: a last tile whose second half is all past k.
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [None, F32], ids=["same", "f32"])
 @pytest.mark.parametrize("n", [264, 2504, 3336])
 def test_contraction_in_clusters(n, out_dtype):
-    check(190, 1032, n, [190], CONTRACT, F16 if n == 2504 else BF16, out_dtype)
-    check(300, 1032, n, [190], CONTRACT, BF16, out_dtype)  # (rows past the group: -inf in b, inf in a)
+    check(1086, 1032, n, [1086], CONTRACT, F16 if n == 2504 else BF16, out_dtype)
+    check(1200, 1032, n, [1086], CONTRACT, BF16, out_dtype)  # (rows past the group: -inf in b, inf in a)
 
 
 @pytest.mark.gpu

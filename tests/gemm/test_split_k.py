@@ -73,8 +73,9 @@ def test_forward_parts_count_mode_2_tiles(monkeypatch):
     """128 rows against 8192 x 8192 on 132 SMs: 32 tiles of 256 columns (4 parts of 2048) without mode
     2, 64 tiles of 128 columns in 2 parts of 4096 with it."""
     monkeypatch.setattr(launch.extension, "WAVE_BLOCKS", 132)
+    monkeypatch.setattr(launch, "split_k_on_sm90", lambda: False)  # (whatever GPU runs the test)
     assert launch.split_k_parts(128, 8192, 8192) == 4
-    assert launch.split_k_launch_parts(128, 8192, 8192) == 4  # (no Hopper here: mode 1's parts)
+    assert launch.split_k_launch_parts(128, 8192, 8192) == 4  # (no Hopper: mode 1's parts)
     monkeypatch.setattr(launch, "split_k_on_sm90", lambda: True)
     assert launch.split_k_launch_parts(128, 8192, 8192) == 2
     assert launch.split_k_launch_parts(128, 8000, 8192) == 4  # (8000 = 2 x 4000: not whole steps of 64)

@@ -3,8 +3,9 @@
 // its own cudaMalloc (an out-of-bounds access is caught), the output poisoned with NaN and compared
 // with a float64 host reference; on Hopper also the FP8 path; FP8 quantization (to the bit, any
 // GPU). Built and run by scripts/gpu_check.sh:
-//   nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
+//   nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
 //        --expt-relaxed-constexpr -Icc cc/tests/standalone/gemm_sanitize.cu cc/gemm/*.cu -o gemm_sanitize
+// (-O3: the host's float64 reference; without it, the larger cases take minutes)
 //   compute-sanitizer --tool memcheck ./gemm_sanitize
 #include <algorithm>
 #include <cmath>
@@ -271,7 +272,7 @@ int main() {
       if (hopper) failed += run(1000, 136, 264, {0, 130, 3, 0, 700}, MODE_CONTRACT, true, out_f32, hopper);
       if (hopper)
         for (int n : {264, 2504, 3336})  // one group's contraction in clusters, 192, 256 and 320 wide
-          failed += run(190, 1032, n, {190}, MODE_CONTRACT, false, out_f32, hopper);
+          failed += run(1086, 1032, n, {1086}, MODE_CONTRACT, false, out_f32, hopper);
       if (hopper) {  // split k: parts of rows that fill the 128-row tiles and that do not
         failed += run(3 * 128, 1024, 256, {128, 128, 128}, MODE_RAGGED, false, out_f32, hopper, 3);
         failed += run(2 * 100, 64, 520, {100, 100}, MODE_RAGGED, false, out_f32, hopper, 2);
@@ -280,8 +281,7 @@ int main() {
         failed += run(4 * 300, 512, 264, {300, 300, 300, 300}, MODE_RAGGED, true, out_f32, hopper, 4);
       }
     }
-    failed += run(700, 64, 520, std::vector<int>(40, 17), MODE_RAGGED, false, false, hopper);  // (tails of 17 rows)
-    failed += run(700, 64, 520, std::vector<int>(40, 17), MODE_RAGGED, true, false, hopper);
+    failed += run(700, 64, 520, std::vector<int>(40, 17), MODE_RAGGED, false, false, hopper);
     failed += run(700, 64, 136, std::vector<int>(40, 17), MODE_CONTRACT, false, false, hopper);
   }
   if (major == 9)
