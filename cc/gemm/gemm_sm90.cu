@@ -144,7 +144,7 @@ template <typename T, typename TO, int KIND, int CLUSTER_, int TN_> struct Ragge
     // CONTRACT: the group's rows of b [m, n])
     const coord o = KIND == CONTRACT ? coord{0, x.r0 + k0, 0, x.n0}
                     : KIND == RAGGED ? coord{x.group, k0, 0, x.n0}
-                    : a.p.a_split > 1 ? coord{0, x.n0, x.group, k0} : coord{x.group, x.n0, 0, k0};
+                    : !C::FP8 && a.p.a_split > 1 ? coord{0, x.n0, x.group, k0} : coord{x.group, x.n0, 0, k0};
     constexpr int P = C::BTile::panels, R = C::B_ROWS;
     if constexpr (CLUSTER == 1) {
       if constexpr (C::HALF_PANELS) load_async(dst, a.b, o, full);
