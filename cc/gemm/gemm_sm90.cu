@@ -27,9 +27,9 @@
 // to both (TMA), and b's reads from L2 halve. The two blocks' rings then move together (ring.cuh:
 // arrive_empty_cluster). The tiles are those of 256 rows, so a group's last tile may leave one half
 // with no rows of the group (computed, not stored); the host picks clusters for dense products only
-// (launch). Their tiles may be 192 or 320 columns
-// wide instead of 256 where that fills the waves better (gemm.h: dense_tile_n), with one wgmma per
-// part of the width (128 + 64, 256 + 64) and, at 320, three stages.
+// (launch). Their tiles may be 192 or 320 columns wide instead of 256 where that fills the waves
+// better (gemm.h: dense_tile_n), with one wgmma per part of the width (128 + 64, 256 + 64) and, at
+// 320, three stages.
 #include <algorithm>
 #include <atomic>
 #include <climits>
