@@ -11,7 +11,7 @@ mkdir -p "$out"
 build() {  # tree target
   local stamp
   stamp=$(cd "$1" && find cc jax_tk CMakeLists.txt pyproject.toml -type f -not -name '*.pyc' | sort | xargs cat |
-    sha1sum | cut -c1-40)-${JAX_TK_CUDA_ARCHS:-all}-${JAX_TK_TEST_KERNELS:-ON}
+    sha1sum | cut -c1-40)-${JAX_TK_CUDA_ARCHS:-all}-${JAX_TK_TEST_KERNELS:-OFF}
   [ -d "$2/jax_tk" ] && [ "$(cat "$2/.jax_tk_src" 2>/dev/null)" = "$stamp" ] && return 0
   rm -rf "$2"  # (pip install --target keeps a package already there)
   (cd "$1" && CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} JAX_TK_CUDA=ON \
