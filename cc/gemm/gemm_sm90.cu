@@ -21,15 +21,16 @@
 // products (whole 128-byte rows: the swizzle stays inside a row). Rows and columns past the arrays'
 // ends arrive from TMA as zeros and are not stored.
 //
-// RAGGED, RAGGED_BT and CONTRACT may run in clusters of two blocks (CLUSTER = 2) on tiles of 256 x 256
-// cut in two 128-row halves, one per block: both halves multiply the same columns of b (CONTRACT: the
-// same rows and columns of b [m, n]), so each block loads half of b's tile of a step and multicasts it
-// to both (TMA), and b's reads from L2 halve. The two blocks' rings then move together (ring.cuh:
-// arrive_empty_cluster). The tiles are those of 256 rows, so a group's last tile may leave one half
-// with no rows of the group (computed, not stored); the host picks clusters for dense products only
-// (launch). Their tiles may be 192 or 320 columns wide instead of 256 where that fills the waves
-// better (gemm.h: dense_tile_n), with one wgmma per part of the width (128 + 64, 256 + 64) and, at
-// 320, three stages.
+// RAGGED, RAGGED_BT and CONTRACT may run in clusters of two blocks (CLUSTER = 2), each block one tile
+// of a pair that shares an operand, loading half of that operand's tile of a step and multicasting it
+// to both (TMA), so that its reads from L2 halve. The two blocks' rings then move together (ring.cuh:
+// arrive_empty_cluster). In RAGGED(_BT) a pair is two tiles one above the other (the same columns of
+// b), or, for a group's odd last row block, two side by side (the same rows of a): common.cuh's
+// GroupWalk with PAIRS, so that a block idles only where a row's last pair of tiles has one past n.
+// CONTRACT's pairs are tiles of 256 rows (of out[i], along k) cut in two halves (the same rows and
+// columns of b [m, n]), a half past k computed and not stored. Dense products' tiles may be 192 or
+// 320 columns wide instead of 256 where that fills the waves better (gemm.h: dense_tile_n), with one
+// wgmma per part of the width (128 + 64, 256 + 64) and, at 320, three stages.
 #include <algorithm>
 #include <atomic>
 #include <climits>
@@ -69,6 +70,10 @@ template <typename T, typename TO, int KIND, int CLUSTER, int TN_ = SM90_TILE_N>
   // the rows.
   static constexpr bool HALF_PANELS = BTile::panels >= 2;
   static constexpr int B_ROWS = HALF_PANELS || contracts<KIND> ? BTile::rows : BTile::rows / 2;
+  // a's tile in two halves by rows where the cluster's pairs of tiles side by side share it
+  // (common.cuh: GroupWalk's PAIRS), each block loading one.
+  static constexpr bool PAIRS = CLUSTER > 1 && !contracts<KIND>;
+  static constexpr int A_ROWS = PAIRS ? ATile::rows / 2 : ATile::rows;
   static constexpr int OUT_COLS = 128 / int(sizeof(TO));  // columns of a staged piece of out
   using OTile = st<TO, 64, OUT_COLS>;
   struct Shared {
@@ -80,7 +85,7 @@ template <typename T, typename TO, int KIND, int CLUSTER, int TN_ = SM90_TILE_N>
   };
   struct Args {
     Params p;
-    tma_map<T, ATile::rows> a;
+    tma_map<T, A_ROWS> a;
     tma_map<T, B_ROWS> b;
     tma_map<TO, 64> out;
   };
@@ -114,7 +119,8 @@ template <typename T, typename TO, int KIND, int CLUSTER_, int TN_> struct Ragge
   const int tiles = INT_MAX;  // (the scheduler ends with t = INT_MAX)
   // The ring (ring.cuh), formed where it is used: each semaphore's address a base and a constant offset.
   __device__ __forceinline__ ring<STAGES> slots() const { return {sm.full, sm.empty}; }
-  GroupWalk<TM * CLUSTER, TN> walk;  // (the scheduler's: tiles of the cluster)
+  // (the scheduler's: tiles of the cluster, 2 TM rows in CONTRACT; in RAGGED(_BT), pairs of tiles)
+  GroupWalk<C::PAIRS ? TM : TM * CLUSTER, TN, C::PAIRS> walk;
   const unsigned rank = CLUSTER > 1 ? cluster_rank() : 0;
   int n = 0, staged = 0;   // ring uses, pieces of out staged so far
 
@@ -129,16 +135,30 @@ template <typename T, typename TO, int KIND, int CLUSTER_, int TN_> struct Ragge
   }
 
   // Cluster c (block b alone: c = b) takes tiles c, c + G, c + 2G, ... of G clusters (common.cuh
-  // orders them); a block of a cluster, its rank's rows of the tile.
+  // orders them); a block of a cluster, its rank's rows of the tile (or columns: a pair across).
   __device__ __forceinline__ TileSlot schedule(int k, int) {
     const long long t = blockIdx.x / CLUSTER + (long long)k * (gridDim.x / CLUSTER);
     if (t >= INT_MAX) return TileSlot{INT_MAX, 0, 0, 0, 0, 0};
     TileSlot x = walk.find(a.p, int(t));
-    x.m0 += TM * rank;
+    if (x.across) x.n0 += TN * rank;
+    else x.m0 += TM * rank;
     return x;
   }
 
-  // b's tile of step k0 (a cluster's block: its half, to every block).
+  // a's tile at o (a pair across: this block's half, to both).
+  __device__ __forceinline__ void load_a(typename C::ATile &dst, const TileSlot &x, coord o, semaphore &full) const {
+    constexpr int R = C::A_ROWS;
+    if constexpr (!C::PAIRS) {
+      load_async(dst, a.a, o, full);
+    } else if (x.across) {
+      multicast_rows_async(dst, R * rank, 0, C::ATile::panels, a.a, {o.b, o.s + R * int(rank), o.h, o.d}, full, 0b11);
+    } else {
+      load_rows_async(dst, 0, a.a, o, full);
+      load_rows_async(dst, R, a.a, {o.b, o.s + R, o.h, o.d}, full);
+    }
+  }
+
+  // b's tile of step k0 (a cluster's block, but for a pair across: its half, to every block).
   __device__ __forceinline__ void load_b(typename C::BTile &dst, const TileSlot &x, int k0, semaphore &full) const {
     // (a split product's b transposed, [n, g k]: part x.group's columns of b's rows, a 4-D map;
     // CONTRACT: the group's rows of b [m, n])
@@ -146,7 +166,7 @@ template <typename T, typename TO, int KIND, int CLUSTER_, int TN_> struct Ragge
                     : KIND == RAGGED ? coord{x.group, k0, 0, x.n0}
                     : !C::FP8 && a.p.a_split > 1 ? coord{0, x.n0, x.group, k0} : coord{x.group, x.n0, 0, k0};
     constexpr int P = C::BTile::panels, R = C::B_ROWS;
-    if constexpr (CLUSTER == 1) {
+    if (CLUSTER == 1 || x.across) {
       if constexpr (C::HALF_PANELS) load_async(dst, a.b, o, full);
       else {
         load_rows_async(dst, 0, a.b, o, full);
@@ -177,7 +197,7 @@ template <typename T, typename TO, int KIND, int CLUSTER_, int TN_> struct Ragge
         load_async(sm.b[s], a.b, {0, x.n0, 0, r}, slots().full(u));
       } else {
         const bool split = a.p.a_split > 1;  // (group x.group's rows: columns of a's rows)
-        load_async(sm.a[s], a.a, {0, split ? x.m0 - x.r0 : x.m0, split ? x.group : 0, k0}, slots().full(u));
+        load_a(sm.a[s], x, {0, split ? x.m0 - x.r0 : x.m0, split ? x.group : 0, k0}, slots().full(u));
         load_b(sm.b[s], x, k0, slots().full(u));
       }
     }
@@ -393,11 +413,11 @@ __global__ __launch_bounds__(Sm90<T, TO, KIND, CLUSTER, TN>::THREADS, 1) void ra
 #endif
 }
 
-// Clusters of two where they pay: dense products (one group) whose output has four tiles of 256 rows
-// or more. CONTRACT (a dense product's weight gradient; out's rows are k) also needs a contraction of
-// as many rows: a tile of a few steps is mostly its store, which sharing b's loads does not shorten,
-// while the two blocks' rings move in lockstep. Grouped products, measured with groups of 2048 rows on
-// average, gained nothing with clusters (and lost where the groups' lengths vary), so they run alone.
+// Clusters of two where they pay: products whose output has four tiles of 256 rows or more. CONTRACT
+// (a dense product's weight gradient; out's rows are k) also needs a contraction of as many rows: a
+// tile of a few steps is mostly its store, which sharing b's loads does not shorten, while the two
+// blocks' rings move in lockstep; its grouped form (one out[i] per group, of a group's few rows) runs
+// alone. So do grouped FP8 products (not measured in pairs).
 constexpr long long CLUSTER_MIN_ROWS = 1024;
 constexpr int MAX_DEVICES = 64;
 
@@ -417,7 +437,8 @@ cudaError_t launch(const Params &p, int sms, cudaStream_t stream) {
                                              : make_tma_map(a.b, p.b, p.groups, p.n, 1, p.k, true)) &&
                             make_tma_map(a.out, p.out, 1, p.m, 1, p.n, true);
   if (!ok) return cudaErrorInvalidValue;
-  const long long tiles = tile_bound(p, C::TM * CLUSTER, C::TN);  // (the cluster's tiles)
+  // (the cluster's tiles: pairs too, at most ceil(rows / 256) per column tile of a group)
+  const long long tiles = tile_bound(p, C::TM * CLUSTER, C::TN);
   if (tiles + 2LL * sms >= INT_MAX) return cudaErrorInvalidValue;
   auto kernel = ragged_sm90_kernel<T, TO, KIND, CLUSTER, TN>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::smem));
@@ -449,7 +470,8 @@ cudaError_t launch(const Params &p, int sms, cudaStream_t stream) {
     }
     if (clusters < 1) return launch<T, TO, KIND, 1>(p, sms, stream);
     if constexpr (TN == SM90_TILE_N && !C::FP8) {  // (the other widths' kernels have as many clusters)
-      const int tn = dense_tile_n(KIND == CONTRACT ? p.k : p.m, p.n, clusters);  // (out's rows)
+      // (out's rows; grouped products keep 256)
+      const int tn = p.groups == 1 ? dense_tile_n(KIND == CONTRACT ? p.k : p.m, p.n, clusters) : TN;
       if (tn == 192) return launch<T, TO, KIND, CLUSTER, 192>(p, sms, stream);
       if (tn == 320) return launch<T, TO, KIND, CLUSTER, 320>(p, sms, stream);
     }
@@ -468,7 +490,8 @@ template <typename T, typename TO, int KIND> cudaError_t launch(const Params &p,
     if (p.a_split > 1) return launch<T, TO, KIND, 1, SM90_SPLIT_TILE_N>(p, sms, stream);
   if constexpr (KIND != CONTRACT_BT) {
     const bool rows = (KIND == CONTRACT ? std::min(p.k, p.m) : p.m) >= CLUSTER_MIN_ROWS;
-    if (sms >= 2 && p.groups == 1 && rows) return launch<T, TO, KIND, 2>(p, sms, stream);
+    const bool paired = p.groups == 1 || (KIND != CONTRACT && !is_8bit<T>);
+    if (sms >= 2 && paired && rows) return launch<T, TO, KIND, 2>(p, sms, stream);
   }
   return launch<T, TO, KIND, 1>(p, sms, stream);
 }

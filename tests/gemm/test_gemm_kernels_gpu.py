@@ -143,14 +143,16 @@ CASES = [
     (2048, 1024, 1536, [2048]),                 # dense, many steps
     (3000, 512, 768, _sizes(3, 8, 3000, zeros=0.0, fill=0.95)),  # MoE-like
     (64, 8, 8, [0, 0, 0]),                      # every group empty: all zeros
-    # Dense products run on Hopper in clusters of two blocks, tiles of 256 rows in two halves (gemm_sm90.cu),
-    # 192, 256 or 320 columns wide (gemm.h's dense_tile_n; the widths named are its picks on 132 SMs, which
-    # tests/core/test_core.py checks):
+    # Products of 1024 rows or more run on Hopper in clusters of two blocks (gemm_sm90.cu), each block one
+    # tile of a pair; dense ones 192, 256 or 320 columns wide (gemm.h's dense_tile_n; the widths named are
+    # its picks on 132 SMs, which tests/core/test_core.py checks):
     (1100, 72, 264, [1100]),                    # the last tile's second half wholly past m (192)
     (3000, 200, 392, [2900]),                   # a half that crosses the group's end; rows past it (192)
     (1025, 72, 2504, [1025]),                   # 256, a last row block of one row
     (1284, 72, 2824, [1284]),                   # 320: five panels of b, two to one block, three to the other
-    (3000, 200, 392, [1500, 1000]),             # long groups (no clusters)
+    (3000, 200, 392, [1500, 1000]),             # long groups: pairs one above the other, an odd last row block's side by side
+    (2000, 264, 1408, [256, 130, 0, 128, 1, 385, 640, 200]),  # Qwen-like widths: 5.5 tiles of 256 columns
+    (1300, 136, 520, [129, 0, 500, 371]),       # three column tiles (a pair's second past n); rows past the groups
     (700, 72, 520, [64, 1, 63, 300, 0, 200]),   # groups ending in tiles of 64, 1 and 63 rows
     (300, 64, 264, [10, 50, 64, 128, 30]),      # a last tile of 18 rows past the groups' sum
 ]

@@ -258,9 +258,13 @@ int main() {
       failed += run(200, 72, 264, {0, 70, 3, 0, 100}, MODE_CONTRACT, false, out_f32, hopper);
       failed += run(129, 8, 8, {129}, MODE_RAGGED, false, out_f32, hopper);
       failed += run(300, 136, 40, {-3, 150, 400}, MODE_CONTRACT, false, out_f32, hopper);  // clipped
-      // long groups; one (clusters of two blocks on Hopper): a half past the group, both past m
+      // clusters of two blocks on Hopper. Groups in pairs of tiles (GroupWalk's PAIRS): odd counts of
+      // row blocks (a last one in pairs of tiles side by side, a second past n where the count of column
+      // tiles is odd), a group of one row, rows past the groups; one group: a half past the group, both past m
       failed += run(2300, 72, 264, {1300, 900}, MODE_RAGGED, false, out_f32, hopper);
       failed += run(2300, 72, 264, {1300, 900}, MODE_RAGGED, true, out_f32, hopper);
+      failed += run(1500, 72, 520, {129, 0, 300, 1, 700}, MODE_RAGGED, false, out_f32, hopper);
+      failed += run(1500, 72, 520, {129, 0, 300, 1, 700}, MODE_RAGGED, true, out_f32, hopper);
       failed += run(2300, 72, 264, {2100}, MODE_RAGGED, false, out_f32, hopper);
       failed += run(2300, 72, 264, {2100}, MODE_RAGGED, true, out_f32, hopper);
       // dense products in clusters on tiles of each width (dense_tile_n's picks with 66 clusters, as on
