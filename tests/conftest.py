@@ -23,6 +23,13 @@ def _gpu_available() -> bool:
 
 GPU = _gpu_available()
 
+# Without a GPU the tests are mostly XLA's CPU compiles of small programs, whose LLVM code generation
+# at the default optimization level takes most of the run (about a third less time without it, and
+# the programs' sizes are small enough that running unoptimized code costs little). The HLO passes
+# (fusion, the partitioner the sharding tests check) still run.
+if not GPU:
+    jax.config.update("jax_disable_most_optimizations", True)
+
 
 def pytest_configure(config):
     # Registered here, not only in pyproject.toml, so that the tests also run outside the source tree
