@@ -27,7 +27,7 @@ CASES = {  # m, k, n, group sizes
     "dense": (256, 512, 384, [256]),
     "empties": (129, 128, 136, [0, 64, 0, 65, 0]),
     "g256": (1000, 144, 64, list(np.random.default_rng(1).multinomial(990, np.ones(256) / 256))),
-    "clusters": (2200, 256, 392, [2100]),  # dense: clusters of two blocks on Hopper, a half past the group
+    "clusters": (2200, 256, 392, [2100]),  # dense: clusters of two on Hopper, the odd last row block a pair side by side
 }
 
 
