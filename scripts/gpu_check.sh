@@ -88,6 +88,9 @@ if [ "${JAX_TK_TESTS:-1}" = "1" ]; then
   fi
 fi
 
+# (the sanitizers done before anything is timed: the example and the benchmark)
+for pid in "${sanitizer_runs[@]}"; do wait "$pid"; done
+
 if [ "${JAX_TK_EXAMPLE:-0}" = "1" ]; then
   for attn in tk cudnn xla; do
     python3 -P examples/train_gpt.py --attention $attn --steps "${JAX_TK_EXAMPLE_STEPS:-150}" \
@@ -96,8 +99,6 @@ if [ "${JAX_TK_EXAMPLE:-0}" = "1" ]; then
     echo "example --attention $attn rc=$?: $(grep -E '^throughput' "$out/example_$attn.log")" | tee -a "$out/example.log"
   done
 fi
-
-for pid in "${sanitizer_runs[@]}"; do wait "$pid"; done
 
 if [ "${JAX_TK_BENCH:-0}" != "0" ]; then
   bench_op=${JAX_TK_BENCH/#1/attention}
