@@ -8,9 +8,9 @@ namespace jax_tk::linear_attention {
 
 constexpr float LOG2E = 1.4426950408889634f;
 
-// The ring depth of the sequential passes (forward and the backward's state pass): a block walks its
-// chunks in order, so a chunk's load latency hides only behind the chunks in flight ahead of it; four
-// stages, but two for the delta rule's at K = 128, whose K and W slices leave no room for more.
+// The ring depth of simple GLA's forward and of the backward's state pass: a block walks its chunks in
+// order, so a chunk's load latency hides only behind the chunks in flight ahead of it; four stages, but
+// two for the delta rule's state pass at K = 128, whose K and W slices leave no room for more.
 template <bool DELTA, int K> constexpr int SEQUENTIAL_STAGES = DELTA && K == 128 ? 2 : 4;
 
 // Sequence n of a call: tokens [bos, bos + len) of batch row b, in `chunks` chunks, whose states (kept

@@ -11,8 +11,8 @@
 // backward needs, kept where given a buffer (shape (0,): not kept): the chunks' starting states
 // ([state_slots, v_heads, k_dim, v_dim] in q's dtype). Attributes: scale, variant (the sm_90a kernel
 // only). The gated delta rule's forward takes beta (float32 [batch, v_heads, seq_len]) after g and
-// returns W [batch, seq_len, v_heads, k_dim] and U' (v's shape, its workspaces) after the final
-// states, then the states, U = U' - W S (v's shape) and T ([batch, seq_len, v_heads, CHUNK]) to keep.
+// returns the solve's T ([batch, seq_len, v_heads, CHUNK], q's dtype: a workspace where not kept) after
+// the final states, then W [batch, seq_len, v_heads, k_dim], the states and U (v's shape) to keep.
 // The backwards take the forward's inputs (beta after g), what it kept, dout (v's shape) and the final
 // states' cotangent (or shape (0,)), and return dq and dk (float32 [batch, seq_len, v_heads, k_dim], one
 // per value head; or, where heads == v_heads, like q), dv, dg (g's shape), [dbeta,] the initial states'
@@ -174,25 +174,23 @@ template <typename B> ffi::Error rows_of(const FwdParams &p, B &x, int d, const 
 template <typename... Extra>
 ffi::Error gdr_fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer g,
                         ffi::AnyBuffer beta, ffi::AnyBuffer cu_seqlens, ffi::AnyBuffer h0, Extra..., ffi::Result<ffi::AnyBuffer> o,
-                        ffi::Result<ffi::AnyBuffer> ht, ffi::Result<ffi::AnyBuffer> w, ffi::Result<ffi::AnyBuffer> u,
-                        ffi::Result<ffi::AnyBuffer> states, ffi::Result<ffi::AnyBuffer> uk, ffi::Result<ffi::AnyBuffer> tk,
-                        float scale, int32_t variant) {
+                        ffi::Result<ffi::AnyBuffer> ht, ffi::Result<ffi::AnyBuffer> tk, ffi::Result<ffi::AnyBuffer> w,
+                        ffi::Result<ffi::AnyBuffer> states, ffi::Result<ffi::AnyBuffer> uk, float scale, int32_t variant) {
   FwdParams p{};
   if (auto e = parse(p, q, k, v, g, cu_seqlens, h0, *o, *ht, scale, variant); e.failure()) return e;
   if (!same_type_and_dims(beta, g)) return invalid("beta must be float32 [batch, v_heads, seq_len], as g");
-  void *wp, *up, *tp;
-  if (auto e = rows_of(p, *w, p.k_dim, "w", false, wp); e.failure()) return e;
-  if (auto e = rows_of(p, *u, 0, "u", false, up); e.failure()) return e;
+  void *tp, *wp;
+  if (auto e = rows_of(p, *tk, linear_attention::CHUNK, "t", false, tp); e.failure()) return e;
+  if (auto e = rows_of(p, *w, p.k_dim, "the kept W", true, wp); e.failure()) return e;
   if (auto e = chunk_states_of(p, *states, true, p.states); e.failure()) return e;
   if (auto e = rows_of(p, *uk, 0, "the kept U", true, p.uk); e.failure()) return e;
-  if (auto e = rows_of(p, *tk, linear_attention::CHUNK, "the kept T", true, tp); e.failure()) return e;
-  if ((p.states != nullptr) != (p.uk != nullptr) || (p.uk != nullptr) != (tp != nullptr))
-    return invalid("the states, U and T are kept together or not at all");
-  linear_attention::WyParams wy{p.dtype, p.batch, p.seq_len, p.heads, p.v_heads, p.k_dim, p.v_dim, p.num_seqs, p.max_chunks,
-                                p.k, p.v, p.g, static_cast<const float *>(beta.untyped_data()), p.cu_seqlens, wp, up, tp};
-  p.w = wp, p.u = up;
+  if ((p.states != nullptr) != (p.uk != nullptr) || (p.uk != nullptr) != (wp != nullptr))
+    return invalid("the states, U and W are kept together or not at all");
+  p.beta = static_cast<const float *>(beta.untyped_data()), p.t = tp;
+  linear_attention::WyParams wy{p.dtype, p.batch, p.seq_len, p.heads, p.v_heads, p.k_dim, p.num_seqs, p.max_chunks,
+                                p.k, p.g, p.beta, p.cu_seqlens, tp, wp};
   if (auto e = cuda_error(linear_attention::wy_fwd(wy, stream), "gated delta rule (solve)"); e.failure()) return e;
-  return cuda_error(linear_attention::simple_gla_fwd_sm90(p, stream), "gated delta rule forward");
+  return cuda_error(linear_attention::gdr_fwd_sm90(p, stream), "gated delta rule forward");
 }
 
 // The gated delta rule's backward: the forward's inputs (q, k normalized where asked), its kept states,
@@ -215,8 +213,8 @@ ffi::Error gdr_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (auto e = rows_of(p.f, tk, linear_attention::CHUNK, "the kept T", false, tp); e.failure()) return e;
   if (auto e = rows_of(p.f, *du, 0, "du", false, p.du); e.failure()) return e;
   if (!same_type_and_dims(beta, g) || !same_type_and_dims(*dbeta, g)) return invalid("beta and dbeta must be like g");
-  p.f.w = wp, p.f.u = up, p.t = tp;
-  p.beta = static_cast<const float *>(beta.untyped_data()), p.dbeta = static_cast<float *>(dbeta->untyped_data());
+  p.f.w = wp, p.f.u = up, p.f.t = tp;
+  p.f.beta = static_cast<const float *>(beta.untyped_data()), p.dbeta = static_cast<float *>(dbeta->untyped_data());
   if (auto e = cuda_error(linear_attention::bwd_state_pass_sm90(p, stream), "gated delta rule backward (state)"); e.failure())
     return e;
   return cuda_error(linear_attention::gdr_bwd_chunks_sm90(p, stream), "gated delta rule backward (chunks)");
@@ -238,7 +236,7 @@ template <bool TEST, int ARGS, int RETS> auto binding() {
   return bind<TEST>(head, tail);
 }
 template <bool TEST> auto gla_binding() { return binding<TEST, 6, 3>(); }
-template <bool TEST> auto gdr_binding() { return binding<TEST, 7, 7>(); }
+template <bool TEST> auto gdr_binding() { return binding<TEST, 7, 6>(); }
 template <bool TEST> auto gla_bwd_binding() { return binding<TEST, 8, 6>(); }
 template <bool TEST> auto gdr_bwd_binding() { return binding<TEST, 12, 8>(); }
 

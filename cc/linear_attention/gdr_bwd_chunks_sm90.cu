@@ -237,7 +237,7 @@ template <typename T, int K> struct GdrDcSm90 : ChunkTile {
   // dV (stored), dT (to the other warpgroup), dK (stored) and the parts of dG, dbeta they give.
   __device__ __forceinline__ void dk_side(ring_use<1> u, int par) const {
     const int w = warpid() % 4, tid = threadIdx.x % 128;
-    if (tid < C) sm.beta[tid] = tid < valid ? a.p.beta[gate(f) + tid] : 0.f;  // (whole after the scan's barriers)
+    if (tid < C) sm.beta[tid] = tid < valid ? f.beta[gate(f) + tid] : 0.f;  // (whole after the scan's barriers)
     const float *cum = scan();
     const float last = cum[valid - 1];
     const cvec ed = decay_to_end(cum, valid);
@@ -345,7 +345,7 @@ template <typename T, int K> cudaError_t run(const BwdParams &p, cudaStream_t st
   GdrArgs<T> a{p, {}, {}, {}, {}, {}, {}, {}, {}, {}};
   const int states = state_slots(f.batch, f.seq_len, f.num_seqs, f.cu_seqlens != nullptr) * f.v_heads;
   const bool ok = make_tma_map(a.q, f.q, f.batch, f.seq_len, f.heads, K) && make_tma_map(a.k, f.k, f.batch, f.seq_len, f.heads, K) &&
-                  make_tma_map(a.t, p.t, f.batch, f.seq_len, f.v_heads, CHUNK) &&
+                  make_tma_map(a.t, f.t, f.batch, f.seq_len, f.v_heads, CHUNK) &&
                   make_tma_map(a.v, f.v, f.batch, f.seq_len, f.v_heads, f.v_dim) &&
                   make_tma_map(a.d, p.dout, f.batch, f.seq_len, f.v_heads, f.v_dim) &&
                   make_tma_map(a.u, f.u, f.batch, f.seq_len, f.v_heads, f.v_dim) &&
@@ -365,7 +365,7 @@ template <typename T, int K> cudaError_t run(const BwdParams &p, cudaStream_t st
 
 cudaError_t gdr_bwd_chunks_sm90(const BwdParams &p, cudaStream_t stream) {
   const FwdParams &f = p.f;
-  if (!f.w || !f.u || !p.t || !p.du || !p.beta || !p.dbeta || !f.states || !p.dstates) return cudaErrorInvalidValue;
+  if (!f.w || !f.u || !f.t || !p.du || !f.beta || !p.dbeta || !f.states || !p.dstates) return cudaErrorInvalidValue;
   if (f.num_seqs == 0 || f.max_chunks == 0) return cudaSuccess;
   auto by_k = [&]<typename T>() { return f.k_dim == 64 ? run<T, 64>(p, stream) : run<T, 128>(p, stream); };
   return f.dtype == DType::bf16 ? by_k.template operator()<bf16>() : by_k.template operator()<half>();

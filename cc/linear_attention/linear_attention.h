@@ -32,13 +32,17 @@ struct FwdParams {
   void *o;                   // [batch, seq_len, v_heads, v_dim]
   float *ht;                 // [num_seqs, v_heads, k_dim, v_dim] final states, or nullptr
   float scale;
-  // The gated delta rule (wy_fwd's W and U', [batch, seq_len, v_heads, k_dim / v_dim]); nullptr: simple GLA.
+  // The gated delta rule (nullptr: simple GLA): beta ([batch, v_heads, seq_len], as g) and wy_fwd's T
+  // ([batch, seq_len, v_heads, CHUNK], q's dtype: row i of a chunk's T at its token i). For its backward,
+  // wy_fwd's W ([batch, seq_len, v_heads, k_dim]) and the forward's kept U (uk below).
+  const float *beta = nullptr;
+  const void *t = nullptr;
   const void *w = nullptr, *u = nullptr;
   // For the backward: each chunk's starting state, [state_slots, v_heads, k_dim, v_dim] in q's dtype;
   // nullptr: not kept. max_chunks: ceil(seq_len / CHUNK), the most chunks a sequence can have.
   void *states = nullptr;
   int max_chunks = 0;
-  void *uk = nullptr;  // (the gated delta rule, for the backward) U = U' - W S, v's shape; nullptr: not kept
+  void *uk = nullptr;  // (the gated delta rule, for the backward) U, v's shape; nullptr: not kept
 };
 
 // The kept chunk states' slots: sequence n's chunk c takes slot first_slot(n) + c, with n * max_chunks,
@@ -65,32 +69,31 @@ struct BwdParams {
   void *dv;                  // v's shape, q's dtype
   float *dg;                 // [batch, v_heads, seq_len], as g
   float *dh0;                // [num_seqs, v_heads, k_dim, v_dim], or nullptr
-  // The gated delta rule (f.w: the forward's W; f.u: its U = U' - W S, v's shape): the first pass keeps dU
-  // (v's shape, q's dtype); the second reads it and the solve's T ([batch, seq_len, v_heads, CHUNK]: row
-  // i of a chunk's T at its token i, q's dtype) and writes dbeta (as g).
+  // The gated delta rule (f.w, f.u: W and U; f.t, f.beta): the first pass keeps dU (v's shape, q's
+  // dtype); the second reads it and writes dbeta (as g).
   void *du = nullptr;
-  const void *t = nullptr;
-  const float *beta = nullptr;  // as g
   float *dbeta = nullptr;
 };
 
-// The gated delta rule's per-chunk solve (wy_fwd.cu): W and U' of every chunk, for the sequential pass.
+// The gated delta rule's per-chunk solve (wy_fwd.cu): T of every chunk, for the sequential pass, and W
+// for the backward.
 struct WyParams {
   DType dtype;
-  int batch, seq_len, heads, v_heads, k_dim, v_dim, num_seqs;
+  int batch, seq_len, heads, v_heads, k_dim, num_seqs;
   int max_chunks;            // chunks of the longest sequence (the grid's; shorter ones' blocks return)
-  const void *k, *v;         // as FwdParams's (k l2-normalized already where the op asks)
+  const void *k;             // as FwdParams's (l2-normalized already where the op asks)
   const float *g, *beta;     // [batch, v_heads, seq_len] each
   const int *cu_seqlens;     // [num_seqs + 1] or nullptr
-  void *w, *u;               // [batch, seq_len, v_heads, k_dim] and [batch, seq_len, v_heads, v_dim], k's dtype
-  void *t = nullptr;         // (for the backward) T, [batch, seq_len, v_heads, CHUNK]: row i of a chunk's at its token i
+  void *t;                   // T, [batch, seq_len, v_heads, CHUNK]: row i of a chunk's at its token i, k's dtype
+  void *w = nullptr;         // (for the backward) W, [batch, seq_len, v_heads, k_dim], k's dtype; nullptr: not kept
 };
 
 #ifdef JAX_TK_CUDA_HEADERS
 cudaError_t wy_fwd(const WyParams &p, cudaStream_t stream);
-// Simple GLA's forward on Hopper (sm_90a), or with FwdParams::w the gated delta rule's sequential pass:
-// k_dim 64 or 128, v_dim a multiple of V_SLICE.
+// Simple GLA's forward on Hopper (sm_90a): k_dim 64 or 128, v_dim a multiple of V_SLICE.
 cudaError_t simple_gla_fwd_sm90(const FwdParams &p, cudaStream_t stream);
+// The gated delta rule's sequential pass on Hopper (FwdParams::t: wy_fwd's), the same sizes.
+cudaError_t gdr_fwd_sm90(const FwdParams &p, cudaStream_t stream);
 // Simple GLA's backward on Hopper (sm_90a), the same sizes as the forward's.
 cudaError_t simple_gla_bwd_sm90(const BwdParams &p, cudaStream_t stream);
 // The backward's passes: the state's gradient over the chunks (both ops: the gated delta rule's with

@@ -7,8 +7,7 @@
 //
 // Every exponent is <= 0 (g <= 0): no factor exceeds 1, however long the sequence. A thread block
 // takes one sequence, one value head and V_SLICE columns of its values and state (the state's K rows
-// whole: 2 x 64 rows of accumulators), and walks the sequence's chunks with three warpgroups (four for
-// simple GLA, whose outputs take two, each every other chunk):
+// whole: 2 x 64 rows of accumulators), and walks the sequence's chunks with four warpgroups:
 //
 // - a producer thread loads each chunk's Q, K (the value head's q/k head) and V slice by TMA into a
 //   ring of STAGES; rows past the tensor arrive as zeros, and rows past the sequence (a packed
@@ -17,15 +16,13 @@
 //   with its rows scaled by exp(G_last - G_j) (0 past the sequence; the next chunk's formed while this
 //   one's product runs), and hands each chunk's starting state, as bf16, to the outputs' warpgroup
 //   through a second ring of two buffers;
-// - an outputs' warpgroup computes Q K^T, scales and masks it to P, adds P V to diag(exp(G)) Q S
-//   once that chunk's state has arrived, and stores O.
+// - two outputs' warpgroups, chunks 0, 2, 4, ... and 1, 3, 5, ...: each computes Q K^T, scales and
+//   masks it to P, adds P V to diag(exp(G)) Q S once that chunk's state has arrived, and stores O (a
+//   chunk's outputs are a chain of three products with waits between them, which the second
+//   warpgroup overlaps).
 // Only the state's update is a chain from chunk to chunk; the outputs' work of one chunk runs beside
-// the update of the next.
-//
-// With DELTA (the gated delta rule) the values are the delta rule's U = U' - W S, from the chunk's W and
-// U' (wy_fwd.cu) and the state it starts from: the state's warpgroup computes U (0 past the sequence:
-// those rows of W and U' belong to no chunk of this sequence) and hands it over with the state, and U
-// takes V's place in both products.
+// the update of the next. (The gated delta rule's pass, whose values depend on the state, is
+// gdr_fwd_sm90.cu.)
 #include "linear_attention/common.cuh"
 
 namespace jax_tk::linear_attention {
@@ -33,22 +30,16 @@ namespace {
 
 using namespace tk;
 
-template <typename T, int K, bool DELTA> struct Gla {
-  // Simple GLA's outputs take two warpgroups, chunks 0, 2, 4, ... and 1, 3, 5, ...: a chunk's outputs
-  // are a chain of three products with waits between them, which a second warpgroup overlaps. (The
-  // delta rule's state warpgroup needs the registers that a fourth warpgroup would take.)
-  static constexpr int OUTPUTS = DELTA ? 1 : 2;
-  using Roles = std::conditional_t<DELTA, roles</*CONSUMERS=*/2, /*PRODUCER_REGS=*/40, /*CONSUMER_REGS=*/232>,
-                                   roles</*CONSUMERS=*/3, /*PRODUCER_REGS=*/24, /*CONSUMER_REGS=*/160>>;
-  static constexpr int C = CHUNK, VS = V_SLICE, STAGES = SEQUENTIAL_STAGES<DELTA, K>, THREADS = Roles::THREADS;
+template <typename T, int K> struct Gla {
+  static constexpr int OUTPUTS = 2;
+  using Roles = roles</*CONSUMERS=*/3, /*PRODUCER_REGS=*/24, /*CONSUMER_REGS=*/160>;
+  static constexpr int C = CHUNK, VS = V_SLICE, STAGES = SEQUENTIAL_STAGES<false, K>, THREADS = Roles::THREADS;
   static constexpr int STATE = 0;  // the state's consumer warpgroup (the outputs': 1 .. OUTPUTS)
   static_assert(C == 64 && VS == 64 && (K == 64 || K == 128));
   struct Shared {
     st<T, C, K> q[STAGES], k[STAGES];
-    st<T, C, VS> v[STAGES];  // V's slice (DELTA: U''s)
-    [[no_unique_address]] std::conditional_t<DELTA, st<T, C, K>, Empty> w[STAGES];
-    st<T, K, VS> s[2];       // the state a chunk starts from (bf16), handed to the outputs' warpgroup
-    [[no_unique_address]] std::conditional_t<DELTA, st<T, C, VS>, Empty> u[2];  // U (DELTA), with it
+    st<T, C, VS> v[STAGES];  // V's slice
+    st<T, K, VS> s[2];       // the state a chunk starts from (bf16), handed to the outputs' warpgroups
     st<T, C, VS> vd[2];      // V', the chunk's values weighted for the state update (by chunk parity)
     float cum[1 + OUTPUTS][2][C];  // G, per consumer warpgroup and the parity of its own chunks
     semaphore full[STAGES], empty[STAGES], state_full[2], state_empty[2];
@@ -58,11 +49,11 @@ template <typename T, int K, bool DELTA> struct Gla {
 
 template <typename T, int K> struct Args {
   FwdParams p;
-  tma_map<T, CHUNK> q, k, v, w, u;
+  tma_map<T, CHUNK> q, k, v;
 };
 
-template <typename T, int K, bool DELTA> struct GlaSm90 {
-  using G = Gla<T, K, DELTA>;
+template <typename T, int K> struct GlaSm90 {
+  using G = Gla<T, K>;
   using Roles = typename G::Roles;
   using tile = rt_fl<16, 64>;
   using cvec = col_vec<tile>;
@@ -96,15 +87,10 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
       const int t0 = bos + C * at.n;
       semaphore &full = kv().full(at);
       wait_empty(kv(), at);
-      arrive_expect_bytes(full, sizeof(sm.q[0]) + sizeof(sm.k[0]) + sizeof(sm.v[0]) + (DELTA ? sizeof(sm.w[0]) : 0));
+      arrive_expect_bytes(full, sizeof(sm.q[0]) + sizeof(sm.k[0]) + sizeof(sm.v[0]));
       load_async(sm.q[at.slot], a.q, {b, t0, hq, 0}, full);
       load_async(sm.k[at.slot], a.k, {b, t0, hq, 0}, full);
-      if constexpr (DELTA) {
-        load_async(sm.w[at.slot], a.w, {b, t0, h, 0}, full);
-        load_async(sm.v[at.slot], a.u, {b, t0, h, VS * slice}, full);
-      } else {
-        load_async(sm.v[at.slot], a.v, {b, t0, h, VS * slice}, full);
-      }
+      load_async(sm.v[at.slot], a.v, {b, t0, h, VS * slice}, full);
     }
   }
 
@@ -141,36 +127,16 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
   }
 
   // Chunk `at`'s values weighted for the state's update, V' = diag(exp(G_last - G)) V with 0 past the
-  // sequence, into sm.vd[c % 2]; (DELTA) the values are U = U' - W S_c (S_c in sm.s[c % 2]), handed over
-  // with S_c. Returns exp(G_last), the state's decay over the chunk. Simple GLA's V' needs no state, so
-  // the state's loop weighs chunk c + 1 while chunk c's update runs: only the update is its chain.
+  // sequence, into sm.vd[c % 2]. Returns exp(G_last), the state's decay over the chunk. V' needs no
+  // state, so the state's loop weighs chunk c + 1 while chunk c's update runs: only the update is its
+  // chain.
   __device__ __forceinline__ float weigh(ring_pos<STAGES> at, float &g_next) const {
     const int w = warpid() % 4, c = at.n, valid = min(C, len - C * c);
     const float *cum = scan(c, 1, g_next);
     const float last = cum[valid - 1];
     wait_full(kv(), at);
-    rt<T, 16, 64> vr;  // this warp's rows of the values: V's, or (DELTA) U = U' - W S
+    rt<T, 16, 64> vr;  // this warp's rows of V
     warp::load(vr, sm.v[at.slot], 16 * w, 0);
-    if constexpr (DELTA) {
-      tile ws, u;
-      warpgroup::mma_AB(ws, sm.w[at.slot], sm.s[c % 2], false);  // W S
-      warpgroup::wait<0>();
-      warpgroup::fence_registers(ws);
-      cvec live;  // 1 for this warp's rows of the sequence, 0 past it
-      warp::map_index(live, [&](int r) { return 16 * w + r < valid ? 1.f : 0.f; });
-      warp::copy(u, vr);
-      warp::map(u, u, ws, [](float x, float y) { return x - y; });
-      warp::map_row(u, u, live, [](float x, float l) { return l > 0.f ? x : 0.f; });  // (W and U' rows past
-      // the sequence belong to no chunk of it: whatever they hold, NaN included, becomes 0)
-      warp::copy(vr, u);
-      warp::store(sm.u[c % 2], vr, 16 * w, 0);
-      if (p.uk)  // (for the backward)
-        warp::store(gl<T>::make(static_cast<T *>(p.uk) + (size_t)b * p.seq_len * p.v_heads * p.v_dim, 1, bos + len, p.v_heads, p.v_dim),
-                    vr, {0, bos + C * c + 16 * w, h, VS * slice});
-      warpgroup::fence_shared_writes();
-      __syncwarp();
-      if (laneid() == 0) arrive_full(states(), c);  // S_c and this warp's rows of U_c
-    }
     warp::mul_row(vr, vr, decay_to_end(cum, valid));
     warp::store(sm.vd[c % 2], vr, 16 * w, 0);
     warpgroup::fence_shared_writes();
@@ -188,7 +154,7 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
       if (p.h0) warp::load(s[i], state_view(const_cast<float *>(p.h0)), {0, 64 * i + 16 * w, 0, VS * slice});
       else warp::zero(s[i]);
     }
-    auto publish = [&](int c) {  // sm.s[c % 2] := the state (bf16); with simple GLA, handed over
+    auto publish = [&](int c) {  // sm.s[c % 2] := the state (bf16), handed over
       rt<T, 16, 64> sb;
 #pragma unroll
       for (int i = 0; i < K / 64; i++) {
@@ -197,21 +163,17 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
         if (p.states) warp::store(states_view(c), sb, {0, 64 * i + 16 * w, 0, VS * slice});  // (for the backward)
       }
       warpgroup::fence_shared_writes();
-      sync_named(1, 128);  // (and, simple GLA, the next chunk's V' whole)
-      if (!DELTA && laneid() == 0) arrive_full(states(), c);
+      sync_named(1, 128);  // (and the next chunk's V' whole)
+      if (laneid() == 0) arrive_full(states(), c);
     };
     publish(0);
     float g_next = first_decays(0), decay = 0.f;
-    if (!DELTA && chunks > 0) {  // (a sequence of no tokens has no chunk to weigh)
+    if (chunks > 0) {  // (a sequence of no tokens has no chunk to weigh)
       decay = weigh(ring_pos<STAGES>(0), g_next);
       sync_named(1, 128);
     }
     for (ring_pos<STAGES> at(0); at.n < chunks; ++at) {
       const int c = at.n;
-      if constexpr (DELTA) {
-        decay = weigh(at, g_next);
-        sync_named(1, 128);
-      }
       // (every tile scaled before the first product: ptxas waits for a product before touching other
       // accumulators after it)
 #pragma unroll
@@ -219,8 +181,7 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
 #pragma unroll
       for (int i = 0; i < K / 64; i++)
         warpgroup::mma_AtB(s[i], window<C, 64>(sm.k[at.slot], 0, 64 * i), sm.vd[c % 2], true);  // + K^T V'
-      if constexpr (!DELTA)
-        if (c + 1 < chunks) decay = weigh(ring_pos<STAGES>(c + 1), g_next);  // (while the update runs)
+      if (c + 1 < chunks) decay = weigh(ring_pos<STAGES>(c + 1), g_next);  // (while the update runs)
       warpgroup::wait<0>();
 #pragma unroll
       for (int i = 0; i < K / 64; i++) warpgroup::fence_registers(s[i]);
@@ -235,8 +196,7 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
     for (int i = 0; i < K / 64; i++) warp::store(state_view(p.ht), s[i], {0, 64 * i + 16 * w, 0, VS * slice});
   }
 
-  // An outputs' warpgroup, on chunks first, first + step, ...: O = scale (diag(exp(G)) Q S + (Q K^T * D) V)
-  // (DELTA: U for V).
+  // An outputs' warpgroup, on chunks first, first + step, ...: O = scale (diag(exp(G)) Q S + (Q K^T * D) V).
   __device__ __forceinline__ void outputs(int first, int step) const {
     const int w = warpid() % 4;
     const float scale = p.scale;
@@ -263,10 +223,9 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
         return j.y <= i.y && j.y < valid ? scale * x * warp::fn::exp2((i.x - j.x) * c2) : 0.f;
       });
       warp::copy(pw, qk);
-      if constexpr (!DELTA) warpgroup::mma_AB(pv, pw, sm.v[at.slot], false);  // (Q K^T * D) V, before the state
+      warpgroup::mma_AB(pv, pw, sm.v[at.slot], false);  // (Q K^T * D) V, before the state
       wait_full(states(), c);
       warpgroup::mma_AB(o, sm.q[at.slot], sm.s[c % 2], false);  // Q S
-      if constexpr (DELTA) warpgroup::mma_AB(pv, pw, sm.u[c % 2], false);  // (Q K^T * D) U
       warpgroup::wait<0>();
       warpgroup::fence_registers(o);
       warpgroup::fence_registers(pv);
@@ -281,39 +240,33 @@ template <typename T, int K, bool DELTA> struct GlaSm90 {
   }
 };
 
-template <typename T, int K, bool DELTA>
-__global__ __launch_bounds__(Gla<T, K, DELTA>::THREADS, 1) void simple_gla_fwd_kernel(const __grid_constant__ Args<T, K> a) {
+template <typename T, int K>
+__global__ __launch_bounds__(Gla<T, K>::THREADS, 1) void simple_gla_fwd_kernel(const __grid_constant__ Args<T, K> a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) char smem_raw[];
-  GlaSm90<T, K, DELTA> k{a, *reinterpret_cast<typename Gla<T, K, DELTA>::Shared *>(smem_raw)};
+  GlaSm90<T, K> k{a, *reinterpret_cast<typename Gla<T, K>::Shared *>(smem_raw)};
   single(k);
 #endif
 }
 
 template <typename T, int K> cudaError_t run(const FwdParams &p, cudaStream_t stream) {
-  Args<T, K> a{p, {}, {}, {}, {}, {}};
+  Args<T, K> a{p, {}, {}, {}};
   if (!make_tma_map(a.q, p.q, p.batch, p.seq_len, p.heads, K) || !make_tma_map(a.k, p.k, p.batch, p.seq_len, p.heads, K) ||
       !make_tma_map(a.v, p.v, p.batch, p.seq_len, p.v_heads, p.v_dim))
     return cudaErrorInvalidValue;
-  auto go = [&]<bool DELTA>() {
-    if (DELTA && (!make_tma_map(a.w, p.w, p.batch, p.seq_len, p.v_heads, K) ||
-                  !make_tma_map(a.u, p.u, p.batch, p.seq_len, p.v_heads, p.v_dim)))
-      return cudaErrorInvalidValue;
-    auto kernel = simple_gla_fwd_kernel<T, K, DELTA>;
-    const int smem = sizeof(typename Gla<T, K, DELTA>::Shared);
-    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem); e != cudaSuccess)
-      return e;
-    const dim3 grid(unsigned(p.num_seqs * p.v_heads * (p.v_dim / V_SLICE)));
-    kernel<<<grid, Gla<T, K, DELTA>::THREADS, smem, stream>>>(a);
-    return cudaGetLastError();
-  };
-  return p.w ? go.template operator()<true>() : go.template operator()<false>();
+  auto kernel = simple_gla_fwd_kernel<T, K>;
+  const int smem = sizeof(typename Gla<T, K>::Shared);
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem); e != cudaSuccess)
+    return e;
+  const dim3 grid(unsigned(p.num_seqs * p.v_heads * (p.v_dim / V_SLICE)));
+  kernel<<<grid, Gla<T, K>::THREADS, smem, stream>>>(a);
+  return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t simple_gla_fwd_sm90(const FwdParams &p, cudaStream_t stream) {
-  if (p.v_dim % V_SLICE != 0 || (p.k_dim != 64 && p.k_dim != 128) || p.heads <= 0 || p.v_heads % p.heads != 0)
+  if (p.v_dim % V_SLICE != 0 || (p.k_dim != 64 && p.k_dim != 128) || p.heads <= 0 || p.v_heads % p.heads != 0 || p.t)
     return cudaErrorInvalidValue;
   if (p.num_seqs == 0) return cudaSuccess;
   auto by_k = [&]<typename T>() { return p.k_dim == 64 ? run<T, 64>(p, stream) : run<T, 128>(p, stream); };

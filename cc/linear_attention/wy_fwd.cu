@@ -1,18 +1,18 @@
 // The gated delta rule's per-chunk solve (the "WY" or "UT" form; any GPU of sm_80 or later). Within a
 // chunk of C = 64 tokens, with G its cumulative log decay and beta the write strengths, the delta
-// rule's new values are U = U' - W S for the state S the chunk starts from, where
+// rule's new values are U = T diag(beta) (V - diag(exp(G)) K S) for the state S the chunk starts from,
+// where
 //
 //   A_ij = beta_i exp(G_i - G_j) (k_i . k_j) for j < i, else 0      (strictly lower triangular)
-//   T = (I + A)^-1,   W = T diag(beta exp(G)) K,   U' = T diag(beta) V
+//   T = (I + A)^-1
 //
-// none of which depends on the state: every chunk of every sequence and head is solved at once, here,
-// and the sequential pass (simple_gla_fwd_sm90.cu's kernel with DELTA) needs only U = U' - W S. A
-// block of four warps takes one chunk of one value head: A by mma.sync; T by blocks (block_inverse: the
-// 16 x 16 diagonal blocks by forward substitution in float32, then merged to 32 and 64 by matrix
-// products); then T diag(beta) and T diag(beta exp(G)) in the inputs' type, so that W and U' are plain
-// products with K and V as loaded (by mma.sync, V a slice at a time, the next slice loading while this
-// one multiplies). Rows past the sequence load as zeros, take beta = 0 (they then add nothing) and are
-// not stored.
+// does not depend on the state: every chunk of every sequence and head is solved at once, here, and
+// the sequential pass (gdr_fwd_sm90.cu) reads T. For the backward it also writes W = T diag(beta
+// exp(G)) K. A block of four warps takes one chunk of one value head: A by mma.sync; T by blocks
+// (block_inverse: the 16 x 16 diagonal blocks by forward substitution in float32, then merged to 32
+// and 64 by matrix products); W (where asked) as a plain product of T diag(beta exp(G)), in the inputs'
+// type, with K as loaded. Rows past the sequence load as zeros, take beta = 0 (they then add nothing)
+// and are not stored.
 #include "linear_attention/common.cuh"
 
 namespace jax_tk::linear_attention {
@@ -21,23 +21,19 @@ namespace {
 using namespace tk;
 
 template <typename T, int K> struct Wy {
-  static constexpr int C = CHUNK, VS = V_SLICE, THREADS = 128;
-  // The solve's buffers and the products' share memory (one is done before the other starts): at 66 KB
-  // a block, three fit on an SM, where the latency of each block's chain of small steps wants warps.
+  static constexpr int C = CHUNK, THREADS = 128;
+  // The solve's buffers and W's operand share memory (one is done before the other starts): at 66 KB a
+  // block, three fit on an SM, where the latency of each block's chain of small steps wants warps.
   struct Solve {
     float a[C][C + 1];   // A (float32; a padded row: column c of the solve reads across rows)
     float xf[C][C + 1];  // the diagonal blocks' inverses (float32)
     st<T, C, C> x, y;    // block_inverse's operands: the inverse so far, corner times it
   };
-  struct Products {
-    st<T, C, C> tu, tw;  // T diag(beta), T diag(beta exp(G))
-    st<T, C, VS> v[2];   // slices of V, double-buffered
-  };
   struct Shared {
     st<T, C, K> k;
     union {
       Solve solve;
-      Products products;
+      st<T, C, C> tw;  // T diag(beta exp(G))
     };
     float beta[C], cum[C];
   };
@@ -107,7 +103,7 @@ template <typename T, int K> __device__ __forceinline__ rt_fl<16, CHUNK> block_i
 
 template <typename T, int K> __global__ __launch_bounds__(128, Wy<T, K>::BLOCKS_PER_SM) void wy_fwd_kernel(const __grid_constant__ WyParams p) {
   using W = Wy<T, K>;
-  constexpr int C = W::C, VS = W::VS;
+  constexpr int C = W::C;
   extern __shared__ __align__(1024) char smem_raw[];
   auto &sm = *reinterpret_cast<typename W::Shared *>(smem_raw);
   const int h = blockIdx.y, chunk = blockIdx.x % p.max_chunks, n = blockIdx.x / p.max_chunks;
@@ -120,7 +116,6 @@ template <typename T, int K> __global__ __launch_bounds__(128, Wy<T, K>::BLOCKS_
 
   // K's rows (zeros past the sequence), beta and the decays' cumulative sum G.
   const auto kg = gl<const T>::make(static_cast<const T *>(p.k) + row0 * p.heads * K, 1, valid, p.heads, K);
-  const auto vg = gl<const T>::make(static_cast<const T *>(p.v) + row0 * p.v_heads * p.v_dim, 1, valid, p.v_heads, p.v_dim);
   load_async<W::THREADS>(sm.k, kg, {0, 0, hq, 0}, tid);
   commit_group();
   const size_t gate = ((size_t)b * p.v_heads + h) * p.seq_len + bos + t0;
@@ -160,58 +155,28 @@ template <typename T, int K> __global__ __launch_bounds__(128, Wy<T, K>::BLOCKS_
     warp::store(gl<float>::make(&sm.solve.a[0][0], 1, C, 1, C + 1), acc, {0, 16 * w, 0, 0});
   }
   __syncthreads();
-  {  // T diag(beta), T diag(beta exp(G)) (this warp's rows), and T itself where kept (for the backward)
-    rt_fl<16, C> t = block_inverse<T, K>(sm), tb;
-    // (the solve's buffers are free: V's first slice loads into them while T diag(beta), W run)
-    load_async<W::THREADS>(sm.products.v[0], vg, {0, 0, h, 0}, tid);
-    commit_group();
-    rv<float, C, typename row_vec<rt_fl<16, C>>::layout> bj, bgj;
-    warp::map_index(bj, [&](int j) { return sm.beta[j]; });
+  // T (this warp's rows), then where W is asked T diag(beta exp(G)) in the inputs' type, and W.
+  const rt_fl<16, C> t = block_inverse<T, K>(sm);
+  warp::store(gl<T>::make(static_cast<T *>(p.t) + row0 * p.v_heads * C, 1, valid, p.v_heads, C), t, {0, 16 * w, h, 0});
+  if (!p.w) return;
+  {
+    rv<float, C, typename row_vec<rt_fl<16, C>>::layout> bgj;
     warp::map_index(bgj, [&](int j) { return sm.beta[j] * exp2f(sm.cum[j] * LOG2E); });
+    rt_fl<16, C> tb;
     rt<T, 16, C> tr;
-    warp::map_col(tb, t, bj, [](float x, float s) { return x * s; });
-    warp::copy(tr, tb);
-    warp::store(sm.products.tu, tr, 16 * w, 0);
     warp::map_col(tb, t, bgj, [](float x, float s) { return x * s; });
     warp::copy(tr, tb);
-    warp::store(sm.products.tw, tr, 16 * w, 0);
-    if (p.t)
-      warp::store(gl<T>::make(static_cast<T *>(p.t) + row0 * p.v_heads * C, 1, valid, p.v_heads, C), t, {0, 16 * w, h, 0});
+    warp::store(sm.tw, tr, 16 * w, 0);  // (block_inverse ended on a barrier: its buffers are free)
   }
   __syncthreads();
-
-  {  // W = T diag(beta exp(G)) K
-    rt<T, 16, C> tr;
-    rt<T, C, K, col_l> kb;
-    rt_fl<16, K> acc;
-    warp::load(tr, sm.products.tw, 16 * w, 0);
-    warp::load(kb, sm.k);
-    warp::zero(acc);
-    warp::mma_AB(acc, tr, kb, acc);
-    warp::store(gl<T>::make(static_cast<T *>(p.w) + row0 * p.v_heads * K, 1, valid, p.v_heads, K), acc, {0, 16 * w, h, 0});
-  }
-  // U' = T diag(beta) V, a slice of V at a time.
   rt<T, 16, C> tr;
-  warp::load(tr, sm.products.tu, 16 * w, 0);
-  const auto ug = gl<T>::make(static_cast<T *>(p.u) + row0 * p.v_heads * p.v_dim, 1, valid, p.v_heads, p.v_dim);
-  const int slices = p.v_dim / VS;
-  for (int s = 0; s < slices; s++) {
-    if (s + 1 < slices) {
-      __syncthreads();  // (the slice two back, in the buffer this load fills, has been read)
-      load_async<W::THREADS>(sm.products.v[(s + 1) % 2], vg, {0, 0, h, (s + 1) * VS}, tid);
-      commit_group();
-      wait_group<1>();
-    } else {
-      wait_group<0>();
-    }
-    __syncthreads();
-    rt<T, C, VS, col_l> vb;
-    rt_fl<16, VS> acc;
-    warp::load(vb, sm.products.v[s % 2]);
-    warp::zero(acc);
-    warp::mma_AB(acc, tr, vb, acc);
-    warp::store(ug, acc, {0, 16 * w, h, s * VS});
-  }
+  rt<T, C, K, col_l> kb;
+  rt_fl<16, K> acc;
+  warp::load(tr, sm.tw, 16 * w, 0);
+  warp::load(kb, sm.k);
+  warp::zero(acc);
+  warp::mma_AB(acc, tr, kb, acc);
+  warp::store(gl<T>::make(static_cast<T *>(p.w) + row0 * p.v_heads * K, 1, valid, p.v_heads, K), acc, {0, 16 * w, h, 0});
 }
 
 template <typename T, int K> cudaError_t run(const WyParams &p, cudaStream_t stream) {
@@ -226,8 +191,7 @@ template <typename T, int K> cudaError_t run(const WyParams &p, cudaStream_t str
 }  // namespace
 
 cudaError_t wy_fwd(const WyParams &p, cudaStream_t stream) {
-  if (p.v_dim % V_SLICE != 0 || (p.k_dim != 64 && p.k_dim != 128) || p.heads <= 0 || p.v_heads % p.heads != 0)
-    return cudaErrorInvalidValue;
+  if ((p.k_dim != 64 && p.k_dim != 128) || p.heads <= 0 || p.v_heads % p.heads != 0 || !p.t) return cudaErrorInvalidValue;
   if (p.num_seqs == 0 || p.max_chunks == 0) return cudaSuccess;
   auto by_k = [&]<typename T>() { return p.k_dim == 64 ? run<T, 64>(p, stream) : run<T, 128>(p, stream); };
   return p.dtype == DType::bf16 ? by_k.template operator()<bf16>() : by_k.template operator()<half>();

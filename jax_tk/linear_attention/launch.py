@@ -8,10 +8,10 @@ states float32 ``[N, HV, K, V]`` and, for the backward, each chunk's starting st
 HV, K, V]`` in q's dtype, or shape ``(0,)``: not kept). Its backward takes the same inputs, the states,
 ``dout`` and the final states' cotangent, and returns dq, dk (float32 per value head; like q where
 ``HV == H``), dv, dg (float32 ``[B, HV, T]``), the initial states' gradient and a workspace. The gated
-delta rule's forward: beta
-(float32 ``[B, HV, T]``) after g, two workspaces after the final states (each chunk's W and U', in q's
-dtype), then what its backward keeps (the states, U = U' - W S, the solve's T; shape ``(0,)``: not
-kept); its backward also returns dbeta.
+delta rule's forward: beta (float32 ``[B, HV, T]``) after g; after the final states the solve's T
+(``[B, T, HV, 64]`` in q's dtype, a workspace where not kept), then what its backward keeps besides T
+(W ``[B, T, HV, K]``, the states, U ``[B, T, HV, V]``; shape ``(0,)``: not kept); its backward also
+returns dbeta.
 """
 from __future__ import annotations
 
@@ -118,15 +118,15 @@ def gdr_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, out_init=
     """``(o, final_state)`` of the gated delta rule's forward kernels (q and k already normalized where
     the op asks), and with ``keep`` what :func:`gdr_bwd` takes: the chunks' states ``[state_slots, HV,
     K, V]``, W ``[B, T, HV, K]``, U ``[B, T, HV, V]`` and T ``[B, T, HV, 64]``, all in q's dtype.
-    ``out_init`` (tests): buffers aliased to the results (o, final_state, W, U', states, U, T)."""
+    ``out_init`` (tests): buffers aliased to the results (o, final_state, T, W, states, U)."""
     b, t, _, kd = q.shape
     hv, vd = v.shape[2:]
     sds = jax.ShapeDtypeStruct
-    kept = ((state_slots(q, cu_seqlens), hv, kd, vd), v.shape, (b, t, hv, contract()["CHUNK"])) if keep else ((0,),) * 3
-    out_types = (*_out_types(q, v, cu_seqlens), sds((b, t, hv, kd), q.dtype), sds(v.shape, q.dtype),
+    kept = ((b, t, hv, kd), (state_slots(q, cu_seqlens), hv, kd, vd), v.shape) if keep else ((0,),) * 3
+    out_types = (*_out_types(q, v, cu_seqlens), sds((b, t, hv, contract()["CHUNK"]), q.dtype),
                  *(sds(shape, q.dtype) for shape in kept))
     operands = (q, k, v, _head_major(g), _head_major(beta), *_sequence_operands(cu_seqlens, initial_state))
-    o, ht, w, _, states, u, tk = kernel_call(GDR_FWD, out_types, operands, _attributes(scale), out_init=out_init)
+    o, ht, tk, w, states, u = kernel_call(GDR_FWD, out_types, operands, _attributes(scale), out_init=out_init)
     return (o, ht, states, w, u, tk) if keep else (o, ht)
 
 

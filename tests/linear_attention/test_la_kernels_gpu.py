@@ -41,7 +41,7 @@ def kernel(q, k, v, g, beta, cu, state, *, scale):
     out_init = (nan((b, t, hv, vd), q.dtype), nan((n, hv, kd, vd), F32))
     if beta is None:
         return launch.gla_fwd(q, k, v, g, cu, state, scale, out_init=out_init + (jnp.zeros((0,), q.dtype),))
-    out_init += (nan((b, t, hv, kd), q.dtype), nan(v.shape, q.dtype)) + (jnp.zeros((0,), q.dtype),) * 3
+    out_init += (nan((b, t, hv, 64), q.dtype),) + (jnp.zeros((0,), q.dtype),) * 3
     return launch.gdr_fwd(q, k, v, g, beta, cu, state, scale, out_init=out_init)
 
 

@@ -104,12 +104,12 @@ int run(const Case &c) {
   p.ht = c.ht ? to_device(std::vector<float>(h0.size(), NAN)) : nullptr;
   p.scale = scale;
   if (c.delta) {
-    WyParams wy{p.dtype, B, T, H, HV, K, V, N, (T + CHUNK - 1) / CHUNK, p.k, p.v, p.g, to_device(beta), p.cu_seqlens,
-                to_device(std::vector<bf16>(size_t(B) * T * HV * K, bf16(NAN))), to_device(std::vector<bf16>(v.size(), bf16(NAN)))};
+    p.beta = to_device(beta);
+    p.t = to_device(std::vector<bf16>(size_t(B) * T * HV * CHUNK, bf16(NAN)));
+    WyParams wy{p.dtype, B, T, H, HV, K, N, (T + CHUNK - 1) / CHUNK, p.k, p.g, p.beta, p.cu_seqlens, const_cast<void *>(p.t)};
     CHECK(wy_fwd(wy, 0));
-    p.w = wy.w, p.u = wy.u;
   }
-  CHECK(simple_gla_fwd_sm90(p, 0));
+  CHECK(c.delta ? gdr_fwd_sm90(p, 0) : simple_gla_fwd_sm90(p, 0));
   CHECK(cudaDeviceSynchronize());
 
   // Relative error over the sequences' rows (rows outside every packed sequence stay NaN: not compared).
@@ -139,7 +139,8 @@ int run(const Case &c) {
   std::printf("%s %s B=%d T=%d heads %d/%d K=%d V=%d seqs=%d%s%s: rel err %.3g, state err %.3g\n", ok ? "ok  " : "FAIL",
               c.delta ? "delta" : "gla", B, T, H, HV, K, V, N, c.h0 ? " h0" : "", c.ht ? " ht" : "", err, state_err);
   for (const void *x : {p.q, p.k, p.v, static_cast<const void *>(p.g), static_cast<const void *>(p.cu_seqlens),
-                        static_cast<const void *>(p.h0), static_cast<const void *>(p.o), static_cast<const void *>(p.ht), p.w, p.u})
+                        static_cast<const void *>(p.h0), static_cast<const void *>(p.o), static_cast<const void *>(p.ht),
+                        static_cast<const void *>(p.beta), p.t})
     if (x) CHECK(cudaFree(const_cast<void *>(x)));
   return ok ? 0 : 1;
 }
@@ -258,15 +259,14 @@ int run_bwd(const Case &c) {
   BwdParams p{};
   if (c.delta) {
     f.uk = to_device(std::vector<bf16>(v.size(), bf16(NAN)));
-    p.t = to_device(std::vector<bf16>(size_t(B) * T * HV * CHUNK, bf16(NAN)));
-    p.beta = to_device(beta);
-    WyParams wy{f.dtype, B, T, H, HV, K, V, N, f.max_chunks, f.k, f.v, f.g, p.beta, f.cu_seqlens,
-                to_device(std::vector<bf16>(size_t(B) * T * HV * K)), to_device(std::vector<bf16>(v.size())),
-                const_cast<void *>(p.t)};
+    f.t = to_device(std::vector<bf16>(size_t(B) * T * HV * CHUNK, bf16(NAN)));
+    f.beta = to_device(beta);
+    WyParams wy{f.dtype, B, T, H, HV, K, N, f.max_chunks, f.k, f.g, f.beta, f.cu_seqlens, const_cast<void *>(f.t),
+                to_device(std::vector<bf16>(size_t(B) * T * HV * K, bf16(NAN)))};
     CHECK(wy_fwd(wy, 0));
-    f.w = wy.w, f.u = wy.u;
+    f.w = wy.w;
   }
-  CHECK(simple_gla_fwd_sm90(f, 0));
+  CHECK(c.delta ? gdr_fwd_sm90(f, 0) : simple_gla_fwd_sm90(f, 0));
   p.f = f;
   p.dout = to_device(dout);
   p.dht = to_device(dht);
@@ -275,7 +275,7 @@ int run_bwd(const Case &c) {
   p.dv = to_device(std::vector<bf16>(v.size(), bf16(NAN)));
   p.dg = to_device(std::vector<float>(g.size(), NAN)), p.dh0 = to_device(std::vector<float>(h0.size(), NAN));
   if (c.delta) {
-    p.f.u = f.uk;  // (the backward reads U = U' - W S)
+    p.f.u = f.uk;  // (the backward reads the forward's U)
     p.du = to_device(std::vector<bf16>(v.size(), bf16(NAN)));
     p.dbeta = to_device(std::vector<float>(g.size(), NAN));
     CHECK(bwd_state_pass_sm90(p, 0));
@@ -315,8 +315,8 @@ int run_bwd(const Case &c) {
   std::printf("%s %s bwd B=%d T=%d heads %d/%d K=%d V=%d seqs=%d%s%s: dq %.3g dk %.3g dv %.3g dg %.3g dh0 %.3g dbeta %.3g\n",
               ok ? "ok  " : "FAIL", c.delta ? "delta" : "gla", B, T, H, HV, K, V, N, c.h0 ? " h0" : "", c.ht ? " dht" : "",
               errs[0], errs[1], errs[2], errs[3], errs[4], errs[5]);
-  for (const void *x : std::initializer_list<const void *>{f.q, f.k, f.v, f.g, f.cu_seqlens, f.h0, f.o, f.ht, f.states, f.w, f.u,
-                                                          f.uk, p.t, p.beta, p.dout, p.dht, p.dstates, p.dq, p.dk, p.dv, p.dg,
+  for (const void *x : std::initializer_list<const void *>{f.q, f.k, f.v, f.g, f.cu_seqlens, f.h0, f.o, f.ht, f.states, f.w,
+                                                          f.uk, f.t, f.beta, p.dout, p.dht, p.dstates, p.dq, p.dk, p.dv, p.dg,
                                                           p.dh0, p.du, p.dbeta})
     if (x) CHECK(cudaFree(const_cast<void *>(x)));
   return ok ? 0 : 1;

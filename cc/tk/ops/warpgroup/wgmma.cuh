@@ -3,6 +3,7 @@
 // register order of wgmma's accumulator fragment is exactly that of a row-layout register tile.
 //   mma_ABt(d, A smem [64 x K], B smem [N x K])       d (+)= A B^T   (both K-major; bf16, fp16 or fp8 e4m3)
 //   mma_AB (d, A regs rt<T,16,K>, B smem [K x N])     d (+)= A B     (B N-major, e.g. V in P V)
+//   mma_ABt(d, A regs rt<T,16,K>, B smem [N x K])     d (+)= A B^T   (B K-major; N one wgmma's width)
 //   mma_AtB(d, A smem [K x 64], B smem [K x N])        d (+)= A^T B   (A M-major, B N-major)
 // N is 32, 64, 128 or 256, one wgmma per k-step, or a sum of them (192 = 128 + 64, 320 = 256 + 64:
 // one wgmma per part, each on its columns of d and of B).
@@ -150,6 +151,19 @@ __device__ __forceinline__ void mma_AB(rt<float, 16, N, row_l> &d, const rt<T, 1
   for (int k = 0; k < K / 16; k++)
     detail::wgmma<T, N, 1>::rs(accumulators(d), reinterpret_cast<const uint32_t(&)[4]>(a.tiles[0][k].data),
                                db.at(n_offset(16 * k)), accumulate || k > 0);
+  commit();
+}
+
+// A (16 rows per warp x K) from registers; B (N x K) K-major.
+template <int N, int K, typename T, SharedTile SB>
+__device__ __forceinline__ void mma_ABt(rt<float, 16, N, row_l> &d, const rt<T, 16, K, row_l> &a, const SB &b, bool accumulate) {
+  static_assert(SB::rows == N && SB::cols == K && std::is_same_v<T, typename SB::dtype> && detail::part_width<N>() == N);
+  const descriptor db = k_major(b);
+  fence();
+#pragma unroll
+  for (int k = 0; k < K / 16; k++)
+    detail::wgmma<T, N, 0>::rs(accumulators(d), reinterpret_cast<const uint32_t(&)[4]>(a.tiles[0][k].data),
+                               db.at(k_offset<SB>(16 * k)), accumulate || k > 0);
   commit();
 }
 
