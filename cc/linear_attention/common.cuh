@@ -72,6 +72,21 @@ __device__ __forceinline__ void scan_decays(float *cum, float x, int bar) {
   tk::sync_named(bar, 128);
 }
 
+// The block of a sequential pass (the forwards, the backward's state pass): sequence n, value head h and
+// slice `slice` of V_SLICE value columns, from blockIdx.x; its sequence's tokens [bos, bos + len) of
+// batch row b, in `chunks` chunks, and their log decays g (from bos on). The kernels' structs derive
+// from it.
+struct SliceBlock {
+  const int slices, slice, h, n;
+  const Sequence seq;
+  const int b, bos, len, chunks;
+  const float *g;
+  __device__ __forceinline__ explicit SliceBlock(const FwdParams &f)
+      : slices(f.v_dim / V_SLICE), slice(blockIdx.x % slices), h(blockIdx.x / slices % f.v_heads),
+        n(blockIdx.x / slices / f.v_heads), seq{f.cu_seqlens, f.seq_len, n}, b(seq.b), bos(seq.bos), len(seq.len),
+        chunks(seq.chunks), g(f.g + ((size_t)b * f.v_heads + h) * f.seq_len + bos) {}
+};
+
 // x := scale * D * x for this warp's 16 rows of a 64 x 64 tile over a chunk's tokens (rows i, columns
 // j), D_ij = exp(G_i - G_j) for j <= i < valid, else 0 (rows past the sequence, and so their columns,
 // become 0): P from Q K^T, dP from dO V^T. cum: G.

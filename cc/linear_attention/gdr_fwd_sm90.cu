@@ -55,7 +55,7 @@ template <typename T, int K> struct Args {
   tma_map<T, CHUNK> q, k, v, t;
 };
 
-template <typename T, int K> struct GdrSm90 {
+template <typename T, int K> struct GdrSm90 : SliceBlock {
   using G = Gdr<T, K>;
   using Roles = typename G::Roles;
   using tile = rt_fl<16, 64>;
@@ -69,12 +69,6 @@ template <typename T, int K> struct GdrSm90 {
   __device__ __forceinline__ ring<STAGES> kv() const { return {sm.full, sm.empty}; }
   __device__ __forceinline__ ring<2> states() const { return {sm.state_full, sm.state_empty}; }
   const int wg = warpgroup::groupid();
-  // The block's sequence n, value head h and slice of value columns; its tokens [bos, bos + len) of row b.
-  const int slices = p.v_dim / VS, slice = blockIdx.x % slices, h = blockIdx.x / slices % p.v_heads,
-            n = blockIdx.x / slices / p.v_heads;
-  const Sequence seq{p.cu_seqlens, p.seq_len, n};
-  const int b = seq.b, bos = seq.bos, len = seq.len, chunks = seq.chunks;
-  const float *g = p.g + ((size_t)b * p.v_heads + h) * p.seq_len + bos;
   // This sequence and head's [K, V] float32 state (h0, ht), at the block's first column.
   __device__ __forceinline__ size_t state_at() const { return ((size_t)n * p.v_heads + h) * K * p.v_dim + VS * slice; }
 
@@ -265,7 +259,7 @@ template <typename T, int K> struct GdrSm90 {
 template <typename T, int K> __global__ __launch_bounds__(Gdr<T, K>::THREADS, 1) void gdr_fwd_kernel(const __grid_constant__ Args<T, K> a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) char smem_raw[];
-  GdrSm90<T, K> k{a, *reinterpret_cast<typename Gdr<T, K>::Shared *>(smem_raw)};
+  GdrSm90<T, K> k{SliceBlock(a.p), a, *reinterpret_cast<typename Gdr<T, K>::Shared *>(smem_raw)};
   single(k);
 #endif
 }

@@ -48,7 +48,7 @@ template <typename T> struct DsArgs {
   tma_map<T, CHUNK> q, d, k, w;
 };
 
-template <typename T, int K, bool DELTA> struct GlaDsSm90 {
+template <typename T, int K, bool DELTA> struct GlaDsSm90 : SliceBlock {
   using G = GlaDs<T, K, DELTA>;
   using Roles = typename G::Roles;
   using tile = rt_fl<16, 64>;
@@ -58,11 +58,6 @@ template <typename T, int K, bool DELTA> struct GlaDsSm90 {
   const FwdParams &f = a.p.f;
   __device__ __forceinline__ ring<STAGES> kv() const { return {sm.full, sm.empty}; }
   const int wg = warpgroup::groupid();
-  const int slices = f.v_dim / VS, slice = blockIdx.x % slices, h = blockIdx.x / slices % f.v_heads,
-            n = blockIdx.x / slices / f.v_heads;
-  const Sequence seq{f.cu_seqlens, f.seq_len, n};
-  const int b = seq.b, bos = seq.bos, len = seq.len, chunks = seq.chunks;
-  const float *g = f.g + ((size_t)b * f.v_heads + h) * f.seq_len + bos;
 
   __device__ __forceinline__ void init() const { tk::init(kv(), 1, 4); }
   __device__ __forceinline__ void before_sync() const {}
@@ -205,7 +200,7 @@ template <typename T, int K, bool DELTA>
 __global__ __launch_bounds__(GlaDs<T, K, DELTA>::THREADS, 1) void gla_bwd_state_kernel(const __grid_constant__ DsArgs<T> a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) char smem_raw[];
-  GlaDsSm90<T, K, DELTA> k{a, *reinterpret_cast<typename GlaDs<T, K, DELTA>::Shared *>(smem_raw)};
+  GlaDsSm90<T, K, DELTA> k{SliceBlock(a.p.f), a, *reinterpret_cast<typename GlaDs<T, K, DELTA>::Shared *>(smem_raw)};
   single(k);
 #endif
 }

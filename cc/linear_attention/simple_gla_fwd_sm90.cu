@@ -52,7 +52,7 @@ template <typename T, int K> struct Args {
   tma_map<T, CHUNK> q, k, v;
 };
 
-template <typename T, int K> struct GlaSm90 {
+template <typename T, int K> struct GlaSm90 : SliceBlock {
   using G = Gla<T, K>;
   using Roles = typename G::Roles;
   using tile = rt_fl<16, 64>;
@@ -66,12 +66,6 @@ template <typename T, int K> struct GlaSm90 {
   __device__ __forceinline__ ring<STAGES> kv() const { return {sm.full, sm.empty}; }
   __device__ __forceinline__ ring<2> states() const { return {sm.state_full, sm.state_empty}; }
   const int wg = warpgroup::groupid();
-  // The block's sequence n, value head h and slice of value columns; its tokens [bos, bos + len) of row b.
-  const int slices = p.v_dim / VS, slice = blockIdx.x % slices, h = blockIdx.x / slices % p.v_heads,
-            n = blockIdx.x / slices / p.v_heads;
-  const Sequence seq{p.cu_seqlens, p.seq_len, n};
-  const int b = seq.b, bos = seq.bos, len = seq.len, chunks = seq.chunks;
-  const float *g = p.g + ((size_t)b * p.v_heads + h) * p.seq_len + bos;
 
   // chunks: each consumer warp (both warpgroups) frees a slot; states: each warp of one side.
   __device__ __forceinline__ void init() const {
@@ -244,7 +238,7 @@ template <typename T, int K>
 __global__ __launch_bounds__(Gla<T, K>::THREADS, 1) void simple_gla_fwd_kernel(const __grid_constant__ Args<T, K> a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) char smem_raw[];
-  GlaSm90<T, K> k{a, *reinterpret_cast<typename Gla<T, K>::Shared *>(smem_raw)};
+  GlaSm90<T, K> k{SliceBlock(a.p), a, *reinterpret_cast<typename Gla<T, K>::Shared *>(smem_raw)};
   single(k);
 #endif
 }
