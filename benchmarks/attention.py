@@ -73,8 +73,8 @@ allows under back-to-back work. On an H200 (2026-11, jax 0.11.2), cuDNN's bf16 f
 D=128 ran 1.59 ms per call at the 1980 MHz boost clock and 1.81 ms once the 690 W power cap had
 brought the clock to about 1680 MHz (CUPTI, 60 back-to-back calls); ``wall`` gave 1.82 to 1.87 ms.
 Numbers from single isolated calls are therefore 10-15% higher in TFLOP/s than these, for every
-provider alike. Each timed output is checked on batch 0 and key/value head 0 against the float32
-reference (``rel_err``; ``--no-check`` to skip).
+provider alike. Each timed result (the output, the gradients, or in ``fwd_bwd`` both) is checked on
+batch 0 and key/value head 0 against the float32 reference (``rel_err``; ``--no-check`` to skip).
 
 Results: a table on stdout (time in ms and TFLOP/s per provider, and jax_tk's speed-up over cuDNN),
 a CSV (one row per configuration x provider x mode, every row carrying date, GPU, jax/jaxlib versions

@@ -12,6 +12,10 @@ process, with the same timer and the same method for each mode:
 - ``fwd_bwd``: forward and backward in one jitted program, ``jax.vjp(fn, *args)``: the output and
   the gradients for ``dout``.
 
+With checks, each mode's results are compared with the op's references before they count as a
+timing (``fwd``: the output; ``bwd``: the gradients; ``fwd_bwd``: both): a provider whose results
+are wrong is reported as "wrong", not timed (a peer's backward can be wrong where its forward is not).
+
 A provider that fails gets its error recorded and the run goes on; one that does not apply to a
 configuration raises ``Skip`` (recorded as skipped), and one whose package is missing raises
 ``Unavailable`` (recorded as skipped, note "unavailable: ...").
@@ -253,7 +257,8 @@ def time_provider(op: OpBench, provider: Provider, cfg, sets, modes, timer, chec
     for mode in modes:
         res = Result(cfg, provider.name, mode, "error", note=provider.note)
         arg_sets = []
-        checked = check and mode != "fwd_bwd" and (op.check_fwd if mode == "fwd" else op.check_bwd) is not None
+        checks = {"fwd": (op.check_fwd,), "bwd": (op.check_bwd,), "fwd_bwd": (op.check_fwd, op.check_bwd)}.get(mode, ())
+        checked = check and any(c is not None for c in checks)
         try:
             if mode == "fwd":
                 arg_sets = [s[:-1] for s in prepared]
@@ -284,6 +289,12 @@ def time_provider(op: OpBench, provider: Provider, cfg, sets, modes, timer, chec
 
                 step = jax.jit(step)
                 timing = timer.measure(step, arg_sets)
+                if checked:  # (the output and the gradients, each against its reference: the worse)
+                    args, dout = prepared[0][:-1], prepared[0][-1]
+                    out, grads = step(*prepared[0])
+                    res.rel_err = max(
+                        ([op.check_fwd(cfg, provider, args, out)] if op.check_fwd is not None else []) +
+                        ([op.check_bwd(cfg, provider, args, dout, grads)] if op.check_bwd is not None else []))
             else:
                 raise ValueError(f"unknown mode {mode!r}")
         except Exception as e:  # noqa: BLE001 - any failure of a provider is a result

@@ -23,8 +23,8 @@ Providers (``linear_attention_providers``): ``jax_tk`` (``implementation=None``)
 (``implementation="xla"``, the chunked XLA path), ``jla`` (jax-linear-attention's Mosaic GPU kernels,
 Hopper; default where installed). Modes: ``fwd``, ``bwd`` (the backward alone), ``fwd_bwd`` (default
 ``fwd,fwd_bwd``); the backward is the gradient w.r.t. q, k, v, g (and beta) of ``sum(o * dout)``,
-``dout`` a fixed random cotangent. Every ``fwd`` output (``bwd``: every gradient) is checked on batch 0
-against the chunked XLA path in float32.
+``dout`` a fixed random cotangent. Every ``fwd`` output (``bwd``: every gradient; ``fwd_bwd``: both) is
+checked on batch 0 against the chunked XLA path in float32.
 
 What is counted (the chunked algorithm, chunks of C = 64 tokens, per token and per value head):
 

@@ -182,6 +182,31 @@ def test_wrong_results_are_not_timings(capsys):
     assert "Wrong results" in text and "broken fwd" in text
 
 
+def test_wrong_gradients_are_not_timings():
+    """A provider whose forward is right and whose gradients are wrong is "wrong" in bwd and in
+    fwd_bwd (both the output and the gradients are checked there), and "ok" in fwd."""
+    @jax.custom_vjp
+    def bad_grads(a, b):
+        return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+
+    bad_grads.defvjp(lambda a, b: (bad_grads(a, b), (a, b)),
+                     lambda res, g: (2 * (g @ res[1].T).astype(res[0].dtype), (res[0].T @ g).astype(res[1].dtype)))
+
+    def check_bwd(cfg, provider, args, dout, grads):
+        a, b, d = (np.asarray(x, np.float32) for x in (*args, dout))
+        return harness.rel_err(grads, [d @ b.T, a.T @ d])
+
+    def make(name, cfg):
+        return harness.Provider(name, bad_grads) if name == "bad_grads" else _matmul_provider(name, cfg)
+
+    op = dataclasses.replace(TOY_OP, make_provider=make, check_bwd=check_bwd)
+    results = harness.run(op, [MatmulConfig(32, 64, 16)], ["xla", "bad_grads"], ["fwd", "bwd", "fwd_bwd"],
+                          timer=harness.WallTimer(**TINY_TIMER), log=None)
+    status = {(r.provider, r.mode): r.status for r in results}
+    assert status == {("xla", "fwd"): "ok", ("xla", "bwd"): "ok", ("xla", "fwd_bwd"): "ok",
+                      ("bad_grads", "fwd"): "ok", ("bad_grads", "bwd"): "wrong", ("bad_grads", "fwd_bwd"): "wrong"}
+
+
 def test_copies_rotate_until_the_working_set_and_one_set_too_large_for_l2_is_alone():
     
     ws = timers.WORKING_SET_BYTES
