@@ -1,6 +1,8 @@
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 # Several test processes (pytest-xdist) share a GPU: each takes memory as it needs it instead of 75% of
 # it up front (set before JAX starts its backends, below).
@@ -54,15 +56,37 @@ GPU = _gpu_available()
 if not GPU:
     jax.config.update("jax_disable_most_optimizations", True)
 
+# Without a GPU, a persistent compilation cache for this run only (a fresh folder, removed at its end,
+# shared with the other test processes and the subprocesses through the environment): tests that
+# compile the same program twice (an example's two paths that are one pure-JAX program off the GPU, the
+# same reference in several tests) compile it once. Only programs that took a while to compile are
+# kept: writing the many small ones costs about what reading them back saves.
+_OWN_CACHE = None
+if not GPU and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _OWN_CACHE = tempfile.mkdtemp(prefix="jax_tk_tests_compilation_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+    jax.config.update("jax_compilation_cache_dir", _OWN_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+
 
 def pytest_configure(config):
     # Registered here, not only in pyproject.toml, so that the tests also run outside the source tree
     # (e.g. against an installed wheel).
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and the compiled kernels (skipped otherwise)")
-    config.addinivalue_line("markers", "slow: long-running")
+    config.addinivalue_line("markers", "slow: long-running (run first)")
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE:  # (the process that made the cache: pytest, or xdist's controller)
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
+    # Long tests first (marked slow; a stable sort keeps the order otherwise): started late, one of
+    # them would be the last test running while the other test processes wait with nothing to take.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if GPU:
         from jax_tk._core import extension
 

@@ -145,8 +145,11 @@ def collectives(hlo_text: str) -> set:
 def run_in_subprocess(path):
     if os.environ.get(CHILD_ENV):
         raise AssertionError(f"the {N_DEVICES}-device subprocess did not get {N_DEVICES} CPU devices")
+    # The child runs the file's tests itself, one after another, without pytest-xdist's processes
+    # (pyproject.toml's addopts, "-n auto", cleared): each of those would start JAX and collect the file
+    # again, and the test processes of this run already keep every core busy.
     run_file_in_child(path, f"--xla_force_host_platform_device_count={N_DEVICES}", JAX_PLATFORMS="cpu",
-                      **{CHILD_ENV: "1"})
+                      pytest_args=("-o", "addopts="), **{CHILD_ENV: "1"})
 
 
 def multi_device_tests(path):
@@ -156,6 +159,7 @@ def multi_device_tests(path):
     needs_devices run here."""
     here = have_devices()
 
+    @pytest.mark.slow  # (a whole file's tests: run first, see tests/conftest.py)
     @pytest.mark.skipif(here, reason="this process has the devices: the tests run here")
     def test_in_subprocess():
         run_in_subprocess(path)
@@ -170,14 +174,15 @@ def child_env(xla_flags: str, **env_updates) -> dict:
     return env
 
 
-def run_file_in_child(path, xla_flags: str, **env_updates):
+def run_file_in_child(path, xla_flags: str, pytest_args=(), **env_updates):
     """Runs the test file ``path`` in a fresh Python with ``xla_flags`` added to XLA_FLAGS (which XLA
-    reads once, when its backend starts) and ``env_updates`` in its environment (one of them tells
-    the child's tests that they are in it); fails with the child's output if a test there fails, else
-    returns the end of that output (pytest's summary)."""
+    reads once, when its backend starts), ``pytest_args`` on its pytest's command line and
+    ``env_updates`` in its environment (one of them tells the child's tests that they are in it);
+    fails with the child's output if a test there fails, else returns the end of that output (pytest's
+    summary)."""
     env = child_env(xla_flags, **env_updates)
     safe_path = ["-P"] if getattr(sys.flags, "safe_path", False) else []  # as this process was run
-    cmd = [sys.executable, *safe_path, "-c", _CHILD, "-q", "-p", "no:cacheprovider", str(path)]
+    cmd = [sys.executable, *safe_path, "-c", _CHILD, "-q", "-p", "no:cacheprovider", *pytest_args, str(path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     tail = "\n".join(proc.stdout.splitlines()[-60:])
     print(tail)
