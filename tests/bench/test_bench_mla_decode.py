@@ -15,6 +15,7 @@ from benchmarks import cli, decode, decode_providers, harness, mla_decode, outpu
 M = mla_decode.MlaDecodeConfig
 TINY_TIMER = dict(reps=20, batch_ms=1, warmup_ms=1)
 NO_GPU = not harness.has_gpu()
+CEILING = ["--ceiling-gb", str(2**-10)]  # (a read ceiling over 1 MiB: see test_bench_decode.py)
 
 
 def test_flops_and_bytes_of_a_known_row():
@@ -122,7 +123,7 @@ def test_scan_of_a_narrower_output():
 
 
 def test_command_line_quick(tmp_path, capsys):
-    rc = cli.main(["mla_decode", "--quick", "--new", "1,4", "--out", str(tmp_path), "--png", "none"])
+    rc = cli.main(["mla_decode", "--quick", *CEILING, "--new", "1,4", "--out", str(tmp_path), "--png", "none"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "read ceiling: jnp.sum over" in out and "MLA decode" in out and "vs peer" in out
